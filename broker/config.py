@@ -1,0 +1,577 @@
+"""All devicemq settings, in one place, and how they are loaded.
+
+Every setting is a field of a frozen dataclass: one class per section of
+``config/devicemq.yml`` (``listener``, ``log``, ``mqtt``, ...) plus top-level
+fields of :class:`Settings` (``data_dir``). A field carries its default, a
+one-line description and its valid range, so adding a setting is one line::
+
+    retain_available: bool = setting(True, "Accept retained messages")
+
+and the YAML file, the ``DEVICEMQ_*`` environment variable, the validation and
+the error messages follow from it. ``tests/unit/test_config.py`` checks that
+the field is documented in ``config/devicemq.yml``.
+
+Precedence, lowest first: dataclass defaults < YAML file < environment
+(``DEVICEMQ_<SECTION>_<FIELD>``, e.g. ``DEVICEMQ_LISTENER_PORT``;
+``DEVICEMQ_<FIELD>`` for top-level fields, e.g. ``DEVICEMQ_DATA_DIR``) <
+overrides (command-line flags, keyed by dotted name such as ``listener.port``).
+
+YAML string values may use ``${VAR}`` and ``${VAR:default}``; the result of
+an interpolation, like an environment value or a string override, is text and
+is parsed to the field's type (``"1883"`` -> ``1883``). A plain YAML value is
+not coerced: ``port: "1883"`` or ``port: abc`` is an error, as is ``true``
+for an integer. Every problem is a :class:`ConfigError` whose message is one
+line naming the file (or variable) and the dotted setting.
+
+Settings built directly in code (``Settings(listener=ListenerSettings(port=0))``,
+as tests do to get a free port) are not validated: validation belongs to
+loading what a person wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ListenerSettings",
+    "LogSettings",
+    "MqttSettings",
+    "SettingSpec",
+    "Settings",
+    "load_settings",
+    "setting",
+    "setting_specs",
+]
+
+ENV_PREFIX = "DEVICEMQ_"
+
+T = TypeVar("T")
+
+
+def setting(
+    default: T,
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> T:
+    """A dataclass field with its default, description and valid range.
+
+    ``ge``/``le`` are inclusive bounds, ``gt`` an exclusive lower bound, and
+    ``choices`` the allowed strings (matched case-insensitively, stored in the
+    spelling given here).
+    """
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------
+# The settings
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerSettings:
+    """The plain-TCP MQTT listener."""
+
+    host: str = setting("0.0.0.0", "Address to bind; 0.0.0.0 is every IPv4 interface")
+    port: int = setting(1883, "TCP port for MQTT", ge=1, le=65535)
+
+
+@dataclass(frozen=True, slots=True)
+class LogSettings:
+    """Process logging (stderr, one line per event)."""
+
+    level: str = setting(
+        "INFO", "Lowest level logged", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+    format: str = setting(
+        "text", "text for people, json for one JSON object per line", choices=("text", "json")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MqttSettings:
+    """Protocol limits and the features announced in CONNACK."""
+
+    max_packet_size: int = setting(
+        1_048_576,
+        "Largest packet accepted, in bytes (MQTT 5 Maximum Packet Size)",
+        ge=16,
+        le=268_435_460,
+    )
+    receive_maximum: int = setting(
+        1024, "QoS>0 PUBLISHes a client may have in flight towards us", ge=1, le=65535
+    )
+    max_inflight: int = setting(
+        64,
+        "Our in-flight cap per client (min with the client's Receive Maximum)",
+        ge=1,
+        le=65535,
+    )
+    max_queued_messages: int = setting(
+        10_000, "Per non-persistent session queue while offline or window full", ge=0
+    )
+    topic_alias_maximum: int = setting(
+        64, "Topic aliases a client may use towards us (0 disables)", ge=0, le=65535
+    )
+    max_keep_alive: int = setting(
+        65535,
+        "Longest keep alive granted, seconds; more gets Server Keep Alive",
+        ge=0,
+        le=65535,
+    )
+    connect_timeout: float = setting(
+        10.0, "Seconds a new socket may stay silent before CONNECT", gt=0
+    )
+    max_session_expiry_interval: int = setting(
+        604_800,
+        "Cap on v5 Session Expiry; expiry of 3.1.1 clean-session-0 sessions",
+        ge=0,
+        le=4_294_967_295,
+    )
+    retain_available: bool = setting(True, "Accept and keep retained messages")
+    maximum_qos: int = setting(2, "Highest QoS granted and accepted", ge=0, le=2)
+    wildcard_subscriptions: bool = setting(True, "Allow + and # in subscriptions")
+    shared_subscriptions: bool = setting(True, "Allow $share/<group>/<filter>")
+    subscription_identifiers: bool = setting(True, "Support MQTT 5 Subscription Identifiers")
+    write_buffer_high_water: int = setting(
+        1_048_576, "Bytes buffered for a client above which it counts as congested", ge=1
+    )
+    max_client_id_length: int = setting(
+        65535, "Longest client ID accepted, in bytes", ge=23, le=65535
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything devicemq can be configured with."""
+
+    listener: ListenerSettings = field(default_factory=ListenerSettings)
+    data_dir: str = setting("./data", "Directory for files the broker keeps")
+    log: LogSettings = field(default_factory=LogSettings)
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+class ConfigError(Exception):
+    """A configuration problem, told in one line.
+
+    ``str(err)`` is ``"<source>: <dotted.setting>: <message>"`` where source is
+    the file, ``env DEVICEMQ_...`` or ``command line``; either part is left
+    out when it does not apply.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, name: str | None = None):
+        self.source = source
+        self.name = name
+        self.message = message
+        super().__init__(": ".join(p for p in (source, name, message) if p))
+
+
+# --------------------------------------------------------------------------
+# The schema, derived from the dataclasses
+# --------------------------------------------------------------------------
+
+_SCALARS = (str, int, float, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SettingSpec:
+    """One setting: where it lives, its type, default and documentation."""
+
+    name: str  # dotted, e.g. "mqtt.receive_maximum" or "data_dir"
+    section: str | None  # "mqtt", or None for a top-level field
+    key: str  # "receive_maximum"
+    type: type  # str, int, float or bool
+    optional: bool  # the field also accepts None
+    default: object
+    doc: str
+    ge: float | None
+    gt: float | None
+    le: float | None
+    choices: tuple[str, ...] | None
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name.replace(".", "_").upper()
+
+
+def _scalar_type(owner: type, name: str, hint: Any) -> tuple[type, bool]:
+    """(base type, optional) for a field hint such as ``int`` or ``str | None``."""
+    if hint in _SCALARS:
+        return hint, False
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) and len(args) == 2 and type(None) in args:
+        base = next(a for a in args if a is not type(None))
+        if base in _SCALARS:
+            return base, True
+    raise TypeError(f"{owner.__name__}.{name}: unsupported setting type {hint!r}")
+
+
+def _build_specs() -> dict[str, SettingSpec]:
+    specs: dict[str, SettingSpec] = {}
+
+    def add(owner: type, section: str | None) -> None:
+        hints = typing.get_type_hints(owner)
+        for f in dataclasses.fields(owner):
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+                if section is not None:
+                    raise TypeError(f"{owner.__name__}.{f.name}: sections do not nest")
+                add(hint, f.name)
+                continue
+            if "doc" not in f.metadata:
+                raise TypeError(f"{owner.__name__}.{f.name}: declare it with setting(...)")
+            base, optional = _scalar_type(owner, f.name, hint)
+            name = f.name if section is None else f"{section}.{f.name}"
+            m = f.metadata
+            specs[name] = SettingSpec(
+                name,
+                section,
+                f.name,
+                base,
+                optional,
+                f.default,
+                m["doc"],
+                m["ge"],
+                m["gt"],
+                m["le"],
+                m["choices"],
+            )
+
+    add(Settings, None)
+    env_names: dict[str, str] = {}
+    for spec in specs.values():
+        other = env_names.setdefault(spec.env_var, spec.name)
+        if other != spec.name:
+            raise TypeError(f"{spec.name} and {other} share the variable {spec.env_var}")
+    return specs
+
+
+_SPECS = _build_specs()
+_SECTIONS = {s.section for s in _SPECS.values() if s.section is not None}
+_TOP_LEVEL = _SECTIONS | {s.name for s in _SPECS.values() if s.section is None}
+
+
+def setting_specs() -> Mapping[str, SettingSpec]:
+    """Every setting by dotted name, in declaration order."""
+    return types.MappingProxyType(_SPECS)
+
+
+# --------------------------------------------------------------------------
+# Values: checking YAML values, parsing text
+# --------------------------------------------------------------------------
+
+_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TRUE = {"true", "1", "yes"}
+_FALSE = {"false", "0", "no"}
+
+
+def _show(value: object) -> str:
+    """A value as a person wrote it: YAML spelling for scalars, repr for text."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
+
+
+def _fmt_bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _check_value(spec: SettingSpec, value: object) -> object:
+    """Validate a typed value (from YAML or an override); return it normalised."""
+    if value is None and spec.optional:
+        return None
+    t = spec.type
+    ok = (
+        isinstance(value, str)
+        if t is str
+        else isinstance(value, bool)
+        if t is bool
+        else isinstance(value, int) and not isinstance(value, bool)
+        if t is int
+        else isinstance(value, int | float) and not isinstance(value, bool)
+    )
+    if not ok:
+        raise ConfigError(f"expected {_TYPE_WORDS[t]}, got {_show(value)}")
+    if t is float:
+        value = float(typing.cast(float, value))
+        if not math.isfinite(value):
+            raise ConfigError(f"expected a finite number, got {value}")
+    if spec.choices is not None:
+        assert isinstance(value, str)
+        for choice in spec.choices:
+            if choice.lower() == value.lower():
+                return choice
+        raise ConfigError(f"must be one of {', '.join(spec.choices)}, got {value!r}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        _check_range(spec, value)
+    return value
+
+
+def _check_range(spec: SettingSpec, value: float) -> None:
+    lo, hi = spec.ge, spec.le
+    if spec.gt is not None and value <= spec.gt:
+        raise ConfigError(f"must be greater than {_fmt_bound(spec.gt)}, got {value}")
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise ConfigError(f"must be between {_fmt_bound(lo)} and {_fmt_bound(hi)}, got {value}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"must be at least {_fmt_bound(lo)}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"must be at most {_fmt_bound(hi)}, got {value}")
+
+
+def _parse_text(spec: SettingSpec, text: str) -> object:
+    """Parse text (environment, interpolation, command line) to the field's type."""
+    s = text.strip()
+    if spec.optional and s.lower() in ("", "null", "none"):
+        return None
+    value: object
+    if spec.type is str:
+        value = text
+    elif spec.type is bool:
+        if s.lower() in _TRUE:
+            value = True
+        elif s.lower() in _FALSE:
+            value = False
+        else:
+            raise ConfigError(f"expected true/false/1/0/yes/no, got {text!r}")
+    else:
+        try:
+            value = spec.type(s)
+        except ValueError:
+            raise ConfigError(f"expected {_TYPE_WORDS[spec.type]}, got {text!r}") from None
+    return _check_value(spec, value)
+
+
+# --------------------------------------------------------------------------
+# YAML
+# --------------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
+
+
+class _Interpolated(str):
+    """A YAML string that came (partly) from ${VAR}: text to parse, not a typed value."""
+
+    __slots__ = ()
+
+
+def _interpolate(value: object, env: Mapping[str, str]) -> object:
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        var, default = m.group(1), m.group(2)
+        if var in env:
+            return env[var]
+        if default is None:
+            raise ConfigError(
+                f"environment variable {var} is not set and ${{{var}}} has no default"
+            )
+        return default
+
+    return _Interpolated(_VAR.sub(sub, value))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            raise ConfigError(f"line {line}: duplicate key {_show(key)}")
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,
+)
+
+
+def _read_yaml(path: Path, shown: str) -> object:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("file not found", source=shown) from None
+    except UnicodeDecodeError:
+        raise ConfigError("cannot read: not UTF-8 text", source=shown) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e.strerror or e}", source=shown) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # _StrictLoader is a SafeLoader
+    except ConfigError as e:
+        raise ConfigError(e.message, source=shown) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}invalid YAML: {problem}", source=shown) from None
+
+
+def _file_values(
+    data: object, shown: str, env: Mapping[str, str]
+) -> Iterator[tuple[SettingSpec, object]]:
+    """(spec, typed value) for every setting in a parsed YAML document."""
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping of sections, got {_show(data)}", source=shown)
+    for top, body in data.items():
+        top_name = str(top)
+        if top_name not in _TOP_LEVEL:
+            raise ConfigError(_unknown_key(top_name), source=shown, name=top_name)
+        if top_name in _SECTIONS:
+            if body is None:  # every key commented out
+                continue
+            if not isinstance(body, dict):
+                raise ConfigError(
+                    f"expected a mapping of settings, got {_show(body)}",
+                    source=shown,
+                    name=top_name,
+                )
+            items = [(f"{top_name}.{k}", v) for k, v in body.items()]
+        else:
+            items = [(top_name, body)]
+        for name, raw in items:
+            spec = _SPECS.get(name)
+            if spec is None:
+                raise ConfigError(_unknown_key(name), source=shown, name=name)
+            try:
+                value = _interpolate(raw, env)
+                if isinstance(value, _Interpolated):
+                    yield spec, _parse_text(spec, str(value))
+                else:
+                    yield spec, _check_value(spec, value)
+            except ConfigError as e:
+                raise ConfigError(e.message, source=shown, name=name) from None
+
+
+def _unknown_key(name: str) -> str:
+    """'unknown setting', with the closest known name when there is one."""
+    section, _, key = name.rpartition(".")
+    if section:
+        close = difflib.get_close_matches(
+            key, [s.key for s in _SPECS.values() if s.section == section], n=1, cutoff=0.6
+        )
+        if close:
+            return f"unknown setting (did you mean '{section}.{close[0]}'?)"
+    elif close := difflib.get_close_matches(key, sorted(_TOP_LEVEL), n=1, cutoff=0.6):
+        return f"unknown setting (did you mean {close[0]!r}?)"
+    elsewhere = [s.name for s in _SPECS.values() if s.key == key]
+    if elsewhere:
+        return f"unknown setting (did you mean {elsewhere[0]!r}?)"
+    return "unknown setting"
+
+
+# --------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------
+
+
+def load_settings(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Settings:
+    """Build :class:`Settings` from defaults, a YAML file, the environment and overrides.
+
+    ``env`` defaults to ``os.environ``; it feeds both ``${VAR}`` interpolation
+    and the ``DEVICEMQ_*`` variables. Unknown ``DEVICEMQ_*`` variables are
+    ignored (other tools share the prefix); unknown keys in the file are not.
+    ``overrides`` maps dotted names to values; a ``str`` value is parsed like
+    an environment value (command-line flags are text), anything else must
+    already have the field's type. Raises :class:`ConfigError`.
+    """
+    if env is None:
+        env = os.environ
+    values: dict[str, object] = {}
+
+    if path is not None:
+        shown = str(path)
+        data = _read_yaml(Path(path), shown)
+        for spec, value in _file_values(data, shown, env):
+            values[spec.name] = value
+
+    for spec in _SPECS.values():
+        text = env.get(spec.env_var)
+        if text is None:
+            continue
+        try:
+            values[spec.name] = _parse_text(spec, text)
+        except ConfigError as e:
+            raise ConfigError(e.message, source=f"env {spec.env_var}", name=spec.name) from None
+
+    for name, raw in (overrides or {}).items():
+        target = _SPECS.get(name)
+        try:
+            if target is None:
+                raise ConfigError(_unknown_key(name))
+            if isinstance(raw, str):
+                values[name] = _parse_text(target, raw)
+            else:
+                values[name] = _check_value(target, raw)
+        except ConfigError as e:
+            raise ConfigError(e.message, source="command line", name=name) from None
+
+    return _build(values)
+
+
+def _build(values: Mapping[str, object]) -> Settings:
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        spec = _SPECS[name]
+        if spec.section is None:
+            top[spec.key] = value
+        else:
+            sections.setdefault(spec.section, {})[spec.key] = value
+    settings = Settings(**top)
+    if sections:
+        settings = dataclasses.replace(
+            settings,
+            **{
+                sec: dataclasses.replace(getattr(settings, sec), **kv)
+                for sec, kv in sections.items()
+            },
+        )
+    return settings
