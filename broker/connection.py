@@ -1,0 +1,268 @@
+"""One client network connection, as a sans-IO state machine.
+
+Bytes go in through :meth:`MQTTConnection.receive_data`; packets are decoded,
+dispatched to the handler of their type (``broker/handlers``), and whatever
+the broker sends back is encoded into an outbox that the I/O edge drains with
+:meth:`MQTTConnection.data_to_send`. The edge is told there is something to
+send through the ``on_output`` callback, once per batch, so one socket write
+carries many packets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from broker.codec import MAX_REMAINING_LENGTH, PacketDecoder, encode
+from broker.errors import MQTTError
+from broker.message import Delivery, Message
+from broker.packets import (
+    ConnAck,
+    Disconnect,
+    Packet,
+    Properties,
+    ProtocolLevel,
+    PubAck,
+    Publish,
+    PubRec,
+    ReasonCode,
+)
+
+if TYPE_CHECKING:
+    from broker.core import Broker
+    from broker.session import Session
+
+log = logging.getLogger("devicemq.connection")
+
+MAX_PACKET_SIZE = MAX_REMAINING_LENGTH + 5
+_NO_PROPERTIES = Properties()
+
+
+class ConnectionState(Enum):
+    AWAITING_CONNECT = 1
+    CONNECTED = 2
+    CLOSED = 3
+
+
+@dataclass(slots=True)
+class PendingAck:
+    """A PUBACK/PUBREC owed to the client once the message is stored.
+
+    Acknowledgements leave in the order the PUBLISH packets arrived
+    (MQTT-4.6.0-2), even when storage completes out of order.
+    """
+
+    packet_id: int
+    qos: int
+    reason: int
+    done: bool = False
+    ok: bool = True
+
+
+@dataclass(slots=True)
+class WillMessage:
+    """The will of the current connection, resolved into a message."""
+
+    message: Message
+    delay: int
+
+
+class MQTTConnection:
+    def __init__(
+        self, broker: Broker, peer: str, on_output: Callable[[MQTTConnection], None]
+    ) -> None:
+        self.broker = broker
+        self.peer = peer
+        self._on_output = on_output
+        self.decoder = PacketDecoder(max_packet_size=broker.settings.mqtt.max_packet_size)
+        self.state = ConnectionState.AWAITING_CONNECT
+        self.protocol_level: int = ProtocolLevel.MQTT_3_1_1
+        self.client_id: str | None = None
+        self.session: Session | None = None
+        self.will: WillMessage | None = None
+        self.keep_alive = 0
+        now = broker.clock()
+        self.opened_at = now
+        self.last_received = now
+        # What the client told us it can take (CONNECT properties).
+        self.client_receive_maximum = 65535
+        self.client_max_packet_size = MAX_PACKET_SIZE
+        self.client_topic_alias_maximum = 0
+        self.request_problem_information = True
+        self.incoming_aliases: dict[int, str] = {}
+        self.outgoing_aliases: dict[str, int] = {}
+        self.pending_acks: deque[PendingAck] = deque()
+        self.congested = False
+        self.close_requested = False
+        self._out: list[bytes] = []
+
+    @property
+    def is_v5(self) -> bool:
+        return self.protocol_level == ProtocolLevel.MQTT_5
+
+    # -- input ------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        if self.state is ConnectionState.CLOSED:
+            return
+        self.last_received = self.broker.clock()
+        self.broker.stats.bytes_received += len(data)
+        try:
+            for packet in self.decoder.feed(data):
+                self._dispatch(packet)
+                if self.close_requested:
+                    return
+        except MQTTError as error:
+            self.protocol_violation(error)
+
+    def _dispatch(self, packet: Packet) -> None:
+        from broker.handlers import HANDLERS
+
+        HANDLERS[packet.type](self, packet)
+
+    # -- output -----------------------------------------------------------------------
+
+    def send(self, packet: Packet) -> None:
+        self._write(encode(packet, self.protocol_level))
+
+    def _write(self, data: bytes) -> None:
+        out = self._out
+        out.append(data)
+        self.broker.stats.bytes_sent += len(data)
+        if len(out) == 1:
+            self._on_output(self)
+
+    def data_to_send(self) -> bytes:
+        out = self._out
+        if not out:
+            return b""
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        return data
+
+    def send_delivery(self, delivery: Delivery, packet_id: int | None, dup: bool) -> bool:
+        """Encode one PUBLISH for this client; False if it must be discarded instead.
+
+        Discarded are messages whose expiry passed (MQTT-3.3.2-5) and messages
+        larger than the client's Maximum Packet Size (MQTT-3.1.2-24).
+        """
+        message = delivery.message
+        stats = self.broker.stats
+        properties = None
+        topic = message.topic
+        new_alias = None
+        if self.is_v5:
+            expiry = None
+            if message.expires_at is not None:
+                now = self.broker.clock()
+                if message.expired(now):
+                    stats.drop("expired")
+                    return False
+                expiry = message.remaining_expiry(now)
+            alias = None
+            if self.client_topic_alias_maximum:
+                alias = self.outgoing_aliases.get(topic)
+                if alias is not None:
+                    topic = ""
+                elif len(self.outgoing_aliases) < self.client_topic_alias_maximum:
+                    alias = new_alias = len(self.outgoing_aliases) + 1
+            properties = message.properties
+            if expiry is not None or alias is not None or delivery.subscription_ids:
+                properties = replace(
+                    properties or _NO_PROPERTIES,
+                    message_expiry_interval=expiry,
+                    topic_alias=alias,
+                    subscription_identifiers=delivery.subscription_ids,
+                )
+        elif message.expired(self.broker.clock()):
+            stats.drop("expired")
+            return False
+        data = encode(
+            Publish(
+                topic, message.payload, delivery.qos, delivery.retain, dup, packet_id, properties
+            ),
+            self.protocol_level,
+        )
+        if len(data) > self.client_max_packet_size:
+            stats.drop("too_large_for_client")
+            return False
+        if new_alias is not None:
+            self.outgoing_aliases[topic] = new_alias
+        stats.messages_sent[delivery.qos] += 1
+        self._write(data)
+        return True
+
+    # -- acknowledgements owed to the client --------------------------------------------
+
+    def expect_ack(self, packet_id: int, qos: int, reason: int) -> PendingAck:
+        ack = PendingAck(packet_id, qos, reason)
+        self.pending_acks.append(ack)
+        return ack
+
+    def ack_ready(self, ack: PendingAck, ok: bool) -> None:
+        """Storage finished for ``ack``: send every acknowledgement now due, in order."""
+        ack.done = True
+        ack.ok = ok
+        pending = self.pending_acks
+        while pending and pending[0].done:
+            head = pending.popleft()
+            if self.state is not ConnectionState.CONNECTED:
+                continue
+            if not head.ok:
+                if not self.is_v5:
+                    # 3.1.1 has no failure code: close so the client re-sends on reconnect.
+                    self.disconnect(ReasonCode.UNSPECIFIED_ERROR)
+                    return
+                head.reason = ReasonCode.UNSPECIFIED_ERROR
+            ack_type = PubAck if head.qos == 1 else PubRec
+            self.send(ack_type(head.packet_id, head.reason))
+
+    def incoming_in_flight(self) -> int:
+        """QoS > 0 publishes from this client not yet fully acknowledged (Receive Maximum)."""
+        session = self.session
+        qos2 = len(session.incoming_qos2) if session is not None else 0
+        return len(self.pending_acks) + qos2
+
+    # -- ending -----------------------------------------------------------------------
+
+    def protocol_violation(self, error: MQTTError) -> None:
+        log.info("client %s (%s) protocol error: %s", self.client_id or "-", self.peer, error)
+        if self.state is ConnectionState.AWAITING_CONNECT:
+            self.broker.stats.reject(error.reason_code.name.lower())
+            if error.reason_code is ReasonCode.UNSUPPORTED_PROTOCOL_VERSION:
+                # Answered in the 3.1.1 form, which every client version can read.
+                self._write(encode(ConnAck(False, 1), ProtocolLevel.MQTT_3_1_1))
+            self.close(publish_will=False)
+        else:
+            self.disconnect(error.reason_code)
+
+    def disconnect(self, reason: ReasonCode) -> None:
+        """Server-initiated end: DISCONNECT with a reason (5.0 only), then close."""
+        if self.state is ConnectionState.CONNECTED and self.is_v5:
+            self.send(Disconnect(reason))
+        self.close(publish_will=True)
+
+    def close(self, publish_will: bool) -> None:
+        if self.state is ConnectionState.CLOSED:
+            return
+        self.state = ConnectionState.CLOSED
+        self.close_requested = True
+        self._on_output(self)
+        self.broker.detach(self, publish_will)
+
+    def connection_lost(self) -> None:
+        """The socket closed under us: an abnormal disconnect, so the will is due."""
+        self.close(publish_will=True)
+
+    def check_timeouts(self, now: float) -> None:
+        if self.state is ConnectionState.AWAITING_CONNECT:
+            if now - self.opened_at > self.broker.settings.mqtt.connect_timeout:
+                self.broker.stats.reject("connect_timeout")
+                self.close(publish_will=False)
+        elif self.keep_alive and now - self.last_received > 1.5 * self.keep_alive:
+            log.info("client %s keep-alive timeout", self.client_id)
+            self.disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)

@@ -1,0 +1,209 @@
+"""The broker core: sessions, subscriptions, retained messages and routing.
+
+Sans-IO: it never touches a socket or a clock of its own. Connections are
+:class:`~broker.connection.MQTTConnection` objects fed by the I/O edge, time
+comes from the injected ``clock``, and the edge calls :meth:`Broker.tick`
+periodically to run keep-alive, will-delay and session-expiry deadlines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from broker.message import Delivery, Message
+from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
+from broker.retained import RetainedStore
+from broker.session import NEVER_EXPIRES, Session
+from broker.stats import BrokerStats
+from broker.topics import SubscriptionTree
+
+if TYPE_CHECKING:
+    from broker.config import Settings
+    from broker.connection import MQTTConnection
+
+log = logging.getLogger("devicemq.broker")
+
+
+def _ignore_stored(ok: bool) -> None:
+    """QoS 0 publishers are owed nothing."""
+
+
+class Broker:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        persistent_path: PersistentPath | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.persistent_path: PersistentPath = persistent_path or InMemoryPersistentPath()
+        self.sessions: dict[str, Session] = {}
+        self.connections: set[MQTTConnection] = set()
+        self.subscriptions = SubscriptionTree()
+        self.retained = RetainedStore()
+        self.stats = BrokerStats()
+        self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
+        self._assigned_ids = itertools.count(1)
+        self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
+
+    # -- connections and sessions -------------------------------------------------------
+
+    def assign_client_id(self) -> str:
+        return f"{self._id_prefix}{next(self._assigned_ids)}"
+
+    def open_session(
+        self, conn: MQTTConnection, client_id: str, clean_start: bool, expiry_interval: int
+    ) -> tuple[Session, bool]:
+        """Attach ``conn`` to its session; returns (session, session_present).
+
+        A client id already connected is taken over (MQTT-3.1.4-3); clean start
+        discards the old session (MQTT-3.1.2-4), otherwise it is resumed and a
+        will still waiting out its delay is cancelled (MQTT-3.1.3-9).
+        """
+        existing = self.sessions.get(client_id)
+        if existing is not None and existing.connection is not None:
+            from broker.packets import ReasonCode
+
+            log.info("client %s taken over by a new connection from %s", client_id, conn.peer)
+            existing.connection.disconnect(ReasonCode.SESSION_TAKEN_OVER)
+            existing = self.sessions.get(client_id)
+        if existing is not None and clean_start:
+            self.end_session(existing)
+            existing = None
+        mqtt = self.settings.mqtt
+        if existing is None:
+            session = Session(
+                client_id, expiry_interval, mqtt.max_inflight, mqtt.max_queued_messages, self.stats
+            )
+            self.sessions[client_id] = session
+            present = False
+        else:
+            session = existing
+            session.expiry_interval = expiry_interval
+            session.pending_will = None
+            session.will_at = None
+            session.expires_at = None
+            self._detached.discard(session)
+            present = True
+        session.connection = conn
+        conn.session = session
+        self.connections.add(conn)
+        self.stats.connections_total += 1
+        return session, present
+
+    def detach(self, conn: MQTTConnection, publish_will: bool) -> None:
+        """The connection ended: start the will delay and the session expiry."""
+        self.connections.discard(conn)
+        session = conn.session
+        will = conn.will
+        conn.will = None
+        if session is None:
+            return
+        conn.session = None
+        session.connection = None
+        now = self.clock()
+        if will is not None and publish_will:
+            delay = min(will.delay, session.expiry_interval)
+            if delay <= 0:
+                self.publish_will(will.message)
+            else:
+                session.pending_will = will.message
+                session.will_at = now + delay
+        if session.expiry_interval == 0:
+            self.end_session(session)
+            return
+        if session.expiry_interval != NEVER_EXPIRES:
+            session.expires_at = now + session.expiry_interval
+        self._detached.add(session)
+
+    def end_session(self, session: Session) -> None:
+        """Discard a session; a will still waiting for its delay is sent now."""
+        for topic_filter in session.subscriptions:
+            self.subscriptions.remove(session.client_id, topic_filter)
+        session.subscriptions.clear()
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+        self._detached.discard(session)
+        if session.pending_will is not None:
+            will, session.pending_will = session.pending_will, None
+            self.publish_will(will)
+
+    def publish_will(self, message: Message) -> None:
+        if message.retain:
+            self.retained.store(message)
+        self.dispatch(self.resolve(message), _ignore_stored)
+
+    def tick(self) -> None:
+        """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
+        now = self.clock()
+        for conn in list(self.connections):
+            conn.check_timeouts(now)
+        for session in list(self._detached):
+            if session.will_at is not None and now >= session.will_at:
+                will, session.pending_will, session.will_at = session.pending_will, None, None
+                if will is not None:
+                    self.publish_will(will)
+            if session.expires_at is not None and now >= session.expires_at:
+                log.info("session %s expired", session.client_id)
+                self.end_session(session)
+
+    # -- routing ------------------------------------------------------------------------
+
+    def resolve(self, message: Message) -> list[tuple[Session, Delivery]]:
+        """Who gets ``message``, and on what terms.
+
+        A client whose subscriptions overlap gets one copy at the highest
+        granted QoS carrying every matching subscription identifier; each
+        shared group gives the message to one member (MQTT-4.8.2).
+        """
+        match = self.subscriptions.match(message.topic)
+        by_client: dict[str, Delivery] = {}
+        origin = message.origin
+        for entry in match.entries:
+            if entry.no_local and entry.client_id == origin:
+                continue  # MQTT-3.8.3-3
+            qos = entry.qos if entry.qos < message.qos else message.qos
+            retain = message.retain and entry.retain_as_published
+            delivery = by_client.get(entry.client_id)
+            if delivery is None:
+                ids = (entry.subscription_id,) if entry.subscription_id else ()
+                by_client[entry.client_id] = Delivery(message, qos, retain, ids)
+            else:
+                delivery.qos = max(delivery.qos, qos)
+                delivery.retain = delivery.retain or retain
+                if entry.subscription_id:
+                    delivery.subscription_ids += (entry.subscription_id,)
+        sessions = self.sessions
+        targets = [(sessions[cid], delivery) for cid, delivery in by_client.items()]
+        for group in match.groups:
+            member = group.pick(self._is_online)
+            if member is not None:
+                qos = member.qos if member.qos < message.qos else message.qos
+                ids = (member.subscription_id,) if member.subscription_id else ()
+                retain = message.retain and member.retain_as_published
+                targets.append((sessions[member.client_id], Delivery(message, qos, retain, ids)))
+        return targets
+
+    def dispatch(
+        self, targets: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+    ) -> None:
+        """Deliver in memory, or through the persistent path for persistent sessions."""
+        persistent = []
+        for session, delivery in targets:
+            if session.persistent and delivery.qos > 0:
+                persistent.append((session, delivery))
+            else:
+                session.deliver(delivery)
+        if persistent:
+            self.persistent_path.submit(persistent, on_stored)
+        else:
+            on_stored(True)
+
+    def _is_online(self, client_id: str) -> bool:
+        session = self.sessions.get(client_id)
+        return session is not None and session.connection is not None

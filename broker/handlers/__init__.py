@@ -1,0 +1,45 @@
+"""One handler per packet type a client may send, as Mosquitto keeps them.
+
+Each module holds the rules of its packet; :data:`HANDLERS` is the dispatch
+table the connection uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from broker.connection import MQTTConnection
+from broker.errors import MQTTError
+from broker.handlers.acks import handle_puback, handle_pubcomp, handle_pubrec
+from broker.handlers.connect import handle_connect
+from broker.handlers.disconnect import handle_disconnect
+from broker.handlers.ping import handle_pingreq
+from broker.handlers.publish import handle_publish, handle_pubrel
+from broker.handlers.subscribe import handle_subscribe, handle_unsubscribe
+from broker.packets import PacketType, ReasonCode
+
+
+def reject_server_packet(conn: MQTTConnection, packet: Any) -> None:
+    """CONNACK, SUBACK, UNSUBACK and PINGRESP only travel server to client; AUTH
+    needs an authentication method, and devicemq offers none."""
+    raise MQTTError(ReasonCode.PROTOCOL_ERROR, f"a client may not send {packet.type.name}")
+
+
+HANDLERS: dict[PacketType, Callable[[MQTTConnection, Any], None]] = {
+    PacketType.CONNECT: handle_connect,
+    PacketType.PUBLISH: handle_publish,
+    PacketType.PUBACK: handle_puback,
+    PacketType.PUBREC: handle_pubrec,
+    PacketType.PUBREL: handle_pubrel,
+    PacketType.PUBCOMP: handle_pubcomp,
+    PacketType.SUBSCRIBE: handle_subscribe,
+    PacketType.UNSUBSCRIBE: handle_unsubscribe,
+    PacketType.PINGREQ: handle_pingreq,
+    PacketType.DISCONNECT: handle_disconnect,
+    PacketType.CONNACK: reject_server_packet,
+    PacketType.SUBACK: reject_server_packet,
+    PacketType.UNSUBACK: reject_server_packet,
+    PacketType.PINGRESP: reject_server_packet,
+    PacketType.AUTH: reject_server_packet,
+}

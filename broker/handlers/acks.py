@@ -1,0 +1,33 @@
+"""PUBACK, PUBREC and PUBCOMP from the client: the outgoing QoS 1 and 2 flows (spec 4.3)."""
+
+from __future__ import annotations
+
+import logging
+
+from broker.connection import MQTTConnection
+from broker.packets import PubAck, PubComp, PubRec, PubRel, ReasonCode
+
+log = logging.getLogger("devicemq.acks")
+
+
+def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
+    assert conn.session is not None
+    if not conn.session.acknowledge(packet.packet_id):
+        log.debug("client %s: PUBACK for unknown id %d", conn.client_id, packet.packet_id)
+
+
+def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
+    """Answer with PUBREL (MQTT-4.3.3-4); a failure reason ends the flow instead."""
+    assert conn.session is not None
+    failed = packet.reason_code >= 0x80
+    if conn.session.received(packet.packet_id, failed):
+        if not failed:
+            conn.send(PubRel(packet.packet_id))
+    elif not failed:
+        conn.send(PubRel(packet.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+
+
+def handle_pubcomp(conn: MQTTConnection, packet: PubComp) -> None:
+    assert conn.session is not None
+    if not conn.session.completed(packet.packet_id):
+        log.debug("client %s: PUBCOMP for unknown id %d", conn.client_id, packet.packet_id)

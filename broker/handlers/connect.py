@@ -1,0 +1,159 @@
+"""CONNECT (spec 3.1) and the CONNACK that answers it (spec 3.2)."""
+
+from __future__ import annotations
+
+import logging
+
+from broker.connection import ConnectionState, MQTTConnection, WillMessage
+from broker.errors import MQTTError
+from broker.message import Message, forwarded_properties, is_utf8
+from broker.packets import ConnAck, Connect, ConnectReturnCode, Properties, ReasonCode
+from broker.topics import is_valid_topic_name
+
+log = logging.getLogger("devicemq.connect")
+
+# 3.1.1 has six return codes; 5.0 reasons without an equivalent close the socket.
+_V3_RETURN_CODES = {
+    ReasonCode.UNSUPPORTED_PROTOCOL_VERSION: ConnectReturnCode.UNACCEPTABLE_PROTOCOL_VERSION,
+    ReasonCode.CLIENT_IDENTIFIER_NOT_VALID: ConnectReturnCode.IDENTIFIER_REJECTED,
+    ReasonCode.SERVER_UNAVAILABLE: ConnectReturnCode.SERVER_UNAVAILABLE,
+    ReasonCode.SERVER_BUSY: ConnectReturnCode.SERVER_UNAVAILABLE,
+    ReasonCode.BAD_USER_NAME_OR_PASSWORD: ConnectReturnCode.BAD_USER_NAME_OR_PASSWORD,
+    ReasonCode.NOT_AUTHORIZED: ConnectReturnCode.NOT_AUTHORIZED,
+}
+
+
+class ConnectRefused(Exception):
+    """The CONNECT is well formed but cannot be accepted: answer CONNACK ``reason``."""
+
+    def __init__(self, reason: ReasonCode, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
+    if conn.state is not ConnectionState.AWAITING_CONNECT:
+        raise MQTTError(ReasonCode.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
+    conn.protocol_level = packet.protocol_level
+    try:
+        _accept(conn, packet)
+    except ConnectRefused as refusal:
+        _refuse(conn, refusal)
+
+
+def _accept(conn: MQTTConnection, packet: Connect) -> None:
+    broker = conn.broker
+    mqtt = broker.settings.mqtt
+    v5 = conn.is_v5
+    properties = packet.properties or Properties()
+    if properties.authentication_method is not None:
+        raise ConnectRefused(
+            ReasonCode.BAD_AUTHENTICATION_METHOD,
+            f"authentication method {properties.authentication_method!r} is not supported",
+        )
+
+    client_id = packet.client_id
+    assigned = None
+    if not client_id:
+        if not v5 and not packet.clean_start:
+            # MQTT-3.1.3-8: a 3.1.1 client without an id must start clean.
+            raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "empty client id")
+        client_id = assigned = broker.assign_client_id()
+    if len(client_id) > mqtt.max_client_id_length:
+        raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "client id too long")
+
+    will = _will(conn, packet)
+
+    if v5:
+        requested_expiry = properties.session_expiry_interval or 0
+    else:
+        requested_expiry = 0 if packet.clean_start else mqtt.max_session_expiry_interval
+    expiry = min(requested_expiry, mqtt.max_session_expiry_interval)
+
+    keep_alive = packet.keep_alive
+    server_keep_alive = None
+    if keep_alive > mqtt.max_keep_alive:
+        keep_alive = server_keep_alive = mqtt.max_keep_alive
+
+    conn.client_id = client_id
+    conn.keep_alive = keep_alive
+    if properties.receive_maximum is not None:
+        conn.client_receive_maximum = properties.receive_maximum
+    if properties.maximum_packet_size is not None:
+        conn.client_max_packet_size = properties.maximum_packet_size
+    if properties.topic_alias_maximum is not None:
+        conn.client_topic_alias_maximum = properties.topic_alias_maximum
+    conn.request_problem_information = properties.request_problem_information != 0
+
+    session, present = broker.open_session(conn, client_id, packet.clean_start, expiry)
+    conn.will = will
+    conn.state = ConnectionState.CONNECTED
+    ack_properties = None
+    if v5:
+        ack_properties = Properties(
+            receive_maximum=mqtt.receive_maximum if mqtt.receive_maximum != 65535 else None,
+            maximum_qos=mqtt.maximum_qos if mqtt.maximum_qos < 2 else None,
+            retain_available=None if mqtt.retain_available else 0,
+            maximum_packet_size=mqtt.max_packet_size,
+            assigned_client_identifier=assigned,
+            topic_alias_maximum=mqtt.topic_alias_maximum or None,
+            wildcard_subscription_available=None if mqtt.wildcard_subscriptions else 0,
+            subscription_identifier_available=None if mqtt.subscription_identifiers else 0,
+            shared_subscription_available=None if mqtt.shared_subscriptions else 0,
+            server_keep_alive=server_keep_alive,
+            session_expiry_interval=expiry if expiry != requested_expiry else None,
+        )
+    conn.send(ConnAck(present, ReasonCode.SUCCESS, ack_properties))
+    log.info(
+        "client %s connected from %s (MQTT %s, %s session%s)",
+        client_id,
+        conn.peer,
+        {3: "3.1", 4: "3.1.1", 5: "5.0"}[conn.protocol_level],
+        "persistent" if session.persistent else "clean",
+        ", resumed" if present else "",
+    )
+    session.resume()
+
+
+def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
+    will = packet.will
+    if will is None:
+        return None
+    mqtt = conn.broker.settings.mqtt
+    if not is_valid_topic_name(will.topic):
+        raise ConnectRefused(ReasonCode.TOPIC_NAME_INVALID, "invalid will topic")
+    if will.qos > mqtt.maximum_qos:
+        raise ConnectRefused(ReasonCode.QOS_NOT_SUPPORTED, "will QoS above maximum")
+    if will.retain and not mqtt.retain_available:
+        raise ConnectRefused(ReasonCode.RETAIN_NOT_SUPPORTED, "retained will not available")
+    properties = will.properties
+    delay = 0
+    expires_at = None
+    forwarded = None
+    if properties is not None:
+        delay = properties.will_delay_interval or 0
+        if properties.message_expiry_interval is not None:
+            expires_at = conn.broker.clock() + properties.message_expiry_interval
+        forwarded = forwarded_properties(properties)
+        if properties.payload_format_indicator == 1 and not is_utf8(will.payload):
+            raise ConnectRefused(ReasonCode.PAYLOAD_FORMAT_INVALID, "will payload is not UTF-8")
+    message = Message(
+        will.topic,
+        will.payload,
+        will.qos,
+        will.retain,
+        origin=packet.client_id or None,
+        properties=forwarded,
+        expires_at=expires_at,
+    )
+    return WillMessage(message, delay)
+
+
+def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:
+    log.info("connection from %s refused: %s", conn.peer, refusal)
+    conn.broker.stats.reject(refusal.reason.name.lower())
+    if conn.is_v5:
+        conn.send(ConnAck(False, refusal.reason))
+    elif refusal.reason in _V3_RETURN_CODES:
+        conn.send(ConnAck(False, _V3_RETURN_CODES[refusal.reason]))
+    conn.close(publish_will=False)

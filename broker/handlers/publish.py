@@ -1,0 +1,124 @@
+"""PUBLISH and PUBREL from the client: the incoming QoS 0, 1 and 2 flows (spec 3.3, 4.3)."""
+
+from __future__ import annotations
+
+from broker.connection import MQTTConnection, PendingAck
+from broker.errors import MQTTError
+from broker.message import Message, forwarded_properties, is_utf8
+from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
+from broker.session import Session
+
+
+def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
+    session = conn.session
+    assert session is not None
+    broker = conn.broker
+    mqtt = broker.settings.mqtt
+    qos = packet.qos
+    broker.stats.messages_received[qos] += 1
+    if qos > mqtt.maximum_qos:
+        raise MQTTError(ReasonCode.QOS_NOT_SUPPORTED, f"QoS {qos} above maximum")  # MQTT-3.2.2-11
+    if packet.retain and not mqtt.retain_available:
+        raise MQTTError(ReasonCode.RETAIN_NOT_SUPPORTED, "retain is not available")  # 3.2.2-14
+    topic = _resolve_topic(conn, packet)
+    packet_id = packet.packet_id
+    if qos and conn.is_v5 and conn.incoming_in_flight() >= mqtt.receive_maximum:
+        raise MQTTError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED, "too many unacknowledged PUBLISH")
+    if qos == 2 and packet_id in session.incoming_qos2:
+        _qos2_retransmission(conn, session, packet_id)
+        return
+    properties = packet.properties
+    if (
+        properties is not None
+        and properties.payload_format_indicator == 1
+        and not is_utf8(packet.payload)
+    ):
+        _refuse(conn, packet, ReasonCode.PAYLOAD_FORMAT_INVALID)  # spec 3.3.2.3.2
+        return
+    now = broker.clock()
+    expiry = properties.message_expiry_interval if properties is not None else None
+    message = Message(
+        topic,
+        packet.payload,
+        qos,
+        packet.retain,
+        origin=conn.client_id,
+        properties=forwarded_properties(properties),
+        expires_at=now + expiry if expiry is not None else None,
+    )
+    if packet.retain:
+        broker.retained.store(message)
+    targets = broker.resolve(message)
+    if qos == 0:
+        broker.dispatch(targets, _no_ack)
+        return
+    assert packet_id is not None
+    reason = ReasonCode.SUCCESS if targets else ReasonCode.NO_MATCHING_SUBSCRIBERS
+    if qos == 2:
+        session.incoming_qos2[packet_id] = False
+    ack = conn.expect_ack(packet_id, qos, reason if conn.is_v5 else 0)
+    broker.dispatch(targets, lambda ok: _stored(conn, session, ack, ok))
+
+
+def handle_pubrel(conn: MQTTConnection, packet: PubRel) -> None:
+    """Release a QoS 2 id: the message was routed on PUBLISH (method A, MQTT-4.3.3-9)."""
+    session = conn.session
+    assert session is not None
+    found = session.incoming_qos2.pop(packet.packet_id, None) is not None
+    reason = ReasonCode.SUCCESS if found else ReasonCode.PACKET_IDENTIFIER_NOT_FOUND
+    conn.send(PubComp(packet.packet_id, reason))
+
+
+def _resolve_topic(conn: MQTTConnection, packet: Publish) -> str:
+    """Apply an incoming Topic Alias (spec 3.3.2.3.4)."""
+    properties = packet.properties
+    alias = properties.topic_alias if properties is not None else None
+    if alias is None:
+        return packet.topic
+    if alias > conn.broker.settings.mqtt.topic_alias_maximum:
+        raise MQTTError(ReasonCode.TOPIC_ALIAS_INVALID, f"topic alias {alias} above maximum")
+    if packet.topic:
+        conn.incoming_aliases[alias] = packet.topic
+        return packet.topic
+    topic = conn.incoming_aliases.get(alias)
+    if topic is None:
+        raise MQTTError(ReasonCode.PROTOCOL_ERROR, f"topic alias {alias} was never set")
+    return topic
+
+
+def _qos2_retransmission(conn: MQTTConnection, session: Session, packet_id: int) -> None:
+    """A QoS 2 PUBLISH seen before is not routed again (MQTT-4.3.3-10).
+
+    If it is stored, PUBREC goes out now; if storage is still under way, the
+    PUBREC follows when it completes (see :func:`_stored`).
+    """
+    if session.incoming_qos2[packet_id]:
+        conn.send(PubRec(packet_id))
+    else:
+        session.qos2_awaiting_pubrec.add(packet_id)
+
+
+def _stored(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
+    if ack.qos == 2:
+        packet_id = ack.packet_id
+        if ok:
+            session.incoming_qos2[packet_id] = True
+        else:
+            session.incoming_qos2.pop(packet_id, None)  # the client's re-send is routed afresh
+        if packet_id in session.qos2_awaiting_pubrec:
+            session.qos2_awaiting_pubrec.discard(packet_id)
+            current = session.connection
+            if ok and current is not None and current is not conn:
+                current.send(PubRec(packet_id))
+    conn.ack_ready(ack, ok)
+
+
+def _refuse(conn: MQTTConnection, packet: Publish, reason: ReasonCode) -> None:
+    conn.broker.stats.drop(reason.name.lower())
+    if packet.qos and packet.packet_id is not None:
+        ack_type = PubAck if packet.qos == 1 else PubRec
+        conn.send(ack_type(packet.packet_id, reason))
+
+
+def _no_ack(ok: bool) -> None:
+    """QoS 0: nobody to acknowledge."""

@@ -1,0 +1,96 @@
+"""SUBSCRIBE and UNSUBSCRIBE (spec 3.8, 3.10)."""
+
+from __future__ import annotations
+
+from broker.connection import MQTTConnection
+from broker.errors import MQTTError
+from broker.message import Delivery
+from broker.packets import (
+    ReasonCode,
+    SubAck,
+    Subscribe,
+    Subscription,
+    UnsubAck,
+    Unsubscribe,
+)
+from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
+
+
+def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
+    session = conn.session
+    assert session is not None and conn.client_id is not None
+    broker = conn.broker
+    mqtt = broker.settings.mqtt
+    properties = packet.properties
+    subscription_id = None
+    if properties is not None and properties.subscription_identifiers:
+        if not mqtt.subscription_identifiers:
+            raise MQTTError(
+                ReasonCode.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED,
+                "subscription identifiers are off",
+            )
+        subscription_id = properties.subscription_identifiers[0]
+    reason_codes: list[int] = []
+    retained: list[Delivery] = []
+    now = broker.clock()
+    for request in packet.subscriptions:
+        refusal = _refusal(conn, request)
+        if refusal is not None:
+            reason_codes.append(refusal)
+            continue
+        qos = min(request.qos, mqtt.maximum_qos)
+        entry = SubscriptionEntry(
+            conn.client_id,
+            request.topic_filter,
+            qos,
+            request.no_local,
+            request.retain_as_published,
+            request.retain_handling,
+            subscription_id,
+        )
+        is_new = broker.subscriptions.add(entry)
+        session.subscriptions[request.topic_filter] = entry
+        reason_codes.append(qos)
+        # Retained messages: not for shared subscriptions (MQTT-3.8.4-? / 4.8.2),
+        # and as Retain Handling says (MQTT-3.3.1-9, -10, -11).
+        if entry.share_group is None and (
+            request.retain_handling == 0 or (request.retain_handling == 1 and is_new)
+        ):
+            ids = (subscription_id,) if subscription_id else ()
+            for message in broker.retained.matching(request.topic_filter, now):
+                retained.append(Delivery(message, min(message.qos, qos), True, ids))
+    conn.send(SubAck(packet.packet_id, reason_codes))
+    for delivery in retained:
+        session.deliver(delivery)
+
+
+def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
+    """The SUBACK failure code for one topic filter, or None if it is accepted."""
+    mqtt = conn.broker.settings.mqtt
+    topic_filter = request.topic_filter
+    if not is_valid_topic_filter(topic_filter):
+        return ReasonCode.TOPIC_FILTER_INVALID
+    shared = topic_filter.startswith(SHARE_PREFIX)
+    if shared:
+        if request.no_local:
+            raise MQTTError(ReasonCode.PROTOCOL_ERROR, "no local on a shared subscription")
+        if not mqtt.shared_subscriptions:
+            return ReasonCode.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED
+    if not mqtt.wildcard_subscriptions and ("+" in topic_filter or "#" in topic_filter):
+        return ReasonCode.WILDCARD_SUBSCRIPTIONS_NOT_SUPPORTED
+    return None
+
+
+def handle_unsubscribe(conn: MQTTConnection, packet: Unsubscribe) -> None:
+    session = conn.session
+    assert session is not None and conn.client_id is not None
+    tree = conn.broker.subscriptions
+    reason_codes: list[int] = []
+    for topic_filter in packet.topic_filters:
+        if not is_valid_topic_filter(topic_filter):
+            reason_codes.append(ReasonCode.TOPIC_FILTER_INVALID)
+            continue
+        session.subscriptions.pop(topic_filter, None)
+        existed = tree.remove(conn.client_id, topic_filter)
+        reason_codes.append(ReasonCode.SUCCESS if existed else ReasonCode.NO_SUBSCRIPTION_EXISTED)
+    conn.send(UnsubAck(packet.packet_id, reason_codes if conn.is_v5 else []))
