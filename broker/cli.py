@@ -1,0 +1,169 @@
+"""The ``devicemq`` command.
+
+    devicemq run [--config FILE] [--host HOST] [--port PORT] [--data-dir DIR]
+                 [--log-level LEVEL]
+    devicemq --version
+
+Each subcommand is one entry of :data:`COMMANDS`: a function adding its
+arguments and a handler returning the exit status. Adding ``services``,
+``loadtest``, ``pipeline`` or ``passwd`` later is one new entry.
+
+Exit status: 0 success, 1 runtime failure (e.g. the port is taken), 2 usage or
+configuration error. Errors are one line on stderr, ``devicemq: error: ...``,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from broker import __version__
+from broker.config import ConfigError, Settings, load_settings
+from broker.logging_setup import setup_logging
+
+__all__ = ["COMMANDS", "Command", "main"]
+
+PROG = "devicemq"
+CONFIG_ENV = "DEVICEMQ_CONFIG"  # path of the YAML file when --config is not given
+
+log = logging.getLogger("broker.cli")
+
+
+class UsageError(Exception):
+    """A mistake on the command line; reported like argparse does, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+# --------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------
+
+# flag destination -> dotted setting it overrides
+_RUN_OVERRIDES = {
+    "host": "listener.host",
+    "port": "listener.port",
+    "data_dir": "data_dir",
+    "log_level": "log.level",
+}
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"YAML settings file (default: ${CONFIG_ENV}, else built-in defaults)",
+    )
+    p.add_argument("--host", help="address to listen on (listener.host)")
+    # Text on purpose: config.py parses and range-checks it like any other value.
+    p.add_argument("--port", help="TCP port for MQTT (listener.port)")
+    p.add_argument("--data-dir", metavar="DIR", help="directory for broker files (data_dir)")
+    p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (log.level)")
+
+
+def _config_path(args: argparse.Namespace) -> str | None:
+    return args.config or os.environ.get(CONFIG_ENV) or None
+
+
+def _settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides = {
+        name: getattr(args, dest)
+        for dest, name in _RUN_OVERRIDES.items()
+        if getattr(args, dest) is not None
+    }
+    return load_settings(_config_path(args), overrides=overrides)
+
+
+def _run(args: argparse.Namespace) -> int:
+    settings = _settings_from_args(args)
+    setup_logging(settings.log.level, settings.log.format)
+    log.info("devicemq %s, config: %s", __version__, _config_path(args) or "built-in defaults")
+    log.debug("settings: %r", settings)
+    try:
+        # Imported here: --help, --version and config errors stay fast and
+        # work whatever the server's own imports need.
+        server = importlib.import_module("broker.server")
+    except ModuleNotFoundError as e:
+        if e.name != "broker.server":
+            raise
+        _error("broker.server is not available in this installation")
+        return 1
+    try:
+        server.run(settings)
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            where = f"{settings.listener.host}:{settings.listener.port}"
+            _error(f"cannot listen on {where}: {e.strerror}")
+            return 1
+        raise
+    except KeyboardInterrupt:  # Ctrl-C before the server installed its handler
+        return 130
+    return 0
+
+
+# --------------------------------------------------------------------------
+# The command table and main
+# --------------------------------------------------------------------------
+
+COMMANDS: dict[str, Command] = {
+    "run": Command("run the MQTT broker until SIGTERM/SIGINT", _add_run_arguments, _run),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="devicemq, an MQTT 3.1.1 and 5.0 broker")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(handler=command.handler)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``devicemq`` command line; return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help and --version print and "exit"
+        return e.code if isinstance(e.code, int) else 0
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        code: int = args.handler(args)
+    except ConfigError as e:
+        _error(str(e))
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

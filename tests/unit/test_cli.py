@@ -1,0 +1,265 @@
+"""broker.cli: --version, `run` with its flags, one-line errors, logging setup."""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from broker import __version__, cli
+from broker.config import Settings
+from broker.logging_setup import setup_logging
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No DEVICEMQ_* from the developer's shell; logging restored afterwards."""
+    for name in list(os.environ):
+        if name.startswith("DEVICEMQ_"):
+            monkeypatch.delenv(name)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.fixture
+def fake_server(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
+    """Replace broker.server with a stub whose run() records its settings."""
+    calls: list[Settings] = []
+    module = types.ModuleType("broker.server")
+    module.run = calls.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "broker.server", module)
+    return calls
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
+
+
+# ------------------------------------------------------------------ version
+
+
+def test_version_as_module() -> None:
+    result = run_module("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"devicemq {__version__}"
+    assert result.stderr == ""
+
+
+def test_version_via_main(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"devicemq {__version__}"
+
+
+def test_help_lists_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+    assert cli.main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--config", "--host", "--port", "--data-dir", "--log-level"):
+        assert flag in out
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_unknown_command_or_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("devicemq: error: argument COMMAND: invalid choice")
+    assert cli.main(["run", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "devicemq: error: unrecognized arguments: --bogus"
+
+
+def test_commands_are_a_table() -> None:
+    assert set(cli.COMMANDS) == {"run"}
+    assert all(callable(c.handler) for c in cli.COMMANDS.values())
+
+
+# ------------------------------------------------------------- config errors
+
+BAD_CONFIGS = [
+    ("mqtt:\n  receive_maximum: 0\n", "mqtt.receive_maximum: must be between 1 and 65535, got 0"),
+    (
+        "mqtt:\n  recieve_maximum: 5\n",
+        "mqtt.recieve_maximum: unknown setting (did you mean 'mqtt.receive_maximum'?)",
+    ),
+    ("listener:\n  port: abc\n", "listener.port: expected an integer, got 'abc'"),
+    ("listener: [\n", "line 2: invalid YAML: expected the node content, but found '<stream end>'"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS)
+def test_bad_config_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    bad = tmp_path / "bad.yml"
+    bad.write_text(text)
+    assert cli.main(["run", "--config", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"devicemq: error: {bad}: {message}\n"
+    assert captured.out == ""
+
+
+def test_bad_config_as_module_has_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yml"
+    bad.write_text("mqtt:\n  receive_maximum: 0\n")
+    result = run_module("run", "--config", str(bad))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"devicemq: error: {bad}: mqtt.receive_maximum: must be between 1 and 65535, got 0"
+    ]
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.yml"
+    assert cli.main(["run", "--config", str(missing)]) == 2
+    assert capsys.readouterr().err == f"devicemq: error: {missing}: file not found\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "0"], "listener.port: must be between 1 and 65535, got 0"),
+        (["--port", "http"], "listener.port: expected an integer, got 'http'"),
+        (
+            ["--log-level", "loud"],
+            "log.level: must be one of DEBUG, INFO, WARNING, ERROR, got 'loud'",
+        ),
+    ],
+)
+def test_bad_flag_value(
+    capsys: pytest.CaptureFixture[str], fake_server: list[Settings], flags: list[str], message: str
+) -> None:
+    assert cli.main(["run", *flags]) == 2
+    assert capsys.readouterr().err == f"devicemq: error: command line: {message}\n"
+    assert fake_server == []
+
+
+def test_bad_env_value(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fake_server: list[Settings]
+) -> None:
+    monkeypatch.setenv("DEVICEMQ_LISTENER_PORT", "x")
+    assert cli.main(["run"]) == 2
+    assert capsys.readouterr().err == (
+        "devicemq: error: env DEVICEMQ_LISTENER_PORT: listener.port: expected an integer, got 'x'\n"
+    )
+
+
+# ---------------------------------------------------------------------- run
+
+
+def test_run_with_defaults(fake_server: list[Settings]) -> None:
+    assert cli.main(["run"]) == 0
+    assert fake_server == [Settings()]
+
+
+def test_run_flags_override_file_and_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_server: list[Settings]
+) -> None:
+    conf = tmp_path / "devicemq.yml"
+    conf.write_text("listener:\n  host: 10.1.1.1\n  port: 2000\nmqtt:\n  max_inflight: 3\n")
+    monkeypatch.setenv("DEVICEMQ_LISTENER_PORT", "2001")
+    monkeypatch.setenv("DEVICEMQ_MQTT_MAX_INFLIGHT", "4")
+    argv = ["run", "--config", str(conf), "--port", "2002", "--data-dir", "/tmp/dmq"]
+    assert cli.main([*argv, "--log-level", "debug"]) == 0
+    (s,) = fake_server
+    assert s.listener.host == "10.1.1.1"
+    assert s.listener.port == 2002
+    assert s.mqtt.max_inflight == 4
+    assert s.data_dir == "/tmp/dmq"
+    assert s.log.level == "DEBUG"
+    assert logging.getLogger().level == logging.DEBUG
+
+
+def test_run_reads_config_path_from_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_server: list[Settings]
+) -> None:
+    conf = tmp_path / "devicemq.yml"
+    conf.write_text("listener:\n  host: 127.0.0.1\n")
+    monkeypatch.setenv("DEVICEMQ_CONFIG", str(conf))
+    assert cli.main(["run", "--host", "::1"]) == 0
+    assert cli.main(["run"]) == 0
+    assert [s.listener.host for s in fake_server] == ["::1", "127.0.0.1"]
+
+
+def test_run_with_shipped_config(fake_server: list[Settings]) -> None:
+    assert cli.main(["run", "--config", str(REPO / "config" / "devicemq.yml")]) == 0
+    assert fake_server == [Settings()]
+
+
+def test_port_in_use_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(settings: Settings) -> None:
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    module = types.ModuleType("broker.server")
+    module.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "broker.server", module)
+    assert cli.main(["run", "--port", "1999"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "devicemq: error: cannot listen on 0.0.0.0:1999: Address already in use"
+    )
+
+
+# ------------------------------------------------------------------ logging
+
+
+def test_text_log_is_one_line_per_event() -> None:
+    stream = io.StringIO()
+    setup_logging("INFO", "text", stream)
+    log = logging.getLogger("broker.test")
+    log.debug("hidden")
+    log.info("client %s connected", "c1", extra={"protocol": 5})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed\nbadly")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith("INFO broker.test: client c1 connected protocol=5")
+    assert "ERROR broker.test: failed\\nbadly | Traceback" in lines[1]
+    assert "ValueError: boom" in lines[1]
+
+
+def test_json_log_is_one_object_per_line() -> None:
+    stream = io.StringIO()
+    setup_logging("DEBUG", "json", stream)
+    log = logging.getLogger("broker.test")
+    log.debug("hello %d", 1, extra={"client_id": "c1", "obj": object()})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed")
+    first, second = (orjson.loads(line) for line in stream.getvalue().splitlines())
+    assert first["level"] == "DEBUG" and first["logger"] == "broker.test"
+    assert first["msg"] == "hello 1" and first["client_id"] == "c1"
+    assert first["ts"].endswith("Z") and "obj" in first
+    assert second["level"] == "ERROR" and "ValueError: boom" in second["exc"]
