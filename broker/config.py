@@ -246,17 +246,17 @@ def _build_specs() -> dict[str, SettingSpec]:
             name = f.name if section is None else f"{section}.{f.name}"
             m = f.metadata
             specs[name] = SettingSpec(
-                name,
-                section,
-                f.name,
-                base,
-                optional,
-                f.default,
-                m["doc"],
-                m["ge"],
-                m["gt"],
-                m["le"],
-                m["choices"],
+                name=name,
+                section=section,
+                key=f.name,
+                type=base,
+                optional=optional,
+                default=f.default,
+                doc=m["doc"],
+                ge=m["ge"],
+                gt=m["gt"],
+                le=m["le"],
+                choices=m["choices"],
             )
 
     add(Settings, None)
@@ -311,15 +311,9 @@ def _check_value(spec: SettingSpec, value: object) -> object:
     if value is None and spec.optional:
         return None
     t = spec.type
-    ok = (
-        isinstance(value, str)
-        if t is str
-        else isinstance(value, bool)
-        if t is bool
-        else isinstance(value, int) and not isinstance(value, bool)
-        if t is int
-        else isinstance(value, int | float) and not isinstance(value, bool)
-    )
+    ok = isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True  # 10 for 10.0; bool is an int in Python, not here
     if not ok:
         raise ConfigError(f"expected {_TYPE_WORDS[t]}, got {_show(value)}")
     if t is float:

@@ -449,3 +449,18 @@ def test_error_message_shape_from_the_issue(tmp_path: Path) -> None:
     )
     assert (err.source, err.name) == ("config/devicemq.yml", "mqtt.receive_maximum")
     assert err.message == "must be between 1 and 65535, got 0"
+
+
+def test_optional_settings_accept_null() -> None:
+    # No optional setting exists yet; the loader already supports `str | None`.
+    from broker.config import SettingSpec, _check_value, _parse_text
+
+    spec = SettingSpec(
+        "tls.certfile", "tls", "certfile", str, True, None, "cert", None, None, None, None
+    )
+    assert _check_value(spec, None) is None
+    assert _parse_text(spec, "") is None and _parse_text(spec, "null") is None
+    assert _parse_text(spec, "/etc/cert.pem") == "/etc/cert.pem"
+    required = dataclasses.replace(spec, optional=False)
+    with pytest.raises(ConfigError, match="expected a string, got null"):
+        _check_value(required, None)
