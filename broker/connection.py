@@ -99,6 +99,8 @@ class MQTTConnection:
         self.congested = False
         self.close_requested = False
         self._out: list[bytes] = []
+        # Tracked from the start so Broker.tick() can enforce the connect timeout.
+        broker.connections.add(self)
 
     @property
     def is_v5(self) -> bool:
