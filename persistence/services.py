@@ -355,8 +355,8 @@ def pid_is_service(pid: int, binary_name: str, port: int) -> bool:
         return False
     except PermissionError:
         pass
-    text = " ".join(_cmdline(pid))
-    return binary_name in text and f":{port}" in text
+    words = " ".join(_cmdline(pid)).split()
+    return any(binary_name in w for w in words) and any(w.endswith(f":{port}") for w in words)
 
 
 def _reap(pid: int) -> None:
@@ -483,7 +483,12 @@ class EmbeddedServices:
     # ---- public API
 
     def ensure_running(self) -> ServiceEndpoints:
-        """Reuse the recorded services if they are alive and answer, else start them."""
+        """Reuse the recorded services if they are alive and answer, else start them.
+
+        Blocking (a few tens of milliseconds when starting, up to
+        ``start_timeout`` per service when one is slow): from asyncio code call
+        it through ``asyncio.to_thread``. Raises :class:`ServiceError`.
+        """
         self.services_dir.mkdir(parents=True, exist_ok=True)
         self.redis_dir.mkdir(parents=True, exist_ok=True)
         with self._locked():
