@@ -63,8 +63,10 @@ What the embedded mode can lose -- read this before trusting it with data:
   offsets only after Redis stored the batch, so the restarted broker resumes
   from the last committed offset.
 * Redis data lives in the AOF with ``appendfsync everysec``: a crash of the
-  Redis process loses nothing acknowledged (the AOF write happens before the
-  reply), a power loss or kernel crash can lose up to about one second.
+  Redis process normally loses nothing acknowledged (the AOF is written to
+  the kernel before replies go out, except that Redis may postpone that write
+  by up to 2 s while a slow fsync is pending); a power loss or kernel crash
+  can lose about the last second or two.
 
 Production does not use this module: docker-compose runs Apache Kafka (KRaft,
 replicated, on disk) and a real Redis, configured by URL and bootstrap.
