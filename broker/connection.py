@@ -65,10 +65,16 @@ class PendingAck:
 
 @dataclass(slots=True)
 class WillMessage:
-    """The will of the current connection, resolved into a message."""
+    """The will of the current connection, resolved into a message.
+
+    ``expiry_interval`` is the will's Message Expiry Interval: it starts when
+    the will is published, not at CONNECT (spec 3.1.3.2.4), so
+    ``message.expires_at`` is only set by :meth:`Broker.publish_will`.
+    """
 
     message: Message
     delay: int
+    expiry_interval: int | None = None
 
 
 class MQTTConnection:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from broker.message import Delivery, Message
@@ -23,7 +24,7 @@ from broker.topics import SubscriptionTree
 
 if TYPE_CHECKING:
     from broker.config import Settings
-    from broker.connection import MQTTConnection
+    from broker.connection import MQTTConnection, WillMessage
 
 log = logging.getLogger("devicemq.broker")
 
@@ -110,9 +111,9 @@ class Broker:
         if will is not None and publish_will:
             delay = min(will.delay, session.expiry_interval)
             if delay <= 0:
-                self.publish_will(will.message)
+                self.publish_will(will)
             else:
-                session.pending_will = will.message
+                session.pending_will = will
                 session.will_at = now + delay
         if session.expiry_interval == 0:
             self.end_session(session)
@@ -133,7 +134,11 @@ class Broker:
             will, session.pending_will = session.pending_will, None
             self.publish_will(will)
 
-    def publish_will(self, message: Message) -> None:
+    def publish_will(self, will: WillMessage) -> None:
+        """Publish a will; its expiry interval starts now (spec 3.1.3.2.4)."""
+        message = will.message
+        if will.expiry_interval is not None:
+            message = replace(message, expires_at=self.clock() + will.expiry_interval)
         if message.retain:
             self.retained.store(message)
         self.dispatch(self.resolve(message), _ignore_stored)

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from broker.message import Delivery, Message
+from broker.message import Delivery
 from broker.packets import PubRel
 from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
-    from broker.connection import MQTTConnection
+    from broker.connection import MQTTConnection, WillMessage
 
 NEVER_EXPIRES = 0xFFFFFFFF
 
@@ -58,7 +58,7 @@ class Session:
         self.incoming_qos2: dict[int, bool] = {}
         self.qos2_awaiting_pubrec: set[int] = set()  # re-sent while storage was under way
         self.expires_at: float | None = None  # set while no connection is attached
-        self.pending_will: Message | None = None  # a will waiting out its delay
+        self.pending_will: WillMessage | None = None  # a will waiting out its delay
         self.will_at: float | None = None
         self.stats = stats
         self._last_packet_id = 0

@@ -128,12 +128,11 @@ def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
         raise ConnectRefused(ReasonCode.RETAIN_NOT_SUPPORTED, "retained will not available")
     properties = will.properties
     delay = 0
-    expires_at = None
+    expiry_interval = None
     forwarded = None
     if properties is not None:
         delay = properties.will_delay_interval or 0
-        if properties.message_expiry_interval is not None:
-            expires_at = conn.broker.clock() + properties.message_expiry_interval
+        expiry_interval = properties.message_expiry_interval
         forwarded = forwarded_properties(properties)
         if properties.payload_format_indicator == 1 and not is_utf8(will.payload):
             raise ConnectRefused(ReasonCode.PAYLOAD_FORMAT_INVALID, "will payload is not UTF-8")
@@ -144,9 +143,8 @@ def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
         will.retain,
         origin=packet.client_id or None,
         properties=forwarded,
-        expires_at=expires_at,
     )
-    return WillMessage(message, delay)
+    return WillMessage(message, delay, expiry_interval)
 
 
 def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:
