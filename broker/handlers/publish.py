@@ -22,11 +22,12 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
         raise MQTTError(ReasonCode.RETAIN_NOT_SUPPORTED, "retain is not available")  # 3.2.2-14
     topic = _resolve_topic(conn, packet)
     packet_id = packet.packet_id
-    if qos and conn.is_v5 and conn.incoming_in_flight() >= mqtt.receive_maximum:
-        raise MQTTError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED, "too many unacknowledged PUBLISH")
     if qos == 2 and packet_id in session.incoming_qos2:
+        # Already counted in the Receive Maximum: a re-send is not a new message.
         _qos2_retransmission(conn, session, packet_id)
         return
+    if qos and conn.is_v5 and conn.incoming_in_flight() >= mqtt.receive_maximum:
+        raise MQTTError(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED, "too many unacknowledged PUBLISH")
     properties = packet.properties
     if (
         properties is not None
