@@ -173,17 +173,52 @@ class Match:
 
 
 class _Node:
-    """One topic level: the subscriptions whose filter ends here, and the next levels."""
+    """One topic level: the subscriptions whose filter ends here, and the next levels.
 
-    __slots__ = ("children", "entries", "groups")
+    The wildcard children have their own slots because match() visits them at
+    every level: an attribute read is cheaper than a dict lookup.
+    """
+
+    __slots__ = ("children", "entries", "groups", "multi", "single")
 
     def __init__(self) -> None:
-        self.children: dict[str, _Node] = {}
+        self.children: dict[str, _Node] = {}  # literal levels
+        self.single: _Node | None = None  # '+'
+        self.multi: _Node | None = None  # '#'
         self.entries: dict[str, SubscriptionEntry] = {}  # by client_id: one per client per filter
         self.groups: dict[str, SharedGroup] = {}  # by share name
 
+    def child(self, level: str) -> _Node | None:
+        if level == "+":
+            return self.single
+        if level == "#":
+            return self.multi
+        return self.children.get(level)
+
+    def add_child(self, level: str) -> _Node:
+        child = _Node()
+        if level == "+":
+            self.single = child
+        elif level == "#":
+            self.multi = child
+        else:
+            self.children[level] = child
+        return child
+
+    def drop_child(self, level: str) -> None:
+        if level == "+":
+            self.single = None
+        elif level == "#":
+            self.multi = None
+        else:
+            del self.children[level]
+
     def is_empty(self) -> bool:
-        return not (self.children or self.entries or self.groups)
+        return (
+            not (self.children or self.entries or self.groups)
+            and self.single is None
+            and self.multi is None
+        )
 
 
 class SubscriptionTree:
@@ -211,10 +246,7 @@ class SubscriptionTree:
         entry.share_group = share_name
         node = self._root
         for level in filter.split("/"):
-            child = node.children.get(level)
-            if child is None:
-                child = node.children[level] = _Node()
-            node = child
+            node = node.child(level) or node.add_child(level)
         if share_name is None:
             is_new = entry.client_id not in node.entries
             node.entries[entry.client_id] = entry
@@ -236,7 +268,7 @@ class SubscriptionTree:
         levels = filter.split("/")
         path = [self._root]
         for level in levels:
-            child = path[-1].children.get(level)
+            child = path[-1].child(level)
             if child is None:
                 return False
             path.append(child)
@@ -254,7 +286,7 @@ class SubscriptionTree:
         for depth in range(len(levels), 0, -1):
             if not path[depth].is_empty():
                 break
-            del path[depth - 1].children[levels[depth - 1]]
+            path[depth - 1].drop_child(levels[depth - 1])
         return True
 
     def match(self, topic: str) -> Match:
@@ -279,27 +311,22 @@ def _collect(node: _Node, levels: list[str], depth: int, result: Match) -> None:
     """
     count = len(levels)
     while True:
-        children = node.children
-        if children:
-            # '#' matches the remaining levels, and also none of them ("a/#" matches "a").
-            multi = children.get("#")
-            if multi is not None:
-                if multi.entries:
-                    result.entries.extend(multi.entries.values())
-                if multi.groups:
-                    result.groups.extend(multi.groups.values())
+        # '#' matches the remaining levels, and also none of them ("a/#" matches "a").
+        multi = node.multi
+        if multi is not None:
+            if multi.entries:
+                result.entries.extend(multi.entries.values())
+            if multi.groups:
+                result.groups.extend(multi.groups.values())
         if depth == count:
             if node.entries:
                 result.entries.extend(node.entries.values())
             if node.groups:
                 result.groups.extend(node.groups.values())
             return
-        if not children:
-            return
-        single = children.get("+")
-        if single is not None:
-            _collect(single, levels, depth + 1, result)
-        exact = children.get(levels[depth])
+        if node.single is not None:
+            _collect(node.single, levels, depth + 1, result)
+        exact = node.children.get(levels[depth])
         if exact is None:
             return
         node = exact
