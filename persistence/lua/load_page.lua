@@ -1,0 +1,35 @@
+-- devicemq: one page of a client's stored messages, in score order.
+--
+-- KEYS[1] {cid}_messages; message strings are KEYS[1] .. '_' .. packetId.
+-- ARGV[1] after_score (exclusive)   ARGV[2] page size
+--
+-- Refs whose string has expired are removed from the set here (lazily) and
+-- do not count toward the page. Returns {dropped, id, score, value, id, ...}.
+
+local set_key = KEYS[1]
+local want = tonumber(ARGV[2])
+local cursor = '(' .. ARGV[1]
+local out = {0}
+local got = 0
+local dropped = 0
+while got < want do
+  local ask = want - got
+  local refs = redis.call('ZRANGE', set_key, cursor, '+inf', 'BYSCORE', 'LIMIT', 0, ask, 'WITHSCORES')
+  for j = 1, #refs, 2 do
+    local id = refs[j]
+    local value = redis.call('GET', set_key .. '_' .. id)
+    if value then
+      out[#out + 1] = id
+      out[#out + 1] = refs[j + 1]
+      out[#out + 1] = value
+      got = got + 1
+    else
+      redis.call('ZREM', set_key, id)
+      dropped = dropped + 1
+    end
+    cursor = '(' .. refs[j + 1]
+  end
+  if #refs < 2 * ask then break end
+end
+out[1] = dropped
+return out

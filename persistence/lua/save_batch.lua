@@ -1,0 +1,101 @@
+-- devicemq: store one client's batch of persisted messages (one call per batch).
+--
+-- KEYS[1] {cid}_messages        sorted set: member = packet id, score = per-client counter
+-- KEYS[2] {cid}_last_packet_id  last packet id handed out (1..65535)
+-- KEYS[3] {cid}_last_score      last score handed out (never goes backwards)
+-- KEYS[4] {cid}_last_offset     hash: Kafka partition -> last offset stored
+-- KEYS[5] {cid}_session         session state (only its TTL is read here)
+-- Message strings are KEYS[1] .. '_' .. packetId: same hash tag, same slot.
+--
+-- ARGV[1] limit (1..65535)   ARGV[2] partition
+-- ARGV[3] default TTL in ms (how long orphaned keys are kept, see the end)
+-- ARGV[4] n, then n triples: offset, ttl in ms (<= 0: already expired), value (opaque bytes)
+--
+-- Returns {first_score, ids, trimmed}: ids[i] is the packet id given to message i,
+-- 0 when it had already expired, -1 when its offset was already stored (a
+-- replayed batch). Stored messages got scores first_score, first_score + 1, ...
+-- in order. trimmed lists the packet ids removed, oldest first, to respect limit.
+
+local set_key = KEYS[1]
+local limit = tonumber(ARGV[1])
+local partition = ARGV[2]
+local default_ttl = tonumber(ARGV[3])
+local n = tonumber(ARGV[4])
+
+local last_offset = tonumber(redis.call('HGET', KEYS[4], partition) or '-1')
+local start_offset = last_offset
+local last_id = tonumber(redis.call('GET', KEYS[2]) or '0')
+local score = tonumber(redis.call('GET', KEYS[3]) or '0')
+-- The counter lives in its own key; should that key ever be lost while refs
+-- remain, continue above the highest score still in the set.
+local top = redis.call('ZRANGE', set_key, -1, -1, 'WITHSCORES')
+if top[2] then
+  local top_score = tonumber(top[2])
+  if top_score > score then score = top_score end
+end
+local first_score = score + 1
+local card = redis.call('ZCARD', set_key)
+
+local ids = {}
+local trimmed = {}
+local stored = 0
+local max_ttl = 0
+for i = 1, n do
+  local base = 4 + (i - 1) * 3
+  local offset = tonumber(ARGV[base + 1])
+  local ttl = tonumber(ARGV[base + 2])
+  if offset <= last_offset then
+    ids[i] = -1
+  else
+    last_offset = offset
+    if ttl <= 0 then
+      ids[i] = 0
+    else
+      -- Make room first: oldest (lowest score) out. Afterwards card < limit
+      -- <= 65535, so at least one packet id is free and the search ends.
+      while card >= limit do
+        local popped = redis.call('ZPOPMIN', set_key)
+        redis.call('DEL', set_key .. '_' .. popped[1])
+        trimmed[#trimmed + 1] = tonumber(popped[1])
+        card = card - 1
+      end
+      -- Next id, wrapping 65535 -> 1 (never 0), skipping ids still stored.
+      repeat
+        last_id = last_id % 65535 + 1
+      until not redis.call('ZSCORE', set_key, last_id)
+      score = score + 1
+      redis.call('SET', set_key .. '_' .. last_id, ARGV[base + 3], 'PX', ttl)
+      redis.call('ZADD', set_key, score, last_id)
+      card = card + 1
+      stored = stored + 1
+      if ttl > max_ttl then max_ttl = ttl end
+      ids[i] = last_id
+    end
+  end
+end
+
+if stored > 0 then
+  redis.call('SET', KEYS[2], last_id)
+  redis.call('SET', KEYS[3], score)
+end
+if last_offset ~= start_offset then
+  redis.call('HSET', KEYS[4], partition, last_offset)
+end
+
+-- The client's keys live as long as its session: while the session key has a
+-- TTL (client gone, session expiring) they expire with it; with no session
+-- key at all (orphaned data) they last at least as long as the messages just
+-- stored, and at least the default TTL, then vanish.
+local session_ttl = redis.call('PTTL', KEYS[5])
+if session_ttl > 0 then
+  for k = 1, 4 do redis.call('PEXPIRE', KEYS[k], session_ttl) end
+elseif session_ttl == -2 and (stored > 0 or last_offset ~= start_offset) then
+  local keep = default_ttl
+  if max_ttl > keep then keep = max_ttl end
+  for k = 1, 4 do
+    local cur = redis.call('PTTL', KEYS[k])
+    if cur ~= -2 and cur < keep then redis.call('PEXPIRE', KEYS[k], keep) end
+  end
+end
+
+return {first_score, ids, trimmed}

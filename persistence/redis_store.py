@@ -1,0 +1,815 @@
+"""The Redis side of the persistent path: stored messages of persistent sessions.
+
+The Kafka consumer groups what it reads by subscriber and hands each client's
+batch to :meth:`PersistedMessageStore.save_batch` (or many at once to
+:meth:`~PersistedMessageStore.save_many`); delivery and replay read back with
+:meth:`~PersistedMessageStore.load_page` and acknowledge with
+:meth:`~PersistedMessageStore.ack`. :class:`PersistedMessageStore` is the
+interface; :class:`RedisMessageStore` implements it over redis-py asyncio,
+on a single Redis (``redis.asyncio.Redis``) or a Redis Cluster
+(``redis.asyncio.cluster.RedisCluster``). Every operation on a client is one
+Lua script call (or one plain command), so a batch costs one round trip.
+
+Key layout
+----------
+All of a client's keys carry the same hash tag ``{cid}``, so they share one
+Redis Cluster slot and one script may touch them all:
+
+``{cid}_messages``
+    sorted set; member = packet id as a decimal string, score = the client's
+    counter (``{cid}_last_score``).
+``{cid}_messages_<packetId>``
+    string: the message (encoding below), ``SET ... PX ttl`` where ttl is
+    the MQTT 5 message expiry if the message has one, else ``default_ttl``
+    (7 days).
+``{cid}_last_packet_id``
+    last packet id handed out, 1..65535.
+``{cid}_last_score``
+    last score handed out.
+``{cid}_last_offset``
+    hash, Kafka partition -> last offset stored for this client.
+``{cid}_session``
+    the session state (:class:`SessionState`, orjson).
+
+``cid`` is the client id itself, except that ``%`` and ``}`` are written
+``%25`` and ``%7D`` and the empty id is written ``%``: a ``}`` would end the
+hash tag early (an id starting with ``}`` would give an empty tag and spread
+the keys over slots). The mapping is injective and leaves ordinary ids alone.
+
+Value encoding
+--------------
+A stored message is a fixed header, big-endian (``struct`` format
+``>BBBddqHI``, 33 bytes), then the topic (UTF-8), the properties, the
+payload::
+
+    version   u8   1
+    flags     u8   0x01 SENT (sent at least once: DUP on replay)
+                   0x02 PUBREL (QoS 2, PUBREC received: only PUBREL is left)
+                   0x04 RETAIN  0x08 HAS_EXPIRY
+    qos       u8
+    published f64  publish time, epoch seconds
+    expiry    f64  absolute message expiry, epoch seconds (if HAS_EXPIRY)
+    offset    i64  Kafka offset, -1 if unknown
+    topic_len u16
+    props_len u32
+    topic, properties, payload
+
+The properties are MQTT 5 property identifiers with fixed-width values:
+``0x01`` u8 payload format; ``0x03`` content type, ``0x08`` response topic,
+``0x09`` correlation data, each u16 length + bytes; ``0x26`` user property,
+u16 length + key, u16 length + value (repeated, order kept); ``0x0B``
+subscription identifier, u32 (repeated).
+
+The flags byte is byte 1 so the SENT bit can be set in Redis with ``SETBIT
+key 15 1``, which keeps the key's TTL. After PUBREC the message is rewritten
+(``SET key value XX KEEPTTL``: the TTL is kept) as the 2-byte header
+``01 03`` (version 1, SENT | PUBREL): only the packet id is needed to resend
+PUBREL, so the payload's memory is released.
+
+Invariants
+----------
+* **Packet ids** wrap 65535 -> 1 and are never 0. An id is never given out
+  while a ref with that id is in ``{cid}_messages``: the save script first
+  trims the set below the limit (``limit <= 65535``), so at least one id is
+  free, then takes the next id after ``{cid}_last_packet_id``, skipping ids
+  still stored (an old unacknowledged message can outlive 65535 newer,
+  acknowledged ones; its id is skipped, never overwritten). Acknowledged in
+  order, the ids run 1..65535, 1, 2, ... with no gap.
+* **Scores** come from ``{cid}_last_score``, which only grows; it is not
+  derived from the set (which empties), and if the counter key were lost the
+  script continues above the set's highest score.
+* **Idempotent save**: messages at offsets ``<=`` the partition's stored
+  offset are skipped (reported as duplicates), so a batch retried after a
+  crash before the Kafka commit stores nothing twice and advances no counter.
+* **Limit**: over the per-client limit (default 10000, at most 65535) the
+  oldest refs (lowest scores) and their strings are removed, reported in
+  :attr:`SaveResult.trimmed_ids`.
+* **Bounded growth**: while the session key has a TTL (client disconnected)
+  every key of the client expires with it; with no session key at all the
+  keys expire after the longest message TTL (at least ``default_ttl``).
+  Strings always have a TTL. Refs whose string expired are dropped by
+  :meth:`RedisMessageStore.load_page`.
+
+Atomicity comes from each batch being one script: on a crash a batch is
+either stored with its offset record or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import resources
+from typing import Any, NamedTuple, Protocol
+
+import orjson
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "DEFAULT_TTL",
+    "MAX_LIMIT",
+    "Assigned",
+    "BatchSaveError",
+    "ClientBatch",
+    "ClientKeys",
+    "PersistedMessageStore",
+    "RedisMessageStore",
+    "SaveResult",
+    "SessionState",
+    "Stage",
+    "StoredMessage",
+    "StoredRecord",
+    "SubscriptionState",
+    "client_keys",
+    "decode_record",
+    "encode_message",
+]
+
+DEFAULT_LIMIT = 10_000
+MAX_LIMIT = 65_535
+DEFAULT_TTL = 7 * 24 * 3600  # seconds
+DEFAULT_CONCURRENCY = 10
+
+RedisClient = Redis | RedisCluster
+
+# ---------------------------------------------------------------------------
+# Messages and their encoding (pure, no I/O)
+# ---------------------------------------------------------------------------
+
+VERSION = 1
+FLAG_SENT = 0x01
+FLAG_PUBREL = 0x02
+FLAG_RETAIN = 0x04
+FLAG_HAS_EXPIRY = 0x08
+
+_HEADER = struct.Struct(">BBBddqHI")
+_PUBREL_VALUE = bytes((VERSION, FLAG_SENT | FLAG_PUBREL))
+
+_P_PAYLOAD_FORMAT = 0x01
+_P_CONTENT_TYPE = 0x03
+_P_RESPONSE_TOPIC = 0x08
+_P_CORRELATION_DATA = 0x09
+_P_SUBSCRIPTION_ID = 0x0B
+_P_USER_PROPERTY = 0x26
+
+_U8 = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_ID_U8 = struct.Struct(">BB")
+_ID_U16 = struct.Struct(">BH")
+_ID_U32 = struct.Struct(">BI")
+
+
+class Stage(Enum):
+    """Where a stored message is in its outgoing flow."""
+
+    PUBLISH = "publish"  # PUBLISH to (re)send
+    PUBREL = "pubrel"  # QoS 2 after PUBREC: only PUBREL is left to send
+
+
+@dataclass(slots=True, frozen=True)
+class StoredMessage:
+    """One message for one subscriber, as the consumer hands it to the store.
+
+    ``qos`` and ``retain`` are what this subscriber receives;
+    ``subscription_identifiers`` are those of its matching subscriptions.
+    ``expiry`` is the absolute MQTT 5 message expiry (epoch seconds) or None.
+    """
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool = False
+    payload_format_indicator: int | None = None
+    content_type: str | None = None
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+    subscription_identifiers: tuple[int, ...] = ()
+    publish_time: float = 0.0
+    expiry: float | None = None
+    kafka_offset: int = -1
+
+
+@dataclass(slots=True, frozen=True)
+class StoredRecord:
+    """A message read back for delivery or replay.
+
+    ``sent`` means it went out at least once: resend with DUP. In the PUBREL
+    stage ``message`` is None (only PUBREL ``packet_id`` is to be sent).
+    """
+
+    packet_id: int
+    score: int
+    stage: Stage
+    sent: bool
+    message: StoredMessage | None
+
+
+def _short(data: bytes, what: str) -> bytes:
+    if len(data) > 0xFFFF:
+        raise ValueError(f"{what} is longer than 65535 bytes")
+    return _U16.pack(len(data)) + data
+
+
+def _encode_properties(m: StoredMessage) -> bytes:
+    parts: list[bytes] = []
+    if m.payload_format_indicator is not None:
+        parts.append(_ID_U8.pack(_P_PAYLOAD_FORMAT, m.payload_format_indicator))
+    if m.content_type is not None:
+        parts.append(bytes((_P_CONTENT_TYPE,)) + _short(m.content_type.encode(), "content type"))
+    if m.response_topic is not None:
+        parts.append(
+            bytes((_P_RESPONSE_TOPIC,)) + _short(m.response_topic.encode(), "response topic")
+        )
+    if m.correlation_data is not None:
+        parts.append(bytes((_P_CORRELATION_DATA,)) + _short(m.correlation_data, "correlation"))
+    for key, value in m.user_properties:
+        parts.append(
+            bytes((_P_USER_PROPERTY,))
+            + _short(key.encode(), "user property")
+            + _short(value.encode(), "user property")
+        )
+    for sid in m.subscription_identifiers:
+        parts.append(_ID_U32.pack(_P_SUBSCRIPTION_ID, sid))
+    return b"".join(parts)
+
+
+def encode_message(m: StoredMessage, *, sent: bool = False) -> bytes:
+    """The stored value of ``m`` (see the module docstring for the layout)."""
+    topic = m.topic.encode()
+    if len(topic) > 0xFFFF:
+        raise ValueError("topic is longer than 65535 bytes")
+    props = _encode_properties(m)
+    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
+    if m.expiry is not None:
+        flags |= FLAG_HAS_EXPIRY
+    header = _HEADER.pack(
+        VERSION,
+        flags,
+        m.qos,
+        m.publish_time,
+        m.expiry if m.expiry is not None else 0.0,
+        m.kafka_offset,
+        len(topic),
+        len(props),
+    )
+    return b"".join((header, topic, props, m.payload))
+
+
+def _decode_properties(data: bytes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    users: list[tuple[str, str]] = []
+    sids: list[int] = []
+    pos = 0
+    end = len(data)
+
+    def short() -> bytes:
+        nonlocal pos
+        (n,) = _U16.unpack_from(data, pos)
+        pos += 2 + n
+        return data[pos - n : pos]
+
+    while pos < end:
+        pid = data[pos]
+        pos += 1
+        if pid == _P_PAYLOAD_FORMAT:
+            out["payload_format_indicator"] = data[pos]
+            pos += 1
+        elif pid == _P_CONTENT_TYPE:
+            out["content_type"] = short().decode()
+        elif pid == _P_RESPONSE_TOPIC:
+            out["response_topic"] = short().decode()
+        elif pid == _P_CORRELATION_DATA:
+            out["correlation_data"] = short()
+        elif pid == _P_USER_PROPERTY:
+            key = short().decode()
+            users.append((key, short().decode()))
+        elif pid == _P_SUBSCRIPTION_ID:
+            sids.append(_U32.unpack_from(data, pos)[0])
+            pos += 4
+        else:
+            raise ValueError(f"unknown stored property 0x{pid:02x}")
+    if users:
+        out["user_properties"] = tuple(users)
+    if sids:
+        out["subscription_identifiers"] = tuple(sids)
+    return out
+
+
+def decode_record(packet_id: int, score: int, value: bytes) -> StoredRecord:
+    """Read a stored value back (inverse of :func:`encode_message`)."""
+    if len(value) < 2 or value[0] != VERSION:
+        raise ValueError(f"unknown stored message format (packet id {packet_id})")
+    flags = value[1]
+    sent = bool(flags & FLAG_SENT)
+    if flags & FLAG_PUBREL:
+        return StoredRecord(packet_id, score, Stage.PUBREL, True, None)
+    _, _, qos, published, expiry, offset, topic_len, props_len = _HEADER.unpack_from(value)
+    pos = _HEADER.size
+    topic = value[pos : pos + topic_len].decode()
+    pos += topic_len
+    props = _decode_properties(value[pos : pos + props_len]) if props_len else {}
+    pos += props_len
+    message = StoredMessage(
+        topic=topic,
+        payload=value[pos:],
+        qos=qos,
+        retain=bool(flags & FLAG_RETAIN),
+        publish_time=published,
+        expiry=expiry if flags & FLAG_HAS_EXPIRY else None,
+        kafka_offset=offset,
+        **props,
+    )
+    return StoredRecord(packet_id, score, Stage.PUBLISH, sent, message)
+
+
+# ---------------------------------------------------------------------------
+# Session state
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class SubscriptionState:
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscription_id: int | None = None
+
+
+@dataclass(slots=True)
+class SessionState:
+    """What a persistent session must keep across broker restarts.
+
+    ``expiry_interval`` is the Session Expiry Interval in seconds (None: the
+    session never expires). ``last_seen`` is epoch seconds.
+    """
+
+    expiry_interval: int | None
+    last_seen: float
+    subscriptions: dict[str, SubscriptionState] = field(default_factory=dict)
+    protocol_level: int = 5
+
+    def encode(self) -> bytes:
+        return orjson.dumps(
+            {
+                "v": 1,
+                "e": self.expiry_interval,
+                "l": self.last_seen,
+                "p": self.protocol_level,
+                "s": [
+                    [
+                        f,
+                        s.qos,
+                        s.no_local,
+                        s.retain_as_published,
+                        s.retain_handling,
+                        s.subscription_id,
+                    ]
+                    for f, s in self.subscriptions.items()
+                ],
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> SessionState:
+        doc = orjson.loads(data)
+        if doc.get("v") != 1:
+            raise ValueError("unknown session state format")
+        subs = {
+            f: SubscriptionState(qos, bool(nl), bool(rap), rh, sid)
+            for f, qos, nl, rap, rh, sid in doc["s"]
+        }
+        return cls(doc["e"], doc["l"], subs, doc["p"])
+
+
+# ---------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------
+
+
+class ClientKeys(NamedTuple):
+    messages: str
+    last_packet_id: str
+    last_score: str
+    last_offset: str
+    session: str
+
+    def message(self, packet_id: int) -> str:
+        return f"{self.messages}_{packet_id}"
+
+
+def _tag(client_id: str) -> str:
+    if not client_id:
+        return "%"
+    if "%" in client_id or "}" in client_id:
+        return client_id.replace("%", "%25").replace("}", "%7D")
+    return client_id
+
+
+def client_keys(client_id: str) -> ClientKeys:
+    """The Redis keys of ``client_id`` (all in one cluster slot)."""
+    p = "{" + _tag(client_id) + "}"
+    return ClientKeys(
+        p + "_messages",
+        p + "_last_packet_id",
+        p + "_last_score",
+        p + "_last_offset",
+        p + "_session",
+    )
+
+
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
+
+
+class Assigned(NamedTuple):
+    packet_id: int
+    score: int
+
+
+@dataclass(slots=True)
+class SaveResult:
+    """What one client batch did.
+
+    ``assigned[i]`` is message i's packet id and score, or None when it was
+    not stored: its offset had been stored before (counted in
+    ``duplicates``) or it had already expired (``expired``).
+    ``trimmed_ids`` are packet ids removed, oldest first, to respect the
+    limit; they may include messages of this very batch.
+    """
+
+    assigned: list[Assigned | None]
+    trimmed_ids: list[int]
+    duplicates: int
+    expired: int
+
+    @property
+    def saved(self) -> int:
+        return len(self.assigned) - self.duplicates - self.expired
+
+    @property
+    def trimmed(self) -> int:
+        return len(self.trimmed_ids)
+
+
+@dataclass(slots=True)
+class ClientBatch:
+    """One client's messages from one Kafka partition, in offset order.
+
+    ``offsets`` defaults to each message's ``kafka_offset``.
+    """
+
+    client_id: str
+    messages: Sequence[StoredMessage]
+    partition: int
+    offsets: Sequence[int] | None = None
+
+
+class BatchSaveError(Exception):
+    """Some batches of :meth:`RedisMessageStore.save_many` failed.
+
+    ``results[i]`` is batch i's :class:`SaveResult` or its exception. Saving is
+    idempotent: retrying the whole call stores nothing twice.
+    """
+
+    def __init__(self, results: list[SaveResult | BaseException]) -> None:
+        errors = [r for r in results if isinstance(r, BaseException)]
+        super().__init__(f"{len(errors)} of {len(results)} client batches failed: {errors[0]!r}")
+        self.results = results
+
+
+# ---------------------------------------------------------------------------
+# The interface
+# ---------------------------------------------------------------------------
+
+
+class PersistedMessageStore(Protocol):
+    """Stored messages and session state of persistent sessions."""
+
+    async def save_batch(
+        self,
+        client_id: str,
+        messages: Sequence[StoredMessage],
+        partition: int,
+        offsets: Sequence[int] | None = None,
+        *,
+        limit: int | None = None,
+    ) -> SaveResult: ...
+
+    async def save_many(
+        self, batches: Iterable[ClientBatch], *, concurrency: int | None = None
+    ) -> list[SaveResult]: ...
+
+    async def load_page(
+        self, client_id: str, after_score: int = 0, limit: int = 100
+    ) -> list[StoredRecord]: ...
+
+    async def ack(self, client_id: str, packet_id: int) -> bool: ...
+
+    async def ack_many(self, client_id: str, packet_ids: Iterable[int]) -> int: ...
+
+    async def mark_pubrel(self, client_id: str, packet_id: int) -> bool: ...
+
+    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> int: ...
+
+    async def pending_count(self, client_id: str) -> int: ...
+
+    async def save_session(
+        self, client_id: str, state: SessionState, *, ttl: int | None = None
+    ) -> None: ...
+
+    async def load_session(self, client_id: str) -> SessionState | None: ...
+
+    async def delete_session(self, client_id: str, *, keep_offsets: bool = True) -> int: ...
+
+    async def expire_session(self, client_id: str, seconds: int) -> bool: ...
+
+
+# ---------------------------------------------------------------------------
+# Redis implementation
+# ---------------------------------------------------------------------------
+
+
+class _Script(NamedTuple):
+    name: str
+    text: bytes
+    sha: str
+
+
+def _load_script(name: str) -> _Script:
+    text = resources.files("persistence").joinpath("lua", f"{name}.lua").read_bytes()
+    return _Script(name, text, hashlib.sha1(text).hexdigest())
+
+
+_SAVE = _load_script("save_batch")
+_LOAD_PAGE = _load_script("load_page")
+_ACK = _load_script("ack")
+_MARK_SENT = _load_script("mark_sent")
+_SESSION = _load_script("session")
+_DELETE = _load_script("delete_client")
+_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _DELETE)
+
+
+class RedisMessageStore:
+    """:class:`PersistedMessageStore` on redis-py asyncio (single or cluster).
+
+    ``redis`` must not decode responses. ``limit`` is the per-client stored
+    limit (1..65535), ``default_ttl`` the TTL in seconds of messages without
+    an MQTT 5 expiry, ``concurrency`` the script calls :meth:`save_many` keeps
+    in flight. ``clock`` gives epoch seconds (message expiry is absolute).
+    """
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        *,
+        limit: int = DEFAULT_LIMIT,
+        default_ttl: int = DEFAULT_TTL,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        _check_limit(limit)
+        if default_ttl <= 0:
+            raise ValueError("default_ttl must be positive")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.redis = redis
+        self.limit = limit
+        self.default_ttl = default_ttl
+        self.concurrency = concurrency
+        self._clock = clock
+        self._default_ttl_ms = default_ttl * 1000
+
+    @classmethod
+    def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisMessageStore:
+        """A store on ``redis://host:port`` (``cluster``: any node of a cluster)."""
+        client: RedisClient
+        if cluster:
+            client = RedisCluster.from_url(url, decode_responses=False)
+        else:
+            client = Redis.from_url(url, decode_responses=False)
+        return cls(client, **kwargs)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    # -- scripts -----------------------------------------------------------
+
+    async def load_scripts(self) -> None:
+        """SCRIPT LOAD every script (on a cluster: on every primary)."""
+        for script in _SCRIPTS:
+            await self.redis.execute_command("SCRIPT LOAD", script.text)
+
+    async def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        # execute_command, not evalsha(): the cluster client routes EVALSHA by
+        # its keys this way, and pipelines refuse evalsha by name.
+        try:
+            return await self.redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            pass
+        # Not cached on that node (restart, failover, new primary): load
+        # everywhere, then run; EVAL also caches it on the node it runs on.
+        await self.load_scripts()
+        try:
+            return await self.redis.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.redis.execute_command("EVAL", script.text, len(keys), *keys, *args)
+
+    # -- saving ------------------------------------------------------------
+
+    def _ttl_ms(self, m: StoredMessage, now: float) -> int:
+        if m.expiry is None:
+            return self._default_ttl_ms
+        return math.ceil((m.expiry - now) * 1000)
+
+    async def save_batch(
+        self,
+        client_id: str,
+        messages: Sequence[StoredMessage],
+        partition: int,
+        offsets: Sequence[int] | None = None,
+        *,
+        limit: int | None = None,
+    ) -> SaveResult:
+        """Store one client's batch (one script call). See :class:`SaveResult`."""
+        if limit is None:
+            limit = self.limit
+        else:
+            _check_limit(limit)
+        if offsets is None:
+            offsets = [m.kafka_offset for m in messages]
+        elif len(offsets) != len(messages):
+            raise ValueError("one offset per message")
+        if not messages:
+            return SaveResult([], [], 0, 0)
+        keys = client_keys(client_id)
+        now = self._clock()
+        args: list[Any] = [limit, partition, self._default_ttl_ms, len(messages)]
+        for m, offset in zip(messages, offsets, strict=True):
+            if offset < 0:
+                raise ValueError("Kafka offsets are >= 0")
+            args += (offset, self._ttl_ms(m, now), encode_message(m))
+        first_score, ids, trimmed = await self._eval(_SAVE, keys, args)
+        assigned: list[Assigned | None] = []
+        duplicates = expired = 0
+        score = int(first_score)
+        for pid in ids:
+            if pid > 0:
+                assigned.append(Assigned(pid, score))
+                score += 1
+            else:
+                assigned.append(None)
+                if pid < 0:
+                    duplicates += 1
+                else:
+                    expired += 1
+        return SaveResult(assigned, [int(t) for t in trimmed], duplicates, expired)
+
+    async def save_many(
+        self, batches: Iterable[ClientBatch], *, concurrency: int | None = None
+    ) -> list[SaveResult]:
+        """Save many client batches with up to ``concurrency`` script calls in flight.
+
+        Batches of one client run one after another in the order given (a
+        later batch first would make the earlier one look replayed); different
+        clients run concurrently. Returns one result per batch, in order. If
+        any batch fails, the others still complete and :class:`BatchSaveError`
+        carries every result; retrying the call is safe.
+        """
+        todo = list(batches)
+        gate = asyncio.Semaphore(concurrency or self.concurrency)
+        by_client: dict[str, list[int]] = {}
+        for i, b in enumerate(todo):
+            by_client.setdefault(b.client_id, []).append(i)
+        results: list[SaveResult | BaseException | None] = [None] * len(todo)
+
+        async def run(indices: list[int]) -> None:
+            for n, i in enumerate(indices):
+                b = todo[i]
+                try:
+                    async with gate:
+                        results[i] = await self.save_batch(
+                            b.client_id, b.messages, b.partition, b.offsets
+                        )
+                except Exception as exc:
+                    # Later batches of this client would be judged against an
+                    # offset record that misses this one: fail them too.
+                    for j in indices[n:]:
+                        results[j] = exc
+                    return
+
+        await asyncio.gather(*(run(ix) for ix in by_client.values()))
+        done: list[SaveResult] = []
+        for r in results:
+            if not isinstance(r, SaveResult):
+                raise BatchSaveError([r if r is not None else RuntimeError() for r in results])
+            done.append(r)
+        return done
+
+    # -- reading -----------------------------------------------------------
+
+    async def load_page(
+        self, client_id: str, after_score: int = 0, limit: int = 100
+    ) -> list[StoredRecord]:
+        """Up to ``limit`` stored messages with score > ``after_score``, in order.
+
+        Page on with the last record's score. Refs whose message expired are
+        removed from the set on the way.
+        """
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        keys = client_keys(client_id)
+        reply = await self._eval(_LOAD_PAGE, keys[:1], (int(after_score), limit))
+        return [
+            decode_record(int(reply[i]), int(reply[i + 1]), reply[i + 2])
+            for i in range(1, len(reply), 3)
+        ]
+
+    async def pending_count(self, client_id: str) -> int:
+        """Refs stored (including expired ones not yet dropped by a load)."""
+        return int(await self.redis.execute_command("ZCARD", client_keys(client_id).messages))
+
+    # -- delivery progress ---------------------------------------------------
+
+    async def ack(self, client_id: str, packet_id: int) -> bool:
+        """PUBACK / PUBCOMP: forget the message. False if it was not stored."""
+        return await self.ack_many(client_id, (packet_id,)) == 1
+
+    async def ack_many(self, client_id: str, packet_ids: Iterable[int]) -> int:
+        """Forget many messages in one call; returns how many were stored."""
+        ids = list(packet_ids)
+        if not ids:
+            return 0
+        return int(await self._eval(_ACK, client_keys(client_id)[:1], ids))
+
+    async def mark_pubrel(self, client_id: str, packet_id: int) -> bool:
+        """PUBREC received: keep only the PUBREL stage, with the remaining TTL.
+
+        False if the message is no longer stored (acked, trimmed or expired).
+        """
+        key = client_keys(client_id).message(packet_id)
+        reply = await self.redis.execute_command("SET", key, _PUBREL_VALUE, "XX", "KEEPTTL")
+        return reply is not None and reply is not False
+
+    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> int:
+        """Record that messages went out at least once (DUP on replay)."""
+        ids = list(packet_ids)
+        if not ids:
+            return 0
+        return int(await self._eval(_MARK_SENT, client_keys(client_id)[:1], ids))
+
+    # -- sessions ----------------------------------------------------------
+
+    async def save_session(
+        self, client_id: str, state: SessionState, *, ttl: int | None = None
+    ) -> None:
+        """Store the session. With ``ttl`` (seconds) every key of the client
+        expires then; without, all of them are made persistent (connected)."""
+        ttl_ms = 0 if ttl is None else _positive_ms(ttl)
+        await self._eval(_SESSION, client_keys(client_id), ("save", ttl_ms, state.encode()))
+
+    async def load_session(self, client_id: str) -> SessionState | None:
+        data = await self.redis.execute_command("GET", client_keys(client_id).session)
+        return None if data is None else SessionState.decode(data)
+
+    async def expire_session(self, client_id: str, seconds: int) -> bool:
+        """Disconnected: every key of the client expires in ``seconds``
+        (``<= 0``: now). Returns whether a session was stored."""
+        if seconds <= 0:
+            existed = await self.load_session(client_id) is not None
+            await self.delete_session(client_id)
+            return existed
+        reply = await self._eval(_SESSION, client_keys(client_id), ("expire", seconds * 1000, b""))
+        return bool(reply)
+
+    async def delete_session(self, client_id: str, *, keep_offsets: bool = True) -> int:
+        """Clean start: delete every key of the client; returns messages deleted.
+
+        ``keep_offsets`` keeps the Kafka offset record for ``default_ttl`` so
+        a retried batch from before the clean start is not stored into the
+        new session.
+        """
+        keep_ms = self._default_ttl_ms if keep_offsets else 0
+        return int(await self._eval(_DELETE, client_keys(client_id), (keep_ms,)))
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be within 1..{MAX_LIMIT}")
+
+
+def _positive_ms(seconds: int) -> int:
+    if seconds <= 0:
+        raise ValueError("ttl must be positive")
+    return seconds * 1000
