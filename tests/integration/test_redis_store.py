@@ -1,0 +1,418 @@
+"""RedisMessageStore against a real redis-server and a real 3-master Redis Cluster.
+
+Every test taking ``store`` runs twice: ``[single]`` and ``[cluster]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import pytest
+from redis.crc import key_slot
+
+from persistence.redis_store import (
+    Assigned,
+    ClientBatch,
+    RedisMessageStore,
+    SessionState,
+    Stage,
+    StoredMessage,
+    StoredRecord,
+    SubscriptionState,
+    client_keys,
+    decode_record,
+    encode_message,
+)
+
+
+def msg(i: int, **kw: object) -> StoredMessage:
+    fields: dict[str, object] = {
+        "topic": f"t/{i}",
+        "payload": str(i).encode(),
+        "qos": 1,
+        "kafka_offset": i,
+    }
+    fields.update(kw)
+    return StoredMessage(**fields)  # type: ignore[arg-type]
+
+
+def msgs(first: int, count: int, **kw: object) -> list[StoredMessage]:
+    return [msg(i, **kw) for i in range(first, first + count)]
+
+
+async def all_records(store: RedisMessageStore, cid: str, page: int = 1000) -> list[StoredRecord]:
+    out: list[StoredRecord] = []
+    after = 0
+    while True:
+        recs = await store.load_page(cid, after, page)
+        if not recs:
+            return out
+        out += recs
+        after = recs[-1].score
+
+
+async def cmd(store: RedisMessageStore, *args: Any) -> Any:
+    return await store.redis.execute_command(*args)
+
+
+# --------------------------------------------------------------- pure parts
+
+
+def test_encoding_round_trip_keeps_every_mqtt5_field() -> None:
+    m = StoredMessage(
+        topic="a/ü/b",
+        payload=b"\x00\xffpayload",
+        qos=2,
+        retain=True,
+        payload_format_indicator=1,
+        content_type="application/json",
+        response_topic="reply/here",
+        correlation_data=b"\x01\x02",
+        user_properties=(("k", "v"), ("k", "v2"), ("ä", "")),
+        subscription_identifiers=(7, 268435455),
+        publish_time=1700000000.25,
+        expiry=1700000100.5,
+        kafka_offset=123456789012,
+    )
+    rec = decode_record(9, 42, encode_message(m))
+    assert rec.message == m
+    assert (rec.packet_id, rec.score, rec.stage, rec.sent) == (9, 42, Stage.PUBLISH, False)
+    assert decode_record(1, 1, encode_message(m, sent=True)).sent
+    bare = StoredMessage(topic="t", payload=b"", qos=0)
+    assert decode_record(1, 1, encode_message(bare)).message == bare
+
+
+def test_keys_share_one_slot_and_odd_ids_stay_distinct() -> None:
+    ids = ["plain", "a}b", "}starts", "", "x{y}z", "%7D", "a%7Db", "%", "ü-dev"]
+    seen = set()
+    for cid in ids:
+        keys = client_keys(cid)
+        slots = {key_slot(k.encode()) for k in (*keys, keys.message(65535))}
+        assert len(slots) == 1, cid
+        seen.add(keys.messages)
+    assert len(seen) == len(ids)
+    assert client_keys("dev1").messages == "{dev1}_messages"
+    assert client_keys("dev1").message(7) == "{dev1}_messages_7"
+
+
+# --------------------------------------------------------------- save and load
+
+
+async def test_save_then_load_round_trip(store: RedisMessageStore, cid: str) -> None:
+    batch = msgs(0, 5, qos=2, user_properties=(("a", "b"),), subscription_identifiers=(3,))
+    res = await store.save_batch(cid, batch, partition=0)
+    assert res.assigned == [Assigned(i, i) for i in range(1, 6)]
+    assert (res.saved, res.duplicates, res.expired, res.trimmed) == (5, 0, 0, 0)
+    recs = await store.load_page(cid, 0, 100)
+    assert [r.message for r in recs] == batch
+    assert [(r.packet_id, r.score, r.stage, r.sent) for r in recs] == [
+        (i, i, Stage.PUBLISH, False) for i in range(1, 6)
+    ]
+    assert await store.pending_count(cid) == 5
+    # strings carry the default TTL (7 days)
+    ttl = await cmd(store, "TTL", client_keys(cid).message(1))
+    assert 7 * 86400 - 5 < ttl <= 7 * 86400
+
+
+async def test_packet_ids_wrap_past_65535_without_gap_reuse_or_zero(
+    store: RedisMessageStore, cid: str
+) -> None:
+    seen: list[int] = []
+    scores: list[int] = []
+    offset = 0
+    while offset < 70_000:
+        res = await store.save_batch(cid, msgs(offset, 1000), partition=0)
+        ids = [a.packet_id for a in res.assigned if a]
+        seen += ids
+        scores += [a.score for a in res.assigned if a]
+        assert res.trimmed == 0
+        assert await store.ack_many(cid, ids) == len(ids)
+        offset += 1000
+    expected = list(range(1, 65536)) + list(range(1, 70_000 - 65535 + 1))
+    assert seen == expected
+    assert 0 not in seen
+    assert scores == list(range(1, 70_001))
+    assert await store.pending_count(cid) == 0
+
+
+async def test_wrap_skips_an_id_still_stored_never_overwrites_it(
+    store: RedisMessageStore, cid: str
+) -> None:
+    # id 1 stays unacknowledged while 65534 newer messages come and go.
+    first = await store.save_batch(cid, [msg(0, topic="old")], partition=0)
+    assert first.assigned == [Assigned(1, 1)]
+    offset = 1
+    while offset < 65535:
+        n = min(2000, 65535 - offset)
+        res = await store.save_batch(cid, msgs(offset, n), partition=0, limit=65535)
+        await store.ack_many(cid, [a.packet_id for a in res.assigned if a])
+        offset += n
+    assert (await cmd(store, "GET", client_keys(cid).last_packet_id)) == b"65535"
+    res = await store.save_batch(cid, msgs(offset, 2), partition=0, limit=65535)
+    assert [a.packet_id for a in res.assigned if a] == [2, 3]  # 1 is skipped
+    recs = await store.load_page(cid, 0, 10)
+    assert [(r.packet_id, r.message.topic) for r in recs if r.message] == [
+        (1, "old"),
+        (2, f"t/{offset}"),
+        (3, f"t/{offset + 1}"),
+    ]
+
+
+async def test_score_keeps_growing_after_the_set_empties(
+    store: RedisMessageStore, cid: str
+) -> None:
+    res = await store.save_batch(cid, msgs(0, 3), partition=0)
+    assert await store.ack_many(cid, [1, 2, 3]) == 3
+    assert await store.pending_count(cid) == 0
+    assert await cmd(store, "EXISTS", client_keys(cid).messages) == 0
+    res = await store.save_batch(cid, msgs(3, 2), partition=0)
+    assert res.assigned == [Assigned(4, 4), Assigned(5, 5)]
+    assert not await store.ack(cid, 1)  # already gone
+
+
+async def test_trim_to_limit_removes_the_oldest_and_counts_them(
+    store: RedisMessageStore, cid: str
+) -> None:
+    res = await store.save_batch(cid, msgs(0, 8), partition=0, limit=5)
+    assert res.trimmed_ids == [1, 2, 3]
+    assert res.trimmed == 3
+    assert res.saved == 8
+    recs = await store.load_page(cid, 0, 100)
+    assert [r.packet_id for r in recs] == [4, 5, 6, 7, 8]
+    for pid in (1, 2, 3):
+        assert await cmd(store, "EXISTS", client_keys(cid).message(pid)) == 0
+    # a second batch trims exactly what it needs, oldest first
+    res = await store.save_batch(cid, msgs(8, 2), partition=0, limit=5)
+    assert res.trimmed_ids == [4, 5]
+    assert await store.pending_count(cid) == 5
+    # a store-wide limit applies when none is given
+    small = RedisMessageStore(store.redis, limit=3)
+    res = await small.save_batch(cid, msgs(10, 1), partition=0)
+    assert res.trimmed_ids == [6, 7, 8]
+    assert await store.pending_count(cid) == 3
+
+
+async def test_message_expiry_drops_the_ref_lazily_on_load(
+    store: RedisMessageStore, cid: str
+) -> None:
+    now = time.time()
+    batch = [msg(0), msg(1, expiry=now + 1), msg(2)]
+    res = await store.save_batch(cid, batch, partition=0)
+    pttl = await cmd(store, "PTTL", client_keys(cid).message(2))
+    assert 0 < pttl <= 1000
+    await asyncio.sleep(1.2)
+    assert await store.pending_count(cid) == 3  # the ref is still there
+    recs = await store.load_page(cid, 0, 2)  # page of 2 filled past the dropped one
+    assert [r.packet_id for r in recs] == [1, 3]
+    assert await store.pending_count(cid) == 2
+    assert res.assigned[1] == Assigned(2, 2)
+
+
+async def test_already_expired_message_is_not_stored_but_its_offset_counts(
+    store: RedisMessageStore, cid: str
+) -> None:
+    res = await store.save_batch(cid, [msg(0, expiry=time.time() - 1), msg(1)], partition=0)
+    assert res.assigned == [None, Assigned(1, 1)]
+    assert (res.expired, res.saved) == (1, 1)
+    again = await store.save_batch(cid, [msg(0), msg(1)], partition=0)
+    assert again.duplicates == 2
+
+
+async def test_pubrel_rewrite_keeps_the_remaining_ttl(store: RedisMessageStore, cid: str) -> None:
+    await store.save_batch(cid, [msg(0, qos=2, expiry=time.time() + 1), msg(1, qos=2)], 0)
+    key = client_keys(cid).message(1)
+    before = await cmd(store, "PTTL", key)
+    assert await store.mark_pubrel(cid, 1)
+    after = await cmd(store, "PTTL", key)
+    assert 0 < after <= before
+    recs = await store.load_page(cid, 0, 10)
+    assert (recs[0].packet_id, recs[0].stage, recs[0].sent, recs[0].message) == (
+        1,
+        Stage.PUBREL,
+        True,
+        None,
+    )
+    assert recs[1].stage is Stage.PUBLISH
+    await asyncio.sleep(1.2)
+    assert [r.packet_id for r in await store.load_page(cid, 0, 10)] == [2]
+    # nothing to rewrite: not resurrected
+    assert not await store.mark_pubrel(cid, 1)
+    assert await cmd(store, "EXISTS", key) == 0
+    assert await store.ack(cid, 2)
+    assert await store.pending_count(cid) == 0
+
+
+async def test_mark_sent_sets_dup_keeps_ttl_and_creates_nothing(
+    store: RedisMessageStore, cid: str
+) -> None:
+    await store.save_batch(cid, [msg(0, expiry=time.time() + 60), msg(1), msg(2)], 0)
+    before = await cmd(store, "PTTL", client_keys(cid).message(1))
+    assert await store.mark_sent(cid, [1, 3, 99]) == 2
+    after = await cmd(store, "PTTL", client_keys(cid).message(1))
+    assert 0 < after <= before
+    recs = await store.load_page(cid, 0, 10)
+    assert [r.sent for r in recs] == [True, False, True]
+    assert [r.message for r in recs] == [msg(0, expiry=recs[0].message.expiry), msg(1), msg(2)]  # type: ignore[union-attr]
+    assert await cmd(store, "EXISTS", client_keys(cid).message(99)) == 0
+
+
+async def test_replayed_batch_stores_nothing_twice(store: RedisMessageStore, cid: str) -> None:
+    keys = client_keys(cid)
+    first = await store.save_batch(cid, msgs(100, 10), partition=3)
+    assert [a.packet_id for a in first.assigned if a] == list(range(1, 11))
+    again = await store.save_batch(cid, msgs(100, 10), partition=3)
+    assert again.assigned == [None] * 10
+    assert again.duplicates == 10
+    assert await cmd(store, "GET", keys.last_packet_id) == b"10"
+    assert await cmd(store, "GET", keys.last_score) == b"10"
+    # overlapping retry: only the new tail is stored
+    tail = await store.save_batch(cid, msgs(105, 10), partition=3)
+    assert tail.duplicates == 5
+    assert [a for a in tail.assigned if a] == [Assigned(i, i) for i in range(11, 16)]
+    # explicit offsets override kafka_offset; another partition is tracked apart
+    other = await store.save_batch(cid, msgs(0, 2), partition=4, offsets=[7, 8])
+    assert other.saved == 2
+    assert await cmd(store, "HGETALL", keys.last_offset) == {b"3": b"114", b"4": b"8"}
+    assert await store.pending_count(cid) == 17
+
+
+async def test_order_per_client_with_many_clients_saved_concurrently(
+    store: RedisMessageStore,
+) -> None:
+    clients = [f"dev-{uuid.uuid4().hex[:8]}-{i}" for i in range(60)]
+    batches = [
+        ClientBatch(c, msgs(b * 20, 20, topic=f"{c}/{b}"), partition=i % 4)
+        for b in range(5)
+        for i, c in enumerate(clients)
+    ]
+    results = await store.save_many(batches, concurrency=10)
+    assert all(r.saved == 20 for r in results)
+    for c in clients:
+        recs = await all_records(store, c)
+        assert [r.packet_id for r in recs] == list(range(1, 101))
+        assert [r.score for r in recs] == list(range(1, 101))
+        assert [r.message.kafka_offset for r in recs if r.message] == list(range(100))
+        assert [r.message.topic for r in recs if r.message] == [
+            f"{c}/{b}" for b in range(5) for _ in range(20)
+        ]
+    # the whole thing again: idempotent
+    again = await store.save_many(batches)
+    assert all(r.duplicates == 20 for r in again)
+
+
+async def test_paged_load_walks_everything_in_order(store: RedisMessageStore, cid: str) -> None:
+    await store.save_batch(cid, msgs(0, 250), partition=0)
+    await store.ack_many(cid, range(2, 250, 7))  # holes
+    pages = []
+    after = 0
+    while recs := await store.load_page(cid, after, 100):
+        pages.append(len(recs))
+        after = recs[-1].score
+    remaining = [i for i in range(1, 251) if i not in set(range(2, 250, 7))]
+    assert sum(pages) == len(remaining)
+    assert all(p == 100 for p in pages[:-1])
+    assert [r.packet_id for r in await all_records(store, cid, page=33)] == remaining
+    assert await store.load_page(cid, 250, 10) == []
+
+
+async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> None:
+    keys = client_keys(cid)
+    state = SessionState(
+        expiry_interval=3600,
+        last_seen=1700000000.5,
+        subscriptions={
+            "a/+": SubscriptionState(1),
+            "b/#": SubscriptionState(2, True, True, 2, 17),
+        },
+        protocol_level=5,
+    )
+    assert await store.load_session(cid) is None
+    await store.save_session(cid, state)
+    assert await store.load_session(cid) == state
+    assert await cmd(store, "TTL", keys.session) == -1
+    await store.save_batch(cid, msgs(0, 5), partition=0)
+    assert await store.delete_session(cid) == 5
+    assert await store.load_session(cid) is None
+    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.session):
+        assert await cmd(store, "EXISTS", key) == 0
+    for pid in range(1, 6):
+        assert await cmd(store, "EXISTS", keys.message(pid)) == 0
+    # the offset record stays (with a TTL): a retried old batch is not stored
+    assert await cmd(store, "TTL", keys.last_offset) > 0
+    assert (await store.save_batch(cid, msgs(0, 5), partition=0)).duplicates == 5
+    res = await store.save_batch(cid, msgs(5, 1), partition=0)
+    assert res.assigned == [Assigned(1, 1)]  # new session: ids and scores from 1
+    assert await store.delete_session(cid, keep_offsets=False) == 1
+    assert await cmd(store, "EXISTS", keys.last_offset) == 0
+
+
+async def test_session_expiry_takes_every_key_and_reconnect_persists(
+    store: RedisMessageStore, cid: str
+) -> None:
+    keys = client_keys(cid)
+    state = SessionState(expiry_interval=1, last_seen=time.time())
+    await store.save_session(cid, state)
+    await store.save_batch(cid, msgs(0, 3), partition=0)
+    assert await store.expire_session(cid, 100)
+    for key in keys:
+        assert 0 < await cmd(store, "TTL", key) <= 100
+    # back online: everything persistent again
+    await store.save_session(cid, state)
+    for key in keys:
+        assert await cmd(store, "TTL", key) == -1
+    # gone for good: the keys expire with the session
+    assert await store.expire_session(cid, 1)
+    # a save while the session is expiring keeps the keys on the session's clock
+    await store.save_batch(cid, msgs(3, 1), partition=0)
+    assert 0 < await cmd(store, "PTTL", keys.last_offset) <= 1000
+    await asyncio.sleep(1.2)
+    for key in keys:
+        assert await cmd(store, "EXISTS", key) == 0
+    assert not await store.expire_session(cid, 0)
+
+
+async def test_keys_of_a_client_without_a_session_expire_with_their_messages(
+    store: RedisMessageStore, cid: str
+) -> None:
+    keys = client_keys(cid)
+    await store.save_batch(cid, msgs(0, 2), partition=0)
+    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.last_offset):
+        ttl = await cmd(store, "TTL", key)
+        assert 7 * 86400 - 5 < ttl <= 7 * 86400
+
+
+async def test_scripts_are_reloaded_after_a_script_flush(
+    store: RedisMessageStore, cid: str
+) -> None:
+    await cmd(store, "SCRIPT FLUSH")
+    res = await store.save_batch(cid, msgs(0, 2), partition=0)
+    assert res.saved == 2
+    await cmd(store, "SCRIPT FLUSH")
+    assert len(await store.load_page(cid)) == 2
+
+
+async def test_save_many_reports_failures_and_is_safe_to_retry(
+    store: RedisMessageStore, cid: str
+) -> None:
+    from persistence.redis_store import BatchSaveError
+
+    good = ClientBatch(cid, msgs(0, 3), partition=0)
+    bad = ClientBatch(cid + "-bad", msgs(0, 3), partition=0, offsets=[-1, 0, 1])
+    with pytest.raises(BatchSaveError) as info:
+        await store.save_many([good, bad])
+    assert info.value.results[0].saved == 3  # type: ignore[union-attr]
+    assert isinstance(info.value.results[1], ValueError)
+    retry = await store.save_many([good])
+    assert retry[0].duplicates == 3
+
+
+async def test_a_lost_score_counter_never_sends_scores_backwards(
+    store: RedisMessageStore, cid: str
+) -> None:
+    await store.save_batch(cid, msgs(0, 3), partition=0)
+    await cmd(store, "DEL", client_keys(cid).last_score)
+    res = await store.save_batch(cid, msgs(3, 1), partition=0)
+    assert res.assigned == [Assigned(4, 4)]
