@@ -73,6 +73,13 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
     keep_alive = packet.keep_alive
     server_keep_alive = None
     if keep_alive > mqtt.max_keep_alive:
+        if not v5:
+            # 3.1.1 cannot announce a shorter keep alive (no Server Keep Alive), and
+            # enforcing one silently times out a client that pings on time.
+            # Refused as Mosquitto refuses it (max_keepalive), with return code 2.
+            raise ConnectRefused(
+                ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "keep alive above max_keep_alive"
+            )
         keep_alive = server_keep_alive = mqtt.max_keep_alive
 
     conn.client_id = client_id

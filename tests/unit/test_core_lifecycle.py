@@ -140,3 +140,18 @@ def test_connection_lost_before_connect_leaves_no_trace() -> None:
     assert c.closed
     assert h.broker.sessions == {}
     assert c.conn not in h.broker.connections
+
+
+def test_v311_keep_alive_above_max_is_refused_not_silently_shortened() -> None:
+    """3.1.1 has no Server Keep Alive, and MQTT-3.1.2-24 (3.1.1) makes the client's
+    Keep Alive the one that counts: shortening it behind the client's back would
+    time out a client that pings on time. Refused as Mosquitto does (rc 2)."""
+    h = Harness(max_keep_alive=30)
+    c = h.client(V311)
+    ack = c.connect("dev", keep_alive=120, check=False)
+    assert ack.reason_code == 2
+    assert c.closed
+    ok = h.client(V311)
+    ok.connect("dev", keep_alive=30)
+    h.advance(44)
+    assert not ok.closed
