@@ -59,7 +59,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
             # MQTT-3.1.3-8: a 3.1.1 client without an id must start clean.
             raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "empty client id")
         client_id = assigned = broker.assign_client_id()
-    if len(client_id) > mqtt.max_client_id_length:
+    if len(client_id.encode()) > mqtt.max_client_id_length:  # a length in bytes
         raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "client id too long")
 
     will = _will(conn, packet)

@@ -300,3 +300,22 @@ def test_connack_is_the_first_packet_sent() -> None:
     c.send(Connect("c", properties=Properties(session_expiry_interval=10)))
     data = c.conn.data_to_send()
     assert PacketDecoder(protocol_level=V5).feed(data)[0].type == ConnAck.type
+
+
+def test_client_id_length_is_counted_in_utf8_bytes() -> None:
+    """max_client_id_length is in bytes (as MQTT-3.1.3-5 counts 23 UTF-8 bytes)."""
+    h = Harness(max_client_id_length=23)
+    c = h.client()
+    ack = c.connect("é" * 12, check=False)  # 12 characters, 24 bytes
+    assert ack.reason_code == ReasonCode.CLIENT_IDENTIFIER_NOT_VALID
+    assert h.client().connect("é" * 11 + "x").reason_code == 0  # 23 bytes
+
+
+def test_will_payload_not_utf8_with_format_indicator_is_refused_0x99() -> None:
+    """Spec 3.1.3.2.3 / 3.2.2.2: Payload Format Indicator 1 promises UTF-8: 0x99."""
+    h = Harness()
+    c = h.client()
+    will = Will("w", b"\xff", properties=Properties(payload_format_indicator=1))
+    ack = c.connect("c", will=will, check=False)
+    assert ack.reason_code == ReasonCode.PAYLOAD_FORMAT_INVALID
+    assert c.closed
