@@ -257,3 +257,23 @@ def test_pubrec_for_unknown_id_gets_pubrel_0x92() -> None:
     c = Harness().connected("dev")
     c.send(PubRec(55))
     assert c.read() == [PubRel(55, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="design: Session.resume() resends every in-flight message regardless of the "
+    "new connection's Receive Maximum; in-flight accounting cannot hold messages back",
+)
+def test_resume_respects_a_lower_receive_maximum() -> None:
+    """MQTT-3.3.4-9: never more unacknowledged PUBLISH than the Receive Maximum of
+    the connection, also when resending after reconnect with a smaller one."""
+    h = Harness()
+    dev = _persistent(h, V5, receive_maximum=5)
+    dev.subscribe("t", qos=1)
+    pub = h.connected("pub")
+    for i in range(5):
+        pub.publish_acked("t", bytes([i]), qos=1)
+    assert len(dev.read()) == 5
+    dev.conn.connection_lost()
+    back = _reconnect(h, V5, receive_maximum=2)
+    assert len(back.pending) == 2
