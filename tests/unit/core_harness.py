@@ -11,12 +11,14 @@ Time only moves through :meth:`Harness.advance`, which also runs
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from broker.codec import PacketDecoder, encode
 from broker.config import MqttSettings, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
+from broker.message import Delivery
 from broker.packets import (
     ConnAck,
     Connect,
@@ -35,6 +37,8 @@ from broker.packets import (
     Unsubscribe,
     Will,
 )
+from broker.persistent_path import PersistentPath, StoredCallback
+from broker.session import Session
 
 V311 = 4
 V5 = 5
@@ -200,12 +204,41 @@ class Client:
         self.send(Disconnect(reason, Properties(**props) if props else None))
 
 
+class DeferredPersistentPath:
+    """A persistent path whose storage completes only when a test says so.
+
+    ``complete(i, ok)`` finishes the i-th pending submission (0 = oldest still
+    pending): on success the deliveries reach their sessions, then the
+    publisher's ``on_stored`` runs, as the durable path does.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Sequence[tuple[Session, Delivery]], StoredCallback]] = []
+
+    def submit(
+        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+    ) -> None:
+        self.pending.append((list(deliveries), on_stored))
+
+    def complete(self, index: int = 0, ok: bool = True) -> None:
+        deliveries, on_stored = self.pending.pop(index)
+        if ok:
+            for session, delivery in deliveries:
+                session.deliver(delivery)
+        on_stored(ok)
+
+
 class Harness:
-    def __init__(self, settings: Settings | None = None, **mqtt: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        persistent_path: PersistentPath | None = None,
+        **mqtt: Any,
+    ) -> None:
         if settings is None:
             settings = make_settings(**mqtt)
         self.clock = FakeClock()
-        self.broker = Broker(settings, clock=self.clock)
+        self.broker = Broker(settings, clock=self.clock, persistent_path=persistent_path)
 
     def client(self, level: int = V5, peer: str = "peer") -> Client:
         return Client(self, level, peer)

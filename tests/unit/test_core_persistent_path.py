@@ -1,0 +1,147 @@
+"""Acknowledging the publisher only once the persistent path has stored the message.
+
+DESIGN.md: for persistent subscribers the PUBACK/PUBREC is sent only after
+storage; acknowledgements still leave in the order the PUBLISH packets arrived
+(MQTT-4.6.0-2). These tests drive a persistent path whose storage completes
+when the test says so.
+"""
+
+from __future__ import annotations
+
+from broker.packets import Disconnect, PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
+from tests.unit.core_harness import V5, V311, DeferredPersistentPath, Harness, payloads
+
+
+def _setup(**mqtt: object) -> tuple[Harness, DeferredPersistentPath]:
+    path = DeferredPersistentPath()
+    h = Harness(persistent_path=path, **mqtt)
+    durable = h.connected("durable", session_expiry_interval=3600)
+    durable.subscribe("t", qos=2)
+    return h, path
+
+
+def test_puback_only_after_stored() -> None:
+    h, path = _setup()
+    pub = h.connected("pub")
+    pub.publish("t", b"m", qos=1, packet_id=1)
+    assert pub.read() == []
+    assert len(path.pending) == 1
+    path.complete()
+    assert pub.read() == [PubAck(1)]
+
+
+def test_persistent_subscriber_gets_message_after_storage_others_at_once() -> None:
+    path = DeferredPersistentPath()
+    h = Harness(persistent_path=path)
+    durable = h.connected("durable", session_expiry_interval=3600)
+    durable.subscribe("t", qos=1)
+    volatile = h.connected("volatile")
+    volatile.subscribe("t", qos=1)
+    pub = h.connected("pub")
+    pub.publish("t", b"m", qos=1, packet_id=1)
+    assert payloads(volatile.read()) == [b"m"]
+    assert durable.read() == []
+    assert pub.read() == []
+    path.complete()
+    assert payloads(durable.read()) == [b"m"]
+    assert pub.read() == [PubAck(1)]
+
+
+def test_acks_leave_in_publish_order_when_storage_completes_out_of_order() -> None:
+    """MQTT-4.6.0-2: PUBACKs in the order the PUBLISH packets were received."""
+    h, path = _setup()
+    pub = h.connected("pub")
+    pub.publish("t", b"1", qos=1, packet_id=1)
+    pub.publish("t", b"2", qos=2, packet_id=2)
+    pub.publish("t", b"3", qos=1, packet_id=3)
+    path.complete(2)
+    path.complete(1)
+    assert pub.read() == []
+    path.complete(0)
+    assert pub.read() == [PubAck(1), PubRec(2), PubAck(3)]
+
+
+def test_storage_failure_v5_acks_with_0x80() -> None:
+    h, path = _setup()
+    pub = h.connected("pub")
+    pub.publish("t", b"1", qos=1, packet_id=1)
+    pub.publish("t", b"2", qos=2, packet_id=2)
+    path.complete(0, ok=False)
+    path.complete(0, ok=False)
+    assert pub.read() == [
+        PubAck(1, ReasonCode.UNSPECIFIED_ERROR),
+        PubRec(2, ReasonCode.UNSPECIFIED_ERROR),
+    ]
+    # The QoS 2 id was released: a re-send is a new message, routed afresh.
+    pub.publish("t", b"2", qos=2, packet_id=2)
+    assert len(path.pending) == 1
+
+
+def test_storage_failure_v311_closes_without_ack() -> None:
+    """3.1.1 has no failure code: the connection closes and the client resends."""
+    h, path = _setup()
+    pub = h.connected("pub", V311)
+    pub.publish("t", b"1", qos=1, packet_id=1)
+    path.complete(0, ok=False)
+    assert pub.read() == []
+    assert pub.closed
+
+
+def test_qos2_resent_while_storing_gets_one_pubrec_and_one_routing() -> None:
+    """MQTT-4.3.3-10: not routed twice; the PUBREC follows the storage."""
+    h, path = _setup()
+    pub = h.connected("pub")
+    pub.publish("t", b"m", qos=2, packet_id=4)
+    pub.send(Publish("t", b"m", 2, False, True, 4))
+    assert pub.read() == []
+    assert len(path.pending) == 1
+    path.complete()
+    assert pub.read() == [PubRec(4)]
+    pub.send(PubRel(4))
+    assert pub.read() == [PubComp(4)]
+
+
+def test_qos2_resent_on_new_connection_while_storing_gets_pubrec_there() -> None:
+    h, path = _setup()
+    pub = h.connected("pub", session_expiry_interval=60)
+    pub.publish("t", b"m", qos=2, packet_id=4)
+    pub.conn.connection_lost()
+    back = h.client()
+    assert back.connect("pub", clean_start=False, session_expiry_interval=60).session_present
+    back.send(Publish("t", b"m", 2, False, True, 4))
+    assert back.read() == []
+    path.complete()
+    assert back.read() == [PubRec(4)]
+    assert pub.read() == []
+    assert len(path.pending) == 0
+    back.send(PubRel(4))
+    assert back.read() == [PubComp(4)]
+
+
+def test_unstored_publishes_count_against_receive_maximum() -> None:
+    h, _ = _setup(receive_maximum=2)
+    pub = h.connected("pub")
+    pub.publish("t", qos=1, packet_id=1)
+    pub.publish("t", qos=1, packet_id=2)
+    pub.publish("t", qos=1, packet_id=3)
+    assert pub.read() == [Disconnect(ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)]
+
+
+def test_storage_completing_after_publisher_left_sends_nothing() -> None:
+    h, path = _setup()
+    pub = h.connected("pub")
+    pub.publish("t", qos=1, packet_id=1)
+    pub.conn.connection_lost()
+    path.complete()
+    assert pub.read() == []
+
+
+def test_qos0_to_persistent_subscriber_bypasses_storage() -> None:
+    path = DeferredPersistentPath()
+    h = Harness(persistent_path=path)
+    durable = h.connected("durable", V5, session_expiry_interval=3600)
+    durable.subscribe("t", qos=0)
+    pub = h.connected("pub")
+    pub.publish_acked("t", b"m", qos=1)
+    assert payloads(durable.read()) == [b"m"]
+    assert path.pending == []
