@@ -109,8 +109,14 @@ def _stored(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -
         if packet_id in session.qos2_awaiting_pubrec:
             session.qos2_awaiting_pubrec.discard(packet_id)
             current = session.connection
-            if ok and current is not None and current is not conn:
-                current.send(PubRec(packet_id))
+            if current is not None and current is not conn:
+                # The client re-sent on a new connection and waits for PUBREC there.
+                if ok:
+                    current.send(PubRec(packet_id))
+                elif current.is_v5:
+                    current.send(PubRec(packet_id, ReasonCode.UNSPECIFIED_ERROR))
+                else:
+                    current.disconnect(ReasonCode.UNSPECIFIED_ERROR)
     conn.ack_ready(ack, ok)
 
 

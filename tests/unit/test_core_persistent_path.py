@@ -145,3 +145,31 @@ def test_qos0_to_persistent_subscriber_bypasses_storage() -> None:
     pub.publish_acked("t", b"m", qos=1)
     assert payloads(durable.read()) == [b"m"]
     assert path.pending == []
+
+
+def test_qos2_storage_failure_after_resend_on_new_connection_is_answered_there() -> None:
+    """A v5 client resending on a new connection waits for PUBREC: when storage
+    fails it must get PUBREC 0x80 there (spec 4.3.3), not silence that keeps its
+    packet id in use forever."""
+    h, path = _setup()
+    pub = h.connected("pub", session_expiry_interval=60)
+    pub.publish("t", b"m", qos=2, packet_id=4)
+    pub.conn.connection_lost()
+    back = h.client()
+    back.connect("pub", clean_start=False, session_expiry_interval=60)
+    back.send(Publish("t", b"m", 2, False, True, 4))
+    path.complete(0, ok=False)
+    assert back.read() == [PubRec(4, ReasonCode.UNSPECIFIED_ERROR)]
+
+
+def test_qos2_storage_failure_after_resend_on_new_v311_connection_closes_it() -> None:
+    h, path = _setup()
+    pub = h.connected("pub", V311, clean_start=False)
+    pub.publish("t", b"m", qos=2, packet_id=4)
+    pub.conn.connection_lost()
+    back = h.client(V311)
+    back.connect("pub", clean_start=False)
+    back.send(Publish("t", b"m", 2, False, True, 4))
+    path.complete(0, ok=False)
+    assert back.read() == []
+    assert back.closed
