@@ -320,6 +320,10 @@ def _encode_properties(properties: Properties | None) -> bytes:
 
 # -- Decoding -------------------------------------------------------------------
 
+# Each packet body decoder gets the whole buffer, the body's bounds, the first
+# byte of the fixed header and whether the connection speaks MQTT 5.
+_Decoder = Callable[[bytes, int, int, int, bool], Packet]
+
 
 def _read_remaining_length(buf: bytes, pos: int, size: int) -> tuple[int, int] | None:
     """The fixed header's Remaining Length, or None until all of it arrived."""
@@ -455,7 +459,7 @@ def _decode_publish(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Pub
 _AckType = type[PubAck] | type[PubRec] | type[PubRel] | type[PubComp]
 
 
-def _ack_decoder(cls: _AckType) -> Callable[[bytes, int, int, int, bool], Packet]:
+def _ack_decoder(cls: _AckType) -> _Decoder:
     """PUBACK, PUBREC, PUBREL, PUBCOMP (3.4-3.7) share one layout.
 
     In MQTT 5 the reason code and the properties may be left off (3.4.2.1):
@@ -600,7 +604,6 @@ def _decode_auth(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Auth:
     return Auth(*_decode_reason_and_properties(buf, pos, end, _AUTH))
 
 
-_Decoder = Callable[[bytes, int, int, int, bool], Packet]
 _BY_TYPE: tuple[_Decoder | None, ...] = (
     None,  # 0 is reserved
     None,  # CONNECT is decoded by PacketDecoder itself: it sets the level
@@ -619,16 +622,22 @@ _BY_TYPE: tuple[_Decoder | None, ...] = (
     _decode_disconnect,
     _decode_auth,
 )
-# Fixed header flags each packet type must carry (2.1.3, [MQTT-2.1.3-1]):
-# PUBREL, SUBSCRIBE and UNSUBSCRIBE 0b0010, PUBLISH its DUP/QoS/RETAIN bits
-# (checked where it is decoded), every other type 0. Indexing the decoders by
-# the whole first byte checks type and flags in one lookup.
-_DECODERS: tuple[_Decoder | None, ...] = tuple(
-    _BY_TYPE[first >> 4]
-    if first & 0x0F == (0b0010 if first >> 4 in (_PUBREL, _SUBSCRIBE, _UNSUBSCRIBE) else 0)
-    or first >> 4 == _PUBLISH
-    else None
-    for first in range(256)
+
+
+def _valid_fixed_header_flags(first: int) -> bool:
+    """The flags each packet type must carry (2.1.3, [MQTT-2.1.3-1]).
+
+    PUBLISH carries DUP, QoS and RETAIN, checked where it is decoded.
+    """
+    kind, flags = first >> 4, first & 0x0F
+    if kind == _PUBLISH:
+        return True
+    return flags == (0b0010 if kind in (_PUBREL, _SUBSCRIBE, _UNSUBSCRIBE) else 0)
+
+
+# Indexed by the whole first byte, so one lookup checks type and flags.
+_DECODERS = tuple(
+    _BY_TYPE[first >> 4] if _valid_fixed_header_flags(first) else None for first in range(256)
 )
 _CONNECT_BYTE = 0x10
 
@@ -685,9 +694,10 @@ class PacketDecoder:
                     f"packet of {end - pos} bytes exceeds the maximum of {self.max_packet_size}",
                 )
             decoder = _DECODERS[first]
-            if decoder is None and first != _CONNECT_BYTE:
-                raise _malformed(f"reserved packet type or invalid flags in 0x{first:02x}")
-            if level is None and first != _CONNECT_BYTE:
+            if decoder is None:
+                if first != _CONNECT_BYTE:
+                    raise _malformed(f"reserved packet type or invalid flags in 0x{first:02x}")
+            elif level is None:
                 raise _protocol_error("first packet must be CONNECT [MQTT-3.1.0-1]")
             if end > size:
                 wanted = end - pos
