@@ -276,6 +276,13 @@ class Paho:
                 ) from None
         return got
 
+    def get_optional(self, timeout: float = QUIET) -> list[mqtt.MQTTMessage]:
+        """The next message if one arrives within ``timeout``, as a list of 0 or 1."""
+        try:
+            return [self.messages.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+
     def assert_no_message(self, timeout: float = QUIET) -> None:
         try:
             m = self.messages.get(timeout=timeout)

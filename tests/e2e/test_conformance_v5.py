@@ -160,7 +160,7 @@ def test_will_not_sent_on_normal_disconnect(broker, clients, names):
     b = clients.paho(broker, names.client("b"))
     b.connect()
     b.subscribe(t.t[2], 2)
-    b.subscribe(t.marker, 1)
+    b.subscribe(t.marker, 2)
 
     a = clients.paho(broker, names.client("a"))
     a.connect(will=(t.t[2], b"not wanted", 1, False))
@@ -228,10 +228,11 @@ def test_overlapping_subscriptions(broker, clients, names):
     a = clients.paho(broker, names.client("a"))
     a.connect()
     assert a.subscribe([(t.w[6], 2), (t.w[0], 1)]) == [2, 1]
-    a.subscribe(t.marker, 1)
     a.publish(t.t[3], b"overlapping topic filters", 2)
-    a.publish(t.marker, b"m", 2)
-    got = a.until(t.marker)
+    got = [a.get()]
+    # a second copy, if the broker sends one per subscription, follows at once;
+    # no barrier here: a marker could overtake it when the copies differ in QoS
+    got += a.get_optional()
     qoss = sorted(m.qos for m in got)
     assert qoss in ([2], [1, 2]), qoss
     a.disconnect()
@@ -479,7 +480,7 @@ def test_payload_format_invalid(broker, clients, names):
     a = clients.paho(broker, names.client("a"))
     a.connect()
     a.subscribe(t.t[0], 2)
-    a.subscribe(t.marker, 1)
+    a.subscribe(t.marker, 2)
     bad = props(PacketTypes.PUBLISH, PayloadFormatIndicator=1)
     assert a.publish(t.t[0], b"\xff\xfe", 1, properties=bad) == 0x99
     a.publish(t.marker, b"m", 2)
@@ -516,7 +517,7 @@ def test_publication_expiry(broker, clients, names):
     for m in got:
         assert 0 < m.properties.MessageExpiryInterval < 30
     b.subscribe(t.t[1], 1)
-    b.subscribe(t.marker, 1)
+    b.subscribe(t.marker, 2)
     a.publish(t.marker, b"m", 2)
     assert b.until(t.marker) == [], "the expired retained message was sent"
     b.disconnect(properties=props(PacketTypes.DISCONNECT, SessionExpiryInterval=0))
@@ -534,7 +535,7 @@ def test_subscribe_options(broker, clients, names):
     a.connect()
     b.connect()
     a.subscribe(t.t[0], SubscribeOptions(2, noLocal=True))
-    a.subscribe(t.marker, 1)
+    a.subscribe(t.marker, 2)
     b.subscribe(t.t[0], SubscribeOptions(2, noLocal=True))
     a.publish(t.t[0], b"noLocal test", 1)
     a.publish(t.marker, b"m", 2)
