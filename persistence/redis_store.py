@@ -68,14 +68,19 @@ PUBREL, so the payload's memory is released.
 
 Invariants
 ----------
-* **Packet ids** wrap 65535 -> 1 and are never 0. An id is never given out
+* **Packet ids** follow the score: ``packet_id = (score - 1) % 65535 + 1``
+  (:func:`packet_id_of`), so they wrap 65535 -> 1 and are never 0;
+  ``{cid}_last_packet_id`` records the last one. An id is never given out
   while a ref with that id is in ``{cid}_messages``: the save script first
   trims the set below the limit (``limit <= 65535``), so at least one id is
-  free, then takes the next id after ``{cid}_last_packet_id``, skipping ids
-  still stored (an old unacknowledged message can outlive 65535 newer,
-  acknowledged ones; its id is skipped, never overwritten). Acknowledged in
-  order, the ids run 1..65535, 1, 2, ... with no gap.
-* **Scores** come from ``{cid}_last_score``, which only grows; it is not
+  free, then moves the score on past any score whose id is still stored (an
+  old unacknowledged message can outlive 65535 newer, acknowledged ones; its
+  id is skipped, never overwritten, and the scores show a gap there). A
+  stored ref can only clash with a new score 65535 or more steps later, so
+  the script checks ids one by one only when its oldest ref is that old.
+  Acknowledged as they go, the ids run 1..65535, 1, 2, ... with no gap.
+* **Scores** come from ``{cid}_last_score``, which only grows (strictly
+  increasing per client, gaps only where an id was skipped); it is not
   derived from the set (which empties), and if the counter key were lost the
   script continues above the set's highest score.
 * **Idempotent save**: messages at offsets ``<=`` the partition's stored
@@ -131,10 +136,12 @@ __all__ = [
     "client_keys",
     "decode_record",
     "encode_message",
+    "packet_id_of",
 ]
 
 DEFAULT_LIMIT = 10_000
 MAX_LIMIT = 65_535
+MAX_PACKET_ID = 65_535
 DEFAULT_TTL = 7 * 24 * 3600  # seconds
 DEFAULT_CONCURRENCY = 10
 
@@ -160,6 +167,7 @@ _P_CORRELATION_DATA = 0x09
 _P_SUBSCRIPTION_ID = 0x0B
 _P_USER_PROPERTY = 0x26
 
+_OFFSET_TTL = struct.Struct(">dd")  # per message in the save script's arguments
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -416,6 +424,11 @@ def _tag(client_id: str) -> str:
     return client_id
 
 
+def packet_id_of(score: int) -> int:
+    """The packet id that goes with a score: 1..65535, wrapping, never 0."""
+    return (score - 1) % MAX_PACKET_ID + 1
+
+
 def client_keys(client_id: str) -> ClientKeys:
     """The Redis keys of ``client_id`` (all in one cluster slot)."""
     p = "{" + _tag(client_id) + "}"
@@ -442,7 +455,8 @@ class Assigned(NamedTuple):
 class SaveResult:
     """What one client batch did.
 
-    ``assigned[i]`` is message i's packet id and score, or None when it was
+    ``assigned[i]`` is message i's packet id and score (in order, strictly
+    increasing scores), or None when it was
     not stored: its offset had been stored before (counted in
     ``duplicates``) or it had already expired (``expired``).
     ``trimmed_ids`` are packet ids removed, oldest first, to respect the
@@ -655,22 +669,23 @@ class RedisMessageStore:
             return SaveResult([], [], 0, 0)
         keys = client_keys(client_id)
         now = self._clock()
-        args: list[Any] = [limit, partition, self._default_ttl_ms, len(messages)]
+        meta = bytearray()
+        values: list[bytes] = []
         for m, offset in zip(messages, offsets, strict=True):
             if offset < 0:
                 raise ValueError("Kafka offsets are >= 0")
-            args += (offset, self._ttl_ms(m, now), encode_message(m))
-        first_score, ids, trimmed = await self._eval(_SAVE, keys, args)
+            meta += _OFFSET_TTL.pack(offset, self._ttl_ms(m, now))
+            values.append(encode_message(m))
+        args = (limit, partition, self._default_ttl_ms, len(messages), bytes(meta), *values)
+        scores, trimmed = await self._eval(_SAVE, keys, args)
         assigned: list[Assigned | None] = []
         duplicates = expired = 0
-        score = int(first_score)
-        for pid in ids:
-            if pid > 0:
-                assigned.append(Assigned(pid, score))
-                score += 1
+        for score in scores:
+            if score > 0:
+                assigned.append(Assigned(packet_id_of(score), score))
             else:
                 assigned.append(None)
-                if pid < 0:
+                if score < 0:
                     duplicates += 1
                 else:
                     expired += 1

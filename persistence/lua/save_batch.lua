@@ -9,22 +9,29 @@
 --
 -- ARGV[1] limit (1..65535)   ARGV[2] partition
 -- ARGV[3] default TTL in ms (how long orphaned keys are kept, see the end)
--- ARGV[4] n, then n triples: offset, ttl in ms (<= 0: already expired), value (opaque bytes)
+-- ARGV[4] n   ARGV[5] n pairs of big-endian doubles: Kafka offset, TTL in ms
+-- (<= 0: already expired)   ARGV[6 .. 5 + n] the values (opaque bytes)
 --
--- Returns {first_score, ids, trimmed}: ids[i] is the packet id given to message i,
--- 0 when it had already expired, -1 when its offset was already stored (a
--- replayed batch). Stored messages got scores first_score, first_score + 1, ...
--- in order. trimmed lists the packet ids removed, oldest first, to respect limit.
+-- Packet ids follow the score: id = (score - 1) % 65535 + 1, so they wrap
+-- 65535 -> 1 and are never 0. A score whose id is still stored is skipped
+-- (the counter moves on, the id is not reused). A stored ref can only clash
+-- with a new score if it is 65535 or more steps older: when the oldest ref is
+-- younger than that, the per-message check is not needed.
+--
+-- Returns {scores, trimmed}: scores[i] is message i's score, 0 when it had
+-- already expired, -1 when its offset was already stored (a replayed batch).
+-- trimmed lists the packet ids removed, oldest first, to respect limit.
 
 local set_key = KEYS[1]
 local limit = tonumber(ARGV[1])
 local partition = ARGV[2]
 local default_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
+local meta = ARGV[5]
 
 local last_offset = tonumber(redis.call('HGET', KEYS[4], partition) or '-1')
 local start_offset = last_offset
-local last_id = tonumber(redis.call('GET', KEYS[2]) or '0')
+local last_id = 0
 local score = tonumber(redis.call('GET', KEYS[3]) or '0')
 -- The counter lives in its own key; should that key ever be lost while refs
 -- remain, continue above the highest score still in the set.
@@ -33,23 +40,25 @@ if top[2] then
   local top_score = tonumber(top[2])
   if top_score > score then score = top_score end
 end
-local first_score = score + 1
 local card = redis.call('ZCARD', set_key)
+local check = n >= 65535
+if card > 0 then
+  local oldest = redis.call('ZRANGE', set_key, 0, 0, 'WITHSCORES')
+  check = check or tonumber(oldest[2]) + 65535 <= score + n
+end
 
-local ids = {}
+local scores = {}
 local trimmed = {}
 local stored = 0
 local max_ttl = 0
 for i = 1, n do
-  local base = 4 + (i - 1) * 3
-  local offset = tonumber(ARGV[base + 1])
-  local ttl = tonumber(ARGV[base + 2])
+  local offset, ttl = struct.unpack('>dd', meta, (i - 1) * 16 + 1)
   if offset <= last_offset then
-    ids[i] = -1
+    scores[i] = -1
   else
     last_offset = offset
     if ttl <= 0 then
-      ids[i] = 0
+      scores[i] = 0
     else
       -- Make room first: oldest (lowest score) out. Afterwards card < limit
       -- <= 65535, so at least one packet id is free and the search ends.
@@ -59,17 +68,17 @@ for i = 1, n do
         trimmed[#trimmed + 1] = tonumber(popped[1])
         card = card - 1
       end
-      -- Next id, wrapping 65535 -> 1 (never 0), skipping ids still stored.
+      -- Next score and its id, skipping ids still stored.
       repeat
-        last_id = last_id % 65535 + 1
-      until not redis.call('ZSCORE', set_key, last_id)
-      score = score + 1
-      redis.call('SET', set_key .. '_' .. last_id, ARGV[base + 3], 'PX', ttl)
+        score = score + 1
+        last_id = (score - 1) % 65535 + 1
+      until not check or not redis.call('ZSCORE', set_key, last_id)
+      redis.call('SET', set_key .. '_' .. last_id, ARGV[5 + i], 'PX', ttl)
       redis.call('ZADD', set_key, score, last_id)
       card = card + 1
       stored = stored + 1
       if ttl > max_ttl then max_ttl = ttl end
-      ids[i] = last_id
+      scores[i] = score
     end
   end
 end
@@ -98,4 +107,4 @@ elseif session_ttl == -2 and (stored > 0 or last_offset ~= start_offset) then
   end
 end
 
-return {first_score, ids, trimmed}
+return {scores, trimmed}
