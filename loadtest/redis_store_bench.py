@@ -1,0 +1,151 @@
+"""Throughput of RedisMessageStore.save_many against local Redis (not a test).
+
+    python -m loadtest.redis_store_bench                 # single and cluster
+    python -m loadtest.redis_store_bench --mode single --clients 200 --batch 50 \\
+        --batches 20 --in-flight 10
+    python -m loadtest.redis_store_bench --url redis://127.0.0.1:6379   # a running Redis
+
+It starts its own redis-server (and a 3-master cluster) on free 127.0.0.1
+ports, stops them by PID at the end, and prints msg/s for:
+
+* ``save_many``: clients x batches of ``--batch`` messages, ``--in-flight``
+  script calls at once (the persistence consumer's path);
+* ``per-message``: one awaited script call per message, for comparison;
+* ``replay``: ``load_page`` pages of 1000 over one client's 10k messages.
+
+Every run uses fresh client ids, so nothing is skipped as a duplicate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+
+from persistence.redis_store import ClientBatch, RedisMessageStore, StoredMessage
+from tests.integration.redis_servers import RedisCluster3, RedisServer
+
+PAYLOAD = b"x" * 100
+
+
+def _messages(first: int, count: int) -> list[StoredMessage]:
+    return [
+        StoredMessage(
+            topic=f"devices/{i % 97}/telemetry",
+            payload=PAYLOAD,
+            qos=1,
+            publish_time=time.time(),
+            kafka_offset=first + i,
+        )
+        for i in range(count)
+    ]
+
+
+async def bench_save_many(
+    store: RedisMessageStore, clients: int, batch: int, batches: int, in_flight: int
+) -> float:
+    run = uuid.uuid4().hex[:6]
+    ids = [f"bench-{run}-{c}" for c in range(clients)]
+    # One "poll" of the consumer = one batch per client; several polls in a row.
+    polls = [
+        [
+            ClientBatch(cid, _messages(p * batch, batch), partition=c % 12)
+            for c, cid in enumerate(ids)
+        ]
+        for p in range(batches)
+    ]
+    total = clients * batch * batches
+    t0 = time.perf_counter()
+    for poll in polls:
+        results = await store.save_many(poll, concurrency=in_flight)
+        assert all(r.saved == batch for r in results)
+    elapsed = time.perf_counter() - t0
+    return total / elapsed
+
+
+async def bench_per_message(store: RedisMessageStore, count: int) -> float:
+    cid = f"bench-one-{uuid.uuid4().hex[:6]}"
+    messages = _messages(0, count)
+    t0 = time.perf_counter()
+    for m in messages:
+        await store.save_batch(cid, [m], partition=0)
+    return count / (time.perf_counter() - t0)
+
+
+async def bench_replay(store: RedisMessageStore, count: int = 10_000) -> float:
+    cid = f"bench-replay-{uuid.uuid4().hex[:6]}"
+    for first in range(0, count, 1000):
+        await store.save_batch(cid, _messages(first, 1000), partition=0)
+    t0 = time.perf_counter()
+    after, seen = 0, 0
+    while records := await store.load_page(cid, after, 1000):
+        seen += len(records)
+        after = records[-1].score
+    assert seen == count
+    return count / (time.perf_counter() - t0)
+
+
+async def run(url: str, cluster: bool, args: argparse.Namespace) -> dict[str, float]:
+    store = RedisMessageStore.from_url(url, cluster=cluster, limit=65535)
+    try:
+        await store.load_scripts()
+        await bench_save_many(store, 20, args.batch, 2, args.in_flight)  # warm-up
+        out = {
+            "save_many": await bench_save_many(
+                store, args.clients, args.batch, args.batches, args.in_flight
+            ),
+            "per-message": await bench_per_message(store, args.single_count),
+            "replay": await bench_replay(store),
+        }
+    finally:
+        await store.aclose()
+    return out
+
+
+@contextlib.contextmanager
+def _servers(mode: str) -> Iterator[tuple[str, bool]]:
+    if mode == "single":
+        with RedisServer() as server:
+            yield server.url, False
+    else:
+        with RedisCluster3() as cluster:
+            yield cluster.url, True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["single", "cluster", "both"], default="both")
+    parser.add_argument("--url", help="use this running Redis instead of starting one")
+    parser.add_argument("--cluster", action="store_true", help="--url is a cluster node")
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=50)
+    parser.add_argument("--batches", type=int, default=20, help="batches per client")
+    parser.add_argument("--in-flight", type=int, default=10)
+    parser.add_argument("--single-count", type=int, default=10_000)
+    args = parser.parse_args()
+    print(
+        f"{args.clients} clients x {args.batches} batches of {args.batch} "
+        f"({args.clients * args.batches * args.batch} messages, {len(PAYLOAD)} B payload), "
+        f"{args.in_flight} in flight"
+    )
+    targets: list[tuple[str, contextlib.AbstractContextManager[tuple[str, bool]]]]
+    if args.url:
+        targets = [("given", contextlib.nullcontext((args.url, args.cluster)))]
+    else:
+        modes = ["single", "cluster"] if args.mode == "both" else [args.mode]
+        targets = [(m, _servers(m)) for m in modes]
+    for name, servers in targets:
+        with servers as (url, cluster):
+            result = asyncio.run(run(url, cluster, args))
+        print(
+            f"{name:8s} save_many {result['save_many']:>9,.0f} msg/s   "
+            f"per-message {result['per-message']:>8,.0f} msg/s   "
+            f"replay {result['replay']:>9,.0f} msg/s"
+        )
+
+
+if __name__ == "__main__":
+    main()
