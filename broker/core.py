@@ -127,6 +127,7 @@ class Broker:
         for topic_filter in session.subscriptions:
             self.subscriptions.remove(session.client_id, topic_filter)
         session.subscriptions.clear()
+        session.outbox.discard()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
         self._detached.discard(session)

@@ -69,7 +69,7 @@ class MQTTProtocol(asyncio.Protocol):
             self.transport.resume_reading()
         session = self.conn.session
         if session is not None:
-            session.pump()
+            session.outbox.pump()
 
 
 class BrokerServer:

@@ -12,7 +12,7 @@ log = logging.getLogger("devicemq.acks")
 
 def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
     assert conn.session is not None
-    if not conn.session.acknowledge(packet.packet_id):
+    if not conn.session.outbox.acknowledge(packet.packet_id):
         log.debug("client %s: PUBACK for unknown id %d", conn.client_id, packet.packet_id)
 
 
@@ -20,7 +20,7 @@ def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
     """Answer with PUBREL (MQTT-4.3.3-4); a failure reason ends the flow instead."""
     assert conn.session is not None
     failed = packet.reason_code >= 0x80
-    if conn.session.received(packet.packet_id, failed):
+    if conn.session.outbox.received(packet.packet_id, failed):
         if not failed:
             conn.send(PubRel(packet.packet_id))
     elif not failed:
@@ -29,5 +29,5 @@ def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
 
 def handle_pubcomp(conn: MQTTConnection, packet: PubComp) -> None:
     assert conn.session is not None
-    if not conn.session.completed(packet.packet_id):
+    if not conn.session.outbox.completed(packet.packet_id):
         log.debug("client %s: PUBCOMP for unknown id %d", conn.client_id, packet.packet_id)

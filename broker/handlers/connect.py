@@ -119,7 +119,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         "persistent" if session.persistent else "clean",
         ", resumed" if present else "",
     )
-    session.resume()
+    session.outbox.resume()
 
 
 def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
