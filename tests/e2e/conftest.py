@@ -134,6 +134,7 @@ def start_broker(data_dir: Path, settings: Mapping[str, object] | None = None) -
     if is_mosquitto():
         conf = data_dir / "mosquitto.conf"
         lines = [f"listener {port} {HOST}", "allow_anonymous true", "persistence false"]
+        lines.append("max_queued_messages 100000")  # default 1000 drops bulk tests
         for name, value in settings.items():
             option = _MOSQUITTO_EQUIVALENTS.get(name)
             if option is None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.clients import TIMEOUT, V5
+from tests.e2e.conftest import is_mosquitto
 
 pytestmark = [
     pytest.mark.e2e,
@@ -78,7 +79,9 @@ class Sub:
         while len(got) < count:
             line = self._next(deadline)
             if line is None:
-                raise AssertionError(f"mosquitto_sub exited after {len(got)} of {count}")
+                raise AssertionError(
+                    f"mosquitto_sub exited after {len(got)} of {count}: {self.seen[-5:]}"
+                )
             if line.startswith("MSG "):
                 got.append(line[4:])
         return got
@@ -228,6 +231,8 @@ def test_large_payload(broker, names, tmp_path, version):
 @pytest.mark.parametrize("qos", [1, 2])
 def test_many_messages_in_order(broker, subs, names, qos):
     """2000 messages from one mosquitto_pub -l arrive complete and in order (MQTT-4.6.0-6)."""
+    if is_mosquitto() and qos == 2:
+        pytest.skip("mosquitto 2.0.11 ends this stream with a protocol error towards mosquitto_sub")
     topic = names.topic("many")
     count = 2000
     sub = start_sub(
