@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from persistence.records import encode_record
+from persistence.records import encode_delivery
 
 if TYPE_CHECKING:
     from broker.message import Delivery
@@ -56,7 +56,7 @@ class KafkaPersistentPath:
     ) -> None:
         wall, now = self._wall_clock(), self._clock()
         records = [
-            (session.client_id.encode(), encode_record(delivery, wall, now))
+            (session.client_id.encode(), encode_delivery(delivery, wall, now))
             for session, delivery in deliveries
         ]
         if not self._pending:

@@ -136,6 +136,7 @@ __all__ = [
     "client_keys",
     "decode_record",
     "encode_message",
+    "encoded_expiry",
     "packet_id_of",
 ]
 
@@ -313,6 +314,13 @@ def _decode_properties(data: bytes) -> dict[str, Any]:
     return out
 
 
+def encoded_expiry(value: bytes) -> float | None:
+    """The absolute expiry of an encoded message, read from its header alone."""
+    if value[1] & FLAG_HAS_EXPIRY:
+        return float(_HEADER.unpack_from(value)[4])
+    return None
+
+
 def decode_record(packet_id: int, score: int, value: bytes) -> StoredRecord:
     """Read a stored value back (inverse of :func:`encode_message`)."""
     if len(value) < 2 or value[0] != VERSION:
@@ -485,7 +493,7 @@ class ClientBatch:
     """
 
     client_id: str
-    messages: Sequence[StoredMessage]
+    messages: Sequence[StoredMessage | bytes]
     partition: int
     offsets: Sequence[int] | None = None
 
@@ -514,7 +522,7 @@ class PersistedMessageStore(Protocol):
     async def save_batch(
         self,
         client_id: str,
-        messages: Sequence[StoredMessage],
+        messages: Sequence[StoredMessage | bytes],
         partition: int,
         offsets: Sequence[int] | None = None,
         *,
@@ -642,27 +650,32 @@ class RedisMessageStore:
 
     # -- saving ------------------------------------------------------------
 
-    def _ttl_ms(self, m: StoredMessage, now: float) -> int:
-        if m.expiry is None:
+    def _ttl_ms(self, expiry: float | None, now: float) -> int:
+        if expiry is None:
             return self._default_ttl_ms
-        return math.ceil((m.expiry - now) * 1000)
+        return math.ceil((expiry - now) * 1000)
 
     async def save_batch(
         self,
         client_id: str,
-        messages: Sequence[StoredMessage],
+        messages: Sequence[StoredMessage | bytes],
         partition: int,
         offsets: Sequence[int] | None = None,
         *,
         limit: int | None = None,
     ) -> SaveResult:
-        """Store one client's batch (one script call). See :class:`SaveResult`."""
+        """Store one client's batch (one script call). See :class:`SaveResult`.
+
+        A message may come already encoded (:func:`encode_message`), as the
+        Kafka consumer passes record values through untouched; then
+        ``offsets`` must be given.
+        """
         if limit is None:
             limit = self.limit
         else:
             _check_limit(limit)
         if offsets is None:
-            offsets = [m.kafka_offset for m in messages]
+            offsets = [m.kafka_offset if isinstance(m, StoredMessage) else -1 for m in messages]
         elif len(offsets) != len(messages):
             raise ValueError("one offset per message")
         if not messages:
@@ -674,8 +687,12 @@ class RedisMessageStore:
         for m, offset in zip(messages, offsets, strict=True):
             if offset < 0:
                 raise ValueError("Kafka offsets are >= 0")
-            meta += _OFFSET_TTL.pack(offset, self._ttl_ms(m, now))
-            values.append(encode_message(m))
+            if isinstance(m, StoredMessage):
+                meta += _OFFSET_TTL.pack(offset, self._ttl_ms(m.expiry, now))
+                values.append(encode_message(m))
+            else:
+                meta += _OFFSET_TTL.pack(offset, self._ttl_ms(encoded_expiry(m), now))
+                values.append(m)
         args = (limit, partition, self._default_ttl_ms, len(messages), bytes(meta), *values)
         scores, trimmed = await self._eval(_SAVE, keys, args)
         assigned: list[Assigned | None] = []
