@@ -20,7 +20,7 @@ from broker.persistent_path import InMemoryPersistentPath, PersistentPath, Store
 from broker.retained import RetainedStore
 from broker.session import NEVER_EXPIRES, Session
 from broker.stats import BrokerStats
-from broker.topics import SubscriptionTree
+from broker.topics import SubscriptionEntry, SubscriptionTree
 
 if TYPE_CHECKING:
     from broker.config import Settings
@@ -82,6 +82,9 @@ class Broker:
                 client_id, expiry_interval, mqtt.max_inflight, mqtt.max_queued_messages, self.stats
             )
             self.sessions[client_id] = session
+            if expiry_interval > 0:
+                session.durable = True
+                session.outbox = self.persistent_path.outbox_for(session)
             present = False
         else:
             session = existing
@@ -93,9 +96,34 @@ class Broker:
             present = True
         session.connection = conn
         conn.session = session
+        if session.durable:
+            self.persistent_path.save_session(session, _ignore_stored)
         self.connections.add(conn)
         self.stats.connections_total += 1
         return session, present
+
+    def restore_session(
+        self,
+        client_id: str,
+        expiry_interval: int,
+        subscriptions: list[SubscriptionEntry],
+        expires_in: float | None,
+    ) -> Session:
+        """Recreate a durable session saved before a restart, disconnected."""
+        mqtt = self.settings.mqtt
+        session = Session(
+            client_id, expiry_interval, mqtt.max_inflight, mqtt.max_queued_messages, self.stats
+        )
+        session.durable = True
+        session.outbox = self.persistent_path.outbox_for(session)
+        for entry in subscriptions:
+            self.subscriptions.add(entry)
+            session.subscriptions[entry.topic_filter] = entry
+        if expires_in is not None:
+            session.expires_at = self.clock() + expires_in
+        self.sessions[client_id] = session
+        self._detached.add(session)
+        return session
 
     def detach(self, conn: MQTTConnection, publish_will: bool) -> None:
         """The connection ended: start the will delay and the session expiry."""
@@ -121,6 +149,8 @@ class Broker:
         if session.expiry_interval != NEVER_EXPIRES:
             session.expires_at = now + session.expiry_interval
         self._detached.add(session)
+        if session.durable:
+            self.persistent_path.save_session(session, _ignore_stored)
 
     def end_session(self, session: Session) -> None:
         """Discard a session; a will still waiting for its delay is sent now."""
@@ -130,6 +160,8 @@ class Broker:
         session.outbox.discard()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+        if session.durable:
+            self.persistent_path.session_ended(session)
         self._detached.discard(session)
         if session.pending_will is not None:
             will, session.pending_will = session.pending_will, None
@@ -201,7 +233,7 @@ class Broker:
         """Deliver in memory, or through the persistent path for persistent sessions."""
         persistent = []
         for session, delivery in targets:
-            if session.persistent and delivery.qos > 0:
+            if session.durable and delivery.qos > 0:
                 persistent.append((session, delivery))
             else:
                 session.deliver(delivery)

@@ -1,12 +1,14 @@
-"""The hand-off point for traffic to persistent sessions.
+"""The hand-off point for persistent sessions.
 
 A session is persistent when it outlives its connection (clean session 0 in
-3.1.1, Session Expiry Interval > 0 in 5.0). The router sends every delivery
-for such a session through a :class:`PersistentPath`, and acknowledges the
-publisher only when the path reports the deliveries stored. DESIGN.md's
-durable path (Kafka, then Redis) implements this interface; until it is
-configured, :class:`InMemoryPersistentPath` keeps the messages in the
-session's own queue, as an ordinary broker does.
+3.1.1, Session Expiry Interval > 0 in 5.0). Such a session is *durable*: the
+router sends its QoS 1/2 deliveries through a :class:`PersistentPath` and
+acknowledges the publisher only when the path reports them stored; its
+outgoing flow is an outbox the path supplies; its state is saved through the
+path before SUBACK. DESIGN.md's durable path (Kafka, then Redis) lives in
+``persistence/``; :class:`InMemoryPersistentPath` keeps everything in the
+session itself, as an ordinary broker does (survives disconnects, not
+restarts).
 """
 
 from __future__ import annotations
@@ -16,30 +18,52 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from broker.message import Delivery
+    from broker.outbox import Outbox
     from broker.session import Session
 
-StoredCallback = Callable[[bool], None]
+DoneCallback = Callable[[bool], None]
+StoredCallback = DoneCallback
 
 
 class PersistentPath(Protocol):
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
     ) -> None:
         """Store ``deliveries`` durably, then call ``on_stored(True)``.
 
         ``on_stored(False)`` means they could not be stored: the publisher must
-        not be told the message was accepted. Calls for one publisher complete
-        in submission order.
+        not be told the message was accepted.
         """
-        ...
+
+    def outbox_for(self, session: Session) -> Outbox:
+        """The outgoing flow of a new durable session."""
+
+    def save_session(self, session: Session, on_saved: DoneCallback) -> None:
+        """Record the session's state (subscriptions, expiry, connected or not)."""
+
+    def session_ended(self, session: Session) -> None:
+        """The session expired or was discarded by clean start: drop what is kept."""
+
+
+def _ignore(ok: bool) -> None:
+    """Nothing waits on this completion."""
 
 
 class InMemoryPersistentPath:
-    """Queues in the session itself: survives disconnects, not broker restarts."""
+    """Keeps durable sessions' messages in their in-memory outbox."""
 
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
     ) -> None:
         for session, delivery in deliveries:
             session.deliver(delivery)
         on_stored(True)
+
+    def outbox_for(self, session: Session) -> Outbox:
+        return session.outbox
+
+    def save_session(self, session: Session, on_saved: DoneCallback = _ignore) -> None:
+        on_saved(True)
+
+    def session_ended(self, session: Session) -> None:
+        pass

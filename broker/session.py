@@ -41,6 +41,8 @@ class Session:
         self.will_at: float | None = None
         self.stats = stats
         self.outbox: Outbox = MemoryOutbox(self, max_inflight, max_queued, stats)
+        # Created persistent: deliveries and state go through the persistent path.
+        self.durable = False
 
     @property
     def persistent(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from broker.connection import MQTTConnection
 from broker.errors import MQTTError
 from broker.message import Delivery
@@ -59,9 +61,15 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             ids = (subscription_id,) if subscription_id else ()
             for message in broker.retained.matching(request.topic_filter, now):
                 retained.append(Delivery(message, min(message.qos, qos), True, ids))
-    conn.send(SubAck(packet.packet_id, reason_codes))
-    for delivery in retained:
-        session.deliver(delivery)
+
+    def saved(ok: bool) -> None:
+        # A durable session's subscriptions are stored before SUBACK promises them.
+        codes = reason_codes if ok else [_failed(code) for code in reason_codes]
+        conn.send(SubAck(packet.packet_id, codes))
+        if ok and retained:
+            broker.dispatch([(session, d) for d in retained], _no_ack)
+
+    _after_save(conn, saved)
 
 
 def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
@@ -93,4 +101,26 @@ def handle_unsubscribe(conn: MQTTConnection, packet: Unsubscribe) -> None:
         session.subscriptions.pop(topic_filter, None)
         existed = tree.remove(conn.client_id, topic_filter)
         reason_codes.append(ReasonCode.SUCCESS if existed else ReasonCode.NO_SUBSCRIPTION_EXISTED)
-    conn.send(UnsubAck(packet.packet_id, reason_codes if conn.is_v5 else []))
+
+    def saved(ok: bool) -> None:
+        codes = reason_codes if ok else [_failed(code) for code in reason_codes]
+        conn.send(UnsubAck(packet.packet_id, codes if conn.is_v5 else []))
+
+    _after_save(conn, saved)
+
+
+def _after_save(conn: MQTTConnection, answer: Callable[[bool], None]) -> None:
+    session = conn.session
+    assert session is not None
+    if session.durable:
+        conn.broker.persistent_path.save_session(session, answer)
+    else:
+        answer(True)
+
+
+def _failed(code: int) -> int:
+    return code if code >= 0x80 else ReasonCode.UNSPECIFIED_ERROR
+
+
+def _no_ack(ok: bool) -> None:
+    """Retained messages sent on subscribe have no publisher waiting."""

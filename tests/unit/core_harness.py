@@ -37,7 +37,7 @@ from broker.packets import (
     Unsubscribe,
     Will,
 )
-from broker.persistent_path import PersistentPath, StoredCallback
+from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
 from broker.session import Session
 
 V311 = 4
@@ -204,7 +204,7 @@ class Client:
         self.send(Disconnect(reason, Properties(**props) if props else None))
 
 
-class DeferredPersistentPath:
+class DeferredPersistentPath(InMemoryPersistentPath):
     """A persistent path whose storage completes only when a test says so.
 
     ``complete(i, ok)`` finishes the i-th pending submission (0 = oldest still
