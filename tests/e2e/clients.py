@@ -449,6 +449,26 @@ class Raw:
                 )
             got.append(packet)
 
+    def read_until_close(self, timeout: float = TIMEOUT) -> bytes:
+        """Raw bytes until the broker closes (for answers this decoder cannot parse)."""
+        data = bytearray()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"broker did not close within {timeout} s; got {data!r}")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                return bytes(data)
+            data += chunk
+
     def ping(self) -> None:
         self.send(PingReq())
 
