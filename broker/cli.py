@@ -107,8 +107,14 @@ def _run(args: argparse.Namespace) -> int:
             raise
         _error("broker.server is not available in this installation")
         return 1
+    from persistence.runtime import PersistenceUnavailable
+    from persistence.services import ServiceError
+
     try:
         server.run(settings)
+    except (PersistenceUnavailable, ServiceError) as e:
+        _error(str(e))
+        return 1
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             where = f"{settings.listener.host}:{settings.listener.port}"
@@ -121,11 +127,46 @@ def _run(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# services
+# --------------------------------------------------------------------------
+
+
+def _add_services_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("status", "stop"), help="show or stop them")
+    p.add_argument("--data-dir", metavar="DIR", help="the broker's data_dir (default ./data)")
+    p.add_argument("--config", metavar="FILE", help="YAML settings file, for data_dir")
+
+
+def _services(args: argparse.Namespace) -> int:
+    """The embedded Redis and Kafka-protocol broker of a data dir."""
+    from pathlib import Path
+
+    from persistence.services import EmbeddedServices, ServiceError, format_status
+
+    overrides = {"data_dir": args.data_dir} if args.data_dir else {}
+    settings = load_settings(_config_path(args), overrides=overrides)
+    services = EmbeddedServices(Path(settings.data_dir))
+    try:
+        if args.action == "stop":
+            services.stop()
+        print(format_status(services.status()))
+    except ServiceError as e:
+        _error(str(e))
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------
 # The command table and main
 # --------------------------------------------------------------------------
 
 COMMANDS: dict[str, Command] = {
     "run": Command("run the MQTT broker until SIGTERM/SIGINT", _add_run_arguments, _run),
+    "services": Command(
+        "show or stop the embedded Redis and Kafka of a data dir",
+        _add_services_arguments,
+        _services,
+    ),
 }
 
 

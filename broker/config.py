@@ -159,6 +159,50 @@ class MqttSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PersistenceSettings:
+    """The persistent-session path: Kafka, then Redis (DESIGN.md)."""
+
+    enabled: bool = setting(
+        True,
+        "Route persistent sessions through Kafka and Redis; false keeps them in memory only",
+    )
+    redis_url: str = setting(
+        "", "Redis URL, e.g. redis://host:6379/0; empty with kafka_bootstrap empty: embedded"
+    )
+    redis_cluster: bool = setting(False, "redis_url names a node of a Redis Cluster")
+    kafka_bootstrap: str = setting(
+        "", "Kafka bootstrap servers, host:port[,host:port]; empty with redis_url empty: embedded"
+    )
+    topic: str = setting("devicemq.device.persisted", "Kafka topic of persistent deliveries")
+    partitions: int = setting(
+        12, "Partitions of the topic when devicemq creates it (fixed afterwards)", ge=1, le=10_000
+    )
+    consumer_group: str = setting("devicemq-persistence", "Kafka consumer group of the brokers")
+    max_messages_per_client: int = setting(
+        10_000, "Stored messages kept per client; over it the oldest are trimmed", ge=1, le=65535
+    )
+    default_message_ttl: int = setting(
+        604_800, "Seconds a stored message lives without an MQTT 5 message expiry", ge=1
+    )
+    consumer_max_records: int = setting(
+        5_000, "Most Kafka records read per consumer batch", ge=1, le=1_000_000
+    )
+    save_concurrency: int = setting(10, "Redis batch saves in flight at once", ge=1, le=1_000)
+    replay_page_size: int = setting(
+        500, "Stored messages read per Redis call when replaying a backlog", ge=1, le=65535
+    )
+    kafka_request_timeout_ms: int = setting(
+        10_000,
+        "How long a publisher waits for Kafka before it gets a failure code, in ms",
+        ge=100,
+        le=600_000,
+    )
+    producer_linger_ms: int = setting(
+        1, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything devicemq can be configured with."""
 
@@ -166,6 +210,7 @@ class Settings:
     data_dir: str = setting("./data", "Directory for files the broker keeps")
     log: LogSettings = field(default_factory=LogSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    persistence: PersistenceSettings = field(default_factory=PersistenceSettings)
 
 
 # --------------------------------------------------------------------------

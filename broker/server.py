@@ -155,14 +155,32 @@ class BrokerServer:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    """Run a broker until ``stop`` is set."""
+    """Run a broker until ``stop`` is set, then drain and close.
+
+    With persistence enabled, Redis and Kafka (embedded if not configured)
+    are connected and saved sessions restored before the listener opens; on
+    the way out, clients are disconnected first so nothing new arrives, then
+    the persistent path drains into Redis.
+    """
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
-    server = BrokerServer(settings)
-    await server.start()
+    persistence = None
+    if settings.persistence.enabled:
+        from persistence.runtime import open_persistence
+
+        persistence = await open_persistence(settings)
+    broker = Broker(settings, persistent_path=persistence)
     try:
-        await stop.wait()
+        if persistence is not None:
+            await persistence.attach(broker)
+        server = BrokerServer(settings, broker)
+        await server.start()
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
     finally:
-        await server.stop()
+        if persistence is not None:
+            await persistence.close()
 
 
 def run(settings: Settings) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.structs import RecordMetadata
 
 from persistence.records import encode_delivery
 
@@ -49,6 +50,7 @@ class KafkaPersistentPath:
         self._pending: list[_Submission] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.produce_errors = 0
+        self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
         self.latency_observer: Callable[[float], None] | None = None
 
     def submit(
@@ -80,7 +82,7 @@ class KafkaPersistentPath:
 
     async def _produce(self, batch: list[_Submission]) -> None:
         started = time.perf_counter()
-        sent: list[tuple[list[asyncio.Future[object]], StoredCallback]] = []
+        sent: list[tuple[list[asyncio.Future[RecordMetadata]], StoredCallback]] = []
         for records, on_stored in batch:
             futures = []
             try:
@@ -93,12 +95,16 @@ class KafkaPersistentPath:
             sent.append((futures, on_stored))
         for futures, on_stored in sent:
             try:
-                await asyncio.gather(*futures)
+                acknowledged = await asyncio.gather(*futures)
             except KafkaError as error:
                 self._failed(error)
                 on_stored(False)
-            else:
-                on_stored(True)
+                continue
+            produced = self.produced
+            for metadata in acknowledged:
+                if metadata.offset > produced.get(metadata.partition, -1):
+                    produced[metadata.partition] = metadata.offset
+            on_stored(True)
         if self.latency_observer is not None:
             self.latency_observer(time.perf_counter() - started)
 

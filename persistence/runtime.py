@@ -1,0 +1,181 @@
+"""The durable persistent path, assembled: Kafka producer, consumer, Redis store.
+
+:class:`DevicePersistence` is the :class:`broker.persistent_path.PersistentPath`
+of a running broker. :func:`open_persistence` connects it to the configured
+Redis and Kafka, or to embedded ones started under the data dir when neither
+is configured, and :meth:`DevicePersistence.close` drains it: everything
+acknowledged to a publisher is in Redis before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiokafka.errors import KafkaError
+
+from broker.config import ConfigError, Settings
+from persistence.consumer import PersistenceConsumer, make_consumer
+from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
+from persistence.redis_store import RedisMessageStore, StoredRecord
+from persistence.sessions import SessionStateStore
+from persistence.stored_outbox import StoredOutbox, StoreWriter
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from broker.core import Broker
+    from broker.message import Delivery
+    from broker.outbox import Outbox
+    from broker.persistent_path import DoneCallback
+    from broker.session import Session
+
+log = logging.getLogger("devicemq.persistence")
+
+DRAIN_TIMEOUT = 30.0  # seconds the consumer gets to store what was acknowledged
+
+
+class PersistenceUnavailable(Exception):
+    """Redis or Kafka could not be reached at start-up (one readable line)."""
+
+
+class DevicePersistence:
+    def __init__(
+        self,
+        settings: Settings,
+        store: RedisMessageStore,
+        producer: AIOKafkaProducer,
+        consumer: AIOKafkaConsumer,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config = settings.persistence
+        self.settings = settings
+        self.store = store
+        self._producer = producer
+        self._kafka_consumer = consumer
+        self._clock = clock
+        self.path = KafkaPersistentPath(producer, config.topic, clock)
+        self.writer = StoreWriter(store)
+        self.sessions = SessionStateStore(store)
+        self.consumer = PersistenceConsumer(
+            consumer, store, self._stored, config.consumer_max_records
+        )
+        self._broker: Broker | None = None
+        self._consumer_task: asyncio.Task[None] | None = None
+
+    # -- PersistentPath -----------------------------------------------------------------
+
+    def submit(
+        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
+    ) -> None:
+        self.path.submit(deliveries, on_stored)
+
+    def outbox_for(self, session: Session) -> Outbox:
+        assert self._broker is not None
+        return StoredOutbox(
+            session,
+            self.store,
+            self.writer,
+            self.settings.mqtt.max_inflight,
+            self.settings.persistence.replay_page_size,
+            self._broker.stats,
+            self._clock,
+        )
+
+    def save_session(self, session: Session, on_saved: DoneCallback) -> None:
+        self.sessions.save(session, on_saved)
+
+    def session_ended(self, session: Session) -> None:
+        self.sessions.delete(session.client_id)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def attach(self, broker: Broker) -> None:
+        """Restore saved sessions into ``broker``, then start consuming."""
+        self._broker = broker
+        restored = await self.sessions.restore(broker)
+        log.info("restored %d persistent sessions from redis", restored)
+        self._consumer_task = asyncio.create_task(self.consumer.run())
+
+    async def close(self) -> None:
+        """Drain: Kafka acknowledgements, then the consumer up to them, then writes."""
+        await self.path.drain()
+        await self._wait_consumed()
+        if self._consumer_task is not None:
+            self._consumer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._consumer_task
+        await self.writer.flush()
+        await self.sessions.flush()
+        with contextlib.suppress(KafkaError):
+            await self._kafka_consumer.stop()
+        with contextlib.suppress(KafkaError):
+            await self._producer.stop()
+        await self.store.aclose()
+
+    async def _wait_consumed(self) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        committed = self.consumer.stats.committed
+        while any(committed.get(p, 0) <= o for p, o in self.path.produced.items()):
+            if time.monotonic() > deadline:
+                log.error("shutdown: consumer did not store everything acknowledged in time")
+                return
+            await asyncio.sleep(0.05)
+
+    def _stored(self, client_id: str, records: Callable[[], list[StoredRecord]]) -> None:
+        """Offer just-stored messages to the session if its client is connected here."""
+        assert self._broker is not None
+        session = self._broker.sessions.get(client_id)
+        if session is None or session.connection is None:
+            return
+        outbox = session.outbox
+        if isinstance(outbox, StoredOutbox):
+            outbox.stored(records())
+
+
+async def open_persistence(settings: Settings) -> DevicePersistence:
+    """Connect to Redis and Kafka (embedded ones if none are configured)."""
+    config = settings.persistence
+    redis_url, bootstrap = config.redis_url, config.kafka_bootstrap
+    if bool(redis_url) != bool(bootstrap):
+        missing = "kafka_bootstrap" if redis_url else "redis_url"
+        raise ConfigError(
+            "set both redis_url and kafka_bootstrap, or neither", name=f"persistence.{missing}"
+        )
+    if not redis_url:
+        from persistence.services import EmbeddedServices
+
+        endpoints = await asyncio.to_thread(
+            EmbeddedServices(Path(settings.data_dir)).ensure_running
+        )
+        redis_url, bootstrap = endpoints.redis_url, endpoints.kafka_bootstrap
+        log.info("embedded services: redis %s, kafka %s", redis_url, bootstrap)
+    store = RedisMessageStore.from_url(
+        redis_url,
+        cluster=config.redis_cluster,
+        limit=config.max_messages_per_client,
+        default_ttl=config.default_message_ttl,
+        concurrency=config.save_concurrency,
+    )
+    try:
+        await store.load_scripts()
+    except Exception as error:
+        await store.aclose()
+        raise PersistenceUnavailable(f"cannot use redis at {redis_url}: {error}") from error
+    producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
+    consumer = make_consumer(bootstrap, config.topic, config.consumer_group)
+    try:
+        await ensure_topic(bootstrap, config.topic, config.partitions)
+        await producer.start()
+        await consumer.start()
+    except KafkaError as error:
+        await store.aclose()
+        with contextlib.suppress(KafkaError):
+            await producer.stop()
+        raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
+    return DevicePersistence(settings, store, producer, consumer)

@@ -1,0 +1,326 @@
+"""The outgoing flow of a durable session, read from the persisted-message store.
+
+Messages reach a durable session only through Redis: the consumer stores
+them (assigning packet ids and scores) and then offers them to the session's
+:class:`StoredOutbox`. The outbox sends in score order within the window
+(the smaller of the in-flight cap and the client's Receive Maximum), pages
+the backlog in from Redis on reconnect instead of holding it in memory, and
+writes delivery progress back through a :class:`StoreWriter`:
+
+- a message is marked *sent* in Redis before it is written to the socket, so
+  a replay sets DUP exactly on messages that may have been seen before;
+- PUBACK and PUBCOMP delete it; PUBREC rewrites it as PUBREL, keeping its TTL.
+
+A progress write that is lost (Redis down, broker killed) only means a replay
+re-sends with DUP what the client may already have: never a loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from broker.message import Delivery
+from broker.packets import PubRel
+from persistence.records import stored_delivery
+from persistence.redis_store import PersistedMessageStore, Stage, StoredRecord
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
+    from broker.session import Session
+    from broker.stats import BrokerStats
+
+log = logging.getLogger("devicemq.outbox")
+
+RETRY_DELAY = 0.5  # seconds before a failed Redis read or write is tried again
+
+
+class _State(Enum):
+    MARKING = 0  # waiting for the sent mark before going on the wire
+    AWAIT_PUBACK = 1
+    AWAIT_PUBREC = 2
+    AWAIT_PUBCOMP = 3
+
+
+@dataclass(slots=True)
+class _InFlight:
+    record: StoredRecord
+    state: _State
+
+
+class StoreWriter:
+    """Delivery progress for every durable session, written once per loop iteration.
+
+    Writes of one kind for one client are merged into one store call; a
+    failed write is retried after :data:`RETRY_DELAY` (acks a few times, then
+    given up: the message is replayed with DUP; sent marks until they land,
+    because the message waits for them).
+    """
+
+    ACK_ATTEMPTS = 5
+
+    def __init__(self, store: PersistedMessageStore) -> None:
+        self._store = store
+        self._acks: dict[str, list[int]] = {}
+        self._pubrels: dict[str, list[int]] = {}
+        self._marks: dict[str, tuple[list[int], list[Callable[[], None]]]] = {}
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.errors = 0
+
+    def ack(self, client_id: str, packet_id: int) -> None:
+        self._acks.setdefault(client_id, []).append(packet_id)
+        self._schedule()
+
+    def mark_pubrel(self, client_id: str, packet_id: int) -> None:
+        self._pubrels.setdefault(client_id, []).append(packet_id)
+        self._schedule()
+
+    def mark_sent(self, client_id: str, packet_ids: list[int], then: Callable[[], None]) -> None:
+        ids, callbacks = self._marks.setdefault(client_id, ([], []))
+        ids.extend(packet_ids)
+        callbacks.append(then)
+        self._schedule()
+
+    async def flush(self) -> None:
+        """Wait until everything asked so far is written (or given up)."""
+        self._start()
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._start)
+
+    def _start(self) -> None:
+        self._scheduled = False
+        acks, self._acks = self._acks, {}
+        pubrels, self._pubrels = self._pubrels, {}
+        marks, self._marks = self._marks, {}
+        jobs = [self._write_acks(c, ids) for c, ids in acks.items()]
+        jobs += [self._write_pubrels(c, ids) for c, ids in pubrels.items()]
+        jobs += [self._write_marks(c, ids, then) for c, (ids, then) in marks.items()]
+        for job in jobs:
+            task = asyncio.create_task(job)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write_acks(self, client_id: str, packet_ids: list[int]) -> None:
+        for _ in range(self.ACK_ATTEMPTS):
+            try:
+                await self._store.ack_many(client_id, packet_ids)
+                return
+            except Exception as error:  # redis errors vary by client mode
+                self._failed("ack", client_id, error)
+                await asyncio.sleep(RETRY_DELAY)
+
+    async def _write_pubrels(self, client_id: str, packet_ids: list[int]) -> None:
+        for packet_id in packet_ids:
+            for _ in range(self.ACK_ATTEMPTS):
+                try:
+                    await self._store.mark_pubrel(client_id, packet_id)
+                    break
+                except Exception as error:
+                    self._failed("pubrel", client_id, error)
+                    await asyncio.sleep(RETRY_DELAY)
+
+    async def _write_marks(
+        self, client_id: str, packet_ids: list[int], callbacks: list[Callable[[], None]]
+    ) -> None:
+        while True:
+            try:
+                await self._store.mark_sent(client_id, packet_ids)
+                break
+            except Exception as error:
+                self._failed("sent mark", client_id, error)
+                await asyncio.sleep(RETRY_DELAY)
+        for then in callbacks:
+            then()
+
+    def _failed(self, what: str, client_id: str, error: Exception) -> None:
+        self.errors += 1
+        log.warning("redis %s write for %s failed: %s", what, client_id, error)
+
+
+class StoredOutbox:
+    def __init__(
+        self,
+        session: Session,
+        store: PersistedMessageStore,
+        writer: StoreWriter,
+        max_inflight: int,
+        page_size: int,
+        stats: BrokerStats,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._session = session
+        self._store = store
+        self._writer = writer
+        self.max_inflight = max_inflight
+        self._page_size = page_size
+        self._stats = stats
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.inflight: dict[int, _InFlight] = {}
+        self._buffer: deque[StoredRecord] = deque()
+        self._cursor = 0  # highest score taken into the buffer on this connection
+        self._caught_up = False  # the buffer holds everything stored up to now
+        self._loading = False
+        self._missed = False  # something was stored while a page was loading
+        self._generation = 0  # bumped per connection; stale async results are dropped
+
+    # -- the Outbox interface --------------------------------------------------------
+
+    def deliver(self, delivery: Delivery) -> None:
+        raise RuntimeError("durable sessions receive messages through the store")
+
+    def resume(self) -> None:
+        """New connection: forget this process's view and re-read the store in order."""
+        self._generation += 1
+        self.inflight.clear()
+        self._buffer.clear()
+        self._cursor = 0
+        self._caught_up = False
+        self._missed = False
+        self._loading = False
+        self.pump()
+
+    def pump(self) -> None:
+        conn = self._session.connection
+        if conn is None:
+            return
+        batch: list[StoredRecord] = []
+        buffer = self._buffer
+        while buffer and self._window_open(conn):
+            record = buffer.popleft()
+            if record.stage is Stage.PUBREL:
+                self.inflight[record.packet_id] = _InFlight(record, _State.AWAIT_PUBCOMP)
+                conn.send(PubRel(record.packet_id))
+            elif record.sent:
+                self._send(conn, record)
+            else:
+                self.inflight[record.packet_id] = _InFlight(record, _State.MARKING)
+                batch.append(record)
+        if batch:
+            generation = self._generation
+            self._writer.mark_sent(
+                self._session.client_id,
+                [r.packet_id for r in batch],
+                lambda: self._marked(batch, generation),
+            )
+        if not buffer and not self._caught_up and not self._loading:
+            self._load()
+
+    def acknowledge(self, packet_id: int) -> bool:
+        return self._finish(packet_id, _State.AWAIT_PUBACK)
+
+    def received(self, packet_id: int, failed: bool) -> bool:
+        entry = self.inflight.get(packet_id)
+        if entry is None or entry.state is not _State.AWAIT_PUBREC:
+            return False
+        if failed:
+            return self._finish(packet_id, _State.AWAIT_PUBREC)
+        entry.state = _State.AWAIT_PUBCOMP
+        self._writer.mark_pubrel(self._session.client_id, packet_id)
+        return True
+
+    def completed(self, packet_id: int) -> bool:
+        return self._finish(packet_id, _State.AWAIT_PUBCOMP)
+
+    def pending(self) -> int:
+        return len(self.inflight) + len(self._buffer)
+
+    def discard(self) -> None:
+        self._generation += 1
+        self.inflight.clear()
+        self._buffer.clear()
+
+    # -- fed by the persistence consumer ---------------------------------------------
+
+    def stored(self, records: list[StoredRecord]) -> None:
+        """Messages just saved for this session, in score order."""
+        if self._session.connection is None:
+            return
+        if (
+            self._caught_up
+            and not self._loading
+            and len(self._buffer) < self._page_size
+            and records[0].score > self._cursor
+        ):
+            self._buffer.extend(records)
+            self._cursor = records[-1].score
+        else:
+            # Not followed live: the page reader will find them from the cursor.
+            self._caught_up = False
+            self._missed = True
+        self.pump()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _window_open(self, conn: MQTTConnection) -> bool:
+        if conn.congested:
+            return False
+        return len(self.inflight) < min(self.max_inflight, conn.client_receive_maximum)
+
+    def _marked(self, records: list[StoredRecord], generation: int) -> None:
+        conn = self._session.connection
+        if generation != self._generation or conn is None:
+            return  # that connection is gone; the next one replays from the store
+        for record in records:
+            self._send(conn, record)
+
+    def _send(self, conn: MQTTConnection, record: StoredRecord) -> None:
+        assert record.message is not None
+        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
+        state = _State.AWAIT_PUBACK if delivery.qos == 1 else _State.AWAIT_PUBREC
+        if conn.send_delivery(delivery, record.packet_id, dup=record.sent):
+            self.inflight[record.packet_id] = _InFlight(record, state)
+        else:
+            # Expired, or too large for this client: it will never be delivered.
+            self.inflight.pop(record.packet_id, None)
+            self._writer.ack(self._session.client_id, record.packet_id)
+
+    def _finish(self, packet_id: int, expected: _State) -> bool:
+        entry = self.inflight.get(packet_id)
+        if entry is None or entry.state is not expected:
+            return False
+        del self.inflight[packet_id]
+        self._writer.ack(self._session.client_id, packet_id)
+        self.pump()
+        return True
+
+    def _load(self) -> None:
+        self._loading = True
+        self._missed = False
+        asyncio.get_running_loop().create_task(self._load_page(self._generation))
+
+    async def _load_page(self, generation: int) -> None:
+        try:
+            await self._writer.flush()  # acks first, so the page holds no acked message
+            page = await self._store.load_page(
+                self._session.client_id, self._cursor, self._page_size
+            )
+        except Exception as error:
+            log.warning("replay read for %s failed: %s", self._session.client_id, error)
+            await asyncio.sleep(RETRY_DELAY)
+            page = None
+        if generation != self._generation:
+            return
+        self._loading = False
+        if page is None:
+            self.pump()
+            return
+        for record in page:
+            if record.score > self._cursor and record.packet_id not in self.inflight:
+                self._buffer.append(record)
+                self._cursor = record.score
+        self._caught_up = len(page) < self._page_size and not self._missed
+        self.pump()
