@@ -4,7 +4,13 @@ One consumer group inside the broker reads ``devicemq.device.persisted`` in
 batches (``getmany``), groups each batch by subscriber (the record key), and
 stores each client's part with one script call, several in flight. Offsets
 are committed only after Redis stored the batch, so a crash re-reads it; the
-store skips offsets it already has, so re-reading never stores twice. A
+store skips offsets it already has, so re-reading never stores twice.
+
+Offsets restart at 0 when the topic is created anew (the embedded Kafka keeps
+no data across restarts; an operator may recreate the topic). The store's
+offset record is therefore keyed by ``<epoch>:<partition>``, where the epoch
+counts how often devicemq created the topic: stale records of an earlier
+incarnation never make new messages look already stored. A
 batch Redis cannot take is retried until it can: the consumer stalls, it
 never skips (tbmq#320).
 """
@@ -69,8 +75,10 @@ class PersistenceConsumer:
         store: PersistedMessageStore,
         on_stored: StoredHandler,
         max_records: int,
+        epoch: int = 0,
     ) -> None:
         self._consumer = consumer
+        self._epoch = epoch
         self._store = store
         self._on_stored = on_stored
         self._max_records = max_records
@@ -91,8 +99,9 @@ class PersistenceConsumer:
                 values, offsets = by_client.setdefault(record.key.decode(), ([], []))
                 values.append(record.value)
                 offsets.append(record.offset)
+            log_id = f"{self._epoch}:{tp.partition}"
             client_batches.extend(
-                ClientBatch(client_id, values, tp.partition, offsets)
+                ClientBatch(client_id, values, log_id, offsets)
                 for client_id, (values, offsets) in by_client.items()
             )
             commit[tp] = records[-1].offset + 1

@@ -130,14 +130,15 @@ def make_producer(bootstrap: str, request_timeout_ms: int, linger_ms: int) -> AI
     )
 
 
-async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    """Create the topic with its final partition count; an existing one is kept."""
+async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> bool:
+    """Create the topic with its final partition count; True if it was new."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, partitions, 1)])
-        log.info("created kafka topic %s with %d partitions", topic, partitions)
     except TopicAlreadyExistsError:
-        pass
+        return False
     finally:
         await admin.close()
+    log.info("created kafka topic %s with %d partitions", topic, partitions)
+    return True

@@ -494,7 +494,7 @@ class ClientBatch:
 
     client_id: str
     messages: Sequence[StoredMessage | bytes]
-    partition: int
+    partition: int | str  # the offset record's key: Kafka partition (qualified)
     offsets: Sequence[int] | None = None
 
 
@@ -523,7 +523,7 @@ class PersistedMessageStore(Protocol):
         self,
         client_id: str,
         messages: Sequence[StoredMessage | bytes],
-        partition: int,
+        partition: int | str,
         offsets: Sequence[int] | None = None,
         *,
         limit: int | None = None,
@@ -659,7 +659,7 @@ class RedisMessageStore:
         self,
         client_id: str,
         messages: Sequence[StoredMessage | bytes],
-        partition: int,
+        partition: int | str,
         offsets: Sequence[int] | None = None,
         *,
         limit: int | None = None,

@@ -51,6 +51,7 @@ class DevicePersistence:
         store: RedisMessageStore,
         producer: AIOKafkaProducer,
         consumer: AIOKafkaConsumer,
+        epoch: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         config = settings.persistence
@@ -63,7 +64,7 @@ class DevicePersistence:
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
         self.consumer = PersistenceConsumer(
-            consumer, store, self._stored, config.consumer_max_records
+            consumer, store, self._stored, config.consumer_max_records, epoch
         )
         self._broker: Broker | None = None
         self._consumer_task: asyncio.Task[None] | None = None
@@ -170,7 +171,8 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
     producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
     consumer = make_consumer(bootstrap, config.topic, config.consumer_group)
     try:
-        await ensure_topic(bootstrap, config.topic, config.partitions)
+        created = await ensure_topic(bootstrap, config.topic, config.partitions)
+        epoch = await _topic_epoch(store, config.topic, created)
         await producer.start()
         await consumer.start()
     except KafkaError as error:
@@ -178,4 +180,12 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         with contextlib.suppress(KafkaError):
             await producer.stop()
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
-    return DevicePersistence(settings, store, producer, consumer)
+    return DevicePersistence(settings, store, producer, consumer, epoch)
+
+
+async def _topic_epoch(store: RedisMessageStore, topic: str, created: bool) -> int:
+    """How many times devicemq created ``topic``: its offsets restart each time."""
+    key = f"devicemq:epoch:{topic}"
+    if created:
+        return int(await store.redis.incr(key))
+    return int(await store.redis.get(key) or 0)
