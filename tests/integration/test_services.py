@@ -186,7 +186,9 @@ def test_ensure_running_starts_both_and_they_answer(
         assert Path(record["log"]).parent == data_dir / "services"
     assert (data_dir / "services" / "redis.log").read_text().strip()
     assert "ready" in (data_dir / "services" / "tansu.log").read_text()
-    assert (data_dir / "redis" / "appendonly.aof").exists()
+    # Redis 6 writes appendonly.aof, Redis 7 a multi-part appendonlydir/.
+    aof = data_dir / "redis"
+    assert (aof / "appendonly.aof").exists() or (aof / "appendonlydir").is_dir()
     assert json.loads((data_dir / "services" / "ports.json").read_text()) == {
         "redis": redis_port,
         "kafka": kafka_port,
