@@ -20,6 +20,9 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
         raise MQTTError(ReasonCode.QOS_NOT_SUPPORTED, f"QoS {qos} above maximum")  # MQTT-3.2.2-11
     if packet.retain and not mqtt.retain_available:
         raise MQTTError(ReasonCode.RETAIN_NOT_SUPPORTED, "retain is not available")  # 3.2.2-14
+    if packet.properties is not None and packet.properties.subscription_identifiers:
+        # Only the server puts Subscription Identifiers in a PUBLISH (MQTT-3.3.4-6).
+        raise MQTTError(ReasonCode.PROTOCOL_ERROR, "subscription identifier in a client PUBLISH")
     topic = _resolve_topic(conn, packet)
     packet_id = packet.packet_id
     if qos == 2 and packet_id in session.incoming_qos2:
