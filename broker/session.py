@@ -49,8 +49,8 @@ class Session:
         return self.expiry_interval > 0
 
     def deliver(self, delivery: Delivery) -> None:
-        """QoS 0 goes out now or never (it is not queued, MQTT-3.1.2-? / 4.4); QoS 1
-        and 2 go to the outbox."""
+        """QoS 0 goes out now or never: a session may keep it (spec 3.1.2.4), this
+        one does not, as Mosquitto by default. QoS 1 and 2 go to the outbox."""
         if delivery.qos:
             self.outbox.deliver(delivery)
             return

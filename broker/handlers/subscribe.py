@@ -53,7 +53,7 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         is_new = broker.subscriptions.add(entry)
         session.subscriptions[request.topic_filter] = entry
         reason_codes.append(qos)
-        # Retained messages: not for shared subscriptions (MQTT-3.8.4-? / 4.8.2),
+        # Retained messages: not for a new shared subscription (spec 4.8.2),
         # and as Retain Handling says (MQTT-3.3.1-9, -10, -11).
         if entry.share_group is None and (
             request.retain_handling == 0 or (request.retain_handling == 1 and is_new)
