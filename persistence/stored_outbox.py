@@ -176,6 +176,10 @@ class StoredOutbox:
         self._loading = False
         self._missed = False  # something was stored while a page was loading
         self._generation = 0  # bumped per connection; stale async results are dropped
+        # Taken from the buffer, waiting for a sent mark (or behind one that is), in
+        # order: mark writes can land out of order, the wire must not.
+        self._marking: deque[StoredRecord] = deque()
+        self._marked_ids: set[int] = set()
 
     # -- the Outbox interface --------------------------------------------------------
 
@@ -187,6 +191,8 @@ class StoredOutbox:
         self._generation += 1
         self.inflight.clear()
         self._buffer.clear()
+        self._marking.clear()
+        self._marked_ids.clear()
         self._cursor = 0
         self._caught_up = False
         self._missed = False
@@ -204,11 +210,15 @@ class StoredOutbox:
             if record.stage is Stage.PUBREL:
                 self.inflight[record.packet_id] = _InFlight(record, _State.AWAIT_PUBCOMP)
                 conn.send(PubRel(record.packet_id))
-            elif record.sent:
+            elif record.sent and not self._marking:
                 self._send(conn, record)
             else:
                 self.inflight[record.packet_id] = _InFlight(record, _State.MARKING)
-                batch.append(record)
+                self._marking.append(record)
+                if record.sent:
+                    self._marked_ids.add(record.packet_id)  # only waits for its turn
+                else:
+                    batch.append(record)
         if batch:
             generation = self._generation
             self._writer.mark_sent(
@@ -242,6 +252,8 @@ class StoredOutbox:
         self._generation += 1
         self.inflight.clear()
         self._buffer.clear()
+        self._marking.clear()
+        self._marked_ids.clear()
 
     # -- fed by the persistence consumer ---------------------------------------------
 
@@ -274,7 +286,12 @@ class StoredOutbox:
         conn = self._session.connection
         if generation != self._generation or conn is None:
             return  # that connection is gone; the next one replays from the store
-        for record in records:
+        # Writes of separate batches may finish in any order: send in the order taken.
+        waiting, marked = self._marking, self._marked_ids
+        marked.update(r.packet_id for r in records)
+        while waiting and waiting[0].packet_id in marked:
+            record = waiting.popleft()
+            marked.discard(record.packet_id)
             self._send(conn, record)
 
     def _send(self, conn: MQTTConnection, record: StoredRecord) -> None:
