@@ -201,6 +201,7 @@ class MQTTConnection:
         if new_alias is not None:
             self.outgoing_aliases[topic] = new_alias
         stats.messages_sent[delivery.qos] += 1
+        stats.payload_bytes_sent[delivery.qos] += len(message.payload)
         self._write(data)
         return True
 

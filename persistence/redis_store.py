@@ -117,6 +117,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
+from broker.stats import Histogram
+
 __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_TTL",
@@ -612,6 +614,9 @@ class RedisMessageStore:
         self.concurrency = concurrency
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
+        # Exported by broker/metrics.py: seconds per script call, failed calls.
+        self.script_latency: dict[str, Histogram] = {}
+        self.script_errors: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisMessageStore:
@@ -634,6 +639,20 @@ class RedisMessageStore:
             await self.redis.execute_command("SCRIPT LOAD", script.text)
 
     async def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run a script; its latency and failures are counted per script name."""
+        started = time.perf_counter()
+        try:
+            return await self._run_script(script, keys, args)
+        except Exception:
+            self.script_errors[script.name] = self.script_errors.get(script.name, 0) + 1
+            raise
+        finally:
+            latency = self.script_latency.get(script.name)
+            if latency is None:
+                latency = self.script_latency[script.name] = Histogram()
+            latency.observe(time.perf_counter() - started)
+
+    async def _run_script(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         # execute_command, not evalsha(): the cluster client routes EVALSHA by
         # its keys this way, and pipelines refuse evalsha by name.
         try:

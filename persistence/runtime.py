@@ -69,6 +69,15 @@ class DevicePersistence:
         self._broker: Broker | None = None
         self._consumer_task: asyncio.Task[None] | None = None
 
+    @property
+    def kafka_producer(self) -> AIOKafkaProducer:
+        return self._producer
+
+    @property
+    def kafka_consumer(self) -> AIOKafkaConsumer:
+        """The group member (assignment, highwater marks): read by broker/metrics.py."""
+        return self._kafka_consumer
+
     # -- PersistentPath -----------------------------------------------------------------
 
     def submit(

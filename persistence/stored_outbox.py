@@ -296,11 +296,17 @@ class StoredOutbox:
 
     def _send(self, conn: MQTTConnection, record: StoredRecord) -> None:
         assert record.message is not None
-        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
+        wall = self._wall_clock()
+        delivery = stored_delivery(record.message, wall, self._clock())
         state = _State.AWAIT_PUBACK if delivery.qos == 1 else _State.AWAIT_PUBREC
         if conn.send_delivery(delivery, record.packet_id, dup=record.sent):
             self.inflight[record.packet_id] = _InFlight(record, state)
+            stats = self._stats
+            stats.persisted_delivered += 1
+            if not record.sent:  # end to end: the publisher's PUBLISH -> this first send
+                stats.delivery_latency.observe(wall - record.message.publish_time)
         else:
+            self._stats.persisted_undeliverable += 1
             # Expired, or too large for this client: it will never be delivered.
             self.inflight.pop(record.packet_id, None)
             self._writer.ack(self._session.client_id, record.packet_id)
@@ -311,6 +317,7 @@ class StoredOutbox:
             return False
         del self.inflight[packet_id]
         self._writer.ack(self._session.client_id, packet_id)
+        self._stats.persisted_acked += 1
         self.pump()
         return True
 
@@ -335,6 +342,7 @@ class StoredOutbox:
         if page is None:
             self.pump()
             return
+        self._stats.replay_pages.observe(len(page))
         for record in page:
             if record.score > self._cursor and record.packet_id not in self.inflight:
                 self._buffer.append(record)

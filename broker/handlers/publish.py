@@ -16,6 +16,7 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     mqtt = broker.settings.mqtt
     qos = packet.qos
     broker.stats.messages_received[qos] += 1
+    broker.stats.payload_bytes_received[qos] += len(packet.payload)
     if qos > mqtt.maximum_qos:
         raise MQTTError(ReasonCode.QOS_NOT_SUPPORTED, f"QoS {qos} above maximum")  # MQTT-3.2.2-11
     if packet.retain and not mqtt.retain_available:
