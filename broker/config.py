@@ -203,6 +203,16 @@ class PersistenceSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class EventsSettings:
+    """Delivery events for the audit pipeline (persistence/events.py, pipeline/)."""
+
+    enabled: bool = setting(
+        True, "Write delivery events of persistent sessions to a Kafka topic for the pipeline"
+    )
+    topic: str = setting("devicemq.events", "Kafka topic of delivery events, keyed by client ID")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything devicemq can be configured with."""
 
@@ -211,6 +221,7 @@ class Settings:
     log: LogSettings = field(default_factory=LogSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     persistence: PersistenceSettings = field(default_factory=PersistenceSettings)
+    events: EventsSettings = field(default_factory=EventsSettings)
 
 
 # --------------------------------------------------------------------------

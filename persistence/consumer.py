@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
+from persistence.events import NO_EVENTS, EventSink
 from persistence.redis_store import (
     ClientBatch,
     PersistedMessageStore,
@@ -83,6 +84,7 @@ class PersistenceConsumer:
         self._on_stored = on_stored
         self._max_records = max_records
         self.stats = ConsumerStats()
+        self.events: EventSink = NO_EVENTS  # delivery events (persistence/events.py)
 
     async def run(self) -> None:
         while True:
@@ -110,6 +112,7 @@ class PersistenceConsumer:
         await self._commit(commit)
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
+            self.events.stored(batch, result)
             if result.saved:
                 self._on_stored(batch.client_id, _records_of(batch, result))
 

@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
 from persistence.consumer import PersistenceConsumer, make_consumer
+from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
 from persistence.redis_store import RedisMessageStore, StoredRecord
 from persistence.sessions import SessionStateStore
@@ -53,6 +54,7 @@ class DevicePersistence:
         consumer: AIOKafkaConsumer,
         epoch: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        events: EventLog | None = None,
     ) -> None:
         config = settings.persistence
         self.settings = settings
@@ -68,6 +70,9 @@ class DevicePersistence:
         )
         self._broker: Broker | None = None
         self._consumer_task: asyncio.Task[None] | None = None
+        self.event_log = events  # delivery events for the pipeline, None when off
+        self.events: EventSink = NO_EVENTS if events is None else events
+        self.consumer.events = self.writer.events = self.events
 
     @property
     def kafka_producer(self) -> AIOKafkaProducer:
@@ -98,9 +103,13 @@ class DevicePersistence:
         )
 
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
+        self.events.session(
+            session.client_id, "disconnected" if session.connection is None else "connected"
+        )
         self.sessions.save(session, on_saved)
 
     def session_ended(self, session: Session) -> None:
+        self.events.session(session.client_id, end_kind(session, self._clock()))
         self.sessions.delete(session.client_id)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -111,6 +120,8 @@ class DevicePersistence:
         restored = await self.sessions.restore(broker)
         log.info("restored %d persistent sessions from redis", restored)
         self._consumer_task = asyncio.create_task(self.consumer.run())
+        if self.event_log is not None:
+            self.event_log.start()
 
     async def close(self) -> None:
         """Drain: Kafka acknowledgements, then the consumer up to them, then writes."""
@@ -122,6 +133,8 @@ class DevicePersistence:
                 await self._consumer_task
         await self.writer.flush()
         await self.sessions.flush()
+        if self.event_log is not None:
+            await self.event_log.close()
         with contextlib.suppress(KafkaError):
             await self._kafka_consumer.stop()
         with contextlib.suppress(KafkaError):
@@ -184,12 +197,13 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         epoch = await _topic_epoch(store, config.topic, created)
         await producer.start()
         await consumer.start()
+        events = await open_event_log(settings, bootstrap, epoch)
     except KafkaError as error:
         await store.aclose()
         with contextlib.suppress(KafkaError):
             await producer.stop()
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
-    return DevicePersistence(settings, store, producer, consumer, epoch)
+    return DevicePersistence(settings, store, producer, consumer, epoch, events=events)
 
 
 async def _topic_epoch(store: RedisMessageStore, topic: str, created: bool) -> int:

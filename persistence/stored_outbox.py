@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from broker.message import Delivery
 from broker.packets import PubRel
+from persistence.events import NO_EVENTS, EventSink
 from persistence.records import stored_delivery
 from persistence.redis_store import PersistedMessageStore, Stage, StoredRecord
 
@@ -73,6 +74,7 @@ class StoreWriter:
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.errors = 0
+        self.events: EventSink = NO_EVENTS  # delivery events (persistence/events.py)
 
     def ack(self, client_id: str, packet_id: int) -> None:
         self._acks.setdefault(client_id, []).append(packet_id)
@@ -301,6 +303,7 @@ class StoredOutbox:
         state = _State.AWAIT_PUBACK if delivery.qos == 1 else _State.AWAIT_PUBREC
         if conn.send_delivery(delivery, record.packet_id, dup=record.sent):
             self.inflight[record.packet_id] = _InFlight(record, state)
+            self._writer.events.delivered(self._session.client_id, record)
             stats = self._stats
             stats.persisted_delivered += 1
             if not record.sent:  # end to end: the publisher's PUBLISH -> this first send
@@ -309,6 +312,7 @@ class StoredOutbox:
             self._stats.persisted_undeliverable += 1
             # Expired, or too large for this client: it will never be delivered.
             self.inflight.pop(record.packet_id, None)
+            self._writer.events.discarded(self._session.client_id, record)
             self._writer.ack(self._session.client_id, record.packet_id)
 
     def _finish(self, packet_id: int, expected: _State) -> bool:
@@ -316,6 +320,7 @@ class StoredOutbox:
         if entry is None or entry.state is not expected:
             return False
         del self.inflight[packet_id]
+        self._writer.events.acked(self._session.client_id, entry.record)
         self._writer.ack(self._session.client_id, packet_id)
         self._stats.persisted_acked += 1
         self.pump()

@@ -1,0 +1,352 @@
+"""Delivery events: what happened to every persisted message, for the audit pipeline.
+
+The broker appends compact orjson events to the Kafka topic ``devicemq.events``
+(``events.topic``), keyed by the client id, so one client's events stay in
+one partition and in the order they happened. ``pipeline/`` reads them back
+(audit, traffic). Events, by their ``ev`` field:
+
+=================  ==========================================================
+``persisted``      stored in Redis: ``pid``, ``sc`` (score), ``part``/``off``
+                   (Kafka record of ``devicemq.device.persisted``), ``ep``
+                   (topic epoch), ``topic``, ``size`` (payload bytes),
+                   ``pub`` (publish time), ``exp`` (absolute expiry or null)
+``delivered``      written to the client: ``pid``, ``sc``, ``dup``
+``acked``          PUBACK / PUBCOMP (or a failed PUBREC): removed from Redis
+``expired``        ``at``: ``arrival`` (expired before it was stored; ``part``,
+                   ``off``, ``ep``, no ``pid``) or ``delivery`` (``pid``, ``sc``)
+``dropped``        too large for the client (Maximum Packet Size): removed
+``trimmed``        removed by the per-client limit: ``pids``, oldest first
+``connected``, ``disconnected``, ``session_expired``, ``session_ended``
+                   session lifecycle of durable sessions
+``gap``            ``n`` events were dropped (Kafka too slow, buffer full)
+=================  ==========================================================
+
+Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds).
+
+Off the hot path: an emitting call appends a tuple to a list and returns;
+one task wakes every ``interval`` seconds, encodes what accumulated and hands
+it to its own producer (acks=1: an event is a record, not a promise to a
+publisher). Nothing on the delivery path ever awaits it. The buffer is
+bounded: while Kafka is too slow, events over ``max_buffer`` are counted in
+:attr:`EventLog.dropped` and a ``gap`` event tells the audit about them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+    from broker.config import Settings
+    from broker.session import Session
+    from persistence.redis_store import ClientBatch, SaveResult, StoredRecord
+
+__all__ = [
+    "NO_EVENTS",
+    "EventLog",
+    "EventSink",
+    "NullEvents",
+    "end_kind",
+    "header_fields",
+    "make_event_producer",
+    "open_event_log",
+]
+
+log = logging.getLogger("devicemq.events")
+
+DEFAULT_INTERVAL = 0.05  # seconds between flushes
+DEFAULT_MAX_BUFFER = 100_000  # events waiting for Kafka before new ones are dropped
+
+# The stored-message header (persistence/redis_store.py): version, flags, qos,
+# published, expiry, offset, topic length, properties length.
+_HEADER = struct.Struct(">BBBddqHI")
+_FLAG_HAS_EXPIRY = 0x08
+
+
+def header_fields(value: bytes) -> tuple[str, int, float, float | None]:
+    """(topic, payload size, publish time, expiry) of an encoded stored message."""
+    _v, flags, _q, published, expiry, _o, topic_len, props_len = _HEADER.unpack_from(value)
+    start = _HEADER.size
+    topic = value[start : start + topic_len].decode("utf-8", "replace")
+    size = len(value) - start - topic_len - props_len
+    return topic, size, published, expiry if flags & _FLAG_HAS_EXPIRY else None
+
+
+class EventSink(Protocol):
+    """Where the persistent path reports what it did (all calls return at once)."""
+
+    def stored(self, batch: ClientBatch, result: SaveResult) -> None: ...
+
+    def delivered(self, client_id: str, record: StoredRecord) -> None: ...
+
+    def acked(self, client_id: str, record: StoredRecord) -> None: ...
+
+    def discarded(self, client_id: str, record: StoredRecord) -> None: ...
+
+    def session(self, client_id: str, kind: str) -> None: ...
+
+
+class NullEvents:
+    """Events turned off: every call does nothing."""
+
+    def stored(self, batch: ClientBatch, result: SaveResult) -> None:
+        pass
+
+    def delivered(self, client_id: str, record: StoredRecord) -> None:
+        pass
+
+    def acked(self, client_id: str, record: StoredRecord) -> None:
+        pass
+
+    def discarded(self, client_id: str, record: StoredRecord) -> None:
+        pass
+
+    def session(self, client_id: str, kind: str) -> None:
+        pass
+
+
+NO_EVENTS = NullEvents()
+
+# Buffered entries: (kind, client id, time, details). Encoding waits for the flush.
+_Entry = tuple[str, str, float, Any]
+
+
+class EventLog:
+    """:class:`EventSink` writing to a Kafka topic, batched, never blocking.
+
+    It owns ``producer`` (started by the caller, stopped by :meth:`close`).
+    """
+
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        topic: str,
+        *,
+        epoch: int = 0,
+        default_ttl: float = 7 * 24 * 3600,
+        interval: float = DEFAULT_INTERVAL,
+        max_buffer: int = DEFAULT_MAX_BUFFER,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._producer = producer
+        self.topic = topic
+        self._epoch = epoch
+        self._default_ttl = default_ttl
+        self._interval = interval
+        self._max_buffer = max_buffer
+        self._clock = clock
+        self._buffer: list[_Entry] = []
+        self._connected: dict[str, bool] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.emitted = 0  # events handed to the producer
+        self.dropped = 0  # events lost to a full buffer
+        self.errors = 0  # produce failures
+        self._gap = 0  # dropped since the last gap event
+
+    # -- EventSink (hot path: append and return) ----------------------------------------
+
+    def _add(self, kind: str, client_id: str, details: Any) -> None:
+        if len(self._buffer) >= self._max_buffer:
+            self.dropped += 1
+            self._gap += 1
+            return
+        self._buffer.append((kind, client_id, self._clock(), details))
+
+    def stored(self, batch: ClientBatch, result: SaveResult) -> None:
+        self._add("stored", batch.client_id, (batch, result))
+
+    def delivered(self, client_id: str, record: StoredRecord) -> None:
+        self._add("delivered", client_id, (record.packet_id, record.score, record.sent))
+
+    def acked(self, client_id: str, record: StoredRecord) -> None:
+        self._add("acked", client_id, (record.packet_id, record.score))
+
+    def discarded(self, client_id: str, record: StoredRecord) -> None:
+        message = record.message
+        expiry = None if message is None else message.expiry
+        expired = expiry is not None and expiry <= self._clock()
+        self._add("expired" if expired else "dropped", client_id, (record.packet_id, record.score))
+
+    def session(self, client_id: str, kind: str) -> None:
+        """``connected``/``disconnected`` (only on a change), ``session_expired``/``_ended``."""
+        if kind in ("connected", "disconnected"):
+            now = kind == "connected"
+            if self._connected.get(client_id) == now:
+                return  # a state save that is not a connect or disconnect
+            self._connected[client_id] = now
+        else:
+            self._connected.pop(client_id, None)
+        self._add(kind, client_id, None)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        """Let the task finish its flush, write what is left, stop the producer."""
+        self._closing = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.flush()
+        with contextlib.suppress(Exception):
+            await self._producer.stop()
+
+    async def _run(self) -> None:
+        # Never cancelled mid-flush: entries taken from the buffer are always sent.
+        while not self._closing:
+            await asyncio.sleep(self._interval)
+            if self._buffer or self._gap:
+                try:
+                    await self.flush()
+                except Exception:  # a broken flush must not end event logging
+                    log.exception("writing delivery events failed")
+
+    async def flush(self) -> None:
+        """Encode and produce everything buffered; wait for Kafka's answer."""
+        entries, self._buffer = self._buffer, []
+        records = self.encode(entries)
+        if self._gap:
+            gap = {"ev": "gap", "cid": "", "ts": self._clock(), "n": self._gap}
+            records.append((b"", orjson.dumps(gap)))
+            self._gap = 0
+        futures = []
+        for key, value in records:
+            try:
+                futures.append(await self._producer.send(self.topic, value=value, key=key))
+            except Exception as error:
+                self._failed(error)
+        for result in await asyncio.gather(*futures, return_exceptions=True):
+            if isinstance(result, BaseException):
+                self._failed(result)
+            else:
+                self.emitted += 1
+
+    def _failed(self, error: BaseException) -> None:
+        self.errors += 1
+        self.dropped += 1
+        self._gap += 1
+        if self.errors == 1 or self.errors % 1000 == 0:
+            log.warning("delivery event not written (%d so far): %s", self.errors, error)
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def encode(self, entries: Sequence[_Entry]) -> list[tuple[bytes, bytes]]:
+        """Buffered entries -> (key, orjson value) records, in order."""
+        out: list[tuple[bytes, bytes]] = []
+        dumps = orjson.dumps
+        for kind, client_id, ts, details in entries:
+            key = client_id.encode()
+            base: dict[str, Any] = {"ev": kind, "cid": client_id, "ts": ts}
+            if kind == "stored":
+                out.extend((key, dumps(e)) for e in self._stored_events(client_id, ts, details))
+            elif kind == "delivered":
+                pid, score, dup = details
+                out.append((key, dumps({**base, "pid": pid, "sc": score, "dup": dup})))
+            elif details is not None:
+                pid, score = details
+                if kind == "expired":
+                    base["at"] = "delivery"
+                out.append((key, dumps({**base, "pid": pid, "sc": score})))
+            else:
+                out.append((key, dumps(base)))
+        return out
+
+    def _stored_events(
+        self, client_id: str, ts: float, details: tuple[ClientBatch, SaveResult]
+    ) -> list[dict[str, Any]]:
+        batch, result = details
+        partition = int(str(batch.partition).rsplit(":", 1)[-1])
+        offsets = batch.offsets
+        events: list[dict[str, Any]] = []
+        for i, (value, assigned) in enumerate(zip(batch.messages, result.assigned, strict=True)):
+            if not isinstance(value, bytes):
+                continue  # only the consumer's raw records are reported
+            offset = offsets[i] if offsets is not None else -1
+            topic, size, published, expiry = header_fields(value)
+            if assigned is not None:
+                events.append(
+                    {
+                        "ev": "persisted",
+                        "cid": client_id,
+                        "ts": ts,
+                        "pid": assigned.packet_id,
+                        "sc": assigned.score,
+                        "part": partition,
+                        "off": offset,
+                        "ep": self._epoch,
+                        "topic": topic,
+                        "size": size,
+                        "pub": published,
+                        "exp": expiry if expiry is not None else ts + self._default_ttl,
+                    }
+                )
+            elif result.expired and (
+                not result.duplicates or (expiry is not None and expiry <= ts)
+            ):
+                # Not stored because it had expired, not because its offset was replayed.
+                events.append(
+                    {
+                        "ev": "expired",
+                        "cid": client_id,
+                        "ts": ts,
+                        "at": "arrival",
+                        "part": partition,
+                        "off": offset,
+                        "ep": self._epoch,
+                        "topic": topic,
+                        "size": size,
+                        "pub": published,
+                    }
+                )
+        if result.trimmed_ids:
+            events.append({"ev": "trimmed", "cid": client_id, "ts": ts, "pids": result.trimmed_ids})
+        return events
+
+
+def make_event_producer(bootstrap: str, request_timeout_ms: int) -> AIOKafkaProducer:
+    """The events' own producer: a slow events topic never queues persisted records."""
+    from aiokafka import AIOKafkaProducer
+
+    return AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks=1,
+        enable_idempotence=False,
+        linger_ms=20,
+        request_timeout_ms=request_timeout_ms,
+        max_batch_size=512 * 1024,
+    )
+
+
+def end_kind(session: Session, now: float) -> str:
+    """``session_expired`` if the session ended as its expiry passed, else ``session_ended``."""
+    expires_at = session.expires_at
+    return "session_expired" if expires_at is not None and now >= expires_at else "session_ended"
+
+
+async def open_event_log(settings: Settings, bootstrap: str, epoch: int) -> EventLog | None:
+    """The configured event log, its topic created and its producer started (None: off)."""
+    if not settings.events.enabled:
+        return None
+    from persistence.kafka_path import ensure_topic
+
+    persistence = settings.persistence
+    await ensure_topic(bootstrap, settings.events.topic, persistence.partitions)
+    producer = make_event_producer(bootstrap, persistence.kafka_request_timeout_ms)
+    await producer.start()
+    return EventLog(
+        producer, settings.events.topic, epoch=epoch, default_ttl=persistence.default_message_ttl
+    )
