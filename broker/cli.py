@@ -1,7 +1,7 @@
 """The ``devicemq`` command.
 
     devicemq run [--config FILE] [--host HOST] [--port PORT] [--data-dir DIR]
-                 [--log-level LEVEL]
+                 [--log-level LEVEL] [--metrics-port PORT]
     devicemq --version
 
 Each subcommand is one entry of :data:`COMMANDS`: a function adding its
@@ -64,6 +64,7 @@ _RUN_OVERRIDES = {
     "port": "listener.port",
     "data_dir": "data_dir",
     "log_level": "log.level",
+    "metrics_port": "metrics.port",
 }
 
 
@@ -78,6 +79,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", help="TCP port for MQTT (listener.port)")
     p.add_argument("--data-dir", metavar="DIR", help="directory for broker files (data_dir)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (log.level)")
+    p.add_argument(
+        "--metrics-port",
+        metavar="PORT",
+        help="serve /metrics, /health and /ready on PORT (metrics.port; sets metrics.enabled)",
+    )
 
 
 def _config_path(args: argparse.Namespace) -> str | None:
@@ -90,6 +96,8 @@ def _settings_from_args(args: argparse.Namespace) -> Settings:
         for dest, name in _RUN_OVERRIDES.items()
         if getattr(args, dest) is not None
     }
+    if args.metrics_port is not None:
+        overrides["metrics.enabled"] = "true"
     return load_settings(_config_path(args), overrides=overrides)
 
 
@@ -107,12 +115,13 @@ def _run(args: argparse.Namespace) -> int:
             raise
         _error("broker.server is not available in this installation")
         return 1
+    from broker.metrics import MetricsUnavailable
     from persistence.runtime import PersistenceUnavailable
     from persistence.services import ServiceError
 
     try:
         server.run(settings)
-    except (PersistenceUnavailable, ServiceError) as e:
+    except (PersistenceUnavailable, ServiceError, MetricsUnavailable) as e:
         _error(str(e))
         return 1
     except OSError as e:

@@ -48,6 +48,7 @@ __all__ = [
     "ConfigError",
     "ListenerSettings",
     "LogSettings",
+    "MetricsSettings",
     "MqttSettings",
     "SettingSpec",
     "Settings",
@@ -213,6 +214,15 @@ class EventsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """Prometheus metrics and health checks over HTTP (broker/metrics.py)."""
+
+    enabled: bool = setting(False, "Serve /metrics, /health and /ready over HTTP")
+    host: str = setting("0.0.0.0", "Address the metrics HTTP server binds")
+    port: int = setting(9883, "TCP port of the metrics HTTP server", ge=1, le=65535)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything devicemq can be configured with."""
 
@@ -222,6 +232,7 @@ class Settings:
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     persistence: PersistenceSettings = field(default_factory=PersistenceSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
 # --------------------------------------------------------------------------

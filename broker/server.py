@@ -16,12 +16,15 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from broker.config import Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.packets import ReasonCode
+
+if TYPE_CHECKING:
+    from broker.metrics import MetricsServer
 
 log = logging.getLogger("devicemq.server")
 
@@ -160,9 +163,25 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     With persistence enabled, Redis and Kafka (embedded if not configured)
     are connected and saved sessions restored before the listener opens; on
     the way out, clients are disconnected first so nothing new arrives, then
-    the persistent path drains into Redis.
+    the persistent path drains into Redis. With ``metrics.enabled`` the
+    metrics server answers from the start (/health 200, /ready 503 until the
+    listener opens) to the end.
     """
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    metrics: MetricsServer | None = None
+    if settings.metrics.enabled:
+        from broker.metrics import MetricsServer
+
+        metrics = MetricsServer(settings.metrics)
+        await metrics.start()
+    try:
+        await _serve(settings, stop, metrics)
+    finally:
+        if metrics is not None:
+            await metrics.stop()
+
+
+async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer | None) -> None:
     persistence = None
     if settings.persistence.enabled:
         from persistence.runtime import open_persistence
@@ -174,9 +193,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             await persistence.attach(broker)
         server = BrokerServer(settings, broker)
         await server.start()
+        if metrics is not None:
+            metrics.attach(broker, persistence)
         try:
             await stop.wait()
         finally:
+            if metrics is not None:
+                metrics.stopping = True  # /ready: 503 while draining
             await server.stop()
     finally:
         if persistence is not None:

@@ -1,0 +1,549 @@
+"""Prometheus metrics, liveness and readiness over HTTP, inside the broker's event loop.
+
+:class:`MetricsServer` is a small HTTP/1.1 server on ``asyncio.start_server``
+(one request per connection, no thread, no framework) answering:
+
+- ``GET /metrics``: every ``devicemq_*`` series in the Prometheus text format;
+- ``GET /health``: 200 while the process runs (the Docker HEALTHCHECK);
+- ``GET /ready``: 200 when MQTT is served and, with persistence enabled,
+  Redis answers PING, Kafka answers a metadata request and the persistence
+  consumer has partitions assigned; otherwise 503 with a one-line JSON reason.
+
+Nothing here sits on the message path. :class:`BrokerCollector` reads the
+counters the broker already keeps (:class:`broker.stats.BrokerStats`, the
+consumer's ``ConsumerStats``, the Redis store's per-script histograms) when
+Prometheus scrapes; histograms observed on hot paths are
+:class:`broker.stats.Histogram` (a bisect and two additions, no lock). The
+few values that need I/O (Redis backlog, committed offsets the consumer has
+not committed itself yet) are refreshed asynchronously before a scrape, at
+most every :data:`REFRESH_INTERVAL` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from broker import __version__
+from broker.stats import LATENCY_BUCKETS, Histogram
+
+if TYPE_CHECKING:
+    from broker.config import MetricsSettings
+    from broker.core import Broker
+    from persistence.runtime import DevicePersistence
+
+__all__ = ["BrokerCollector", "MetricsServer", "MetricsUnavailable"]
+
+log = logging.getLogger("devicemq.metrics")
+
+PREFIX = "devicemq"
+REFRESH_INTERVAL = 5.0  # seconds a Redis backlog count / committed offset read is reused
+PROBE_TIMEOUT = 2.0  # seconds a readiness probe or a refresh may take
+REQUEST_TIMEOUT = 5.0  # seconds a client has to send its request head
+MAX_REQUEST_HEAD = 16 * 1024
+INFLIGHT_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 65535.0)
+BACKLOG_PIPELINE = 1000  # ZCARDs per Redis round trip when counting the backlog
+
+
+class MetricsUnavailable(Exception):
+    """The metrics port cannot be bound (one readable line)."""
+
+
+# --------------------------------------------------------------------------
+# Building metric families
+# --------------------------------------------------------------------------
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _labelled(
+    family: CounterMetricFamily | GaugeMetricFamily, rows: Iterable[tuple[Sequence[str], float]]
+) -> CounterMetricFamily | GaugeMetricFamily:
+    for labels, value in rows:
+        family.add_metric(list(labels), value)
+    return family
+
+
+def _buckets(histogram: Histogram) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative (le, count) pairs ending with +Inf, and the total count."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, n in zip(histogram.buckets, histogram.counts, strict=False):
+        total += n
+        out.append((repr(float(bound)), total))
+    total += histogram.counts[-1]
+    out.append(("+Inf", total))
+    return out, total
+
+
+def _histogram(
+    name: str,
+    doc: str,
+    rows: Iterable[tuple[Sequence[str], Histogram]],
+    labels: Sequence[str] = (),
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
+    for values, histogram in rows:
+        buckets, _ = _buckets(histogram)
+        family.add_metric(list(values), buckets, histogram.sum)
+    return family
+
+
+# --------------------------------------------------------------------------
+# The collector
+# --------------------------------------------------------------------------
+
+
+class BrokerCollector(Collector):
+    """Every ``devicemq_*`` series, read from the broker's own counters at scrape time."""
+
+    def __init__(self) -> None:
+        self.broker: Broker | None = None
+        self.persistence: DevicePersistence | None = None
+        self.kafka_produce = Histogram(LATENCY_BUCKETS)
+        # Refreshed by MetricsServer before a scrape (they need I/O).
+        self.backlog: int | None = None
+        self.committed: dict[int, int] = {}  # partition -> committed offset read from Kafka
+
+    def attach(self, broker: Broker, persistence: DevicePersistence | None) -> None:
+        self.broker = broker
+        self.persistence = persistence
+        if persistence is not None:
+            persistence.path.latency_observer = self.kafka_produce.observe
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._info()
+        if self.broker is not None:
+            yield from self._broker(self.broker)
+        if self.persistence is not None:
+            yield from self._persistence(self.persistence)
+
+    def _info(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            f"{PREFIX}_build_info", "devicemq version (value is always 1)", labels=["version"]
+        )
+        info.add_metric([__version__], 1)
+        yield info
+        yield _gauge(
+            "serving", "1 once the MQTT listener serves, 0 while starting", self.broker is not None
+        )
+
+    def _broker(self, broker: Broker) -> Iterator[Metric]:
+        stats = broker.stats
+        yield _gauge(
+            "connections_current",
+            "Open MQTT network connections (including those that have not sent CONNECT yet)",
+            len(broker.connections),
+        )
+        yield _counter(
+            "connections",
+            "Accepted MQTT CONNECTs (sessions opened or resumed)",
+            stats.connections_total,
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_connections_rejected",
+                "Connections refused or closed for a protocol error, by reason",
+                labels=["reason"],
+            ),
+            (((reason,), n) for reason, n in sorted(stats.connections_rejected.items())),
+        )
+        persistent = connected = inflight_total = inflight_max = 0
+        inflight_hist = Histogram(INFLIGHT_BUCKETS)
+        for session in broker.sessions.values():
+            if session.expiry_interval > 0:
+                persistent += 1
+            if session.connection is None:
+                continue
+            connected += 1
+            inflight = len(getattr(session.outbox, "inflight", ()))
+            inflight_hist.observe(inflight)
+            inflight_total += inflight
+            inflight_max = max(inflight_max, inflight)
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_sessions",
+                "Sessions held by this broker, connected or not, by type",
+                labels=["type"],
+            ),
+            [
+                (("persistent",), persistent),
+                (("non_persistent",), len(broker.sessions) - persistent),
+            ],
+        )
+        yield _gauge("clients_connected", "Sessions with a client connected", connected)
+        yield _gauge(
+            "subscriptions",
+            "Subscriptions (each shared group member counts)",
+            len(broker.subscriptions),
+        )
+        yield _gauge("retained_messages", "Retained messages held", len(broker.retained))
+        yield _gauge(
+            "inflight_messages",
+            "Outgoing QoS 1/2 messages awaiting an ack, all clients",
+            inflight_total,
+        )
+        yield _gauge(
+            "client_inflight_messages_max",
+            "Largest outgoing in-flight count of one client",
+            inflight_max,
+        )
+        buckets, _ = _buckets(inflight_hist)
+        in_flight = GaugeHistogramMetricFamily(
+            f"{PREFIX}_client_inflight_messages",
+            "Connected clients by their outgoing QoS 1/2 messages in flight (now)",
+        )
+        in_flight.add_metric([], buckets, float(inflight_total))
+        yield in_flight
+        qos_rows = ("0", "1", "2")
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_messages_received", "PUBLISH packets received, by QoS", labels=["qos"]
+            ),
+            zip(((q,) for q in qos_rows), stats.messages_received, strict=True),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_messages_sent", "PUBLISH packets sent, by QoS", labels=["qos"]
+            ),
+            zip(((q,) for q in qos_rows), stats.messages_sent, strict=True),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_messages_received_bytes",
+                "Payload bytes of PUBLISH received, by QoS",
+                labels=["qos"],
+            ),
+            zip(((q,) for q in qos_rows), stats.payload_bytes_received, strict=True),
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_messages_sent_bytes",
+                "Payload bytes of PUBLISH sent, by QoS",
+                labels=["qos"],
+            ),
+            zip(((q,) for q in qos_rows), stats.payload_bytes_sent, strict=True),
+        )
+        yield _counter(
+            "network_received_bytes", "Bytes read from MQTT sockets", stats.bytes_received
+        )
+        yield _counter("network_sent_bytes", "Bytes queued to MQTT sockets", stats.bytes_sent)
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_publish_dropped",
+                "PUBLISH deliveries dropped, by reason",
+                labels=["reason"],
+            ),
+            (((reason,), n) for reason, n in sorted(stats.dropped.items())),
+        )
+        yield _histogram(
+            "delivery_latency_seconds",
+            "Persistent delivery: publisher's PUBLISH to the first send to the subscriber",
+            [((), stats.delivery_latency)],
+        )
+        yield _counter(
+            "persisted_messages_delivered",
+            "Stored messages sent to subscribers (DUP re-sends included)",
+            stats.persisted_delivered,
+        )
+        yield _counter(
+            "persisted_messages_acked",
+            "Stored messages removed by PUBACK or PUBCOMP",
+            stats.persisted_acked,
+        )
+        yield _counter(
+            "persisted_messages_undeliverable",
+            "Stored messages dropped at send time: expired, or too large for the client",
+            stats.persisted_undeliverable,
+        )
+        yield _histogram(
+            "persisted_replay_page_messages",
+            "Stored messages read per Redis page when a session catches up or replays",
+            [((), stats.replay_pages)],
+        )
+
+    def _persistence(self, persistence: DevicePersistence) -> Iterator[Metric]:
+        consumer = persistence.consumer.stats
+        yield _counter(
+            "persisted_messages_stored",
+            "Messages stored in Redis by the consumer",
+            consumer.messages_stored,
+        )
+        yield _counter(
+            "persisted_messages_trimmed",
+            "Oldest stored messages removed because a client was over its limit",
+            consumer.messages_trimmed,
+        )
+        yield _counter(
+            "persisted_messages_expired",
+            "Messages whose expiry passed before the consumer could store them",
+            consumer.expired_on_arrival,
+        )
+        yield _counter(
+            "persisted_messages_duplicate",
+            "Re-read Kafka records the store skipped as already stored",
+            consumer.duplicates_skipped,
+        )
+        if self.backlog is not None:
+            yield _gauge(
+                "persisted_backlog_messages",
+                "Messages stored in Redis for the persistent sessions this broker holds",
+                self.backlog,
+            )
+        yield _histogram(
+            "kafka_produce_duration_seconds",
+            "One produce batch: first send to Kafka acknowledging all of it (acks=all)",
+            [((), self.kafka_produce)],
+        )
+        yield _counter(
+            "kafka_produce_errors",
+            "Submissions Kafka failed to acknowledge",
+            persistence.path.produce_errors,
+        )
+        yield _counter(
+            "kafka_records_consumed",
+            "Records read by the persistence consumer",
+            consumer.records_consumed,
+        )
+        yield _counter(
+            "kafka_commit_errors",
+            "Offset commits that failed (lost assignment)",
+            consumer.commit_errors,
+        )
+        yield _counter(
+            "redis_save_errors",
+            "Consumer batch saves Redis refused (retried until stored)",
+            consumer.save_errors,
+        )
+        yield _counter(
+            "redis_write_errors",
+            "Delivery-progress writes to Redis that failed",
+            persistence.writer.errors,
+        )
+        kafka = persistence.kafka_consumer
+        assigned = sorted(kafka.assignment(), key=lambda tp: tp.partition)
+        yield _gauge(
+            "kafka_consumer_assigned_partitions",
+            "Partitions assigned to this broker's consumer",
+            len(assigned),
+        )
+        lag = GaugeMetricFamily(
+            f"{PREFIX}_kafka_consumer_lag_records",
+            "Records of an assigned partition not yet stored: highwater - committed offset",
+            labels=["partition"],
+        )
+        committed = consumer.committed
+        for tp in assigned:
+            highwater = kafka.highwater(tp)
+            done = committed.get(tp.partition, self.committed.get(tp.partition))
+            if highwater is not None and done is not None:
+                lag.add_metric([str(tp.partition)], max(0, highwater - done))
+        yield lag
+        store = persistence.store
+        yield _histogram(
+            "redis_script_duration_seconds",
+            "One Redis Lua script call (a client batch, an ack, a page), by script",
+            [((name,), h) for name, h in sorted(store.script_latency.items())],
+            labels=["script"],
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_redis_script_errors",
+                "Failed Redis script calls, by script",
+                labels=["script"],
+            ),
+            (((name,), n) for name, n in sorted(store.script_errors.items())),
+        )
+
+    # -- values that need I/O ---------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Count the Redis backlog and read committed offsets the consumer lacks."""
+        persistence, broker = self.persistence, self.broker
+        if persistence is None or broker is None:
+            return
+        kafka = persistence.kafka_consumer
+        known = persistence.consumer.stats.committed
+        for tp in kafka.assignment():
+            if tp.partition not in known:
+                offset = await kafka.committed(tp)
+                if offset is not None:
+                    self.committed[tp.partition] = offset
+        durable = [cid for cid, s in broker.sessions.items() if s.durable]
+        total = 0
+        redis: Any = persistence.store.redis
+        from persistence.redis_store import client_keys
+
+        for start in range(0, len(durable), BACKLOG_PIPELINE):
+            pipe = redis.pipeline(transaction=False)
+            for cid in durable[start : start + BACKLOG_PIPELINE]:
+                pipe.zcard(client_keys(cid).messages)
+            total += sum(int(n) for n in await pipe.execute())
+        self.backlog = total
+
+
+# --------------------------------------------------------------------------
+# The HTTP server
+# --------------------------------------------------------------------------
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    503: "Service Unavailable",
+}
+_JSON = "application/json"
+
+
+class MetricsServer:
+    """``/metrics``, ``/health`` and ``/ready`` on ``settings.host:settings.port``."""
+
+    def __init__(self, settings: MetricsSettings) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = BrokerCollector()
+        self.registry.register(self.collector)
+        ProcessCollector(namespace=PREFIX, registry=self.registry)
+        self.stopping = False
+        self._server: asyncio.Server | None = None
+        self._refreshed = 0.0
+        self._refresh_lock = asyncio.Lock()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        host, port = self.settings.host, self.settings.port
+        try:
+            self._server = await asyncio.start_server(
+                self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_HEAD
+            )
+        except OSError as e:
+            raise MetricsUnavailable(
+                f"cannot serve metrics on {host}:{port}: {e.strerror or e}"
+            ) from e
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def attach(self, broker: Broker, persistence: DevicePersistence | None) -> None:
+        """The broker serves MQTT now: export it and let /ready answer for it."""
+        self.collector.attach(broker, persistence)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    # -- requests ---------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+                return
+            status, content_type, body, head_only = await self._respond(head)
+            reason = _REASONS.get(status, "")
+            headers = (
+                f"HTTP/1.1 {status} {reason}\r\n"
+                f"Content-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\n"
+                "Cache-Control: no-store\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            writer.write(headers.encode("latin-1") + (b"" if head_only else body))
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        except Exception:  # a bug must not kill the server; one line in the log
+            log.exception("metrics request failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def _respond(self, head: bytes) -> tuple[int, str, bytes, bool]:
+        """(status, content type, body, omit body) for a request head."""
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            return 400, _JSON, b'{"error":"bad request"}\n', False
+        method, target = parts[0], parts[1].decode("latin-1")
+        path = target.split("?", 1)[0]
+        head_only = method == b"HEAD"
+        if path not in ("/metrics", "/health", "/ready"):
+            return 404, _JSON, b'{"error":"not found"}\n', head_only
+        if method not in (b"GET", b"HEAD"):
+            return 405, _JSON, b'{"error":"method not allowed"}\n', False
+        if path == "/health":
+            return 200, _JSON, b'{"status":"up"}\n', head_only
+        if path == "/ready":
+            ready, detail = await self.readiness()
+            body = orjson.dumps({"ready": ready, **detail}) + b"\n"
+            return (200 if ready else 503), _JSON, body, head_only
+        await self._refresh()
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry), head_only
+
+    async def readiness(self) -> tuple[bool, dict[str, object]]:
+        """(ready, details): MQTT served, and Redis, Kafka and a partition assignment."""
+        if self.stopping:
+            return False, {"reason": "shutting down"}
+        collector = self.collector
+        if collector.broker is None:
+            return False, {"reason": "starting"}
+        persistence = collector.persistence
+        if persistence is None:
+            return True, {"persistence": "disabled"}
+        try:
+            await asyncio.wait_for(persistence.store.redis.ping(), PROBE_TIMEOUT)
+        except Exception as e:
+            return False, {"reason": f"redis unreachable: {_short(e)}"}
+        try:
+            await asyncio.wait_for(
+                persistence.kafka_producer.client.fetch_all_metadata(), PROBE_TIMEOUT
+            )
+        except Exception as e:
+            return False, {"reason": f"kafka unreachable: {_short(e)}"}
+        assigned = len(persistence.kafka_consumer.assignment())
+        if not assigned:
+            return False, {"reason": "consumer has no partitions assigned"}
+        return True, {"partitions": assigned}
+
+    async def _refresh(self) -> None:
+        async with self._refresh_lock:
+            if time.monotonic() - self._refreshed < REFRESH_INTERVAL:
+                return
+            try:
+                await asyncio.wait_for(self.collector.refresh(), PROBE_TIMEOUT)
+            except Exception as e:  # the scrape goes on with the last values
+                log.debug("metrics refresh failed: %s", _short(e))
+            self._refreshed = time.monotonic()
+
+
+def _short(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text.splitlines()[0][:200]
