@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from aiokafka.structs import RecordMetadata
 
 from persistence.records import encode_delivery
@@ -135,10 +135,18 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> bool:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, partitions, 1)])
+        response = await admin.create_topics([NewTopic(topic, partitions, 1)])
     except TopicAlreadyExistsError:
         return False
     finally:
         await admin.close()
+    # aiokafka reports per-topic outcomes in the response instead of raising:
+    # an existing topic is error code 36, not success.
+    for _name, code, *_ in response.topic_errors:
+        error = for_code(code)
+        if error is TopicAlreadyExistsError:
+            return False
+        if code:
+            raise error(f"cannot create kafka topic {topic}")
     log.info("created kafka topic %s with %d partitions", topic, partitions)
     return True
