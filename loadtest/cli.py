@@ -1,0 +1,161 @@
+"""``python -m loadtest SCENARIO [options]``, also ``devicemq loadtest ...``.
+
+Exit status: 0 when every message checked out, 1 when the check failed
+(loss, duplicates, disorder) or the run could not be carried out, 2 on a
+usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from loadtest.scenarios import SCENARIOS, LoadConfig
+
+__all__ = ["add_arguments", "config_from_args", "main", "run_command"]
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", choices=SCENARIOS, help="p2p, fan-in or fan-out")
+    g = p.add_argument_group("clients")
+    g.add_argument("--pairs", type=int, help="p2p: publisher/subscriber pairs (default 100)")
+    g.add_argument("--publishers", type=int, help="fan-in default 100, fan-out default 1")
+    g.add_argument("--subscribers", type=int, help="fan-in default 2, fan-out default 100")
+    g.add_argument("--mqtt", choices=("3.1.1", "5"), default="3.1.1", help="protocol version")
+    persistence = g.add_mutually_exclusive_group()
+    persistence.add_argument(
+        "--persistent",
+        dest="persistent",
+        action="store_true",
+        default=None,
+        help="subscribers keep a session: clean session 0 / session expiry > 0 (p2p default)",
+    )
+    persistence.add_argument(
+        "--clean", dest="persistent", action="store_false", help="clean-session subscribers"
+    )
+    g.add_argument(
+        "--reconnect-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="subscribers drop their connection and reconnect every S seconds",
+    )
+    g.add_argument(
+        "--keep-sessions", action="store_true", help="leave the persistent sessions behind"
+    )
+    g = p.add_argument_group("messages")
+    g.add_argument("--qos", type=int, choices=(0, 1, 2), default=1)
+    g.add_argument("--payload-size", type=int, default=64, metavar="BYTES", help="min 20")
+    g.add_argument(
+        "--rate", type=float, default=0.0, help="msg/s per publisher; 0 = unthrottled (default)"
+    )
+    g.add_argument(
+        "--inflight",
+        type=int,
+        default=10,
+        help="unacknowledged PUBLISHes per publisher (default 10)",
+    )
+    g = p.add_argument_group("timing")
+    g.add_argument("--duration", type=float, default=20.0, help="measured seconds (default 20)")
+    g.add_argument("--warmup", type=float, default=5.0, help="seconds before them (default 5)")
+    g.add_argument(
+        "--drain", type=float, default=15.0, help="longest wait for stragglers (default 15)"
+    )
+    g = p.add_argument_group("target and output")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=1883)
+    g.add_argument("--label", default="", help="name of the target in reports")
+    g.add_argument(
+        "--compare",
+        type=_host_port,
+        metavar="HOST:PORT",
+        help="then run the same scenario against this broker and report the ratio",
+    )
+    g.add_argument("--compare-label", default="", help="name of the --compare target")
+    g.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    g.add_argument("--seed", type=int, help="seed for run id, nonce, padding, start phases")
+    g.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    g.add_argument("--plot", metavar="FILE.png", help="plot rate and latency per second")
+    g.add_argument(
+        "--watch-pid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="PID",
+        help="also count this process (and children) as broker CPU",
+    )
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    return LoadConfig(
+        scenario=args.scenario,
+        host=args.host,
+        port=args.port,
+        pairs=args.pairs,
+        publishers=args.publishers,
+        subscribers=args.subscribers,
+        qos=args.qos,
+        payload_size=args.payload_size,
+        rate=args.rate,
+        inflight=args.inflight,
+        duration=args.duration,
+        warmup=args.warmup,
+        drain=args.drain,
+        mqtt=args.mqtt,
+        persistent=args.persistent,
+        processes=args.processes,
+        seed=args.seed,
+        reconnect_every=args.reconnect_every,
+        keep_sessions=args.keep_sessions,
+        label=args.label,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from loadtest.report import format_report, plot, write_json
+    from loadtest.runner import LoadTestError, run_load
+
+    try:
+        config = config_from_args(args).resolved()
+    except ValueError as e:
+        print(f"loadtest: error: {e}", file=sys.stderr)
+        return 2
+    show = not args.quiet
+    results: list[dict[str, Any]] = []
+    try:
+        results.append(run_load(config, progress=show, watch_pids=args.watch_pid))
+        if args.compare:
+            host, port = args.compare
+            other = LoadConfig(**{**vars(config), "host": host, "port": port, "label": ""})
+            results.append(
+                run_load(other, label=args.compare_label or f"{host}:{port}", progress=show)
+            )
+    except LoadTestError as e:
+        print(f"loadtest: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(format_report(results))
+    if args.json:
+        write_json(args.json, results)
+    if args.plot:
+        plot(args.plot, results)
+    return 0 if all(r["check"]["ok"] for r in results) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest", description="MQTT load scenarios with per-message checks"
+    )
+    add_arguments(parser)
+    return run_command(parser.parse_args(argv))
