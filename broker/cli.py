@@ -166,15 +166,134 @@ def _services(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# loadtest (the loadtest package; imported only when used)
+# --------------------------------------------------------------------------
+
+
+def _add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
+    from loadtest.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    from loadtest.cli import run_command
+
+    return run_command(args)
+
+
+# --------------------------------------------------------------------------
+# passwd
+# --------------------------------------------------------------------------
+
+
+def _add_passwd_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="the password file (auth.password_file)")
+    p.add_argument("user", metavar="USER", help="the user name")
+    p.add_argument(
+        "password",
+        metavar="PASSWORD",
+        nargs="?",
+        help="with -b only: the password (visible to other local users; avoid)",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("-D", "--delete", action="store_true", help="delete USER from FILE")
+    mode.add_argument(
+        "--password-stdin", action="store_true", help="read the password from standard input"
+    )
+    mode.add_argument(
+        "-b",
+        "--batch",
+        action="store_true",
+        help="take PASSWORD from the command line, like mosquitto_passwd -b (discouraged)",
+    )
+
+
+def _passwd(args: argparse.Namespace) -> int:
+    """Add, change or delete a user of a password file (one username:argon2id-hash a line).
+
+    Asks for the password twice unless --password-stdin or -b. The file is
+    created if missing and always rewritten atomically with mode 0600.
+    """
+    import getpass
+    from pathlib import Path
+
+    from broker.auth import (
+        PasswordFileError,
+        check_username,
+        hash_password,
+        read_password_file,
+        write_password_file,
+    )
+
+    if (args.password is not None) != args.batch:
+        print(f"{PROG} passwd: error: PASSWORD goes with -b, and -b needs it", file=sys.stderr)
+        return 2
+    path = Path(args.file)
+    try:
+        users = read_password_file(path) if path.exists() else {}
+    except PasswordFileError as e:
+        _error(str(e))
+        return 1
+    if args.delete:
+        if users.pop(args.user, None) is None:
+            _error(f"{args.user!r} is not in {path}")
+            return 1
+        write_password_file(path, users)
+        return 0
+    try:
+        check_username(args.user)
+    except ValueError as e:
+        _error(str(e))
+        return 2
+    if args.batch:
+        print(
+            f"{PROG}: warning: a password on the command line can be seen by other local "
+            "users and stays in shell history; prefer --password-stdin",
+            file=sys.stderr,
+        )
+        password = args.password
+    elif args.password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        try:
+            password = getpass.getpass("Password: ")
+            if getpass.getpass("Reenter password: ") != password:
+                _error("the passwords do not match")
+                return 1
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 1
+    if not password:
+        _error("the password is empty")
+        return 1
+    users[args.user] = hash_password(password)
+    try:
+        write_password_file(path, users)
+    except OSError as e:
+        _error(f"cannot write {path}: {e.strerror or e}")
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------
 # The command table and main
 # --------------------------------------------------------------------------
 
 COMMANDS: dict[str, Command] = {
     "run": Command("run the MQTT broker until SIGTERM/SIGINT", _add_run_arguments, _run),
+    "passwd": Command(
+        "add, change or delete a user of a password file", _add_passwd_arguments, _passwd
+    ),
     "services": Command(
         "show or stop the embedded Redis and Kafka of a data dir",
         _add_services_arguments,
         _services,
+    ),
+    "loadtest": Command(
+        "run a load scenario (p2p, fan-in, fan-out) against a broker",
+        _add_loadtest_arguments,
+        _loadtest,
     ),
 }
 
