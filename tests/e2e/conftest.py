@@ -12,7 +12,15 @@ Fixtures:
   out of each other's way with unique topics and client ids (``names``).
 - ``broker_factory``: ``start({"mqtt.connect_timeout": 1})`` starts a broker
   of its own with those settings (as ``DEVICEMQ_<SECTION>_<FIELD>``
-  environment variables); stopped when the test ends.
+  environment variables); stopped when the test ends. These brokers keep
+  persistent sessions in memory (``persistence.enabled=false``: no embedded
+  Redis and Kafka to start, so they are up in a fraction of a second) unless
+  the settings name a ``persistence.*`` value; the shared ``broker`` runs the
+  default, durable path.
+
+devicemq's embedded Redis and Tansu outlive the broker process by design
+(persistence/services.py); every fixture stops them with
+``python -m persistence.services stop --data-dir DIR`` after the broker.
 - ``names``: unique topic prefix and client ids for one test.
 - ``clients``: makes paho and raw-socket clients, all closed when the test ends.
 """
@@ -71,6 +79,7 @@ class BrokerProcess:
     port: int
     proc: subprocess.Popen[bytes]
     log_path: Path
+    data_dir: Path
     settings: Mapping[str, object] = field(default_factory=dict)
 
     @property
@@ -87,7 +96,8 @@ class BrokerProcess:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM, wait, SIGKILL if it will not go. Safe to call twice."""
+        """SIGTERM, wait, SIGKILL if it will not go; then its embedded services.
+        Safe to call twice."""
         proc = self.proc
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -98,6 +108,21 @@ class BrokerProcess:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait(STOP_TIMEOUT)
+        self.stop_services()
+
+    def stop_services(self) -> None:
+        """Stop the Redis and Tansu this devicemq started under its data dir, if any."""
+        if self.kind != "devicemq" or not (self.data_dir / "services").exists():
+            return
+        argv = [sys.executable, "-m", "persistence.services", "stop", "--data-dir"]
+        subprocess.run(
+            [*argv, str(self.data_dir)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
 
 
 def _wait_ready(broker: BrokerProcess) -> None:
@@ -164,7 +189,7 @@ def start_broker(data_dir: Path, settings: Mapping[str, object] | None = None) -
         proc = subprocess.Popen(
             argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )
-    broker = BrokerProcess(BROKER_KIND, HOST, port, proc, log_path, settings)
+    broker = BrokerProcess(BROKER_KIND, HOST, port, proc, log_path, data_dir, settings)
     try:
         _wait_ready(broker)
     except BaseException:
@@ -200,6 +225,9 @@ def broker_factory(
     started: list[BrokerProcess] = []
 
     def start(settings: Mapping[str, object] | None = None) -> BrokerProcess:
+        settings = dict(settings or {})
+        if not is_mosquitto() and not any(k.startswith("persistence.") for k in settings):
+            settings["persistence.enabled"] = False
         broker = start_broker(tmp_path / f"broker-{len(started)}", settings)
         started.append(broker)
         return broker
