@@ -125,7 +125,9 @@ class BrokerCollector(Collector):
         self.kafka_produce = Histogram(LATENCY_BUCKETS)
         # Refreshed by MetricsServer before a scrape (they need I/O).
         self.backlog: int | None = None
-        self.committed: dict[int, int] = {}  # partition -> committed offset read from Kafka
+        # partition -> committed offset read from Kafka (0: none yet) for partitions
+        # this process has not committed itself
+        self.committed: dict[int, int] = {}
 
     def attach(self, broker: Broker, persistence: DevicePersistence | None) -> None:
         self.broker = broker
@@ -387,10 +389,10 @@ class BrokerCollector(Collector):
         kafka = persistence.kafka_consumer
         known = persistence.consumer.stats.committed
         for tp in kafka.assignment():
-            if tp.partition not in known:
+            if tp.partition not in known and tp.partition not in self.committed:
+                # Read once; the consumer's own commits take over from then on.
                 offset = await kafka.committed(tp)
-                if offset is not None:
-                    self.committed[tp.partition] = offset
+                self.committed[tp.partition] = 0 if offset is None else offset
         durable = [cid for cid, s in broker.sessions.items() if s.durable]
         total = 0
         redis: Any = persistence.store.redis
