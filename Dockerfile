@@ -1,0 +1,42 @@
+# syntax=docker/dockerfile:1
+# devicemq: the MQTT broker, configured only through DEVICEMQ_* environment
+# variables (README "Configuration"); docker-compose.yml runs it with Kafka,
+# Redis, Prometheus and Grafana.
+#
+#   docker build -t devicemq .
+#   docker run -p 1883:1883 -p 9883:9883 \
+#     -e DEVICEMQ_PERSISTENCE_REDIS_URL=redis://redis:6379/0 \
+#     -e DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP=kafka:9092 devicemq
+
+# ---- build: wheels of devicemq and its dependencies (uvloop, hiredis, ...)
+FROM python:3.11-slim AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY . .
+RUN pip wheel --wheel-dir /wheels .
+
+# ---- runtime: the installed package, no sources, no compilers, non-root
+FROM python:3.11-slim
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    DEVICEMQ_LISTENER_HOST=0.0.0.0 \
+    DEVICEMQ_LISTENER_PORT=1883 \
+    DEVICEMQ_METRICS_ENABLED=true \
+    DEVICEMQ_METRICS_HOST=0.0.0.0 \
+    DEVICEMQ_METRICS_PORT=9883 \
+    DEVICEMQ_DATA_DIR=/var/lib/devicemq
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-index --find-links=/wheels devicemq \
+    && python -c "import uvloop, prometheus_client, broker.server" \
+    && useradd --system --uid 10001 --user-group --home-dir /var/lib/devicemq --create-home devicemq
+USER devicemq
+WORKDIR /var/lib/devicemq
+EXPOSE 1883 9883
+# /health answers 200 while the process runs (no curl in the image: urllib).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('DEVICEMQ_METRICS_PORT', '9883'), timeout=2)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["devicemq"]
+CMD ["run"]
