@@ -34,7 +34,8 @@ class Outbox(Protocol):
         """PUBACK: the QoS 1 flow ends. False if no such message is in flight."""
 
     def received(self, packet_id: int, failed: bool) -> bool:
-        """PUBREC: the QoS 2 flow moves to PUBREL, or ends if the client refused it."""
+        """PUBREC: the QoS 2 flow moves to PUBREL (the outbox sends it, once it may:
+        a stored outbox first stores the PUBREL stage), or ends if the client refused it."""
 
     def completed(self, packet_id: int) -> bool:
         """PUBCOMP: the QoS 2 flow ends."""
@@ -112,6 +113,9 @@ class MemoryOutbox:
         if failed:
             return self._finish(packet_id, OutgoingState.AWAIT_PUBREC)
         out.state = OutgoingState.AWAIT_PUBCOMP
+        conn = self._session.connection
+        if conn is not None:
+            conn.send(PubRel(packet_id))
         return True
 
     def completed(self, packet_id: int) -> bool:

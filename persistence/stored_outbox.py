@@ -60,8 +60,8 @@ class StoreWriter:
 
     Writes of one kind for one client are merged into one store call; a
     failed write is retried after :data:`RETRY_DELAY` (acks a few times, then
-    given up: the message is replayed with DUP; sent marks until they land,
-    because the message waits for them).
+    given up: the message is replayed with DUP; sent marks and PUBREL stages
+    until they land, because the message or its PUBREL waits for them).
     """
 
     ACK_ATTEMPTS = 5
@@ -69,7 +69,7 @@ class StoreWriter:
     def __init__(self, store: PersistedMessageStore) -> None:
         self._store = store
         self._acks: dict[str, list[int]] = {}
-        self._pubrels: dict[str, list[int]] = {}
+        self._pubrels: dict[str, list[tuple[int, Callable[[], None]]]] = {}
         self._marks: dict[str, tuple[list[int], list[Callable[[], None]]]] = {}
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -80,8 +80,8 @@ class StoreWriter:
         self._acks.setdefault(client_id, []).append(packet_id)
         self._schedule()
 
-    def mark_pubrel(self, client_id: str, packet_id: int) -> None:
-        self._pubrels.setdefault(client_id, []).append(packet_id)
+    def mark_pubrel(self, client_id: str, packet_id: int, then: Callable[[], None]) -> None:
+        self._pubrels.setdefault(client_id, []).append((packet_id, then))
         self._schedule()
 
     def mark_sent(self, client_id: str, packet_ids: list[int], then: Callable[[], None]) -> None:
@@ -123,15 +123,18 @@ class StoreWriter:
                 self._failed("ack", client_id, error)
                 await asyncio.sleep(RETRY_DELAY)
 
-    async def _write_pubrels(self, client_id: str, packet_ids: list[int]) -> None:
-        for packet_id in packet_ids:
-            for _ in range(self.ACK_ATTEMPTS):
+    async def _write_pubrels(
+        self, client_id: str, pubrels: list[tuple[int, Callable[[], None]]]
+    ) -> None:
+        for packet_id, then in pubrels:
+            while True:
                 try:
                     await self._store.mark_pubrel(client_id, packet_id)
                     break
                 except Exception as error:
                     self._failed("pubrel", client_id, error)
                     await asyncio.sleep(RETRY_DELAY)
+            then()
 
     async def _write_marks(
         self, client_id: str, packet_ids: list[int], callbacks: list[Callable[[], None]]
@@ -241,8 +244,21 @@ class StoredOutbox:
         if failed:
             return self._finish(packet_id, _State.AWAIT_PUBREC)
         entry.state = _State.AWAIT_PUBCOMP
-        self._writer.mark_pubrel(self._session.client_id, packet_id)
+        # PUBREL only once the store says so: sent earlier, a crash would replay the
+        # PUBLISH the client already completed, and it would be delivered twice.
+        generation = self._generation
+        self._writer.mark_pubrel(
+            self._session.client_id, packet_id, lambda: self._pubrel_stored(packet_id, generation)
+        )
         return True
+
+    def _pubrel_stored(self, packet_id: int, generation: int) -> None:
+        conn = self._session.connection
+        entry = self.inflight.get(packet_id)
+        if generation != self._generation or conn is None or entry is None:
+            return  # the next connection replays it from the store
+        if entry.state is _State.AWAIT_PUBCOMP:
+            conn.send(PubRel(packet_id))
 
     def completed(self, packet_id: int) -> bool:
         return self._finish(packet_id, _State.AWAIT_PUBCOMP)

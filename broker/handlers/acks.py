@@ -17,13 +17,16 @@ def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
 
 
 def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
-    """Answer with PUBREL (MQTT-4.3.3-4); a failure reason ends the flow instead."""
+    """Answer with PUBREL (MQTT-4.3.3-4); a failure reason ends the flow instead.
+
+    The outbox sends the PUBREL of a message it holds: a persistent one only
+    after the PUBREL stage is stored, so a crash cannot replay the PUBLISH.
+    """
     assert conn.session is not None
     failed = packet.reason_code >= 0x80
     if conn.session.outbox.received(packet.packet_id, failed):
-        if not failed:
-            conn.send(PubRel(packet.packet_id))
-    elif not failed:
+        return
+    if not failed:
         conn.send(PubRel(packet.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
 
 
