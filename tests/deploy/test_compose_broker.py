@@ -1,0 +1,126 @@
+"""devicemq started exactly as docker-compose.yml configures it, with real Redis and Kafka."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from tests.deploy.conftest import REPO, ComposeBroker, http_get, json_of
+from tests.e2e.clients import V311, Paho
+
+DASHBOARD = REPO / "config" / "grafana" / "dashboards" / "devicemq.json"
+
+
+def test_health_and_ready(compose_broker: ComposeBroker) -> None:
+    status, body = http_get(compose_broker.url("/health"))
+    assert (status, json_of(body)) == (200, {"status": "up"})
+    status, body = http_get(compose_broker.url("/ready"))
+    ready = json_of(body)
+    assert status == 200 and ready["ready"] is True, body
+    assert ready["partitions"] == int(compose_broker.env["DEVICEMQ_PERSISTENCE_PARTITIONS"])
+
+
+def test_logs_are_json_lines(compose_broker: ComposeBroker) -> None:
+    lines = [line for line in compose_broker.log().splitlines() if line.strip()]
+    assert lines
+    events = [json.loads(line) for line in lines]  # DEVICEMQ_LOG_FORMAT=json: every line
+    assert any(e["msg"].startswith("devicemq listening on") for e in events)
+
+
+def test_persistent_round_trip(compose_broker: ComposeBroker) -> None:
+    topic = f"deploy/{uuid.uuid4().hex[:8]}/t"
+    device = Paho(compose_broker, f"deploy-dev-{uuid.uuid4().hex[:6]}", V311)
+    publisher = Paho(compose_broker, f"deploy-pub-{uuid.uuid4().hex[:6]}", V311)
+    try:
+        assert device.connect(clean_start=False).reason_code == 0
+        assert device.subscribe(topic, 1) == [1]
+        device.disconnect()  # offline: the message must wait in Kafka + Redis
+
+        publisher.connect()
+        publisher.publish(topic, b"while you were away", qos=1)  # PUBACK after Kafka acked
+
+        connack = device.connect(clean_start=False)
+        assert connack.session_present
+        message = device.get(timeout=15)
+        assert (message.topic, message.payload, message.qos) == (
+            topic,
+            b"while you were away",
+            1,
+        )
+    finally:
+        device.close()
+        publisher.close()
+
+    assert compose_broker.metric("devicemq_persisted_messages_stored_total") >= 1
+    assert compose_broker.metric("devicemq_persisted_messages_delivered_total") >= 1
+    assert compose_broker.metric("devicemq_delivery_latency_seconds_count") >= 1
+    assert compose_broker.metric("devicemq_messages_received_total", qos="1") >= 1
+    assert compose_broker.metric("devicemq_kafka_produce_duration_seconds_count") >= 1
+    assert compose_broker.metric("devicemq_redis_script_duration_seconds_count") >= 1
+    assert compose_broker.metric("devicemq_kafka_records_consumed_total") >= 1
+
+
+def test_metrics_follow_prometheus_conventions(compose_broker: ComposeBroker) -> None:
+    status, text = http_get(compose_broker.url("/metrics"))
+    assert status == 200
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    ours = {name: kind for name, kind in types.items() if name.startswith("devicemq_")}
+    assert len(ours) >= 40
+    assert set(types) == set(ours), "every series is devicemq_*"
+    for name, kind in ours.items():
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        else:
+            assert not name.endswith("_total"), name
+        if "latency" in name or "duration" in name:
+            assert name.endswith("_seconds"), name
+    for needed in (
+        "devicemq_connections_current",
+        "devicemq_connections_total",
+        "devicemq_connections_rejected_total",
+        "devicemq_sessions",
+        "devicemq_subscriptions",
+        "devicemq_retained_messages",
+        "devicemq_messages_received_total",
+        "devicemq_messages_sent_total",
+        "devicemq_messages_received_bytes_total",
+        "devicemq_messages_sent_bytes_total",
+        "devicemq_publish_dropped_total",
+        "devicemq_kafka_produce_duration_seconds",
+        "devicemq_kafka_produce_errors_total",
+        "devicemq_kafka_consumer_lag_records",
+        "devicemq_kafka_records_consumed_total",
+        "devicemq_redis_script_duration_seconds",
+        "devicemq_redis_script_errors_total",
+        "devicemq_persisted_messages_stored_total",
+        "devicemq_persisted_messages_delivered_total",
+        "devicemq_persisted_messages_acked_total",
+        "devicemq_persisted_messages_expired_total",
+        "devicemq_persisted_messages_trimmed_total",
+        "devicemq_persisted_replay_page_messages",
+        "devicemq_persisted_backlog_messages",
+        "devicemq_client_inflight_messages",
+        "devicemq_delivery_latency_seconds",
+    ):
+        assert needed in ours, needed
+    lag = [line for line in text.splitlines() if line.startswith("devicemq_kafka_consumer_lag")]
+    partitions = int(compose_broker.env["DEVICEMQ_PERSISTENCE_PARTITIONS"])
+    assert len(lag) == partitions  # one series per assigned partition, no per-client labels
+
+
+def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+    status, text = http_get(compose_broker.url("/metrics"))
+    assert status == 200
+    exported = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs
+    used = {m for e in exprs for m in re.findall(r"\bdevicemq_[a-z_]+", e)}
+    assert used
+    for name in used:
+        assert name in exported or name in samples, f"dashboard uses {name}, not exported"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("throughput", "latency", "backlog", "lag", "connections"):
+        assert topic in titles

@@ -1,0 +1,133 @@
+"""docker-compose.yml, Dockerfile and the Grafana provisioning, checked without a Docker engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from broker.config import load_settings, setting_specs
+from tests.deploy.conftest import COMPOSE_FILE, REPO, compose, service_environment
+
+GRAFANA = REPO / "config" / "grafana"
+
+
+def _check_jsonschema() -> str:
+    beside_python = Path(sys.executable).with_name("check-jsonschema")
+    found = str(beside_python) if beside_python.exists() else shutil.which("check-jsonschema")
+    if found is None:
+        pytest.fail("check-jsonschema missing: pip install -e '.[test]'")
+    return found
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    result = subprocess.run(
+        [_check_jsonschema(), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_devicemq_is_configured_only_through_its_environment() -> None:
+    service = compose()["services"]["devicemq"]
+    assert "volumes" not in service, "no config file (or anything else) is mounted"
+    assert "command" not in service and "entrypoint" not in service
+    assert "env_file" not in service and "configs" not in service
+    env = service_environment("devicemq")
+    assert "DEVICEMQ_CONFIG" not in env
+    known = {spec.env_var for spec in setting_specs().values()}
+    unknown = sorted(set(env) - known)
+    assert not unknown, f"not devicemq settings: {unknown}"
+    settings = load_settings(env=env)  # every value is valid
+    assert settings.persistence.redis_url == "redis://redis:6379/0"
+    assert settings.persistence.kafka_bootstrap == "kafka:9092"
+    assert settings.log.format == "json"
+    assert settings.listener.host == "0.0.0.0"
+    assert settings.metrics.enabled and settings.metrics.host == "0.0.0.0"
+
+
+def test_devicemq_scales() -> None:
+    service = compose()["services"]["devicemq"]
+    assert "container_name" not in service and "hostname" not in service
+    for port in service.get("ports", []):
+        host = str(port).rsplit(":", 1)[0]
+        assert re.fullmatch(r"\d+-\d+", host), f"{port}: a fixed host port stops --scale"
+    metrics_port = service_environment("devicemq")["DEVICEMQ_METRICS_PORT"]
+    assert not any(str(p).endswith(f":{metrics_port}") for p in service.get("ports", []))
+
+
+def test_every_service_has_healthcheck_restart_policy_and_named_volumes() -> None:
+    data = compose()
+    services = data["services"]
+    assert set(services) == {"kafka", "redis", "devicemq", "prometheus", "grafana"}
+    declared = set(data.get("volumes", {}))
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+        assert service.get("restart") in ("unless-stopped", "always", "on-failure"), name
+        for volume in service.get("volumes", []):
+            source = str(volume).split(":", 1)[0]
+            assert source.startswith("./") or source in declared, f"{name}: {volume}"
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert condition["condition"] in ("service_healthy", "service_started"), name
+            assert dependency in services
+    assert services["devicemq"]["depends_on"] == {
+        "kafka": {"condition": "service_healthy"},
+        "redis": {"condition": "service_healthy"},
+    }
+    assert services["grafana"]["depends_on"]["prometheus"] == {"condition": "service_healthy"}
+    assert declared == {"kafka-data", "redis-data", "prometheus-data", "grafana-data"}
+
+
+def test_kafka_is_one_kraft_node_with_data_on_a_volume() -> None:
+    kafka = compose()["services"]["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    env = {k: str(v) for k, v in kafka["environment"].items()}
+    assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == "1@kafka:9093"
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://kafka:9092"
+    assert "kafka-data:" + env["KAFKA_LOG_DIRS"] in kafka["volumes"]
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume() -> None:
+    redis = compose()["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command
+    assert "redis-data:/data" in redis["volumes"]
+
+
+def test_dockerfile() -> None:
+    text = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
+    user = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert user and user[-1] not in ("root", "0")
+    exposed = set(" ".join(re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE)).split())
+    assert {"1883", "9883"} <= exposed
+    healthcheck = re.search(r"^HEALTHCHECK .*?(?<!\\)$", text, re.MULTILINE | re.DOTALL)
+    assert healthcheck and "/health" in healthcheck.group(0) and "curl" not in healthcheck.group(0)
+    assert "import uvloop" in text
+    ignore = (REPO / ".dockerignore").read_text(encoding="utf-8")
+    assert "!broker/" in ignore and "!persistence/" in ignore
+
+
+def test_grafana_provisioning() -> None:
+    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())
+    (source,) = datasources["datasources"]
+    assert (source["type"], source["url"]) == ("prometheus", "http://prometheus:9090")
+    providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/devicemq.yml").read_text())
+    (provider,) = providers["providers"]
+    grafana = compose()["services"]["grafana"]
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in grafana["volumes"]}
+    assert mounts[provider["options"]["path"]] == "./config/grafana/dashboards"
+    dashboard = json.loads((GRAFANA / "dashboards/devicemq.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {source["uid"]}
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
