@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import yaml
 
 __all__ = [
+    "AuthSettings",
     "ConfigError",
     "ListenerSettings",
     "LogSettings",
@@ -160,6 +161,30 @@ class MqttSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """Who may connect (authentication) and what they may do (ACLs); SECURITY.md."""
+
+    allow_anonymous: bool | None = setting(
+        None,
+        "Accept clients without credentials; null (auto): only if no password file "
+        "and no certificate identity is configured",
+    )
+    password_file: str = setting("", "File of username:argon2id-hash lines; empty: none")
+    acl_file: str = setting("", "ACL rules file; empty: every client may do everything")
+    use_identity_as_username: bool = setting(
+        False, "A TLS client certificate's identity is the username (no password)"
+    )
+    certificate_identity: str = setting(
+        "cn",
+        "What identifies a certificate: its subject CN, or its first DNS/email SAN",
+        choices=("cn", "san"),
+    )
+    verify_cache_seconds: float = setting(
+        300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class PersistenceSettings:
     """The persistent-session path: Kafka, then Redis (DESIGN.md)."""
 
@@ -230,6 +255,7 @@ class Settings:
     data_dir: str = setting("./data", "Directory for files the broker keeps")
     log: LogSettings = field(default_factory=LogSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
     persistence: PersistenceSettings = field(default_factory=PersistenceSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
