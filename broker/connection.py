@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.codec import MAX_REMAINING_LENGTH, PacketDecoder, encode
 from broker.errors import MQTTError
@@ -88,6 +88,13 @@ class MQTTConnection:
         self.state = ConnectionState.AWAITING_CONNECT
         self.protocol_level: int = ProtocolLevel.MQTT_3_1_1
         self.client_id: str | None = None
+        # Who the client is once authenticated (None: anonymous); see broker/auth.py.
+        self.username: str | None = None
+        # ssl getpeercert() of a TLS client certificate, set by the listener.
+        self.peer_certificate: dict[str, Any] | None = None
+        # Packets received while CONNECT waits for authentication, and their bytes.
+        self._held: list[Packet] | None = None
+        self._held_bytes = 0
         self.session: Session | None = None
         self.will: WillMessage | None = None
         self.keep_alive = 0
@@ -119,13 +126,40 @@ class MQTTConnection:
             return
         self.last_received = self.broker.clock()
         self.broker.stats.bytes_received += len(data)
+        if self._held is not None:
+            self._held_bytes += len(data)
+            if self._held_bytes > 2 * self.broker.settings.mqtt.max_packet_size:
+                log.info("%s sent too much while its CONNECT was being checked", self.peer)
+                self.broker.stats.reject("flood_before_connack")
+                self.close(publish_will=False)
+                return
         try:
-            for packet in self.decoder.feed(data):
-                self._dispatch(packet)
-                if self.close_requested:
-                    return
+            self._process(self.decoder.feed(data))
         except MQTTError as error:
             self.protocol_violation(error)
+
+    def _process(self, packets: list[Packet]) -> None:
+        for i, packet in enumerate(packets):
+            if self._held is not None:  # CONNACK not decided yet: wait with the rest
+                self._held.extend(packets[i:])
+                return
+            self._dispatch(packet)
+            if self.close_requested:
+                return
+
+    def hold_input(self) -> None:
+        """CONNECT is being authenticated: keep what follows until :meth:`release_input`."""
+        self._held = []
+        self._held_bytes = 0
+
+    def release_input(self) -> None:
+        """CONNACK was sent: handle the packets that arrived meanwhile, in order."""
+        held, self._held = self._held, None
+        if held and self.state is not ConnectionState.CLOSED:
+            try:
+                self._process(held)
+            except MQTTError as error:
+                self.protocol_violation(error)
 
     def _dispatch(self, packet: Packet) -> None:
         from broker.handlers import HANDLERS

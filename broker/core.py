@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from broker.acl import Authorizer
+from broker.auth import Authenticator, reload_on_sighup
 from broker.message import Delivery, Message
 from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
 from broker.retained import RetainedStore
@@ -48,6 +50,13 @@ class Broker:
         self.subscriptions = SubscriptionTree()
         self.retained = RetainedStore()
         self.stats = BrokerStats()
+        self.auth = Authenticator(settings.auth, clock)
+        self.acl = Authorizer(settings.auth.acl_file, clock)
+        if settings.auth.password_file or settings.auth.acl_file:
+            reload_on_sighup(
+                lambda: self.auth.maybe_reload(force=True),
+                lambda: self.acl.maybe_reload(force=True),
+            )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._assigned_ids = itertools.count(1)
         self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
@@ -163,6 +172,7 @@ class Broker:
         if session.durable:
             self.persistent_path.session_ended(session)
         self._detached.discard(session)
+        self.acl.forget(session.client_id)
         if session.pending_will is not None:
             will, session.pending_will = session.pending_will, None
             self.publish_will(will)
@@ -217,9 +227,21 @@ class Broker:
                 if entry.subscription_id:
                     delivery.subscription_ids += (entry.subscription_id,)
         sessions = self.sessions
+        if self.acl.active:  # a client whose ACL denies reading the topic gets nothing
+            can_receive, topic = self.acl.can_receive, message.topic
+            for cid in [cid for cid in by_client if not can_receive(cid, topic)]:
+                del by_client[cid]
+                self.stats.drop("not_authorized_receive")
         targets = [(sessions[cid], delivery) for cid, delivery in by_client.items()]
         for group in match.groups:
             member = group.pick(self._is_online)
+            if (
+                member is not None
+                and self.acl.active
+                and not self.acl.can_receive(member.client_id, message.topic)
+            ):
+                self.stats.drop("not_authorized_receive")
+                member = None
             if member is not None:
                 qos = member.qos if member.qos < message.qos else message.qos
                 ids = (member.subscription_id,) if member.subscription_id else ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from broker.auth import AuthResult
 from broker.connection import ConnectionState, MQTTConnection, WillMessage
 from broker.errors import MQTTError
 from broker.message import Message, forwarded_properties, is_utf8
@@ -35,10 +36,32 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         raise MQTTError(ReasonCode.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
     conn.protocol_level = packet.protocol_level
+    # Authentication may hash a password in a worker thread: whatever the
+    # client sends meanwhile waits in the connection until CONNACK is decided.
+    conn.hold_input()
+    conn.broker.auth.authenticate(
+        packet.username,
+        packet.password,
+        conn.peer_certificate,
+        lambda result: _authenticated(conn, packet, result),
+    )
+
+
+def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) -> None:
+    if conn.state is not ConnectionState.AWAITING_CONNECT:
+        return  # the socket closed (or timed out) while the password was checked
     try:
+        if not result.ok:
+            who = f"client {packet.client_id!r}" + (
+                f" user {packet.username!r}" if packet.username is not None else ""
+            )
+            raise ConnectRefused(result.reason, f"{who}: {result.message}")
+        conn.username = result.username
         _accept(conn, packet)
     except ConnectRefused as refusal:
         _refuse(conn, refusal)
+        return
+    conn.release_input()
 
 
 def _accept(conn: MQTTConnection, packet: Connect) -> None:
@@ -63,6 +86,9 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "client id too long")
 
     will = _will(conn, packet)
+    acl = broker.acl
+    if will is not None and not acl.can_publish(client_id, conn.username, will.message.topic):
+        raise ConnectRefused(ReasonCode.NOT_AUTHORIZED, f"will topic {will.message.topic!r} denied")
 
     if v5:
         requested_expiry = properties.session_expiry_interval or 0
@@ -93,6 +119,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
     conn.request_problem_information = properties.request_problem_information != 0
 
     session, present = broker.open_session(conn, client_id, packet.clean_start, expiry)
+    acl.client_connected(client_id, conn.username)
     conn.will = will
     conn.state = ConnectionState.CONNECTED
     ack_properties = None

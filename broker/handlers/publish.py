@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from broker.connection import MQTTConnection, PendingAck
 from broker.errors import MQTTError
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
+
+log = logging.getLogger("devicemq.publish")
 
 
 def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
@@ -39,6 +43,10 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
         and not is_utf8(packet.payload)
     ):
         _refuse(conn, packet, ReasonCode.PAYLOAD_FORMAT_INVALID)  # spec 3.3.2.3.2
+        return
+    acl = broker.acl
+    if acl.active and not acl.can_publish(conn.client_id or "", conn.username, topic):
+        _denied(conn, session, packet, topic)
         return
     now = broker.clock()
     expiry = properties.message_expiry_interval if properties is not None else None
@@ -129,6 +137,29 @@ def _refuse(conn: MQTTConnection, packet: Publish, reason: ReasonCode) -> None:
     if packet.qos and packet.packet_id is not None:
         ack_type = PubAck if packet.qos == 1 else PubRec
         conn.send(ack_type(packet.packet_id, reason))
+
+
+def _denied(conn: MQTTConnection, session: Session, packet: Publish, topic: str) -> None:
+    """The ACL forbids this client to publish on ``topic``: drop it (spec 3.3.4).
+
+    MQTT 5 says so in the PUBACK/PUBREC (0x87 Not authorized, which ends a
+    QoS 2 flow). 3.1.1 has no way to say it: the message is acknowledged as
+    usual and dropped, as Mosquitto does, so the client does not re-send it
+    forever. Acknowledgements keep their order behind stored ones.
+    """
+    broker = conn.broker
+    broker.stats.drop("not_authorized")
+    log.debug("client %s may not publish to %r: dropped", conn.client_id, topic)
+    packet_id = packet.packet_id
+    if not packet.qos or packet_id is None:
+        return
+    if conn.is_v5:
+        reason = ReasonCode.NOT_AUTHORIZED
+    else:
+        reason = ReasonCode.SUCCESS
+        if packet.qos == 2:
+            session.incoming_qos2[packet_id] = True  # PUBREL completes it as usual
+    conn.ack_ready(conn.expect_ack(packet_id, packet.qos, reason), True)
 
 
 def _no_ack(ok: bool) -> None:

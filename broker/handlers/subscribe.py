@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from broker.connection import MQTTConnection
@@ -16,6 +17,8 @@ from broker.packets import (
     Unsubscribe,
 )
 from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
+
+log = logging.getLogger("devicemq.subscribe")
 
 
 def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
@@ -37,6 +40,13 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     now = broker.clock()
     for request in packet.subscriptions:
         refusal = _refusal(conn, request)
+        if refusal is None and not broker.acl.can_subscribe(
+            conn.client_id, conn.username, request.topic_filter
+        ):
+            # 0x87 Not authorized; 3.1.1 knows only 0x80 Failure (spec 3.9.3).
+            refusal = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
+            broker.stats.drop("subscribe_not_authorized")
+            log.info("client %s may not subscribe to %r", conn.client_id, request.topic_filter)
         if refusal is not None:
             reason_codes.append(refusal)
             continue
@@ -59,7 +69,10 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             request.retain_handling == 0 or (request.retain_handling == 1 and is_new)
         ):
             ids = (subscription_id,) if subscription_id else ()
+            acl = broker.acl
             for message in broker.retained.matching(request.topic_filter, now):
+                if acl.active and not acl.can_receive(conn.client_id, message.topic):
+                    continue
                 retained.append(Delivery(message, min(message.qos, qos), True, ids))
 
     def saved(ok: bool) -> None:

@@ -1,0 +1,329 @@
+"""Authorisation: what a connected client may publish, subscribe to and receive.
+
+The ACL file (``auth.acl_file``) is Mosquitto-like, one rule a line, ``#``
+comments::
+
+    # before any "user" line: rules for anonymous clients
+    topic read public/#
+
+    user alice
+    topic readwrite alice/#
+    topic deny alice/secret/#
+
+    # every client, %c = its client ID, %u = its user name
+    pattern write devices/%c/#
+    pattern read commands/%c/#
+
+A rule is ``topic|pattern [read|write|readwrite|deny] TOPIC`` (access
+defaults to readwrite); ``read`` covers subscribing and receiving, ``write``
+publishing. ``user NAME`` starts the rules of that user (up to the next
+``user`` line); ``pattern`` lines apply to every client wherever they stand.
+
+Decisions, once an ACL file is configured (no file: everything allowed):
+
+- anything not granted is denied;
+- a ``deny`` rule that matches wins over every grant;
+- PUBLISH: the topic must match a write rule;
+- SUBSCRIBE: the filter must be *covered* by a read rule (every topic the
+  filter can match, the rule matches too: rule ``devices/%c/#`` allows
+  ``devices/c1/temp`` and ``devices/c1/#`` to client c1, not ``devices/#``),
+  and not be covered by a deny rule. A deny rule that only overlaps the
+  filter is enforced per message on delivery;
+- receiving: every message routed to a client is checked against its read
+  rules (``Broker.resolve``); decisions are cached per (client, topic).
+
+A client ID or user name containing ``/``, ``+`` or ``#`` (or empty) never
+matches a rule that substitutes it, so it cannot widen a pattern into another
+client's topics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.config import ConfigError
+from broker.topics import is_valid_topic_filter, parse_shared, topic_matches
+
+__all__ = [
+    "DENY",
+    "READ",
+    "WRITE",
+    "Acl",
+    "AclError",
+    "Authorizer",
+    "Rule",
+    "filter_covers",
+    "parse_acl",
+]
+
+log = logging.getLogger("devicemq.acl")
+
+DENY = 0
+READ = 1
+WRITE = 2
+_ACCESS = {"read": READ, "write": WRITE, "readwrite": READ | WRITE, "deny": DENY}
+RELOAD_CHECK_INTERVAL = 1.0
+CACHE_SIZE = 65_536
+_UNSAFE = ("/", "+", "#")
+
+
+class AclError(ValueError):
+    """An ACL file that cannot be used; the message names the line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    access: int  # READ, WRITE, both, or DENY
+    topic: str  # a topic filter, with %c / %u in patterns
+
+    def resolve(self, client_id: str, username: str | None) -> str | None:
+        """The rule's topic for this client, or None if it cannot apply."""
+        topic = self.topic
+        if "%" not in topic:
+            return topic
+        if "%c" in topic:
+            if not _safe(client_id):
+                return None
+            topic = topic.replace("%c", client_id)
+        if "%u" in topic:
+            if username is None or not _safe(username):
+                return None
+            topic = topic.replace("%u", username)
+        return topic
+
+
+def _safe(value: str) -> bool:
+    return bool(value) and not any(ch in value for ch in _UNSAFE)
+
+
+@dataclass(slots=True)
+class Acl:
+    """A parsed ACL file."""
+
+    anonymous: list[Rule] = field(default_factory=list)
+    users: dict[str, list[Rule]] = field(default_factory=dict)
+    patterns: list[Rule] = field(default_factory=list)
+
+    def rules_for(self, client_id: str, username: str | None) -> list[tuple[int, str]]:
+        """(access, topic filter) of every rule that applies to this client."""
+        own = self.anonymous if username is None else self.users.get(username, [])
+        result = [(rule.access, rule.topic) for rule in own]
+        for rule in self.patterns:
+            topic = rule.resolve(client_id, username)
+            if topic is not None:
+                result.append((rule.access, topic))
+        return result
+
+
+def parse_acl(text: str, source: str = "acl file") -> Acl:
+    acl = Acl()
+    current = acl.anonymous
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}: line {number}"
+        keyword, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if keyword == "user":
+            if not rest:
+                raise AclError(f"{where}: 'user' needs a user name")
+            current = acl.users.setdefault(rest, [])
+            continue
+        if keyword not in ("topic", "pattern"):
+            raise AclError(f"{where}: expected 'user', 'topic' or 'pattern', got {keyword!r}")
+        word, _, after = rest.partition(" ")
+        if word in _ACCESS:
+            access, topic = _ACCESS[word], after.strip()
+        else:
+            access, topic = READ | WRITE, rest
+        if not topic:
+            raise AclError(f"{where}: '{keyword}' needs a topic")
+        check = topic.replace("%c", "c").replace("%u", "u")
+        if check.startswith("$share/") or not is_valid_topic_filter(check):
+            raise AclError(f"{where}: {topic!r} is not a valid topic filter")
+        if keyword == "pattern":
+            acl.patterns.append(Rule(access, topic))
+        else:
+            current.append(Rule(access, topic))
+    return acl
+
+
+def read_acl(path: str | Path) -> Acl:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise AclError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from e
+    return parse_acl(text, str(path))
+
+
+def filter_covers(rule: str, topic_filter: str) -> bool:
+    """Whether every topic ``topic_filter`` matches is matched by ``rule`` too."""
+    if topic_filter.startswith("$") and rule[0] in "+#":
+        return False  # a wildcard first level never reaches $-topics [MQTT-4.7.2-1]
+    rule_levels = rule.split("/")
+    filter_levels = topic_filter.split("/")
+    for depth, level in enumerate(rule_levels):
+        if level == "#":
+            return True  # covers this level (or none: "a/#" matches "a") and below
+        if depth == len(filter_levels):
+            return False
+        wanted = filter_levels[depth]
+        if wanted == "#":
+            return False  # many levels, covered only by "#"
+        if level != "+" and level != wanted:
+            return False  # a literal covers only itself ("+" in the filter is wider)
+    return len(rule_levels) == len(filter_levels)
+
+
+class Authorizer:
+    """The ACL in force, with reload and the per-(client, topic) receive cache."""
+
+    def __init__(
+        self,
+        path: str,
+        clock: Callable[[], float] = time.monotonic,
+        cache_size: int = CACHE_SIZE,
+    ) -> None:
+        self.path = Path(path) if path else None
+        self.active = self.path is not None  # False: everything allowed, nothing checked
+        self.clock = clock
+        self.acl = Acl()
+        self.cache_size = cache_size
+        self._receive_cache: OrderedDict[tuple[str, str | None, str], bool] = OrderedDict()
+        self._rules: OrderedDict[tuple[str, str | None], list[tuple[int, str]]] = OrderedDict()
+        # Who each connected (or session-holding) client authenticated as.
+        self.usernames: dict[str, str | None] = {}
+        self._mtime: int | None = None
+        self._next_check = 0.0
+        if self.path is not None:
+            try:
+                self.acl = read_acl(self.path)
+                self._mtime = self._stat()
+            except AclError as e:
+                raise ConfigError(str(e), name="auth.acl_file") from None
+            log.info("ACL: %s", self.path)
+
+    # -- reloading --------------------------------------------------------------------
+
+    def _stat(self) -> int | None:
+        assert self.path is not None
+        try:
+            return self.path.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def maybe_reload(self, force: bool = False) -> None:
+        if self.path is None:
+            return
+        now = self.clock()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + RELOAD_CHECK_INTERVAL
+        mtime = self._stat()
+        if not force and mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            acl = read_acl(self.path)
+        except AclError as e:
+            log.error("ACL file not reloaded, the previous one stays in force: %s", e)
+            return
+        self.acl = acl
+        self._receive_cache.clear()
+        self._rules.clear()
+        log.info("ACL file reloaded: %s", self.path)
+
+    # -- clients ----------------------------------------------------------------------
+
+    def client_connected(self, client_id: str, username: str | None) -> None:
+        if self.active:
+            self.usernames[client_id] = username
+
+    def forget(self, client_id: str) -> None:
+        self.usernames.pop(client_id, None)
+
+    def _rules_for(self, client_id: str, username: str | None) -> list[tuple[int, str]]:
+        key = (client_id, username)
+        rules = self._rules.get(key)
+        if rules is None:
+            rules = self.acl.rules_for(client_id, username)
+            self._rules[key] = rules
+            if len(self._rules) > self.cache_size:
+                self._rules.popitem(last=False)
+        return rules
+
+    # -- decisions ----------------------------------------------------------------------
+
+    def _decide(self, client_id: str, username: str | None, topic: str, want: int) -> bool:
+        allowed = False
+        for access, rule in self._rules_for(client_id, username):
+            if topic_matches(rule, topic):
+                if access == DENY:
+                    return False
+                if access & want:
+                    allowed = True
+        return allowed
+
+    def can_publish(self, client_id: str, username: str | None, topic: str) -> bool:
+        if not self.active:
+            return True
+        self.maybe_reload()
+        return self._decide(client_id, username, topic, WRITE)
+
+    def can_subscribe(self, client_id: str, username: str | None, topic_filter: str) -> bool:
+        if not self.active:
+            return True
+        self.maybe_reload()
+        _, inner = parse_shared(topic_filter)
+        allowed = False
+        for access, rule in self._rules_for(client_id, username):
+            if filter_covers(rule, inner):
+                if access == DENY:
+                    return False
+                if access & READ:
+                    allowed = True
+        return allowed
+
+    def can_receive(self, client_id: str, topic: str) -> bool:
+        """May ``client_id`` be sent a message on ``topic``? Cached, LRU-bounded.
+
+        The user name is the one the client last connected with; for a
+        session restored after a restart and not yet reconnected it is not
+        known, and only the ``pattern`` rules without ``%u`` apply.
+        """
+        if not self.active:
+            return True
+        self.maybe_reload()
+        known = client_id in self.usernames
+        username = self.usernames.get(client_id)
+        key = (client_id, username if known else "\x00unknown", topic)
+        cache = self._receive_cache
+        decision = cache.get(key)
+        if decision is not None:
+            cache.move_to_end(key)
+            return decision
+        if known:
+            decision = self._decide(client_id, username, topic, READ)
+        else:
+            decision = self._decide_patterns_only(client_id, topic)
+        cache[key] = decision
+        if len(cache) > self.cache_size:
+            cache.popitem(last=False)
+        return decision
+
+    def _decide_patterns_only(self, client_id: str, topic: str) -> bool:
+        allowed = False
+        for rule in self.acl.patterns:
+            resolved = rule.resolve(client_id, None)
+            if resolved is not None and topic_matches(resolved, topic):
+                if rule.access == DENY:
+                    return False
+                if rule.access & READ:
+                    allowed = True
+        return allowed

@@ -1,0 +1,412 @@
+"""Authentication: who may connect (SECURITY.md "Authentication").
+
+Three ways in, decided per CONNECT by :class:`Authenticator`:
+
+- a TLS client certificate, when ``auth.use_identity_as_username`` is on and
+  the listener put the peer's certificate on the connection
+  (``MQTTConnection.peer_certificate``): its CN or first SAN is the user name;
+- a user name and password checked against the password file;
+- no user name at all (anonymous), if ``auth.allow_anonymous`` allows it.
+
+The password file holds one ``username:hash`` per line, ``#`` comments and
+blank lines allowed; a hash is an argon2id PHC string
+(``$argon2id$v=19$m=19456,t=2,p=1$salt$hash``) made by ``devicemq passwd``.
+
+Verifying an argon2 hash costs tens of milliseconds of CPU by design, far too
+long to spend on the event loop. The check is therefore asynchronous: the
+sans-IO core asks :meth:`Authenticator.authenticate` and gets the decision
+through a callback, called at once when no hashing is needed (anonymous,
+unknown file, a recently verified password) and otherwise from a worker
+thread's completion on the event loop (``run_blocking``). Without a running
+event loop (the sans-IO tests) the hash is verified inline.
+
+Successful verifications are remembered for ``auth.verify_cache_seconds``
+keyed by user and stored hash, as an HMAC of the password under a key that
+lives only in this process, compared in constant time; a changed password
+file entry invalidates them. A wrong password is never cached, so every
+failed attempt costs the full hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+
+from broker.config import AuthSettings, ConfigError
+from broker.packets import ReasonCode
+
+__all__ = [
+    "AuthResult",
+    "Authenticator",
+    "PasswordFileError",
+    "certificate_identity",
+    "hash_password",
+    "parse_password_file",
+    "read_password_file",
+    "verify_password",
+    "write_password_file",
+]
+
+log = logging.getLogger("devicemq.auth")
+
+# argon2id with OWASP's minimum (m=19 MiB, t=2, p=1): ~25 ms per verify on the
+# development machine, against ~150 ms for argon2-cffi's default (64 MiB, t=3,
+# p=4). Either is too slow for the event loop, so verification runs in
+# threads anyway; the cheaper one keeps a reconnect storm of thousands of
+# devices to seconds of CPU rather than minutes, and memory per concurrent
+# check at 19 MiB. Existing hashes keep the parameters they were made with.
+_HASHER = PasswordHasher(time_cost=2, memory_cost=19 * 1024, parallelism=1)
+HASH_PREFIX = "$argon2"
+RELOAD_CHECK_INTERVAL = 1.0  # seconds between stat() calls on the password file
+MAX_CACHE_ENTRIES = 100_000
+VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+BlockingRunner = Callable[[Callable[[], bool], Callable[[bool], None]], None]
+
+
+class PasswordFileError(ValueError):
+    """A password file that cannot be used; the message names the line."""
+
+
+# --------------------------------------------------------------------------
+# Hashing and the file format
+# --------------------------------------------------------------------------
+
+
+def hash_password(password: str | bytes) -> str:
+    """A new salted argon2id PHC string for ``password``."""
+    return _HASHER.hash(password)
+
+
+def verify_password(stored_hash: str, password: str | bytes) -> bool:
+    """Whether ``password`` matches ``stored_hash`` (constant time in argon2)."""
+    try:
+        return _HASHER.verify(stored_hash, password)
+    except (VerifyMismatchError, VerificationError, InvalidHashError):
+        return False
+
+
+def check_username(username: str) -> None:
+    """Raise ValueError if ``username`` cannot be stored in a password file."""
+    if not username:
+        raise ValueError("the user name is empty")
+    if ":" in username or any(ch in username for ch in "\r\n\x00"):
+        raise ValueError("a user name cannot contain ':', a newline or NUL")
+    if username != username.strip() or username.startswith("#"):
+        raise ValueError("a user name cannot start with '#' or begin or end with spaces")
+
+
+def parse_password_file(text: str, source: str = "password file") -> dict[str, str]:
+    """``{username: hash}`` from the file's text; PasswordFileError names the bad line."""
+    users: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        username, colon, stored = line.partition(":")
+        where = f"{source}: line {number}"
+        if not colon or not username:
+            raise PasswordFileError(f"{where}: expected username:hash")
+        if not stored.startswith(HASH_PREFIX):
+            raise PasswordFileError(f"{where}: the hash of {username!r} is not an argon2 hash")
+        if username in users:
+            raise PasswordFileError(f"{where}: {username!r} appears twice")
+        users[username] = stored
+    return users
+
+
+def read_password_file(path: str | Path) -> dict[str, str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PasswordFileError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from e
+    return parse_password_file(text, str(path))
+
+
+def write_password_file(path: str | Path, users: Mapping[str, str]) -> None:
+    """Replace the file atomically, readable by its owner only (mode 0600)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("# devicemq password file: username:argon2id-hash (devicemq passwd)\n")
+            for username, stored in users.items():
+                f.write(f"{username}:{stored}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------
+# Certificates
+# --------------------------------------------------------------------------
+
+
+def certificate_identity(cert: Mapping[str, Any], kind: str) -> str | None:
+    """The user name a certificate stands for: subject CN, or first DNS/email SAN.
+
+    ``cert`` is what ``ssl.SSLSocket.getpeercert()`` returns.
+    """
+    if kind == "san":
+        for key, value in cert.get("subjectAltName", ()):
+            if key in ("DNS", "email") and value:
+                return str(value)
+        return None
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and value:
+                return str(value)
+    return None
+
+
+# --------------------------------------------------------------------------
+# The decision
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuthResult:
+    """The answer to one CONNECT: accepted as ``username``, or refused with ``reason``."""
+
+    ok: bool
+    username: str | None = None
+    reason: ReasonCode = ReasonCode.SUCCESS
+    message: str = ""
+
+
+def _refused(reason: ReasonCode, message: str) -> AuthResult:
+    return AuthResult(False, None, reason, message)
+
+
+@dataclass(slots=True)
+class _CacheEntry:
+    stored_hash: str
+    digest: bytes
+    expires_at: float
+
+
+class Authenticator:
+    """Decides CONNECTs from the ``auth`` settings; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: AuthSettings,
+        clock: Callable[[], float] = time.monotonic,
+        run_blocking: BlockingRunner | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.run_blocking: BlockingRunner = run_blocking or self._run_in_thread
+        self.password_path = Path(settings.password_file) if settings.password_file else None
+        self.allow_anonymous = settings.allow_anonymous
+        if self.allow_anonymous is None:  # auto: only while nothing else can log in
+            self.allow_anonymous = (
+                self.password_path is None and not settings.use_identity_as_username
+            )
+        self.users: dict[str, str] = {}
+        self._mtime: int | None = None
+        self._next_check = 0.0
+        self._cache: dict[str, _CacheEntry] = {}
+        self._cache_key = secrets.token_bytes(32)  # never leaves this process
+        self._dummy_hash: str | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.password_path is not None:
+            try:
+                self.users = read_password_file(self.password_path)
+                self._mtime = self._stat()
+            except PasswordFileError as e:
+                raise ConfigError(str(e), name="auth.password_file") from None
+            log.info("%d users in %s", len(self.users), self.password_path)
+
+    # -- the password file ---------------------------------------------------------------
+
+    def _stat(self) -> int | None:
+        assert self.password_path is not None
+        try:
+            return self.password_path.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def maybe_reload(self, force: bool = False) -> None:
+        """Re-read the password file if it changed (at most one stat a second)."""
+        if self.password_path is None:
+            return
+        now = self.clock()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + RELOAD_CHECK_INTERVAL
+        mtime = self._stat()
+        if not force and mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            users = read_password_file(self.password_path)
+        except PasswordFileError as e:
+            log.error("password file not reloaded, the previous one stays in force: %s", e)
+            return
+        self.users = users
+        self._cache.clear()
+        log.info("password file reloaded: %d users in %s", len(users), self.password_path)
+
+    # -- deciding ------------------------------------------------------------------------
+
+    def authenticate(
+        self,
+        username: str | None,
+        password: bytes | None,
+        peer_certificate: Mapping[str, Any] | None,
+        done: Callable[[AuthResult], None],
+    ) -> None:
+        """Decide a CONNECT; ``done`` is called now or later, exactly once."""
+        settings = self.settings
+        if settings.use_identity_as_username and peer_certificate is not None:
+            identity = certificate_identity(peer_certificate, settings.certificate_identity)
+            if identity is None:
+                done(_refused(ReasonCode.NOT_AUTHORIZED, "the certificate names nobody"))
+            else:
+                done(AuthResult(True, identity))
+            return
+        if username is None:
+            if self.allow_anonymous:
+                done(AuthResult(True, None))
+            else:
+                done(_refused(ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"))
+            return
+        if self.password_path is None:
+            # No password file: a user name is only a name, as anonymous as none.
+            if self.allow_anonymous:
+                done(AuthResult(True, username))
+            else:
+                done(_refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, "no password file"))
+            return
+        self.maybe_reload()
+        bad = _refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"bad password for {username!r}")
+        if password is None:
+            done(_refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"no password for {username!r}"))
+            return
+        stored = self.users.get(username)
+        digest = hmac.new(self._cache_key, password, hashlib.sha256).digest()
+        if stored is not None and self._cached(username, stored, digest):
+            done(AuthResult(True, username))
+            return
+        if stored is None:
+            # Unknown user: spend the same hash time, so timing does not tell
+            # which user names exist.
+            target = self._dummy()
+            bad = _refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"unknown user {username!r}")
+        else:
+            target = stored
+
+        def verify() -> bool:
+            return verify_password(target, password)
+
+        def verified(ok: bool) -> None:
+            if ok and stored is not None:
+                self._remember(username, stored, digest)
+                done(AuthResult(True, username))
+            else:
+                done(bad)
+
+        self.run_blocking(verify, verified)
+
+    def _dummy(self) -> str:
+        if self._dummy_hash is None:
+            self._dummy_hash = hash_password(secrets.token_bytes(16))
+        return self._dummy_hash
+
+    def _cached(self, username: str, stored: str, digest: bytes) -> bool:
+        entry = self._cache.get(username)
+        if entry is None:
+            return False
+        if entry.expires_at <= self.clock() or entry.stored_hash != stored:
+            del self._cache[username]
+            return False
+        return hmac.compare_digest(entry.digest, digest)
+
+    def _remember(self, username: str, stored: str, digest: bytes) -> None:
+        ttl = self.settings.verify_cache_seconds
+        if ttl <= 0:
+            return
+        cache = self._cache
+        cache.pop(username, None)
+        if len(cache) >= MAX_CACHE_ENTRIES:
+            del cache[next(iter(cache))]  # the oldest insertion
+        cache[username] = _CacheEntry(stored, digest, self.clock() + ttl)
+
+    # -- running the hash off the event loop ---------------------------------------------
+
+    def _run_in_thread(self, work: Callable[[], bool], done: Callable[[bool], None]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (sans-IO use): verify inline
+            done(_safely(work))
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                VERIFY_THREADS, thread_name_prefix="devicemq-auth"
+            )
+        future = loop.run_in_executor(self._executor, _safely, work)
+
+        def finished(f: asyncio.Future[bool]) -> None:
+            done(not f.cancelled() and f.exception() is None and f.result())
+
+        future.add_done_callback(finished)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+def _safely(work: Callable[[], bool]) -> bool:
+    try:
+        return work()
+    except Exception:
+        log.exception("password verification failed")
+        return False
+
+
+def reload_on_sighup(*reloaders: Callable[[], None]) -> bool:
+    """Run ``reloaders`` on SIGHUP (event-loop signal handler); False if not possible.
+
+    Called when the broker is built inside a running event loop on the main
+    thread (``devicemq run``); elsewhere (tests, threads) it does nothing.
+    """
+    if not hasattr(signal, "SIGHUP"):
+        return False
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+
+    def on_sighup() -> None:
+        log.info("SIGHUP: reloading the password and ACL files")
+        for reload in reloaders:
+            try:
+                reload()
+            except Exception:
+                log.exception("reload failed")
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+        return False
+    return True
