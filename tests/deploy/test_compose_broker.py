@@ -124,3 +124,28 @@ def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) 
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("throughput", "latency", "backlog", "lag", "connections"):
         assert topic in titles
+
+
+def test_readme_lists_exported_metrics(compose_broker: ComposeBroker) -> None:
+    status, text = http_get(compose_broker.url("/metrics"))
+    assert status == 200
+    exported = {
+        name.removesuffix("_bucket")
+        for name in re.findall(r"^(devicemq_\w+?)(?:\{| )", text, re.MULTILINE)
+    } | set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(devicemq_[a-z_]*[a-z])[`{]", section))
+    documented = {n for n in documented if not n.startswith("devicemq_process_")}
+    assert len(documented) >= 35
+    missing = sorted(documented - exported)
+    assert not missing, f"README documents metrics /metrics lacks: {missing}"
+    undocumented = sorted(
+        n
+        for n in exported
+        if n.startswith("devicemq_")
+        and not n.startswith("devicemq_process_")
+        and n not in documented
+        and not n.endswith(("_count", "_sum", "_gcount", "_gsum"))
+    )
+    assert not undocumented, f"/metrics has series README does not list: {undocumented}"
