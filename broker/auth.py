@@ -235,6 +235,11 @@ class Authenticator:
             except PasswordFileError as e:
                 raise ConfigError(str(e), name="auth.password_file") from None
             log.info("%d users in %s", len(self.users), self.password_path)
+        if self.allow_anonymous and settings.allow_anonymous is None:
+            log.warning(
+                "no authentication configured: every client is accepted; set "
+                "auth.password_file before exposing devicemq (SECURITY.md)"
+            )
 
     # -- the password file ---------------------------------------------------------------
 
@@ -308,15 +313,12 @@ class Authenticator:
             done(AuthResult(True, username))
             return
         if stored is None:
-            # Unknown user: spend the same hash time, so timing does not tell
-            # which user names exist.
-            target = self._dummy()
             bad = _refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"unknown user {username!r}")
-        else:
-            target = stored
 
         def verify() -> bool:
-            return verify_password(target, password)
+            # An unknown user costs the same hash time (against a dummy hash,
+            # made in the worker too), so timing does not tell which names exist.
+            return verify_password(stored if stored is not None else self._dummy(), password)
 
         def verified(ok: bool) -> None:
             if ok and stored is not None:
