@@ -53,6 +53,9 @@ __all__ = [
     "MqttSettings",
     "SettingSpec",
     "Settings",
+    "TlsSettings",
+    "WebsocketSettings",
+    "WebsocketTlsSettings",
     "load_settings",
     "setting",
     "setting_specs",
@@ -93,6 +96,42 @@ class ListenerSettings:
 
     host: str = setting("0.0.0.0", "Address to bind; 0.0.0.0 is every IPv4 interface")
     port: int = setting(1883, "TCP port for MQTT", ge=1, le=65535)
+    enabled: bool = setting(True, "Serve MQTT over plain TCP; false leaves only TLS/WebSocket")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """The MQTT-over-TLS listener, and the certificates of both TLS listeners."""
+
+    enabled: bool = setting(False, "Serve MQTT over TLS (needs certfile)")
+    host: str = setting("0.0.0.0", "Address the TLS listener binds")
+    port: int = setting(8883, "TCP port for MQTT over TLS", ge=1, le=65535)
+    certfile: str = setting("", "PEM server certificate chain (and key, if keyfile is empty)")
+    keyfile: str = setting("", "PEM private key of certfile; empty: the key is in certfile")
+    cafile: str = setting("", "PEM CA bundle for client certificates; empty: none are asked for")
+    require_certificate: bool = setting(False, "Refuse clients without a certificate from cafile")
+    min_version: str = setting(
+        "TLSv1.2", "Oldest TLS version accepted", choices=("TLSv1.2", "TLSv1.3")
+    )
+    ciphers: str = setting("", "OpenSSL cipher list for TLS 1.2; empty: Python's secure default")
+
+
+@dataclass(frozen=True, slots=True)
+class WebsocketSettings:
+    """MQTT over WebSockets (subprotocol mqtt), plain HTTP."""
+
+    enabled: bool = setting(False, "Serve MQTT over WebSockets")
+    host: str = setting("0.0.0.0", "Address the WebSocket listener binds")
+    port: int = setting(8083, "TCP port for MQTT over WebSockets", ge=1, le=65535)
+
+
+@dataclass(frozen=True, slots=True)
+class WebsocketTlsSettings:
+    """MQTT over WebSockets over TLS; certificates come from the tls section."""
+
+    enabled: bool = setting(False, "Serve MQTT over secure WebSockets (needs tls.certfile)")
+    host: str = setting("0.0.0.0", "Address the secure WebSocket listener binds")
+    port: int = setting(8084, "TCP port for MQTT over secure WebSockets", ge=1, le=65535)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +196,29 @@ class MqttSettings:
     )
     max_client_id_length: int = setting(
         65535, "Longest client ID accepted, in bytes", ge=23, le=65535
+    )
+    max_connections: int = setting(
+        100_000, "Open client sockets above which a new one is closed at once", ge=1
+    )
+    max_connection_rate: float = setting(
+        1000.0, "CONNECTs accepted per second (token bucket); over: CONNACK 0x9F; 0 off", ge=0
+    )
+    max_topic_length: int = setting(4096, "Longest topic name or filter, in bytes", ge=1, le=65535)
+    max_topic_levels: int = setting(128, "Most levels in a topic name or filter", ge=1)
+    max_subscriptions_per_client: int = setting(
+        10_000, "Topic filters one session may hold; over: SUBACK 0x97", ge=1
+    )
+    queue_drop_policy: str = setting(
+        "newest", "Which message a full queue drops", choices=("newest", "oldest")
+    )
+    write_buffer_hard_limit: int = setting(
+        16_777_216, "Bytes buffered for a client above which it is disconnected", ge=1
+    )
+    slow_consumer_timeout: float = setting(
+        60.0, "Seconds a client may stay congested before it is disconnected", gt=0
+    )
+    max_publish_rate: float = setting(
+        0.0, "PUBLISHes per second per client (token bucket); over: DISCONNECT 0x96; 0 off", ge=0
     )
 
 
@@ -252,6 +314,9 @@ class Settings:
     """Everything devicemq can be configured with."""
 
     listener: ListenerSettings = field(default_factory=ListenerSettings)
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    websocket: WebsocketSettings = field(default_factory=WebsocketSettings)
+    websocket_tls: WebsocketTlsSettings = field(default_factory=WebsocketTlsSettings)
     data_dir: str = setting("./data", "Directory for files the broker keeps")
     log: LogSettings = field(default_factory=LogSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from pathlib import Path
@@ -21,7 +22,11 @@ from typing import TYPE_CHECKING, cast
 from broker.config import Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
+from broker.listeners import Framing, listener_specs
 from broker.packets import ReasonCode
+from broker.websocket import Closed as WsClosed
+from broker.websocket import Data as WsData
+from broker.websocket import WebSocketServer, WsState
 
 if TYPE_CHECKING:
     from broker.metrics import MetricsServer
@@ -33,23 +38,47 @@ SHUTDOWN_GRACE = 5.0  # seconds to let clients read their DISCONNECT
 
 
 class MQTTProtocol(asyncio.Protocol):
-    def __init__(self, server: BrokerServer) -> None:
+    """MQTT straight on a TCP or TLS byte stream (listeners ``listener`` and ``tls``)."""
+
+    def __init__(self, server: BrokerServer, listener: str = "listener") -> None:
         self.server = server
+        self.listener = listener
         self.transport: asyncio.Transport | None = None
         self.conn: MQTTConnection | None = None
+        self.congested_since: float | None = None  # loop time pause_writing came
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        high = self.server.broker.settings.mqtt.write_buffer_high_water
+        mqtt = self.server.broker.settings.mqtt
+        if len(self.server._protocols) >= mqtt.max_connections:
+            # Refused before a byte is read: no MQTT state, nothing to answer.
+            self.server.broker.stats.reject("max_connections")
+            self.transport.abort()
+            return
+        high = mqtt.write_buffer_high_water
         self.transport.set_write_buffer_limits(high=high, low=high // 4)
         peer = transport.get_extra_info("peername")
         label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.conn = MQTTConnection(self.server.broker, label, self.server.schedule_flush)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            # asyncio calls connection_made after the TLS handshake: the certificate is known.
+            # {} means one was not asked for or not verified; the auth layer wants None then.
+            self.conn.peer_certificate = ssl_object.getpeercert() or None
         self.server.attach(self.conn, self)
 
     def data_received(self, data: bytes) -> None:
-        assert self.conn is not None
-        self.conn.receive_data(data)
+        if self.conn is not None:
+            self.conn.receive_data(data)
+
+    def write(self, data: bytes) -> None:
+        """Bytes from the connection's outbox onto the wire (framed, for WebSockets)."""
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def close_transport(self) -> None:
+        assert self.transport is not None
+        self.transport.close()
 
     def eof_received(self) -> bool:
         return False  # half-closed MQTT makes no sense: close the transport
@@ -61,18 +90,72 @@ class MQTTProtocol(asyncio.Protocol):
             self.server.forget(conn)
 
     def pause_writing(self) -> None:
-        assert self.conn is not None and self.transport is not None
+        if self.conn is None or self.transport is None:
+            return
         self.conn.congested = True
+        self.congested_since = asyncio.get_running_loop().time()
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        assert self.conn is not None and self.transport is not None
+        if self.conn is None or self.transport is None:
+            return
         self.conn.congested = False
+        self.congested_since = None
         if not self.transport.is_closing():
             self.transport.resume_reading()
         session = self.conn.session
         if session is not None:
             session.outbox.pump()
+
+
+class WebSocketProtocol(MQTTProtocol):
+    """MQTT inside binary WebSocket frames (listeners ``websocket`` and ``websocket_tls``).
+
+    The sans-IO :class:`~broker.websocket.WebSocketServer` does the HTTP
+    upgrade and the framing; the MQTT bytes it yields feed the same
+    :class:`MQTTConnection` as a plain socket's.
+    """
+
+    def __init__(self, server: BrokerServer, listener: str = "websocket") -> None:
+        super().__init__(server, listener)
+        self.ws = WebSocketServer()
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        transport = self.transport
+        if conn is None or transport is None:
+            return
+        for event in self.ws.receive_data(data):
+            if isinstance(event, WsData):
+                conn.receive_data(event.data)
+            elif isinstance(event, WsClosed):
+                if event.by_peer:
+                    log.debug("websocket %s closed: %s %s", conn.peer, event.code, event.reason)
+                else:
+                    log.info("websocket %s failed: %s %s", conn.peer, event.code, event.reason)
+                    failed = "protocol_error" if self.ws.path is not None else "handshake"
+                    self.server.broker.stats.reject(f"websocket_{failed}")
+                conn.connection_lost()  # no DISCONNECT came: the will is due
+        out = self.ws.data_to_send()
+        if out:
+            transport.write(out)
+        if self.ws.state is WsState.CLOSED and not transport.is_closing():
+            transport.close()
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.ws.send_data(data)
+        out = self.ws.data_to_send()
+        if out:
+            self.transport.write(out)
+
+    def close_transport(self) -> None:
+        assert self.transport is not None
+        self.ws.close()
+        out = self.ws.data_to_send()
+        if out:
+            self.transport.write(out)
+        self.transport.close()
 
 
 class BrokerServer:
@@ -81,32 +164,52 @@ class BrokerServer:
         self.broker = broker or Broker(settings)
         self._protocols: dict[MQTTConnection, MQTTProtocol] = {}
         self._dirty: list[MQTTConnection] = []
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
+        self.ports: dict[str, int] = {}  # listener name -> bound port (useful with port 0)
         self._ticker: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._hard_limit = settings.mqtt.write_buffer_hard_limit
 
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return int(self._server.sockets[0].getsockname()[1])
+        """The port of the first listener (plain TCP unless it is disabled)."""
+        return next(iter(self.ports.values()))
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        listener = self.settings.listener
-        self._server = await self._loop.create_server(
-            lambda: MQTTProtocol(self),
-            listener.host,
-            listener.port,
-            reuse_address=True,
-            backlog=1024,
-        )
+        specs = listener_specs(self.settings)  # ConfigError before any socket is bound
+        timeout = self.settings.mqtt.connect_timeout
+        try:
+            for spec in specs:
+                protocol = WebSocketProtocol if spec.framing is Framing.WEBSOCKET else MQTTProtocol
+                server = await self._loop.create_server(
+                    functools.partial(protocol, self, spec.name),
+                    spec.host,
+                    spec.port,
+                    reuse_address=True,
+                    backlog=1024,
+                    ssl=spec.ssl,
+                    ssl_handshake_timeout=timeout if spec.ssl is not None else None,
+                )
+                self._servers.append(server)
+                self.ports[spec.name] = int(server.sockets[0].getsockname()[1])
+                log.info(
+                    "devicemq listening on %s://%s:%d (%s)",
+                    spec.scheme,
+                    spec.host,
+                    self.ports[spec.name],
+                    spec.name,
+                )
+        except BaseException:
+            for server in self._servers:
+                server.close()
+            raise
         self._ticker = asyncio.create_task(self._tick_forever())
-        log.info("devicemq listening on %s:%d", listener.host, self.port)
 
     async def stop(self) -> None:
         """Stop accepting, tell every client the server is going away, flush, close."""
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         if self._ticker is not None:
             self._ticker.cancel()
         for conn in list(self._protocols):
@@ -118,8 +221,8 @@ class BrokerServer:
         for protocol in list(self._protocols.values()):
             if protocol.transport is not None:
                 protocol.transport.abort()
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()
         log.info("devicemq stopped")
 
     def attach(self, conn: MQTTConnection, protocol: MQTTProtocol) -> None:
@@ -144,15 +247,38 @@ class BrokerServer:
                 continue
             data = conn.data_to_send()
             if data:
-                protocol.transport.write(data)
+                protocol.write(data)
+                if protocol.transport.get_write_buffer_size() > self._hard_limit:
+                    self._slow_consumer(protocol, "over mqtt.write_buffer_hard_limit")
+                    continue
             if conn.close_requested:
-                protocol.transport.close()
+                protocol.close_transport()
+
+    def _slow_consumer(self, protocol: MQTTProtocol, why: str) -> None:
+        """Drop a client that does not read: abort, as its buffer will not drain for a close."""
+        conn = protocol.conn
+        assert conn is not None and protocol.transport is not None
+        log.warning(
+            "client %s (%s) disconnected as a slow consumer: %s", conn.client_id, conn.peer, why
+        )
+        self.broker.stats.reject("slow_consumer")
+        conn.close(publish_will=True)
+        protocol.transport.abort()
+
+    def _check_slow_consumers(self) -> None:
+        assert self._loop is not None
+        deadline = self._loop.time() - self.settings.mqtt.slow_consumer_timeout
+        for protocol in list(self._protocols.values()):
+            since = protocol.congested_since
+            if since is not None and since < deadline and protocol.transport is not None:
+                self._slow_consumer(protocol, "congested for mqtt.slow_consumer_timeout")
 
     async def _tick_forever(self) -> None:
         while True:
             await asyncio.sleep(TICK_INTERVAL)
             try:
                 self.broker.tick()
+                self._check_slow_consumers()
             except Exception:  # a bug in one sweep must not stop the next
                 log.exception("periodic sweep failed")
 
