@@ -296,9 +296,10 @@ class Authenticator:
                 done(_refused(ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"))
             return
         if self.password_path is None:
-            # No password file: a user name is only a name, as anonymous as none.
+            # No password file: nothing vouches for the name, so the client is
+            # anonymous (it must not claim a user's ACL rules).
             if self.allow_anonymous:
-                done(AuthResult(True, username))
+                done(AuthResult(True, None))
             else:
                 done(_refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, "no password file"))
             return

@@ -171,8 +171,8 @@ def test_anonymous_auto_allowed_without_password_file() -> None:
     auth = Authenticator(AuthSettings())
     assert auth.allow_anonymous
     assert decide(auth, None, None) == AuthResult(True, None)
-    # Without a password file a user name is only a name.
-    assert decide(auth, "anyone", b"anything") == AuthResult(True, "anyone")
+    # Without a password file nothing vouches for a user name: the client is anonymous.
+    assert decide(auth, "anyone", b"anything") == AuthResult(True, None)
 
 
 def test_anonymous_auto_refused_with_password_file(tmp_path: Path) -> None:
