@@ -245,6 +245,12 @@ def summarize(
             "broker_pid": broker_pid,
             "watched_pids": watched_pids or [],
             "machine_busy_cores": _round(system_cores),
+            # what neither the broker nor the generator used: other load on the machine
+            "other_cores": _round(
+                system_cores - (broker_cores or 0.0) - (client_cores or 0.0)
+                if system_cores is not None and broker_cores is not None
+                else None
+            ),
             "client_us_per_message": _round(us_per_message),
             "client_capacity_per_core": round(capacity) if capacity else None,
         },
@@ -292,6 +298,7 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
         ("broker CPU cores", cpu["broker_cores"], 2),
         ("load generator CPU cores", cpu["client_cores"], 2),
         ("machine busy cores", cpu["machine_busy_cores"], 2),
+        ("  of which other processes", cpu["other_cores"], 2),
         ("generator us/msg", cpu["client_us_per_message"], 2),
     ]
 
