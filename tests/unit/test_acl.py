@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from broker.acl import DENY, READ, WRITE, Acl, AclError, Authorizer, Rule, filter_covers, parse_acl
+from broker.auth import hash_password, write_password_file
 from broker.config import AuthSettings, ConfigError, Settings
 from broker.packets import (
     ConnAck,
@@ -226,16 +227,24 @@ def test_acl_reloads_when_it_changes(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ through the core
 
 
+PASSWORD = b"pw"
+PASSWORD_HASH = hash_password(PASSWORD)
+
+
 def acl_harness(tmp_path: Path, text: str = ACL) -> Harness:
+    """ACLs need authenticated user names: alice, bob and carol, all with PASSWORD."""
     path = tmp_path / "acl"
     path.write_text(text)
-    auth = AuthSettings(acl_file=str(path))
+    passwd = tmp_path / "passwd"
+    write_password_file(passwd, dict.fromkeys(("alice", "bob", "carol"), PASSWORD_HASH))
+    auth = AuthSettings(acl_file=str(path), password_file=str(passwd), allow_anonymous=True)
     return Harness(dataclasses.replace(Settings(), auth=auth))
 
 
 def connected(h: Harness, cid: str, user: str | None, level: int = V5) -> Client:
     client = h.client(level, peer=cid)
-    client.send(Connect(cid, protocol_level=level, username=user))
+    password = PASSWORD if user is not None else None
+    client.send(Connect(cid, protocol_level=level, username=user, password=password))
     connack = client.read_one()
     assert isinstance(connack, ConnAck) and connack.reason_code == 0, connack
     return client
@@ -326,10 +335,11 @@ def test_shared_subscription_member_denied(tmp_path: Path) -> None:
 def test_will_on_a_denied_topic_is_refused(tmp_path: Path) -> None:
     h = acl_harness(tmp_path)
     client = h.client(V5)
-    client.send(Connect("c1", username="alice", will=Will("alice/secret/gone", b"x")))
+    will = Will("alice/secret/gone", b"x")
+    client.send(Connect("c1", username="alice", password=PASSWORD, will=will))
     assert client.read() == [ConnAck(False, 0x87)]
     ok = h.client(V5)
-    ok.send(Connect("c1", username="alice", will=Will("alice/gone", b"x")))
+    ok.send(Connect("c1", username="alice", password=PASSWORD, will=Will("alice/gone", b"x")))
     connack = ok.read_one()
     assert isinstance(connack, ConnAck) and connack.reason_code == 0
 
