@@ -113,7 +113,8 @@ class PersistenceConsumer:
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
             self.events.stored(batch, result)
-            if result.saved:
+            if result.saved or result.duplicates:
+                # Duplicates too: a save whose reply was lost stored them, unseen.
                 self._on_stored(batch.client_id, _records_of(batch, result))
 
     async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:

@@ -276,14 +276,21 @@ class StoredOutbox:
     # -- fed by the persistence consumer ---------------------------------------------
 
     def stored(self, records: list[StoredRecord]) -> None:
-        """Messages just saved for this session, in score order."""
+        """Messages just saved for this session, in score order.
+
+        Followed live only if they continue the cursor without a gap: a store
+        whose reply was lost (Redis restarting) reports those messages as
+        already saved on the retry, and nobody offers them here; a gap (or an
+        empty offer) sends the page reader to fetch them from the cursor.
+        """
         if self._session.connection is None:
             return
         if (
-            self._caught_up
+            records
+            and self._caught_up
             and not self._loading
             and len(self._buffer) < self._page_size
-            and records[0].score > self._cursor
+            and records[0].score == self._cursor + 1
         ):
             self._buffer.extend(records)
             self._cursor = records[-1].score

@@ -1,0 +1,110 @@
+"""Redis restarts and Kafka stalls under traffic: the broker rides them out.
+
+Redis: a real restart (SIGTERM, which makes redis-server fsync its AOF and
+exit, then a new redis-server on the same port and dir). Kafka: Tansu keeps
+its data in memory only, so it is paused (SIGSTOP) rather than restarted;
+its clients see it as unreachable until SIGCONT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from tests.faults.checker import (
+    V5,
+    V311,
+    PahoSubscriber,
+    Publisher,
+    assert_ok,
+    check,
+    wait_until,
+)
+from tests.faults.conftest import Stack
+
+
+def _grows(pubs: list[Publisher], by: int, timeout: float, what: str) -> None:
+    before = [len(p.acked) for p in pubs]
+    wait_until(
+        lambda: all(len(p.acked) >= b + by for p, b in zip(pubs, before, strict=True)),
+        timeout,
+        what,
+    )
+
+
+def test_redis_restart_while_publishing(stack: Stack) -> None:
+    topic = stack.topic("t")
+    subs = [
+        PahoSubscriber(stack.broker.address, stack.client(f"sub-{v}"), version=v)
+        for v in (V5, V311)
+    ]
+    pubs: list[Publisher] = []
+    try:
+        for sub in subs:
+            sub.connect()
+            sub.subscribe(topic + "/#", qos=1)
+        for i, version in enumerate((V5, V311)):
+            pub = Publisher(
+                stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
+            )
+            pubs.append(pub)
+            pub.start(interval=0.003)
+        _grows(pubs, 200, 15, "traffic before the Redis restart")
+        stack.redis.stop()
+        time.sleep(2.0)
+        stack.redis.start()
+        _grows(pubs, 200, 20, "traffic after the Redis restart")
+        for pub in pubs:
+            pub.stop()
+        for sub in subs:
+            sub.wait_all(pubs, timeout=30)
+            assert_ok(check(pubs, sub))
+        assert stack.broker.alive(), stack.broker.log()[-3000:]
+        assert "failed" in stack.broker.log()  # it did notice the outage
+    finally:
+        for sub in subs:
+            sub.close()
+        for pub in pubs:
+            pub.close()
+
+
+def test_kafka_unreachable_for_a_while(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """No success code for what Kafka did not take; service resumes after SIGCONT."""
+    stack: Stack = stack_factory({"persistence.kafka_request_timeout_ms": 2000})
+    assert stack.tansu_pid is not None
+    topic = stack.topic("t")
+    sub = PahoSubscriber(stack.broker.address, stack.client("sub"), version=V5)
+    pubs: list[Publisher] = []
+    paused = False
+    try:
+        sub.connect()
+        sub.subscribe(topic + "/#", qos=1)
+        for i, version in enumerate((V5, V311)):
+            pub = Publisher(
+                stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
+            )
+            pubs.append(pub)
+            pub.start(interval=0.003)
+        _grows(pubs, 200, 15, "traffic before the Kafka stall")
+        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        paused = True
+        time.sleep(5.0)
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        paused = False
+        _grows(pubs, 200, 25, "traffic after Kafka came back")
+        for pub in pubs:
+            pub.stop()
+        sub.wait_all(pubs, timeout=30)
+        assert_ok(check(pubs, sub))
+        v5 = pubs[0]
+        assert v5.failed, "an MQTT 5 publisher saw no failure code during a 5 s Kafka stall"
+        assert all(rc in (0x80,) or rc < 0x80 for rc in v5.outcomes.values() if rc is not None)
+        assert pubs[1].disconnects >= 1, "3.1.1 has no failure code: it is disconnected"
+        assert stack.broker.alive(), stack.broker.log()[-3000:]
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        sub.close()
+        for pub in pubs:
+            pub.close()
