@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
+import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -17,10 +20,13 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from broker.packets import ConnAck
+from tests.conftest import free_port
 from tests.e2e.clients import Paho
-from tests.e2e.conftest import REPO, BrokerProcess, Clients, Names, devicemq_only
+from tests.e2e.conftest import HOST, REPO, BrokerProcess, Clients, Names, devicemq_only
+from tests.pki import make_pki
 
 pytestmark = [pytest.mark.e2e, devicemq_only("auth.* settings and devicemq passwd")]
 
@@ -141,3 +147,65 @@ def test_acl_publish_subscribe_receive(
     assert bob.publish("devices/dev1/cmd", b"x", qos=1) == 0x87  # not bob's device
     assert alice.publish("devices/dev1/temp", b"21", qos=1) == 0
     assert alice.get().payload == b"21"
+
+
+def _tls_login(port: int, context: ssl.SSLContext) -> tuple[int, mqtt.Client]:
+    connacks: queue.Queue[Any] = queue.Queue()
+    client = mqtt.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id="tls-client",
+        reconnect_on_failure=False,
+        protocol=mqtt.MQTTv5,
+    )
+    client.tls_set_context(context)
+    client.on_connect = lambda c, u, f, rc, p=None: connacks.put(rc)
+    client.connect(HOST, port, keepalive=30)
+    client.loop_start()
+    return int(connacks.get(timeout=5).value), client
+
+
+def test_certificate_identity_as_username(
+    tmp_path: Path, broker_factory: Factory, clients: Clients
+) -> None:
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    acl = tmp_path / "acl"
+    acl.write_text("pattern readwrite devices/%u/#\n")
+    tls_port = free_port(HOST)
+    broker = broker_factory(
+        {
+            "tls.enabled": True,
+            "tls.host": HOST,
+            "tls.port": tls_port,
+            "tls.certfile": pki.server_cert,
+            "tls.keyfile": pki.server_key,
+            "tls.cafile": pki.ca,
+            "auth.use_identity_as_username": True,
+            "auth.acl_file": acl,
+        }
+    )
+    deadline = time.monotonic() + 5
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex((HOST, tls_port)) == 0:
+                break
+        assert time.monotonic() < deadline, "no TLS listener"
+        time.sleep(0.05)
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    code, device = _tls_login(tls_port, context)
+    try:
+        assert code == 0  # CN device-1 is the user name
+        subacks: queue.Queue[Any] = queue.Queue()
+        device.on_subscribe = lambda c, u, mid, rcs, p=None: subacks.put(rcs)
+        device.subscribe([("devices/device-1/#", 1), ("devices/#", 1)])
+        assert [rc.value for rc in subacks.get(timeout=5)] == [1, 0x87]
+    finally:
+        device.disconnect()
+        device.loop_stop()
+    # A TLS client without a certificate is anonymous: refused.
+    code, stranger = _tls_login(tls_port, ssl.create_default_context(cafile=str(pki.ca)))
+    stranger.loop_stop()
+    assert code == 0x87
+    # So is an anonymous client on plain TCP.
+    assert login(clients.paho(broker, "plain"), None, None) == 0x87
