@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.codec import MAX_REMAINING_LENGTH, PacketDecoder, encode
 from broker.errors import MQTTError
+from broker.limits import bucket_or_none
 from broker.message import Delivery, Message
 from broker.packets import (
     ConnAck,
@@ -111,6 +112,7 @@ class MQTTConnection:
         self.pending_acks: deque[PendingAck] = deque()
         self.congested = False
         self.close_requested = False
+        self.publish_bucket = bucket_or_none(broker.settings.mqtt.max_publish_rate, now)
         self._out: list[bytes] = []
         # Tracked from the start so Broker.tick() can enforce the connect timeout.
         broker.connections.add(self)

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
 from broker.auth import Authenticator, reload_on_sighup
+from broker.limits import bucket_or_none
 from broker.message import Delivery, Message
+from broker.outbox import MemoryOutbox
 from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
 from broker.retained import RetainedStore
 from broker.session import NEVER_EXPIRES, Session
@@ -59,9 +61,15 @@ class Broker:
             )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._assigned_ids = itertools.count(1)
+        self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
 
     # -- connections and sessions -------------------------------------------------------
+
+    def connect_allowed(self) -> bool:
+        """Take a token of the broker-wide CONNECT rate (mqtt.max_connection_rate)."""
+        bucket = self._connect_bucket
+        return bucket is None or bucket.take(self.clock())
 
     def assign_client_id(self) -> str:
         return f"{self._id_prefix}{next(self._assigned_ids)}"
@@ -90,6 +98,8 @@ class Broker:
             session = Session(
                 client_id, expiry_interval, mqtt.max_inflight, mqtt.max_queued_messages, self.stats
             )
+            if mqtt.queue_drop_policy == "oldest" and isinstance(session.outbox, MemoryOutbox):
+                session.outbox.drop_oldest = True
             self.sessions[client_id] = session
             if expiry_interval > 0:
                 session.durable = True

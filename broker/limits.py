@@ -34,3 +34,14 @@ class TokenBucket:
 def bucket_or_none(rate: float, now: float) -> TokenBucket | None:
     """A bucket for ``rate`` per second, or None when the limit is off (rate 0)."""
     return TokenBucket(rate, now) if rate > 0 else None
+
+
+def topic_within_limits(topic: str, max_length: int, max_levels: int) -> bool:
+    """A topic name or filter no longer than ``max_length`` UTF-8 bytes and
+    ``max_levels`` levels (mqtt.max_topic_length, mqtt.max_topic_levels)."""
+    n = len(topic)
+    if n > max_length:
+        return False
+    if n * 4 > max_length and len(topic.encode()) > max_length:  # UTF-8: up to 4 bytes a char
+        return False
+    return topic.count("/") < max_levels

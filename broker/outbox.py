@@ -67,7 +67,7 @@ class MemoryOutbox:
     The window is the smaller of the configured in-flight cap and the
     client's Receive Maximum (MQTT-3.3.4-9). Identifiers wrap 65535 -> 1 and
     skip any still in flight. While the queue is full, new messages are
-    dropped and counted.
+    dropped and counted, or with ``drop_oldest`` the head of the queue is.
     """
 
     def __init__(
@@ -81,12 +81,15 @@ class MemoryOutbox:
         self.queue: deque[Delivery] = deque()
         self._resend: deque[int] = deque()  # in flight, not yet re-sent on this connection
         self._last_packet_id = 0
+        self.drop_oldest = False  # mqtt.queue_drop_policy: oldest
 
     def deliver(self, delivery: Delivery) -> None:
         if self.queue or not self._window_open():
             if len(self.queue) >= self.max_queued:
                 self.stats.drop("queue_full")
-                return
+                if not self.drop_oldest or not self.queue:
+                    return
+                self.queue.popleft()  # make room: the newest is worth more
             self.queue.append(delivery)
             return
         self._send_new(delivery)

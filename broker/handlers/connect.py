@@ -7,6 +7,7 @@ import logging
 from broker.auth import AuthResult
 from broker.connection import ConnectionState, MQTTConnection, WillMessage
 from broker.errors import MQTTError
+from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import ConnAck, Connect, ConnectReturnCode, Properties, ReasonCode
 from broker.topics import is_valid_topic_name
@@ -21,6 +22,7 @@ _V3_RETURN_CODES = {
     ReasonCode.SERVER_BUSY: ConnectReturnCode.SERVER_UNAVAILABLE,
     ReasonCode.BAD_USER_NAME_OR_PASSWORD: ConnectReturnCode.BAD_USER_NAME_OR_PASSWORD,
     ReasonCode.NOT_AUTHORIZED: ConnectReturnCode.NOT_AUTHORIZED,
+    ReasonCode.CONNECTION_RATE_EXCEEDED: ConnectReturnCode.SERVER_UNAVAILABLE,
 }
 
 
@@ -36,6 +38,9 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         raise MQTTError(ReasonCode.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
     conn.protocol_level = packet.protocol_level
+    if not conn.broker.connect_allowed():  # mqtt.max_connection_rate, before any password work
+        _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, "connection rate"))
+        return
     # Authentication may hash a password in a worker thread: whatever the
     # client sends meanwhile waits in the connection until CONNACK is decided.
     conn.hold_input()
@@ -156,6 +161,8 @@ def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
     mqtt = conn.broker.settings.mqtt
     if not is_valid_topic_name(will.topic):
         raise ConnectRefused(ReasonCode.TOPIC_NAME_INVALID, "invalid will topic")
+    if not topic_within_limits(will.topic, mqtt.max_topic_length, mqtt.max_topic_levels):
+        raise ConnectRefused(ReasonCode.TOPIC_NAME_INVALID, "will topic beyond the topic limits")
     if will.qos > mqtt.maximum_qos:
         raise ConnectRefused(ReasonCode.QOS_NOT_SUPPORTED, "will QoS above maximum")
     if will.retain and not mqtt.retain_available:

@@ -6,6 +6,7 @@ import logging
 
 from broker.connection import MQTTConnection, PendingAck
 from broker.errors import MQTTError
+from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
@@ -21,6 +22,10 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     qos = packet.qos
     broker.stats.messages_received[qos] += 1
     broker.stats.payload_bytes_received[qos] += len(packet.payload)
+    bucket = conn.publish_bucket
+    if bucket is not None and not bucket.take(broker.clock()):
+        broker.stats.drop("message_rate_too_high")
+        raise MQTTError(ReasonCode.MESSAGE_RATE_TOO_HIGH, "above mqtt.max_publish_rate")
     if qos > mqtt.maximum_qos:
         raise MQTTError(ReasonCode.QOS_NOT_SUPPORTED, f"QoS {qos} above maximum")  # MQTT-3.2.2-11
     if packet.retain and not mqtt.retain_available:
@@ -47,6 +52,9 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     acl = broker.acl
     if acl.active and not acl.can_publish(conn.client_id or "", conn.username, topic):
         _denied(conn, session, packet, topic)
+        return
+    if not topic_within_limits(topic, mqtt.max_topic_length, mqtt.max_topic_levels):
+        _denied(conn, session, packet, topic, ReasonCode.TOPIC_NAME_INVALID, "topic_limit")
         return
     now = broker.clock()
     expiry = properties.message_expiry_interval if properties is not None else None
@@ -139,8 +147,17 @@ def _refuse(conn: MQTTConnection, packet: Publish, reason: ReasonCode) -> None:
         conn.send(ack_type(packet.packet_id, reason))
 
 
-def _denied(conn: MQTTConnection, session: Session, packet: Publish, topic: str) -> None:
+def _denied(
+    conn: MQTTConnection,
+    session: Session,
+    packet: Publish,
+    topic: str,
+    reason_v5: ReasonCode = ReasonCode.NOT_AUTHORIZED,
+    counter: str = "not_authorized",
+) -> None:
     """The ACL forbids this client to publish on ``topic``: drop it (spec 3.3.4).
+
+    Also a topic beyond mqtt.max_topic_length/levels (``reason_v5`` 0x90).
 
     MQTT 5 says so in the PUBACK/PUBREC (0x87 Not authorized, which ends a
     QoS 2 flow). 3.1.1 has no way to say it: the message is acknowledged as
@@ -148,13 +165,13 @@ def _denied(conn: MQTTConnection, session: Session, packet: Publish, topic: str)
     forever. Acknowledgements keep their order behind stored ones.
     """
     broker = conn.broker
-    broker.stats.drop("not_authorized")
-    log.debug("client %s may not publish to %r: dropped", conn.client_id, topic)
+    broker.stats.drop(counter)
+    log.debug("client %s may not publish to %r: dropped (%s)", conn.client_id, topic, counter)
     packet_id = packet.packet_id
     if not packet.qos or packet_id is None:
         return
     if conn.is_v5:
-        reason = ReasonCode.NOT_AUTHORIZED
+        reason = reason_v5
     else:
         reason = ReasonCode.SUCCESS
         if packet.qos == 2:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from broker.connection import MQTTConnection
 from broker.errors import MQTTError
+from broker.limits import topic_within_limits
 from broker.message import Delivery
 from broker.packets import (
     ReasonCode,
@@ -47,6 +48,13 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             refusal = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
             broker.stats.drop("subscribe_not_authorized")
             log.info("client %s may not subscribe to %r", conn.client_id, request.topic_filter)
+        if (
+            refusal is None
+            and request.topic_filter not in session.subscriptions
+            and len(session.subscriptions) >= mqtt.max_subscriptions_per_client
+        ):
+            refusal = ReasonCode.QUOTA_EXCEEDED  # 0x80 in 3.1.1 (the codec maps it)
+            broker.stats.drop("subscription_quota")
         if refusal is not None:
             reason_codes.append(refusal)
             continue
@@ -90,6 +98,9 @@ def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
     mqtt = conn.broker.settings.mqtt
     topic_filter = request.topic_filter
     if not is_valid_topic_filter(topic_filter):
+        return ReasonCode.TOPIC_FILTER_INVALID
+    if not topic_within_limits(topic_filter, mqtt.max_topic_length, mqtt.max_topic_levels):
+        conn.broker.stats.drop("subscribe_topic_limit")
         return ReasonCode.TOPIC_FILTER_INVALID
     shared = topic_filter.startswith(SHARE_PREFIX)
     if shared:
