@@ -91,8 +91,12 @@ class Stats:
     __slots__ = ("buckets", "t0")
 
     def __init__(self) -> None:
-        self.t0 = 0
+        self.t0 = monotonic_ns()  # until the run sets it: CONNACKs must not count from boot
         self.buckets: list[Bucket] = [Bucket()]
+
+    def restart(self, t0: int) -> None:
+        self.t0 = t0
+        self.buckets = [Bucket()]
 
     def bucket(self, now: int) -> Bucket:
         sec = (now - self.t0) // NS

@@ -192,7 +192,7 @@ class _Worker:
 
     async def publish_phase(self, t0: int) -> None:
         config = self.config
-        self.stats.t0 = t0
+        self.stats.restart(t0)
         end = t0 + int(config.total_seconds * NS)
         drain_deadline = end + int(config.drain * NS)
         delay = (t0 - monotonic_ns()) / NS

@@ -39,6 +39,9 @@ def _assert_clean(result: dict[str, Any], subscribers_per_message: int = 1) -> N
     assert sum(row["delivered"] for row in result["timeline"]) == check["delivered"]
     assert result["rates"]["delivered"] > 0
     assert result["latency_ms"]["e2e"]["p50"] is not None
+    config = result["config"]
+    # one row per second of the run, counted from its start (not from boot)
+    assert len(result["timeline"]) <= config["warmup"] + config["duration"] + config["drain"] + 2
 
 
 def _config(broker: Broker, scenario: str, **options: Any) -> LoadConfig:
