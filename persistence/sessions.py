@@ -28,6 +28,11 @@ INDEX_KEY = "devicemq:sessions"
 SAVE_ATTEMPTS = 20
 RETRY_DELAY = 0.5
 RESTORE_CONCURRENCY = 50
+# Redis keeps a disconnected session's keys this much longer than the session
+# lasts: the broker deletes them itself when the session expires, and that delete
+# must still find the refs to remove the message strings (whose TTL is their own,
+# up to default_message_ttl). Expired by Redis first, the strings were orphaned.
+EXPIRY_GRACE = 60
 
 Done = Callable[[bool], None]
 
@@ -68,7 +73,7 @@ class SessionStateStore:
             session.client_id,
             state,
             deadline,
-            None if forever else session.expiry_interval,
+            None if forever else session.expiry_interval + EXPIRY_GRACE,
             on_saved,
         )
 
