@@ -1,0 +1,426 @@
+"""A Kafka source for Spark on PySpark's Python Data Source API.
+
+There is no Spark Kafka connector jar on a development machine, so this
+source reads Kafka with a plain Python client (aiokafka) inside the Spark
+workers, one Spark partition per Kafka partition::
+
+    from pipeline.kafka_source import KafkaSource
+    spark.dataSource.register(KafkaSource)
+    df = (spark.read.format("devicemq-kafka")
+          .option("bootstrap", "127.0.0.1:9092").option("topic", "devicemq.events")
+          .option("startingOffsets", "earliest").option("endingOffsets", "latest")
+          .load())
+
+and as a stream, ``spark.readStream.format("devicemq-kafka")`` with the same
+options (``endingOffsets`` ignored; ``maxOffsetsPerTrigger`` caps a micro-batch).
+
+The schema is the connector's core: ``key`` and ``value`` (binary),
+``topic``, ``partition``, ``offset``, ``timestamp``. Offsets are given like
+the connector's: ``earliest``, ``latest``, or JSON
+``{"<topic>": {"0": 23, "1": -2}}`` (-2 earliest, -1 latest; partitions left
+out start at earliest, or end at latest).
+
+"latest" is found by fetching, not by ``end_offsets``: Tansu (the embedded
+broker) answers ListOffsets with a count of record batches, so the high
+watermark is taken from a fetch response instead, which is right on Tansu and
+on Apache Kafka alike. :func:`read_topic` picks this source or, where the
+official connector is on the classpath (``source="connector"``), Spark's own
+``format("kafka")``, and returns the same columns either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+__all__ = [
+    "FORMAT",
+    "SCHEMA",
+    "KafkaSource",
+    "OffsetRange",
+    "latest_offsets",
+    "read_range",
+    "read_topic",
+    "resolve_offsets",
+]
+
+FORMAT = "devicemq-kafka"
+SCHEMA = "key binary, value binary, topic string, partition int, offset bigint, timestamp timestamp"
+EARLIEST, LATEST = -2, -1
+FETCH_RECORDS = 5000  # records per fetch inside a worker
+PROBE_TIMEOUT = 5.0  # seconds to learn a partition's high watermark
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetRange(InputPartition):
+    """One Kafka partition's records ``[start, end)``: one Spark partition."""
+
+    bootstrap: str
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+def _consumer(bootstrap: str) -> AIOKafkaConsumer:
+    from aiokafka import AIOKafkaConsumer
+
+    return AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+        max_partition_fetch_bytes=8 * 1024 * 1024,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Offsets (driver side)
+# ---------------------------------------------------------------------------
+
+
+async def _bounds(bootstrap: str, topic: str) -> dict[int, tuple[int, int]]:
+    """partition -> (earliest, latest) of ``topic``; latest from fetch high watermarks."""
+    from aiokafka import TopicPartition
+
+    consumer = _consumer(bootstrap)
+    await consumer.start()
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            await consumer.topics()  # refresh metadata once
+            partitions = consumer.partitions_for_topic(topic)
+        if not partitions:
+            raise ValueError(f"kafka topic {topic!r} does not exist at {bootstrap}")
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        beginning = await consumer.beginning_offsets(tps)
+        # A lower bound on Tansu (it counts batches), exact on Kafka: a valid fetch position.
+        guess = await consumer.end_offsets(tps)
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, max(beginning[tp], guess[tp] - 1))
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while any(consumer.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no fetch answer for {topic} from {bootstrap}")
+            await consumer.getmany(timeout_ms=100, max_records=1)
+        return {tp.partition: (beginning[tp], int(consumer.highwater(tp))) for tp in tps}
+    finally:
+        await consumer.stop()
+
+
+def latest_offsets(bootstrap: str, topic: str) -> dict[int, tuple[int, int]]:
+    """partition -> (earliest, latest offset + 1) of ``topic``, read from the broker."""
+    return asyncio.run(_bounds(bootstrap, topic))
+
+
+def _parse_spec(spec: str, topic: str, default: int) -> dict[int, int] | int:
+    text = spec.strip()
+    if text.lower() == "earliest":
+        return EARLIEST
+    if text.lower() == "latest":
+        return LATEST
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise ValueError(f"offsets must be earliest, latest or JSON, not {spec!r}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"offsets JSON must be an object, not {spec!r}")
+    per = doc.get(topic, {})
+    return {int(p): int(o) for p, o in per.items()} if per else default
+
+
+def resolve_offsets(
+    bounds: dict[int, tuple[int, int]], spec: str, topic: str, default: int
+) -> dict[int, int]:
+    """partition -> concrete offset for an offsets option (``earliest``/``latest``/JSON)."""
+    parsed = _parse_spec(spec, topic, default)
+    out: dict[int, int] = {}
+    for partition, (low, high) in bounds.items():
+        want = parsed if isinstance(parsed, int) else parsed.get(partition, default)
+        if want == EARLIEST:
+            out[partition] = low
+        elif want == LATEST:
+            out[partition] = high
+        else:
+            out[partition] = min(max(want, low), high)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Reading one range (worker side)
+# ---------------------------------------------------------------------------
+
+
+def read_range(part: OffsetRange) -> Iterator[tuple[Any, ...]]:
+    """The records of one partition's range, in offset order (rows of :data:`SCHEMA`).
+
+    aiokafka needs a running loop for every call, so the reading is an async
+    generator stepped one fetch at a time by this (synchronous) iterator.
+    """
+    if part.end <= part.start:
+        return
+    loop = asyncio.new_event_loop()
+    chunks = _fetch(part)
+    try:
+        while True:
+            try:
+                chunk = loop.run_until_complete(anext(chunks))
+            except StopAsyncIteration:
+                return
+            yield from chunk
+    finally:
+        loop.run_until_complete(chunks.aclose())
+        loop.close()
+
+
+async def _fetch(part: OffsetRange) -> AsyncGenerator[list[tuple[Any, ...]], None]:
+    from aiokafka import TopicPartition
+
+    consumer = _consumer(part.bootstrap)
+    await consumer.start()
+    try:
+        tp = TopicPartition(part.topic, part.partition)
+        consumer.assign([tp])
+        consumer.seek(tp, part.start)
+        position = part.start
+        idle_since = time.monotonic()
+        while position < part.end:
+            batches = await consumer.getmany(tp, timeout_ms=200, max_records=FETCH_RECORDS)
+            records = batches.get(tp, [])
+            if not records:
+                if time.monotonic() - idle_since > 30:
+                    raise TimeoutError(
+                        f"{part.topic}[{part.partition}]: no records at {position} "
+                        f"(range ends at {part.end})"
+                    )
+                continue
+            idle_since = time.monotonic()
+            rows = []
+            for r in records:
+                if r.offset >= part.end:
+                    position = part.end
+                    break
+                position = r.offset + 1
+                rows.append(
+                    (
+                        r.key,
+                        r.value,
+                        part.topic,
+                        part.partition,
+                        r.offset,
+                        datetime.fromtimestamp(r.timestamp / 1000, UTC),
+                    )
+                )
+            yield rows
+    finally:
+        await consumer.stop()
+
+
+# ---------------------------------------------------------------------------
+# The data source
+# ---------------------------------------------------------------------------
+
+
+def _option(options: Any, *names: str, default: str | None = None) -> str:
+    for name in names:
+        value = options.get(name)
+        if value:
+            return str(value)
+    if default is None:
+        raise ValueError(f"option {names[0]!r} is required")
+    return default
+
+
+class KafkaSource(DataSource):
+    """``format("devicemq-kafka")``: options ``bootstrap``, ``topic``,
+    ``startingOffsets``, ``endingOffsets``, ``maxOffsetsPerTrigger``.
+
+    The connector's names ``kafka.bootstrap.servers`` and ``subscribe`` work too.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def _target(self) -> tuple[str, str]:
+        bootstrap = _option(self.options, "bootstrap", "kafka.bootstrap.servers")
+        topic = _option(self.options, "topic", "subscribe")
+        return bootstrap, topic
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        bootstrap, topic = self._target()
+        return _BatchReader(
+            bootstrap,
+            topic,
+            _option(self.options, "startingOffsets", default="earliest"),
+            _option(self.options, "endingOffsets", default="latest"),
+        )
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        bootstrap, topic = self._target()
+        limit = self.options.get("maxOffsetsPerTrigger")
+        return _StreamReader(
+            bootstrap,
+            topic,
+            _option(self.options, "startingOffsets", default="earliest"),
+            int(limit) if limit else None,
+        )
+
+
+class _BatchReader(DataSourceReader):
+    def __init__(self, bootstrap: str, topic: str, starting: str, ending: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        bounds = latest_offsets(bootstrap, topic)
+        self.start = resolve_offsets(bounds, starting, topic, EARLIEST)
+        self.end = resolve_offsets(bounds, ending, topic, LATEST)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [
+            OffsetRange(self.bootstrap, self.topic, p, self.start[p], self.end[p])
+            for p in sorted(self.start)
+            if self.end[p] > self.start[p]
+        ] or [OffsetRange(self.bootstrap, self.topic, 0, 0, 0)]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, OffsetRange)
+        return read_range(partition)
+
+
+class _StreamReader(DataSourceStreamReader):
+    """Offsets are ``{"<partition>": next offset}``; one Spark partition per Kafka one."""
+
+    def __init__(self, bootstrap: str, topic: str, starting: str, max_per_trigger: int | None):
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.starting = starting
+        self.max_per_trigger = max_per_trigger
+
+    def initialOffset(self) -> dict[str, int]:
+        bounds = latest_offsets(self.bootstrap, self.topic)
+        start = resolve_offsets(bounds, self.starting, self.topic, EARLIEST)
+        return {str(p): o for p, o in start.items()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.max_per_trigger:
+            return ReadMaxRows(self.max_per_trigger)
+        return ReadAllAvailable()
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        bounds = latest_offsets(self.bootstrap, self.topic)
+        end = {str(p): high for p, (_low, high) in bounds.items()}
+        for p, offset in start.items():
+            end.setdefault(p, offset)
+        if isinstance(limit, ReadMaxRows):
+            end = _capped(start, end, limit.max_rows)
+        return end
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        bounds = latest_offsets(self.bootstrap, self.topic)
+        return {str(p): high for p, (_low, high) in bounds.items()}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        return [
+            OffsetRange(self.bootstrap, self.topic, int(p), start.get(p, 0), e)
+            for p, e in sorted(end.items(), key=lambda kv: int(kv[0]))
+            if e > start.get(p, 0)
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, OffsetRange)
+        return read_range(partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        pass  # Spark's checkpoint holds the offsets; nothing to tell Kafka
+
+
+def _capped(start: dict[str, int], end: dict[str, int], budget: int) -> dict[str, int]:
+    """At most ``budget`` records past ``start``, shared round-robin over partitions."""
+    out = {p: start.get(p, e) for p, e in end.items()}
+    budget = max(budget, 1)
+    while budget > 0:
+        open_parts = [p for p in end if out[p] < end[p]]
+        if not open_parts:
+            break
+        share = max(budget // len(open_parts), 1)
+        for p in open_parts:
+            take = min(share, end[p] - out[p], budget)
+            out[p] += take
+            budget -= take
+            if budget == 0:
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Picking a source
+# ---------------------------------------------------------------------------
+
+_registered: set[int] = set()
+
+
+def register(spark: SparkSession) -> None:
+    """Register :class:`KafkaSource` with ``spark`` (once per session)."""
+    if id(spark) not in _registered:
+        spark.dataSource.register(KafkaSource)
+        _registered.add(id(spark))
+
+
+def read_topic(
+    spark: SparkSession,
+    bootstrap: str,
+    topic: str,
+    *,
+    source: str = "python",
+    starting: str = "earliest",
+    ending: str = "latest",
+) -> DataFrame:
+    """A batch DataFrame of :data:`SCHEMA` over ``topic``.
+
+    ``source="python"`` uses :class:`KafkaSource`; ``"connector"`` uses the
+    official Spark Kafka connector (``spark-sql-kafka`` on the classpath, as on
+    a real cluster) and selects the same columns.
+    """
+    if source == "connector":
+        df = (
+            spark.read.format("kafka")
+            .option("kafka.bootstrap.servers", bootstrap)
+            .option("subscribe", topic)
+            .option("startingOffsets", starting)
+            .option("endingOffsets", ending)
+            .load()
+        )
+        return df.select("key", "value", "topic", "partition", "offset", "timestamp")
+    if source != "python":
+        raise ValueError(f"unknown source {source!r}: python or connector")
+    register(spark)
+    return (
+        spark.read.format(FORMAT)
+        .option("bootstrap", bootstrap)
+        .option("topic", topic)
+        .option("startingOffsets", starting)
+        .option("endingOffsets", ending)
+        .load()
+    )
