@@ -280,6 +280,22 @@ def _passwd(args: argparse.Namespace) -> int:
 # The command table and main
 # --------------------------------------------------------------------------
 
+def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    from pipeline.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _pipeline(args: argparse.Namespace) -> int:
+    """PySpark jobs (pipeline/cli.py); needs the ``pipeline`` extra and Java."""
+    try:
+        from pipeline.cli import run
+    except ImportError as e:
+        _error(f"{e}: install the pipeline extra (pip install 'devicemq[pipeline]')")
+        return 2
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command("run the MQTT broker until SIGTERM/SIGINT", _add_run_arguments, _run),
     "passwd": Command(
@@ -294,6 +310,11 @@ COMMANDS: dict[str, Command] = {
         "run a load scenario (p2p, fan-in, fan-out) against a broker",
         _add_loadtest_arguments,
         _loadtest,
+    ),
+    "pipeline": Command(
+        "run a PySpark job over the Kafka topics: audit (nothing lost?) or traffic",
+        _add_pipeline_arguments,
+        _pipeline,
     ),
 }
 

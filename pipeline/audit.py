@@ -1,0 +1,500 @@
+"""``devicemq pipeline audit``: prove every persisted message is accounted for.
+
+The base is the persisted topic itself: each record of
+``devicemq.device.persisted`` is a delivery a publisher was acknowledged for.
+Each record gets exactly one status, first match wins:
+
+``acked``      the client acknowledged it (PUBACK / PUBCOMP)
+``expired``    expired before it was stored (``at=arrival``), at delivery, or
+               in Redis (not stored any more and its expiry has passed)
+``dropped``    larger than the client's Maximum Packet Size: never deliverable
+``trimmed``    removed by the per-client limit
+``pending``    still stored in Redis: the ``{cid}_messages`` sorted set holds
+               its score and its ``{cid}_messages_<id>`` string exists
+``discarded``  its session ended (expired or clean start) after it was stored
+``in_flight``  not stored yet, and younger than ``--grace`` seconds
+``lost``       none of these
+
+A stored message is identified by (client, score): acks, deliveries and
+expiries carry the score; a trim names packet ids, resolved to the last
+message stored under that id before the trim (events of one client are in
+one partition, in order). Duplicate deliveries are deliveries of a message
+after its first; latencies are first delivery and acknowledgement minus the
+publish time.
+
+Outputs in ``--out``: ``messages.parquet`` (one row per record, its status
+and times), ``clients.parquet`` (status counts per client), ``audit.json``
+(``totals``, latency percentiles, per-client counts, the lost messages) and
+``audit.html``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.common import Endpoints, Window, decode_events, decode_records, read_epoch
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["STATUSES", "AuditResult", "audit_frames", "run_audit", "write_outputs"]
+
+log = logging.getLogger("devicemq.pipeline.audit")
+
+STATUSES = (
+    "acked",
+    "expired",
+    "dropped",
+    "trimmed",
+    "pending",
+    "discarded",
+    "in_flight",
+    "lost",
+)
+PERCENTILES = (0.5, 0.9, 0.99)
+LOST_LISTED = 100  # lost messages named in audit.json
+
+
+@dataclass
+class AuditResult:
+    summary: dict[str, Any]
+    messages: DataFrame
+    clients: DataFrame
+    latencies: list[tuple[float | None, float | None]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------
+# Redis: what is still stored
+# ---------------------------------------------------------------------------
+
+
+def stored_refs(redis_url: str, cluster: bool, cids: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
+    """(cid, score, packet id, value present) for every ref of every client given."""
+    from persistence.redis_store import client_keys
+
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        client: Any = RedisCluster.from_url(redis_url)
+    else:
+        from redis import Redis
+
+        client = Redis.from_url(redis_url)
+    try:
+        todo = [row[0] for row in cids]
+        for start in range(0, len(todo), 200):
+            chunk = todo[start : start + 200]
+            pipe = client.pipeline(transaction=False)
+            for cid in chunk:
+                pipe.zrange(client_keys(cid).messages, 0, -1, withscores=True)
+            sets = pipe.execute()
+            pipe = client.pipeline(transaction=False)
+            refs: list[tuple[str, int, int]] = []
+            for cid, members in zip(chunk, sets, strict=True):
+                keys = client_keys(cid)
+                for member, score in members:
+                    pid = int(member)
+                    refs.append((cid, int(score), pid))
+                    pipe.exists(keys.message(pid))
+            present = pipe.execute() if refs else []
+            for (cid, score, pid), there in zip(refs, present, strict=True):
+                yield cid, score, pid, bool(there)
+    finally:
+        client.close()
+
+
+def redis_refs(spark: SparkSession, endpoints: Endpoints, cids: DataFrame) -> DataFrame:
+    """The stored refs of ``cids`` (a one-column DataFrame), read by the Spark workers."""
+    url, cluster = endpoints.redis_url, endpoints.redis_cluster
+    rows = cids.rdd.mapPartitions(lambda part: stored_refs(url, cluster, part))
+    return spark.createDataFrame(rows, "cid string, sc long, ref_pid int, has_value boolean")
+
+
+# ---------------------------------------------------------------------------
+# The reconciliation
+# ---------------------------------------------------------------------------
+
+
+def audit_frames(
+    spark: SparkSession,
+    recs: DataFrame,
+    evs: DataFrame,
+    refs: DataFrame,
+    epoch: int,
+    now: float,
+    grace: float,
+) -> tuple[DataFrame, DataFrame]:
+    """(messages, clients) from decoded records, decoded events and Redis refs.
+
+    Events are folded into one row per Kafka record (stored or expired on
+    arrival) and one row per stored message (client, score), so the records
+    need four joins in all.
+    """
+    from pyspark.sql import Window as W
+    from pyspark.sql import functions as F
+
+    ev = F.col("ev")
+
+    def first_ts(kind: Any) -> Any:
+        return F.min(F.when(kind, F.col("ts")))
+
+    def any_of(kind: Any) -> Any:
+        return F.max(F.when(kind, F.lit(True)).otherwise(F.lit(False)))
+
+    # Per Kafka record of this topic epoch: stored (which score) or expired on arrival.
+    persisted = ev == "persisted"
+    arrival = (ev == "expired") & (F.col("at") == "arrival")
+    per_record = (
+        evs.where((persisted | arrival) & (F.col("ep") == epoch))
+        .groupBy("part", "off")
+        .agg(
+            F.min(F.when(persisted, F.col("sc"))).alias("sc"),
+            F.min(F.when(persisted, F.col("pid"))).alias("pid"),
+            first_ts(persisted).alias("stored_ts"),
+            F.min(F.when(persisted, F.col("exp"))).alias("stored_exp"),
+            any_of(arrival).alias("arrival_expired"),
+        )
+    )
+    # A trim names packet ids: the message is the last one stored under that id before it.
+    trims = evs.where(ev == "trimmed").select(
+        "cid",
+        F.explode("pids").alias("pid"),
+        "epart",
+        "eoff",
+        "ts",
+        "at",
+        F.lit(True).alias("is_trim"),
+    )
+    placed = evs.where(persisted).select(
+        "cid", "pid", "epart", "eoff", "sc", F.lit(False).alias("is_trim")
+    )
+    before = (
+        W.partitionBy("cid", "pid")
+        .orderBy("epart", "eoff")
+        .rowsBetween(W.unboundedPreceding, W.currentRow)
+    )
+    trimmed = (
+        placed.unionByName(trims, allowMissingColumns=True)
+        .withColumn("owner", F.last("sc", ignorenulls=True).over(before))
+        .where(F.col("is_trim") & F.col("owner").isNotNull())
+        .select("cid", F.col("owner").alias("sc"), F.lit("trimmed").alias("ev"), "ts", "at")
+    )
+    # Per stored message (client, score): what happened to it.
+    delivered = ev == "delivered"
+    per_message = (
+        evs.where(ev.isin("acked", "delivered", "expired", "dropped") & F.col("sc").isNotNull())
+        .select("cid", "sc", "ev", "ts", "at")
+        .unionByName(trimmed)
+        .groupBy("cid", "sc")
+        .agg(
+            first_ts(ev == "acked").alias("acked_ts"),
+            any_of((ev == "expired") & (F.col("at") == "delivery")).alias("delivery_expired"),
+            any_of(ev == "dropped").alias("too_large"),
+            any_of(ev == "trimmed").alias("was_trimmed"),
+            F.sum(F.when(delivered, 1).otherwise(0)).alias("deliveries"),
+            first_ts(delivered).alias("delivered_ts"),
+        )
+    )
+    ended = (
+        evs.where(ev.isin("session_expired", "session_ended"))
+        .groupBy("cid")
+        .agg(F.max("ts").alias("ended_ts"))
+    )
+    by_score = ["cid", "sc"]
+    m = (
+        recs.join(per_record, ["part", "off"], "left")
+        .join(per_message, by_score, "left")
+        .join(refs.select(*by_score, "has_value"), by_score, "left")
+        .join(ended, ["cid"], "left")
+    )
+    expiry = F.coalesce(F.col("stored_exp"), F.col("exp"))
+    is_stored = F.col("sc").isNotNull()
+    status = (
+        F.when(F.col("acked_ts").isNotNull(), "acked")
+        .when(F.col("arrival_expired") | F.col("delivery_expired"), "expired")
+        .when(F.col("too_large"), "dropped")
+        .when(F.col("was_trimmed"), "trimmed")
+        .when(F.col("has_value"), "pending")
+        .when(is_stored & (F.col("ended_ts") >= F.col("stored_ts")), "discarded")
+        .when(is_stored & expiry.isNotNull() & (expiry <= now), "expired")
+        .when(~is_stored & (F.col("kts") > now - grace), "in_flight")
+        .otherwise("lost")
+    )
+    reason = (
+        F.when(~is_stored, "never stored in redis")
+        .when(F.col("has_value").isNotNull(), "ref without its message string in redis")
+        .otherwise("missing from redis")
+    )
+    messages = m.select(
+        "cid",
+        "part",
+        "off",
+        "topic",
+        "size",
+        "pub",
+        "exp",
+        "sc",
+        "pid",
+        "stored_ts",
+        "delivered_ts",
+        "acked_ts",
+        F.coalesce(F.col("deliveries"), F.lit(0)).alias("deliveries"),
+        status.alias("status"),
+        (F.col("delivered_ts") - F.col("pub")).alias("delivery_latency"),
+        (F.col("acked_ts") - F.col("pub")).alias("ack_latency"),
+        reason.alias("reason"),
+    ).withColumn("reason", F.when(F.col("status") == "lost", F.col("reason")))
+    messages = messages.cache()
+    counts = [F.sum(F.when(F.col("status") == s, 1).otherwise(0)).alias(s) for s in STATUSES]
+    clients = (
+        messages.groupBy("cid")
+        .agg(
+            F.count("*").alias("persisted"),
+            *counts,
+            F.sum(F.greatest(F.col("deliveries") - 1, F.lit(0))).alias("duplicates"),
+        )
+        .orderBy("cid")
+    )
+    return messages, clients
+
+
+def summarize(
+    messages: DataFrame, clients: DataFrame, evs: DataFrame, now: float
+) -> tuple[dict[str, Any], list[tuple[float | None, float | None]]]:
+    from pyspark.sql import functions as F
+
+    per_client = [r.asDict() for r in clients.collect()]
+    totals: dict[str, int] = {"persisted": sum(c["persisted"] for c in per_client)}
+    for status in STATUSES:
+        totals[status] = sum(c[status] for c in per_client)
+    totals["duplicates"] = sum(c["duplicates"] for c in per_client)
+    agg = messages.agg(
+        F.sum(F.when(F.col("deliveries") > 1, 1).otherwise(0)).alias("redelivered"),
+        F.percentile_approx("delivery_latency", list(PERCENTILES)).alias("dl"),
+        F.percentile_approx("ack_latency", list(PERCENTILES)).alias("al"),
+        F.max("delivery_latency").alias("dl_max"),
+        F.max("ack_latency").alias("al_max"),
+    ).collect()[0]
+    totals["redelivered_messages"] = int(agg["redelivered"] or 0)
+    gaps = evs.where(F.col("ev") == "gap").agg(F.sum("n")).collect()[0][0] or 0
+
+    def percentiles(values: list[float] | None, top: float | None) -> dict[str, float | None]:
+        out: dict[str, float | None] = {f"p{int(q * 100)}": None for q in PERCENTILES}
+        for q, v in zip(PERCENTILES, values or [], strict=False):
+            out[f"p{int(q * 100)}"] = v
+        out["max"] = top
+        return out
+
+    lost = []
+    if totals["lost"]:
+        lost = [
+            {k: row[k] for k in ("cid", "pid", "sc", "part", "off", "topic", "pub", "reason")}
+            for row in messages.where(F.col("status") == "lost")
+            .orderBy("cid", "part", "off")
+            .limit(LOST_LISTED)
+            .collect()
+        ]
+    summary = {
+        "generated_at": now,
+        "totals": totals,
+        "ok": totals["lost"] == 0,
+        "latency_seconds": {
+            "delivery": percentiles(agg["dl"], agg["dl_max"]),
+            "ack": percentiles(agg["al"], agg["al_max"]),
+        },
+        "events_dropped": int(gaps),
+        "clients": per_client,
+        "lost_messages": lost,
+    }
+    sample = [
+        (r[0], r[1])
+        for r in messages.where(F.col("delivery_latency").isNotNull())
+        .select("delivery_latency", "ack_latency")
+        .limit(200_000)
+        .collect()
+    ]
+    return summary, sample
+
+
+def run_audit(
+    spark: SparkSession,
+    endpoints: Endpoints,
+    *,
+    persisted_topic: str,
+    events_topic: str,
+    window: Window,
+    source: str = "python",
+    grace: float = 30.0,
+    raw_records: DataFrame | None = None,
+    raw_events: DataFrame | None = None,
+) -> AuditResult:
+    """The audit over the topics (or over raw Kafka rows given, e.g. by the stream)."""
+    from pipeline.common import _in_window
+    from pipeline.kafka_source import read_topic
+
+    now = time.time()
+    if raw_records is None:
+        raw_records = read_topic(spark, endpoints.bootstrap, persisted_topic, source=source)
+    if raw_events is None:
+        raw_events = read_topic(spark, endpoints.bootstrap, events_topic, source=source)
+    recs = _in_window(decode_records(raw_records), "pub", window).cache()
+    evs = decode_events(raw_events).cache()
+    epoch = read_epoch(endpoints, persisted_topic)
+    refs = redis_refs(spark, endpoints, recs.select("cid").distinct())
+    messages, clients = audit_frames(spark, recs, evs, refs, epoch, now, grace)
+    summary, sample = summarize(messages, clients, evs, now)
+    summary["window"] = {"since": window.since, "until": window.until}
+    summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
+    return AuditResult(summary, messages, clients, sample)
+
+
+def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Path:
+    """Parquet tables, audit.json and audit.html under ``out``; returns audit.json's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    if tables:
+        result.messages.write.mode("overwrite").parquet(str(out / "messages.parquet"))
+        result.clients.write.mode("overwrite").parquet(str(out / "clients.parquet"))
+    path = out / "audit.json"
+    tmp = out / "audit.json.tmp"
+    tmp.write_text(json.dumps(result.summary, indent=2, default=str))
+    tmp.replace(path)  # readers never see half a summary
+    _html(result, out / "audit.html")
+    return path
+
+
+def _html(result: AuditResult, path: Path) -> None:
+    from pipeline.report import Report, figure
+
+    s = result.summary
+    totals = s["totals"]
+    report = Report("devicemq delivery audit")
+    report.paragraph(
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(s['generated_at']))}; "
+        f"topics {s['topics']['persisted']} (epoch {s['topics']['epoch']}) and "
+        f"{s['topics']['events']}."
+    )
+    if totals["lost"]:
+        report.paragraph(f"{totals['lost']} message(s) LOST: see the table below.", warn=True)
+    else:
+        report.paragraph("No message lost: every persisted message is accounted for.")
+    if s["events_dropped"]:
+        report.paragraph(
+            f"{s['events_dropped']} delivery events were dropped by the broker (Kafka too "
+            "slow): statuses may be wrong for some messages.",
+            warn=True,
+        )
+    report.heading("Totals")
+    report.table(["status", "messages"], list(totals.items()))
+    fig, ax = figure()
+    names = [k for k in STATUSES if totals[k]]
+    ax.bar(names, [totals[k] for k in names], color="#4c72b0")
+    ax.set_ylabel("messages")
+    report.figure(fig, "Persisted messages by status")
+    report.heading("End-to-end latency (seconds after publish)")
+    lat = s["latency_seconds"]
+    report.table(
+        ["", "p50", "p90", "p99", "max"],
+        [[k, *(lat[k][p] for p in ("p50", "p90", "p99", "max"))] for k in ("delivery", "ack")],
+    )
+    delivery = [d for d, _a in result.latencies if d is not None]
+    if delivery:
+        fig, ax = figure()
+        ax.hist([d * 1000 for d in delivery], bins=50, color="#55a868")
+        ax.set_xlabel("first delivery latency (ms)")
+        ax.set_ylabel("messages")
+        report.figure(fig, "Publish to first delivery")
+    report.heading("Per client")
+    cols = ["cid", "persisted", *STATUSES, "duplicates"]
+    report.table(cols, [[c.get(k) for k in cols] for c in s["clients"]])
+    if s["lost_messages"]:
+        report.heading("Lost messages")
+        lost_cols = ["cid", "pid", "sc", "part", "off", "topic", "reason"]
+        report.table(lost_cols, [[m[k] for k in lost_cols] for m in s["lost_messages"]])
+    report.write(path)
+
+
+# ---------------------------------------------------------------------------
+# Streaming: keep the summary current
+# ---------------------------------------------------------------------------
+
+
+def stream_audit(
+    spark: SparkSession,
+    endpoints: Endpoints,
+    *,
+    persisted_topic: str,
+    events_topic: str,
+    window: Window,
+    out: Path,
+    interval: float,
+    max_iterations: int | None,
+    grace: float = 30.0,
+    on_summary: Any = None,
+) -> dict[str, Any]:
+    """Ingest both topics with the streaming reader into Parquet under ``out/stream``;
+    every ``interval`` seconds reconcile what arrived and rewrite audit.json/html.
+
+    Each iteration waits until both streams have taken in everything available
+    (``processAllAvailable``), so a summary never mixes a newer event table
+    with older records. Stops after ``max_iterations`` (None: runs until killed).
+    """
+    from pipeline.kafka_source import FORMAT, register
+
+    register(spark)
+    base = out / "stream"
+    queries = []
+    for name, topic in (("records", persisted_topic), ("events", events_topic)):
+        stream = (
+            spark.readStream.format(FORMAT)
+            .option("bootstrap", endpoints.bootstrap)
+            .option("topic", topic)
+            .option("startingOffsets", "earliest")
+            .load()
+        )
+        query = (
+            stream.writeStream.format("parquet")
+            .option("path", str(base / name))
+            .option("checkpointLocation", str(base / f"{name}.checkpoint"))
+            .trigger(processingTime=f"{max(interval, 0.5)} seconds")
+            .start()
+        )
+        queries.append(query)
+    summary: dict[str, Any] = {}
+    iteration = 0
+    try:
+        while max_iterations is None or iteration < max_iterations:
+            started = time.monotonic()
+            for query in queries:
+                query.processAllAvailable()
+            raw_records = spark.read.parquet(str(base / "records"))
+            raw_events = spark.read.parquet(str(base / "events"))
+            result = run_audit(
+                spark,
+                endpoints,
+                persisted_topic=persisted_topic,
+                events_topic=events_topic,
+                window=window,
+                grace=grace,
+                raw_records=raw_records,
+                raw_events=raw_events,
+            )
+            iteration += 1
+            result.summary["stream"] = {"iteration": iteration, "interval": interval}
+            write_outputs(result, out, tables=False)
+            summary = result.summary
+            if on_summary is not None:
+                on_summary(summary)
+            log.info("audit iteration %d: %s", iteration, summary["totals"])
+            if max_iterations is not None and iteration >= max_iterations:
+                break
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        for query in queries:
+            query.stop()
+    return summary

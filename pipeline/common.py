@@ -1,0 +1,218 @@
+"""What every pipeline job shares: endpoints, the Spark session, the two topics as tables.
+
+Tables (Spark DataFrames):
+
+- :func:`records`: the records of ``devicemq.device.persisted`` (one per
+  persistent delivery a publisher was acknowledged for), with the subscriber
+  (``cid``), Kafka ``part``/``off``, the message's ``topic``, payload
+  ``size``, publish time ``pub`` and expiry ``exp`` (decoded from the stored
+  message header, persistence/redis_store.py);
+- :func:`events`: the delivery events of ``devicemq.events``
+  (persistence/events.py), one column per field, plus the event's own Kafka
+  position ``epart``/``eoff`` (one client's events are in one partition, in
+  order).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "EVENT_SCHEMA",
+    "Endpoints",
+    "Window",
+    "events",
+    "make_spark",
+    "read_epoch",
+    "records",
+    "resolve_endpoints",
+]
+
+EVENT_SCHEMA = (
+    "ev string, cid string, ts double, pid int, sc long, part int, off long, ep int, "
+    "topic string, size int, pub double, exp double, dup boolean, at string, "
+    "pids array<int>, n long"
+)
+RECORD_HEADER = struct.Struct(">BBBddqHI")
+FLAG_HAS_EXPIRY = 0x08
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    bootstrap: str
+    redis_url: str
+    redis_cluster: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``--since``/``--until`` as epoch seconds (None: open)."""
+
+    since: float | None = None
+    until: float | None = None
+
+
+class PipelineError(Exception):
+    """A problem the operator can fix (one line, exit status 2)."""
+
+
+def resolve_endpoints(
+    data_dir: str | None, bootstrap: str | None, redis_url: str | None, cluster: bool = False
+) -> Endpoints:
+    """``--bootstrap``/``--redis``, else the embedded services of ``--data-dir``."""
+    if bootstrap or redis_url:
+        if not (bootstrap and redis_url):
+            raise PipelineError("give both --bootstrap and --redis, or --data-dir")
+        return Endpoints(bootstrap, redis_url, cluster)
+    from persistence.services import HOST, EmbeddedServices
+
+    directory = Path(data_dir or "./data")
+    ports = {s.name: s for s in EmbeddedServices(directory).status()}
+    redis, kafka = ports.get("redis"), ports.get("kafka")
+    if redis is None or kafka is None or not (redis.responding and kafka.responding):
+        raise PipelineError(
+            f"the embedded Redis and Kafka of {directory} are not running "
+            "(start `devicemq run --data-dir DIR`, or give --bootstrap and --redis)"
+        )
+    return Endpoints(f"{HOST}:{kafka.port}", f"redis://{HOST}:{redis.port}")
+
+
+def parse_time(text: str | None) -> float | None:
+    """ISO 8601 (``2026-01-01T12:00``, local time unless it has an offset) or epoch seconds."""
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise PipelineError(f"not a time: {text!r} (ISO 8601 or epoch seconds)") from None
+
+
+def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> SparkSession:
+    """A Spark session whose Python workers run this interpreter (and see this package)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    if root not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
+    from pyspark.sql import SparkSession
+
+    return (
+        SparkSession.builder.master(master)
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.shuffle.partitions", os.environ.get("DEVICEMQ_SHUFFLE_PARTITIONS", "8"))
+        .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+        .getOrCreate()
+    )
+
+
+def read_epoch(endpoints: Endpoints, topic: str) -> int:
+    """How many times devicemq created ``topic`` (persistence/runtime.py's epoch)."""
+    client = _redis(endpoints)
+    try:
+        value = client.get(f"devicemq:epoch:{topic}")
+    finally:
+        client.close()
+    return int(value or 0)
+
+
+def _redis(endpoints: Endpoints) -> Any:
+    if endpoints.redis_cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(endpoints.redis_url)
+    from redis import Redis
+
+    return Redis.from_url(endpoints.redis_url)
+
+
+def _header(value: bytes | None) -> tuple[str | None, int | None, float | None, float | None]:
+    if value is None or len(value) < RECORD_HEADER.size:
+        return None, None, None, None
+    _v, flags, _q, pub, exp, _o, topic_len, props_len = RECORD_HEADER.unpack_from(value)
+    start = RECORD_HEADER.size
+    topic = bytes(value[start : start + topic_len]).decode("utf-8", "replace")
+    size = len(value) - start - topic_len - props_len
+    return topic, size, pub, exp if flags & FLAG_HAS_EXPIRY else None
+
+
+def decode_records(raw: DataFrame) -> DataFrame:
+    """Raw Kafka rows of the persisted topic -> (cid, part, off, ts, topic, size, pub, exp)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import (
+        DoubleType,
+        IntegerType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    header_type = StructType(
+        [
+            StructField("topic", StringType()),
+            StructField("size", IntegerType()),
+            StructField("pub", DoubleType()),
+            StructField("exp", DoubleType()),
+        ]
+    )
+    header = F.udf(_header, header_type, useArrow=False)
+    return raw.select(
+        F.col("key").cast("string").alias("cid"),
+        F.col("partition").alias("part"),
+        F.col("offset").alias("off"),
+        (F.col("timestamp").cast("double")).alias("kts"),
+        header(F.col("value")).alias("h"),
+    ).select("cid", "part", "off", "kts", "h.*")
+
+
+def decode_events(raw: DataFrame) -> DataFrame:
+    """Raw Kafka rows of the events topic -> one column per event field + epart/eoff."""
+    from pyspark.sql import functions as F
+
+    return raw.select(
+        F.from_json(F.col("value").cast("string"), EVENT_SCHEMA).alias("e"),
+        F.col("partition").alias("epart"),
+        F.col("offset").alias("eoff"),
+    ).select("e.*", "epart", "eoff")
+
+
+def records(
+    spark: SparkSession, endpoints: Endpoints, topic: str, window: Window, source: str = "python"
+) -> DataFrame:
+    from pipeline.kafka_source import read_topic
+
+    df = decode_records(read_topic(spark, endpoints.bootstrap, topic, source=source))
+    return _in_window(df, "pub", window)
+
+
+def events(
+    spark: SparkSession, endpoints: Endpoints, topic: str, source: str = "python"
+) -> DataFrame:
+    from pipeline.kafka_source import read_topic
+
+    return decode_events(read_topic(spark, endpoints.bootstrap, topic, source=source))
+
+
+def _in_window(df: DataFrame, column: str, window: Window) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    if window.since is not None:
+        df = df.where(F.col(column) >= window.since)
+    if window.until is not None:
+        df = df.where(F.col(column) < window.until)
+    return df

@@ -1,0 +1,197 @@
+"""``devicemq pipeline traffic``: where persistent traffic goes.
+
+Over the records of ``devicemq.device.persisted`` (one per delivery to a
+persistent session, so a message fanned out to three subscribers counts
+three times) and the delivery events:
+
+- ``topic_levels``: messages and bytes per topic prefix, for the first
+  ``--levels`` levels (``plant``, ``plant/line1``, ...);
+- ``clients``: messages and bytes per subscriber client;
+- ``minutes``: messages and bytes per minute (publish time);
+- ``topics``: the top talkers, full topic names by messages;
+- ``sizes``: payload size distribution (power-of-two buckets);
+- ``backlog``: per client and minute, messages stored and not yet acknowledged,
+  expired, dropped or trimmed (from the events; expiries inside Redis are not
+  events, so a backlog of expiring messages only shrinks in the audit).
+
+Outputs in ``--out``: one Parquet table each, ``traffic.json`` and ``traffic.html``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.common import Endpoints, Window, _in_window, decode_events, decode_records
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["run_traffic", "traffic_frames"]
+
+TOP = 10
+
+
+def traffic_frames(recs: DataFrame, evs: DataFrame, levels: int) -> dict[str, DataFrame]:
+    from pyspark.sql import Window as W
+    from pyspark.sql import functions as F
+
+    volume = [F.count("*").alias("messages"), F.sum("size").alias("bytes")]
+    parts = F.split(F.col("topic"), "/")
+    by_level = [
+        recs.where(F.size(parts) >= level)
+        .select(
+            F.lit(level).alias("level"),
+            F.array_join(F.slice(parts, 1, level), "/").alias("prefix"),
+            "size",
+        )
+        .groupBy("level", "prefix")
+        .agg(*volume)
+        for level in range(1, levels + 1)
+    ]
+    topic_levels = by_level[0]
+    for frame in by_level[1:]:
+        topic_levels = topic_levels.unionByName(frame)
+    minute = F.from_unixtime(F.floor(F.col("pub") / 60) * 60).cast("timestamp")
+    bucket = F.when(F.col("size") <= 0, F.lit(0)).otherwise(
+        F.pow(F.lit(2), F.ceil(F.log2(F.col("size")))).cast("long")
+    )
+    # Backlog: +1 stored, -1 when it leaves (ack, expiry at delivery, too large, trim).
+    change = (
+        F.when(F.col("ev") == "persisted", 1)
+        .when(F.col("ev").isin("acked", "dropped"), -1)
+        .when((F.col("ev") == "expired") & (F.col("at") == "delivery"), -1)
+        .when(F.col("ev") == "trimmed", -F.size("pids"))
+        .otherwise(0)
+    )
+    per_minute = (
+        evs.where(F.col("cid") != "")
+        .select(
+            "cid", F.from_unixtime(F.floor(F.col("ts") / 60) * 60).alias("m"), change.alias("d")
+        )
+        .groupBy("cid", "m")
+        .agg(F.sum("d").alias("change"))
+    )
+    running = W.partitionBy("cid").orderBy("m").rowsBetween(W.unboundedPreceding, W.currentRow)
+    backlog = per_minute.select(
+        "cid",
+        F.col("m").cast("timestamp").alias("minute"),
+        "change",
+        F.sum("change").over(running).alias("backlog"),
+    )
+    return {
+        "topic_levels": topic_levels.orderBy("level", F.desc("messages")),
+        "clients": recs.groupBy("cid").agg(*volume).orderBy(F.desc("messages")),
+        "minutes": recs.select(minute.alias("minute"), "size")
+        .groupBy("minute")
+        .agg(*volume)
+        .orderBy("minute"),
+        "topics": recs.groupBy("topic").agg(*volume).orderBy(F.desc("messages")),
+        "sizes": recs.select(bucket.alias("up_to_bytes"))
+        .groupBy("up_to_bytes")
+        .count()
+        .withColumnRenamed("count", "messages")
+        .orderBy("up_to_bytes"),
+        "backlog": backlog.orderBy("cid", "minute"),
+    }
+
+
+def run_traffic(
+    spark: SparkSession,
+    endpoints: Endpoints,
+    *,
+    persisted_topic: str,
+    events_topic: str,
+    window: Window,
+    out: Path,
+    source: str = "python",
+    levels: int = 3,
+) -> dict[str, Any]:
+    from pyspark.sql import functions as F
+
+    from pipeline.kafka_source import read_topic
+
+    recs = _in_window(
+        decode_records(read_topic(spark, endpoints.bootstrap, persisted_topic, source=source)),
+        "pub",
+        window,
+    ).cache()
+    evs = _in_window(
+        decode_events(read_topic(spark, endpoints.bootstrap, events_topic, source=source)),
+        "ts",
+        window,
+    ).cache()
+    frames = traffic_frames(recs, evs, levels)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, frame in frames.items():
+        frame.write.mode("overwrite").parquet(str(out / f"{name}.parquet"))
+    totals = recs.agg(F.count("*").alias("messages"), F.sum("size").alias("bytes")).collect()[0]
+    sizes = recs.agg(F.percentile_approx("size", [0.5, 0.9, 0.99]).alias("p"), F.max("size"))
+    size_p = sizes.collect()[0]
+    rows = {
+        name: [r.asDict() for r in frame.limit(1000).collect()] for name, frame in frames.items()
+    }
+    summary: dict[str, Any] = {
+        "generated_at": time.time(),
+        "window": {"since": window.since, "until": window.until},
+        "totals": {"messages": int(totals["messages"]), "bytes": int(totals["bytes"] or 0)},
+        "payload_size": dict(zip(("p50", "p90", "p99"), size_p[0] or [], strict=False))
+        | {"max": size_p[1]},
+        "top_topics": rows["topics"][:TOP],
+        "top_clients": rows["clients"][:TOP],
+        "topic_levels": rows["topic_levels"],
+        "minutes": rows["minutes"],
+        "sizes": rows["sizes"],
+    }
+    (out / "traffic.json").write_text(json.dumps(summary, indent=2, default=str))
+    _html(summary, rows, out / "traffic.html")
+    return summary
+
+
+def _html(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    from pipeline.report import Report, figure
+
+    report = Report("devicemq traffic")
+    t = summary["totals"]
+    report.paragraph(
+        f"{t['messages']} messages to persistent sessions, {t['bytes']} payload bytes."
+    )
+    if rows["minutes"]:
+        fig, ax = figure()
+        ax.plot([r["minute"] for r in rows["minutes"]], [r["messages"] for r in rows["minutes"]])
+        ax.set_ylabel("messages / minute")
+        fig.autofmt_xdate()
+        report.figure(fig, "Messages per minute")
+    report.heading("Top talkers (topics)")
+    report.table(["topic", "messages", "bytes"], [list(r.values()) for r in rows["topics"][:TOP]])
+    report.heading("Top clients (subscribers)")
+    report.table(["client", "messages", "bytes"], [list(r.values()) for r in rows["clients"][:TOP]])
+    report.heading("Topic levels")
+    report.table(
+        ["level", "prefix", "messages", "bytes"], [list(r.values()) for r in rows["topic_levels"]]
+    )
+    if rows["sizes"]:
+        fig, ax = figure()
+        ax.bar(
+            [str(r["up_to_bytes"]) for r in rows["sizes"]], [r["messages"] for r in rows["sizes"]]
+        )
+        ax.set_xlabel("payload size up to (bytes)")
+        ax.set_ylabel("messages")
+        report.figure(fig, "Payload size distribution")
+    backlog: dict[str, tuple[list[Any], list[int]]] = {}
+    for r in rows["backlog"]:
+        xs, ys = backlog.setdefault(r["cid"], ([], []))
+        xs.append(r["minute"])
+        ys.append(r["backlog"])
+    if backlog:
+        fig, ax = figure()
+        biggest = sorted(backlog, key=lambda c: -max(backlog[c][1]))[:TOP]
+        for cid in biggest:
+            ax.step(backlog[cid][0], backlog[cid][1], where="post", label=cid)
+        ax.set_ylabel("stored, not yet settled")
+        ax.legend(fontsize="small")
+        fig.autofmt_xdate()
+        report.figure(fig, "Backlog per client (largest)")
+    report.write(path)
