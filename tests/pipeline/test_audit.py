@@ -1,0 +1,112 @@
+"""The audit on real Spark against a real broker's Kafka and Redis: exact counts, then a loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from broker import cli
+from persistence.redis_store import client_keys
+from pipeline.audit import run_audit, stream_audit, write_outputs
+from pipeline.common import Window
+from tests.pipeline.conftest import ACKED_EACH, ACKERS, EXPECTED, Workload
+
+PERSISTED, EVENTS = "devicemq.device.persisted", "devicemq.events"
+
+
+def _audit(spark: Any, workload: Workload) -> Any:
+    return run_audit(
+        spark,
+        workload.endpoints,
+        persisted_topic=PERSISTED,
+        events_topic=EVENTS,
+        window=Window(),
+    )
+
+
+def _check_totals(totals: dict[str, int], **changes: int) -> None:
+    want = {**EXPECTED, **changes}
+    assert {k: totals[k] for k in want} == want
+
+
+def test_workload_ran(workload: Workload) -> None:
+    assert workload.received == dict.fromkeys(ACKERS, ACKED_EACH)
+
+
+def test_audit_finds_the_known_counts(spark: Any, workload: Workload, tmp_path: Path) -> None:
+    result = _audit(spark, workload)
+    _check_totals(result.summary["totals"])
+    assert result.summary["ok"] and result.summary["lost_messages"] == []
+    clients = {c["cid"]: c for c in result.summary["clients"]}
+    assert clients["hoarder"]["trimmed"] == 5 and clients["hoarder"]["pending"] == 10
+    assert clients["sleeper"]["pending"] == 3 and clients["expirer"]["expired"] == 4
+    assert clients["dupper"]["duplicates"] == 2 and clients["dupper"]["acked"] == 2
+    latency = result.summary["latency_seconds"]
+    assert 0 <= latency["delivery"]["p50"] <= latency["ack"]["p99"] < 30
+
+    path = write_outputs(result, tmp_path)
+    assert json.loads(path.read_text())["totals"]["lost"] == 0
+    html = (tmp_path / "audit.html").read_text()
+    assert "data:image/png;base64," in html and "No message lost" in html
+    messages = spark.read.parquet(str(tmp_path / "messages.parquet"))
+    assert messages.count() == EXPECTED["persisted"]
+    assert spark.read.parquet(str(tmp_path / "clients.parquet")).count() == 6
+
+
+def test_cli_since_window(spark: Any, workload: Workload, tmp_path: Path) -> None:
+    # `devicemq pipeline audit`, in-process: it reuses the test's SparkSession.
+    # Everything was published before --since: the window is empty, nothing lost.
+    argv = ["pipeline", "audit", "--bootstrap", workload.endpoints.bootstrap]
+    argv += ["--redis", workload.endpoints.redis_url, "--out", str(tmp_path)]
+    assert cli.main([*argv, "--since", "2999-01-01T00:00:00"]) == 0
+    totals = json.loads((tmp_path / "audit.json").read_text())["totals"]
+    assert totals["persisted"] == 0 and totals["lost"] == 0
+
+
+def test_streaming_audit_rewrites_its_summary(
+    spark: Any, workload: Workload, tmp_path: Path
+) -> None:
+    seen: list[dict[str, Any]] = []
+    summary = stream_audit(
+        spark,
+        workload.endpoints,
+        persisted_topic=PERSISTED,
+        events_topic=EVENTS,
+        window=Window(),
+        out=tmp_path,
+        interval=0.5,
+        max_iterations=2,
+        on_summary=seen.append,
+    )
+    assert [s["stream"]["iteration"] for s in seen] == [1, 2]
+    _check_totals(summary["totals"])
+    on_disk = json.loads((tmp_path / "audit.json").read_text())
+    assert on_disk["stream"]["iteration"] == 2
+
+
+def test_a_message_removed_behind_the_brokers_back_is_lost(
+    spark: Any, workload: Workload, tmp_path: Path
+) -> None:
+    keys = client_keys("sleeper")
+    redis = Redis.from_url(workload.endpoints.redis_url)
+    try:
+        [(member, _score)] = redis.zrange(keys.messages, 0, 0, withscores=True)
+        pid = int(member)
+        assert redis.zrem(keys.messages, member) == 1
+        assert redis.delete(keys.message(pid)) == 1
+    finally:
+        redis.close()
+    argv = ["pipeline", "audit", "--bootstrap", workload.endpoints.bootstrap]
+    argv += ["--redis", workload.endpoints.redis_url, "--out", str(tmp_path)]
+    assert cli.main(argv) == 1  # lost messages: exit status 1
+    summary = json.loads((tmp_path / "audit.json").read_text())
+    _check_totals(summary["totals"], lost=1, pending=EXPECTED["pending"] - 1)
+    assert not summary["ok"]
+    [lost] = summary["lost_messages"]
+    assert (lost["cid"], lost["pid"], lost["reason"]) == ("sleeper", pid, "missing from redis")
+    assert "LOST" in (tmp_path / "audit.html").read_text()
+    lost_rows = spark.read.parquet(str(tmp_path / "messages.parquet")).where("status = 'lost'")
+    assert [r["pid"] for r in lost_rows.collect()] == [pid]
