@@ -100,6 +100,7 @@ class DevicePersistence:
             self.settings.persistence.replay_page_size,
             self._broker.stats,
             self._clock,
+            settled=lambda: self.sessions.settled(session.client_id),
         )
 
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:

@@ -43,6 +43,7 @@ class _Pending:
     deadline: float  # index score
     ttl: int | None
     callbacks: list[Done]
+    delete_first: bool = False  # a delete was queued before this save (clean start)
 
 
 class SessionStateStore:
@@ -52,6 +53,7 @@ class SessionStateStore:
         self._pending: dict[str, _Pending] = {}
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._drains: dict[str, asyncio.Task[None]] = {}
 
     def save(self, session: Session, on_saved: Done) -> None:
         now = self._wall_clock()
@@ -83,6 +85,12 @@ class SessionStateStore:
     async def flush(self) -> None:
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def settled(self, client_id: str) -> None:
+        """Wait until what is queued for ``client_id`` is written (a clean start's
+        delete must land before the new session reads the store)."""
+        while (task := self._drains.get(client_id)) is not None:
+            await asyncio.wait({task})
 
     async def restore(self, broker: Broker) -> int:
         """Recreate every durable session saved in Redis; expired ones are deleted."""
@@ -136,11 +144,14 @@ class SessionStateStore:
     ) -> None:
         previous = self._pending.get(client_id)
         callbacks = [*previous.callbacks, done] if previous is not None else [done]
-        self._pending[client_id] = _Pending(state, deadline, ttl, callbacks)
+        # The latest state wins, but a delete it replaces must still happen first.
+        delete_first = previous is not None and (previous.state is None or previous.delete_first)
+        self._pending[client_id] = _Pending(state, deadline, ttl, callbacks, delete_first)
         if client_id not in self._busy:
             self._busy.add(client_id)
             task = asyncio.get_running_loop().create_task(self._drain(client_id))
             self._tasks.add(task)
+            self._drains[client_id] = task
             task.add_done_callback(self._tasks.discard)
 
     async def _drain(self, client_id: str) -> None:
@@ -151,13 +162,15 @@ class SessionStateStore:
                     done(ok)
         finally:
             self._busy.discard(client_id)
+            self._drains.pop(client_id, None)
 
     async def _write(self, client_id: str, pending: _Pending) -> bool:
         for _ in range(SAVE_ATTEMPTS):
             try:
-                if pending.state is None:
+                if pending.state is None or pending.delete_first:
                     await self._remove(client_id)
-                else:
+                    pending.delete_first = False
+                if pending.state is not None:
                     await self._store.save_session(client_id, pending.state, ttl=pending.ttl)
                     await self._store.redis.zadd(INDEX_KEY, {client_id: pending.deadline})
                 return True

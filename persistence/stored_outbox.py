@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -165,8 +165,10 @@ class StoredOutbox:
         stats: BrokerStats,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
+        settled: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._session = session
+        self._settled = settled  # session-state writes to wait for before reading
         self._store = store
         self._writer = writer
         self.max_inflight = max_inflight
@@ -357,6 +359,8 @@ class StoredOutbox:
     async def _load_page(self, generation: int) -> None:
         try:
             await self._writer.flush()  # acks first, so the page holds no acked message
+            if self._settled is not None:
+                await self._settled()  # a clean start's delete first
             page = await self._store.load_page(
                 self._session.client_id, self._cursor, self._page_size
             )
