@@ -377,6 +377,8 @@ class RawSubscriber(_Recorder):
         self.session_expiry = session_expiry
         self.receive_maximum = receive_maximum
         self.ack: AckPolicy = _always
+        self.complete = True  # answer PUBREL with PUBCOMP
+        self.pubrels: list[tuple[int, int]] = []  # (packet id, connection) of each PUBREL
         self.connections = 0
         self.connacks: list[ConnAck] = []
         self.qos2_in_flight: dict[int, bytes] = {}
@@ -573,6 +575,9 @@ class RawSubscriber(_Recorder):
                 )
         elif isinstance(packet, PubRel):
             with self.lock:
+                self.pubrels.append((packet.packet_id, self.connections))
+                if not self.complete:
+                    return
                 # Unknown ids are fine: a PUBREL re-sent after our PUBCOMP got lost.
                 self.qos2_in_flight.pop(packet.packet_id, None)
             self._send(PubComp(packet.packet_id))
