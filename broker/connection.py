@@ -276,8 +276,8 @@ class MQTTConnection:
 
     def protocol_violation(self, error: MQTTError) -> None:
         log.info("client %s (%s) protocol error: %s", self.client_id or "-", self.peer, error)
+        self.broker.stats.reject(error.reason_code.name.lower())  # before or after CONNECT
         if self.state is ConnectionState.AWAITING_CONNECT:
-            self.broker.stats.reject(error.reason_code.name.lower())
             if error.reason_code is ReasonCode.UNSUPPORTED_PROTOCOL_VERSION:
                 # Answered in the 3.1.1 form, which every client version can read.
                 self._write(encode(ConnAck(False, 1), ProtocolLevel.MQTT_3_1_1))
