@@ -106,14 +106,14 @@ import hashlib
 import math
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib import resources
 from typing import Any, NamedTuple, Protocol
 
 import orjson
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
@@ -170,6 +170,7 @@ _P_CORRELATION_DATA = 0x09
 _P_SUBSCRIPTION_ID = 0x0B
 _P_USER_PROPERTY = 0x26
 
+POOL_CONNECTIONS = 64  # Redis connections of one broker (single-node mode)
 _OFFSET_TTL = struct.Struct(">dd")  # per message in the save script's arguments
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -547,6 +548,13 @@ class PersistedMessageStore(Protocol):
 
     async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> int: ...
 
+    async def write_progress(
+        self,
+        marks: Mapping[str, Sequence[int]],
+        pubrels: Mapping[str, Sequence[int]],
+        acks: Mapping[str, Sequence[int]],
+    ) -> None: ...
+
     async def pending_count(self, client_id: str) -> int: ...
 
     async def save_session(
@@ -620,12 +628,20 @@ class RedisMessageStore:
 
     @classmethod
     def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisMessageStore:
-        """A store on ``redis://host:port`` (``cluster``: any node of a cluster)."""
+        """A store on ``redis://host:port`` (``cluster``: any node of a cluster).
+
+        The single-node pool makes callers wait for a free connection instead
+        of failing: redis-py's default pool raises "Too many connections"
+        past 100, which a reconnect storm of replays reaches easily.
+        """
         client: RedisClient
         if cluster:
             client = RedisCluster.from_url(url, decode_responses=False)
         else:
-            client = Redis.from_url(url, decode_responses=False)
+            pool = BlockingConnectionPool.from_url(
+                url, max_connections=POOL_CONNECTIONS, timeout=None, decode_responses=False
+            )
+            client = Redis(connection_pool=pool)
         return cls(client, **kwargs)
 
     async def aclose(self) -> None:
@@ -819,6 +835,52 @@ class RedisMessageStore:
         if not ids:
             return 0
         return int(await self._eval(_MARK_SENT, client_keys(client_id)[:1], ids))
+
+    async def write_progress(
+        self,
+        marks: Mapping[str, Sequence[int]],
+        pubrels: Mapping[str, Sequence[int]],
+        acks: Mapping[str, Sequence[int]],
+    ) -> None:
+        """Many clients' delivery progress in one pipelined round trip.
+
+        Sent marks first, then PUBREL stages, then acks: the order one
+        message's progress can take within one batch. Every command is
+        idempotent, so a failed batch is simply written again.
+        """
+        started = time.perf_counter()
+        try:
+            await self._write_progress(marks, pubrels, acks)
+        except NoScriptError:
+            await self.load_scripts()
+            await self._write_progress(marks, pubrels, acks)
+        except Exception:
+            self.script_errors["progress"] = self.script_errors.get("progress", 0) + 1
+            raise
+        finally:
+            latency = self.script_latency.get("progress")
+            if latency is None:
+                latency = self.script_latency["progress"] = Histogram()
+            latency.observe(time.perf_counter() - started)
+
+    async def _write_progress(
+        self,
+        marks: Mapping[str, Sequence[int]],
+        pubrels: Mapping[str, Sequence[int]],
+        acks: Mapping[str, Sequence[int]],
+    ) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for client_id, ids in marks.items():
+            key = client_keys(client_id).messages
+            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 1, key, *ids)
+        for client_id, ids in pubrels.items():
+            keys = client_keys(client_id)
+            for packet_id in ids:
+                pipe.execute_command("SET", keys.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL")
+        for client_id, ids in acks.items():
+            key = client_keys(client_id).messages
+            pipe.execute_command("EVALSHA", _ACK.sha, 1, key, *ids)
+        await pipe.execute()
 
     # -- sessions ----------------------------------------------------------
 

@@ -56,23 +56,24 @@ class _InFlight:
 
 
 class StoreWriter:
-    """Delivery progress for every durable session, written once per loop iteration.
+    """Delivery progress of every durable session: sent marks, PUBREL stages, acks.
 
-    Writes of one kind for one client are merged into one store call; a
-    failed write is retried after :data:`RETRY_DELAY` (acks a few times, then
-    given up: the message is replayed with DUP; sent marks and PUBREL stages
-    until they land, because the message or its PUBREL waits for them).
+    Everything asked while one write is under way goes into the next, as one
+    pipelined round trip for all clients (:meth:`write_progress`): under load
+    the batches grow instead of the number of Redis calls. A failed write is
+    retried after :data:`RETRY_DELAY` until it lands, since messages wait for
+    their sent mark and PUBRELs for their stage; acks are idempotent, so
+    writing them again is harmless.
     """
-
-    ACK_ATTEMPTS = 5
 
     def __init__(self, store: PersistedMessageStore) -> None:
         self._store = store
+        self._marks: dict[str, list[int]] = {}
+        self._pubrels: dict[str, list[int]] = {}
         self._acks: dict[str, list[int]] = {}
-        self._pubrels: dict[str, list[tuple[int, Callable[[], None]]]] = {}
-        self._marks: dict[str, tuple[list[int], list[Callable[[], None]]]] = {}
+        self._callbacks: list[Callable[[], None]] = []
         self._scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
         self.errors = 0
         self.events: EventSink = NO_EVENTS  # delivery events (persistence/events.py)
 
@@ -81,77 +82,65 @@ class StoreWriter:
         self._schedule()
 
     def mark_pubrel(self, client_id: str, packet_id: int, then: Callable[[], None]) -> None:
-        self._pubrels.setdefault(client_id, []).append((packet_id, then))
+        self._pubrels.setdefault(client_id, []).append(packet_id)
+        self._callbacks.append(then)
         self._schedule()
 
     def mark_sent(self, client_id: str, packet_ids: list[int], then: Callable[[], None]) -> None:
-        ids, callbacks = self._marks.setdefault(client_id, ([], []))
-        ids.extend(packet_ids)
-        callbacks.append(then)
+        self._marks.setdefault(client_id, []).extend(packet_ids)
+        self._callbacks.append(then)
         self._schedule()
 
     async def flush(self) -> None:
-        """Wait until everything asked so far is written (or given up)."""
-        self._start()
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Wait until everything asked so far is written."""
+        while self._task is not None or self._has_work():
+            if self._task is None:
+                self._start()
+            if self._task is not None:
+                await asyncio.shield(self._task)
+
+    def _has_work(self) -> bool:
+        return bool(self._marks or self._pubrels or self._acks)
 
     def _schedule(self) -> None:
-        if not self._scheduled:
+        if not self._scheduled and self._task is None:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._start)
 
     def _start(self) -> None:
         self._scheduled = False
-        acks, self._acks = self._acks, {}
-        pubrels, self._pubrels = self._pubrels, {}
+        if self._task is not None or not self._has_work():
+            return
         marks, self._marks = self._marks, {}
-        jobs = [self._write_acks(c, ids) for c, ids in acks.items()]
-        jobs += [self._write_pubrels(c, ids) for c, ids in pubrels.items()]
-        jobs += [self._write_marks(c, ids, then) for c, (ids, then) in marks.items()]
-        for job in jobs:
-            task = asyncio.create_task(job)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        pubrels, self._pubrels = self._pubrels, {}
+        acks, self._acks = self._acks, {}
+        callbacks, self._callbacks = self._callbacks, []
+        self._task = asyncio.get_running_loop().create_task(
+            self._write(marks, pubrels, acks, callbacks)
+        )
 
-    async def _write_acks(self, client_id: str, packet_ids: list[int]) -> None:
-        for _ in range(self.ACK_ATTEMPTS):
-            try:
-                await self._store.ack_many(client_id, packet_ids)
-                return
-            except Exception as error:  # redis errors vary by client mode
-                self._failed("ack", client_id, error)
-                await asyncio.sleep(RETRY_DELAY)
-
-    async def _write_pubrels(
-        self, client_id: str, pubrels: list[tuple[int, Callable[[], None]]]
+    async def _write(
+        self,
+        marks: dict[str, list[int]],
+        pubrels: dict[str, list[int]],
+        acks: dict[str, list[int]],
+        callbacks: list[Callable[[], None]],
     ) -> None:
-        for packet_id, then in pubrels:
+        try:
             while True:
                 try:
-                    await self._store.mark_pubrel(client_id, packet_id)
+                    await self._store.write_progress(marks, pubrels, acks)
                     break
-                except Exception as error:
-                    self._failed("pubrel", client_id, error)
+                except Exception as error:  # redis errors vary by client mode
+                    self.errors += 1
+                    log.warning("redis delivery-progress write failed, retrying: %s", error)
                     await asyncio.sleep(RETRY_DELAY)
-            then()
-
-    async def _write_marks(
-        self, client_id: str, packet_ids: list[int], callbacks: list[Callable[[], None]]
-    ) -> None:
-        while True:
-            try:
-                await self._store.mark_sent(client_id, packet_ids)
-                break
-            except Exception as error:
-                self._failed("sent mark", client_id, error)
-                await asyncio.sleep(RETRY_DELAY)
-        for then in callbacks:
-            then()
-
-    def _failed(self, what: str, client_id: str, error: Exception) -> None:
-        self.errors += 1
-        log.warning("redis %s write for %s failed: %s", what, client_id, error)
+            for then in callbacks:
+                then()
+        finally:
+            self._task = None
+            if self._has_work():
+                self._schedule()
 
 
 class StoredOutbox:

@@ -417,3 +417,27 @@ async def test_a_lost_score_counter_never_sends_scores_backwards(
     await cmd(store, "DEL", client_keys(cid).last_score)
     res = await store.save_batch(cid, msgs(3, 1), partition=0)
     assert res.assigned == [Assigned(4, 4)]
+
+
+async def test_progress_of_many_clients_in_one_pipelined_write(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Sent marks, PUBREL stages and acks of several clients land in one round trip."""
+    clients = [f"{cid}-{n}" for n in range(5)]
+    for client in clients:
+        await store.save_batch(client, msgs(0, 4, qos=2), 0, [0, 1, 2, 3])
+    await store.write_progress(
+        marks={c: [1, 2, 3] for c in clients},
+        pubrels={c: [2] for c in clients},
+        acks={c: [1] for c in clients},
+    )
+    for client in clients:
+        records = await all_records(store, client)
+        assert [(r.packet_id, r.stage, r.sent) for r in records] == [
+            (2, Stage.PUBREL, True),
+            (3, Stage.PUBLISH, True),
+            (4, Stage.PUBLISH, False),
+        ]
+    # Idempotent: writing the same progress again changes nothing.
+    await store.write_progress({clients[0]: [1, 2, 3]}, {clients[0]: [2]}, {clients[0]: [1]})
+    assert len(await all_records(store, clients[0])) == 3
