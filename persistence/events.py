@@ -21,7 +21,9 @@ one partition and in the order they happened. ``pipeline/`` reads them back
 ``gap``            ``n`` events were dropped (Kafka too slow, buffer full)
 =================  ==========================================================
 
-Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds).
+Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
+carries a JSON array of one client's events of one flush, in order (a send
+costs far more than encoding: one per client and flush, not per event).
 
 Off the hot path: an emitting call appends a tuple to a list and returns;
 one task wakes every ``interval`` seconds, encodes what accumulated and hands
@@ -148,8 +150,8 @@ class EventLog:
         self._connected: dict[str, bool] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self.emitted = 0  # events handed to the producer
-        self.dropped = 0  # events lost to a full buffer
+        self.written = 0  # records written (one per client and flush)
+        self.dropped = 0  # events lost to a full buffer, records to produce errors
         self.errors = 0  # produce failures
         self._gap = 0  # dropped since the last gap event
 
@@ -221,7 +223,7 @@ class EventLog:
         records = self.encode(entries)
         if self._gap:
             gap = {"ev": "gap", "cid": "", "ts": self._clock(), "n": self._gap}
-            records.append((b"", orjson.dumps(gap)))
+            records.append((b"", orjson.dumps([gap])))
             self._gap = 0
         futures = []
         for key, value in records:
@@ -233,9 +235,10 @@ class EventLog:
             if isinstance(result, BaseException):
                 self._failed(result)
             else:
-                self.emitted += 1
+                self.written += 1
 
     def _failed(self, error: BaseException) -> None:
+        # A record carries several events; the gap counts records (a lower bound).
         self.errors += 1
         self.dropped += 1
         self._gap += 1
@@ -245,25 +248,31 @@ class EventLog:
     # -- encoding -------------------------------------------------------------------------
 
     def encode(self, entries: Sequence[_Entry]) -> list[tuple[bytes, bytes]]:
-        """Buffered entries -> (key, orjson value) records, in order."""
-        out: list[tuple[bytes, bytes]] = []
-        dumps = orjson.dumps
+        """Buffered entries -> one (client id, JSON array of its events) record per client.
+
+        One record per client and flush, not per event: a Kafka send costs far
+        more than encoding, and the client's events keep their order inside it.
+        """
+        by_client: dict[str, list[dict[str, Any]]] = {}
         for kind, client_id, ts, details in entries:
-            key = client_id.encode()
+            out = by_client.get(client_id)
+            if out is None:
+                out = by_client[client_id] = []
             base: dict[str, Any] = {"ev": kind, "cid": client_id, "ts": ts}
             if kind == "stored":
-                out.extend((key, dumps(e)) for e in self._stored_events(client_id, ts, details))
+                out.extend(self._stored_events(client_id, ts, details))
             elif kind == "delivered":
                 pid, score, dup = details
-                out.append((key, dumps({**base, "pid": pid, "sc": score, "dup": dup})))
+                out.append({**base, "pid": pid, "sc": score, "dup": dup})
             elif details is not None:
                 pid, score = details
                 if kind == "expired":
                     base["at"] = "delivery"
-                out.append((key, dumps({**base, "pid": pid, "sc": score})))
+                out.append({**base, "pid": pid, "sc": score})
             else:
-                out.append((key, dumps(base)))
-        return out
+                out.append(base)
+        dumps = orjson.dumps
+        return [(cid.encode(), dumps(events)) for cid, events in by_client.items() if events]
 
     def _stored_events(
         self, client_id: str, ts: float, details: tuple[ClientBatch, SaveResult]

@@ -167,16 +167,17 @@ def audit_frames(
         F.explode("pids").alias("pid"),
         "epart",
         "eoff",
+        "idx",
         "ts",
         "at",
         F.lit(True).alias("is_trim"),
     )
     placed = evs.where(persisted).select(
-        "cid", "pid", "epart", "eoff", "sc", F.lit(False).alias("is_trim")
+        "cid", "pid", "epart", "eoff", "idx", "sc", F.lit(False).alias("is_trim")
     )
     before = (
         W.partitionBy("cid", "pid")
-        .orderBy("epart", "eoff")
+        .orderBy("epart", "eoff", "idx")
         .rowsBetween(W.unboundedPreceding, W.currentRow)
     )
     trimmed = (

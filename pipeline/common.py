@@ -8,9 +8,10 @@ Tables (Spark DataFrames):
   ``size``, publish time ``pub`` and expiry ``exp`` (decoded from the stored
   message header, persistence/redis_store.py);
 - :func:`events`: the delivery events of ``devicemq.events``
-  (persistence/events.py), one column per field, plus the event's own Kafka
-  position ``epart``/``eoff`` (one client's events are in one partition, in
-  order).
+  (persistence/events.py), one column per field, plus the event's own
+  position ``epart``/``eoff``/``idx`` (Kafka partition and offset of its
+  record, index in the record: one client's events are in one partition, in
+  that order).
 """
 
 from __future__ import annotations
@@ -181,14 +182,19 @@ def decode_records(raw: DataFrame) -> DataFrame:
 
 
 def decode_events(raw: DataFrame) -> DataFrame:
-    """Raw Kafka rows of the events topic -> one column per event field + epart/eoff."""
+    """Raw Kafka rows of the events topic -> one column per event field + epart/eoff/idx."""
     from pyspark.sql import functions as F
 
-    return raw.select(
-        F.from_json(F.col("value").cast("string"), EVENT_SCHEMA).alias("e"),
+    # A record holds a JSON array of one client's events, in order: (epart, eoff, idx)
+    # orders one client's events.
+    events = raw.select(
+        F.from_json(F.col("value").cast("string"), f"array<struct<{EVENT_SCHEMA}>>").alias("a"),
         F.col("partition").alias("epart"),
         F.col("offset").alias("eoff"),
-    ).select("e.*", "epart", "eoff")
+    )
+    return events.select("epart", "eoff", F.posexplode("a").alias("idx", "e")).select(
+        "e.*", "epart", "eoff", "idx"
+    )
 
 
 def records(
