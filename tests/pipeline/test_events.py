@@ -1,0 +1,117 @@
+"""persistence/events.py without Kafka: what is encoded, batching, the bounded buffer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from persistence.events import EventLog, end_kind, header_fields
+from persistence.redis_store import (
+    Assigned,
+    ClientBatch,
+    SaveResult,
+    Stage,
+    StoredMessage,
+    StoredRecord,
+    encode_message,
+)
+
+
+class FakeProducer:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.sent: list[tuple[str, bytes, bytes]] = []
+        self.delay = delay
+        self.stopped = False
+
+    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        self.sent.append((topic, key, value))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def events(self) -> list[dict[str, Any]]:
+        return [e for _t, _k, v in self.sent for e in orjson.loads(v)]
+
+
+def _value(topic: str, payload: bytes, expiry: float | None = None) -> bytes:
+    return encode_message(
+        StoredMessage(topic=topic, payload=payload, qos=1, publish_time=100.0, expiry=expiry)
+    )
+
+
+def _record(pid: int, score: int, expiry: float | None = None) -> StoredRecord:
+    message = StoredMessage(topic="t", payload=b"x", qos=1, expiry=expiry)
+    return StoredRecord(pid, score, Stage.PUBLISH, False, message)
+
+
+def test_header_fields_read_the_stored_format() -> None:
+    assert header_fields(_value("a/b", b"12345", expiry=160.0)) == ("a/b", 5, 100.0, 160.0)
+    assert header_fields(_value("a", b"")) == ("a", 0, 100.0, None)
+
+
+async def test_events_are_batched_encoded_and_keyed_by_client() -> None:
+    producer = FakeProducer()
+    log = EventLog(producer, "ev", epoch=3, default_ttl=1000, interval=0.01, clock=lambda: 500.0)
+    log.start()
+    batch = ClientBatch(
+        "c1", [_value("a/b", b"xyz"), _value("a/c", b"", expiry=400.0)], "3:2", [7, 8]
+    )
+    # first stored as score 11 / id 11; second expired on arrival; id 4 trimmed
+    log.stored(batch, SaveResult([Assigned(11, 11), None], [4], 0, 1))
+    log.delivered("c1", _record(11, 11))
+    log.acked("c1", _record(11, 11))
+    log.discarded("c1", _record(12, 12, expiry=499.0))
+    log.discarded("c1", _record(13, 13))  # no expiry passed: too large
+    for kind in ("connected", "connected", "disconnected", "session_expired"):
+        log.session("c1", kind)
+    assert producer.sent == []  # nothing happens on the caller's path
+    await asyncio.sleep(0.05)
+    await log.close()
+    assert producer.stopped and {k for _t, k, _v in producer.sent} == {b"c1"}
+    assert [(e["ev"], e.get("pid")) for e in producer.events()] == [
+        ("persisted", 11),
+        ("expired", None),
+        ("trimmed", None),
+        ("delivered", 11),
+        ("acked", 11),
+        ("expired", 12),
+        ("dropped", 13),
+        ("connected", None),  # once: the second "connected" is a state save
+        ("disconnected", None),
+        ("session_expired", None),
+    ]
+    persisted, arrival, trimmed = producer.events()[:3]
+    assert persisted == {
+        "ev": "persisted", "cid": "c1", "ts": 500.0, "pid": 11, "sc": 11, "part": 2,
+        "off": 7, "ep": 3, "topic": "a/b", "size": 3, "pub": 100.0, "exp": 1500.0,
+    }  # fmt: skip
+    assert (arrival["at"], arrival["off"], arrival["topic"]) == ("arrival", 8, "a/c")
+    assert trimmed["pids"] == [4]
+    assert log.written == len(producer.sent) == 1 and log.dropped == 0  # one client, one flush
+
+
+async def test_a_full_buffer_drops_and_reports_a_gap() -> None:
+    producer = FakeProducer()
+    log = EventLog(producer, "ev", max_buffer=3, interval=60)
+    for i in range(5):
+        log.acked("c", _record(i + 1, i + 1))
+    assert log.dropped == 2
+    await log.flush()
+    events = producer.events()
+    assert [e["ev"] for e in events] == ["acked", "acked", "acked", "gap"]
+    assert events[-1]["n"] == 2
+
+
+def test_end_kind() -> None:
+    class S:
+        expires_at: float | None = 10.0
+
+    assert end_kind(S(), 10.0) == "session_expired"
+    assert end_kind(S(), 9.0) == "session_ended"
