@@ -280,6 +280,7 @@ def _passwd(args: argparse.Namespace) -> int:
 # The command table and main
 # --------------------------------------------------------------------------
 
+
 def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     from pipeline.cli import add_arguments
 
