@@ -413,7 +413,8 @@ def test_websocket_bad_handshakes(
 
 def test_websockets_library_client(listeners: Listeners) -> None:
     """An independent WebSocket implementation (the websockets package) interoperates."""
-    sync_client = pytest.importorskip("websockets.sync.client")
+    from websockets.sync import client as sync_client
+
     with sync_client.connect(
         f"ws://{HOST}:{listeners.ws}/mqtt", subprotocols=["mqtt"], open_timeout=TIMEOUT
     ) as ws:
