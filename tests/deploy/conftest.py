@@ -124,7 +124,7 @@ def compose_env_for_test(redis_port: int, bootstrap: str, data_dir: Path) -> dic
 @pytest.fixture(scope="session")
 def compose_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeBroker]:
     if find_redis_server() is None:
-        pytest.skip("redis-server not installed (bash .ci/run installs it)")
+        pytest.fail("redis-server not installed (bash .ci/run installs it)")
     tmp = tmp_path_factory.mktemp("compose-broker")
     redis = RedisServer()
     tansu = start_tansu(log=tmp / "tansu.log")

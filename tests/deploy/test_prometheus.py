@@ -93,7 +93,7 @@ class Prometheus:
 def prometheus(compose_broker: ComposeBroker, tmp_path: Path) -> Iterator[Prometheus]:
     binary = find_prometheus()
     if binary is None:
-        pytest.skip("prometheus not installed (bash .ci/run installs the Debian package)")
+        pytest.fail("prometheus not installed (bash .ci/run installs the Debian package)")
     port = free_port()
     config_file = tmp_path / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(scrape_config_for(compose_broker.metrics_port, port)))

@@ -7,10 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-
-amqtt_client = pytest.importorskip("amqtt.client")
-
-from amqtt.mqtt.constants import QOS_0, QOS_1, QOS_2  # noqa: E402
+from amqtt import client as amqtt_client
+from amqtt.mqtt.constants import QOS_0, QOS_1, QOS_2
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import shutil
 import socket
 import ssl
 import subprocess
@@ -295,7 +294,6 @@ def _read_until_closed(s: socket.socket) -> bytes:
     return got
 
 
-@pytest.mark.skipif(shutil.which("mosquitto_sub") is None, reason="mosquitto-clients missing")
 @pytest.mark.parametrize("version", ["mqttv311", "mqttv5"])
 def test_mosquitto_clients_over_tls(listeners: Listeners, pki: Pki, version: str) -> None:
     topic = _topic("mosq")

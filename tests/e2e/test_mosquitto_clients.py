@@ -20,13 +20,7 @@ import pytest
 from tests.e2e.clients import TIMEOUT, V5
 from tests.e2e.conftest import is_mosquitto
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        shutil.which("mosquitto_pub") is None or shutil.which("mosquitto_sub") is None,
-        reason="mosquitto-clients is not installed",
-    ),
-]
+pytestmark = pytest.mark.e2e
 
 VERSIONS = ["mqttv311", "mqttv5"]
 FORMAT = "MSG %q|%r|%t|%p"  # qos|retain|topic|payload
