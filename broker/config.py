@@ -46,6 +46,7 @@ import yaml
 
 __all__ = [
     "AuthSettings",
+    "ClusterSettings",
     "ConfigError",
     "ListenerSettings",
     "LogSettings",
@@ -310,6 +311,19 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
+
+    enabled: bool = setting(
+        False, "Share subscriptions, deliveries and takeovers with the other replicas"
+    )
+    node_id: str = setting("", "This replica's name in the cluster; empty: hostname-pid")
+    channel_prefix: str = setting(
+        "devicemq:cluster", "Prefix of the Redis pub/sub channels of the cluster"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything devicemq can be configured with."""
 
@@ -324,6 +338,7 @@ class Settings:
     persistence: PersistenceSettings = field(default_factory=PersistenceSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
 
 # --------------------------------------------------------------------------
