@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
 from broker.auth import Authenticator, reload_on_sighup
+from broker.cluster import ClusterState, RemoteSession
 from broker.limits import bucket_or_none
 from broker.message import Delivery, Message
 from broker.outbox import MemoryOutbox
@@ -63,6 +64,7 @@ class Broker:
         self._assigned_ids = itertools.count(1)
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
+        self.cluster: ClusterState | None = None  # cluster.enabled: the other replicas
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -83,6 +85,8 @@ class Broker:
         discards the old session (MQTT-3.1.2-4), otherwise it is resumed and a
         will still waiting out its delay is cancelled (MQTT-3.1.3-9).
         """
+        if self.cluster is not None:
+            self.cluster.claim(client_id, clean_start)  # a remote record becomes local
         existing = self.sessions.get(client_id)
         if existing is not None and existing.connection is not None:
             from broker.packets import ReasonCode
@@ -119,6 +123,8 @@ class Broker:
             self.persistent_path.save_session(session, _ignore_stored)
         self.connections.add(conn)
         self.stats.connections_total += 1
+        if self.cluster is not None:
+            self.cluster.opened(session, clean_start)  # other replicas drop theirs
         return session, present
 
     def restore_session(
@@ -154,6 +160,10 @@ class Broker:
             return
         conn.session = None
         session.connection = None
+        if self.cluster is not None and self.cluster.handed_over(
+            session, will if publish_will else None
+        ):
+            return  # another replica took the client over: it owns the session now
         now = self.clock()
         if will is not None and publish_will:
             delay = min(will.delay, session.expiry_interval)
@@ -170,9 +180,17 @@ class Broker:
         self._detached.add(session)
         if session.durable:
             self.persistent_path.save_session(session, _ignore_stored)
+            if self.cluster is not None:
+                self.cluster.went_offline(session)
+
+    def forget_detached(self, session: Session) -> None:
+        """Stop a session's will-delay and expiry timers (another replica owns it)."""
+        self._detached.discard(session)
 
     def end_session(self, session: Session) -> None:
         """Discard a session; a will still waiting for its delay is sent now."""
+        if self.cluster is not None:
+            self.cluster.ended(session)
         for topic_filter in session.subscriptions:
             self.subscriptions.remove(session.client_id, topic_filter)
         session.subscriptions.clear()
@@ -276,4 +294,6 @@ class Broker:
 
     def _is_online(self, client_id: str) -> bool:
         session = self.sessions.get(client_id)
+        if isinstance(session, RemoteSession):
+            return session.online  # connected to another replica
         return session is not None and session.connection is not None

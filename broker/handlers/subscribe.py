@@ -70,6 +70,8 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         )
         is_new = broker.subscriptions.add(entry)
         session.subscriptions[request.topic_filter] = entry
+        if broker.cluster is not None:
+            broker.cluster.subscribed(session, entry)
         reason_codes.append(qos)
         # Retained messages: not for a new shared subscription (spec 4.8.2),
         # and as Retain Handling says (MQTT-3.3.1-9, -10, -11).
@@ -124,6 +126,8 @@ def handle_unsubscribe(conn: MQTTConnection, packet: Unsubscribe) -> None:
             continue
         session.subscriptions.pop(topic_filter, None)
         existed = tree.remove(conn.client_id, topic_filter)
+        if existed and conn.broker.cluster is not None:
+            conn.broker.cluster.unsubscribed(session, topic_filter)
         reason_codes.append(ReasonCode.SUCCESS if existed else ReasonCode.NO_SUBSCRIPTION_EXISTED)
 
     def saved(ok: bool) -> None:

@@ -1,0 +1,358 @@
+"""Several replicas, one broker: the sans-IO half of clustering (``cluster.enabled``).
+
+Every replica keeps the whole subscription tree. A session whose connection
+lives on another replica is a :class:`RemoteSession` there: it carries that
+replica's subscriptions (so ``Broker.resolve`` finds them) and no connection;
+a delivery to it is forwarded to its replica. :class:`ClusterState` turns
+local events (connect, subscribe, unsubscribe, session end, a message stored
+for a remote client) into control messages and applies the other replicas'
+messages to this broker. It never touches a socket: the Redis pub/sub edge
+(``persistence/cluster_link.py``) drains :meth:`ClusterState.data_to_send`
+and feeds :meth:`ClusterState.receive` and :meth:`ClusterState.delivered`.
+
+Control messages (orjson objects on ``<prefix>:subscriptions``; ``n`` is the
+sending node, ``c`` the client id, ``e`` subscription entries as
+``[filter, qos, no_local, retain_as_published, retain_handling, sub_id]``):
+
+- ``conn``: ``c`` connected on ``n`` (``d`` durable, ``k`` clean start, ``s``
+  its subscriptions): whoever holds a connection for ``c`` disconnects it
+  with 0x8E and everyone records ``c`` as remote on ``n``;
+- ``sub`` / ``unsub``: one subscription added / removed by ``c``'s owner;
+- ``off``: ``c``'s durable session lost its connection on ``n`` (kept);
+- ``end``: ``c``'s session ended on ``n`` (its subscriptions go);
+- ``sync``: ``n`` just started: every replica answers with ``snaps``, the
+  snapshots of its sessions that have a live connection.
+
+The order of one replica's messages is kept (one Redis connection publishes
+them in order; Redis delivers them in order). Rules that make late or
+crossed messages harmless: a replica never lets a remote message change a
+session it holds with a live connection except by ``conn`` (takeover); a
+remote record is changed only by its owner, except that an offline durable
+record is dropped by any replica that ended the session (it expired there).
+
+Semantics (README "Running several replicas"): persistent (durable) QoS 1/2
+deliveries still go through Kafka, whichever replica routes them, and the
+replica that stores them tells the replica holding the connection to re-read
+the store (``stored``). Everything else to a remote client (QoS 0, clean
+sessions) is forwarded over pub/sub: at most once, and the publisher's
+PUBACK/PUBREC does not wait for it. A shared group picks among the members
+of every replica, each replica round-robin on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from broker.message import Delivery
+from broker.session import NEVER_EXPIRES, Session
+from broker.stats import BrokerStats
+from broker.topics import SubscriptionEntry
+
+if TYPE_CHECKING:
+    from broker.connection import WillMessage
+    from broker.core import Broker
+
+log = logging.getLogger("devicemq.cluster")
+
+SUBSCRIPTIONS = "subscriptions"  # channel suffixes; the edge adds "<prefix>:"
+STORED = "stored"
+DELIVER = "deliver:"  # + node id
+SNAPSHOT_CHUNK = 500  # sessions per ``snaps`` message
+
+Forward = Callable[[str, str, Delivery], None]
+
+
+class RemoteSession(Session):
+    """A session whose connection (or durable state's owner) is replica ``node``."""
+
+    def __init__(
+        self,
+        client_id: str,
+        node: str,
+        durable: bool,
+        online: bool,
+        stats: BrokerStats,
+        forward: Forward,
+    ) -> None:
+        super().__init__(client_id, NEVER_EXPIRES if durable else 0, 1, 1, stats)
+        self.node = node
+        self.durable = durable
+        self.online = online
+        self._forward = forward
+
+    def deliver(self, delivery: Delivery) -> None:
+        self._forward(self.node, self.client_id, delivery)
+
+
+def entry_fields(entry: SubscriptionEntry) -> list[Any]:
+    return [
+        entry.topic_filter,
+        entry.qos,
+        entry.no_local,
+        entry.retain_as_published,
+        entry.retain_handling,
+        entry.subscription_id,
+    ]
+
+
+def entry_of(client_id: str, fields: list[Any]) -> SubscriptionEntry:
+    topic_filter, qos, no_local, rap, handling, sid = fields
+    return SubscriptionEntry(client_id, topic_filter, qos, no_local, rap, handling, sid)
+
+
+class ClusterState:
+    def __init__(self, broker: Broker, node_id: str, wake: Callable[[], None]) -> None:
+        self.broker = broker
+        self.node_id = node_id
+        self._wake = wake  # the edge: something is waiting in data_to_send()
+        self._control: list[bytes] = []
+        self._stored: set[str] = set()
+        self._deliveries: dict[str, list[tuple[str, Delivery]]] = {}
+        self._handing: dict[Session, dict[str, Any]] = {}  # taken over by another node
+        self.forwarded = 0
+        self.received = 0
+
+    # -- local events (called by the broker core and handlers) -----------------------
+
+    def opened(self, session: Session, clean_start: bool) -> None:
+        """A client connected here: every other replica drops its connection (takeover)."""
+        self._send(
+            op="conn",
+            c=session.client_id,
+            d=session.durable,
+            k=clean_start,
+            s=[entry_fields(e) for e in session.subscriptions.values()],
+        )
+
+    def subscribed(self, session: Session, entry: SubscriptionEntry) -> None:
+        self._send(op="sub", c=session.client_id, d=session.durable, e=entry_fields(entry))
+
+    def unsubscribed(self, session: Session, topic_filter: str) -> None:
+        self._send(op="unsub", c=session.client_id, f=topic_filter)
+
+    def went_offline(self, session: Session) -> None:
+        self._send(op="off", c=session.client_id)
+
+    def ended(self, session: Session) -> None:
+        if not isinstance(session, RemoteSession):
+            self._send(op="end", c=session.client_id)
+
+    def claim(self, client_id: str, clean_start: bool) -> None:
+        """Before a CONNECT opens ``client_id`` here: turn a remote record into a local
+        session. A durable one is recreated from the replicated subscriptions (its
+        messages are in Redis) so it is resumed, or ended by a clean start."""
+        broker = self.broker
+        record = broker.sessions.get(client_id)
+        if not isinstance(record, RemoteSession):
+            return
+        entries = list(record.subscriptions.values())
+        self._drop(record)
+        if record.durable:
+            broker.restore_session(client_id, NEVER_EXPIRES, entries, None)
+
+    def handed_over(self, session: Session, will: WillMessage | None) -> bool:
+        """``broker.detach`` of a session another replica took over: no state is saved
+        (the new owner has it); the will follows the single-node rules; the session
+        becomes a remote record. False: not taken over, detach as usual."""
+        change = self._handing.pop(session, None)
+        if change is None:
+            return False
+        broker = self.broker
+        if will is not None:
+            delay = min(will.delay, session.expiry_interval)
+            if delay <= 0 or change["k"]:  # resumed elsewhere: a delayed will is cancelled
+                broker.publish_will(will)
+        self._install(change)
+        return True
+
+    def stored_elsewhere(self, client_id: str) -> None:
+        """Messages were stored for ``client_id``, whose connection is not here."""
+        record = self.broker.sessions.get(client_id)
+        if isinstance(record, RemoteSession) and record.durable:
+            if not self._stored:
+                self._wake()
+            self._stored.add(client_id)
+
+    def forward(self, node: str, client_id: str, delivery: Delivery) -> None:
+        batch = self._deliveries.get(node)
+        if batch is None:
+            if not self._deliveries and not self._control and not self._stored:
+                self._wake()
+            batch = self._deliveries[node] = []
+        batch.append((client_id, delivery))
+        self.forwarded += 1
+
+    def request_sync(self) -> None:
+        self._send(op="sync")
+
+    def node_gone(self, node: str) -> None:
+        """Nobody listens on ``node``'s channel: drop its clean sessions' records."""
+        for record in list(self.broker.sessions.values()):
+            if isinstance(record, RemoteSession) and record.node == node and not record.durable:
+                self._drop(record)
+
+    # -- output for the edge ---------------------------------------------------------
+
+    def data_to_send(
+        self,
+    ) -> tuple[list[tuple[str, bytes]], dict[str, list[tuple[str, Delivery]]]]:
+        """(channel suffix, payload) control messages in order, and deliveries by node."""
+        out = [(SUBSCRIPTIONS, payload) for payload in self._control]
+        if self._stored:
+            out.append((STORED, orjson.dumps({"n": self.node_id, "c": sorted(self._stored)})))
+        deliveries = self._deliveries
+        self._control, self._stored, self._deliveries = [], set(), {}
+        return out, deliveries
+
+    # -- input from the edge -----------------------------------------------------------
+
+    def receive(self, channel: str, payload: bytes) -> list[str]:
+        """Apply a control message; returns the client ids of a ``stored`` notice
+        (their outboxes re-read the store: the persistence layer's business)."""
+        change = orjson.loads(payload)
+        if change.get("n") == self.node_id:
+            return []
+        if channel == STORED:
+            return list(change["c"])
+        op = change["op"]
+        if op == "conn":
+            self._connected_elsewhere(change)
+        elif op == "sub":
+            self._remote_subscribe(change)
+        elif op == "unsub":
+            record = self._owned_by(change)
+            if record is not None:
+                record.subscriptions.pop(change["f"], None)
+                self.broker.subscriptions.remove(record.client_id, change["f"])
+        elif op == "off":
+            record = self._owned_by(change)
+            if record is not None:
+                record.online = False
+        elif op == "end":
+            self._remote_end(change)
+        elif op == "sync":
+            self._answer_sync()
+        elif op == "snaps":
+            for cid, durable, entries in change["l"]:
+                self._snapshot({"n": change["n"], "c": cid, "d": durable, "s": entries})
+        return []
+
+    def delivered(self, client_id: str, delivery: Delivery) -> None:
+        """A delivery another replica forwarded to a client connected here."""
+        self.received += 1
+        session = self.broker.sessions.get(client_id)
+        if session is None or isinstance(session, RemoteSession):
+            self.broker.stats.drop("cluster_forward_no_session")
+            return
+        self.broker.dispatch([(session, delivery)], _ignore)
+
+    # -- rules -------------------------------------------------------------------------
+
+    def _connected_elsewhere(self, change: dict[str, Any]) -> None:
+        broker = self.broker
+        session = broker.sessions.get(change["c"])
+        if session is not None and not isinstance(session, RemoteSession):
+            conn = session.connection
+            if conn is not None:
+                from broker.packets import ReasonCode
+
+                log.info("client %s taken over by replica %s", session.client_id, change["n"])
+                self._handing[session] = change
+                conn.disconnect(ReasonCode.SESSION_TAKEN_OVER)  # -> broker.detach -> handed_over
+                if self._handing.pop(session, None) is None:
+                    return  # handed_over() installed the remote record
+            elif session.pending_will is not None and change["k"]:
+                will, session.pending_will = session.pending_will, None
+                broker.publish_will(will)  # ended by the clean start elsewhere
+        self._install(change)
+
+    def _snapshot(self, change: dict[str, Any]) -> None:
+        session = self.broker.sessions.get(change["c"])
+        if session is not None and session.connection is not None:
+            return  # connected here: ours wins (a takeover comes as ``conn``)
+        self._install(change)
+
+    def _remote_subscribe(self, change: dict[str, Any]) -> None:
+        broker = self.broker
+        cid = change["c"]
+        record = broker.sessions.get(cid)
+        if isinstance(record, RemoteSession):
+            if record.node != change["n"]:
+                return  # stale: someone else owns it now
+        elif record is not None and record.connection is not None:
+            return  # connected here
+        else:
+            record = self._install({"n": change["n"], "c": cid, "d": change["d"], "s": []})
+        entry = entry_of(cid, change["e"])
+        broker.subscriptions.add(entry)
+        record.subscriptions[entry.topic_filter] = entry
+
+    def _remote_end(self, change: dict[str, Any]) -> None:
+        session = self.broker.sessions.get(change["c"])
+        if session is None or session.connection is not None:
+            return
+        if isinstance(session, RemoteSession):
+            if session.node == change["n"] or (session.durable and not session.online):
+                self._drop(session)
+        else:
+            # A detached durable copy here: the session expired or was ended elsewhere.
+            session.pending_will = None
+            self._drop(session)
+
+    def _answer_sync(self) -> None:
+        live = [
+            [s.client_id, s.durable, [entry_fields(e) for e in s.subscriptions.values()]]
+            for s in self.broker.sessions.values()
+            if not isinstance(s, RemoteSession) and s.connection is not None
+        ]
+        for start in range(0, len(live), SNAPSHOT_CHUNK):
+            self._send(op="snaps", l=live[start : start + SNAPSHOT_CHUNK])
+
+    def _owned_by(self, change: dict[str, Any]) -> RemoteSession | None:
+        record = self.broker.sessions.get(change["c"])
+        if isinstance(record, RemoteSession) and record.node == change["n"]:
+            return record
+        return None
+
+    def _install(self, change: dict[str, Any]) -> RemoteSession:
+        """Record ``c`` as remote on ``n`` with the subscriptions ``s``, replacing
+        whatever this replica had (a local copy is dropped without touching Redis)."""
+        broker = self.broker
+        cid = change["c"]
+        old = broker.sessions.get(cid)
+        if old is not None:
+            self._drop(old)
+        record = RemoteSession(
+            cid, change["n"], bool(change["d"]), True, broker.stats, self.forward
+        )
+        for fields in change["s"]:
+            entry = entry_of(cid, fields)
+            broker.subscriptions.add(entry)
+            record.subscriptions[entry.topic_filter] = entry
+        broker.sessions[cid] = record
+        return record
+
+    def _drop(self, session: Session) -> None:
+        """Forget a session here only: its tree entries, queue and timers; no Redis."""
+        broker = self.broker
+        for topic_filter in session.subscriptions:
+            broker.subscriptions.remove(session.client_id, topic_filter)
+        session.subscriptions.clear()
+        session.outbox.discard()
+        if broker.sessions.get(session.client_id) is session:
+            del broker.sessions[session.client_id]
+        broker.forget_detached(session)
+
+    def _send(self, **change: Any) -> None:
+        if not self._control and not self._stored and not self._deliveries:
+            self._wake()
+        change["n"] = self.node_id
+        self._control.append(orjson.dumps(change))
+
+
+def _ignore(ok: bool) -> None:
+    """Nobody waits for a forwarded delivery."""
