@@ -309,14 +309,23 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer | None) -> None:
     persistence = None
+    if settings.cluster.enabled and not settings.persistence.enabled:
+        from broker.config import ConfigError
+
+        raise ConfigError("the cluster shares Redis: enable persistence", name="cluster.enabled")
     if settings.persistence.enabled:
         from persistence.runtime import open_persistence
 
         persistence = await open_persistence(settings)
     broker = Broker(settings, persistent_path=persistence)
+    link = None
     try:
         if persistence is not None:
             await persistence.attach(broker)
+            if settings.cluster.enabled:
+                from persistence.cluster_link import open_cluster_link
+
+                link = await open_cluster_link(settings, persistence, broker)
         server = BrokerServer(settings, broker)
         await server.start()
         if metrics is not None:
@@ -328,6 +337,8 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
                 metrics.stopping = True  # /ready: 503 while draining
             await server.stop()
     finally:
+        if link is not None:
+            await link.close()
         if persistence is not None:
             await persistence.close()
 

@@ -69,6 +69,7 @@ class DevicePersistence:
             consumer, store, self._stored, config.consumer_max_records, epoch
         )
         self._broker: Broker | None = None
+        self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self._consumer_task: asyncio.Task[None] | None = None
         self.event_log = events  # delivery events for the pipeline, None when off
         self.events: EventSink = NO_EVENTS if events is None else events
@@ -156,10 +157,23 @@ class DevicePersistence:
         assert self._broker is not None
         session = self._broker.sessions.get(client_id)
         if session is None or session.connection is None:
+            cluster = self._broker.cluster
+            if cluster is not None:  # connected to another replica: tell it to re-read
+                cluster.stored_elsewhere(client_id)
             return
         outbox = session.outbox
         if isinstance(outbox, StoredOutbox):
             outbox.stored(records())
+
+    def reread(self, client_ids: list[str]) -> None:
+        """Another replica stored messages for these clients: connected ones re-read."""
+        assert self._broker is not None
+        for client_id in client_ids:
+            session = self._broker.sessions.get(client_id)
+            if session is not None and session.connection is not None:
+                outbox = session.outbox
+                if isinstance(outbox, StoredOutbox):
+                    outbox.stored([])
 
 
 async def open_persistence(settings: Settings) -> DevicePersistence:
@@ -204,7 +218,9 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         with contextlib.suppress(KafkaError):
             await producer.stop()
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
-    return DevicePersistence(settings, store, producer, consumer, epoch, events=events)
+    persistence = DevicePersistence(settings, store, producer, consumer, epoch, events=events)
+    persistence.redis_url = redis_url
+    return persistence
 
 
 async def _topic_epoch(store: RedisMessageStore, topic: str, created: bool) -> int:
