@@ -1,0 +1,88 @@
+"""broker/cluster.py without a network: two brokers whose ClusterStates are wired
+by hand (what one sends, the other receives), as the Redis pub/sub edge does."""
+
+from __future__ import annotations
+
+from broker.cluster import ClusterState, RemoteSession
+from broker.config import Settings
+from broker.connection import ConnectionState, MQTTConnection
+from broker.core import Broker
+from broker.message import Delivery, Message
+from broker.topics import SubscriptionEntry
+
+
+class Node:
+    def __init__(self, name: str) -> None:
+        self.broker = Broker(Settings(), clock=lambda: 0.0)
+        self.state = ClusterState(self.broker, name, lambda: None)
+        self.broker.cluster = self.state
+
+    def connect(self, client_id: str, expiry: int = 0) -> MQTTConnection:
+        conn = MQTTConnection(self.broker, "test", lambda c: None)
+        conn.protocol_level = 5
+        conn.state = ConnectionState.CONNECTED
+        conn.client_id = client_id
+        self.broker.open_session(conn, client_id, expiry == 0, expiry)
+        return conn
+
+    def subscribe(self, client_id: str, topic_filter: str, qos: int = 1) -> None:
+        session = self.broker.sessions[client_id]
+        entry = SubscriptionEntry(client_id, topic_filter, qos)
+        self.broker.subscriptions.add(entry)
+        session.subscriptions[topic_filter] = entry
+        self.state.subscribed(session, entry)
+
+
+def pump(source: Node, *targets: Node) -> dict[str, list[tuple[str, Delivery]]]:
+    control, deliveries = source.state.data_to_send()
+    for channel, payload in control:
+        for target in targets:
+            target.state.receive(channel, payload)
+    return deliveries
+
+
+def test_a_subscription_on_one_replica_routes_there_from_the_other() -> None:
+    a, b = Node("a"), Node("b")
+    b.connect("sub")
+    b.subscribe("sub", "t/+")
+    pump(b, a)
+    targets = a.broker.resolve(Message("t/x", b"hi", 1, False))
+    assert [(s.client_id, type(s)) for s, _ in targets] == [("sub", RemoteSession)]
+    a.broker.dispatch(targets, lambda ok: None)
+    deliveries = pump(a, b)
+    assert list(deliveries) == ["b"] and deliveries["b"][0][0] == "sub"
+
+
+def test_a_session_ending_removes_its_subscriptions_elsewhere() -> None:
+    a, b = Node("a"), Node("b")
+    conn = b.connect("sub")
+    b.subscribe("sub", "t")
+    pump(b, a)
+    conn.close(publish_will=False)  # clean session: ends
+    pump(b, a)
+    assert "sub" not in a.broker.sessions
+    assert not a.broker.resolve(Message("t", b"", 0, False))
+
+
+def test_connecting_elsewhere_takes_the_connection_over_with_0x8e() -> None:
+    a, b = Node("a"), Node("b")
+    old = a.connect("c")
+    pump(a, b)
+    b.connect("c")
+    pump(b, a)
+    assert old.state is ConnectionState.CLOSED
+    assert old.data_to_send().endswith(b"\xe0\x01\x8e")  # DISCONNECT, Session taken over
+    record = a.broker.sessions["c"]
+    assert isinstance(record, RemoteSession) and record.node == "b"
+
+
+def test_shared_group_members_on_both_replicas_take_turns() -> None:
+    a, b = Node("a"), Node("b")
+    a.connect("m1")
+    a.subscribe("m1", "$share/g/t")
+    b.connect("m2")
+    b.subscribe("m2", "$share/g/t")
+    pump(a, b)
+    pump(b, a)
+    picked = [a.broker.resolve(Message("t", b"", 1, False))[0][0].client_id for _ in range(4)]
+    assert sorted(picked) == ["m1", "m1", "m2", "m2"]
