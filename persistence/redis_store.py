@@ -377,6 +377,8 @@ class SessionState:
     last_seen: float
     subscriptions: dict[str, SubscriptionState] = field(default_factory=dict)
     protocol_level: int = 5
+    # QoS 2 packet ids received from the client and not yet released by PUBREL
+    qos2_received: tuple[int, ...] = ()
 
     def encode(self) -> bytes:
         return orjson.dumps(
@@ -385,6 +387,7 @@ class SessionState:
                 "e": self.expiry_interval,
                 "l": self.last_seen,
                 "p": self.protocol_level,
+                "q": list(self.qos2_received),
                 "s": [
                     [
                         f,
@@ -408,7 +411,7 @@ class SessionState:
             f: SubscriptionState(qos, bool(nl), bool(rap), rh, sid)
             for f, qos, nl, rap, rh, sid in doc["s"]
         }
-        return cls(doc["e"], doc["l"], subs, doc["p"])
+        return cls(doc["e"], doc["l"], subs, doc["p"], tuple(doc.get("q", ())))
 
 
 # ---------------------------------------------------------------------------

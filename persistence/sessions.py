@@ -69,6 +69,7 @@ class SessionStateStore:
                 for f, e in session.subscriptions.items()
             },
             session.connection.protocol_level if session.connection is not None else 5,
+            tuple(sorted(pid for pid, held in session.incoming_qos2.items() if held)),
         )
         deadline = math.inf if forever else now + session.expiry_interval
         self._enqueue(
@@ -128,7 +129,8 @@ class SessionStateStore:
                 )
                 for f, s in state.subscriptions.items()
             ]
-            broker.restore_session(client_id, expiry, subscriptions, expires_in)
+            restored_session = broker.restore_session(client_id, expiry, subscriptions, expires_in)
+            restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
             restored += 1
 
         await asyncio.gather(*(restore_one(raw, score) for raw, score in entries))

@@ -85,9 +85,23 @@ def handle_pubrel(conn: MQTTConnection, packet: PubRel) -> None:
     """Release a QoS 2 id: the message was routed on PUBLISH (method A, MQTT-4.3.3-9)."""
     session = conn.session
     assert session is not None
-    found = session.incoming_qos2.pop(packet.packet_id, None) is not None
-    reason = ReasonCode.SUCCESS if found else ReasonCode.PACKET_IDENTIFIER_NOT_FOUND
-    conn.send(PubComp(packet.packet_id, reason))
+    packet_id = packet.packet_id
+    if session.incoming_qos2.pop(packet_id, None) is None:
+        conn.send(PubComp(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+        return
+    if not session.durable:
+        conn.send(PubComp(packet_id))
+        return
+
+    def released(saved: bool) -> None:
+        # Forgotten durably first: a held id restored after a crash would make the
+        # client's next message with this id look like a re-send and drop it.
+        if saved:
+            conn.send(PubComp(packet_id))
+        else:
+            conn.disconnect(ReasonCode.UNSPECIFIED_ERROR)  # PUBREL comes again
+
+    conn.broker.persistent_path.save_session(session, released)
 
 
 def _resolve_topic(conn: MQTTConnection, packet: Publish) -> str:
@@ -120,6 +134,18 @@ def _qos2_retransmission(conn: MQTTConnection, session: Session, packet_id: int)
 
 
 def _stored(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
+    if ack.qos == 2 and ok and session.durable:
+        # PUBREC promises the id is held until PUBREL: a durable session keeps it
+        # through a broker crash, or the client's re-send would be routed again.
+        session.incoming_qos2[ack.packet_id] = True
+        conn.broker.persistent_path.save_session(
+            session, lambda saved: _received(conn, session, ack, saved)
+        )
+    else:
+        _received(conn, session, ack, ok)
+
+
+def _received(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
     if ack.qos == 2:
         packet_id = ack.packet_id
         if ok:
