@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devicemq.kafka")
 
+LOG_INTERVAL = 5.0  # seconds between two "produce failed" log lines
+
 _Submission = tuple[list[tuple[bytes, bytes]], "StoredCallback"]
 
 
@@ -42,9 +44,13 @@ class KafkaPersistentPath:
         topic: str,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        timeout: float = 10.0,
     ) -> None:
         self._producer = producer
         self._topic = topic
+        self._timeout = timeout  # seconds a publisher waits before it is told "failed"
+        self._logged_at = -LOG_INTERVAL
+        self._logged_errors = 0
         self._clock = clock
         self._wall_clock = wall_clock
         self._pending: list[_Submission] = []
@@ -81,7 +87,15 @@ class KafkaPersistentPath:
         task.add_done_callback(self._tasks.discard)
 
     async def _produce(self, batch: list[_Submission]) -> None:
+        """Produce, then report each submission in order.
+
+        A submission not acknowledged within the timeout is reported failed
+        even though Kafka may still take it later: the publisher gets no
+        success code for it, and a late record is stored and delivered like
+        any other (at least once, never a false success).
+        """
         started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self._timeout
         sent: list[tuple[list[asyncio.Future[RecordMetadata]], StoredCallback]] = []
         for records, on_stored in batch:
             futures = []
@@ -94,9 +108,13 @@ class KafkaPersistentPath:
                 continue
             sent.append((futures, on_stored))
         for futures, on_stored in sent:
+            left = deadline - asyncio.get_running_loop().time()
+            gathered = asyncio.gather(*futures)
             try:
-                acknowledged = await asyncio.gather(*futures)
-            except KafkaError as error:
+                # Shielded: timing out must not cancel the producer's own futures.
+                acknowledged = await asyncio.wait_for(asyncio.shield(gathered), max(left, 0.0))
+            except (KafkaError, TimeoutError) as error:
+                gathered.add_done_callback(_late_outcome)
                 self._failed(error)
                 on_stored(False)
                 continue
@@ -108,9 +126,21 @@ class KafkaPersistentPath:
         if self.latency_observer is not None:
             self.latency_observer(time.perf_counter() - started)
 
-    def _failed(self, error: KafkaError) -> None:
+    def _failed(self, error: Exception) -> None:
+        """Count every failure; log at most one line per interval (outages flood)."""
         self.produce_errors += 1
-        log.warning("kafka produce failed: %s", error)
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_INTERVAL:
+            suppressed = self.produce_errors - self._logged_errors - 1
+            more = f" ({suppressed} more since the last report)" if suppressed > 0 else ""
+            log.warning("kafka produce failed: %r%s", error, more)
+            self._logged_at, self._logged_errors = now, self.produce_errors
+
+
+def _late_outcome(gathered: asyncio.Future[list[RecordMetadata]]) -> None:
+    """A submission already reported failed finished late: nobody waits for it."""
+    if not gathered.cancelled():
+        gathered.exception()
 
 
 def make_producer(bootstrap: str, request_timeout_ms: int, linger_ms: int) -> AIOKafkaProducer:

@@ -62,7 +62,9 @@ class DevicePersistence:
         self._producer = producer
         self._kafka_consumer = consumer
         self._clock = clock
-        self.path = KafkaPersistentPath(producer, config.topic, clock)
+        self.path = KafkaPersistentPath(
+            producer, config.topic, clock, timeout=config.kafka_request_timeout_ms / 1000
+        )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
         self.consumer = PersistenceConsumer(

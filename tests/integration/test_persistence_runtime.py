@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -25,13 +27,20 @@ def redis() -> Iterator[RedisServer]:
         server.stop()
 
 
-def _settings(redis_url: str, bootstrap: str) -> Settings:
-    persistence = PersistenceSettings(redis_url=redis_url, kafka_bootstrap=bootstrap, partitions=3)
+def _settings(redis_url: str, bootstrap: str, **persistence_settings: object) -> Settings:
+    persistence = PersistenceSettings(
+        redis_url=redis_url,
+        kafka_bootstrap=bootstrap,
+        partitions=3,
+        **persistence_settings,  # type: ignore[arg-type]
+    )
     return dataclasses.replace(Settings(), persistence=persistence)
 
 
-async def _open(redis_url: str, bootstrap: str) -> tuple[DevicePersistence, Broker]:
-    settings = _settings(redis_url, bootstrap)
+async def _open(
+    redis_url: str, bootstrap: str, **persistence_settings: object
+) -> tuple[DevicePersistence, Broker]:
+    settings = _settings(redis_url, bootstrap, **persistence_settings)
     persistence = await open_persistence(settings)
     broker = Broker(settings, persistent_path=persistence)
     await persistence.attach(broker)
@@ -114,3 +123,40 @@ async def test_graceful_close_leaves_everything_acknowledged_in_redis(redis: Red
     finally:
         stop_tansu(tansu)
     assert [r.message.payload for r in page if r.message] == [b"m-%d" % i for i in range(300)]
+
+
+async def test_a_publisher_hears_failure_within_the_timeout_while_kafka_is_frozen(
+    redis: RedisServer,
+) -> None:
+    """Records queued behind a stuck request are bounded too: no publisher waits forever."""
+    tansu = start_tansu()
+    try:
+        persistence, broker = await _open(
+            redis.url, bootstrap_of(tansu), kafka_request_timeout_ms=1000
+        )
+        await _durable_session(persistence, broker, "dev")
+        session = broker.sessions["dev"]
+        os.kill(tansu.pid, signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            answers: list[tuple[bool, float]] = []
+            for i in range(50):
+                message = Message("devices/x", b"%d" % i, 1, False)
+                broker.dispatch(
+                    [(session, Delivery(message, 1, False))],
+                    lambda ok: answers.append((ok, loop.time() - started)),
+                )
+                await asyncio.sleep(0.01)
+            while len(answers) < 50 and loop.time() - started < 10:
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(tansu.pid, signal.SIGCONT)
+        assert len(answers) == 50, "every publisher got an answer"
+        assert not any(ok for ok, _ in answers), "no success while Kafka was frozen"
+        # Measured here: ~1.55 s with the bound, ~3.0 s without it (aiokafka's own
+        # expiry of queued batches). The bound: timeout + submit spread + slack.
+        assert max(t for _, t in answers) < 1.0 + 0.5 + 0.8
+        await persistence.close()
+    finally:
+        stop_tansu(tansu)
