@@ -48,6 +48,7 @@ from pathlib import Path
 
 from broker.config import ConfigError
 from broker.topics import is_valid_topic_filter, parse_shared, topic_matches
+from broker.watched_file import FileChangeWatch
 
 __all__ = [
     "DENY",
@@ -67,7 +68,6 @@ DENY = 0
 READ = 1
 WRITE = 2
 _ACCESS = {"read": READ, "write": WRITE, "readwrite": READ | WRITE, "deny": DENY}
-RELOAD_CHECK_INTERVAL = 1.0
 CACHE_SIZE = 65_536
 _UNSAFE = ("/", "+", "#")
 
@@ -199,38 +199,22 @@ class Authorizer:
         self._rules: OrderedDict[tuple[str, str | None], list[tuple[int, str]]] = OrderedDict()
         # Who each connected (or session-holding) client authenticated as.
         self.usernames: dict[str, str | None] = {}
-        self._mtime: int | None = None
-        self._next_check = 0.0
+        self._watch: FileChangeWatch | None = None
         if self.path is not None:
             try:
                 self.acl = read_acl(self.path)
-                self._mtime = self._stat()
             except AclError as e:
                 raise ConfigError(str(e), name="auth.acl_file") from None
+            self._watch = FileChangeWatch(self.path, clock)
             log.info("ACL: %s", self.path)
 
     # -- reloading --------------------------------------------------------------------
 
-    def _stat(self) -> int | None:
-        assert self.path is not None
-        try:
-            return self.path.stat().st_mtime_ns
-        except OSError:
-            return None
-
     def maybe_reload(self, force: bool = False) -> None:
-        if self.path is None:
+        if self._watch is None or not self._watch.changed(force):
             return
-        now = self.clock()
-        if not force and now < self._next_check:
-            return
-        self._next_check = now + RELOAD_CHECK_INTERVAL
-        mtime = self._stat()
-        if not force and mtime == self._mtime:
-            return
-        self._mtime = mtime
         try:
-            acl = read_acl(self.path)
+            acl = read_acl(self._watch.path)
         except AclError as e:
             log.error("ACL file not reloaded, the previous one stays in force: %s", e)
             return

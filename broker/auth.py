@@ -48,6 +48,7 @@ from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatc
 
 from broker.config import AuthSettings, ConfigError
 from broker.packets import ReasonCode
+from broker.watched_file import FileChangeWatch
 
 __all__ = [
     "AuthResult",
@@ -71,7 +72,6 @@ log = logging.getLogger("devicemq.auth")
 # check at 19 MiB. Existing hashes keep the parameters they were made with.
 _HASHER = PasswordHasher(time_cost=2, memory_cost=19 * 1024, parallelism=1)
 HASH_PREFIX = "$argon2"
-RELOAD_CHECK_INTERVAL = 1.0  # seconds between stat() calls on the password file
 MAX_CACHE_ENTRIES = 100_000
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -222,8 +222,7 @@ class Authenticator:
                 self.password_path is None and not settings.use_identity_as_username
             )
         self.users: dict[str, str] = {}
-        self._mtime: int | None = None
-        self._next_check = 0.0
+        self._watch: FileChangeWatch | None = None
         self._cache: dict[str, _CacheEntry] = {}
         self._cache_key = secrets.token_bytes(32)  # never leaves this process
         self._dummy_hash: str | None = None
@@ -231,9 +230,9 @@ class Authenticator:
         if self.password_path is not None:
             try:
                 self.users = read_password_file(self.password_path)
-                self._mtime = self._stat()
             except PasswordFileError as e:
                 raise ConfigError(str(e), name="auth.password_file") from None
+            self._watch = FileChangeWatch(self.password_path, clock)
             log.info("%d users in %s", len(self.users), self.password_path)
         if self.allow_anonymous and settings.allow_anonymous is None:
             log.warning(
@@ -243,27 +242,12 @@ class Authenticator:
 
     # -- the password file ---------------------------------------------------------------
 
-    def _stat(self) -> int | None:
-        assert self.password_path is not None
-        try:
-            return self.password_path.stat().st_mtime_ns
-        except OSError:
-            return None
-
     def maybe_reload(self, force: bool = False) -> None:
         """Re-read the password file if it changed (at most one stat a second)."""
-        if self.password_path is None:
+        if self._watch is None or not self._watch.changed(force):
             return
-        now = self.clock()
-        if not force and now < self._next_check:
-            return
-        self._next_check = now + RELOAD_CHECK_INTERVAL
-        mtime = self._stat()
-        if not force and mtime == self._mtime:
-            return
-        self._mtime = mtime
         try:
-            users = read_password_file(self.password_path)
+            users = read_password_file(self._watch.path)
         except PasswordFileError as e:
             log.error("password file not reloaded, the previous one stays in force: %s", e)
             return
