@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from broker.message import Message
 from broker.topics import topic_matches
 
@@ -9,16 +11,27 @@ from broker.topics import topic_matches
 class RetainedStore:
     def __init__(self) -> None:
         self._by_topic: dict[str, Message] = {}
+        # persistence.enabled: every change is also written to Redis (persistence/retained.py)
+        self.on_change: Callable[[Message], None] | None = None
 
     def __len__(self) -> int:
         return len(self._by_topic)
 
     def store(self, message: Message) -> None:
         """Keep ``message``; an empty payload deletes the topic's message (MQTT-3.3.1-6)."""
-        if message.payload:
-            self._by_topic[message.topic] = message
+        self.replace(message.topic, message if message.payload else None)
+        if self.on_change is not None:
+            self.on_change(message)
+
+    def topics(self) -> list[str]:
+        return list(self._by_topic)
+
+    def replace(self, topic: str, message: Message | None) -> None:
+        """Set or delete ``topic``'s message as loaded or learned from elsewhere."""
+        if message is not None:
+            self._by_topic[topic] = message
         else:
-            self._by_topic.pop(message.topic, None)
+            self._by_topic.pop(topic, None)
 
     def matching(self, topic_filter: str, now: float) -> list[Message]:
         """Unexpired retained messages for a new subscription, dropping expired ones."""
