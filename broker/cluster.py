@@ -60,8 +60,10 @@ log = logging.getLogger("devicemq.cluster")
 
 SUBSCRIPTIONS = "subscriptions"  # channel suffixes; the edge adds "<prefix>:"
 STORED = "stored"
+RETAINED = "retained"  # topics whose retained message changed (persistence/retained.py)
 DELIVER = "deliver:"  # + node id
 SNAPSHOT_CHUNK = 500  # sessions per ``snaps`` message
+RESYNC_WINDOW = 2.0  # seconds the snapshots of a re-sync have to confirm remote records
 
 Forward = Callable[[str, str, Delivery], None]
 
@@ -115,6 +117,8 @@ class ClusterState:
         self._handing: dict[Session, dict[str, Any]] = {}  # taken over by another node
         self.forwarded = 0
         self.received = 0
+        self._retained: list[str] = []
+        self._unconfirmed: set[str] | None = None  # re-sync under way: not yet confirmed
 
     # -- local events (called by the broker core and handlers) -----------------------
 
@@ -190,10 +194,44 @@ class ClusterState:
         self._send(op="sync")
 
     def node_gone(self, node: str) -> None:
-        """Nobody listens on ``node``'s channel: drop its clean sessions' records."""
+        """Nobody listens on ``node``'s channel (or its heartbeat expired): drop its
+        clean sessions' records; its durable ones go offline (still routed, via Kafka)."""
         for record in list(self.broker.sessions.values()):
-            if isinstance(record, RemoteSession) and record.node == node and not record.durable:
-                self._drop(record)
+            if isinstance(record, RemoteSession) and record.node == node:
+                self._lost(record)
+
+    def remote_nodes(self) -> set[str]:
+        """The replicas this one holds live records of (their heartbeats are checked)."""
+        return {
+            s.node
+            for s in self.broker.sessions.values()
+            if isinstance(s, RemoteSession) and (s.online or not s.durable)
+        }
+
+    def retained_changed(self, topics: list[str]) -> None:
+        """Retained messages of ``topics`` were written to Redis: the others re-read them."""
+        if not self._control and not self._stored and not self._deliveries and not self._retained:
+            self._wake()
+        self._retained.extend(topics)
+
+    def resync(self) -> None:
+        """Control messages may have been missed (the pub/sub connection dropped): ask
+        for snapshots again; :meth:`resync_done` (``RESYNC_WINDOW`` later) forgets the
+        live remote records that no snapshot or message confirmed."""
+        self._unconfirmed = {
+            s.client_id
+            for s in self.broker.sessions.values()
+            if isinstance(s, RemoteSession) and s.online
+        }
+        self.request_sync()
+
+    def resync_done(self) -> None:
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
+        for cid in unconfirmed or ():
+            record = self.broker.sessions.get(cid)
+            if isinstance(record, RemoteSession):
+                log.info("cluster: %s on %s not confirmed by a re-sync", cid, record.node)
+                self._lost(record)
 
     # -- output for the edge ---------------------------------------------------------
 
@@ -204,6 +242,10 @@ class ClusterState:
         out = [(SUBSCRIPTIONS, payload) for payload in self._control]
         if self._stored:
             out.append((STORED, orjson.dumps({"n": self.node_id, "c": sorted(self._stored)})))
+        if self._retained:
+            topics = list(dict.fromkeys(self._retained))
+            out.append((RETAINED, orjson.dumps({"n": self.node_id, "t": topics})))
+            self._retained = []
         deliveries = self._deliveries
         self._control, self._stored, self._deliveries = [], set(), {}
         return out, deliveries
@@ -212,13 +254,18 @@ class ClusterState:
 
     def receive(self, channel: str, payload: bytes) -> list[str]:
         """Apply a control message; returns the client ids of a ``stored`` notice
-        (their outboxes re-read the store: the persistence layer's business)."""
+        (their outboxes re-read the store: the persistence layer's business), or
+        the topics of a ``retained`` notice (re-read from Redis, likewise)."""
         change = orjson.loads(payload)
         if change.get("n") == self.node_id:
             return []
         if channel == STORED:
             return list(change["c"])
+        if channel == RETAINED:
+            return list(change["t"])
         op = change["op"]
+        if self._unconfirmed and op in ("conn", "sub", "unsub", "off"):
+            self._unconfirmed.discard(change["c"])  # its owner spoke: it is current
         if op == "conn":
             self._connected_elsewhere(change)
         elif op == "sub":
@@ -238,6 +285,8 @@ class ClusterState:
             self._answer_sync()
         elif op == "snaps":
             for cid, durable, entries in change["l"]:
+                if self._unconfirmed:
+                    self._unconfirmed.discard(cid)
                 self._snapshot({"n": change["n"], "c": cid, "d": durable, "s": entries})
         return []
 
@@ -335,6 +384,14 @@ class ClusterState:
             record.subscriptions[entry.topic_filter] = entry
         broker.sessions[cid] = record
         return record
+
+    def _lost(self, record: RemoteSession) -> None:
+        """``record``'s replica is gone or the record is stale: a clean session is
+        dropped, a durable one kept offline (its messages still go to Kafka)."""
+        if record.durable:
+            record.online = False
+        else:
+            self._drop(record)
 
     def _drop(self, session: Session) -> None:
         """Forget a session here only: its tree entries, queue and timers; no Redis."""

@@ -8,14 +8,22 @@ Channels, all under ``cluster.channel_prefix``:
 - ``<prefix>:stored``: client ids whose messages a replica just stored in
   Redis for a client connected elsewhere: its replica re-reads the store;
 - ``<prefix>:deliver:<node>``: deliveries forwarded to clients connected on
-  ``node``, framed ``[u16 len][client id][u32 len][stored-message encoding]``.
+  ``node``, framed ``[u16 len][client id][u32 len][stored-message encoding]``;
+- ``<prefix>:retained``: topics whose retained message a replica just wrote to
+  the hash ``devicemq:retained`` (``persistence/retained.py``): re-read them.
+
+Liveness: each replica refreshes the key ``<prefix>:alive:<node>`` every
+``HEARTBEAT_INTERVAL`` with a TTL of ``HEARTBEAT_TTL`` and checks the keys of
+the replicas it holds records of; a missing one is a replica that died
+without saying goodbye (``ClusterState.node_gone``).
 
 Classic PUBLISH/SUBSCRIBE is broadcast cluster-wide on Redis Cluster too, so
 one plain connection to the store's Redis (any node of a cluster) is enough.
 Everything a replica publishes goes out in call order on one connection,
 batched per event-loop iteration in one pipeline. Pub/sub is at most once: a
 replica whose subscriber connection drops misses what was said meanwhile
-(redis-py re-subscribes when it reconnects).
+(redis-py re-subscribes when it reconnects): the confirmation of that
+re-subscription starts a re-sync (``ClusterState.resync``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
-from broker.cluster import DELIVER, STORED, SUBSCRIPTIONS, ClusterState
+from broker.cluster import DELIVER, RESYNC_WINDOW, RETAINED, STORED, SUBSCRIPTIONS, ClusterState
 from broker.message import Delivery
 from persistence.records import encode_delivery, stored_delivery
 from persistence.redis_store import decode_record
@@ -42,6 +50,7 @@ if TYPE_CHECKING:
 
     from broker.config import Settings
     from broker.core import Broker
+    from persistence.retained import RetainedPersistence
     from persistence.runtime import DevicePersistence
 
 log = logging.getLogger("devicemq.cluster")
@@ -49,6 +58,8 @@ log = logging.getLogger("devicemq.cluster")
 _CID = struct.Struct(">H")
 _VALUE = struct.Struct(">I")
 RETRY_DELAY = 0.5
+HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_TTL = 5  # seconds without a refresh before a replica counts as dead
 
 
 def node_id_of(settings: Settings) -> str:
@@ -89,6 +100,7 @@ class ClusterLink:
         node_id: str,
         broker: Broker,
         persistence: DevicePersistence,
+        retained: RetainedPersistence | None = None,
     ) -> None:
         self._redis = redis
         self._prefix = prefix
@@ -101,16 +113,29 @@ class ClusterLink:
         self._sender: asyncio.Task[None] | None = None
         self._queue: deque[tuple[str, bytes]] = deque()
         self._scheduled = False
+        self._retained = retained
+        if retained is not None:
+            retained.written = self.state.retained_changed
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._subscribed = 0  # confirmations of the control channel's subscription
+
+    def _alive_key(self, node: str) -> str:
+        return f"{self._prefix}:alive:{node}"
 
     async def start(self) -> None:
         """Subscribe, join the broker, ask the other replicas for their live sessions."""
+        await self._redis.set(self._alive_key(self.state.node_id), b"1", ex=HEARTBEAT_TTL)
         pubsub = self._redis.pubsub()
         await pubsub.subscribe(
-            f"{self._prefix}:{SUBSCRIPTIONS}", f"{self._prefix}:{STORED}", self._mine
+            f"{self._prefix}:{SUBSCRIPTIONS}",
+            f"{self._prefix}:{STORED}",
+            f"{self._prefix}:{RETAINED}",
+            self._mine,
         )
         self._pubsub = pubsub
         self._broker.cluster = self.state
         self._reader = asyncio.create_task(self._read())
+        self._heartbeat = asyncio.create_task(self._beat())
         self.state.request_sync()
         log.info("cluster: replica %s joined on %s:*", self.state.node_id, self._prefix)
 
@@ -121,10 +146,13 @@ class ClusterLink:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._sender), 5.0)
         self._broker.cluster = None
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        with contextlib.suppress(Exception):
+            await self._redis.delete(self._alive_key(self.state.node_id))
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()  # type: ignore[no-untyped-call]
@@ -179,18 +207,28 @@ class ClusterLink:
         assert self._pubsub is not None
         subscriptions = f"{self._prefix}:{SUBSCRIPTIONS}"
         stored = f"{self._prefix}:{STORED}"
+        retained = f"{self._prefix}:{RETAINED}"
         while True:
             try:
-                message = await self._pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=1.0
-                )
+                message = await self._pubsub.get_message(timeout=1.0)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 log.warning("cluster: reading pub/sub failed: %s", error)
                 await asyncio.sleep(RETRY_DELAY)
                 continue
-            if message is None or message.get("type") != "message":
+            if message is None:
+                continue
+            if message.get("type") == "subscribe" and message["channel"] == subscriptions.encode():
+                self._subscribed += 1
+                if self._subscribed > 1:  # redis-py re-subscribed: messages were missed
+                    log.warning("cluster: pub/sub reconnected, re-syncing")
+                    self.state.resync()
+                    if self._retained is not None:
+                        self._retained.resync()
+                    asyncio.get_running_loop().call_later(RESYNC_WINDOW, self.state.resync_done)
+                continue
+            if message.get("type") != "message":
                 continue
             channel = message["channel"].decode()
             data: bytes = message["data"]
@@ -203,16 +241,44 @@ class ClusterLink:
                     self.state.receive(SUBSCRIPTIONS, data)
                 elif channel == stored:
                     self._persistence.reread(self.state.receive(STORED, data))
+                elif channel == retained:
+                    topics = self.state.receive(RETAINED, data)
+                    if topics and self._retained is not None:
+                        self._retained.refresh(topics)
             except Exception:  # one bad message must not stop the replica listening
                 log.exception("cluster: applying a message on %s failed", channel)
 
+    async def _beat(self) -> None:
+        """Refresh this replica's liveness key; forget replicas whose key expired."""
+        mine = self._alive_key(self.state.node_id)
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            try:
+                await self._redis.set(mine, b"1", ex=HEARTBEAT_TTL)
+                nodes = sorted(self.state.remote_nodes())
+                if not nodes:
+                    continue
+                found = await self._redis.mget([self._alive_key(n) for n in nodes])
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("cluster: heartbeat failed: %s", error)
+                continue
+            for node, value in zip(nodes, found, strict=True):
+                if value is None:
+                    log.warning("cluster: replica %s missed its heartbeat, forgetting it", node)
+                    self.state.node_gone(node)
+
 
 async def open_cluster_link(
-    settings: Settings, persistence: DevicePersistence, broker: Broker
+    settings: Settings,
+    persistence: DevicePersistence,
+    broker: Broker,
+    retained: RetainedPersistence | None = None,
 ) -> ClusterLink:
     redis = Redis.from_url(persistence.redis_url, decode_responses=False)
     link = ClusterLink(
-        redis, settings.cluster.channel_prefix, node_id_of(settings), broker, persistence
+        redis, settings.cluster.channel_prefix, node_id_of(settings), broker, persistence, retained
     )
     await link.start()
     return link
