@@ -319,13 +319,18 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
         persistence = await open_persistence(settings)
     broker = Broker(settings, persistent_path=persistence)
     link = None
+    retained = None
     try:
         if persistence is not None:
             await persistence.attach(broker)
+            from persistence.retained import RetainedPersistence
+
+            retained = RetainedPersistence(persistence.store.redis, broker.retained, broker.clock)
+            log.info("%d retained messages loaded", await retained.load())
             if settings.cluster.enabled:
                 from persistence.cluster_link import open_cluster_link
 
-                link = await open_cluster_link(settings, persistence, broker)
+                link = await open_cluster_link(settings, persistence, broker, retained)
         server = BrokerServer(settings, broker)
         await server.start()
         if metrics is not None:
@@ -337,6 +342,8 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
                 metrics.stopping = True  # /ready: 503 while draining
             await server.stop()
     finally:
+        if retained is not None:
+            await retained.close()
         if link is not None:
             await link.close()
         if persistence is not None:
