@@ -73,8 +73,9 @@ def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
 class RedisProcess:
     """A redis-server that keeps its data across restarts (AOF, fsync always)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, appendfsync: str = "always") -> None:
         self.dir = directory
+        self.appendfsync = appendfsync
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port(HOST)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -91,7 +92,7 @@ class RedisProcess:
             "--bind", HOST,
             "--dir", str(self.dir),
             "--appendonly", "yes",
-            "--appendfsync", "always",
+            "--appendfsync", self.appendfsync,
             "--save", "",
             "--daemonize", "no",
             "--loglevel", "warning",
@@ -237,7 +238,12 @@ def stack_factory(
     """``make(settings)``: a fresh Redis and a devicemq on them and the shared Tansu."""
     made: list[Stack] = []
 
-    def make(settings: Mapping[str, object] | None = None) -> Stack:
+    def make(
+        settings: Mapping[str, object] | None = None,
+        *,
+        redis_dir: Path | None = None,
+        appendfsync: str = "always",
+    ) -> Stack:
         tag = uuid.uuid4().hex[:8]
         merged: dict[str, object] = {
             "persistence.topic": f"faults.{tag}",
@@ -246,7 +252,7 @@ def stack_factory(
             "log.level": "INFO",
         }
         merged.update(settings or {})
-        redis = RedisProcess(tmp_path / f"redis-{len(made)}")
+        redis = RedisProcess(redis_dir or tmp_path / f"redis-{len(made)}", appendfsync)
         broker = DeviceMQ(tmp_path / f"broker-{len(made)}", redis, kafka[0], merged)
         name = request.node.name.replace("[", "-").replace("]", "")[:30]
         stack = Stack(redis, broker, kafka[1], f"faults/{name}-{tag}")
