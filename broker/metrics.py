@@ -39,6 +39,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
+from redis.exceptions import ResponseError as RedisResponseError
 
 from broker import __version__
 from broker.stats import LATENCY_BUCKETS, Histogram
@@ -522,6 +523,9 @@ class MetricsServer:
             return True, {"persistence": "disabled"}
         try:
             await asyncio.wait_for(persistence.store.redis.ping(), PROBE_TIMEOUT)
+        except RedisResponseError as e:
+            # Reachable, but refusing: e.g. MISCONF after a failed AOF write (disk full).
+            return False, {"reason": f"redis refuses commands: {_short(e)}"}
         except Exception as e:
             return False, {"reason": f"redis unreachable: {_short(e)}"}
         try:
