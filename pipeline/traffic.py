@@ -58,19 +58,33 @@ def traffic_frames(recs: DataFrame, evs: DataFrame, levels: int) -> dict[str, Da
     bucket = F.when(F.col("size") <= 0, F.lit(0)).otherwise(
         F.pow(F.lit(2), F.ceil(F.log2(F.col("size")))).cast("long")
     )
-    # Backlog: +1 stored, -1 when it leaves (ack, expiry at delivery, too large, trim).
-    change = (
-        F.when(F.col("ev") == "persisted", 1)
-        .when(F.col("ev").isin("acked", "dropped"), -1)
-        .when((F.col("ev") == "expired") & (F.col("at") == "delivery"), -1)
-        .when(F.col("ev") == "trimmed", -F.size("pids"))
-        .otherwise(0)
+    # Backlog, per message rather than per event, so that a repeated event (a
+    # re-delivery acked twice) or a missing one (a save whose reply was lost
+    # is not reported as persisted) cannot skew it: a stored message counts
+    # +1 at its first event, -1 when it first leaves (ack, expiry at
+    # delivery, too large); trims take away their count of packet ids.
+    ev = F.col("ev")
+    leaving = ev.isin("acked", "dropped") | ((ev == "expired") & (F.col("at") == "delivery"))
+    keyed = evs.where((F.col("cid") != "") & F.col("sc").isNotNull())
+    entered = (
+        keyed.where((ev == "persisted") | leaving)
+        .groupBy("cid", "sc")
+        .agg(F.min("ts").alias("ts"))
+        .select("cid", "ts", F.lit(1).alias("d"))
+    )
+    left = (
+        keyed.where(leaving)
+        .groupBy("cid", "sc")
+        .agg(F.min("ts").alias("ts"))
+        .select("cid", "ts", F.lit(-1).alias("d"))
+    )
+    trims = evs.where((ev == "trimmed") & (F.col("cid") != "")).select(
+        "cid", "ts", (-F.size("pids")).alias("d")
     )
     per_minute = (
-        evs.where(F.col("cid") != "")
-        .select(
-            "cid", F.from_unixtime(F.floor(F.col("ts") / 60) * 60).alias("m"), change.alias("d")
-        )
+        entered.unionByName(left)
+        .unionByName(trims)
+        .select("cid", F.from_unixtime(F.floor(F.col("ts") / 60) * 60).alias("m"), "d")
         .groupBy("cid", "m")
         .agg(F.sum("d").alias("change"))
     )
