@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -48,6 +48,9 @@ from broker.packets import (
     Subscribe,
     Subscription,
 )
+
+if TYPE_CHECKING:
+    from tests.faults.conftest import Stack
 
 V5 = mqtt.MQTTv5
 V311 = mqtt.MQTTv311
@@ -230,6 +233,27 @@ class Publisher:
     @property
     def unanswered(self) -> set[int]:
         return {s for s, rc in self.outcomes.items() if rc is None}
+
+
+def start_publishers(
+    pubs: list[Publisher],
+    stack: Stack,
+    topic: str,
+    *,
+    qos: int = 1,
+    interval: float = 0.003,
+) -> None:
+    """One publisher per protocol version (5.0, 3.1.1), each on ``topic/<i>``.
+
+    Appended to ``pubs`` as each starts, so the caller's cleanup stops every
+    publisher that did start even if a later one fails.
+    """
+    for i, version in enumerate((V5, V311)):
+        pub = Publisher(
+            stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version, qos=qos
+        )
+        pubs.append(pub)
+        pub.start(interval=interval)
 
 
 # ---------------------------------------------------------------------------

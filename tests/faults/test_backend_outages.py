@@ -19,6 +19,7 @@ from tests.faults.checker import (
     Publisher,
     assert_ok,
     check,
+    start_publishers,
     wait_until,
 )
 from tests.faults.conftest import Stack
@@ -44,12 +45,7 @@ def test_redis_restart_while_publishing(stack: Stack) -> None:
         for sub in subs:
             sub.connect()
             sub.subscribe(topic + "/#", qos=1)
-        for i, version in enumerate((V5, V311)):
-            pub = Publisher(
-                stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
-            )
-            pubs.append(pub)
-            pub.start(interval=0.003)
+        start_publishers(pubs, stack, topic)
         _grows(pubs, 200, 15, "traffic before the Redis restart")
         stack.redis.stop()
         time.sleep(2.0)
@@ -80,12 +76,7 @@ def test_kafka_unreachable_for_a_while(stack_factory) -> None:  # type: ignore[n
     try:
         sub.connect()
         sub.subscribe(topic + "/#", qos=1)
-        for i, version in enumerate((V5, V311)):
-            pub = Publisher(
-                stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
-            )
-            pubs.append(pub)
-            pub.start(interval=0.003)
+        start_publishers(pubs, stack, topic)
         _grows(pubs, 200, 15, "traffic before the Kafka stall")
         os.kill(stack.tansu_pid, signal.SIGSTOP)
         paused = True

@@ -18,6 +18,7 @@ from tests.faults.checker import (
     RawSubscriber,
     assert_ok,
     check,
+    start_publishers,
     wait_until,
 )
 from tests.faults.conftest import Stack
@@ -68,16 +69,7 @@ def test_sigkill_mid_stream_qos2_exactly_once(stack: Stack) -> None:
     pubs: list[Publisher] = []
     try:
         sub.connect(subscribe=[(topic + "/#", 2)], reconnect=True)
-        for i, version in enumerate((V5, V311)):
-            pub = Publisher(
-                stack.broker.address,
-                stack.client(f"pub{i}"),
-                f"{topic}/{i}",
-                version=version,
-                qos=2,
-            )
-            pubs.append(pub)
-            pub.start(interval=0.003)
+        start_publishers(pubs, stack, topic, qos=2)
         wait_until(lambda: len(sub.snapshot()) > 200, 15, "traffic before the kill")
         stack.broker.kill()
         time.sleep(0.3)
@@ -119,12 +111,7 @@ def test_sigterm_drains_everything_acknowledged(stack: Stack) -> None:
         online.subscribe(topic + "/#", qos=1)
         offline.connect(subscribe=[(topic + "/#", 1)])
         offline.close()
-        for i, version in enumerate((V5, V311)):
-            pub = Publisher(
-                stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
-            )
-            pubs.append(pub)
-            pub.start(interval=0.002)
+        start_publishers(pubs, stack, topic, interval=0.002)
         wait_until(lambda: all(len(p.acked) > 400 for p in pubs), 15, "traffic")
         assert stack.broker.terminate() == 0, stack.broker.log()[-3000:]
         acked_at_stop = [set(p.acked) for p in pubs]

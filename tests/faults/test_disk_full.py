@@ -31,7 +31,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.checker import V5, V311, PahoSubscriber, Publisher, assert_ok, check, wait_until
+from tests.faults.checker import (
+    V5,
+    V311,
+    PahoSubscriber,
+    Publisher,
+    assert_ok,
+    check,
+    start_publishers,
+    wait_until,
+)
 from tests.faults.conftest import Stack
 from tests.faults.test_readiness import HealthWatch, http_get, metrics_settings, wait_ready
 
@@ -102,12 +111,7 @@ def _traffic(stack: Stack) -> tuple[list[PahoSubscriber], list[Publisher]]:
         sub.connect()
         sub.subscribe(topic + "/#", qos=1)
     pubs: list[Publisher] = []
-    for i, version in enumerate((V5, V311)):
-        pub = Publisher(
-            stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
-        )
-        pubs.append(pub)
-        pub.start(interval=0.003)
+    start_publishers(pubs, stack, topic)
     return subs, pubs
 
 

@@ -23,7 +23,15 @@ import threading
 import time
 
 from persistence.services import free_port
-from tests.faults.checker import V5, V311, PahoSubscriber, Publisher, assert_ok, check, wait_until
+from tests.faults.checker import (
+    V5,
+    PahoSubscriber,
+    Publisher,
+    assert_ok,
+    check,
+    start_publishers,
+    wait_until,
+)
 from tests.faults.conftest import HOST, Stack
 
 HTTP_TIMEOUT = 5.0  # longer than the broker's readiness probe timeout (2 s)
@@ -103,12 +111,7 @@ def _traffic(stack: Stack) -> tuple[PahoSubscriber, list[Publisher]]:
     sub.connect()
     sub.subscribe(topic + "/#", qos=1)
     pubs: list[Publisher] = []
-    for i, version in enumerate((V5, V311)):
-        pub = Publisher(
-            stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
-        )
-        pubs.append(pub)
-        pub.start(interval=0.003)
+    start_publishers(pubs, stack, topic)
     return sub, pubs
 
 

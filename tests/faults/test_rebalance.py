@@ -24,7 +24,16 @@ import time
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
 
-from tests.faults.checker import V5, V311, PahoSubscriber, Publisher, assert_ok, check, wait_until
+from tests.faults.checker import (
+    V5,
+    V311,
+    PahoSubscriber,
+    Publisher,
+    assert_ok,
+    check,
+    start_publishers,
+    wait_until,
+)
 from tests.faults.conftest import REPO, Stack
 from tests.faults.test_readiness import metrics_settings, wait_ready
 
@@ -143,12 +152,7 @@ def test_rebalance_during_load(stack_factory, kafka, exit_mode: str) -> None:  #
         for sub in subs:
             sub.connect()
             sub.subscribe(topic + "/#", qos=1)
-        for i, version in enumerate((V5, V311)):
-            pub = Publisher(
-                stack.broker.address, stack.client(f"pub{i}"), f"{topic}/{i}", version=version
-            )
-            pubs.append(pub)
-            pub.start(interval=0.003)
+        start_publishers(pubs, stack, topic)
         _grows(pubs, 200, 15, "traffic before the intruder")
         # Long enough to outlive a kill; "leave" mode closes by itself after it.
         seconds = 6.0 if exit_mode == "leave" else 60.0
