@@ -240,6 +240,9 @@ def free_port(host: str = HOST) -> int:
         return port
 
 
+RECORDED_PORT_WAIT = 2.0  # seconds a recorded port gets to free up after a crash
+
+
 def port_is_free(port: int, host: str = HOST) -> bool:
     """True when nothing listens on ``host:port`` (TIME_WAIT leftovers do not count,
     as both servers bind with SO_REUSEADDR)."""
@@ -250,6 +253,21 @@ def port_is_free(port: int, host: str = HOST) -> bool:
         except OSError:
             return False
         return True
+
+
+def _port_frees_up(port: int, timeout: float = RECORDED_PORT_WAIT) -> bool:
+    """Whether ``port`` is free, or becomes so within ``timeout``.
+
+    Right after a crash the dead server's connections linger (FIN_WAIT) until
+    their peers close, and Linux refuses to bind the port meanwhile; waiting a
+    moment keeps the recorded port, and so the service's URL, stable.
+    """
+    deadline = time.monotonic() + timeout
+    while not port_is_free(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -658,7 +676,7 @@ class EmbeddedServices:
     def _start(self, name: ServiceName, recorded: int | None) -> dict[str, Any]:
         binary = self._binary(name)
         log_path = self.services_dir / f"{'tansu' if name == 'kafka' else name}.log"
-        ports = [recorded] if recorded is not None and port_is_free(recorded) else []
+        ports = [recorded] if recorded is not None and _port_frees_up(recorded) else []
         while len(ports) < 3:
             ports.append(free_port())
         failure = ""
