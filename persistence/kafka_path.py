@@ -6,8 +6,11 @@ partition and in order. The publisher is acknowledged only after Kafka
 acknowledged every record of its PUBLISH (acks=all); a produce error or
 timeout reports failure and the publisher gets no success code.
 
-Submissions made during one event-loop iteration are produced by one task,
-so a burst of publishes costs one task, not one per message.
+One task at a time hands records to the producer, in submission order, so
+records of one client can never overtake each other in its partition even
+when the producer makes a send wait (a full batch). Acknowledgements come
+back through callbacks, not awaited per submission: a submission is reported
+when the last of its records is acknowledged, or failed at its deadline.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
 from persistence.records import encode_delivery
@@ -33,8 +38,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.kafka")
 
 LOG_INTERVAL = 5.0  # seconds between two "produce failed" log lines
+PARTITION_CACHE_SIZE = 100_000  # client ids whose partition is remembered
 
-_Submission = tuple[list[tuple[bytes, bytes]], "StoredCallback"]
+
+class _Submission:
+    """One PUBLISH's records: reported once, when all are acknowledged or one failed."""
+
+    __slots__ = ("on_stored", "remaining", "round")
+
+    def __init__(self, on_stored: StoredCallback, remaining: int, round_: _Round) -> None:
+        self.on_stored: StoredCallback | None = on_stored
+        self.remaining = remaining
+        self.round = round_
+
+
+class _Round:
+    """The submissions handed to the producer together: one deadline, one latency sample."""
+
+    __slots__ = ("open", "started", "submissions", "timer")
+
+    def __init__(self, started: float) -> None:
+        self.open = 0  # submissions not reported yet
+        self.started = started
+        self.submissions: list[_Submission] = []
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class KafkaPersistentPath:
@@ -53,8 +80,12 @@ class KafkaPersistentPath:
         self._logged_errors = 0
         self._clock = clock
         self._wall_clock = wall_clock
-        self._pending: list[_Submission] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: list[tuple[list[tuple[bytes, bytes]], StoredCallback]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._open_rounds = 0
+        self._idle: asyncio.Event | None = None  # set when nothing is pending or open
+        self._partitioner = DefaultPartitioner()
+        self._partitions: tuple[list[int], dict[bytes, int]] = ([], {})
         self.produce_errors = 0
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
         self.latency_observer: Callable[[float], None] | None = None
@@ -67,66 +98,123 @@ class KafkaPersistentPath:
             (session.client_id.encode(), encode_delivery(delivery, wall, now))
             for session, delivery in deliveries
         ]
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._produce_pending)
         self._pending.append((records, on_stored))
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
     async def drain(self) -> None:
         """Wait until everything submitted so far is acknowledged or failed."""
-        while self._pending or self._tasks:
-            if self._pending:
-                self._produce_pending()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._pending or self._sender is not None or self._open_rounds:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
-    def _produce_pending(self) -> None:
-        if not self._pending:
-            return
-        batch, self._pending = self._pending, []
-        task = asyncio.create_task(self._produce(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    async def _send_pending(self) -> None:
+        """Hand every pending record to the producer, oldest first, then end."""
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send(batch)
+        finally:
+            self._sender = None
+            self._check_idle()
 
-    async def _produce(self, batch: list[_Submission]) -> None:
-        """Produce, then report each submission in order.
-
-        A submission not acknowledged within the timeout is reported failed
-        even though Kafka may still take it later: the publisher gets no
-        success code for it, and a late record is stored and delivered like
-        any other (at least once, never a false success).
-        """
-        started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + self._timeout
-        sent: list[tuple[list[asyncio.Future[RecordMetadata]], StoredCallback]] = []
-        for records, on_stored in batch:
-            futures = []
+    async def _send(self, batch: list[tuple[list[tuple[bytes, bytes]], StoredCallback]]) -> None:
+        loop = asyncio.get_running_loop()
+        round_ = _Round(time.perf_counter())
+        round_.submissions = [_Submission(cb, len(records), round_) for records, cb in batch]
+        round_.open = len(batch)
+        self._open_rounds += 1
+        round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
+        send, topic, partition_of = self._producer.send, self._topic, self._partition_of
+        for (records, _), submission in zip(batch, round_.submissions, strict=True):
+            if not records:
+                self._report(submission, True)
+                continue
             try:
                 for key, value in records:
-                    futures.append(await self._producer.send(self._topic, value=value, key=key))
+                    if submission.on_stored is None:
+                        break  # failed meanwhile (its deadline passed): nobody waits
+                    future = await send(topic, value=value, key=key, partition=partition_of(key))
+                    future.add_done_callback(partial(self._acked, submission))
             except KafkaError as error:
                 self._failed(error)
-                on_stored(False)
-                continue
-            sent.append((futures, on_stored))
-        for futures, on_stored in sent:
-            left = deadline - asyncio.get_running_loop().time()
-            gathered = asyncio.gather(*futures)
-            try:
-                # Shielded: timing out must not cancel the producer's own futures.
-                acknowledged = await asyncio.wait_for(asyncio.shield(gathered), max(left, 0.0))
-            except (KafkaError, TimeoutError) as error:
-                gathered.add_done_callback(_late_outcome)
-                self._failed(error)
-                on_stored(False)
-                continue
-            produced = self.produced
-            for metadata in acknowledged:
-                if metadata.offset > produced.get(metadata.partition, -1):
-                    produced[metadata.partition] = metadata.offset
-            on_stored(True)
-        if self.latency_observer is not None:
-            self.latency_observer(time.perf_counter() - started)
+                self._report(submission, False)
 
-    def _failed(self, error: Exception) -> None:
+    def _partition_of(self, key: bytes) -> int | None:
+        """The default partitioner's choice for ``key``, remembered per key.
+
+        None before the producer has the topic's metadata: it then picks itself,
+        with the same partitioner.
+        """
+        partitions = self._producer.client.cluster.partitions_for_topic(self._topic)
+        if not partitions:
+            return None
+        known, chosen = self._partitions
+        if len(partitions) != len(known):
+            known = sorted(partitions)
+            chosen = {}
+            self._partitions = (known, chosen)
+        partition = chosen.get(key)
+        if partition is None:
+            if len(chosen) >= PARTITION_CACHE_SIZE:
+                chosen.clear()  # client ids come and go: start over rather than grow
+            partition = chosen[key] = self._partitioner(key, known, known)
+        return partition
+
+    def _acked(self, submission: _Submission, future: asyncio.Future[RecordMetadata]) -> None:
+        if future.cancelled():
+            error: BaseException | None = KafkaError("produce cancelled")
+        else:
+            error = future.exception()
+        if submission.on_stored is None:
+            return  # already reported (a failure, or its deadline passed)
+        if error is not None:
+            self._failed(error)
+            self._report(submission, False)
+            return
+        metadata = future.result()
+        if metadata.offset > self.produced.get(metadata.partition, -1):
+            self.produced[metadata.partition] = metadata.offset
+        submission.remaining -= 1
+        if not submission.remaining:
+            self._report(submission, True)
+
+    def _expire(self, round_: _Round) -> None:
+        """Deadline of a round: whatever is still unacknowledged is reported failed.
+
+        Kafka may still take those records later: the publisher got no success
+        code for them, and a late record is stored and delivered like any other
+        (at least once, never a false success).
+        """
+        round_.timer = None
+        error = TimeoutError(f"kafka did not acknowledge within {self._timeout:g} s")
+        for submission in round_.submissions:
+            if submission.on_stored is not None:
+                self._failed(error)
+                self._report(submission, False)
+
+    def _report(self, submission: _Submission, ok: bool) -> None:
+        on_stored, submission.on_stored = submission.on_stored, None
+        assert on_stored is not None
+        on_stored(ok)
+        round_ = submission.round
+        round_.open -= 1
+        if round_.open:
+            return
+        if round_.timer is not None:
+            round_.timer.cancel()
+            round_.timer = None
+        if self.latency_observer is not None:
+            self.latency_observer(time.perf_counter() - round_.started)
+        self._open_rounds -= 1
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self._idle is not None and not (self._pending or self._sender or self._open_rounds):
+            self._idle.set()
+
+    def _failed(self, error: BaseException) -> None:
         """Count every failure; log at most one line per interval (outages flood)."""
         self.produce_errors += 1
         now = time.monotonic()
@@ -135,12 +223,6 @@ class KafkaPersistentPath:
             more = f" ({suppressed} more since the last report)" if suppressed > 0 else ""
             log.warning("kafka produce failed: %r%s", error, more)
             self._logged_at, self._logged_errors = now, self.produce_errors
-
-
-def _late_outcome(gathered: asyncio.Future[list[RecordMetadata]]) -> None:
-    """A submission already reported failed finished late: nobody waits for it."""
-    if not gathered.cancelled():
-        gathered.exception()
 
 
 def make_producer(bootstrap: str, request_timeout_ms: int, linger_ms: int) -> AIOKafkaProducer:
