@@ -2,9 +2,11 @@
 
 One consumer group inside the broker reads ``devicemq.device.persisted`` in
 batches (``getmany``), groups each batch by subscriber (the record key), and
-stores each client's part with one script call, several in flight. Offsets
-are committed only after Redis stored the batch, so a crash re-reads it; the
-store skips offsets it already has, so re-reading never stores twice.
+stores each client's part with one script call, all of a batch in one round
+trip. Offsets are committed only after Redis stored the batch, so a crash
+re-reads it; the store skips offsets it already has, so re-reading never
+stores twice. The commit runs beside delivery, not before it: the messages
+are in Redis already, and a commit that is lost only means a re-read.
 
 Offsets restart at 0 when the topic is created anew (the embedded Kafka keeps
 no data across restarts; an operator may recreate the topic). The store's
@@ -85,6 +87,8 @@ class PersistenceConsumer:
         self._max_records = max_records
         self.stats = ConsumerStats()
         self.events: EventSink = NO_EVENTS  # delivery events (persistence/events.py)
+        self._to_commit: dict[TopicPartition, int] = {}
+        self._committer: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         while True:
@@ -109,7 +113,7 @@ class PersistenceConsumer:
             commit[tp] = records[-1].offset + 1
             self.stats.records_consumed += len(records)
         results = await self._save(client_batches)
-        await self._commit(commit)
+        self._commit_soon(commit)
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
             self.events.stored(batch, result)
@@ -125,6 +129,25 @@ class PersistenceConsumer:
                 self.stats.save_errors += 1
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)
                 await asyncio.sleep(RETRY_DELAY)
+
+    async def commits_done(self) -> None:
+        """Wait until every offset handed to Kafka so far is committed (or failed)."""
+        while self._committer is not None:
+            await asyncio.shield(self._committer)
+
+    def _commit_soon(self, offsets: dict[TopicPartition, int]) -> None:
+        """One commit in flight; offsets asked meanwhile go together in the next."""
+        self._to_commit.update(offsets)
+        if self._committer is None:
+            self._committer = asyncio.get_running_loop().create_task(self._commit_pending())
+
+    async def _commit_pending(self) -> None:
+        try:
+            while self._to_commit:
+                offsets, self._to_commit = self._to_commit, {}
+                await self._commit(offsets)
+        finally:
+            self._committer = None
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
         try:

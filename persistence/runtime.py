@@ -135,6 +135,7 @@ class DevicePersistence:
             self._consumer_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._consumer_task
+        await self.consumer.commits_done()
         await self.writer.flush()
         await self.sessions.flush()
         if self.event_log is not None:
@@ -200,7 +201,6 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         cluster=config.redis_cluster,
         limit=config.max_messages_per_client,
         default_ttl=config.default_message_ttl,
-        concurrency=config.save_concurrency,
     )
     try:
         await store.load_scripts()
