@@ -276,7 +276,6 @@ class PersistenceSettings:
     consumer_max_records: int = setting(
         5_000, "Most Kafka records read per consumer batch", ge=1, le=1_000_000
     )
-    save_concurrency: int = setting(10, "Redis batch saves in flight at once", ge=1, le=1_000)
     replay_page_size: int = setting(
         500, "Stored messages read per Redis call when replaying a backlog", ge=1, le=65535
     )

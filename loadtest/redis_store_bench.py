@@ -2,14 +2,14 @@
 
     python -m loadtest.redis_store_bench                 # single and cluster
     python -m loadtest.redis_store_bench --mode single --clients 200 --batch 50 \\
-        --batches 20 --in-flight 10
+        --batches 20
     python -m loadtest.redis_store_bench --url redis://127.0.0.1:6379   # a running Redis
 
 It starts its own redis-server (and a 3-master cluster) on free 127.0.0.1
 ports, stops them by PID at the end, and prints msg/s for:
 
-* ``save_many``: clients x batches of ``--batch`` messages, ``--in-flight``
-  script calls at once (the persistence consumer's path);
+* ``save_many``: clients x batches of ``--batch`` messages, one pipelined
+  round trip per poll (the persistence consumer's path);
 * ``per-message``: one awaited script call per message, for comparison;
 * ``replay``: ``load_page`` pages of 1000 over one client's 10k messages.
 
@@ -53,7 +53,7 @@ def _messages(first: int, count: int) -> list[StoredMessage]:
 
 
 async def bench_save_many(
-    store: RedisMessageStore, clients: int, batch: int, batches: int, in_flight: int
+    store: RedisMessageStore, clients: int, batch: int, batches: int
 ) -> float:
     run = uuid.uuid4().hex[:6]
     ids = [f"bench-{run}-{c}" for c in range(clients)]
@@ -68,7 +68,7 @@ async def bench_save_many(
     total = clients * batch * batches
     t0 = time.perf_counter()
     for poll in polls:
-        results = await store.save_many(poll, concurrency=in_flight)
+        results = await store.save_many(poll)
         assert all(r.saved == batch for r in results)
     elapsed = time.perf_counter() - t0
     return total / elapsed
@@ -100,11 +100,9 @@ async def run(url: str, cluster: bool, args: argparse.Namespace) -> dict[str, fl
     store = RedisMessageStore.from_url(url, cluster=cluster, limit=65535)
     try:
         await store.load_scripts()
-        await bench_save_many(store, 20, args.batch, 2, args.in_flight)  # warm-up
+        await bench_save_many(store, 20, args.batch, 2)  # warm-up
         out = {
-            "save_many": await bench_save_many(
-                store, args.clients, args.batch, args.batches, args.in_flight
-            ),
+            "save_many": await bench_save_many(store, args.clients, args.batch, args.batches),
             "per-message": await bench_per_message(store, args.single_count),
             "replay": await bench_replay(store),
         }
@@ -131,13 +129,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--batches", type=int, default=20, help="batches per client")
-    parser.add_argument("--in-flight", type=int, default=10)
     parser.add_argument("--single-count", type=int, default=10_000)
     args = parser.parse_args()
     print(
         f"{args.clients} clients x {args.batches} batches of {args.batch} "
-        f"({args.clients * args.batches * args.batch} messages, {len(PAYLOAD)} B payload), "
-        f"{args.in_flight} in flight"
+        f"({args.clients * args.batches * args.batch} messages, {len(PAYLOAD)} B payload)"
     )
     targets: list[tuple[str, contextlib.AbstractContextManager[tuple[str, bool]]]]
     if args.url:

@@ -101,7 +101,6 @@ either stored with its offset record or not at all.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import struct
@@ -146,7 +145,6 @@ DEFAULT_LIMIT = 10_000
 MAX_LIMIT = 65_535
 MAX_PACKET_ID = 65_535
 DEFAULT_TTL = 7 * 24 * 3600  # seconds
-DEFAULT_CONCURRENCY = 10
 
 RedisClient = Redis | RedisCluster
 
@@ -504,6 +502,23 @@ class ClientBatch:
     offsets: Sequence[int] | None = None
 
 
+def _save_result(reply: Any) -> SaveResult:
+    """The save script's reply: a score per message (>0 stored, <0 duplicate, 0 expired)."""
+    scores, trimmed = reply
+    assigned: list[Assigned | None] = []
+    duplicates = expired = 0
+    for score in scores:
+        if score > 0:
+            assigned.append(Assigned(packet_id_of(score), score))
+        else:
+            assigned.append(None)
+            if score < 0:
+                duplicates += 1
+            else:
+                expired += 1
+    return SaveResult(assigned, [int(t) for t in trimmed], duplicates, expired)
+
+
 class BatchSaveError(Exception):
     """Some batches of :meth:`RedisMessageStore.save_many` failed.
 
@@ -535,9 +550,7 @@ class PersistedMessageStore(Protocol):
         limit: int | None = None,
     ) -> SaveResult: ...
 
-    async def save_many(
-        self, batches: Iterable[ClientBatch], *, concurrency: int | None = None
-    ) -> list[SaveResult]: ...
+    async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]: ...
 
     async def load_page(
         self, client_id: str, after_score: int = 0, limit: int = 100
@@ -601,8 +614,7 @@ class RedisMessageStore:
 
     ``redis`` must not decode responses. ``limit`` is the per-client stored
     limit (1..65535), ``default_ttl`` the TTL in seconds of messages without
-    an MQTT 5 expiry, ``concurrency`` the script calls :meth:`save_many` keeps
-    in flight. ``clock`` gives epoch seconds (message expiry is absolute).
+    an MQTT 5 expiry. ``clock`` gives epoch seconds (message expiry is absolute).
     """
 
     def __init__(
@@ -611,18 +623,14 @@ class RedisMessageStore:
         *,
         limit: int = DEFAULT_LIMIT,
         default_ttl: int = DEFAULT_TTL,
-        concurrency: int = DEFAULT_CONCURRENCY,
         clock: Callable[[], float] = time.time,
     ) -> None:
         _check_limit(limit)
         if default_ttl <= 0:
             raise ValueError("default_ttl must be positive")
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
         self.redis = redis
         self.limit = limit
         self.default_ttl = default_ttl
-        self.concurrency = concurrency
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
         # Exported by broker/metrics.py: seconds per script call, failed calls.
@@ -666,10 +674,13 @@ class RedisMessageStore:
             self.script_errors[script.name] = self.script_errors.get(script.name, 0) + 1
             raise
         finally:
-            latency = self.script_latency.get(script.name)
-            if latency is None:
-                latency = self.script_latency[script.name] = Histogram()
-            latency.observe(time.perf_counter() - started)
+            self._observe(script.name, time.perf_counter() - started)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        latency = self.script_latency.get(name)
+        if latency is None:
+            latency = self.script_latency[name] = Histogram()
+        latency.observe(seconds)
 
     async def _run_script(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         # execute_command, not evalsha(): the cluster client routes EVALSHA by
@@ -708,18 +719,107 @@ class RedisMessageStore:
         Kafka consumer passes record values through untouched; then
         ``offsets`` must be given.
         """
-        if limit is None:
-            limit = self.limit
-        else:
+        if limit is not None:
             _check_limit(limit)
+        keys, args = self._save_call(
+            ClientBatch(client_id, messages, partition, offsets), self._clock(), limit or self.limit
+        )
+        if not messages:
+            return SaveResult([], [], 0, 0)
+        return _save_result(await self._eval(_SAVE, keys, args))
+
+    async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]:
+        """Save many client batches, each wave of them in one pipelined round trip.
+
+        Batches of one client run one after another in the order given (a
+        later batch first would make the earlier one look replayed): wave k
+        holds every client's k-th batch, and a client whose batch failed has
+        its later ones failed too, unsaved. Returns one result per batch, in
+        order. If any batch fails, the others still complete and
+        :class:`BatchSaveError` carries every result; retrying the call is safe.
+        """
+        todo = list(batches)
+        results: list[SaveResult | BaseException | None] = [None] * len(todo)
+        waves: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for i, batch in enumerate(todo):
+            k = seen.get(batch.client_id, 0)
+            seen[batch.client_id] = k + 1
+            if k == len(waves):
+                waves.append([])
+            waves[k].append(i)
+        failed: dict[str, BaseException] = {}
+        for wave in waves:
+            runnable = []
+            for i in wave:
+                error = failed.get(todo[i].client_id)
+                if error is not None:
+                    results[i] = error
+                else:
+                    runnable.append(i)
+            saved = await self._save_wave([todo[i] for i in runnable])
+            for i, result in zip(runnable, saved, strict=True):
+                results[i] = result
+                if isinstance(result, BaseException):
+                    failed[todo[i].client_id] = result
+        done: list[SaveResult] = []
+        for r in results:
+            if not isinstance(r, SaveResult):
+                raise BatchSaveError([r if r is not None else RuntimeError() for r in results])
+            done.append(r)
+        return done
+
+    async def _save_wave(self, batches: list[ClientBatch]) -> list[SaveResult | BaseException]:
+        """One script call per batch (of different clients), pipelined.
+
+        Calls refused with NOSCRIPT (a restarted or new Redis) ran nothing:
+        they are sent again once the scripts are loaded.
+        """
+        now, limit = self._clock(), self.limit
+        results: list[SaveResult | BaseException] = [SaveResult([], [], 0, 0)] * len(batches)
+        calls: dict[int, tuple[ClientKeys, tuple[Any, ...]]] = {}
+        for i, batch in enumerate(batches):
+            if batch.messages:
+                try:
+                    calls[i] = self._save_call(batch, now, limit)
+                except ValueError as error:  # a malformed batch fails alone
+                    results[i] = error
+        todo = list(calls)
+        for attempt in range(2):
+            if not todo:
+                break
+            started = time.perf_counter()
+            pipe = self.redis.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
+            try:
+                replies = await pipe.execute(raise_on_error=False)
+            finally:
+                self._observe(_SAVE.name, time.perf_counter() - started)
+            again = []
+            for i, reply in zip(todo, replies, strict=True):
+                if isinstance(reply, NoScriptError) and attempt == 0:
+                    again.append(i)
+                elif isinstance(reply, BaseException):
+                    self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
+                    results[i] = reply
+                else:
+                    results[i] = _save_result(reply)
+            if again:
+                await self.load_scripts()
+            todo = again
+        return results
+
+    def _save_call(
+        self, batch: ClientBatch, now: float, limit: int
+    ) -> tuple[ClientKeys, tuple[Any, ...]]:
+        """Keys and arguments of the save script for one client batch."""
+        messages, offsets = batch.messages, batch.offsets
         if offsets is None:
             offsets = [m.kafka_offset if isinstance(m, StoredMessage) else -1 for m in messages]
         elif len(offsets) != len(messages):
             raise ValueError("one offset per message")
-        if not messages:
-            return SaveResult([], [], 0, 0)
-        keys = client_keys(client_id)
-        now = self._clock()
         meta = bytearray()
         values: list[bytes] = []
         for m, offset in zip(messages, offsets, strict=True):
@@ -731,61 +831,8 @@ class RedisMessageStore:
             else:
                 meta += _OFFSET_TTL.pack(offset, self._ttl_ms(encoded_expiry(m), now))
                 values.append(m)
-        args = (limit, partition, self._default_ttl_ms, len(messages), bytes(meta), *values)
-        scores, trimmed = await self._eval(_SAVE, keys, args)
-        assigned: list[Assigned | None] = []
-        duplicates = expired = 0
-        for score in scores:
-            if score > 0:
-                assigned.append(Assigned(packet_id_of(score), score))
-            else:
-                assigned.append(None)
-                if score < 0:
-                    duplicates += 1
-                else:
-                    expired += 1
-        return SaveResult(assigned, [int(t) for t in trimmed], duplicates, expired)
-
-    async def save_many(
-        self, batches: Iterable[ClientBatch], *, concurrency: int | None = None
-    ) -> list[SaveResult]:
-        """Save many client batches with up to ``concurrency`` script calls in flight.
-
-        Batches of one client run one after another in the order given (a
-        later batch first would make the earlier one look replayed); different
-        clients run concurrently. Returns one result per batch, in order. If
-        any batch fails, the others still complete and :class:`BatchSaveError`
-        carries every result; retrying the call is safe.
-        """
-        todo = list(batches)
-        gate = asyncio.Semaphore(concurrency or self.concurrency)
-        by_client: dict[str, list[int]] = {}
-        for i, b in enumerate(todo):
-            by_client.setdefault(b.client_id, []).append(i)
-        results: list[SaveResult | BaseException | None] = [None] * len(todo)
-
-        async def run(indices: list[int]) -> None:
-            for n, i in enumerate(indices):
-                b = todo[i]
-                try:
-                    async with gate:
-                        results[i] = await self.save_batch(
-                            b.client_id, b.messages, b.partition, b.offsets
-                        )
-                except Exception as exc:
-                    # Later batches of this client would be judged against an
-                    # offset record that misses this one: fail them too.
-                    for j in indices[n:]:
-                        results[j] = exc
-                    return
-
-        await asyncio.gather(*(run(ix) for ix in by_client.values()))
-        done: list[SaveResult] = []
-        for r in results:
-            if not isinstance(r, SaveResult):
-                raise BatchSaveError([r if r is not None else RuntimeError() for r in results])
-            done.append(r)
-        return done
+        args = (limit, batch.partition, self._default_ttl_ms, len(messages), bytes(meta), *values)
+        return client_keys(batch.client_id), args
 
     # -- reading -----------------------------------------------------------
 
@@ -861,10 +908,7 @@ class RedisMessageStore:
             self.script_errors["progress"] = self.script_errors.get("progress", 0) + 1
             raise
         finally:
-            latency = self.script_latency.get("progress")
-            if latency is None:
-                latency = self.script_latency["progress"] = Histogram()
-            latency.observe(time.perf_counter() - started)
+            self._observe("progress", time.perf_counter() - started)
 
     async def _write_progress(
         self,

@@ -289,7 +289,7 @@ async def test_order_per_client_with_many_clients_saved_concurrently(
         for b in range(5)
         for i, c in enumerate(clients)
     ]
-    results = await store.save_many(batches, concurrency=10)
+    results = await store.save_many(batches)
     assert all(r.saved == 20 for r in results)
     for c in clients:
         recs = await all_records(store, c)
