@@ -126,7 +126,8 @@ class KafkaPersistentPath:
         round_.open = len(batch)
         self._open_rounds += 1
         round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
-        send, topic, partition_of = self._producer.send, self._topic, self._partition_of
+        send, topic = self._producer.send, self._topic
+        partition_of = self._partitioner_for_round()
         for (records, _), submission in zip(batch, round_.submissions, strict=True):
             if not records:
                 self._report(submission, True)
@@ -141,26 +142,32 @@ class KafkaPersistentPath:
                 self._failed(error)
                 self._report(submission, False)
 
-    def _partition_of(self, key: bytes) -> int | None:
-        """The default partitioner's choice for ``key``, remembered per key.
+    def _partitioner_for_round(self) -> Callable[[bytes], int | None]:
+        """The default partitioner's choice per key, remembered per key.
 
         None before the producer has the topic's metadata: it then picks itself,
-        with the same partitioner.
+        with the same partitioner. Looked up once per round: the metadata call
+        builds a new set each time.
         """
         partitions = self._producer.client.cluster.partitions_for_topic(self._topic)
         if not partitions:
-            return None
+            return lambda key: None
         known, chosen = self._partitions
         if len(partitions) != len(known):
             known = sorted(partitions)
             chosen = {}
             self._partitions = (known, chosen)
-        partition = chosen.get(key)
-        if partition is None:
-            if len(chosen) >= PARTITION_CACHE_SIZE:
-                chosen.clear()  # client ids come and go: start over rather than grow
-            partition = chosen[key] = self._partitioner(key, known, known)
-        return partition
+        if len(chosen) >= PARTITION_CACHE_SIZE:
+            chosen.clear()  # client ids come and go: start over rather than grow
+        partitioner = self._partitioner
+
+        def partition_of(key: bytes) -> int:
+            partition = chosen.get(key)
+            if partition is None:
+                partition = chosen[key] = partitioner(key, known, known)
+            return partition
+
+        return partition_of
 
     def _acked(self, submission: _Submission, future: asyncio.Future[RecordMetadata]) -> None:
         if future.cancelled():
