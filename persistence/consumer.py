@@ -42,6 +42,7 @@ log = logging.getLogger("devicemq.consumer")
 RETRY_DELAY = 0.5  # seconds between attempts to store a batch Redis refused
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
+RoomFor = Callable[[str], int]  # client id -> messages it can be sent right now
 
 
 @dataclass(slots=True)
@@ -79,8 +80,10 @@ class PersistenceConsumer:
         on_stored: StoredHandler,
         max_records: int,
         epoch: int = 0,
+        room_for: RoomFor = lambda client_id: 0,
     ) -> None:
         self._consumer = consumer
+        self._room_for = room_for
         self._epoch = epoch
         self._store = store
         self._on_stored = on_stored
@@ -106,8 +109,10 @@ class PersistenceConsumer:
                 values.append(record.value)
                 offsets.append(record.offset)
             log_id = f"{self._epoch}:{tp.partition}"
+            room_for = self._room_for
             client_batches.extend(
-                ClientBatch(client_id, values, log_id, offsets)
+                # Stored marked sent, as many as go out at once: no mark write for them.
+                ClientBatch(client_id, values, log_id, offsets, room_for(client_id))
                 for client_id, (values, offsets) in by_client.items()
             )
             commit[tp] = records[-1].offset + 1
@@ -173,11 +178,14 @@ def _records_of(batch: ClientBatch, result: SaveResult) -> Callable[[], list[Sto
     """The stored records, decoded only if someone wants them (the client is here)."""
 
     def decode() -> list[StoredRecord]:
-        records = []
+        records: list[StoredRecord] = []
+        premarked = batch.premark
         for value, assigned in zip(batch.messages, result.assigned, strict=True):
             if assigned is not None:
                 assert isinstance(value, bytes)
-                record = decode_record(assigned.packet_id, assigned.score, value)
+                record = decode_record(
+                    assigned.packet_id, assigned.score, value, marked=len(records) < premarked
+                )
                 assert record.stage is Stage.PUBLISH
                 records.append(record)
         return records

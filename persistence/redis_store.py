@@ -215,6 +215,8 @@ class StoredRecord:
 
     ``sent`` means it went out at least once: resend with DUP. In the PUBREL
     stage ``message`` is None (only PUBREL ``packet_id`` is to be sent).
+    ``marked``: not sent yet, but the store has it marked sent already (it was
+    saved for a client waiting for it): it goes out without a mark write.
     """
 
     packet_id: int
@@ -222,6 +224,7 @@ class StoredRecord:
     stage: Stage
     sent: bool
     message: StoredMessage | None
+    marked: bool = False
 
 
 def _short(data: bytes, what: str) -> bytes:
@@ -322,8 +325,14 @@ def encoded_expiry(value: bytes) -> float | None:
     return None
 
 
-def decode_record(packet_id: int, score: int, value: bytes) -> StoredRecord:
-    """Read a stored value back (inverse of :func:`encode_message`)."""
+def decode_record(
+    packet_id: int, score: int, value: bytes, *, marked: bool = False
+) -> StoredRecord:
+    """Read a stored value back (inverse of :func:`encode_message`).
+
+    ``marked``: the store holds it marked sent though this value is not
+    (see :attr:`StoredRecord.marked`).
+    """
     if len(value) < 2 or value[0] != VERSION:
         raise ValueError(f"unknown stored message format (packet id {packet_id})")
     flags = value[1]
@@ -346,7 +355,7 @@ def decode_record(packet_id: int, score: int, value: bytes) -> StoredRecord:
         kafka_offset=offset,
         **props,
     )
-    return StoredRecord(packet_id, score, Stage.PUBLISH, sent, message)
+    return StoredRecord(packet_id, score, Stage.PUBLISH, sent, message, marked)
 
 
 # ---------------------------------------------------------------------------
@@ -493,13 +502,16 @@ class SaveResult:
 class ClientBatch:
     """One client's messages from one Kafka partition, in offset order.
 
-    ``offsets`` defaults to each message's ``kafka_offset``.
+    ``offsets`` defaults to each message's ``kafka_offset``. The first
+    ``premark`` messages stored are stored marked sent (see
+    :attr:`StoredRecord.marked`).
     """
 
     client_id: str
     messages: Sequence[StoredMessage | bytes]
     partition: int | str  # the offset record's key: Kafka partition (qualified)
     offsets: Sequence[int] | None = None
+    premark: int = 0
 
 
 def _save_result(reply: Any) -> SaveResult:
@@ -831,7 +843,15 @@ class RedisMessageStore:
             else:
                 meta += _OFFSET_TTL.pack(offset, self._ttl_ms(encoded_expiry(m), now))
                 values.append(m)
-        args = (limit, batch.partition, self._default_ttl_ms, len(messages), bytes(meta), *values)
+        args = (
+            limit,
+            batch.partition,
+            self._default_ttl_ms,
+            len(messages),
+            bytes(meta),
+            batch.premark,
+            *values,
+        )
         return client_keys(batch.client_id), args
 
     # -- reading -----------------------------------------------------------

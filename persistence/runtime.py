@@ -68,7 +68,7 @@ class DevicePersistence:
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
         self.consumer = PersistenceConsumer(
-            consumer, store, self._stored, config.consumer_max_records, epoch
+            consumer, store, self._stored, config.consumer_max_records, epoch, self._room_for
         )
         self._broker: Broker | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
@@ -167,6 +167,15 @@ class DevicePersistence:
         outbox = session.outbox
         if isinstance(outbox, StoredOutbox):
             outbox.stored(records())
+
+    def _room_for(self, client_id: str) -> int:
+        """How many just-stored messages the client's outbox would send at once."""
+        assert self._broker is not None
+        session = self._broker.sessions.get(client_id)
+        if session is None:
+            return 0
+        outbox = session.outbox
+        return outbox.room() if isinstance(outbox, StoredOutbox) else 0
 
     def reread(self, client_ids: list[str]) -> None:
         """Another replica stored messages for these clients: connected ones re-read."""

@@ -8,7 +8,9 @@ the backlog in from Redis on reconnect instead of holding it in memory, and
 writes delivery progress back through a :class:`StoreWriter`:
 
 - a message is marked *sent* in Redis before it is written to the socket, so
-  a replay sets DUP exactly on messages that may have been seen before;
+  a replay sets DUP on every message that may have been seen before; a
+  message stored for a client that can take it at once is stored marked
+  (:meth:`StoredOutbox.room`), saving the separate write;
 - PUBACK and PUBCOMP delete it; PUBREC rewrites it as PUBREL, keeping its TTL.
 
 A progress write that is lost (Redis down, broker killed) only means a replay
@@ -206,12 +208,12 @@ class StoredOutbox:
             if record.stage is Stage.PUBREL:
                 self.inflight[record.packet_id] = _InFlight(record, _State.AWAIT_PUBCOMP)
                 conn.send(PubRel(record.packet_id))
-            elif record.sent and not self._marking:
+            elif (record.sent or record.marked) and not self._marking:
                 self._send(conn, record)
             else:
                 self.inflight[record.packet_id] = _InFlight(record, _State.MARKING)
                 self._marking.append(record)
-                if record.sent:
+                if record.sent or record.marked:
                     self._marked_ids.add(record.packet_id)  # only waits for its turn
                 else:
                     batch.append(record)
@@ -253,6 +255,26 @@ class StoredOutbox:
 
     def completed(self, packet_id: int) -> bool:
         return self._finish(packet_id, _State.AWAIT_PUBCOMP)
+
+    def room(self) -> int:
+        """How many messages stored now would go out at once (see :meth:`stored`).
+
+        The consumer stores that many already marked sent. Should the client
+        vanish before they go out, a replay sends them with DUP=1: a message
+        that may have been seen, which is never wrong.
+        """
+        conn = self._session.connection
+        if (
+            conn is None
+            or conn.congested
+            or not self._caught_up
+            or self._loading
+            or self._buffer
+            or self._marking
+        ):
+            return 0
+        window = min(self.max_inflight, conn.client_receive_maximum)
+        return max(0, window - len(self.inflight))
 
     def pending(self) -> int:
         return len(self.inflight) + len(self._buffer)

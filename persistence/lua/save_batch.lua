@@ -10,7 +10,9 @@
 -- ARGV[1] limit (1..65535)   ARGV[2] partition
 -- ARGV[3] default TTL in ms (how long orphaned keys are kept, see the end)
 -- ARGV[4] n   ARGV[5] n pairs of big-endian doubles: Kafka offset, TTL in ms
--- (<= 0: already expired)   ARGV[6 .. 5 + n] the values (opaque bytes)
+-- (<= 0: already expired)   ARGV[6] how many of the stored messages to store
+-- already marked sent (they go to the waiting client right away, so no
+-- separate mark write is needed)   ARGV[7 .. 6 + n] the values (opaque bytes)
 --
 -- Packet ids follow the score: id = (score - 1) % 65535 + 1, so they wrap
 -- 65535 -> 1 and are never 0. A score whose id is still stored is skipped
@@ -28,6 +30,7 @@ local partition = ARGV[2]
 local default_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
 local meta = ARGV[5]
+local premark = tonumber(ARGV[6])
 
 local last_offset = tonumber(redis.call('HGET', KEYS[4], partition) or '-1')
 local start_offset = last_offset
@@ -73,7 +76,12 @@ for i = 1, n do
         score = score + 1
         last_id = (score - 1) % 65535 + 1
       until not check or not redis.call('ZSCORE', set_key, last_id)
-      redis.call('SET', set_key .. '_' .. last_id, ARGV[5 + i], 'PX', ttl)
+      local value = ARGV[6 + i]
+      if stored < premark then
+        -- The SENT bit (0x01) of the flags byte, as mark_sent.lua sets it.
+        value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
+      end
+      redis.call('SET', set_key .. '_' .. last_id, value, 'PX', ttl)
       redis.call('ZADD', set_key, score, last_id)
       card = card + 1
       stored = stored + 1

@@ -260,6 +260,28 @@ async def test_mark_sent_sets_dup_keeps_ttl_and_creates_nothing(
     assert await cmd(store, "EXISTS", client_keys(cid).message(99)) == 0
 
 
+async def test_premarked_messages_are_stored_marked_sent(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """The first ``premark`` stored messages (skipping expired and replayed ones) carry DUP."""
+    await store.save_batch(cid, msgs(0, 1), partition=0)
+    batch = [msg(0), msg(1, expiry=time.time() - 1), msg(2), msg(3), msg(4)]
+    results = await store.save_many([ClientBatch(cid, batch, 0, [0, 1, 2, 3, 4], premark=2)])
+    assert (results[0].duplicates, results[0].expired, results[0].saved) == (1, 1, 3)
+    recs = await all_records(store, cid)
+    assert [(r.packet_id, r.sent) for r in recs] == [(1, False), (2, True), (3, True), (4, False)]
+    assert [r.message.kafka_offset for r in recs if r.message] == [0, 2, 3, 4]
+    assert [r.message for r in recs[1:]] == [msg(2), msg(3), msg(4)]
+
+
+async def test_save_many_reloads_flushed_scripts_for_every_client(store: RedisMessageStore) -> None:
+    clients = [f"dev-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
+    await cmd(store, "SCRIPT FLUSH")
+    results = await store.save_many([ClientBatch(c, msgs(0, 2), partition=0) for c in clients])
+    assert [r.saved for r in results] == [2, 2, 2]
+    assert [len(await all_records(store, c)) for c in clients] == [2, 2, 2]
+
+
 async def test_replayed_batch_stores_nothing_twice(store: RedisMessageStore, cid: str) -> None:
     keys = client_keys(cid)
     first = await store.save_batch(cid, msgs(100, 10), partition=3)
