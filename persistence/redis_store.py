@@ -169,7 +169,7 @@ _P_SUBSCRIPTION_ID = 0x0B
 _P_USER_PROPERTY = 0x26
 
 POOL_CONNECTIONS = 64  # Redis connections of one broker (single-node mode)
-_OFFSET_TTL = struct.Struct(">dd")  # per message in the save script's arguments
+_SAVE_META = struct.Struct(">ddd")  # per message to the save script: offset, TTL, length
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -185,7 +185,7 @@ class Stage(Enum):
     PUBREL = "pubrel"  # QoS 2 after PUBREC: only PUBREL is left to send
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class StoredMessage:
     """One message for one subscriber, as the consumer hands it to the store.
 
@@ -209,7 +209,7 @@ class StoredMessage:
     kafka_offset: int = -1
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class StoredRecord:
     """A message read back for delivery or replay.
 
@@ -838,11 +838,13 @@ class RedisMessageStore:
             if offset < 0:
                 raise ValueError("Kafka offsets are >= 0")
             if isinstance(m, StoredMessage):
-                meta += _OFFSET_TTL.pack(offset, self._ttl_ms(m.expiry, now))
-                values.append(encode_message(m))
+                value = encode_message(m)
+                ttl = self._ttl_ms(m.expiry, now)
             else:
-                meta += _OFFSET_TTL.pack(offset, self._ttl_ms(encoded_expiry(m), now))
-                values.append(m)
+                value = m
+                ttl = self._ttl_ms(encoded_expiry(m), now)
+            meta += _SAVE_META.pack(offset, ttl, len(value))
+            values.append(value)
         args = (
             limit,
             batch.partition,
@@ -850,7 +852,7 @@ class RedisMessageStore:
             len(messages),
             bytes(meta),
             batch.premark,
-            *values,
+            b"".join(values),
         )
         return client_keys(batch.client_id), args
 

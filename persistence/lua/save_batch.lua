@@ -9,10 +9,12 @@
 --
 -- ARGV[1] limit (1..65535)   ARGV[2] partition
 -- ARGV[3] default TTL in ms (how long orphaned keys are kept, see the end)
--- ARGV[4] n   ARGV[5] n pairs of big-endian doubles: Kafka offset, TTL in ms
--- (<= 0: already expired)   ARGV[6] how many of the stored messages to store
--- already marked sent (they go to the waiting client right away, so no
--- separate mark write is needed)   ARGV[7 .. 6 + n] the values (opaque bytes)
+-- ARGV[4] n   ARGV[5] n triples of big-endian doubles: Kafka offset, TTL in
+-- ms (<= 0: already expired), length of the value   ARGV[6] how many of the
+-- stored messages to store already marked sent (they go to the waiting
+-- client right away, so no separate mark write is needed)   ARGV[7] the
+-- values (opaque bytes), one after another: one argument instead of n keeps
+-- the client's command packing cheap
 --
 -- Packet ids follow the score: id = (score - 1) % 65535 + 1, so they wrap
 -- 65535 -> 1 and are never 0. A score whose id is still stored is skipped
@@ -31,6 +33,8 @@ local default_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
 local meta = ARGV[5]
 local premark = tonumber(ARGV[6])
+local values = ARGV[7]
+local value_end = 0
 
 local last_offset = tonumber(redis.call('HGET', KEYS[4], partition) or '-1')
 local start_offset = last_offset
@@ -55,7 +59,9 @@ local trimmed = {}
 local stored = 0
 local max_ttl = 0
 for i = 1, n do
-  local offset, ttl = struct.unpack('>dd', meta, (i - 1) * 16 + 1)
+  local offset, ttl, size = struct.unpack('>ddd', meta, (i - 1) * 24 + 1)
+  local value_start = value_end + 1
+  value_end = value_end + size
   if offset <= last_offset then
     scores[i] = -1
   else
@@ -76,7 +82,7 @@ for i = 1, n do
         score = score + 1
         last_id = (score - 1) % 65535 + 1
       until not check or not redis.call('ZSCORE', set_key, last_id)
-      local value = ARGV[6 + i]
+      local value = values:sub(value_start, value_end)
       if stored < premark then
         -- The SENT bit (0x01) of the flags byte, as mark_sent.lua sets it.
         value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
