@@ -320,6 +320,9 @@ class ClusterSettings:
     channel_prefix: str = setting(
         "devicemq:cluster", "Prefix of the Redis pub/sub channels of the cluster"
     )
+    share_ports: bool = setting(
+        False, "Bind the listeners with SO_REUSEPORT: replicas on one host share their ports"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from broker.config import Settings
+from broker.config import ConfigError, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.listeners import Framing, listener_specs
@@ -187,6 +187,7 @@ class BrokerServer:
                     spec.host,
                     spec.port,
                     reuse_address=True,
+                    reuse_port=self.settings.cluster.share_ports or None,
                     backlog=1024,
                     ssl=spec.ssl,
                     ssl_handshake_timeout=timeout if spec.ssl is not None else None,
@@ -310,9 +311,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer | None) -> None:
     persistence = None
     if settings.cluster.enabled and not settings.persistence.enabled:
-        from broker.config import ConfigError
-
         raise ConfigError("the cluster shares Redis: enable persistence", name="cluster.enabled")
+    if settings.cluster.share_ports and not settings.cluster.enabled:
+        raise ConfigError(
+            "brokers sharing a port must form a cluster: enable cluster",
+            name="cluster.share_ports",
+        )
     if settings.persistence.enabled:
         from persistence.runtime import open_persistence
 

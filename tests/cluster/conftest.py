@@ -12,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from persistence.services import find_tansu
-from tests.faults.conftest import DeviceMQ, RedisProcess
+from tests.faults.conftest import START_TIMEOUT, DeviceMQ, RedisProcess
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
 
@@ -33,10 +35,12 @@ class Cluster:
         return f"cluster-{self.tag}-{suffix}"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def running_cluster(
+    root: Path, settings: Mapping[str, object] = {}, shared_port: bool = False
+) -> Iterator[Cluster]:
+    """Tansu, redis-server and replicas ``a`` then ``b``; ``shared_port``: both on a's port."""
     find_tansu()
-    root = tmp_path_factory.mktemp("cluster")
     tansu = start_tansu(log=root / "tansu.log")
     redis = RedisProcess(root / "redis")
     tag = uuid.uuid4().hex[:8]
@@ -47,13 +51,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "cluster.enabled": True,
         "events.enabled": False,
         "log.level": "INFO",
+        **settings,
     }
     a = DeviceMQ(root / "a", redis, bootstrap_of(tansu), {**common, "cluster.node_id": "a"})
     b = DeviceMQ(root / "b", redis, bootstrap_of(tansu), {**common, "cluster.node_id": "b"})
+    if shared_port:
+        b.port = a.port
     try:
         redis.start()
         a.start()
         b.start()
+        if shared_port:  # a answers on the port already: wait for b's own listener
+            _wait_for_log(b, "devicemq listening on", START_TIMEOUT)
         yield Cluster(a, b, tag)
     finally:
         for broker in (b, a):
@@ -64,3 +73,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         stop_tansu(tansu)
         for broker in (a, b):  # shown by pytest when a test of the module failed
             print(f"--- {broker.data_dir} ---\n{broker.log()[-8000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as replicas:
+        yield replicas
+
+
+def _wait_for_log(broker: DeviceMQ, line: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in broker.log():
+        if not broker.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{broker.data_dir}: no {line!r}:\n{broker.log()[-4000:]}")
+        time.sleep(0.05)

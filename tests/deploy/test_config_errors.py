@@ -82,3 +82,31 @@ def test_bad_flag_or_variable_stops_start_up(
         monkeypatch.setenv(var, value)
     assert cli.main(["run", *argv]) == 2
     assert capsys.readouterr().err == f"devicemq: error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"DEVICEMQ_CLUSTER_ENABLED": "true", "DEVICEMQ_PERSISTENCE_ENABLED": "false"},
+            "cluster.enabled: the cluster shares Redis: enable persistence",
+        ),
+        (
+            {"DEVICEMQ_CLUSTER_SHARE_PORTS": "true"},
+            "cluster.share_ports: brokers sharing a port must form a cluster: enable cluster",
+        ),
+    ],
+)
+def test_settings_that_need_each_other_stop_start_up(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    message: str,
+) -> None:
+    for var in [v for v in os.environ if v.startswith("DEVICEMQ_")]:
+        monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert cli.main(["run", "--data-dir", str(tmp_path), "--log-level", "ERROR"]) == 2
+    assert capsys.readouterr().err.endswith(f"devicemq: error: {message}\n")
