@@ -15,13 +15,10 @@ ports, stops them by PID at the end, and prints msg/s for:
 
 Every run uses fresh client ids, so nothing is skipped as a duplicate.
 
-Measured on the 2-core development machine while other jobs were using about
-one core (so lower than DESIGN.md's ~100k; repeat runs vary by ~30%):
-save_many 200 clients x 50 x 10 in flight: 27-48k msg/s single, 30-34k
-cluster; batches of 200: ~67k msg/s; per-message calls: 1.7-3.5k msg/s;
-replay (pages of 1000): 30-85k msg/s. Redis spends ~11-12 us of CPU per
-stored message in the save script (SET PX + ZADD alone cost ~7 us), the
-client ~9 us.
+Measured on the 2-core development machine, quiet, 2026-11-22 (the
+defaults: 200 clients x 20 batches of 50): save_many 74-79k msg/s single,
+99k on the 3-master cluster; per-message calls 3.1-3.8k msg/s; replay
+(pages of 1000) 112-121k msg/s single, 193k cluster.
 """
 
 from __future__ import annotations
