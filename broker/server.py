@@ -187,7 +187,7 @@ class BrokerServer:
                     spec.host,
                     spec.port,
                     reuse_address=True,
-                    reuse_port=self.settings.cluster.share_ports or None,
+                    reuse_port=self.settings.cluster.share_ports,
                     backlog=1024,
                     ssl=spec.ssl,
                     ssl_handshake_timeout=timeout if spec.ssl is not None else None,

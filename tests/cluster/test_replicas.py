@@ -105,6 +105,27 @@ def in_order_without_loss(received: list[bytes], sent: list[bytes]) -> None:
     assert first == sent, "first receipts out of order"
 
 
+def every_persistent_subscriber_gets_all(
+    pub: Client, subs: list[Client], topic: str, count: int
+) -> None:
+    """Subscribe ``subs`` at QoS 1, publish ``count`` messages, and check that each
+    subscriber got all of them, first receipts in order. Closes every client."""
+    try:
+        for sub in subs:
+            sub.subscribe(topic, 1)
+        for sub in subs:
+            probe(pub, sub, topic, 1, 30)  # the first one also waits for the consumer group
+        sent = [b"m-%d" % i for i in range(count)]
+        publish(pub, topic, sent, 1)
+        for sub in subs:
+            wait_until(lambda s=sub: len(set(s.received(b"m-"))) == count, 30, f"{count} each")
+            in_order_without_loss(sub.received(b"m-"), sent)
+    finally:
+        pub.close()
+        for sub in subs:
+            sub.close()
+
+
 def _partition(client_id: str, partitions: int = 4) -> int:
     """The Kafka partition of a client's records (the default partitioner, by key)."""
     return (murmur2(client_id.encode()) & 0x7FFFFFFF) % partitions
@@ -140,20 +161,7 @@ def test_persistent_subscribers_get_everything_published_on_a_in_order(cluster: 
     ids.append(cluster.name(f"durable-sub-{i}"))
     subs = [Client(cluster.b, client_id, expiry=600) for client_id in ids]
     pub = Client(cluster.a, cluster.name("durable-pub"))
-    try:
-        for sub in subs:
-            sub.subscribe(topic, 1)
-        for sub in subs:
-            probe(pub, sub, topic, 1, 30)  # the first one also waits for the consumer group
-        sent = [b"m-%d" % i for i in range(300)]
-        publish(pub, topic, sent, 1)
-        for sub in subs:
-            wait_until(lambda s=sub: len(set(s.received(b"m-"))) == len(sent), 30, "300 on b")
-            in_order_without_loss(sub.received(b"m-"), sent)
-    finally:
-        pub.close()
-        for sub in subs:
-            sub.close()
+    every_persistent_subscriber_gets_all(pub, subs, topic, 300)
 
 
 def test_offline_persistent_subscriber_gets_its_backlog_on_the_other_replica(

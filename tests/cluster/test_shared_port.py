@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.cluster.conftest import running_cluster
-from tests.cluster.test_replicas import Client, in_order_without_loss, probe, publish, wait_until
+from tests.cluster.test_replicas import Client, every_persistent_subscriber_gets_all
 
 SUBSCRIBERS = 16
 
@@ -22,20 +22,7 @@ def test_replicas_sharing_a_port_split_the_clients_and_act_as_one_broker(tmp_pat
         topic = cluster.name("shared/t")
         subs = [Client(cluster.a, cluster.name(f"sub-{i}"), expiry=600) for i in range(SUBSCRIBERS)]
         pub = Client(cluster.a, cluster.name("pub"))
-        try:
-            for sub in subs:
-                sub.subscribe(topic, 1)
-            for sub in subs:
-                probe(pub, sub, topic, 1, 30)  # the first one also waits for the consumer group
-            sent = [b"m-%d" % i for i in range(100)]
-            publish(pub, topic, sent, 1)
-            for sub in subs:
-                wait_until(lambda s=sub: len(set(s.received(b"m-"))) == len(sent), 30, "100 each")
-                in_order_without_loss(sub.received(b"m-"), sent)
-        finally:
-            pub.close()
-            for sub in subs:
-                sub.close()
+        every_persistent_subscriber_gets_all(pub, subs, topic, 100)
         # 17 connections, each replica took some (all on one: a chance of 2**-16).
         for replica in (cluster.a, cluster.b):
             assert f"client {cluster.name('sub-')}" in replica.log(), f"{replica.data_dir} got none"

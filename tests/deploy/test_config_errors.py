@@ -10,6 +10,13 @@ import pytest
 from broker import cli
 
 
+@pytest.fixture(autouse=True)
+def no_devicemq_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what a test sets: no DEVICEMQ_* variable of the calling shell."""
+    for var in [v for v in os.environ if v.startswith("DEVICEMQ_")]:
+        monkeypatch.delenv(var)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -40,8 +47,6 @@ def test_bad_file_stops_start_up(
     text: str,
     message: str,
 ) -> None:
-    for var in [v for v in os.environ if v.startswith("DEVICEMQ_")]:
-        monkeypatch.delenv(var)
     path = tmp_path / "devicemq.yml"
     path.write_text(text, encoding="utf-8")
     assert cli.main(["run", "--config", str(path)]) == 2
@@ -76,8 +81,6 @@ def test_bad_flag_or_variable_stops_start_up(
     env: dict[str, str],
     message: str,
 ) -> None:
-    for var in [v for v in os.environ if v.startswith("DEVICEMQ_")]:
-        monkeypatch.delenv(var)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert cli.main(["run", *argv]) == 2
@@ -104,8 +107,6 @@ def test_settings_that_need_each_other_stop_start_up(
     env: dict[str, str],
     message: str,
 ) -> None:
-    for var in [v for v in os.environ if v.startswith("DEVICEMQ_")]:
-        monkeypatch.delenv(var)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert cli.main(["run", "--data-dir", str(tmp_path), "--log-level", "ERROR"]) == 2
