@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from broker.message import Delivery
+from broker.outflow import MemoryFeed
 from broker.session import NEVER_EXPIRES, Session
 from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
@@ -80,9 +81,10 @@ class RemoteSession(Session):
         stats: BrokerStats,
         forward: Forward,
     ) -> None:
-        super().__init__(client_id, NEVER_EXPIRES if durable else 0, 1, 1, stats)
+        super().__init__(
+            client_id, NEVER_EXPIRES if durable else 0, 1, MemoryFeed(1, stats), stats, durable
+        )
         self.node = node
-        self.durable = durable
         self.online = online
         self._forward = forward
 
@@ -399,7 +401,7 @@ class ClusterState:
         for topic_filter in session.subscriptions:
             broker.subscriptions.remove(session.client_id, topic_filter)
         session.subscriptions.clear()
-        session.outbox.discard()
+        session.outflow.discard()
         if broker.sessions.get(session.client_id) is session:
             del broker.sessions[session.client_id]
         broker.forget_detached(session)

@@ -188,11 +188,16 @@ class MQTTConnection:
         out.clear()
         return data
 
-    def send_delivery(self, delivery: Delivery, packet_id: int | None, dup: bool) -> bool:
+    def send_delivery(
+        self, delivery: Delivery, packet_id: int | None, dup: bool, resend: bool = False
+    ) -> bool:
         """Encode one PUBLISH for this client; False if it must be discarded instead.
 
-        Discarded are messages whose expiry passed (MQTT-3.3.2-5) and messages
-        larger than the client's Maximum Packet Size (MQTT-3.1.2-24).
+        Discarded are messages whose expiry passed before their onward delivery
+        started (MQTT-3.3.2-5) and messages larger than the client's Maximum
+        Packet Size (MQTT-3.1.2-24). A ``resend`` of a message already sent is
+        not discarded for its age: its flow must complete (MQTT-4.4.0-1), so it
+        goes out with whatever expiry is left, down to 0.
         """
         message = delivery.message
         stats = self.broker.stats
@@ -203,7 +208,7 @@ class MQTTConnection:
             expiry = None
             if message.expires_at is not None:
                 now = self.broker.clock()
-                if message.expired(now):
+                if not resend and message.expired(now):
                     stats.drop("expired")
                     return False
                 expiry = message.remaining_expiry(now)
@@ -222,7 +227,7 @@ class MQTTConnection:
                     topic_alias=alias,
                     subscription_identifiers=delivery.subscription_ids,
                 )
-        elif message.expired(self.broker.clock()):
+        elif not resend and message.expired(self.broker.clock()):
             stats.drop("expired")
             return False
         data = encode(

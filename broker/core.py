@@ -20,7 +20,7 @@ from broker.auth import Authenticator, reload_on_sighup
 from broker.cluster import ClusterState, RemoteSession
 from broker.limits import bucket_or_none
 from broker.message import Delivery, Message
-from broker.outbox import MemoryOutbox
+from broker.outflow import MemoryFeed
 from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
 from broker.retained import RetainedStore
 from broker.session import NEVER_EXPIRES, Session
@@ -97,17 +97,9 @@ class Broker:
         if existing is not None and clean_start:
             self.end_session(existing)
             existing = None
-        mqtt = self.settings.mqtt
         if existing is None:
-            session = Session(
-                client_id, expiry_interval, mqtt.max_inflight, mqtt.max_queued_messages, self.stats
-            )
-            if mqtt.queue_drop_policy == "oldest" and isinstance(session.outbox, MemoryOutbox):
-                session.outbox.drop_oldest = True
+            session = self._new_session(client_id, expiry_interval, durable=expiry_interval > 0)
             self.sessions[client_id] = session
-            if expiry_interval > 0:
-                session.durable = True
-                session.outbox = self.persistent_path.outbox_for(session)
             present = False
         else:
             session = existing
@@ -135,12 +127,7 @@ class Broker:
         expires_in: float | None,
     ) -> Session:
         """Recreate a durable session saved before a restart, disconnected."""
-        mqtt = self.settings.mqtt
-        session = Session(
-            client_id, expiry_interval, mqtt.max_inflight, mqtt.max_queued_messages, self.stats
-        )
-        session.durable = True
-        session.outbox = self.persistent_path.outbox_for(session)
+        session = self._new_session(client_id, expiry_interval, durable=True)
         for entry in subscriptions:
             self.subscriptions.add(entry)
             session.subscriptions[entry.topic_filter] = entry
@@ -149,6 +136,16 @@ class Broker:
         self.sessions[client_id] = session
         self._detached.add(session)
         return session
+
+    def _new_session(self, client_id: str, expiry_interval: int, durable: bool) -> Session:
+        """A session whose outgoing messages wait in memory, or where the persistent
+        path keeps them (durable)."""
+        mqtt = self.settings.mqtt
+        feed = self.persistent_path.feed_for(client_id) if durable else None
+        if feed is None:
+            drop_oldest = mqtt.queue_drop_policy == "oldest"
+            feed = MemoryFeed(mqtt.max_queued_messages, self.stats, drop_oldest)
+        return Session(client_id, expiry_interval, mqtt.max_inflight, feed, self.stats, durable)
 
     def detach(self, conn: MQTTConnection, publish_will: bool) -> None:
         """The connection ended: start the will delay and the session expiry."""
@@ -194,7 +191,7 @@ class Broker:
         for topic_filter in session.subscriptions:
             self.subscriptions.remove(session.client_id, topic_filter)
         session.subscriptions.clear()
-        session.outbox.discard()
+        session.outflow.discard()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
         if session.durable:

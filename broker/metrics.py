@@ -181,7 +181,7 @@ class BrokerCollector(Collector):
             if session.connection is None:
                 continue
             connected += 1
-            inflight = len(getattr(session.outbox, "inflight", ()))
+            inflight = len(session.outflow.inflight)
             inflight_hist.observe(inflight)
             inflight_total += inflight
             inflight_max = max(inflight_max, inflight)

@@ -4,7 +4,7 @@ A session is persistent when it outlives its connection (clean session 0 in
 3.1.1, Session Expiry Interval > 0 in 5.0). Such a session is *durable*: the
 router sends its QoS 1/2 deliveries through a :class:`PersistentPath` and
 acknowledges the publisher only when the path reports them stored; its
-outgoing flow is an outbox the path supplies; its state is saved through the
+outgoing flow is fed by the path; its state is saved through the
 path before SUBACK. DESIGN.md's durable path (Kafka, then Redis) lives in
 ``persistence/``; :class:`InMemoryPersistentPath` keeps everything in the
 session itself, as an ordinary broker does (survives disconnects, not
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from broker.message import Delivery
-    from broker.outbox import Outbox
+    from broker.outflow import Feed
     from broker.session import Session
 
 DoneCallback = Callable[[bool], None]
@@ -35,8 +35,8 @@ class PersistentPath(Protocol):
         not be told the message was accepted.
         """
 
-    def outbox_for(self, session: Session) -> Outbox:
-        """The outgoing flow of a new durable session."""
+    def feed_for(self, client_id: str) -> Feed | None:
+        """Where a new durable session's outgoing messages come from; None: memory."""
 
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
         """Record the session's state (subscriptions, expiry, connected or not)."""
@@ -50,7 +50,7 @@ def _ignore(ok: bool) -> None:
 
 
 class InMemoryPersistentPath:
-    """Keeps durable sessions' messages in their in-memory outbox."""
+    """Keeps durable sessions' messages in their in-memory outflow."""
 
     def submit(
         self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
@@ -59,8 +59,8 @@ class InMemoryPersistentPath:
             session.deliver(delivery)
         on_stored(True)
 
-    def outbox_for(self, session: Session) -> Outbox:
-        return session.outbox
+    def feed_for(self, client_id: str) -> Feed | None:
+        return None
 
     def save_session(self, session: Session, on_saved: DoneCallback = _ignore) -> None:
         on_saved(True)

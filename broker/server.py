@@ -105,7 +105,7 @@ class MQTTProtocol(asyncio.Protocol):
             self.transport.resume_reading()
         session = self.conn.session
         if session is not None:
-            session.outbox.pump()
+            session.outflow.pump()
 
 
 class WebSocketProtocol(MQTTProtocol):

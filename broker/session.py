@@ -1,7 +1,7 @@
 """MQTT session state: what outlives a network connection (spec 4.1).
 
 The session owns its subscriptions, its outgoing QoS 1/2 flow (an
-:class:`~broker.outbox.Outbox`) and the receiver side of incoming QoS 2. The
+:class:`~broker.outflow.Outflow`) and the receiver side of incoming QoS 2. The
 connection that is currently attached, if any, is only a way to send bytes.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broker.message import Delivery
-from broker.outbox import MemoryOutbox, Outbox
+from broker.outflow import Feed, Outflow
 from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
 
@@ -26,8 +26,9 @@ class Session:
         client_id: str,
         expiry_interval: int,
         max_inflight: int,
-        max_queued: int,
+        feed: Feed,
         stats: BrokerStats,
+        durable: bool = False,
     ) -> None:
         self.client_id = client_id
         self.expiry_interval = expiry_interval
@@ -40,9 +41,9 @@ class Session:
         self.pending_will: WillMessage | None = None  # a will waiting out its delay
         self.will_at: float | None = None
         self.stats = stats
-        self.outbox: Outbox = MemoryOutbox(self, max_inflight, max_queued, stats)
+        self.outflow = Outflow(self, max_inflight, feed)
         # Created persistent: deliveries and state go through the persistent path.
-        self.durable = False
+        self.durable = durable
 
     @property
     def persistent(self) -> bool:
@@ -50,9 +51,9 @@ class Session:
 
     def deliver(self, delivery: Delivery) -> None:
         """QoS 0 goes out now or never: a session may keep it (spec 3.1.2.4), this
-        one does not, as Mosquitto by default. QoS 1 and 2 go to the outbox."""
+        one does not, as Mosquitto by default. QoS 1 and 2 go to the outflow."""
         if delivery.qos:
-            self.outbox.deliver(delivery)
+            self.outflow.deliver(delivery)
             return
         conn = self.connection
         if conn is None:

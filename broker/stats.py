@@ -45,7 +45,7 @@ class BrokerStats:
     dropped: dict[str, int] = field(default_factory=dict)  # PUBLISH drops by reason
     payload_bytes_received: list[int] = field(default_factory=lambda: [0, 0, 0])  # by QoS
     payload_bytes_sent: list[int] = field(default_factory=lambda: [0, 0, 0])  # by QoS
-    # The persistent path's outgoing side (persistence/stored_outbox.py)
+    # The persistent path's outgoing side (persistence/store_feed.py)
     persisted_delivered: int = 0  # PUBLISH sends of stored messages, re-sends included
     persisted_acked: int = 0  # PUBACK / PUBCOMP removed a stored message
     persisted_undeliverable: int = 0  # expired by send time, or too large for the client

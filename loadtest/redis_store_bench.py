@@ -86,7 +86,7 @@ async def bench_replay(store: RedisMessageStore, count: int = 10_000) -> float:
         await store.save_batch(cid, _messages(first, 1000), partition=0)
     t0 = time.perf_counter()
     after, seen = 0, 0
-    while records := await store.load_page(cid, after, 1000):
+    while records := (await store.load_page(cid, after, 1000)).records:
         seen += len(records)
         after = records[-1].score
     assert seen == count

@@ -86,14 +86,22 @@ Invariants
 * **Idempotent save**: messages at offsets ``<=`` the partition's stored
   offset are skipped (reported as duplicates), so a batch retried after a
   crash before the Kafka commit stores nothing twice and advances no counter.
+* **In flight until acknowledged**: a message marked sent (it may have been
+  seen) is never trimmed and never expires: its string lives as long as the
+  session (no TTL while the client is connected, the session's TTL while it
+  is not), so its packet id stays taken until the client acknowledges it
+  (MQTT-4.4.0-1: it is re-sent on reconnect whatever its age). Sent messages
+  are the oldest refs (delivery goes in score order), at most a window's
+  worth.
 * **Limit**: over the per-client limit (default 10000, at most 65535) the
-  oldest refs (lowest scores) and their strings are removed, reported in
-  :attr:`SaveResult.trimmed_ids`.
+  oldest refs never sent (lowest scores) and their strings are removed,
+  reported in :attr:`SaveResult.trimmed_ids`; when every stored message is in
+  flight, the new message is not stored (:attr:`SaveResult.unstored`).
 * **Bounded growth**: while the session key has a TTL (client disconnected)
   every key of the client expires with it; with no session key at all the
   keys expire after the longest message TTL (at least ``default_ttl``).
-  Strings always have a TTL. Refs whose string expired are dropped by
-  :meth:`RedisMessageStore.load_page`.
+  Strings never sent have a TTL of their own. Refs whose string expired are
+  dropped by :meth:`RedisMessageStore.load_page`.
 
 Atomicity comes from each batch being one script: on a crash a batch is
 either stored with its offset record or not at all.
@@ -126,6 +134,7 @@ __all__ = [
     "BatchSaveError",
     "ClientBatch",
     "ClientKeys",
+    "Page",
     "PersistedMessageStore",
     "RedisMessageStore",
     "SaveResult",
@@ -467,6 +476,13 @@ def client_keys(client_id: str) -> ClientKeys:
 # ---------------------------------------------------------------------------
 
 
+class Page(NamedTuple):
+    """One page of stored messages and the score counter as it was read."""
+
+    records: list[StoredRecord]
+    last_score: int
+
+
 class Assigned(NamedTuple):
     packet_id: int
     score: int
@@ -481,21 +497,24 @@ class SaveResult:
     not stored: its offset had been stored before (counted in
     ``duplicates``) or it had already expired (``expired``).
     ``trimmed_ids`` are packet ids removed, oldest first, to respect the
-    limit; they may include messages of this very batch.
+    limit; they may include messages of this very batch. ``unstored`` are
+    the indexes of messages refused for the limit itself: every message
+    stored was in flight, none could make room.
     """
 
     assigned: list[Assigned | None]
     trimmed_ids: list[int]
     duplicates: int
     expired: int
+    unstored: list[int] = field(default_factory=list)
 
     @property
     def saved(self) -> int:
-        return len(self.assigned) - self.duplicates - self.expired
+        return len(self.assigned) - self.duplicates - self.expired - len(self.unstored)
 
     @property
     def trimmed(self) -> int:
-        return len(self.trimmed_ids)
+        return len(self.trimmed_ids) + len(self.unstored)
 
 
 @dataclass(slots=True)
@@ -515,20 +534,24 @@ class ClientBatch:
 
 
 def _save_result(reply: Any) -> SaveResult:
-    """The save script's reply: a score per message (>0 stored, <0 duplicate, 0 expired)."""
+    """The save script's reply: a score per message (>0 stored, -1 duplicate, 0 expired,
+    -3 no room: every stored message in flight)."""
     scores, trimmed = reply
     assigned: list[Assigned | None] = []
     duplicates = expired = 0
-    for score in scores:
+    unstored: list[int] = []
+    for i, score in enumerate(scores):
         if score > 0:
             assigned.append(Assigned(packet_id_of(score), score))
+            continue
+        assigned.append(None)
+        if score == -1:
+            duplicates += 1
+        elif score == 0:
+            expired += 1
         else:
-            assigned.append(None)
-            if score < 0:
-                duplicates += 1
-            else:
-                expired += 1
-    return SaveResult(assigned, [int(t) for t in trimmed], duplicates, expired)
+            unstored.append(i)
+    return SaveResult(assigned, [int(t) for t in trimmed], duplicates, expired, unstored)
 
 
 class BatchSaveError(Exception):
@@ -564,9 +587,7 @@ class PersistedMessageStore(Protocol):
 
     async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]: ...
 
-    async def load_page(
-        self, client_id: str, after_score: int = 0, limit: int = 100
-    ) -> list[StoredRecord]: ...
+    async def load_page(self, client_id: str, after_score: int = 0, limit: int = 100) -> Page: ...
 
     async def ack(self, client_id: str, packet_id: int) -> bool: ...
 
@@ -574,14 +595,14 @@ class PersistedMessageStore(Protocol):
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool: ...
 
-    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> int: ...
+    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> list[int]: ...
 
     async def write_progress(
         self,
         marks: Mapping[str, Sequence[int]],
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[int]],
-    ) -> None: ...
+    ) -> dict[str, set[int]]: ...
 
     async def pending_count(self, client_id: str) -> int: ...
 
@@ -858,22 +879,24 @@ class RedisMessageStore:
 
     # -- reading -----------------------------------------------------------
 
-    async def load_page(
-        self, client_id: str, after_score: int = 0, limit: int = 100
-    ) -> list[StoredRecord]:
+    async def load_page(self, client_id: str, after_score: int = 0, limit: int = 100) -> Page:
         """Up to ``limit`` stored messages with score > ``after_score``, in order.
 
         Page on with the last record's score. Refs whose message expired are
-        removed from the set on the way.
+        removed from the set on the way. :attr:`Page.last_score` is the
+        client's score counter as the page was read.
         """
         if limit < 1:
             raise ValueError("limit must be at least 1")
         keys = client_keys(client_id)
-        reply = await self._eval(_LOAD_PAGE, keys[:1], (int(after_score), limit))
-        return [
+        reply = await self._eval(
+            _LOAD_PAGE, (keys.messages, keys.last_score), (int(after_score), limit)
+        )
+        records = [
             decode_record(int(reply[i]), int(reply[i + 1]), reply[i + 2])
-            for i in range(1, len(reply), 3)
+            for i in range(2, len(reply), 3)
         ]
+        return Page(records, int(reply[1]))
 
     async def pending_count(self, client_id: str) -> int:
         """Refs stored (including expired ones not yet dropped by a load)."""
@@ -901,31 +924,38 @@ class RedisMessageStore:
         reply = await self.redis.execute_command("SET", key, _PUBREL_VALUE, "XX", "KEEPTTL")
         return reply is not None and reply is not False
 
-    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> int:
-        """Record that messages went out at least once (DUP on replay)."""
+    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> list[int]:
+        """Record that messages are about to go out (DUP on any later send).
+
+        Returns the ids marked; a message no longer stored (trimmed, expired)
+        is left out and must not be sent.
+        """
         ids = list(packet_ids)
         if not ids:
-            return 0
-        return int(await self._eval(_MARK_SENT, client_keys(client_id)[:1], ids))
+            return []
+        keys = client_keys(client_id)
+        reply = await self._eval(_MARK_SENT, (keys.messages, keys.session), ids)
+        return [int(i) for i in reply]
 
     async def write_progress(
         self,
         marks: Mapping[str, Sequence[int]],
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[int]],
-    ) -> None:
+    ) -> dict[str, set[int]]:
         """Many clients' delivery progress in one pipelined round trip.
 
         Sent marks first, then PUBREL stages, then acks: the order one
         message's progress can take within one batch. Every command is
-        idempotent, so a failed batch is simply written again.
+        idempotent, so a failed batch is simply written again. Returns, per
+        client, the ids marked (see :meth:`mark_sent`).
         """
         started = time.perf_counter()
         try:
-            await self._write_progress(marks, pubrels, acks)
+            return await self._write_progress(marks, pubrels, acks)
         except NoScriptError:
             await self.load_scripts()
-            await self._write_progress(marks, pubrels, acks)
+            return await self._write_progress(marks, pubrels, acks)
         except Exception:
             self.script_errors["progress"] = self.script_errors.get("progress", 0) + 1
             raise
@@ -937,11 +967,11 @@ class RedisMessageStore:
         marks: Mapping[str, Sequence[int]],
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[int]],
-    ) -> None:
+    ) -> dict[str, set[int]]:
         pipe = self.redis.pipeline(transaction=False)
         for client_id, ids in marks.items():
-            key = client_keys(client_id).messages
-            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 1, key, *ids)
+            keys = client_keys(client_id)
+            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 2, keys.messages, keys.session, *ids)
         for client_id, ids in pubrels.items():
             keys = client_keys(client_id)
             for packet_id in ids:
@@ -949,7 +979,11 @@ class RedisMessageStore:
         for client_id, ids in acks.items():
             key = client_keys(client_id).messages
             pipe.execute_command("EVALSHA", _ACK.sha, 1, key, *ids)
-        await pipe.execute()
+        replies = await pipe.execute()
+        return {
+            client_id: {int(i) for i in reply}
+            for client_id, reply in zip(marks, replies, strict=False)
+        }
 
     # -- sessions ----------------------------------------------------------
 

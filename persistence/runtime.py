@@ -25,14 +25,13 @@ from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_ev
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
 from persistence.redis_store import RedisMessageStore, StoredRecord
 from persistence.sessions import SessionStateStore
-from persistence.stored_outbox import StoredOutbox, StoreWriter
+from persistence.store_feed import StoreFeed, StoreWriter
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from broker.core import Broker
     from broker.message import Delivery
-    from broker.outbox import Outbox
     from broker.persistent_path import DoneCallback
     from broker.session import Session
 
@@ -75,7 +74,7 @@ class DevicePersistence:
         self._consumer_task: asyncio.Task[None] | None = None
         self.event_log = events  # delivery events for the pipeline, None when off
         self.events: EventSink = NO_EVENTS if events is None else events
-        self.consumer.events = self.writer.events = self.events
+        self.consumer.events = self.events
 
     @property
     def kafka_producer(self) -> AIOKafkaProducer:
@@ -93,17 +92,17 @@ class DevicePersistence:
     ) -> None:
         self.path.submit(deliveries, on_stored)
 
-    def outbox_for(self, session: Session) -> Outbox:
+    def feed_for(self, client_id: str) -> StoreFeed:
         assert self._broker is not None
-        return StoredOutbox(
-            session,
+        return StoreFeed(
+            client_id,
             self.store,
             self.writer,
-            self.settings.mqtt.max_inflight,
             self.settings.persistence.replay_page_size,
             self._broker.stats,
             self._clock,
-            settled=lambda: self.sessions.settled(session.client_id),
+            settled=lambda: self.sessions.settled(client_id),
+            events=self.events,
         )
 
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
@@ -164,9 +163,9 @@ class DevicePersistence:
             if cluster is not None:  # connected to another replica: tell it to re-read
                 cluster.stored_elsewhere(client_id)
             return
-        outbox = session.outbox
-        if isinstance(outbox, StoredOutbox):
-            outbox.stored(records())
+        feed = session.outflow.feed
+        if isinstance(feed, StoreFeed):
+            feed.stored(records())
 
     def _room_for(self, client_id: str) -> int:
         """How many just-stored messages the client's outbox would send at once."""
@@ -174,8 +173,8 @@ class DevicePersistence:
         session = self._broker.sessions.get(client_id)
         if session is None:
             return 0
-        outbox = session.outbox
-        return outbox.room() if isinstance(outbox, StoredOutbox) else 0
+        feed = session.outflow.feed
+        return feed.room() if isinstance(feed, StoreFeed) else 0
 
     def reread(self, client_ids: list[str]) -> None:
         """Another replica stored messages for these clients: connected ones re-read."""
@@ -183,9 +182,9 @@ class DevicePersistence:
         for client_id in client_ids:
             session = self._broker.sessions.get(client_id)
             if session is not None and session.connection is not None:
-                outbox = session.outbox
-                if isinstance(outbox, StoredOutbox):
-                    outbox.stored([])
+                feed = session.outflow.feed
+                if isinstance(feed, StoreFeed):
+                    feed.stored([])
 
 
 async def open_persistence(settings: Settings) -> DevicePersistence:

@@ -12,7 +12,7 @@ log = logging.getLogger("devicemq.acks")
 
 def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
     assert conn.session is not None
-    if not conn.session.outbox.acknowledge(packet.packet_id):
+    if not conn.session.outflow.acknowledge(packet.packet_id):
         log.debug("client %s: PUBACK for unknown id %d", conn.client_id, packet.packet_id)
 
 
@@ -24,7 +24,7 @@ def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
     """
     assert conn.session is not None
     failed = packet.reason_code >= 0x80
-    if conn.session.outbox.received(packet.packet_id, failed):
+    if conn.session.outflow.received(packet.packet_id, failed):
         return
     if not failed:
         conn.send(PubRel(packet.packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
@@ -32,5 +32,5 @@ def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
 
 def handle_pubcomp(conn: MQTTConnection, packet: PubComp) -> None:
     assert conn.session is not None
-    if not conn.session.outbox.completed(packet.packet_id):
+    if not conn.session.outflow.completed(packet.packet_id):
         log.debug("client %s: PUBCOMP for unknown id %d", conn.client_id, packet.packet_id)

@@ -151,7 +151,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         "persistent" if session.persistent else "clean",
         ", resumed" if present else "",
     )
-    session.outbox.resume()
+    session.outflow.resume()
 
 
 def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:

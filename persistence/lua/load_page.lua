@@ -1,15 +1,20 @@
 -- devicemq: one page of a client's stored messages, in score order.
 --
--- KEYS[1] {cid}_messages; message strings are KEYS[1] .. '_' .. packetId.
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_score
+-- Message strings are KEYS[1] .. '_' .. packetId.
 -- ARGV[1] after_score (exclusive)   ARGV[2] page size
 --
 -- Refs whose string has expired are removed from the set here (lazily) and
--- do not count toward the page. Returns {dropped, id, score, value, id, ...}.
+-- do not count toward the page. Only messages never sent can expire: a sent
+-- one lives as long as the session (mark_sent.lua).
+-- Returns {dropped, last_score, id, score, value, id, ...}: last_score is the
+-- client's counter when the page was read, so a reader that got a short page
+-- knows every message stored later has a higher score.
 
 local set_key = KEYS[1]
 local want = tonumber(ARGV[2])
 local cursor = '(' .. ARGV[1]
-local out = {0}
+local out = {0, tonumber(redis.call('GET', KEYS[2]) or '0')}
 local got = 0
 local dropped = 0
 while got < want do

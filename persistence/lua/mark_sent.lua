@@ -1,17 +1,29 @@
--- devicemq: record that messages were sent at least once (DUP on replay).
+-- devicemq: record that messages are about to be sent (DUP on any later send).
 --
--- KEYS[1] {cid}_messages; ARGV packet ids. Sets the SENT bit (0x01 of the
--- flags byte, byte 1 of the value, i.e. bit offset 15). SETBIT keeps the
--- key's TTL; a string that has expired or been acked is not recreated.
--- Returns how many were marked.
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_session; ARGV packet ids.
+-- Sets the SENT bit (0x01 of the flags byte, byte 1 of the value, i.e. bit
+-- offset 15). From now on the message may have been seen, so its string lives
+-- as long as the session, whatever its own expiry: it goes when the client
+-- acknowledges it or the session ends, never before (its packet id stays
+-- taken meanwhile). A string that has expired or been trimmed is not
+-- recreated and its ref is removed: that message must not be sent.
+-- Returns the ids marked.
 
 local set_key = KEYS[1]
-local marked = 0
+local session_ttl = redis.call('PTTL', KEYS[2])
+local marked = {}
 for i = 1, #ARGV do
   local key = set_key .. '_' .. ARGV[i]
   if redis.call('EXISTS', key) == 1 then
     redis.call('SETBIT', key, 15, 1)
-    marked = marked + 1
+    if session_ttl > 0 then
+      redis.call('PEXPIRE', key, session_ttl)
+    elseif session_ttl == -1 then
+      redis.call('PERSIST', key)
+    end
+    marked[#marked + 1] = ARGV[i]
+  else
+    redis.call('ZREM', set_key, ARGV[i])
   end
 end
 return marked

@@ -22,8 +22,14 @@
 -- with a new score if it is 65535 or more steps older: when the oldest ref is
 -- younger than that, the per-message check is not needed.
 --
+-- Over the limit the oldest message never sent is removed: a sent one (SENT
+-- bit, or in its PUBREL stage) is in flight to the client, its packet id must
+-- stay taken until the client acknowledges it, so it is never trimmed. When
+-- every stored message is in flight, the new message itself is not stored.
+--
 -- Returns {scores, trimmed}: scores[i] is message i's score, 0 when it had
--- already expired, -1 when its offset was already stored (a replayed batch).
+-- already expired, -1 when its offset was already stored (a replayed batch),
+-- -3 when it did not fit (every stored message in flight, see above).
 -- trimmed lists the packet ids removed, oldest first, to respect limit.
 
 local set_key = KEYS[1]
@@ -58,6 +64,25 @@ local scores = {}
 local trimmed = {}
 local stored = 0
 local max_ttl = 0
+local session_ttl = redis.call('PTTL', KEYS[5])
+
+-- Refs below this rank are sent: the trim skips them.
+local rank = 0
+local function trim_oldest_unsent()
+  while true do
+    local ref = redis.call('ZRANGE', set_key, rank, rank)
+    if not ref[1] then return nil end
+    local key = set_key .. '_' .. ref[1]
+    local flags = redis.call('GETRANGE', key, 1, 1)
+    if flags ~= '' and bit.band(string.byte(flags), 1) == 1 then
+      rank = rank + 1
+    else
+      redis.call('ZREM', set_key, ref[1])
+      redis.call('DEL', key)
+      return tonumber(ref[1])
+    end
+  end
+end
 for i = 1, n do
   local offset, ttl, size = struct.unpack('>ddd', meta, (i - 1) * 24 + 1)
   local value_start = value_end + 1
@@ -69,14 +94,20 @@ for i = 1, n do
     if ttl <= 0 then
       scores[i] = 0
     else
-      -- Make room first: oldest (lowest score) out. Afterwards card < limit
-      -- <= 65535, so at least one packet id is free and the search ends.
+      -- Make room first: the oldest unsent out.
       while card >= limit do
-        local popped = redis.call('ZPOPMIN', set_key)
-        redis.call('DEL', set_key .. '_' .. popped[1])
-        trimmed[#trimmed + 1] = tonumber(popped[1])
+        local victim = trim_oldest_unsent()
+        if not victim then break end
+        trimmed[#trimmed + 1] = victim
         card = card - 1
       end
+    end
+    if ttl <= 0 then
+      -- already expired: nothing to store
+    elseif card >= limit then
+      scores[i] = -3
+    else
+      -- card < limit <= 65535: at least one packet id is free, the search ends.
       -- Next score and its id, skipping ids still stored.
       repeat
         score = score + 1
@@ -84,10 +115,18 @@ for i = 1, n do
       until not check or not redis.call('ZSCORE', set_key, last_id)
       local value = values:sub(value_start, value_end)
       if stored < premark then
-        -- The SENT bit (0x01) of the flags byte, as mark_sent.lua sets it.
+        -- Marked sent, as mark_sent.lua marks it: it lives as long as the session.
         value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
+        if session_ttl > 0 then
+          redis.call('SET', set_key .. '_' .. last_id, value, 'PX', session_ttl)
+        elseif session_ttl == -1 then
+          redis.call('SET', set_key .. '_' .. last_id, value)
+        else
+          redis.call('SET', set_key .. '_' .. last_id, value, 'PX', ttl)
+        end
+      else
+        redis.call('SET', set_key .. '_' .. last_id, value, 'PX', ttl)
       end
-      redis.call('SET', set_key .. '_' .. last_id, value, 'PX', ttl)
       redis.call('ZADD', set_key, score, last_id)
       card = card + 1
       stored = stored + 1
@@ -109,7 +148,6 @@ end
 -- TTL (client gone, session expiring) they expire with it; with no session
 -- key at all (orphaned data) they last at least as long as the messages just
 -- stored, and at least the default TTL, then vanish.
-local session_ttl = redis.call('PTTL', KEYS[5])
 if session_ttl > 0 then
   for k = 1, 4 do redis.call('PEXPIRE', KEYS[k], session_ttl) end
 elseif session_ttl == -2 and (stored > 0 or last_offset ~= start_offset) then

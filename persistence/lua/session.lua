@@ -9,7 +9,8 @@
 --         without one they are all made persistent (client connected, or a
 --         session that never expires).
 -- expire: every key above expires in ARGV[2] ms (client disconnected).
--- Message strings keep their own TTL (message expiry, at most the default).
+-- Message strings keep their own TTL (message expiry, at most the default),
+-- except sent ones, which live as long as the session.
 -- Returns 1 if the session key existed before the call, else 0.
 
 local ttl = tonumber(ARGV[2])
@@ -21,11 +22,24 @@ if ARGV[1] == 'save' then
     redis.call('SET', KEYS[5], ARGV[3])
   end
 end
-for k = 1, 5 do
+local function live_as_the_session(key)
   if ttl > 0 then
-    redis.call('PEXPIRE', KEYS[k], ttl)
+    redis.call('PEXPIRE', key, ttl)
   else
-    redis.call('PERSIST', KEYS[k])
+    redis.call('PERSIST', key)
   end
+end
+for k = 1, 5 do live_as_the_session(KEYS[k]) end
+-- Sent messages (the oldest refs, up to the first never sent) are in flight:
+-- they live as long as the session too (mark_sent.lua).
+local rank = 0
+while true do
+  local ref = redis.call('ZRANGE', KEYS[1], rank, rank)
+  if not ref[1] then break end
+  local key = KEYS[1] .. '_' .. ref[1]
+  local flags = redis.call('GETRANGE', key, 1, 1)
+  if flags == '' or bit.band(string.byte(flags), 1) == 0 then break end
+  live_as_the_session(key)
+  rank = rank + 1
 end
 return existed

@@ -8,6 +8,7 @@ import uuid
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from broker.message import Delivery, Message
+from broker.outflow import MemoryFeed
 from broker.session import Session
 from broker.stats import BrokerStats
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic
@@ -19,7 +20,8 @@ PER_CLIENT = 600
 
 
 def _session(client_id: str) -> Session:
-    return Session(client_id, 3600, 10, 100, BrokerStats())
+    stats = BrokerStats()
+    return Session(client_id, 3600, 10, MemoryFeed(100, stats), stats, durable=True)
 
 
 async def _read_all(bootstrap: str, topic: str, count: int) -> dict[bytes, list[bytes]]:

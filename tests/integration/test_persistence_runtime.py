@@ -70,7 +70,7 @@ async def _publish(broker: Broker, client_id: str, payloads: list[bytes]) -> Non
 
 async def _stored(persistence: DevicePersistence, client_id: str, count: int) -> list[bytes]:
     for _ in range(500):
-        page = await persistence.store.load_page(client_id, 0, 1000)
+        page = (await persistence.store.load_page(client_id, 0, 1000)).records
         if len(page) >= count:
             return [r.message.payload for r in page if r.message is not None]
         await asyncio.sleep(0.02)
@@ -117,7 +117,7 @@ async def test_graceful_close_leaves_everything_acknowledged_in_redis(redis: Red
         await persistence.close()
         check, _ = await _open(redis.url, bootstrap_of(tansu))
         try:
-            page = await check.store.load_page("dev", 0, 1000)
+            page = (await check.store.load_page("dev", 0, 1000)).records
         finally:
             await check.close()
     finally:

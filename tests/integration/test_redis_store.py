@@ -47,7 +47,7 @@ async def all_records(store: RedisMessageStore, cid: str, page: int = 1000) -> l
     out: list[StoredRecord] = []
     after = 0
     while True:
-        recs = await store.load_page(cid, after, page)
+        recs = (await store.load_page(cid, after, page)).records
         if not recs:
             return out
         out += recs
@@ -106,7 +106,7 @@ async def test_save_then_load_round_trip(store: RedisMessageStore, cid: str) -> 
     res = await store.save_batch(cid, batch, partition=0)
     assert res.assigned == [Assigned(i, i) for i in range(1, 6)]
     assert (res.saved, res.duplicates, res.expired, res.trimmed) == (5, 0, 0, 0)
-    recs = await store.load_page(cid, 0, 100)
+    recs = (await store.load_page(cid, 0, 100)).records
     assert [r.message for r in recs] == batch
     assert [(r.packet_id, r.score, r.stage, r.sent) for r in recs] == [
         (i, i, Stage.PUBLISH, False) for i in range(1, 6)
@@ -154,7 +154,7 @@ async def test_wrap_skips_an_id_still_stored_never_overwrites_it(
     res = await store.save_batch(cid, msgs(offset, 2), partition=0, limit=65535)
     # id 1 (score 65536) is skipped: the score moves on, the id is not reused
     assert res.assigned == [Assigned(2, 65537), Assigned(3, 65538)]
-    recs = await store.load_page(cid, 0, 10)
+    recs = (await store.load_page(cid, 0, 10)).records
     assert [(r.packet_id, r.message.topic) for r in recs if r.message] == [
         (1, "old"),
         (2, f"t/{offset}"),
@@ -181,7 +181,7 @@ async def test_trim_to_limit_removes_the_oldest_and_counts_them(
     assert res.trimmed_ids == [1, 2, 3]
     assert res.trimmed == 3
     assert res.saved == 8
-    recs = await store.load_page(cid, 0, 100)
+    recs = (await store.load_page(cid, 0, 100)).records
     assert [r.packet_id for r in recs] == [4, 5, 6, 7, 8]
     for pid in (1, 2, 3):
         assert await cmd(store, "EXISTS", client_keys(cid).message(pid)) == 0
@@ -206,7 +206,7 @@ async def test_message_expiry_drops_the_ref_lazily_on_load(
     assert 0 < pttl <= 1000
     await asyncio.sleep(1.2)
     assert await store.pending_count(cid) == 3  # the ref is still there
-    recs = await store.load_page(cid, 0, 2)  # page of 2 filled past the dropped one
+    recs = (await store.load_page(cid, 0, 2)).records  # page of 2 filled past the dropped one
     assert [r.packet_id for r in recs] == [1, 3]
     assert await store.pending_count(cid) == 2
     assert res.assigned[1] == Assigned(2, 2)
@@ -223,13 +223,14 @@ async def test_already_expired_message_is_not_stored_but_its_offset_counts(
 
 
 async def test_pubrel_rewrite_keeps_the_remaining_ttl(store: RedisMessageStore, cid: str) -> None:
+    """Without a session (orphaned data) a rewrite keeps the string's own TTL."""
     await store.save_batch(cid, [msg(0, qos=2, expiry=time.time() + 1), msg(1, qos=2)], 0)
     key = client_keys(cid).message(1)
     before = await cmd(store, "PTTL", key)
     assert await store.mark_pubrel(cid, 1)
     after = await cmd(store, "PTTL", key)
     assert 0 < after <= before
-    recs = await store.load_page(cid, 0, 10)
+    recs = (await store.load_page(cid, 0, 10)).records
     assert (recs[0].packet_id, recs[0].stage, recs[0].sent, recs[0].message) == (
         1,
         Stage.PUBREL,
@@ -237,27 +238,95 @@ async def test_pubrel_rewrite_keeps_the_remaining_ttl(store: RedisMessageStore, 
         None,
     )
     assert recs[1].stage is Stage.PUBLISH
-    await asyncio.sleep(1.2)
-    assert [r.packet_id for r in await store.load_page(cid, 0, 10)] == [2]
     # nothing to rewrite: not resurrected
+    assert await store.ack(cid, 1)
     assert not await store.mark_pubrel(cid, 1)
     assert await cmd(store, "EXISTS", key) == 0
-    assert await store.ack(cid, 2)
-    assert await store.pending_count(cid) == 0
+
+
+async def test_a_sent_message_and_its_pubrel_stage_outlive_the_message_expiry(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 4 of the persistent path: once sent, a message (and later its PUBREL
+    stage) lives as long as the session, so PUBREL is re-sent on reconnect
+    (MQTT-4.4.0-1) whatever the message's expiry; never sent, it expires."""
+    await store.save_session(cid, SessionState(None, time.time()))  # connected
+    expires = time.time() + 1
+    await store.save_batch(cid, [msg(0, qos=2, expiry=expires), msg(1, qos=1, expiry=expires)], 0)
+    assert await store.mark_sent(cid, [1]) == [1]
+    assert await cmd(store, "PTTL", client_keys(cid).message(1)) == -1
+    assert await store.mark_pubrel(cid, 1)
+    await asyncio.sleep(1.2)
+    recs = (await store.load_page(cid, 0, 10)).records
+    assert [(r.packet_id, r.stage) for r in recs] == [(1, Stage.PUBREL)]  # 2 expired unsent
+    # disconnected: sent messages expire with the session, not before
+    await store.save_session(cid, SessionState(60, time.time()), ttl=60)
+    ttl = await cmd(store, "PTTL", client_keys(cid).message(1))
+    assert 59_000 < ttl <= 60_000
+    await store.expire_session(cid, 30)
+    assert 29_000 < await cmd(store, "PTTL", client_keys(cid).message(1)) <= 30_000
 
 
 async def test_mark_sent_sets_dup_keeps_ttl_and_creates_nothing(
     store: RedisMessageStore, cid: str
 ) -> None:
+    """Without a session the mark keeps each string's TTL (orphaned data expires);
+    a message no longer stored is not recreated, and its ref goes."""
     await store.save_batch(cid, [msg(0, expiry=time.time() + 60), msg(1), msg(2)], 0)
     before = await cmd(store, "PTTL", client_keys(cid).message(1))
-    assert await store.mark_sent(cid, [1, 3, 99]) == 2
+    assert await store.mark_sent(cid, [1, 3, 99]) == [1, 3]
     after = await cmd(store, "PTTL", client_keys(cid).message(1))
     assert 0 < after <= before
-    recs = await store.load_page(cid, 0, 10)
+    recs = (await store.load_page(cid, 0, 10)).records
     assert [r.sent for r in recs] == [True, False, True]
     assert [r.message for r in recs] == [msg(0, expiry=recs[0].message.expiry), msg(1), msg(2)]  # type: ignore[union-attr]
     assert await cmd(store, "EXISTS", client_keys(cid).message(99)) == 0
+    await cmd(store, "DEL", client_keys(cid).message(2))  # expired, or trimmed
+    assert await store.mark_sent(cid, [2]) == []
+    assert await store.pending_count(cid) == 2
+
+
+async def test_trim_never_removes_a_sent_message(store: RedisMessageStore, cid: str) -> None:
+    """Finding 1 of the persistent path: a trim that freed an in-flight message's
+    packet id let a new message take it, and the client's PUBACK for the old
+    one deleted the new one."""
+    await store.save_batch(cid, msgs(0, 3), partition=0, limit=3)
+    assert await store.mark_sent(cid, [1]) == [1]
+    res = await store.save_batch(cid, msgs(3, 3), partition=0, limit=3)
+    assert res.trimmed_ids == [2, 3, 4]
+    assert [r.packet_id for r in await all_records(store, cid)] == [1, 5, 6]
+    # every stored message in flight: the new one does not fit
+    assert await store.mark_sent(cid, [5, 6]) == [5, 6]
+    res = await store.save_batch(cid, msgs(6, 1), partition=0, limit=3)
+    assert (res.assigned, res.unstored, res.trimmed, res.saved) == ([None], [0], 1, 0)
+    assert [r.packet_id for r in await all_records(store, cid)] == [1, 5, 6]
+
+
+async def test_an_id_in_flight_is_skipped_when_scores_wrap_past_it(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """With 65,535 newer messages trimmed past it, id 1 (sent, unacknowledged) is
+    still taken: the score whose id would be 1 is skipped."""
+    await store.save_batch(cid, msgs(0, 1, topic="old"), partition=0, limit=100)
+    assert await store.mark_sent(cid, [1]) == [1]
+    offset = 1
+    while offset < 65_537:
+        n = min(5_000, 65_537 - offset)
+        await store.save_batch(cid, msgs(offset, n), partition=0, limit=100)
+        offset += n
+    recs = await all_records(store, cid)
+    assert recs[0].packet_id == 1 and recs[0].message.topic == "old"  # type: ignore[union-attr]
+    assert len({r.packet_id for r in recs}) == len(recs) == 100
+    assert recs[-1].score == 65_538  # score 65_536 (id 1) was skipped
+
+
+async def test_a_page_tells_the_score_counter(store: RedisMessageStore, cid: str) -> None:
+    """A short page carries the counter: the reader continues from it (finding 5:
+    a live message after an empty replay was taken for a gap and re-read)."""
+    await store.save_batch(cid, msgs(0, 3), partition=0)
+    await store.ack_many(cid, [1, 2, 3])
+    page = await store.load_page(cid, 0, 10)
+    assert (page.records, page.last_score) == ([], 3)
 
 
 async def test_premarked_messages_are_stored_marked_sent(
@@ -331,14 +400,14 @@ async def test_paged_load_walks_everything_in_order(store: RedisMessageStore, ci
     await store.ack_many(cid, range(2, 250, 7))  # holes
     pages = []
     after = 0
-    while recs := await store.load_page(cid, after, 100):
+    while recs := (await store.load_page(cid, after, 100)).records:
         pages.append(len(recs))
         after = recs[-1].score
     remaining = [i for i in range(1, 251) if i not in set(range(2, 250, 7))]
     assert sum(pages) == len(remaining)
     assert all(p == 100 for p in pages[:-1])
     assert [r.packet_id for r in await all_records(store, cid, page=33)] == remaining
-    assert await store.load_page(cid, 250, 10) == []
+    assert (await store.load_page(cid, 250, 10)).records == []
 
 
 async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> None:
@@ -414,7 +483,7 @@ async def test_scripts_are_reloaded_after_a_script_flush(
     res = await store.save_batch(cid, msgs(0, 2), partition=0)
     assert res.saved == 2
     await cmd(store, "SCRIPT FLUSH")
-    assert len(await store.load_page(cid)) == 2
+    assert len((await store.load_page(cid)).records) == 2
 
 
 async def test_save_many_reports_failures_and_is_safe_to_retry(

@@ -35,7 +35,7 @@ def test_packet_ids_wrap_to_1_never_0_never_reuse_one_in_flight() -> None:
     # After the wrap: 1 is still unacknowledged, so the sequence goes on at 2.
     assert ids[65535:65540] == [2, 3, 4, 5, 6]
     assert ids.count(1) == 1
-    assert list(h.broker.sessions["sub"].outbox.inflight) == [1]
+    assert list(h.broker.sessions["sub"].outflow.inflight) == [1]
 
 
 def test_packet_id_skips_every_id_in_flight() -> None:
@@ -44,7 +44,7 @@ def test_packet_id_skips_every_id_in_flight() -> None:
     sub = h.connected("sub", receive_maximum=10)
     sub.subscribe("t", qos=1)
     session = h.broker.sessions["sub"]
-    session.outbox._last_packet_id = 65530  # type: ignore[attr-defined]  # start near the wrap without 65k round trips
+    session.outflow.feed._last_packet_id = 65530  # type: ignore[attr-defined]  # start near the wrap without 65k round trips
     pub = h.connected("pub")
     for _ in range(8):
         pub.publish("t", qos=1)
@@ -54,7 +54,7 @@ def test_packet_id_skips_every_id_in_flight() -> None:
     for p in first:
         if p.packet_id not in (65531, 65532, 2):
             sub.send(PubAck(p.packet_id or 0))
-    session.outbox._last_packet_id = 65530  # type: ignore[attr-defined]
+    session.outflow.feed._last_packet_id = 65530  # type: ignore[attr-defined]
     for _ in range(6):
         pub.publish("t", qos=1)
     nxt = publishes(sub.read())

@@ -38,7 +38,7 @@ def test_qos1_exact_sequence() -> None:
     assert sub.read() == [Publish("t", b"hi", 1, False, False, 1, None)]
     sub.send(PubAck(1))
     assert sub.read() == []
-    assert h.broker.sessions["sub"].outbox.inflight == {}
+    assert h.broker.sessions["sub"].outflow.inflight == {}
 
 
 def test_qos2_receiver_flow_exact_sequence() -> None:
@@ -80,10 +80,10 @@ def test_qos2_sender_flow_exact_sequence() -> None:
     assert sub.read() == [Publish("t", b"hi", 2, False, False, 1, None)]
     sub.send(PubRec(1))
     assert sub.read() == [PubRel(1, 0)]
-    assert h.broker.sessions["sub"].outbox.inflight[1].state.name == "AWAIT_PUBCOMP"
+    assert h.broker.sessions["sub"].outflow.inflight[1].state.name == "AWAIT_PUBCOMP"
     sub.send(PubComp(1))
     assert sub.read() == []
-    assert h.broker.sessions["sub"].outbox.inflight == {}
+    assert h.broker.sessions["sub"].outflow.inflight == {}
 
 
 def test_pubrec_with_failure_reason_ends_the_flow() -> None:
@@ -302,7 +302,7 @@ def test_server_respects_client_receive_maximum() -> None:
     while outstanding:
         p = outstanding.pop(0)
         received.append(p.payload[0])
-        assert len(h.broker.sessions["sub"].outbox.inflight) <= 3
+        assert len(h.broker.sessions["sub"].outflow.inflight) <= 3
         sub.ack(p)
         more = publishes(sub.read())
         assert len(more) <= 1
@@ -494,7 +494,7 @@ def test_outgoing_publish_above_client_maximum_is_dropped_next_still_delivered()
     got = publishes(sub.read())
     assert [p.payload for p in got] == [b"small", b"small0"]
     sub.ack(got[0])
-    assert h.broker.sessions["sub"].outbox.inflight == {}
+    assert h.broker.sessions["sub"].outflow.inflight == {}
     assert h.broker.stats.dropped["too_large_for_client"] == 2
 
 

@@ -64,7 +64,7 @@ def test_inflight_resent_with_dup_and_same_packet_ids(level: int) -> None:
     ]
     back.ack(again[0])
     back.ack(again[1])
-    assert h.broker.sessions["dev"].outbox.inflight == {}
+    assert h.broker.sessions["dev"].outflow.inflight == {}
 
 
 @pytest.mark.parametrize("level", [V311, V5])
@@ -82,7 +82,7 @@ def test_pubrel_resent_for_messages_awaiting_pubcomp(level: int) -> None:
     assert back.pending == [PubRel(msg.packet_id)]
     back.send(PubComp(msg.packet_id))
     assert back.read() == []
-    assert h.broker.sessions["dev"].outbox.inflight == {}
+    assert h.broker.sessions["dev"].outflow.inflight == {}
 
 
 def test_queued_messages_after_inflight_are_sent_in_order_on_reconnect() -> None:

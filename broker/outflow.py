@@ -1,0 +1,397 @@
+"""A session's outgoing QoS 1 and 2 flow, sans-IO (spec 4.3, 4.4, 4.9).
+
+One :class:`Outflow` per session holds the protocol rules every outbox shares:
+
+- the in-flight table and the window: at most the smaller of the configured
+  cap and the client's Receive Maximum unacknowledged PUBLISH packets
+  (MQTT-3.3.4-9); a PUBREL still waiting for PUBCOMP counts too;
+- DUP on exactly what may have been seen before (MQTT-3.3.1-1);
+- PUBREL after PUBREC (MQTT-4.3.3-4), PUBCOMP ends the flow;
+- a resumed session re-sends every unacknowledged PUBLISH and PUBREL with its
+  original packet identifier (MQTT-4.4.0-1), whatever its expiry: once sent,
+  a message is never dropped for being old, so its identifier stays taken
+  until the client acknowledges it.
+
+Where messages come from and where progress is recorded is a :class:`Feed`:
+:class:`MemoryFeed` keeps a queue in process memory; the persistent path
+supplies one that reads and writes the persisted-message store. A feed that
+records progress durably makes two steps wait for its writes (``mark`` and
+``release``): a message's first send waits for its "may have been seen" mark,
+so a replay after a crash sets DUP; a PUBREL waits for the PUBREL stage, so a
+replay never re-sends a PUBLISH the client already completed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
+
+from broker.message import Delivery
+from broker.packets import PubRel
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
+    from broker.session import Session
+    from broker.stats import BrokerStats
+
+MAX_PACKET_ID = 65535
+
+
+class OutgoingState(Enum):
+    MARKING = 0  # taken from the feed, waiting for its mark before going on the wire
+    AWAIT_PUBACK = 1  # QoS 1 sent
+    AWAIT_PUBREC = 2  # QoS 2 sent
+    RELEASING = 3  # PUBREC received, waiting for the feed to record the PUBREL stage
+    AWAIT_PUBCOMP = 4  # PUBREL sent
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One message as the outflow handles it.
+
+    ``delivery`` None: only PUBREL is left (a QoS 2 message whose PUBREC the
+    feed recorded before). ``sent``: it may have been seen, so a send carries
+    DUP. ``marked``: the feed already recorded its mark, it needs no ``mark``
+    before its first send. ``ref`` is the feed's own record of it.
+    """
+
+    packet_id: int
+    delivery: Delivery | None
+    sent: bool = False
+    marked: bool = False
+    ref: object = None
+
+
+@dataclass(slots=True)
+class OutgoingMessage:
+    item: Outgoing
+    state: OutgoingState
+
+    @property
+    def packet_id(self) -> int:
+        return self.item.packet_id
+
+
+class Feed(Protocol):
+    """Where an outflow's messages come from and where its progress goes."""
+
+    durable: bool  # progress is recorded elsewhere: a new connection re-reads it
+    outflow: Outflow | None  # the outflow it feeds (set by the outflow)
+
+    def offer(self, delivery: Delivery) -> None:
+        """A QoS 1/2 message routed to the session in memory."""
+
+    def take(self, n: int) -> list[Outgoing]:
+        """Up to ``n`` messages, next in order; fewer or none if that is all for now
+        (the feed calls :meth:`Outflow.pump` when more arrive)."""
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        """Record that ``items`` may be seen, then ``done(ids)``: the ids that may go
+        out. An item left out is gone (trimmed or expired before its first send)."""
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        """PUBREC received: record the PUBREL stage, then ``done()``."""
+
+    def finished(self, item: Outgoing) -> None:
+        """PUBACK, PUBCOMP or a failed PUBREC: the message is done with."""
+
+    def undeliverable(self, item: Outgoing) -> None:
+        """Dropped unsent: expired before its first send, or too large for the client."""
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        """A PUBLISH of ``item`` went on the wire, with DUP=``dup`` (counters, events)."""
+
+    def restart(self) -> None:
+        """A new connection (durable feeds): re-read from the record, in order."""
+
+    def discard(self) -> None:
+        """The session ended: drop everything held."""
+
+    def queued(self) -> int:
+        """Messages held and not yet taken."""
+
+
+class Outflow:
+    def __init__(self, session: Session, max_inflight: int, feed: Feed) -> None:
+        self._session = session
+        self.max_inflight = max_inflight
+        self.feed = feed
+        feed.outflow = self
+        self.inflight: dict[int, OutgoingMessage] = {}
+        self._resend: deque[int] = deque()  # in flight, not yet re-sent on this connection
+        # Taken and waiting for their marks, in order: marks of separate batches may
+        # land in any order, the wire must not.
+        self._marking: deque[OutgoingMessage] = deque()
+        self._may_go: set[int] = set()  # marked, waiting for their turn in _marking
+        self._gone: set[int] = set()  # refused by the mark: never to be sent
+        self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
+
+    @property
+    def connection(self) -> MQTTConnection | None:
+        return self._session.connection
+
+    # -- events from the handlers and the edge ------------------------------------------
+
+    def deliver(self, delivery: Delivery) -> None:
+        """A QoS 1/2 message routed in memory: the feed keeps it, the window sends it."""
+        self.feed.offer(delivery)
+        self.pump()
+
+    def resume(self) -> None:
+        """A connection was attached: re-send what is unacknowledged (MQTT-4.4.0-1)."""
+        self._epoch += 1
+        if self.feed.durable:
+            # The record is the truth (another replica may have served the client
+            # meanwhile): forget this process's view and re-read it in order.
+            self.inflight.clear()
+            self._marking.clear()
+            self._may_go.clear()
+            self._gone.clear()
+            self._resend.clear()
+            self.feed.restart()
+        else:
+            self._marking.clear()
+            self._resend = deque(self.inflight)
+        self.pump()
+
+    def pump(self) -> None:
+        """The window may have opened (an ack, the socket drained, messages arrived)."""
+        conn = self._session.connection
+        if conn is None:
+            return
+        resend = self._resend
+        to_mark: list[Outgoing] = []
+        while True:
+            room = self._room(conn)
+            if room <= 0:
+                break
+            if resend:
+                self._send_again(conn, resend.popleft())
+                continue
+            items = self.feed.take(room)
+            if not items:
+                break
+            for item in items:
+                self._admit(conn, item, to_mark)
+        if to_mark:
+            epoch, batch = self._epoch, [item.packet_id for item in to_mark]
+            self.feed.mark(to_mark, lambda ids: self._marked(batch, ids, epoch))
+
+    def acknowledge(self, packet_id: int) -> bool:
+        """PUBACK: the QoS 1 flow ends. False if no such message is in flight."""
+        return self._finish(packet_id, OutgoingState.AWAIT_PUBACK)
+
+    def received(self, packet_id: int, failed: bool) -> bool:
+        """PUBREC: the QoS 2 flow moves to PUBREL, or ends if the client refused it."""
+        entry = self.inflight.get(packet_id)
+        if entry is None or entry.state is not OutgoingState.AWAIT_PUBREC:
+            return False
+        if failed:
+            return self._finish(packet_id, OutgoingState.AWAIT_PUBREC)
+        entry.state = OutgoingState.RELEASING
+        epoch = self._epoch
+        self.feed.release(entry.item, lambda: self._released(packet_id, epoch))
+        return True
+
+    def completed(self, packet_id: int) -> bool:
+        """PUBCOMP: the QoS 2 flow ends."""
+        return self._finish(packet_id, OutgoingState.AWAIT_PUBCOMP)
+
+    def pending(self) -> int:
+        """Messages not yet acknowledged, in flight or waiting."""
+        return len(self.inflight) + self.feed.queued()
+
+    def room(self) -> int:
+        """How many more messages would go out at once now (0 while anything waits)."""
+        conn = self._session.connection
+        if conn is None or self._marking or self._resend:
+            return 0
+        return max(0, self._room(conn))
+
+    def discard(self) -> None:
+        """The session ended: drop everything it held."""
+        self._epoch += 1
+        self.inflight.clear()
+        self._resend.clear()
+        self._marking.clear()
+        self._may_go.clear()
+        self._gone.clear()
+        self.feed.discard()
+
+    def next_packet_id(self, last: int) -> int:
+        """The identifier after ``last``, wrapping 65535 -> 1, skipping those in flight."""
+        inflight = self.inflight
+        packet_id = last
+        while True:
+            packet_id = packet_id + 1 if packet_id < MAX_PACKET_ID else 1
+            if packet_id not in inflight:
+                return packet_id
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _room(self, conn: MQTTConnection) -> int:
+        if conn.congested:
+            return 0
+        window = min(self.max_inflight, conn.client_receive_maximum)
+        return window - (len(self.inflight) - len(self._resend))
+
+    def _admit(self, conn: MQTTConnection, item: Outgoing, to_mark: list[Outgoing]) -> None:
+        """A message from the feed enters the table: sent now, or after its mark."""
+        if item.delivery is None:  # only PUBREL is left (MQTT-4.4.0-1)
+            self.inflight[item.packet_id] = OutgoingMessage(item, OutgoingState.AWAIT_PUBCOMP)
+            conn.send(PubRel(item.packet_id))
+            return
+        entry = OutgoingMessage(item, OutgoingState.MARKING)
+        self.inflight[item.packet_id] = entry
+        if (item.sent or item.marked) and not self._marking:
+            self._send(conn, entry)
+            return
+        self._marking.append(entry)
+        if item.sent or item.marked:
+            self._may_go.add(item.packet_id)  # only waits for its turn
+        else:
+            to_mark.append(item)
+
+    def _marked(self, batch: list[int], ids: Collection[int], epoch: int) -> None:
+        """Marks of ``batch`` landed: send, in the order taken, what is now at the head."""
+        if epoch != self._epoch:
+            return  # that connection is gone; the next one re-reads the record
+        may_go, gone = self._may_go, self._gone
+        may_go.update(ids)
+        gone.update(set(batch).difference(ids))
+        conn = self._session.connection
+        if conn is None:
+            return  # not sent: the next connection re-reads or re-sends them
+        marking = self._marking
+        while marking:
+            packet_id = marking[0].packet_id
+            if packet_id in gone:
+                # Gone from the record before it was ever sent (trimmed, expired):
+                # nothing went on the wire, its identifier is free again.
+                head = marking.popleft()
+                gone.discard(packet_id)
+                if self.inflight.get(packet_id) is head:
+                    del self.inflight[packet_id]
+                continue
+            if packet_id not in may_go:
+                break  # the next one's mark has not landed yet
+            head = marking.popleft()
+            may_go.discard(packet_id)
+            self._send(conn, head)
+        self.pump()
+
+    def _send(self, conn: MQTTConnection, entry: OutgoingMessage) -> None:
+        """A first send on this connection of a message not sent on it before."""
+        item = entry.item
+        delivery = item.delivery
+        assert delivery is not None
+        resend = item.sent
+        if conn.send_delivery(delivery, item.packet_id, dup=resend, resend=resend):
+            entry.state = (
+                OutgoingState.AWAIT_PUBACK if delivery.qos == 1 else OutgoingState.AWAIT_PUBREC
+            )
+            item.sent = True
+            self.feed.sent(item, resend)
+            return
+        del self.inflight[item.packet_id]
+        if resend:
+            # Too large for this connection's Maximum Packet Size: discarded, and the
+            # flow behaves as if it completed (MQTT-3.1.2-25).
+            self.feed.finished(item)
+        else:
+            self.feed.undeliverable(item)
+
+    def _send_again(self, conn: MQTTConnection, packet_id: int) -> None:
+        """Re-send on a new connection what was in flight on an earlier one."""
+        entry = self.inflight[packet_id]
+        if entry.state in (OutgoingState.AWAIT_PUBCOMP, OutgoingState.RELEASING):
+            if entry.state is OutgoingState.AWAIT_PUBCOMP:
+                conn.send(PubRel(packet_id))
+            return
+        self._send(conn, entry)
+
+    def _released(self, packet_id: int, epoch: int) -> None:
+        entry = self.inflight.get(packet_id)
+        if epoch != self._epoch or entry is None or entry.state is not OutgoingState.RELEASING:
+            return  # the next connection re-sends PUBREL from the record
+        entry.state = OutgoingState.AWAIT_PUBCOMP
+        conn = self._session.connection
+        if conn is not None:
+            conn.send(PubRel(packet_id))
+
+    def _finish(self, packet_id: int, expected: OutgoingState) -> bool:
+        entry = self.inflight.get(packet_id)
+        if entry is None or entry.state is not expected or packet_id in self._resend:
+            return False
+        del self.inflight[packet_id]
+        self.feed.finished(entry.item)
+        self.pump()
+        return True
+
+
+class MemoryFeed:
+    """Messages queued in process memory; identifiers given out at first send.
+
+    While the queue is full (``max_queued``), new messages are dropped and
+    counted, or with ``drop_oldest`` the head of the queue is.
+    """
+
+    durable = False
+
+    def __init__(self, max_queued: int, stats: BrokerStats, drop_oldest: bool = False) -> None:
+        self.max_queued = max_queued
+        self.stats = stats
+        self.drop_oldest = drop_oldest  # mqtt.queue_drop_policy: oldest
+        self.queue: deque[Delivery] = deque()
+        self.outflow: Outflow | None = None
+        self._last_packet_id = 0
+
+    def offer(self, delivery: Delivery) -> None:
+        queue = self.queue
+        outflow = self.outflow
+        if not queue and outflow is not None and outflow.room() > 0:
+            queue.append(delivery)  # the window is open: it goes out at once
+            return
+        if len(queue) >= self.max_queued:
+            self.stats.drop("queue_full")
+            if not self.drop_oldest or not queue:
+                return
+            queue.popleft()  # make room: the newest is worth more
+        queue.append(delivery)
+
+    def take(self, n: int) -> list[Outgoing]:
+        queue, outflow = self.queue, self.outflow
+        assert outflow is not None
+        items: list[Outgoing] = []
+        while queue and len(items) < n:
+            packet_id = outflow.next_packet_id(self._last_packet_id)
+            self._last_packet_id = packet_id
+            items.append(Outgoing(packet_id, queue.popleft(), marked=True))
+        return items
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        done([item.packet_id for item in items])
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        done()
+
+    def finished(self, item: Outgoing) -> None:
+        pass
+
+    def undeliverable(self, item: Outgoing) -> None:
+        pass
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        self.queue.clear()
+
+    def queued(self) -> int:
+        return len(self.queue)

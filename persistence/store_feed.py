@@ -1,0 +1,345 @@
+"""A durable session's messages, fed from the persisted-message store.
+
+Messages reach a durable session only through Redis: the consumer stores them
+(assigning packet ids and scores) and offers them to the session's
+:class:`StoreFeed`; on a new connection the feed pages the backlog in from
+Redis instead of holding it in memory. The protocol rules (window, DUP,
+PUBREL, re-sends) are the session's :class:`broker.outflow.Outflow`; this
+module keeps only the paging and the Redis writes, through one
+:class:`StoreWriter` for all sessions:
+
+- a message is marked *sent* in Redis before its first send, so a replay sets
+  DUP on every message that may have been seen; a message stored for a client
+  that can take it at once is stored marked (:meth:`StoreFeed.room`), saving
+  the separate write;
+- PUBACK and PUBCOMP delete it; PUBREC rewrites it as PUBREL, keeping its
+  lifetime (a sent message lives as long as the session).
+
+A progress write that is lost (Redis down, broker killed) only means a replay
+re-sends with DUP what the client may already have: never a loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
+from typing import TYPE_CHECKING
+
+from broker.outflow import Outflow, Outgoing
+from persistence.events import NO_EVENTS, EventSink
+from persistence.records import stored_delivery
+from persistence.redis_store import PersistedMessageStore, Stage, StoredRecord
+
+if TYPE_CHECKING:
+    from broker.message import Delivery
+    from broker.stats import BrokerStats
+
+log = logging.getLogger("devicemq.outflow")
+
+RETRY_DELAY = 0.5  # seconds before a failed Redis read or write is tried again
+
+MarksDone = Callable[[Collection[int]], None]
+
+
+class StoreWriter:
+    """Delivery progress of every durable session: sent marks, PUBREL stages, acks.
+
+    Everything asked while one write is under way goes into the next, as one
+    pipelined round trip for all clients (:meth:`write_progress`): under load
+    the batches grow instead of the number of Redis calls. A failed write is
+    retried after :data:`RETRY_DELAY` until it lands, since messages wait for
+    their sent mark and PUBRELs for their stage; acks are idempotent, so
+    writing them again is harmless.
+    """
+
+    def __init__(self, store: PersistedMessageStore) -> None:
+        self._store = store
+        self._marks: dict[str, list[int]] = {}
+        self._pubrels: dict[str, list[int]] = {}
+        self._acks: dict[str, list[int]] = {}
+        self._mark_callbacks: list[tuple[str, list[int], MarksDone]] = []
+        self._callbacks: list[Callable[[], None]] = []
+        self._scheduled = False
+        self._task: asyncio.Task[None] | None = None
+        self.errors = 0
+
+    def ack(self, client_id: str, packet_id: int) -> None:
+        self._acks.setdefault(client_id, []).append(packet_id)
+        self._schedule()
+
+    def mark_pubrel(self, client_id: str, packet_id: int, then: Callable[[], None]) -> None:
+        self._pubrels.setdefault(client_id, []).append(packet_id)
+        self._callbacks.append(then)
+        self._schedule()
+
+    def mark_sent(self, client_id: str, packet_ids: list[int], then: MarksDone) -> None:
+        """Mark, then ``then(ids marked)``: an id left out is no longer stored."""
+        self._marks.setdefault(client_id, []).extend(packet_ids)
+        self._mark_callbacks.append((client_id, packet_ids, then))
+        self._schedule()
+
+    async def flush(self) -> None:
+        """Wait until everything asked so far is written."""
+        while self._task is not None or self._has_work():
+            if self._task is None:
+                self._start()
+            if self._task is not None:
+                await asyncio.shield(self._task)
+
+    def _has_work(self) -> bool:
+        return bool(self._marks or self._pubrels or self._acks)
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._task is None:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._start)
+
+    def _start(self) -> None:
+        self._scheduled = False
+        if self._task is not None or not self._has_work():
+            return
+        marks, self._marks = self._marks, {}
+        pubrels, self._pubrels = self._pubrels, {}
+        acks, self._acks = self._acks, {}
+        mark_callbacks, self._mark_callbacks = self._mark_callbacks, []
+        callbacks, self._callbacks = self._callbacks, []
+        self._task = asyncio.get_running_loop().create_task(
+            self._write(marks, pubrels, acks, mark_callbacks, callbacks)
+        )
+
+    async def _write(
+        self,
+        marks: dict[str, list[int]],
+        pubrels: dict[str, list[int]],
+        acks: dict[str, list[int]],
+        mark_callbacks: list[tuple[str, list[int], MarksDone]],
+        callbacks: list[Callable[[], None]],
+    ) -> None:
+        try:
+            while True:
+                try:
+                    marked = await self._store.write_progress(marks, pubrels, acks)
+                    break
+                except Exception as error:  # redis errors vary by client mode
+                    self.errors += 1
+                    log.warning("redis delivery-progress write failed, retrying: %s", error)
+                    await asyncio.sleep(RETRY_DELAY)
+            for client_id, ids, then in mark_callbacks:
+                done = marked.get(client_id, set())
+                then([i for i in ids if i in done])
+            for then_ in callbacks:
+                then_()
+        finally:
+            self._task = None
+            if self._has_work():
+                self._schedule()
+
+
+class StoreFeed:
+    """:class:`broker.outflow.Feed` of one durable session, read from the store.
+
+    The buffer holds messages read (a page) or offered live (just stored), in
+    score order, not yet taken by the outflow; ``_cursor`` is the highest
+    score taken into it on this connection. Messages the consumer stored
+    already marked for this connection (:meth:`room`) are *reserved*: should
+    the page reader find them rather than the live offer, they still go out
+    as first sends (no DUP).
+    """
+
+    durable = True
+
+    def __init__(
+        self,
+        client_id: str,
+        store: PersistedMessageStore,
+        writer: StoreWriter,
+        page_size: int,
+        stats: BrokerStats,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
+        settled: Callable[[], Awaitable[None]] | None = None,
+        events: EventSink = NO_EVENTS,
+    ) -> None:
+        self.client_id = client_id
+        self.outflow: Outflow | None = None
+        self._store = store
+        self._writer = writer
+        self._page_size = page_size
+        self._stats = stats
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._settled = settled  # session-state writes to wait for before reading
+        self._events = events
+        self._buffer: deque[StoredRecord] = deque()
+        self._cursor = 0
+        self._caught_up = False  # the buffer holds everything stored up to now
+        self._loading = False
+        self._missed = False  # something was stored while a page was loading
+        self._reserved: dict[int, int] = {}  # packet id -> score, stored marked for us
+        self._epoch = 0  # bumped per connection: stale page reads are dropped
+
+    # -- Feed ----------------------------------------------------------------------------
+
+    def offer(self, delivery: Delivery) -> None:
+        raise RuntimeError("a durable session receives messages through the store")
+
+    def take(self, n: int) -> list[Outgoing]:
+        buffer = self._buffer
+        items: list[Outgoing] = []
+        while buffer and len(items) < n:
+            items.append(self._outgoing(buffer.popleft()))
+        if not buffer and not self._caught_up and not self._loading:
+            self._load()
+        return items
+
+    def mark(self, items: list[Outgoing], done: MarksDone) -> None:
+        self._writer.mark_sent(self.client_id, [item.packet_id for item in items], done)
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        self._writer.mark_pubrel(self.client_id, item.packet_id, done)
+
+    def finished(self, item: Outgoing) -> None:
+        self._writer.ack(self.client_id, item.packet_id)
+        self._events.acked(self.client_id, self._record(item))
+        self._stats.persisted_acked += 1
+
+    def undeliverable(self, item: Outgoing) -> None:
+        # Expired, or too large for this client: it will never be delivered.
+        self._stats.persisted_undeliverable += 1
+        self._events.discarded(self.client_id, self._record(item))
+        self._writer.ack(self.client_id, item.packet_id)
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        record = self._record(item)
+        record.sent = dup
+        self._events.delivered(self.client_id, record)
+        stats = self._stats
+        stats.persisted_delivered += 1
+        if not dup and record.message is not None:
+            # End to end: the publisher's PUBLISH -> this first send.
+            stats.delivery_latency.observe(self._wall_clock() - record.message.publish_time)
+
+    def restart(self) -> None:
+        """New connection: forget this process's view; re-read the store in order."""
+        self._epoch += 1
+        self._buffer.clear()
+        self._reserved.clear()
+        self._cursor = 0
+        self._caught_up = False
+        self._missed = False
+        self._loading = False
+
+    def discard(self) -> None:
+        self._epoch += 1
+        self._buffer.clear()
+        self._reserved.clear()
+
+    def queued(self) -> int:
+        return len(self._buffer)
+
+    # -- fed by the persistence consumer -------------------------------------------------
+
+    def room(self) -> int:
+        """How many messages stored now would go out at once (see :meth:`stored`).
+
+        The consumer stores that many already marked sent. Should the client
+        vanish before they go out, a replay sends them with DUP=1: a message
+        that may have been seen, which is never wrong.
+        """
+        outflow = self.outflow
+        if outflow is None or not self._caught_up or self._loading or self._buffer:
+            return 0
+        return outflow.room()
+
+    def stored(self, records: list[StoredRecord]) -> None:
+        """Messages just saved for this session, in score order.
+
+        Followed live only if they continue the cursor without a gap: a store
+        whose reply was lost (Redis restarting) reports those messages as
+        already saved on the retry, and nobody offers them here; a gap (or an
+        empty offer) sends the page reader to fetch them from the cursor.
+        """
+        outflow = self.outflow
+        if outflow is None or outflow.connection is None:
+            return
+        if (
+            records
+            and self._caught_up
+            and not self._loading
+            and len(self._buffer) < self._page_size
+            and records[0].score == self._cursor + 1
+        ):
+            self._buffer.extend(records)
+            self._cursor = records[-1].score
+        else:
+            # Not followed live: the page reader will find them from the cursor.
+            for record in records:
+                if record.marked:
+                    self._reserved[record.packet_id] = record.score
+            self._caught_up = False
+            self._missed = True
+        outflow.pump()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _outgoing(self, record: StoredRecord) -> Outgoing:
+        if record.stage is Stage.PUBREL:
+            return Outgoing(record.packet_id, None, sent=True, ref=record)
+        assert record.message is not None
+        # Stored marked for this connection and never sent: a first send, no DUP.
+        reserved = self._reserved.pop(record.packet_id, None) == record.score
+        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
+        return Outgoing(
+            record.packet_id,
+            delivery,
+            sent=record.sent and not reserved,
+            marked=record.marked or reserved,
+            ref=record,
+        )
+
+    @staticmethod
+    def _record(item: Outgoing) -> StoredRecord:
+        record = item.ref
+        assert isinstance(record, StoredRecord)
+        return record
+
+    def _load(self) -> None:
+        self._loading = True
+        self._missed = False
+        asyncio.get_running_loop().create_task(self._load_page(self._epoch))
+
+    async def _load_page(self, epoch: int) -> None:
+        try:
+            await self._writer.flush()  # acks first, so the page holds no acked message
+            if self._settled is not None:
+                await self._settled()  # a clean start's delete first
+            page = await self._store.load_page(self.client_id, self._cursor, self._page_size)
+        except Exception as error:
+            log.warning("replay read for %s failed: %s", self.client_id, error)
+            await asyncio.sleep(RETRY_DELAY)
+            page = None
+        if epoch != self._epoch:
+            return
+        self._loading = False
+        outflow = self.outflow
+        if page is None:
+            if outflow is not None:
+                outflow.pump()
+            return
+        records = page.records
+        self._stats.replay_pages.observe(len(records))
+        inflight = outflow.inflight if outflow is not None else {}
+        for record in records:
+            if record.score > self._cursor and record.packet_id not in inflight:
+                self._buffer.append(record)
+                self._cursor = record.score
+        if len(records) < self._page_size and not self._missed:
+            # Everything stored so far is read: the next live offer continues from the
+            # counter, not from the last message read (acked ones leave gaps).
+            self._caught_up = True
+            self._cursor = max(self._cursor, page.last_score)
+        if outflow is not None:
+            outflow.pump()
