@@ -15,8 +15,9 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 ``[filter, qos, no_local, retain_as_published, retain_handling, sub_id]``):
 
 - ``conn``: ``c`` connected on ``n`` (``d`` durable, ``k`` clean start, ``s``
-  its subscriptions): whoever holds a connection for ``c`` disconnects it
-  with 0x8E and everyone records ``c`` as remote on ``n``;
+  its subscriptions, ``g`` its session generation, ``o`` its owner): whoever
+  holds a connection for ``c`` disconnects it with 0x8E and everyone records
+  ``c`` as remote on ``n``;
 - ``sub`` / ``unsub``: one subscription added / removed by ``c``'s owner;
 - ``off``: ``c``'s durable session lost its connection on ``n`` (kept);
 - ``end``: ``c``'s session ended on ``n`` (its subscriptions go);
@@ -132,10 +133,19 @@ class ClusterState:
             d=session.durable,
             k=clean_start,
             s=[entry_fields(e) for e in session.subscriptions.values()],
+            g=session.generation,
+            o=session.owner,
         )
 
     def subscribed(self, session: Session, entry: SubscriptionEntry) -> None:
-        self._send(op="sub", c=session.client_id, d=session.durable, e=entry_fields(entry))
+        self._send(
+            op="sub",
+            c=session.client_id,
+            d=session.durable,
+            e=entry_fields(entry),
+            g=session.generation,
+            o=session.owner,
+        )
 
     def unsubscribed(self, session: Session, topic_filter: str) -> None:
         self._send(op="unsub", c=session.client_id, f=topic_filter)
@@ -147,18 +157,15 @@ class ClusterState:
         if not isinstance(session, RemoteSession):
             self._send(op="end", c=session.client_id)
 
-    def claim(self, client_id: str, clean_start: bool) -> None:
-        """Before a CONNECT opens ``client_id`` here: turn a remote record into a local
-        session. A durable one is recreated from the replicated subscriptions (its
-        messages are in Redis) so it is resumed, or ended by a clean start."""
-        broker = self.broker
-        record = broker.sessions.get(client_id)
+    def claim(self, client_id: str) -> RemoteSession | None:
+        """Before a CONNECT opens ``client_id`` here: forget the remote record (returned).
+        A durable session is resumed from the store, which holds its state, or
+        ended there by a clean start: the replicated view is only for routing."""
+        record = self.broker.sessions.get(client_id)
         if not isinstance(record, RemoteSession):
-            return
-        entries = list(record.subscriptions.values())
+            return None
         self._drop(record)
-        if record.durable:
-            broker.restore_session(client_id, NEVER_EXPIRES, entries, None)
+        return record
 
     def handed_over(self, session: Session, will: WillMessage | None) -> bool:
         """``broker.detach`` of a session another replica took over: no state is saved
@@ -286,10 +293,20 @@ class ClusterState:
         elif op == "sync":
             self._answer_sync()
         elif op == "snaps":
-            for cid, durable, entries in change["l"]:
+            for cid, durable, entries, *rest in change["l"]:
                 if self._unconfirmed:
                     self._unconfirmed.discard(cid)
-                self._snapshot({"n": change["n"], "c": cid, "d": durable, "s": entries})
+                generation, owner = [*rest, 0, None][:2]
+                self._snapshot(
+                    {
+                        "n": change["n"],
+                        "c": cid,
+                        "d": durable,
+                        "s": entries,
+                        "g": generation,
+                        "o": owner,
+                    }
+                )
         return []
 
     def delivered(self, client_id: str, delivery: Delivery) -> None:
@@ -337,7 +354,16 @@ class ClusterState:
         elif record is not None and record.connection is not None:
             return  # connected here
         else:
-            record = self._install({"n": change["n"], "c": cid, "d": change["d"], "s": []})
+            record = self._install(
+                {
+                    "n": change["n"],
+                    "c": cid,
+                    "d": change["d"],
+                    "s": [],
+                    "g": change.get("g", 0),
+                    "o": change.get("o"),
+                }
+            )
         entry = entry_of(cid, change["e"])
         broker.subscriptions.add(entry)
         record.subscriptions[entry.topic_filter] = entry
@@ -356,7 +382,13 @@ class ClusterState:
 
     def _answer_sync(self) -> None:
         live = [
-            [s.client_id, s.durable, [entry_fields(e) for e in s.subscriptions.values()]]
+            [
+                s.client_id,
+                s.durable,
+                [entry_fields(e) for e in s.subscriptions.values()],
+                s.generation,
+                s.owner,
+            ]
             for s in self.broker.sessions.values()
             if not isinstance(s, RemoteSession) and s.connection is not None
         ]
@@ -380,6 +412,8 @@ class ClusterState:
         record = RemoteSession(
             cid, change["n"], bool(change["d"]), True, broker.stats, self.forward
         )
+        record.generation = int(change.get("g") or 0)
+        record.owner = change.get("o")
         for fields in change["s"]:
             entry = entry_of(cid, fields)
             broker.subscriptions.add(entry)

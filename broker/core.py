@@ -21,7 +21,13 @@ from broker.cluster import ClusterState, RemoteSession
 from broker.limits import bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
-from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
+from broker.persistent_path import (
+    InMemoryPersistentPath,
+    OpenedSession,
+    OpenRequest,
+    PersistentPath,
+    StoredCallback,
+)
 from broker.retained import RetainedStore
 from broker.session import NEVER_EXPIRES, Session
 from broker.stats import BrokerStats
@@ -32,6 +38,9 @@ if TYPE_CHECKING:
     from broker.connection import MQTTConnection, WillMessage
 
 log = logging.getLogger("devicemq.broker")
+
+
+SessionOpened = Callable[["Session | None", bool], None]
 
 
 def _ignore_stored(ok: bool) -> None:
@@ -65,6 +74,9 @@ class Broker:
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
         self.cluster: ClusterState | None = None  # cluster.enabled: the other replicas
+        # Client ids whose durable session the persistent path is opening: the
+        # CONNECTs that came meanwhile, to open once it is done.
+        self._opening: dict[str, list[Callable[[], None]]] = {}
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -77,16 +89,31 @@ class Broker:
         return f"{self._id_prefix}{next(self._assigned_ids)}"
 
     def open_session(
-        self, conn: MQTTConnection, client_id: str, clean_start: bool, expiry_interval: int
-    ) -> tuple[Session, bool]:
-        """Attach ``conn`` to its session; returns (session, session_present).
+        self,
+        conn: MQTTConnection,
+        client_id: str,
+        clean_start: bool,
+        expiry_interval: int,
+        then: SessionOpened,
+    ) -> None:
+        """Attach ``conn`` to its session, then ``then(session, session_present)``;
+        ``then(None, False)`` if the session's store could not be reached.
 
         A client id already connected is taken over (MQTT-3.1.4-3); clean start
         discards the old session (MQTT-3.1.2-4), otherwise it is resumed and a
-        will still waiting out its delay is cancelled (MQTT-3.1.3-9).
+        will still waiting out its delay is cancelled (MQTT-3.1.3-9). A durable
+        session this broker does not hold (new, or held by another replica, or
+        stored only) is opened through the persistent path, which resumes the
+        stored state or starts a new session with a new generation: ``then``
+        may come later. CONNECTs of one client id are opened one at a time.
         """
-        if self.cluster is not None:
-            self.cluster.claim(client_id, clean_start)  # a remote record becomes local
+        waiting = self._opening.get(client_id)
+        if waiting is not None:
+            waiting.append(
+                lambda: self.open_session(conn, client_id, clean_start, expiry_interval, then)
+            )
+            return
+        remote = self.cluster.claim(client_id) if self.cluster is not None else None
         existing = self.sessions.get(client_id)
         if existing is not None and existing.connection is not None:
             from broker.packets import ReasonCode
@@ -97,18 +124,80 @@ class Broker:
         if existing is not None and clean_start:
             self.end_session(existing)
             existing = None
-        if existing is None:
-            session = self._new_session(client_id, expiry_interval, durable=expiry_interval > 0)
+        remote_durable = remote is not None and remote.durable
+        if remote_durable and clean_start:
+            assert remote is not None
+            self.persistent_path.session_ended(remote)  # fenced by its generation
+        if existing is not None:
+            self._attach(conn, existing, clean_start, expiry_interval)
+            then(existing, True)
+            return
+        if expiry_interval == 0 and not (remote_durable and not clean_start):
+            session = self._new_session(client_id, expiry_interval, durable=False)
             self.sessions[client_id] = session
-            present = False
-        else:
-            session = existing
-            session.expiry_interval = expiry_interval
-            session.pending_will = None
-            session.will_at = None
-            session.expires_at = None
-            self._detached.discard(session)
-            present = True
+            self._attach(conn, session, clean_start, expiry_interval)
+            then(session, False)
+            return
+        self._opening[client_id] = []
+        request = OpenRequest(
+            clean_start,
+            None if expiry_interval == NEVER_EXPIRES else expiry_interval,
+            conn.protocol_level,
+            conn.username,
+        )
+        self.persistent_path.open(
+            client_id,
+            request,
+            lambda opened: self._opened(
+                conn, client_id, clean_start, expiry_interval, opened, then
+            ),
+        )
+
+    def _opened(
+        self,
+        conn: MQTTConnection,
+        client_id: str,
+        clean_start: bool,
+        expiry_interval: int,
+        opened: OpenedSession | None,
+        then: SessionOpened,
+    ) -> None:
+        """The persistent path opened (or could not open) a durable session."""
+        queued = self._opening.pop(client_id, [])
+        try:
+            if opened is None:
+                then(None, False)
+                return
+            if self.cluster is not None:
+                self.cluster.claim(client_id)  # another replica's record arrived meanwhile
+            session = self._new_session(client_id, expiry_interval, durable=True)
+            session.generation = opened.generation
+            session.owner = opened.owner
+            if opened.resumed:
+                for entry in opened.subscriptions:
+                    self.subscriptions.add(entry)
+                    session.subscriptions[entry.topic_filter] = entry
+                session.incoming_qos2 = dict.fromkeys(opened.qos2_received, True)
+            self.sessions[client_id] = session
+            if conn.close_requested:
+                # Gone while the session was opened: it stays, disconnected.
+                self._start_expiry(session, self.clock())
+                self.persistent_path.save_session(session, _ignore_stored)
+                return
+            self._attach(conn, session, clean_start, expiry_interval)
+            then(session, opened.resumed)
+        finally:
+            for retry in queued:
+                retry()
+
+    def _attach(
+        self, conn: MQTTConnection, session: Session, clean_start: bool, expiry_interval: int
+    ) -> None:
+        session.expiry_interval = expiry_interval
+        session.pending_will = None
+        session.will_at = None
+        session.expires_at = None
+        self._detached.discard(session)
         session.connection = conn
         conn.session = session
         if session.durable:
@@ -117,7 +206,6 @@ class Broker:
         self.stats.connections_total += 1
         if self.cluster is not None:
             self.cluster.opened(session, clean_start)  # other replicas drop theirs
-        return session, present
 
     def restore_session(
         self,
@@ -172,13 +260,16 @@ class Broker:
         if session.expiry_interval == 0:
             self.end_session(session)
             return
-        if session.expiry_interval != NEVER_EXPIRES:
-            session.expires_at = now + session.expiry_interval
-        self._detached.add(session)
+        self._start_expiry(session, now)
         if session.durable:
             self.persistent_path.save_session(session, _ignore_stored)
             if self.cluster is not None:
                 self.cluster.went_offline(session)
+
+    def _start_expiry(self, session: Session, now: float) -> None:
+        if session.expiry_interval != NEVER_EXPIRES:
+            session.expires_at = now + session.expiry_interval
+        self._detached.add(session)
 
     def forget_detached(self, session: Session) -> None:
         """Stop a session's will-delay and expiry timers (another replica owns it)."""

@@ -306,8 +306,28 @@ class BrokerCollector(Collector):
         )
         yield _counter(
             "persisted_messages_duplicate",
-            "Re-read Kafka records the store skipped as already stored",
+            "Kafka records the store skipped as already stored (read again, produced twice)",
             consumer.duplicates_skipped,
+        )
+        yield _counter(
+            "persisted_messages_discarded",
+            "Kafka records of a session that had ended when they arrived (not stored)",
+            consumer.discarded_ended_session,
+        )
+        yield _counter(
+            "kafka_malformed_records",
+            "Records of the persisted topic that are not devicemq's format (skipped)",
+            consumer.malformed_records,
+        )
+        yield _counter(
+            "persistence_consumer_failures",
+            "Unexpected errors of the persistence consumer (it read the batch again)",
+            consumer.failures,
+        )
+        yield _counter(
+            "kafka_log_resets",
+            "Partitions re-read from their start after their log went backwards",
+            consumer.log_resets,
         )
         if self.backlog is not None:
             yield _gauge(
@@ -397,7 +417,7 @@ class BrokerCollector(Collector):
         durable = [cid for cid, s in broker.sessions.items() if s.durable]
         total = 0
         redis: Any = persistence.store.redis
-        from persistence.redis_store import client_keys
+        from persistence.format import client_keys
 
         for start in range(0, len(durable), BACKLOG_PIPELINE):
             pipe = redis.pipeline(transaction=False)
@@ -534,6 +554,9 @@ class MetricsServer:
             )
         except Exception as e:
             return False, {"reason": f"kafka unreachable: {_short(e)}"}
+        problem = persistence.problem()
+        if problem is not None:
+            return False, {"reason": problem}
         assigned = len(persistence.kafka_consumer.assignment())
         if not assigned:
             return False, {"reason": "consumer has no partitions assigned"}

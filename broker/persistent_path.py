@@ -14,15 +14,47 @@ restarts).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from broker.message import Delivery
     from broker.outflow import Feed
     from broker.session import Session
+    from broker.topics import SubscriptionEntry
 
 DoneCallback = Callable[[bool], None]
 StoredCallback = DoneCallback
+
+
+@dataclass(slots=True, frozen=True)
+class OpenRequest:
+    """A CONNECT for a durable session this broker does not hold."""
+
+    clean_start: bool
+    expiry_interval: int | None  # None: never expires
+    protocol_level: int
+    owner: str | None  # the authenticated user (None: anonymous)
+
+
+@dataclass(slots=True)
+class OpenedSession:
+    """What the persistent path found or made for an :class:`OpenRequest`.
+
+    ``resumed``: a stored session was found (session present), with its
+    subscriptions, its held QoS 2 ids and its owner; otherwise a new one was
+    started. ``generation`` tells this session from earlier and later ones of
+    the same client id.
+    """
+
+    generation: int
+    resumed: bool
+    subscriptions: list[SubscriptionEntry]
+    qos2_received: tuple[int, ...]
+    owner: str | None
+
+
+OpenedCallback = Callable[[OpenedSession | None], None]
 
 
 class PersistentPath(Protocol):
@@ -34,6 +66,11 @@ class PersistentPath(Protocol):
         ``on_stored(False)`` means they could not be stored: the publisher must
         not be told the message was accepted.
         """
+
+    def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
+        """Resume the durable session stored for ``client_id``, or start a new one
+        (clean start, or none stored); then ``done(opened)``, or ``done(None)`` if
+        the store could not be reached."""
 
     def feed_for(self, client_id: str) -> Feed | None:
         """Where a new durable session's outgoing messages come from; None: memory."""
@@ -58,6 +95,9 @@ class InMemoryPersistentPath:
         for session, delivery in deliveries:
             session.deliver(delivery)
         on_stored(True)
+
+    def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
+        done(OpenedSession(0, False, [], (), request.owner))
 
     def feed_for(self, client_id: str) -> Feed | None:
         return None

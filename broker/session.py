@@ -44,6 +44,11 @@ class Session:
         self.outflow = Outflow(self, max_inflight, feed)
         # Created persistent: deliveries and state go through the persistent path.
         self.durable = durable
+        # Tells this durable session from earlier and later ones of the same client id
+        # (the persistent path assigns it; 0: none). Its records carry it.
+        self.generation = 0
+        # The user the session belongs to (auth.session_owner), None: not bound.
+        self.owner: str | None = None
 
     @property
     def persistent(self) -> bool:

@@ -30,7 +30,8 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from persistence.redis_store import ClientBatch, RedisMessageStore, StoredMessage
+from persistence.format import StoredMessage
+from persistence.redis_store import ClientBatch, RedisMessageStore
 from tests.integration.redis_servers import RedisCluster3, RedisServer
 
 PAYLOAD = b"x" * 100
@@ -43,7 +44,8 @@ def _messages(first: int, count: int) -> list[StoredMessage]:
             payload=PAYLOAD,
             qos=1,
             publish_time=time.time(),
-            kafka_offset=first + i,
+            producer=1,
+            seq=first + i + 1,
         )
         for i in range(count)
     ]

@@ -42,8 +42,8 @@ from redis.asyncio import Redis
 
 from broker.cluster import DELIVER, RESYNC_WINDOW, RETAINED, STORED, SUBSCRIPTIONS, ClusterState
 from broker.message import Delivery
+from persistence.format import decode_record
 from persistence.records import encode_delivery, stored_delivery
-from persistence.redis_store import decode_record
 
 if TYPE_CHECKING:
     from redis.asyncio.client import PubSub

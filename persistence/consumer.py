@@ -4,42 +4,49 @@ One consumer group inside the broker reads ``devicemq.device.persisted`` in
 batches (``getmany``), groups each batch by subscriber (the record key), and
 stores each client's part with one script call, all of a batch in one round
 trip. Offsets are committed only after Redis stored the batch, so a crash
-re-reads it; the store skips offsets it already has, so re-reading never
-stores twice. The commit runs beside delivery, not before it: the messages
-are in Redis already, and a commit that is lost only means a re-read.
+re-reads it; the store names every record by (producer, seq) and skips one it
+has stored, so re-reading never stores twice. The commit runs beside
+delivery, not before it: the messages are in Redis already, and a commit that
+is lost only means a re-read. A batch Redis cannot take is retried until it
+can: the consumer stalls, it never skips (tbmq#320).
 
-Offsets restart at 0 when the topic is created anew (the embedded Kafka keeps
-no data across restarts; an operator may recreate the topic). The store's
-offset record is therefore keyed by ``<epoch>:<partition>``, where the epoch
-counts how often devicemq created the topic: stale records of an earlier
-incarnation never make new messages look already stored. A
-batch Redis cannot take is retried until it can: the consumer stalls, it
-never skips (tbmq#320).
+A partition's log can go backwards: the embedded Kafka keeps records in
+memory only and starts from offset 0 after a restart, and an operator may
+recreate the topic. Nothing in the store depends on offsets, so the records
+of the new log are stored like any other; what must not happen is a fetch
+position left beyond the new log's start. A reset is noticed where it shows:
+a producer acknowledgement at a lower offset than before
+(:meth:`LogResets.announce`, called by the Kafka path), or a fetched record
+below the position this consumer had reached. It is announced in Redis, and
+every consumer rewinds the partitions named there to their beginning
+(:meth:`PersistenceConsumer.check_resets`).
+
+The consumer task is supervised: an unexpected error rewinds the partitions
+of the batch it was storing to that batch's first record, is logged and
+counted, and reading goes on after :data:`RETRY_DELAY`; meanwhile
+:attr:`PersistenceConsumer.failure` says why (``/ready`` answers 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
 from persistence.events import NO_EVENTS, EventSink
-from persistence.redis_store import (
-    ClientBatch,
-    PersistedMessageStore,
-    SaveResult,
-    Stage,
-    StoredRecord,
-    decode_record,
-)
+from persistence.format import Stage, StoredRecord, decode_record, epoch_key, record_id
+from persistence.redis_store import ClientBatch, PersistedMessageStore, SaveResult
 
 log = logging.getLogger("devicemq.consumer")
 
 RETRY_DELAY = 0.5  # seconds between attempts to store a batch Redis refused
+RESET_CHECK_INTERVAL = 1.0  # seconds between two looks at the announced log resets
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
 RoomFor = Callable[[str], int]  # client id -> messages it can be sent right now
@@ -52,15 +59,22 @@ class ConsumerStats:
     duplicates_skipped: int = 0
     messages_trimmed: int = 0
     expired_on_arrival: int = 0
+    discarded_ended_session: int = 0  # records of a session that had ended
+    malformed_records: int = 0
     save_errors: int = 0
     commit_errors: int = 0
+    failures: int = 0  # unexpected errors of the consumer task (it went on)
+    log_resets: int = 0  # partitions rewound after their log went backwards
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
 
 
-def make_consumer(bootstrap: str, topic: str, group: str) -> AIOKafkaConsumer:
-    """A group member with DESIGN.md's settings for Tansu's slow joins and low latency."""
+def make_consumer(bootstrap: str, group: str) -> AIOKafkaConsumer:
+    """A group member with settings for Tansu's slow joins and low latency.
+
+    It subscribes when a :class:`PersistenceConsumer` takes it (with its
+    rebalance listener).
+    """
     return AIOKafkaConsumer(
-        topic,
         bootstrap_servers=bootstrap,
         group_id=group,
         enable_auto_commit=False,
@@ -72,15 +86,83 @@ def make_consumer(bootstrap: str, topic: str, group: str) -> AIOKafkaConsumer:
     )
 
 
+class LogResets:
+    """Partitions whose log went backwards, announced in Redis for every replica.
+
+    ``devicemq:resets:<topic>`` is a hash, partition -> how many resets were
+    announced for it; ``devicemq:epoch:<topic>`` counts them all (delivery
+    events carry it, so the audit tells the logs apart).
+    """
+
+    def __init__(self, redis: Any, topic: str) -> None:
+        self._redis = redis
+        self._key = f"devicemq:resets:{topic}"
+        self._epoch_key = epoch_key(topic)
+        self._pending: set[int] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def announce(self, partitions: Iterable[int]) -> None:
+        """From the hot path: written in the background, retried until it lands."""
+        self._pending.update(partitions)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while self._pending:
+                partitions, self._pending = self._pending, set()
+                try:
+                    pipe = self._redis.pipeline(transaction=False)
+                    for partition in sorted(partitions):
+                        pipe.hincrby(self._key, str(partition), 1)
+                    pipe.incr(self._epoch_key)
+                    await pipe.execute()
+                    log.warning(
+                        "kafka partitions %s went backwards (log reset): announced, every "
+                        "consumer re-reads them from their beginning",
+                        sorted(partitions),
+                    )
+                except Exception as error:
+                    self._pending.update(partitions)
+                    log.warning("announcing a kafka log reset failed, retrying: %s", error)
+                    await asyncio.sleep(RETRY_DELAY)
+        finally:
+            self._task = None
+
+    async def read(self) -> tuple[dict[int, int], int]:
+        """(partition -> resets announced, epoch)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(self._key)
+        pipe.get(self._epoch_key)
+        counts, epoch = await pipe.execute()
+        return {int(k): int(v) for k, v in counts.items()}, int(epoch or 0)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, owner: PersistenceConsumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        for tp in revoked:
+            self._owner.forget_position(tp)
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        for tp in assigned:
+            self._owner.forget_position(tp)
+
+
 class PersistenceConsumer:
     def __init__(
         self,
         consumer: AIOKafkaConsumer,
+        topic: str,
         store: PersistedMessageStore,
         on_stored: StoredHandler,
         max_records: int,
         epoch: int = 0,
         room_for: RoomFor = lambda client_id: 0,
+        resets: LogResets | None = None,
+        events: EventSink = NO_EVENTS,
     ) -> None:
         self._consumer = consumer
         self._room_for = room_for
@@ -88,35 +170,82 @@ class PersistenceConsumer:
         self._store = store
         self._on_stored = on_stored
         self._max_records = max_records
+        self._resets = resets
         self.stats = ConsumerStats()
-        self.events: EventSink = NO_EVENTS  # delivery events (persistence/events.py)
+        self.events = events
+        self.failure: str | None = None  # why storing is failing right now (not ready)
         self._to_commit: dict[TopicPartition, int] = {}
         self._committer: asyncio.Task[None] | None = None
+        # Next offset expected per partition while it stays assigned: a fetched
+        # record below it means the log went backwards.
+        self._position: dict[TopicPartition, int] = {}
+        self._known_resets: dict[int, int] | None = None
+        self._resets_checked = 0.0
+        consumer.subscribe([topic], listener=_Rebalance(self))
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
 
     async def run(self) -> None:
+        """Read and store until cancelled; an unexpected error never ends it."""
         while True:
-            batches = await self._consumer.getmany(timeout_ms=100, max_records=self._max_records)
-            if batches:
-                await self.process(batches)
+            batches: dict[TopicPartition, list[ConsumerRecord]] = {}
+            try:
+                await self._check_resets_now_and_then()
+                batches = await self._consumer.getmany(
+                    timeout_ms=100, max_records=self._max_records
+                )
+                if batches:
+                    await self.process(batches)
+                self.failure = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self.stats.failures += 1
+                self.failure = f"persistence consumer failed: {error!r}"
+                log.exception("persistence consumer failed; reading again after %gs", RETRY_DELAY)
+                for tp, records in batches.items():
+                    # Nothing of that batch may count as read: store it again.
+                    self._seek(tp, records[0].offset)
+                await asyncio.sleep(RETRY_DELAY)
+
+    def forget_position(self, tp: TopicPartition) -> None:
+        """The partition was (re)assigned or revoked: its next fetch may start anywhere."""
+        self._position.pop(tp, None)
 
     async def process(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         client_batches: list[ClientBatch] = []
         commit: dict[TopicPartition, int] = {}
+        went_back: list[int] = []
         for tp, records in batches.items():
+            expected = self._position.get(tp)
+            if expected is not None and records[0].offset < expected:
+                went_back.append(tp.partition)
+            self._position[tp] = records[-1].offset + 1
             by_client: dict[str, tuple[list[bytes], list[int]]] = {}
             for record in records:
+                value = record.value
+                if record.key is None or not _well_formed(value):
+                    self.stats.malformed_records += 1
+                    log.warning("skipping a malformed record at %s offset %d", tp, record.offset)
+                    continue
                 values, offsets = by_client.setdefault(record.key.decode(), ([], []))
-                values.append(record.value)
+                values.append(value)
                 offsets.append(record.offset)
-            log_id = f"{self._epoch}:{tp.partition}"
             room_for = self._room_for
             client_batches.extend(
                 # Stored marked sent, as many as go out at once: no mark write for them.
-                ClientBatch(client_id, values, log_id, offsets, room_for(client_id))
+                ClientBatch(client_id, values, tp.partition, offsets, room_for(client_id))
                 for client_id, (values, offsets) in by_client.items()
             )
             commit[tp] = records[-1].offset + 1
             self.stats.records_consumed += len(records)
+        if went_back and self._resets is not None:
+            # Below the position this consumer had reached: the log was reset. Its
+            # new records are read from its start now (aiokafka resets to the
+            # earliest); other replicas' consumers may be past it: tell them.
+            self._resets.announce(went_back)
         results = await self._save(client_batches)
         self._commit_soon(commit)
         for batch, result in zip(client_batches, results, strict=True):
@@ -125,6 +254,38 @@ class PersistenceConsumer:
             if result.saved or result.duplicates:
                 # Duplicates too: a save whose reply was lost stored them, unseen.
                 self._on_stored(batch.client_id, _records_of(batch, result))
+
+    async def check_resets(self) -> None:
+        """Rewind the assigned partitions whose log reset was announced since last time."""
+        if self._resets is None:
+            return
+        counts, epoch = await self._resets.read()
+        known, self._known_resets = self._known_resets, counts
+        self._epoch = max(self._epoch, epoch)
+        if known is None:
+            return  # the first look: what was announced before us is history
+        changed = {p for p, n in counts.items() if known.get(p, 0) != n}
+        for tp in self._consumer.assignment():
+            if tp.partition in changed:
+                self.stats.log_resets += 1
+                log.warning("kafka partition %d was reset: reading it from its start", tp.partition)
+                self._seek(tp, 0)
+
+    async def _check_resets_now_and_then(self) -> None:
+        now = time.monotonic()
+        if now - self._resets_checked >= RESET_CHECK_INTERVAL:
+            self._resets_checked = now
+            try:
+                await self.check_resets()
+            except Exception as error:  # Redis down: the next look will do
+                log.debug("reading announced kafka log resets failed: %s", error)
+
+    def _seek(self, tp: TopicPartition, offset: int) -> None:
+        try:
+            self._consumer.seek(tp, offset)
+        except Exception as error:  # no longer assigned: its next owner reads it
+            log.debug("seek of %s failed: %s", tp, error)
+        self._position.pop(tp, None)
 
     async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:
         while True:
@@ -172,6 +333,17 @@ class PersistenceConsumer:
         stats.duplicates_skipped += result.duplicates
         stats.messages_trimmed += result.trimmed
         stats.expired_on_arrival += result.expired
+        stats.discarded_ended_session += len(result.discarded)
+
+
+def _well_formed(value: bytes | None) -> bool:
+    if value is None:
+        return False
+    try:
+        record_id(value)
+    except (ValueError, IndexError):
+        return False
+    return True
 
 
 def _records_of(batch: ClientBatch, result: SaveResult) -> Callable[[], list[StoredRecord]]:

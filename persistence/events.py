@@ -15,7 +15,13 @@ one partition and in the order they happened. ``pipeline/`` reads them back
 ``expired``        ``at``: ``arrival`` (expired before it was stored; ``part``,
                    ``off``, ``ep``, no ``pid``) or ``delivery`` (``pid``, ``sc``)
 ``dropped``        too large for the client (Maximum Packet Size): removed
-``trimmed``        removed by the per-client limit: ``pids``, oldest first
+``trimmed``        removed by the per-client limit: ``pids``, oldest first; or
+                   ``at``: ``arrival`` (``part``/``off``/``ep``): not stored, the
+                   limit being full of messages in flight
+``discarded``      ``at``: ``arrival`` (``part``/``off``/``ep``): routed for a
+                   session that had ended (an older generation): not stored
+``duplicate``      (``part``/``off``/``ep``) a record stored before: read
+                   again, or produced twice by a retried request
 ``connected``, ``disconnected``, ``session_expired``, ``session_ended``
                    session lifecycle of durable sessions
 ``gap``            ``n`` events were dropped (Kafka too slow, buffer full)
@@ -38,19 +44,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from persistence.format import header_fields
+
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
     from broker.config import Settings
     from broker.session import Session
-    from persistence.redis_store import ClientBatch, SaveResult, StoredRecord
+    from persistence.format import StoredRecord
+    from persistence.redis_store import ClientBatch, SaveResult
 
 __all__ = [
     "NO_EVENTS",
@@ -67,20 +75,6 @@ log = logging.getLogger("devicemq.events")
 
 DEFAULT_INTERVAL = 0.05  # seconds between flushes
 DEFAULT_MAX_BUFFER = 100_000  # events waiting for Kafka before new ones are dropped
-
-# The stored-message header (persistence/redis_store.py): version, flags, qos,
-# published, expiry, offset, topic length, properties length.
-_HEADER = struct.Struct(">BBBddqHI")
-_FLAG_HAS_EXPIRY = 0x08
-
-
-def header_fields(value: bytes) -> tuple[str, int, float, float | None]:
-    """(topic, payload size, publish time, expiry) of an encoded stored message."""
-    _v, flags, _q, published, expiry, _o, topic_len, props_len = _HEADER.unpack_from(value)
-    start = _HEADER.size
-    topic = value[start : start + topic_len].decode("utf-8", "replace")
-    size = len(value) - start - topic_len - props_len
-    return topic, size, published, expiry if flags & _FLAG_HAS_EXPIRY else None
 
 
 class EventSink(Protocol):
@@ -141,7 +135,8 @@ class EventLog:
     ) -> None:
         self._producer = producer
         self.topic = topic
-        self._epoch = epoch
+        # The persisted topic's epoch now (it changes when a log reset is announced).
+        self.epoch_of: Callable[[], int] = lambda: epoch
         self._default_ttl = default_ttl
         self._interval = interval
         self._max_buffer = max_buffer
@@ -277,50 +272,52 @@ class EventLog:
     def _stored_events(
         self, client_id: str, ts: float, details: tuple[ClientBatch, SaveResult]
     ) -> list[dict[str, Any]]:
+        from persistence.redis_store import DISCARDED, DUPLICATE, UNSTORED
+
         batch, result = details
-        partition = int(str(batch.partition).rsplit(":", 1)[-1])
+        partition = int(batch.partition)
+        epoch = self.epoch_of()
         offsets = batch.offsets
         events: list[dict[str, Any]] = []
-        for i, (value, assigned) in enumerate(zip(batch.messages, result.assigned, strict=True)):
+        outcomes = result.outcomes
+        for i, value in enumerate(batch.messages):
             if not isinstance(value, bytes):
                 continue  # only the consumer's raw records are reported
-            offset = offsets[i] if offsets is not None else -1
+            outcome = outcomes[i]
+            base = {
+                "cid": client_id,
+                "ts": ts,
+                "part": partition,
+                "off": offsets[i] if offsets is not None else -1,
+                "ep": epoch,
+            }
+            if outcome == DUPLICATE:
+                # Stored before (a record read again, or produced twice).
+                events.append({"ev": "duplicate", **base})
+                continue
             topic, size, published, expiry = header_fields(value)
-            if assigned is not None:
+            where = {"topic": topic, "size": size, "pub": published}
+            if outcome > 0:
+                assigned = result.assigned[i]
+                assert assigned is not None
                 events.append(
                     {
                         "ev": "persisted",
-                        "cid": client_id,
-                        "ts": ts,
+                        **base,
                         "pid": assigned.packet_id,
                         "sc": assigned.score,
-                        "part": partition,
-                        "off": offset,
-                        "ep": self._epoch,
-                        "topic": topic,
-                        "size": size,
-                        "pub": published,
+                        **where,
                         "exp": expiry if expiry is not None else ts + self._default_ttl,
                     }
                 )
-            elif result.expired and (
-                not result.duplicates or (expiry is not None and expiry <= ts)
-            ):
-                # Not stored because it had expired, not because its offset was replayed.
-                events.append(
-                    {
-                        "ev": "expired",
-                        "cid": client_id,
-                        "ts": ts,
-                        "at": "arrival",
-                        "part": partition,
-                        "off": offset,
-                        "ep": self._epoch,
-                        "topic": topic,
-                        "size": size,
-                        "pub": published,
-                    }
-                )
+            elif outcome == DISCARDED:
+                # Routed for a session that had ended when it arrived.
+                events.append({"ev": "discarded", "at": "arrival", **base, **where})
+            elif outcome == UNSTORED:
+                # Over the limit with every stored message in flight: not stored.
+                events.append({"ev": "trimmed", "at": "arrival", **base, **where})
+            else:
+                events.append({"ev": "expired", "at": "arrival", **base, **where})
         if result.trimmed_ids:
             events.append({"ev": "trimmed", "cid": client_id, "ts": ts, "pids": result.trimmed_ids})
         return events

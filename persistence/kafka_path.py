@@ -72,9 +72,15 @@ class KafkaPersistentPath:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         timeout: float = 10.0,
+        producer_id: int = 0,
+        on_log_reset: Callable[[list[int]], None] | None = None,
     ) -> None:
         self._producer = producer
         self._topic = topic
+        # Every record is named (producer_id, seq): the store skips one it has stored.
+        self.producer_id = producer_id
+        self._seq = 0
+        self._on_log_reset = on_log_reset  # partitions whose log went backwards
         self._timeout = timeout  # seconds a publisher waits before it is told "failed"
         self._logged_at = -LOG_INTERVAL
         self._logged_errors = 0
@@ -94,10 +100,15 @@ class KafkaPersistentPath:
         self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
     ) -> None:
         wall, now = self._wall_clock(), self._clock()
-        records = [
-            (session.client_id.encode(), encode_delivery(delivery, wall, now))
-            for session, delivery in deliveries
-        ]
+        producer, seq = self.producer_id, self._seq
+        records = []
+        for session, delivery in deliveries:
+            seq += 1
+            value = encode_delivery(
+                delivery, wall, now, producer=producer, seq=seq, generation=session.generation
+            )
+            records.append((session.client_id.encode(), value))
+        self._seq = seq
         self._pending.append((records, on_stored))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
@@ -181,8 +192,16 @@ class KafkaPersistentPath:
             self._report(submission, False)
             return
         metadata = future.result()
-        if metadata.offset > self.produced.get(metadata.partition, -1):
+        highest = self.produced.get(metadata.partition, -1)
+        if metadata.offset > highest:
             self.produced[metadata.partition] = metadata.offset
+        elif metadata.offset < highest:
+            # Acknowledged below an earlier acknowledgement: the partition's log
+            # was reset (a Kafka that keeps records in memory restarted, or the
+            # topic was recreated). Consumers past its new start must rewind.
+            self.produced[metadata.partition] = metadata.offset
+            if self._on_log_reset is not None:
+                self._on_log_reset([metadata.partition])
         submission.remaining -= 1
         if not submission.remaining:
             self._report(submission, True)

@@ -1,7 +1,7 @@
 """Deliveries to and from the stored-message format.
 
 One format carries a persistent delivery end to end: the Kafka record value
-is :func:`persistence.redis_store.encode_message` of the delivery, the
+is :func:`persistence.format.encode_message` of the delivery, the
 consumer passes it to Redis untouched, and delivery decodes it back. Packet
 identifier, DUP and topic alias are per send and are not part of it. Expiry
 travels as an absolute wall-clock time, so it survives restarts; the broker
@@ -12,10 +12,20 @@ from __future__ import annotations
 
 from broker.message import Delivery, Message
 from broker.packets import Properties
-from persistence.redis_store import StoredMessage, encode_message
+from persistence.format import StoredMessage, encode_message
 
 
-def encode_delivery(delivery: Delivery, wall_now: float, clock_now: float) -> bytes:
+def encode_delivery(
+    delivery: Delivery,
+    wall_now: float,
+    clock_now: float,
+    *,
+    producer: int = 0,
+    seq: int = 0,
+    generation: int = 0,
+) -> bytes:
+    """The record value of ``delivery``, named (``producer``, ``seq``), for the session
+    of ``generation``."""
     message = delivery.message
     properties = message.properties or _NO_PROPERTIES
     expiry = None
@@ -35,6 +45,9 @@ def encode_delivery(delivery: Delivery, wall_now: float, clock_now: float) -> by
             subscription_identifiers=delivery.subscription_ids,
             publish_time=wall_now,
             expiry=expiry,
+            producer=producer,
+            seq=seq,
+            generation=generation,
         )
     )
 

@@ -9,83 +9,38 @@ interface; :class:`RedisMessageStore` implements it over redis-py asyncio,
 on a single Redis (``redis.asyncio.Redis``) or a Redis Cluster
 (``redis.asyncio.cluster.RedisCluster``). Every operation on a client is one
 Lua script call (or one plain command), so a batch costs one round trip.
-
-Key layout
-----------
-All of a client's keys carry the same hash tag ``{cid}``, so they share one
-Redis Cluster slot and one script may touch them all:
-
-``{cid}_messages``
-    sorted set; member = packet id as a decimal string, score = the client's
-    counter (``{cid}_last_score``).
-``{cid}_messages_<packetId>``
-    string: the message (encoding below), ``SET ... PX ttl`` where ttl is
-    the MQTT 5 message expiry if the message has one, else ``default_ttl``
-    (7 days).
-``{cid}_last_packet_id``
-    last packet id handed out, 1..65535.
-``{cid}_last_score``
-    last score handed out.
-``{cid}_last_offset``
-    hash, Kafka partition -> last offset stored for this client.
-``{cid}_session``
-    the session state (:class:`SessionState`, orjson).
-
-``cid`` is the client id itself, except that ``%`` and ``}`` are written
-``%25`` and ``%7D`` and the empty id is written ``%``: a ``}`` would end the
-hash tag early (an id starting with ``}`` would give an empty tag and spread
-the keys over slots). The mapping is injective and leaves ordinary ids alone.
-
-Value encoding
---------------
-A stored message is a fixed header, big-endian (``struct`` format
-``>BBBddqHI``, 33 bytes), then the topic (UTF-8), the properties, the
-payload::
-
-    version   u8   1
-    flags     u8   0x01 SENT (sent at least once: DUP on replay)
-                   0x02 PUBREL (QoS 2, PUBREC received: only PUBREL is left)
-                   0x04 RETAIN  0x08 HAS_EXPIRY
-    qos       u8
-    published f64  publish time, epoch seconds
-    expiry    f64  absolute message expiry, epoch seconds (if HAS_EXPIRY)
-    offset    i64  Kafka offset, -1 if unknown
-    topic_len u16
-    props_len u32
-    topic, properties, payload
-
-The properties are MQTT 5 property identifiers with fixed-width values:
-``0x01`` u8 payload format; ``0x03`` content type, ``0x08`` response topic,
-``0x09`` correlation data, each u16 length + bytes; ``0x26`` user property,
-u16 length + key, u16 length + value (repeated, order kept); ``0x0B``
-subscription identifier, u32 (repeated).
-
-The flags byte is byte 1 so the SENT bit can be set in Redis with ``SETBIT
-key 15 1``, which keeps the key's TTL. After PUBREC the message is rewritten
-(``SET key value XX KEEPTTL``: the TTL is kept) as the 2-byte header
-``01 03`` (version 1, SENT | PUBREL): only the packet id is needed to resend
-PUBREL, so the payload's memory is released.
+The key names and the value format are persistence/format.py's.
 
 Invariants
 ----------
 * **Packet ids** follow the score: ``packet_id = (score - 1) % 65535 + 1``
-  (:func:`packet_id_of`), so they wrap 65535 -> 1 and are never 0;
-  ``{cid}_last_packet_id`` records the last one. An id is never given out
-  while a ref with that id is in ``{cid}_messages``: the save script first
-  trims the set below the limit (``limit <= 65535``), so at least one id is
-  free, then moves the score on past any score whose id is still stored (an
-  old unacknowledged message can outlive 65535 newer, acknowledged ones; its
-  id is skipped, never overwritten, and the scores show a gap there). A
-  stored ref can only clash with a new score 65535 or more steps later, so
-  the script checks ids one by one only when its oldest ref is that old.
-  Acknowledged as they go, the ids run 1..65535, 1, 2, ... with no gap.
+  (:func:`~persistence.format.packet_id_of`), so they wrap 65535 -> 1 and
+  are never 0; ``{cid}_last_packet_id`` records the last one. An id is never
+  given out while a ref with that id is in ``{cid}_messages``: the save
+  script first trims the set below the limit (``limit <= 65535``), so at
+  least one id is free, then moves the score on past any score whose id is
+  still stored (an old unacknowledged message can outlive 65535 newer,
+  acknowledged ones; its id is skipped, never overwritten, and the scores
+  show a gap there). A stored ref can only clash with a new score 65535 or
+  more steps later, so the script checks ids one by one only when its oldest
+  ref is that old. Acknowledged as they go, the ids run 1..65535, 1, 2, ...
+  with no gap.
 * **Scores** come from ``{cid}_last_score``, which only grows (strictly
   increasing per client, gaps only where an id was skipped); it is not
   derived from the set (which empties), and if the counter key were lost the
   script continues above the set's highest score.
-* **Idempotent save**: messages at offsets ``<=`` the partition's stored
-  offset are skipped (reported as duplicates), so a batch retried after a
-  crash before the Kafka commit stores nothing twice and advances no counter.
+* **Idempotent save**: a record is named by (producer, seq), and one
+  producer's records reach a partition in order: a seq at or below the last
+  one stored from that producer through that partition is skipped (reported
+  as a duplicate). A batch read again after a crash, or a record Kafka took
+  twice from a retried produce request, is stored once. Nothing depends on
+  Kafka offsets, so a topic recreated from offset 0 loses nothing.
+* **Generations**: every durable session has a generation that only grows
+  per client (:meth:`RedisMessageStore.open_session`); records carry the one
+  they were routed for, and a record of an ended session (an older
+  generation) is dropped, never stored into the next session. Session saves
+  and deletes are fenced the same way: a broker that still holds an old
+  session cannot overwrite or delete a newer one.
 * **In flight until acknowledged**: a message marked sent (it may have been
   seen) is never trimmed and never expires: its string lives as long as the
   session (no TTL while the client is connected, the session's TTL while it
@@ -104,7 +59,7 @@ Invariants
   dropped by :meth:`RedisMessageStore.load_page`.
 
 Atomicity comes from each batch being one script: on a crash a batch is
-either stored with its offset record or not at all.
+either stored with its dedup record or not at all.
 """
 
 from __future__ import annotations
@@ -115,361 +70,54 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from importlib import resources
 from typing import Any, NamedTuple, Protocol
 
-import orjson
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from broker.stats import Histogram
+from persistence.format import (
+    ClientKeys,
+    SessionState,
+    StoredMessage,
+    StoredRecord,
+    client_keys,
+    decode_record,
+    encode_message,
+    packet_id_of,
+    pubrel_value,
+    record_id,
+)
 
 __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_TTL",
+    "DISCARDED",
+    "DUPLICATE",
+    "EXPIRED",
     "MAX_LIMIT",
+    "UNSTORED",
     "Assigned",
     "BatchSaveError",
     "ClientBatch",
-    "ClientKeys",
     "Page",
     "PersistedMessageStore",
     "RedisMessageStore",
     "SaveResult",
-    "SessionState",
-    "Stage",
-    "StoredMessage",
-    "StoredRecord",
-    "SubscriptionState",
-    "client_keys",
-    "decode_record",
-    "encode_message",
-    "encoded_expiry",
-    "packet_id_of",
 ]
 
 DEFAULT_LIMIT = 10_000
 MAX_LIMIT = 65_535
-MAX_PACKET_ID = 65_535
 DEFAULT_TTL = 7 * 24 * 3600  # seconds
 
 RedisClient = Redis | RedisCluster
 
-# ---------------------------------------------------------------------------
-# Messages and their encoding (pure, no I/O)
-# ---------------------------------------------------------------------------
-
-VERSION = 1
-FLAG_SENT = 0x01
-FLAG_PUBREL = 0x02
-FLAG_RETAIN = 0x04
-FLAG_HAS_EXPIRY = 0x08
-
-_HEADER = struct.Struct(">BBBddqHI")
-_PUBREL_VALUE = bytes((VERSION, FLAG_SENT | FLAG_PUBREL))
-
-_P_PAYLOAD_FORMAT = 0x01
-_P_CONTENT_TYPE = 0x03
-_P_RESPONSE_TOPIC = 0x08
-_P_CORRELATION_DATA = 0x09
-_P_SUBSCRIPTION_ID = 0x0B
-_P_USER_PROPERTY = 0x26
-
 POOL_CONNECTIONS = 64  # Redis connections of one broker (single-node mode)
-_SAVE_META = struct.Struct(">ddd")  # per message to the save script: offset, TTL, length
-_U8 = struct.Struct(">B")
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
-_ID_U8 = struct.Struct(">BB")
-_ID_U16 = struct.Struct(">BH")
-_ID_U32 = struct.Struct(">BI")
-
-
-class Stage(Enum):
-    """Where a stored message is in its outgoing flow."""
-
-    PUBLISH = "publish"  # PUBLISH to (re)send
-    PUBREL = "pubrel"  # QoS 2 after PUBREC: only PUBREL is left to send
-
-
-@dataclass(slots=True)
-class StoredMessage:
-    """One message for one subscriber, as the consumer hands it to the store.
-
-    ``qos`` and ``retain`` are what this subscriber receives;
-    ``subscription_identifiers`` are those of its matching subscriptions.
-    ``expiry`` is the absolute MQTT 5 message expiry (epoch seconds) or None.
-    """
-
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool = False
-    payload_format_indicator: int | None = None
-    content_type: str | None = None
-    response_topic: str | None = None
-    correlation_data: bytes | None = None
-    user_properties: tuple[tuple[str, str], ...] = ()
-    subscription_identifiers: tuple[int, ...] = ()
-    publish_time: float = 0.0
-    expiry: float | None = None
-    kafka_offset: int = -1
-
-
-@dataclass(slots=True)
-class StoredRecord:
-    """A message read back for delivery or replay.
-
-    ``sent`` means it went out at least once: resend with DUP. In the PUBREL
-    stage ``message`` is None (only PUBREL ``packet_id`` is to be sent).
-    ``marked``: not sent yet, but the store has it marked sent already (it was
-    saved for a client waiting for it): it goes out without a mark write.
-    """
-
-    packet_id: int
-    score: int
-    stage: Stage
-    sent: bool
-    message: StoredMessage | None
-    marked: bool = False
-
-
-def _short(data: bytes, what: str) -> bytes:
-    if len(data) > 0xFFFF:
-        raise ValueError(f"{what} is longer than 65535 bytes")
-    return _U16.pack(len(data)) + data
-
-
-def _encode_properties(m: StoredMessage) -> bytes:
-    parts: list[bytes] = []
-    if m.payload_format_indicator is not None:
-        parts.append(_ID_U8.pack(_P_PAYLOAD_FORMAT, m.payload_format_indicator))
-    if m.content_type is not None:
-        parts.append(bytes((_P_CONTENT_TYPE,)) + _short(m.content_type.encode(), "content type"))
-    if m.response_topic is not None:
-        parts.append(
-            bytes((_P_RESPONSE_TOPIC,)) + _short(m.response_topic.encode(), "response topic")
-        )
-    if m.correlation_data is not None:
-        parts.append(bytes((_P_CORRELATION_DATA,)) + _short(m.correlation_data, "correlation"))
-    for key, value in m.user_properties:
-        parts.append(
-            bytes((_P_USER_PROPERTY,))
-            + _short(key.encode(), "user property")
-            + _short(value.encode(), "user property")
-        )
-    for sid in m.subscription_identifiers:
-        parts.append(_ID_U32.pack(_P_SUBSCRIPTION_ID, sid))
-    return b"".join(parts)
-
-
-def encode_message(m: StoredMessage, *, sent: bool = False) -> bytes:
-    """The stored value of ``m`` (see the module docstring for the layout)."""
-    topic = m.topic.encode()
-    if len(topic) > 0xFFFF:
-        raise ValueError("topic is longer than 65535 bytes")
-    props = _encode_properties(m)
-    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
-    if m.expiry is not None:
-        flags |= FLAG_HAS_EXPIRY
-    header = _HEADER.pack(
-        VERSION,
-        flags,
-        m.qos,
-        m.publish_time,
-        m.expiry if m.expiry is not None else 0.0,
-        m.kafka_offset,
-        len(topic),
-        len(props),
-    )
-    return b"".join((header, topic, props, m.payload))
-
-
-def _decode_properties(data: bytes) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    users: list[tuple[str, str]] = []
-    sids: list[int] = []
-    pos = 0
-    end = len(data)
-
-    def short() -> bytes:
-        nonlocal pos
-        (n,) = _U16.unpack_from(data, pos)
-        pos += 2 + n
-        return data[pos - n : pos]
-
-    while pos < end:
-        pid = data[pos]
-        pos += 1
-        if pid == _P_PAYLOAD_FORMAT:
-            out["payload_format_indicator"] = data[pos]
-            pos += 1
-        elif pid == _P_CONTENT_TYPE:
-            out["content_type"] = short().decode()
-        elif pid == _P_RESPONSE_TOPIC:
-            out["response_topic"] = short().decode()
-        elif pid == _P_CORRELATION_DATA:
-            out["correlation_data"] = short()
-        elif pid == _P_USER_PROPERTY:
-            key = short().decode()
-            users.append((key, short().decode()))
-        elif pid == _P_SUBSCRIPTION_ID:
-            sids.append(_U32.unpack_from(data, pos)[0])
-            pos += 4
-        else:
-            raise ValueError(f"unknown stored property 0x{pid:02x}")
-    if users:
-        out["user_properties"] = tuple(users)
-    if sids:
-        out["subscription_identifiers"] = tuple(sids)
-    return out
-
-
-def encoded_expiry(value: bytes) -> float | None:
-    """The absolute expiry of an encoded message, read from its header alone."""
-    if value[1] & FLAG_HAS_EXPIRY:
-        return float(_HEADER.unpack_from(value)[4])
-    return None
-
-
-def decode_record(
-    packet_id: int, score: int, value: bytes, *, marked: bool = False
-) -> StoredRecord:
-    """Read a stored value back (inverse of :func:`encode_message`).
-
-    ``marked``: the store holds it marked sent though this value is not
-    (see :attr:`StoredRecord.marked`).
-    """
-    if len(value) < 2 or value[0] != VERSION:
-        raise ValueError(f"unknown stored message format (packet id {packet_id})")
-    flags = value[1]
-    sent = bool(flags & FLAG_SENT)
-    if flags & FLAG_PUBREL:
-        return StoredRecord(packet_id, score, Stage.PUBREL, True, None)
-    _, _, qos, published, expiry, offset, topic_len, props_len = _HEADER.unpack_from(value)
-    pos = _HEADER.size
-    topic = value[pos : pos + topic_len].decode()
-    pos += topic_len
-    props = _decode_properties(value[pos : pos + props_len]) if props_len else {}
-    pos += props_len
-    message = StoredMessage(
-        topic=topic,
-        payload=value[pos:],
-        qos=qos,
-        retain=bool(flags & FLAG_RETAIN),
-        publish_time=published,
-        expiry=expiry if flags & FLAG_HAS_EXPIRY else None,
-        kafka_offset=offset,
-        **props,
-    )
-    return StoredRecord(packet_id, score, Stage.PUBLISH, sent, message, marked)
-
-
-# ---------------------------------------------------------------------------
-# Session state
-# ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True, frozen=True)
-class SubscriptionState:
-    qos: int
-    no_local: bool = False
-    retain_as_published: bool = False
-    retain_handling: int = 0
-    subscription_id: int | None = None
-
-
-@dataclass(slots=True)
-class SessionState:
-    """What a persistent session must keep across broker restarts.
-
-    ``expiry_interval`` is the Session Expiry Interval in seconds (None: the
-    session never expires). ``last_seen`` is epoch seconds.
-    """
-
-    expiry_interval: int | None
-    last_seen: float
-    subscriptions: dict[str, SubscriptionState] = field(default_factory=dict)
-    protocol_level: int = 5
-    # QoS 2 packet ids received from the client and not yet released by PUBREL
-    qos2_received: tuple[int, ...] = ()
-
-    def encode(self) -> bytes:
-        return orjson.dumps(
-            {
-                "v": 1,
-                "e": self.expiry_interval,
-                "l": self.last_seen,
-                "p": self.protocol_level,
-                "q": list(self.qos2_received),
-                "s": [
-                    [
-                        f,
-                        s.qos,
-                        s.no_local,
-                        s.retain_as_published,
-                        s.retain_handling,
-                        s.subscription_id,
-                    ]
-                    for f, s in self.subscriptions.items()
-                ],
-            }
-        )
-
-    @classmethod
-    def decode(cls, data: bytes) -> SessionState:
-        doc = orjson.loads(data)
-        if doc.get("v") != 1:
-            raise ValueError("unknown session state format")
-        subs = {
-            f: SubscriptionState(qos, bool(nl), bool(rap), rh, sid)
-            for f, qos, nl, rap, rh, sid in doc["s"]
-        }
-        return cls(doc["e"], doc["l"], subs, doc["p"], tuple(doc.get("q", ())))
-
-
-# ---------------------------------------------------------------------------
-# Keys
-# ---------------------------------------------------------------------------
-
-
-class ClientKeys(NamedTuple):
-    messages: str
-    last_packet_id: str
-    last_score: str
-    last_offset: str
-    session: str
-
-    def message(self, packet_id: int) -> str:
-        return f"{self.messages}_{packet_id}"
-
-
-def _tag(client_id: str) -> str:
-    if not client_id:
-        return "%"
-    if "%" in client_id or "}" in client_id:
-        return client_id.replace("%", "%25").replace("}", "%7D")
-    return client_id
-
-
-def packet_id_of(score: int) -> int:
-    """The packet id that goes with a score: 1..65535, wrapping, never 0."""
-    return (score - 1) % MAX_PACKET_ID + 1
-
-
-def client_keys(client_id: str) -> ClientKeys:
-    """The Redis keys of ``client_id`` (all in one cluster slot)."""
-    p = "{" + _tag(client_id) + "}"
-    return ClientKeys(
-        p + "_messages",
-        p + "_last_packet_id",
-        p + "_last_score",
-        p + "_last_offset",
-        p + "_session",
-    )
-
+# per message to the save script: producer, seq, generation, TTL, length
+_SAVE_META = struct.Struct(">ddddd")
+_PUBREL_VALUE = pubrel_value()
 
 # ---------------------------------------------------------------------------
 # Results
@@ -493,13 +141,13 @@ class SaveResult:
     """What one client batch did.
 
     ``assigned[i]`` is message i's packet id and score (in order, strictly
-    increasing scores), or None when it was
-    not stored: its offset had been stored before (counted in
-    ``duplicates``) or it had already expired (``expired``).
-    ``trimmed_ids`` are packet ids removed, oldest first, to respect the
-    limit; they may include messages of this very batch. ``unstored`` are
-    the indexes of messages refused for the limit itself: every message
-    stored was in flight, none could make room.
+    increasing scores), or None when it was not stored: it was a duplicate
+    of a record stored before (counted in ``duplicates``), it had already
+    expired (``expired``), its session had ended (index in ``discarded``: an
+    older generation), or it did not fit (index in ``unstored``: every
+    message stored was in flight, none could make room). ``trimmed_ids`` are
+    packet ids removed, oldest first, to respect the limit; they may include
+    messages of this very batch.
     """
 
     assigned: list[Assigned | None]
@@ -507,10 +155,14 @@ class SaveResult:
     duplicates: int
     expired: int
     unstored: list[int] = field(default_factory=list)
+    discarded: list[int] = field(default_factory=list)
+    # Per message, the script's answer: its score (> 0), or EXPIRED, DUPLICATE,
+    # DISCARDED, UNSTORED.
+    outcomes: list[int] = field(default_factory=list)
 
     @property
     def saved(self) -> int:
-        return len(self.assigned) - self.duplicates - self.expired - len(self.unstored)
+        return sum(1 for a in self.assigned if a is not None)
 
     @property
     def trimmed(self) -> int:
@@ -519,27 +171,31 @@ class SaveResult:
 
 @dataclass(slots=True)
 class ClientBatch:
-    """One client's messages from one Kafka partition, in offset order.
+    """One client's messages from one Kafka partition, in partition order.
 
-    ``offsets`` defaults to each message's ``kafka_offset``. The first
-    ``premark`` messages stored are stored marked sent (see
-    :attr:`StoredRecord.marked`).
+    ``offsets`` are their Kafka offsets (reported in delivery events; the
+    store does not need them). The first ``premark`` messages stored are
+    stored marked sent (see :attr:`StoredRecord.marked`).
     """
 
     client_id: str
     messages: Sequence[StoredMessage | bytes]
-    partition: int | str  # the offset record's key: Kafka partition (qualified)
+    partition: int | str  # the Kafka partition they came from
     offsets: Sequence[int] | None = None
     premark: int = 0
 
 
+EXPIRED, DUPLICATE, DISCARDED, UNSTORED = 0, -1, -2, -3  # SaveResult.outcomes
+
+
 def _save_result(reply: Any) -> SaveResult:
-    """The save script's reply: a score per message (>0 stored, -1 duplicate, 0 expired,
-    -3 no room: every stored message in flight)."""
+    """The save script's reply: a score per message (>0 stored, 0 expired, -1 duplicate,
+    -2 older generation, -3 no room: every stored message in flight)."""
     scores, trimmed = reply
     assigned: list[Assigned | None] = []
     duplicates = expired = 0
     unstored: list[int] = []
+    discarded: list[int] = []
     for i, score in enumerate(scores):
         if score > 0:
             assigned.append(Assigned(packet_id_of(score), score))
@@ -549,9 +205,19 @@ def _save_result(reply: Any) -> SaveResult:
             duplicates += 1
         elif score == 0:
             expired += 1
+        elif score == -2:
+            discarded.append(i)
         else:
             unstored.append(i)
-    return SaveResult(assigned, [int(t) for t in trimmed], duplicates, expired, unstored)
+    return SaveResult(
+        assigned,
+        [int(t) for t in trimmed],
+        duplicates,
+        expired,
+        unstored,
+        discarded,
+        [int(x) for x in scores],
+    )
 
 
 class BatchSaveError(Exception):
@@ -606,15 +272,19 @@ class PersistedMessageStore(Protocol):
 
     async def pending_count(self, client_id: str) -> int: ...
 
+    async def open_session(
+        self, client_id: str, *, resume: bool, generation: int, state: SessionState
+    ) -> SessionState | None: ...
+
     async def save_session(
         self, client_id: str, state: SessionState, *, ttl: int | None = None
-    ) -> None: ...
+    ) -> bool: ...
 
     async def load_session(self, client_id: str) -> SessionState | None: ...
 
-    async def delete_session(self, client_id: str, *, keep_offsets: bool = True) -> int: ...
+    async def end_session(self, client_id: str, generation: int = 0) -> int | None: ...
 
-    async def expire_session(self, client_id: str, seconds: int) -> bool: ...
+    async def expire_session(self, client_id: str, seconds: int, generation: int = 0) -> bool: ...
 
 
 # ---------------------------------------------------------------------------
@@ -638,8 +308,9 @@ _LOAD_PAGE = _load_script("load_page")
 _ACK = _load_script("ack")
 _MARK_SENT = _load_script("mark_sent")
 _SESSION = _load_script("session")
-_DELETE = _load_script("delete_client")
-_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _DELETE)
+_END = _load_script("end_session")
+_OPEN = _load_script("open_session")
+_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _END, _OPEN)
 
 
 class RedisMessageStore:
@@ -749,8 +420,7 @@ class RedisMessageStore:
         """Store one client's batch (one script call). See :class:`SaveResult`.
 
         A message may come already encoded (:func:`encode_message`), as the
-        Kafka consumer passes record values through untouched; then
-        ``offsets`` must be given.
+        Kafka consumer passes record values through untouched.
         """
         if limit is not None:
             _check_limit(limit)
@@ -848,29 +518,26 @@ class RedisMessageStore:
         self, batch: ClientBatch, now: float, limit: int
     ) -> tuple[ClientKeys, tuple[Any, ...]]:
         """Keys and arguments of the save script for one client batch."""
-        messages, offsets = batch.messages, batch.offsets
-        if offsets is None:
-            offsets = [m.kafka_offset if isinstance(m, StoredMessage) else -1 for m in messages]
-        elif len(offsets) != len(messages):
-            raise ValueError("one offset per message")
         meta = bytearray()
         values: list[bytes] = []
-        for m, offset in zip(messages, offsets, strict=True):
-            if offset < 0:
-                raise ValueError("Kafka offsets are >= 0")
+        pack = _SAVE_META.pack
+        for m in batch.messages:
             if isinstance(m, StoredMessage):
                 value = encode_message(m)
-                ttl = self._ttl_ms(m.expiry, now)
+                meta += pack(
+                    m.producer, m.seq, m.generation, self._ttl_ms(m.expiry, now), len(value)
+                )
             else:
                 value = m
-                ttl = self._ttl_ms(encoded_expiry(m), now)
-            meta += _SAVE_META.pack(offset, ttl, len(value))
+                rid = record_id(m)
+                ttl = self._ttl_ms(rid.expiry, now)
+                meta += pack(rid.producer, rid.seq, rid.generation, ttl, len(value))
             values.append(value)
         args = (
             limit,
             batch.partition,
             self._default_ttl_ms,
-            len(messages),
+            len(batch.messages),
             bytes(meta),
             batch.premark,
             b"".join(values),
@@ -987,37 +654,71 @@ class RedisMessageStore:
 
     # -- sessions ----------------------------------------------------------
 
+    async def open_session(
+        self, client_id: str, *, resume: bool, generation: int, state: SessionState
+    ) -> SessionState | None:
+        """A client connects to a durable session (one script call).
+
+        ``resume`` (clean start 0) with a session stored: returns it, its
+        generation and owner included; nothing changes. Otherwise a new
+        session: whatever is stored for the client goes, ``state`` is written
+        with a generation above every earlier one (at least ``generation``,
+        the caller's clock), which is set on ``state``; returns None.
+        """
+        keys = client_keys(client_id)
+        gen, stored = await self._eval(
+            _OPEN, keys, ("resume" if resume else "new", generation, state.encode())
+        )
+        if stored:
+            found = SessionState.decode(stored)
+            found.generation = int(gen)
+            return found
+        state.generation = int(gen)
+        return None
+
     async def save_session(
         self, client_id: str, state: SessionState, *, ttl: int | None = None
-    ) -> None:
+    ) -> bool:
         """Store the session. With ``ttl`` (seconds) every key of the client
-        expires then; without, all of them are made persistent (connected)."""
+        expires then; without, all of them are made persistent (connected).
+        False: a newer generation than ``state.generation`` holds the client
+        (the session ended or moved): nothing was written."""
         ttl_ms = 0 if ttl is None else _positive_ms(ttl)
-        await self._eval(_SESSION, client_keys(client_id), ("save", ttl_ms, state.encode()))
+        args = ("save", ttl_ms, state.encode(), state.generation)
+        return int(await self._eval(_SESSION, client_keys(client_id), args)) >= 0
 
     async def load_session(self, client_id: str) -> SessionState | None:
-        data = await self.redis.execute_command("GET", client_keys(client_id).session)
-        return None if data is None else SessionState.decode(data)
+        keys = client_keys(client_id)
+        data, gen = await self.redis.execute_command("MGET", keys.session, keys.generation)
+        if data is None:
+            return None
+        state = SessionState.decode(data)
+        state.generation = int(gen or 0)
+        return state
 
-    async def expire_session(self, client_id: str, seconds: int) -> bool:
+    async def expire_session(self, client_id: str, seconds: int, generation: int = 0) -> bool:
         """Disconnected: every key of the client expires in ``seconds``
-        (``<= 0``: now). Returns whether a session was stored."""
+        (``<= 0``: the session ends now). Returns whether a session of that
+        generation was stored."""
         if seconds <= 0:
             existed = await self.load_session(client_id) is not None
-            await self.delete_session(client_id)
-            return existed
-        reply = await self._eval(_SESSION, client_keys(client_id), ("expire", seconds * 1000, b""))
-        return bool(reply)
+            return existed and await self.end_session(client_id, generation) is not None
+        args = ("expire", seconds * 1000, b"", generation)
+        reply = await self._eval(_SESSION, client_keys(client_id), args)
+        return int(reply) == 1
 
-    async def delete_session(self, client_id: str, *, keep_offsets: bool = True) -> int:
-        """Clean start: delete every key of the client; returns messages deleted.
+    async def end_session(self, client_id: str, generation: int = 0) -> int | None:
+        """The session of ``generation`` ended (0: whichever is stored): delete every
+        key of the client, leave a generation tombstone for ``default_ttl`` so
+        records still in Kafka for it are dropped. Returns the messages deleted,
+        or None if a newer session holds the client (nothing was deleted)."""
+        args = (generation, self._default_ttl_ms)
+        deleted = int(await self._eval(_END, client_keys(client_id), args))
+        return None if deleted < 0 else deleted
 
-        ``keep_offsets`` keeps the Kafka offset record for ``default_ttl`` so
-        a retried batch from before the clean start is not stored into the
-        new session.
-        """
-        keep_ms = self._default_ttl_ms if keep_offsets else 0
-        return int(await self._eval(_DELETE, client_keys(client_id), (keep_ms,)))
+    async def delete_session(self, client_id: str) -> int:
+        """End whatever session is stored for ``client_id``; returns messages deleted."""
+        return await self.end_session(client_id) or 0
 
 
 def _check_limit(limit: int) -> None:

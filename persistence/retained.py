@@ -26,8 +26,8 @@ from typing import Any
 
 from broker.message import Delivery, Message
 from broker.retained import RetainedStore
+from persistence.format import decode_record
 from persistence.records import encode_delivery, stored_delivery
-from persistence.redis_store import decode_record
 
 log = logging.getLogger("devicemq.retained")
 

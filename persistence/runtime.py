@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
-from persistence.consumer import PersistenceConsumer, make_consumer
+from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
+from persistence.format import PRODUCERS_KEY, StoredRecord, epoch_key
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
-from persistence.redis_store import RedisMessageStore, StoredRecord
+from persistence.redis_store import RedisMessageStore
 from persistence.sessions import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from broker.core import Broker
     from broker.message import Delivery
-    from broker.persistent_path import DoneCallback
+    from broker.persistent_path import DoneCallback, OpenedCallback, OpenRequest
     from broker.session import Session
 
 log = logging.getLogger("devicemq.persistence")
@@ -53,7 +54,7 @@ class DevicePersistence:
         consumer: AIOKafkaConsumer,
         epoch: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        events: EventLog | None = None,
+        producer_id: int = 0,
     ) -> None:
         config = settings.persistence
         self.settings = settings
@@ -61,20 +62,39 @@ class DevicePersistence:
         self._producer = producer
         self._kafka_consumer = consumer
         self._clock = clock
+        self.event_log: EventLog | None = None  # delivery events for the pipeline, None: off
+        self.events: EventSink = NO_EVENTS
+        self.resets = LogResets(store.redis, config.topic)
         self.path = KafkaPersistentPath(
-            producer, config.topic, clock, timeout=config.kafka_request_timeout_ms / 1000
+            producer,
+            config.topic,
+            clock,
+            timeout=config.kafka_request_timeout_ms / 1000,
+            producer_id=producer_id,
+            on_log_reset=self.resets.announce,
         )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
         self.consumer = PersistenceConsumer(
-            consumer, store, self._stored, config.consumer_max_records, epoch, self._room_for
+            consumer,
+            config.topic,
+            store,
+            self._stored,
+            config.consumer_max_records,
+            epoch,
+            self._room_for,
+            self.resets,
         )
         self._broker: Broker | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self._consumer_task: asyncio.Task[None] | None = None
-        self.event_log = events  # delivery events for the pipeline, None when off
-        self.events: EventSink = NO_EVENTS if events is None else events
-        self.consumer.events = self.events
+
+    def use_events(self, events: EventLog | None) -> None:
+        """Report delivery events to ``events`` (before :meth:`attach`; None: off)."""
+        self.event_log = events
+        if events is not None:
+            self.events = self.consumer.events = events
+            events.epoch_of = lambda: self.consumer.epoch
 
     @property
     def kafka_producer(self) -> AIOKafkaProducer:
@@ -101,9 +121,11 @@ class DevicePersistence:
             self.settings.persistence.replay_page_size,
             self._broker.stats,
             self._clock,
-            settled=lambda: self.sessions.settled(client_id),
             events=self.events,
         )
+
+    def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
+        self.sessions.open(client_id, request, done)
 
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
         self.events.session(
@@ -113,7 +135,13 @@ class DevicePersistence:
 
     def session_ended(self, session: Session) -> None:
         self.events.session(session.client_id, end_kind(session, self._clock()))
-        self.sessions.delete(session.client_id)
+        self.sessions.end(session.client_id, session.generation)
+
+    def problem(self) -> str | None:
+        """Why the persistent path cannot keep its promise right now (not ready), or None."""
+        if self._consumer_task is not None and self._consumer_task.done():
+            return "persistence consumer stopped"
+        return self.consumer.failure
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -216,26 +244,33 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         await store.aclose()
         raise PersistenceUnavailable(f"cannot use redis at {redis_url}: {error}") from error
     producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
-    consumer = make_consumer(bootstrap, config.topic, config.consumer_group)
+    consumer = make_consumer(bootstrap, config.consumer_group)
     try:
+        producer_id = int(await store.redis.incr(PRODUCERS_KEY))
         created = await ensure_topic(bootstrap, config.topic, config.partitions)
         epoch = await _topic_epoch(store, config.topic, created)
-        await producer.start()
+        # Subscribed (with its rebalance listener) before it starts: the group join
+        # begins at once, the rest of the start-up runs meanwhile.
+        persistence = DevicePersistence(
+            settings, store, producer, consumer, epoch, producer_id=producer_id
+        )
         await consumer.start()
-        events = await open_event_log(settings, bootstrap, epoch)
+        await producer.start()
+        persistence.use_events(await open_event_log(settings, bootstrap, epoch))
     except KafkaError as error:
         await store.aclose()
         with contextlib.suppress(KafkaError):
             await producer.stop()
+        with contextlib.suppress(KafkaError):
+            await consumer.stop()
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
-    persistence = DevicePersistence(settings, store, producer, consumer, epoch, events=events)
     persistence.redis_url = redis_url
     return persistence
 
 
 async def _topic_epoch(store: RedisMessageStore, topic: str, created: bool) -> int:
     """How many times devicemq created ``topic``: its offsets restart each time."""
-    key = f"devicemq:epoch:{topic}"
+    key = epoch_key(topic)
     if created:
         return int(await store.redis.incr(key))
     return int(await store.redis.get(key) or 0)

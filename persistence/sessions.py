@@ -1,10 +1,16 @@
-"""Durable session state in Redis, so sessions survive broker restarts.
+"""Durable session state in Redis, so sessions survive broker restarts and move between replicas.
 
-Each durable session's state (subscriptions, expiry) is the store's
-``{cid}_session`` key; the index ``devicemq:sessions`` (a sorted set, score =
-expiry deadline in epoch seconds, +inf while connected or never expiring)
-lists them for the restore at start-up. Saves for one client run one at a
-time and the latest state wins, so a slow save never overwrites a newer one.
+Each durable session's state (subscriptions, expiry, owner) is the store's
+``{cid}_session`` key and its generation ``{cid}_generation``; the index
+``devicemq:sessions`` (a sorted set, score = expiry deadline in epoch seconds,
++inf while connected or never expiring) lists them for the restore at
+start-up.
+
+Operations on one client run one at a time, in the order asked: opening a
+session (resume or new, before CONNACK), saving its state, ending it.
+Consecutive saves are merged (the latest state wins). Every write is fenced
+by the session's generation in Redis, so a broker holding an older session
+of the client can neither overwrite nor delete a newer one.
 """
 
 from __future__ import annotations
@@ -13,19 +19,24 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 from broker.core import Broker
+from broker.persistent_path import OpenedSession, OpenRequest
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import SubscriptionEntry
-from persistence.redis_store import RedisMessageStore, SessionState, SubscriptionState
+from persistence.format import SESSIONS_INDEX, SessionState, SubscriptionState
+from persistence.redis_store import RedisMessageStore
 
 log = logging.getLogger("devicemq.sessions")
 
-INDEX_KEY = "devicemq:sessions"
+INDEX_KEY = SESSIONS_INDEX
 SAVE_ATTEMPTS = 20
+OPEN_ATTEMPTS = 6  # a CONNECT waits at most this many tries for Redis
 RETRY_DELAY = 0.5
 RESTORE_CONCURRENCY = 50
 # Redis keeps a disconnected session's keys this much longer than the session
@@ -35,25 +46,42 @@ RESTORE_CONCURRENCY = 50
 EXPIRY_GRACE = 60
 
 Done = Callable[[bool], None]
+Opened = Callable[[OpenedSession | None], None]
 
 
 @dataclass(slots=True)
-class _Pending:
-    state: SessionState | None  # None: delete
+class _Save:
+    state: SessionState
     deadline: float  # index score
     ttl: int | None
-    callbacks: list[Done]
-    delete_first: bool = False  # a delete was queued before this save (clean start)
+    callbacks: list[Done] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _End:
+    generation: int
+
+
+@dataclass(slots=True)
+class _Open:
+    request: OpenRequest
+    done: Opened
+
+
+_Op = _Save | _End | _Open
 
 
 class SessionStateStore:
     def __init__(self, store: RedisMessageStore, wall_clock: Callable[[], float] = time.time):
         self._store = store
         self._wall_clock = wall_clock
-        self._pending: dict[str, _Pending] = {}
-        self._busy: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._queues: dict[str, deque[_Op]] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
+
+    # -- asked by the broker ----------------------------------------------------------
+
+    def open(self, client_id: str, request: OpenRequest, done: Opened) -> None:
+        self._enqueue(client_id, _Open(request, done))
 
     def save(self, session: Session, on_saved: Done) -> None:
         now = self._wall_clock()
@@ -70,26 +98,29 @@ class SessionStateStore:
             },
             session.connection.protocol_level if session.connection is not None else 5,
             tuple(sorted(pid for pid, held in session.incoming_qos2.items() if held)),
+            session.generation,
+            session.owner,
         )
         deadline = math.inf if forever else now + session.expiry_interval
-        self._enqueue(
-            session.client_id,
-            state,
-            deadline,
-            None if forever else session.expiry_interval + EXPIRY_GRACE,
-            on_saved,
-        )
+        ttl = None if forever else session.expiry_interval + EXPIRY_GRACE
+        queue = self._queues.get(session.client_id)
+        last = queue[-1] if queue else None
+        if isinstance(last, _Save) and last.state.generation == state.generation:
+            # Not yet written: the latest state wins, every caller hears the outcome.
+            last.state, last.deadline, last.ttl = state, deadline, ttl
+            last.callbacks.append(on_saved)
+            return
+        self._enqueue(session.client_id, _Save(state, deadline, ttl, [on_saved]))
 
-    def delete(self, client_id: str) -> None:
-        self._enqueue(client_id, None, 0.0, None, lambda ok: None)
+    def end(self, client_id: str, generation: int) -> None:
+        self._enqueue(client_id, _End(generation))
 
     async def flush(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._drains:
+            await asyncio.gather(*self._drains.values(), return_exceptions=True)
 
     async def settled(self, client_id: str) -> None:
-        """Wait until what is queued for ``client_id`` is written (a clean start's
-        delete must land before the new session reads the store)."""
+        """Wait until what is queued for ``client_id`` is written."""
         while (task := self._drains.get(client_id)) is not None:
             await asyncio.wait({task})
 
@@ -109,7 +140,7 @@ class SessionStateStore:
             async with gate:
                 state = await self._store.load_session(client_id)
                 if state is None or deadline <= now:
-                    await self._remove(client_id)
+                    await self._end(client_id, 0 if state is None else state.generation)
                     return
             expiry = NEVER_EXPIRES if state.expiry_interval is None else state.expiry_interval
             if math.isinf(deadline):
@@ -117,70 +148,113 @@ class SessionStateStore:
                 expires_in = None if expiry == NEVER_EXPIRES else float(expiry)
             else:
                 expires_in = deadline - now
-            subscriptions = [
-                SubscriptionEntry(
-                    client_id,
-                    f,
-                    s.qos,
-                    s.no_local,
-                    s.retain_as_published,
-                    s.retain_handling,
-                    s.subscription_id,
-                )
-                for f, s in state.subscriptions.items()
-            ]
-            restored_session = broker.restore_session(client_id, expiry, subscriptions, expires_in)
+            restored_session = broker.restore_session(
+                client_id, expiry, _entries(client_id, state), expires_in
+            )
             restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
+            restored_session.generation = state.generation
+            restored_session.owner = state.owner
             restored += 1
 
         await asyncio.gather(*(restore_one(raw, score) for raw, score in entries))
         return restored
 
-    def _enqueue(
-        self,
-        client_id: str,
-        state: SessionState | None,
-        deadline: float,
-        ttl: int | None,
-        done: Done,
-    ) -> None:
-        previous = self._pending.get(client_id)
-        callbacks = [*previous.callbacks, done] if previous is not None else [done]
-        # The latest state wins, but a delete it replaces must still happen first.
-        delete_first = previous is not None and (previous.state is None or previous.delete_first)
-        self._pending[client_id] = _Pending(state, deadline, ttl, callbacks, delete_first)
-        if client_id not in self._busy:
-            self._busy.add(client_id)
-            task = asyncio.get_running_loop().create_task(self._drain(client_id))
-            self._tasks.add(task)
+    # -- the per-client queue ---------------------------------------------------------
+
+    def _enqueue(self, client_id: str, op: _Op) -> None:
+        queue = self._queues.get(client_id)
+        if queue is None:
+            queue = self._queues[client_id] = deque()
+        queue.append(op)
+        if client_id not in self._drains:
+            task = asyncio.get_running_loop().create_task(self._drain(client_id, queue))
             self._drains[client_id] = task
-            task.add_done_callback(self._tasks.discard)
 
-    async def _drain(self, client_id: str) -> None:
+    async def _drain(self, client_id: str, queue: deque[_Op]) -> None:
         try:
-            while (pending := self._pending.pop(client_id, None)) is not None:
-                ok = await self._write(client_id, pending)
-                for done in pending.callbacks:
-                    done(ok)
+            while queue:
+                op = queue.popleft()  # from now on, saves asked go into a new write
+                try:
+                    if isinstance(op, _Open):
+                        op.done(await self._open(client_id, op.request))
+                    elif isinstance(op, _Save):
+                        ok = await self._save(client_id, op)
+                        for done in op.callbacks:
+                            done(ok)
+                    else:
+                        await self._retrying(partial(self._end, client_id, op.generation))
+                except Exception:  # a callback's bug must not stop the queue
+                    log.exception("session operation for %s failed", client_id)
         finally:
-            self._busy.discard(client_id)
-            self._drains.pop(client_id, None)
+            del self._drains[client_id]
+            if self._queues.get(client_id) is queue and not queue:
+                del self._queues[client_id]
 
-    async def _write(self, client_id: str, pending: _Pending) -> bool:
+    async def _open(self, client_id: str, request: OpenRequest) -> OpenedSession | None:
+        state = SessionState(
+            request.expiry_interval,
+            self._wall_clock(),
+            protocol_level=request.protocol_level,
+            owner=request.owner,
+        )
+        proposed = int(self._wall_clock() * 1000) * 1000
+        for attempt in range(OPEN_ATTEMPTS):
+            try:
+                found = await self._store.open_session(
+                    client_id, resume=not request.clean_start, generation=proposed, state=state
+                )
+                break
+            except Exception as error:
+                log.warning("opening session %s failed: %s", client_id, error)
+                if attempt + 1 == OPEN_ATTEMPTS:
+                    return None
+                await asyncio.sleep(RETRY_DELAY)
+        if found is None:  # a new session, written with its generation
+            await self._index(client_id, math.inf)
+            return OpenedSession(state.generation, False, [], (), request.owner)
+        return OpenedSession(
+            found.generation,
+            True,
+            _entries(client_id, found),
+            found.qos2_received,
+            found.owner,
+        )
+
+    async def _save(self, client_id: str, op: _Save) -> bool:
+        async def write() -> None:
+            if await self._store.save_session(client_id, op.state, ttl=op.ttl):
+                await self._index(client_id, op.deadline)
+
+        return await self._retrying(write)
+
+    async def _retrying(self, write: Callable[[], Awaitable[object]]) -> bool:
         for _ in range(SAVE_ATTEMPTS):
             try:
-                if pending.state is None or pending.delete_first:
-                    await self._remove(client_id)
-                    pending.delete_first = False
-                if pending.state is not None:
-                    await self._store.save_session(client_id, pending.state, ttl=pending.ttl)
-                    await self._store.redis.zadd(INDEX_KEY, {client_id: pending.deadline})
+                await write()
                 return True
             except Exception as error:
-                log.warning("saving session %s failed: %s", client_id, error)
+                log.warning("writing session state failed: %s", error)
                 await asyncio.sleep(RETRY_DELAY)
         return False
 
-    async def _remove(self, client_id: str) -> None:
-        await self._store.delete_session(client_id)
-        await self._store.redis.zrem(INDEX_KEY, client_id)
+    async def _index(self, client_id: str, deadline: float) -> None:
+        await self._store.redis.zadd(INDEX_KEY, {client_id: deadline})
+
+    async def _end(self, client_id: str, generation: int) -> None:
+        if await self._store.end_session(client_id, generation) is not None:
+            await self._store.redis.zrem(INDEX_KEY, client_id)
+
+
+def _entries(client_id: str, state: SessionState) -> list[SubscriptionEntry]:
+    return [
+        SubscriptionEntry(
+            client_id,
+            f,
+            s.qos,
+            s.no_local,
+            s.retain_as_published,
+            s.retain_handling,
+            s.subscription_id,
+        )
+        for f, s in state.subscriptions.items()
+    ]

@@ -25,13 +25,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from broker.outflow import Outflow, Outgoing
 from persistence.events import NO_EVENTS, EventSink
+from persistence.format import Stage, StoredRecord
 from persistence.records import stored_delivery
-from persistence.redis_store import PersistedMessageStore, Stage, StoredRecord
+from persistence.redis_store import PersistedMessageStore
 
 if TYPE_CHECKING:
     from broker.message import Delivery
@@ -160,7 +161,6 @@ class StoreFeed:
         stats: BrokerStats,
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
-        settled: Callable[[], Awaitable[None]] | None = None,
         events: EventSink = NO_EVENTS,
     ) -> None:
         self.client_id = client_id
@@ -171,7 +171,6 @@ class StoreFeed:
         self._stats = stats
         self._clock = clock
         self._wall_clock = wall_clock
-        self._settled = settled  # session-state writes to wait for before reading
         self._events = events
         self._buffer: deque[StoredRecord] = deque()
         self._cursor = 0
@@ -314,8 +313,6 @@ class StoreFeed:
     async def _load_page(self, epoch: int) -> None:
         try:
             await self._writer.flush()  # acks first, so the page holds no acked message
-            if self._settled is not None:
-                await self._settled()  # a clean start's delete first
             page = await self._store.load_page(self.client_id, self._cursor, self._page_size)
         except Exception as error:
             log.warning("replay read for %s failed: %s", self.client_id, error)

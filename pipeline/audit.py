@@ -11,7 +11,10 @@ Each record gets exactly one status, first match wins:
 ``trimmed``    removed by the per-client limit
 ``pending``    still stored in Redis: the ``{cid}_messages`` sorted set holds
                its score and its ``{cid}_messages_<id>`` string exists
-``discarded``  its session ended (expired or clean start) after it was stored
+``discarded``  its session ended (expired or clean start) after it was stored,
+               or before it arrived (routed for a session that had ended)
+``duplicate``  a second record of a message stored from another (a produce
+               request Kafka took twice): delivered as that one
 ``in_flight``  not stored yet, and younger than ``--grace`` seconds
 ``lost``       none of these
 
@@ -54,6 +57,7 @@ STATUSES = (
     "trimmed",
     "pending",
     "discarded",
+    "duplicate",
     "in_flight",
     "lost",
 )
@@ -76,7 +80,7 @@ class AuditResult:
 
 def stored_refs(redis_url: str, cluster: bool, cids: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
     """(cid, score, packet id, value present) for every ref of every client given."""
-    from persistence.redis_store import client_keys
+    from persistence.format import client_keys
 
     if cluster:
         from redis.cluster import RedisCluster
@@ -147,11 +151,17 @@ def audit_frames(
     def any_of(kind: Any) -> Any:
         return F.max(F.when(kind, F.lit(True)).otherwise(F.lit(False)))
 
-    # Per Kafka record of this topic epoch: stored (which score) or expired on arrival.
+    # Per Kafka record of this topic epoch: stored (which score), or why not.
     persisted = ev == "persisted"
-    arrival = (ev == "expired") & (F.col("at") == "arrival")
+    on_arrival = F.col("at") == "arrival"
+    arrival = (ev == "expired") & on_arrival
+    arrival_trim = (ev == "trimmed") & on_arrival
+    arrival_end = (ev == "discarded") & on_arrival
+    twice = ev == "duplicate"
     per_record = (
-        evs.where((persisted | arrival) & (F.col("ep") == epoch))
+        evs.where(
+            (persisted | arrival | arrival_trim | arrival_end | twice) & (F.col("ep") == epoch)
+        )
         .groupBy("part", "off")
         .agg(
             F.min(F.when(persisted, F.col("sc"))).alias("sc"),
@@ -159,10 +169,13 @@ def audit_frames(
             first_ts(persisted).alias("stored_ts"),
             F.min(F.when(persisted, F.col("exp"))).alias("stored_exp"),
             any_of(arrival).alias("arrival_expired"),
+            any_of(arrival_trim).alias("arrival_trimmed"),
+            any_of(arrival_end).alias("arrival_discarded"),
+            any_of(twice).alias("duplicate"),
         )
     )
     # A trim names packet ids: the message is the last one stored under that id before it.
-    trims = evs.where(ev == "trimmed").select(
+    trims = evs.where((ev == "trimmed") & F.col("pids").isNotNull()).select(
         "cid",
         F.explode("pids").alias("pid"),
         "epart",
@@ -220,9 +233,11 @@ def audit_frames(
         F.when(F.col("acked_ts").isNotNull(), "acked")
         .when(F.col("arrival_expired") | F.col("delivery_expired"), "expired")
         .when(F.col("too_large"), "dropped")
-        .when(F.col("was_trimmed"), "trimmed")
+        .when(F.col("was_trimmed") | F.col("arrival_trimmed"), "trimmed")
         .when(F.col("has_value"), "pending")
         .when(is_stored & (F.col("ended_ts") >= F.col("stored_ts")), "discarded")
+        .when(~is_stored & F.col("arrival_discarded"), "discarded")
+        .when(~is_stored & F.col("duplicate"), "duplicate")
         .when(is_stored & expiry.isNotNull() & (expiry <= now), "expired")
         .when(~is_stored & (F.col("kts") > now - grace), "in_flight")
         .otherwise("lost")

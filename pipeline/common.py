@@ -6,7 +6,7 @@ Tables (Spark DataFrames):
   persistent delivery a publisher was acknowledged for), with the subscriber
   (``cid``), Kafka ``part``/``off``, the message's ``topic``, payload
   ``size``, publish time ``pub`` and expiry ``exp`` (decoded from the stored
-  message header, persistence/redis_store.py);
+  message header, persistence/format.py);
 - :func:`events`: the delivery events of ``devicemq.events``
   (persistence/events.py), one column per field, plus the event's own
   position ``epart``/``eoff``/``idx`` (Kafka partition and offset of its
@@ -43,8 +43,6 @@ EVENT_SCHEMA = (
     "topic string, size int, pub double, exp double, dup boolean, at string, "
     "pids array<int>, n long"
 )
-RECORD_HEADER = struct.Struct(">BBBddqHI")
-FLAG_HAS_EXPIRY = 0x08
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +141,14 @@ def _redis(endpoints: Endpoints) -> Any:
 
 
 def _header(value: bytes | None) -> tuple[str | None, int | None, float | None, float | None]:
-    if value is None or len(value) < RECORD_HEADER.size:
+    from persistence.format import header_fields
+
+    if value is None:
         return None, None, None, None
-    _v, flags, _q, pub, exp, _o, topic_len, props_len = RECORD_HEADER.unpack_from(value)
-    start = RECORD_HEADER.size
-    topic = bytes(value[start : start + topic_len]).decode("utf-8", "replace")
-    size = len(value) - start - topic_len - props_len
-    return topic, size, pub, exp if flags & FLAG_HAS_EXPIRY else None
+    try:
+        return header_fields(bytes(value))
+    except (ValueError, struct.error):
+        return None, None, None, None
 
 
 def decode_records(raw: DataFrame) -> DataFrame:

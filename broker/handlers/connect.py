@@ -10,6 +10,7 @@ from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import ConnAck, Connect, ConnectReturnCode, Properties, ReasonCode
+from broker.session import Session
 from broker.topics import is_valid_topic_name
 
 log = logging.getLogger("devicemq.connect")
@@ -65,8 +66,6 @@ def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) ->
         _accept(conn, packet)
     except ConnectRefused as refusal:
         _refuse(conn, refusal)
-        return
-    conn.release_input()
 
 
 def _accept(conn: MQTTConnection, packet: Connect) -> None:
@@ -123,8 +122,41 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         conn.client_topic_alias_maximum = properties.topic_alias_maximum
     conn.request_problem_information = properties.request_problem_information != 0
 
-    session, present = broker.open_session(conn, client_id, packet.clean_start, expiry)
-    acl.client_connected(client_id, conn.username)
+    broker.open_session(
+        conn,
+        client_id,
+        packet.clean_start,
+        expiry,
+        lambda session, present: _opened(
+            conn, packet, session, present, will, assigned, requested_expiry, server_keep_alive
+        ),
+    )
+
+
+def _opened(
+    conn: MQTTConnection,
+    packet: Connect,
+    session: Session | None,
+    present: bool,
+    will: WillMessage | None,
+    assigned: str | None,
+    requested_expiry: int,
+    server_keep_alive: int | None,
+) -> None:
+    """The session is open (or its store could not be reached): answer CONNACK."""
+    if conn.state is not ConnectionState.AWAITING_CONNECT:
+        return  # the socket closed while the session was opened
+    if session is None:
+        _refuse(
+            conn, ConnectRefused(ReasonCode.SERVER_UNAVAILABLE, "the session store is unreachable")
+        )
+        return
+    broker = conn.broker
+    mqtt = broker.settings.mqtt
+    v5 = conn.is_v5
+    client_id = session.client_id
+    expiry = session.expiry_interval
+    broker.acl.client_connected(client_id, conn.username)
     conn.will = will
     conn.state = ConnectionState.CONNECTED
     ack_properties = None
@@ -152,6 +184,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         ", resumed" if present else "",
     )
     session.outflow.resume()
+    conn.release_input()
 
 
 def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:

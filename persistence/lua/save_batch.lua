@@ -3,18 +3,27 @@
 -- KEYS[1] {cid}_messages        sorted set: member = packet id, score = per-client counter
 -- KEYS[2] {cid}_last_packet_id  last packet id handed out (1..65535)
 -- KEYS[3] {cid}_last_score      last score handed out (never goes backwards)
--- KEYS[4] {cid}_last_offset     hash: Kafka partition -> last offset stored
+-- KEYS[4] {cid}_seen            hash: '<producer>:<partition>' -> last seq stored
 -- KEYS[5] {cid}_session         session state (only its TTL is read here)
+-- KEYS[6] {cid}_generation      generation of the client's current session
 -- Message strings are KEYS[1] .. '_' .. packetId: same hash tag, same slot.
 --
--- ARGV[1] limit (1..65535)   ARGV[2] partition
+-- ARGV[1] limit (1..65535)   ARGV[2] Kafka partition the batch came from
 -- ARGV[3] default TTL in ms (how long orphaned keys are kept, see the end)
--- ARGV[4] n   ARGV[5] n triples of big-endian doubles: Kafka offset, TTL in
--- ms (<= 0: already expired), length of the value   ARGV[6] how many of the
--- stored messages to store already marked sent (they go to the waiting
--- client right away, so no separate mark write is needed)   ARGV[7] the
--- values (opaque bytes), one after another: one argument instead of n keeps
--- the client's command packing cheap
+-- ARGV[4] n   ARGV[5] n quintuples of big-endian doubles: producer, seq,
+-- generation, TTL in ms (<= 0: already expired), length of the value
+-- ARGV[6] how many of the stored messages to store already marked sent (they
+-- go to the waiting client right away, so no separate mark write is needed)
+-- ARGV[7] the values (opaque bytes), one after another: one argument instead
+-- of n keeps the client's command packing cheap
+--
+-- A record is named by (producer, seq); one producer's records reach one
+-- partition in order, so a seq at or below the last one stored from that
+-- producer through that partition is a duplicate (a retried produce request,
+-- or a batch read again after a crash): it is not stored twice. A record of
+-- an older generation than the client's session was routed for a session
+-- that has ended: it is dropped. Producer 0 / generation 0 mean unknown (old
+-- records): never a duplicate, never dropped.
 --
 -- Packet ids follow the score: id = (score - 1) % 65535 + 1, so they wrap
 -- 65535 -> 1 and are never 0. A score whose id is still stored is skipped
@@ -28,8 +37,8 @@
 -- every stored message is in flight, the new message itself is not stored.
 --
 -- Returns {scores, trimmed}: scores[i] is message i's score, 0 when it had
--- already expired, -1 when its offset was already stored (a replayed batch),
--- -3 when it did not fit (every stored message in flight, see above).
+-- already expired, -1 when it was a duplicate, -2 when its session had ended
+-- (older generation), -3 when it did not fit (every stored message in flight).
 -- trimmed lists the packet ids removed, oldest first, to respect limit.
 
 local set_key = KEYS[1]
@@ -42,8 +51,10 @@ local premark = tonumber(ARGV[6])
 local values = ARGV[7]
 local value_end = 0
 
-local last_offset = tonumber(redis.call('HGET', KEYS[4], partition) or '-1')
-local start_offset = last_offset
+local current_gen = tonumber(redis.call('GET', KEYS[6]) or '0')
+local gen_changed = false
+local seen = {}
+local seen_changed = {}
 local last_id = 0
 local score = tonumber(redis.call('GET', KEYS[3]) or '0')
 -- The counter lives in its own key; should that key ever be lost while refs
@@ -83,17 +94,36 @@ local function trim_oldest_unsent()
     end
   end
 end
+
 for i = 1, n do
-  local offset, ttl, size = struct.unpack('>ddd', meta, (i - 1) * 24 + 1)
+  local producer, seq, generation, ttl, size = struct.unpack('>ddddd', meta, (i - 1) * 40 + 1)
   local value_start = value_end + 1
   value_end = value_end + size
-  if offset <= last_offset then
+  local field = nil
+  local duplicate = false
+  if producer > 0 then
+    field = string.format('%.0f:%s', producer, partition)
+    local last = seen[field]
+    if last == nil then
+      last = tonumber(redis.call('HGET', KEYS[4], field) or '0')
+      seen[field] = last
+    end
+    duplicate = seq <= last
+  end
+  if duplicate then
     scores[i] = -1
+  elseif generation > 0 and generation < current_gen then
+    scores[i] = -2
   else
-    last_offset = offset
-    if ttl <= 0 then
-      scores[i] = 0
-    else
+    if field then
+      seen[field] = seq
+      seen_changed[field] = true
+    end
+    if generation > current_gen then
+      current_gen = generation  -- the generation record was lost: this one stands
+      gen_changed = true
+    end
+    if ttl > 0 then
       -- Make room first: the oldest unsent out.
       while card >= limit do
         local victim = trim_oldest_unsent()
@@ -103,7 +133,7 @@ for i = 1, n do
       end
     end
     if ttl <= 0 then
-      -- already expired: nothing to store
+      scores[i] = 0
     elseif card >= limit then
       scores[i] = -3
     else
@@ -114,18 +144,19 @@ for i = 1, n do
         last_id = (score - 1) % 65535 + 1
       until not check or not redis.call('ZSCORE', set_key, last_id)
       local value = values:sub(value_start, value_end)
+      local key = set_key .. '_' .. last_id
       if stored < premark then
         -- Marked sent, as mark_sent.lua marks it: it lives as long as the session.
         value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
         if session_ttl > 0 then
-          redis.call('SET', set_key .. '_' .. last_id, value, 'PX', session_ttl)
+          redis.call('SET', key, value, 'PX', session_ttl)
         elseif session_ttl == -1 then
-          redis.call('SET', set_key .. '_' .. last_id, value)
+          redis.call('SET', key, value)
         else
-          redis.call('SET', set_key .. '_' .. last_id, value, 'PX', ttl)
+          redis.call('SET', key, value, 'PX', ttl)
         end
       else
-        redis.call('SET', set_key .. '_' .. last_id, value, 'PX', ttl)
+        redis.call('SET', key, value, 'PX', ttl)
       end
       redis.call('ZADD', set_key, score, last_id)
       card = card + 1
@@ -140,22 +171,36 @@ if stored > 0 then
   redis.call('SET', KEYS[2], last_id)
   redis.call('SET', KEYS[3], score)
 end
-if last_offset ~= start_offset then
-  redis.call('HSET', KEYS[4], partition, last_offset)
+local any_seen = false
+for f in pairs(seen_changed) do
+  redis.call('HSET', KEYS[4], f, string.format('%.0f', seen[f]))
+  any_seen = true
+end
+if any_seen and redis.call('HLEN', KEYS[4]) > 64 then
+  -- Bounded: forget the producers that started longest ago (lowest ids).
+  local fields = redis.call('HKEYS', KEYS[4])
+  table.sort(fields, function(a, b)
+    return tonumber(a:match('^(%d+)')) < tonumber(b:match('^(%d+)'))
+  end)
+  for j = 1, #fields - 64 do redis.call('HDEL', KEYS[4], fields[j]) end
+end
+if gen_changed then
+  redis.call('SET', KEYS[6], string.format('%.0f', current_gen))
 end
 
 -- The client's keys live as long as its session: while the session key has a
 -- TTL (client gone, session expiring) they expire with it; with no session
 -- key at all (orphaned data) they last at least as long as the messages just
 -- stored, and at least the default TTL, then vanish.
+local lifetime_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]}
 if session_ttl > 0 then
-  for k = 1, 4 do redis.call('PEXPIRE', KEYS[k], session_ttl) end
-elseif session_ttl == -2 and (stored > 0 or last_offset ~= start_offset) then
+  for _, k in ipairs(lifetime_keys) do redis.call('PEXPIRE', k, session_ttl) end
+elseif session_ttl == -2 and (stored > 0 or any_seen or gen_changed) then
   local keep = default_ttl
   if max_ttl > keep then keep = max_ttl end
-  for k = 1, 4 do
-    local cur = redis.call('PTTL', KEYS[k])
-    if cur ~= -2 and cur < keep then redis.call('PEXPIRE', KEYS[k], keep) end
+  for _, k in ipairs(lifetime_keys) do
+    local cur = redis.call('PTTL', k)
+    if cur ~= -2 and cur < keep then redis.call('PEXPIRE', k, keep) end
   end
 end
 

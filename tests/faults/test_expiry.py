@@ -1,9 +1,9 @@
 """Session expiry, clean start and message expiry on the persistent path.
 
 Checked in Redis itself (redis-py): when a session ends, every key of the
-client goes, except the Kafka offsets record ``{cid}_last_offset`` that
-delete_client.lua keeps (with a TTL) on purpose, so a batch retried from
-before is not stored into a new session.
+client goes, except the generation tombstone ``{cid}_generation`` that
+end_session.lua leaves (with a TTL) on purpose, so a record still in Kafka
+for the ended session is not stored into a new one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import redis
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 
-from persistence.redis_store import client_keys
+from persistence.format import client_keys
 from persistence.sessions import INDEX_KEY
 from tests.faults.checker import Publisher, RawSubscriber, parse, wait_until
 from tests.faults.conftest import Stack
@@ -55,12 +55,11 @@ def test_session_expiry_removes_session_and_keys(stack: Stack, rds: redis.Redis)
         wait_until(lambda: _stored(rds, cid) == 20, 10, "messages stored")
         assert rds.zscore(INDEX_KEY, cid) is not None
         # 2 s of expiry, the broker's 0.5 s tick, then the delete reaches Redis
-        wait_until(lambda: _client_keys(rds, cid) <= {client_keys(cid).last_offset}, 8, "keys gone")
+        wait_until(lambda: _client_keys(rds, cid) <= {client_keys(cid).generation}, 8, "keys gone")
         assert rds.zscore(INDEX_KEY, cid) is None
         assert (
-            rds.exists(client_keys(cid).last_offset) == 0
-            or rds.ttl(client_keys(cid).last_offset) > 0
-        ), "the kept offsets record must expire"
+            rds.exists(client_keys(cid).generation) == 0 or rds.ttl(client_keys(cid).generation) > 0
+        ), "the generation tombstone must expire"
 
         connack = sub.connect()
         assert not connack.session_present

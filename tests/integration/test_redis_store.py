@@ -13,10 +13,7 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
-from persistence.redis_store import (
-    Assigned,
-    ClientBatch,
-    RedisMessageStore,
+from persistence.format import (
     SessionState,
     Stage,
     StoredMessage,
@@ -26,6 +23,7 @@ from persistence.redis_store import (
     decode_record,
     encode_message,
 )
+from persistence.redis_store import Assigned, ClientBatch, RedisMessageStore
 
 
 def msg(i: int, **kw: object) -> StoredMessage:
@@ -33,7 +31,8 @@ def msg(i: int, **kw: object) -> StoredMessage:
         "topic": f"t/{i}",
         "payload": str(i).encode(),
         "qos": 1,
-        "kafka_offset": i,
+        "producer": 1,
+        "seq": i + 1,
     }
     fields.update(kw)
     return StoredMessage(**fields)  # type: ignore[arg-type]
@@ -75,7 +74,9 @@ def test_encoding_round_trip_keeps_every_mqtt5_field() -> None:
         subscription_identifiers=(7, 268435455),
         publish_time=1700000000.25,
         expiry=1700000100.5,
-        kafka_offset=123456789012,
+        producer=7,
+        seq=123456789012,
+        generation=1_700_000_000_000_123,
     )
     rec = decode_record(9, 42, encode_message(m))
     assert rec.message == m
@@ -339,7 +340,7 @@ async def test_premarked_messages_are_stored_marked_sent(
     assert (results[0].duplicates, results[0].expired, results[0].saved) == (1, 1, 3)
     recs = await all_records(store, cid)
     assert [(r.packet_id, r.sent) for r in recs] == [(1, False), (2, True), (3, True), (4, False)]
-    assert [r.message.kafka_offset for r in recs if r.message] == [0, 2, 3, 4]
+    assert [r.message.seq for r in recs if r.message] == [1, 3, 4, 5]
     assert [r.message for r in recs[1:]] == [msg(2), msg(3), msg(4)]
 
 
@@ -364,11 +365,32 @@ async def test_replayed_batch_stores_nothing_twice(store: RedisMessageStore, cid
     tail = await store.save_batch(cid, msgs(105, 10), partition=3)
     assert tail.duplicates == 5
     assert [a for a in tail.assigned if a] == [Assigned(i, i) for i in range(11, 16)]
-    # explicit offsets override kafka_offset; another partition is tracked apart
-    other = await store.save_batch(cid, msgs(0, 2), partition=4, offsets=[7, 8])
-    assert other.saved == 2
-    assert await cmd(store, "HGETALL", keys.last_offset) == {b"3": b"114", b"4": b"8"}
-    assert await store.pending_count(cid) == 17
+    # another producer, and the same producer through another partition, are apart
+    other = await store.save_batch(cid, msgs(0, 2, producer=2), partition=3)
+    moved = await store.save_batch(cid, msgs(0, 2), partition=4)
+    assert (other.saved, moved.saved) == (2, 2)
+    assert await cmd(store, "HGETALL", keys.seen) == {b"1:3": b"115", b"2:3": b"2", b"1:4": b"2"}
+    assert await store.pending_count(cid) == 19
+
+
+async def test_a_record_produced_twice_is_stored_once(store: RedisMessageStore, cid: str) -> None:
+    """Finding 6 of the persistent path: a produce request that timed out after Kafka
+    appended it is sent again, and Kafka holds the record twice, at two offsets.
+    The store names records by (producer, seq), not by offset."""
+    batch = msgs(0, 3)
+    res = await store.save_batch(cid, [*batch, batch[2]], partition=0, offsets=[0, 1, 2, 3])
+    assert (res.saved, res.duplicates) == (3, 1)
+    assert [r.message.seq for r in await all_records(store, cid)] == [1, 2, 3]  # type: ignore[union-attr]
+
+
+async def test_a_topic_recreated_from_offset_zero_loses_nothing(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 2 of the persistent path: after the embedded Kafka restarted, the new
+    log began at offset 0 again and every new record looked already stored."""
+    await store.save_batch(cid, msgs(0, 50), partition=0, offsets=list(range(50)))
+    after_reset = await store.save_batch(cid, msgs(50, 5), partition=0, offsets=list(range(5)))
+    assert (after_reset.saved, after_reset.duplicates) == (5, 0)
 
 
 async def test_order_per_client_with_many_clients_saved_concurrently(
@@ -386,7 +408,7 @@ async def test_order_per_client_with_many_clients_saved_concurrently(
         recs = await all_records(store, c)
         assert [r.packet_id for r in recs] == list(range(1, 101))
         assert [r.score for r in recs] == list(range(1, 101))
-        assert [r.message.kafka_offset for r in recs if r.message] == list(range(100))
+        assert [r.message.seq for r in recs if r.message] == list(range(1, 101))
         assert [r.message.topic for r in recs if r.message] == [
             f"{c}/{b}" for b in range(5) for _ in range(20)
         ]
@@ -420,25 +442,44 @@ async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> N
             "b/#": SubscriptionState(2, True, True, 2, 17),
         },
         protocol_level=5,
+        owner="alice",
     )
     assert await store.load_session(cid) is None
-    await store.save_session(cid, state)
+    assert await store.open_session(cid, resume=True, generation=1000, state=state) is None
+    assert state.generation == 1000  # nothing stored: a new session, its generation given
     assert await store.load_session(cid) == state
     assert await cmd(store, "TTL", keys.session) == -1
-    await store.save_batch(cid, msgs(0, 5), partition=0)
-    assert await store.delete_session(cid) == 5
+    await store.save_batch(cid, msgs(0, 5, generation=1000), partition=0)
+    assert await store.end_session(cid, 1000) == 5
     assert await store.load_session(cid) is None
-    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.session):
+    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.seen, keys.session):
         assert await cmd(store, "EXISTS", key) == 0
     for pid in range(1, 6):
         assert await cmd(store, "EXISTS", keys.message(pid)) == 0
-    # the offset record stays (with a TTL): a retried old batch is not stored
-    assert await cmd(store, "TTL", keys.last_offset) > 0
-    assert (await store.save_batch(cid, msgs(0, 5), partition=0)).duplicates == 5
-    res = await store.save_batch(cid, msgs(5, 1), partition=0)
-    assert res.assigned == [Assigned(1, 1)]  # new session: ids and scores from 1
-    assert await store.delete_session(cid, keep_offsets=False) == 1
-    assert await cmd(store, "EXISTS", keys.last_offset) == 0
+    # a tombstone generation stays (with a TTL): a record of the ended session still in
+    # Kafka is dropped, never stored into the next session (finding 3)
+    assert await cmd(store, "GET", keys.generation) == b"1001"
+    assert await cmd(store, "TTL", keys.generation) > 0
+    late = await store.save_batch(cid, msgs(5, 1, generation=1000), partition=0)
+    assert (late.saved, late.discarded) == (0, [0])
+    # a new session takes a higher generation; its ids and scores start from 1
+    new = SessionState(expiry_interval=60, last_seen=time.time())
+    assert await store.open_session(cid, resume=True, generation=5, state=new) is None
+    assert new.generation == 1002
+    res = await store.save_batch(cid, msgs(6, 1, generation=1002), partition=0)
+    assert res.assigned == [Assigned(1, 1)]
+    # the old session's broker can neither overwrite nor end the new one
+    assert not await store.save_session(cid, state)
+    assert await store.end_session(cid, 1000) is None
+    assert await store.pending_count(cid) == 1
+    # a resume finds it, generation and all
+    resumed = await store.open_session(cid, resume=True, generation=9, state=SessionState(1, 0))
+    assert resumed == new
+    # a clean start replaces it: its messages go
+    fresh = SessionState(expiry_interval=60, last_seen=time.time())
+    assert await store.open_session(cid, resume=False, generation=9, state=fresh) is None
+    assert fresh.generation == 1003
+    assert await store.pending_count(cid) == 0
 
 
 async def test_session_expiry_takes_every_key_and_reconnect_persists(
@@ -446,9 +487,9 @@ async def test_session_expiry_takes_every_key_and_reconnect_persists(
 ) -> None:
     keys = client_keys(cid)
     state = SessionState(expiry_interval=1, last_seen=time.time())
-    await store.save_session(cid, state)
-    await store.save_batch(cid, msgs(0, 3), partition=0)
-    assert await store.expire_session(cid, 100)
+    await store.open_session(cid, resume=True, generation=1, state=state)
+    await store.save_batch(cid, msgs(0, 3, generation=state.generation), partition=0)
+    assert await store.expire_session(cid, 100, state.generation)
     for key in keys:
         assert 0 < await cmd(store, "TTL", key) <= 100
     # back online: everything persistent again
@@ -456,10 +497,10 @@ async def test_session_expiry_takes_every_key_and_reconnect_persists(
     for key in keys:
         assert await cmd(store, "TTL", key) == -1
     # gone for good: the keys expire with the session
-    assert await store.expire_session(cid, 1)
+    assert await store.expire_session(cid, 1, state.generation)
     # a save while the session is expiring keeps the keys on the session's clock
-    await store.save_batch(cid, msgs(3, 1), partition=0)
-    assert 0 < await cmd(store, "PTTL", keys.last_offset) <= 1000
+    await store.save_batch(cid, msgs(3, 1, generation=state.generation), partition=0)
+    assert 0 < await cmd(store, "PTTL", keys.seen) <= 1000
     await asyncio.sleep(1.2)
     for key in keys:
         assert await cmd(store, "EXISTS", key) == 0
@@ -471,7 +512,7 @@ async def test_keys_of_a_client_without_a_session_expire_with_their_messages(
 ) -> None:
     keys = client_keys(cid)
     await store.save_batch(cid, msgs(0, 2), partition=0)
-    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.last_offset):
+    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.seen):
         ttl = await cmd(store, "TTL", key)
         assert 7 * 86400 - 5 < ttl <= 7 * 86400
 
@@ -492,7 +533,7 @@ async def test_save_many_reports_failures_and_is_safe_to_retry(
     from persistence.redis_store import BatchSaveError
 
     good = ClientBatch(cid, msgs(0, 3), partition=0)
-    bad = ClientBatch(cid + "-bad", msgs(0, 3), partition=0, offsets=[-1, 0, 1])
+    bad = ClientBatch(cid + "-bad", [b"\x09 not a stored message"], partition=0)
     with pytest.raises(BatchSaveError) as info:
         await store.save_many([good, bad])
     assert info.value.results[0].saved == 3  # type: ignore[union-attr]

@@ -9,7 +9,7 @@ from typing import Any
 from redis import Redis
 
 from broker import cli
-from persistence.redis_store import client_keys
+from persistence.format import client_keys
 from pipeline.audit import run_audit, stream_audit, write_outputs
 from pipeline.common import Window
 from tests.pipeline.conftest import ACKED_EACH, ACKERS, EXPECTED, Workload
@@ -110,3 +110,38 @@ def test_a_message_removed_behind_the_brokers_back_is_lost(
     assert "LOST" in (tmp_path / "audit.html").read_text()
     lost_rows = spark.read.parquet(str(tmp_path / "messages.parquet")).where("status = 'lost'")
     assert [r["pid"] for r in lost_rows.collect()] == [pid]
+
+
+def test_records_not_stored_for_a_reason_are_not_lost(spark: Any) -> None:
+    """A record produced twice, one routed for a session that had ended, one over a
+    limit full of messages in flight: the events say why, none is ``lost``; a record
+    with no event at all is."""
+    from pipeline.audit import audit_frames
+    from pipeline.common import EVENT_SCHEMA
+
+    epoch, now = 3, 1000.0
+    recs = spark.createDataFrame(
+        [("c", 0, off, 10.0, "t", 1, 10.0, None) for off in range(5)],
+        "cid string, part int, off long, kts double, topic string, size int, pub double, "
+        "exp double",
+    )
+    names = [f.split()[0] for f in EVENT_SCHEMA.split(", ")]
+
+    def event(i: int, **fields: Any) -> tuple[Any, ...]:
+        row = {"cid": "c", "ts": 20.0, "part": 0, "ep": epoch, **fields}
+        return (*(row.get(n) for n in names), 0, i, 0)
+
+    evs = spark.createDataFrame(
+        [
+            event(0, ev="persisted", off=0, pid=1, sc=1, exp=2000.0),
+            event(1, ev="acked", pid=1, sc=1),
+            event(2, ev="duplicate", off=1),
+            event(3, ev="discarded", at="arrival", off=2),
+            event(4, ev="trimmed", at="arrival", off=3),
+        ],
+        f"{EVENT_SCHEMA}, epart int, eoff long, idx int",
+    )
+    refs = spark.createDataFrame([], "cid string, sc long, ref_pid int, has_value boolean")
+    messages, _clients = audit_frames(spark, recs, evs, refs, epoch, now, grace=30.0)
+    got = {r["off"]: r["status"] for r in messages.collect()}
+    assert got == {0: "acked", 1: "duplicate", 2: "discarded", 3: "trimmed", 4: "lost"}

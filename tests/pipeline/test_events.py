@@ -7,16 +7,9 @@ from typing import Any
 
 import orjson
 
-from persistence.events import EventLog, end_kind, header_fields
-from persistence.redis_store import (
-    Assigned,
-    ClientBatch,
-    SaveResult,
-    Stage,
-    StoredMessage,
-    StoredRecord,
-    encode_message,
-)
+from persistence.events import EventLog, end_kind
+from persistence.format import Stage, StoredMessage, StoredRecord, encode_message, header_fields
+from persistence.redis_store import Assigned, ClientBatch, SaveResult
 
 
 class FakeProducer:
@@ -60,11 +53,9 @@ async def test_events_are_batched_encoded_and_keyed_by_client() -> None:
     producer = FakeProducer()
     log = EventLog(producer, "ev", epoch=3, default_ttl=1000, interval=0.01, clock=lambda: 500.0)
     log.start()
-    batch = ClientBatch(
-        "c1", [_value("a/b", b"xyz"), _value("a/c", b"", expiry=400.0)], "3:2", [7, 8]
-    )
+    batch = ClientBatch("c1", [_value("a/b", b"xyz"), _value("a/c", b"", expiry=400.0)], 2, [7, 8])
     # first stored as score 11 / id 11; second expired on arrival; id 4 trimmed
-    log.stored(batch, SaveResult([Assigned(11, 11), None], [4], 0, 1))
+    log.stored(batch, SaveResult([Assigned(11, 11), None], [4], 0, 1, outcomes=[11, 0]))
     log.delivered("c1", _record(11, 11))
     log.acked("c1", _record(11, 11))
     log.discarded("c1", _record(12, 12, expiry=499.0))
@@ -115,3 +106,21 @@ def test_end_kind() -> None:
 
     assert end_kind(S(), 10.0) == "session_expired"
     assert end_kind(S(), 9.0) == "session_ended"
+
+
+async def test_records_not_stored_say_why() -> None:
+    """A duplicate, a record of an ended session, one over a limit full of messages in
+    flight: each is an event of its own, so the audit counts none of them as lost."""
+    producer = FakeProducer()
+    log = EventLog(producer, "ev", epoch=4, clock=lambda: 500.0)
+    values = [_value("a/b", b"1"), _value("a/b", b"2"), _value("a/b", b"3")]
+    batch = ClientBatch("c1", values, 1, [20, 21, 22])
+    result = SaveResult([None, None, None], [], 1, 0, [2], [1], outcomes=[-1, -2, -3])
+    log.stored(batch, result)
+    await log.flush()
+    got = [(e["ev"], e.get("at"), e["off"], e["ep"]) for e in producer.events()]
+    assert got == [
+        ("duplicate", None, 20, 4),
+        ("discarded", "arrival", 21, 4),
+        ("trimmed", "arrival", 22, 4),
+    ]

@@ -1,0 +1,497 @@
+"""The persistent path's formats and key names, in one place.
+
+Everything that reads or writes a stored message, a session state or a Redis
+key of the persistent path goes through this module: the Redis store
+(persistence/redis_store.py and its Lua scripts), the Kafka producer and
+consumer, the delivery events, and the pipeline (pipeline/common.py). Pure
+functions, no I/O.
+
+Message value (the Kafka record value of ``devicemq.device.persisted`` and,
+unchanged, the Redis string of a stored message)
+------------------------------------------------------------------------------
+A fixed header, big-endian (``struct`` format ``>BBBddQQQHI``, 49 bytes), then
+the topic (UTF-8), the properties, the payload::
+
+    version    u8   2
+    flags      u8   0x01 SENT (may have been seen: DUP on any later send)
+                    0x02 PUBREL (QoS 2, PUBREC received: only PUBREL is left)
+                    0x04 RETAIN  0x08 HAS_EXPIRY
+    qos        u8
+    published  f64  publish time, epoch seconds
+    expiry     f64  absolute message expiry, epoch seconds (if HAS_EXPIRY)
+    producer   u64  the broker process that routed it (0: unknown)
+    seq        u64  its sequence number at that producer: (producer, seq)
+                    names the record, so a record produced twice (a retried
+                    produce request) or read twice is stored once
+    generation u64  the generation of the subscriber's session it was routed
+                    for (0: unknown): records of an ended session are dropped
+    topic_len  u16
+    props_len  u32
+    topic, properties, payload
+
+Version 1 (``>BBBddqHI``, 33 bytes: an unused Kafka offset instead of
+producer, seq and generation) is still read: its records have no id and no
+generation. The properties are MQTT 5 property identifiers with fixed-width
+values: ``0x01`` u8 payload format; ``0x03`` content type, ``0x08`` response
+topic, ``0x09`` correlation data, each u16 length + bytes; ``0x26`` user
+property, u16 length + key, u16 length + value (repeated, order kept);
+``0x0B`` subscription identifier, u32 (repeated).
+
+The flags byte is byte 1 so the SENT bit can be set in Redis with ``SETBIT
+key 15 1``. After PUBREC the message is rewritten as the 2-byte value ``02
+03`` (SENT | PUBREL): only the packet id is needed to resend PUBREL, so the
+payload's memory is released.
+
+Redis keys
+----------
+A client's keys carry the hash tag ``{cid}``, so they share one Redis
+Cluster slot and one script may touch them all (:func:`client_keys`):
+
+``{cid}_messages``
+    sorted set; member = packet id as a decimal string, score = the client's
+    counter (``{cid}_last_score``).
+``{cid}_messages_<packetId>``
+    string: the message value above.
+``{cid}_last_packet_id``, ``{cid}_last_score``
+    the last packet id (1..65535) and score handed out.
+``{cid}_seen``
+    hash, ``<producer>:<partition>`` -> the last ``seq`` stored from that
+    producer through that partition (records of one producer reach a
+    partition in order).
+``{cid}_session``
+    the session state (:class:`SessionState`, orjson).
+``{cid}_generation``
+    the generation of the client's current session; after the session ends,
+    a tombstone one higher, kept for the default message TTL.
+
+``cid`` is the client id itself, except that ``%`` and ``}`` are written
+``%25`` and ``%7D`` and the empty id is written ``%``: a ``}`` would end the
+hash tag early. The mapping is injective and leaves ordinary ids alone.
+
+Keys of the whole installation: :data:`SESSIONS_INDEX` (durable sessions for
+the restore at start-up), :data:`PRODUCERS_KEY` (producer ids handed out),
+:func:`epoch_key` (how often the persisted topic was created anew).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import orjson
+
+__all__ = [
+    "FLAG_SENT",
+    "MAX_PACKET_ID",
+    "PRODUCERS_KEY",
+    "SESSIONS_INDEX",
+    "ClientKeys",
+    "RecordId",
+    "SessionState",
+    "Stage",
+    "StoredMessage",
+    "StoredRecord",
+    "SubscriptionState",
+    "client_keys",
+    "decode_record",
+    "encode_message",
+    "epoch_key",
+    "header_fields",
+    "packet_id_of",
+    "pubrel_value",
+    "record_id",
+]
+
+MAX_PACKET_ID = 65_535
+
+VERSION = 2
+FLAG_SENT = 0x01
+FLAG_PUBREL = 0x02
+FLAG_RETAIN = 0x04
+FLAG_HAS_EXPIRY = 0x08
+
+_HEADER = struct.Struct(">BBBddQQQHI")
+_HEADER_V1 = struct.Struct(">BBBddqHI")
+_PUBREL_VALUE = bytes((VERSION, FLAG_SENT | FLAG_PUBREL))
+
+_P_PAYLOAD_FORMAT = 0x01
+_P_CONTENT_TYPE = 0x03
+_P_RESPONSE_TOPIC = 0x08
+_P_CORRELATION_DATA = 0x09
+_P_SUBSCRIPTION_ID = 0x0B
+_P_USER_PROPERTY = 0x26
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_ID_U8 = struct.Struct(">BB")
+_ID_U32 = struct.Struct(">BI")
+
+SESSIONS_INDEX = "devicemq:sessions"
+PRODUCERS_KEY = "devicemq:producers"
+
+
+def epoch_key(topic: str) -> str:
+    """How many times devicemq found ``topic`` created anew (its offsets restart)."""
+    return f"devicemq:epoch:{topic}"
+
+
+# ---------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------
+
+
+class Stage(Enum):
+    """Where a stored message is in its outgoing flow."""
+
+    PUBLISH = "publish"  # PUBLISH to (re)send
+    PUBREL = "pubrel"  # QoS 2 after PUBREC: only PUBREL is left to send
+
+
+@dataclass(slots=True)
+class StoredMessage:
+    """One message for one subscriber, as routed to the persistent path.
+
+    ``qos`` and ``retain`` are what this subscriber receives;
+    ``subscription_identifiers`` are those of its matching subscriptions.
+    ``expiry`` is the absolute MQTT 5 message expiry (epoch seconds) or None.
+    ``producer``/``seq`` name the record, ``generation`` is the subscriber's
+    session it was routed for (see the module docstring).
+    """
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool = False
+    payload_format_indicator: int | None = None
+    content_type: str | None = None
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+    subscription_identifiers: tuple[int, ...] = ()
+    publish_time: float = 0.0
+    expiry: float | None = None
+    producer: int = 0
+    seq: int = 0
+    generation: int = 0
+
+
+@dataclass(slots=True)
+class StoredRecord:
+    """A message read back for delivery or replay.
+
+    ``sent`` means it may have been seen: send with DUP. In the PUBREL stage
+    ``message`` is None (only PUBREL ``packet_id`` is to be sent).
+    ``marked``: not sent yet, but the store has it marked sent already (it was
+    saved for a client waiting for it): it goes out without a mark write.
+    """
+
+    packet_id: int
+    score: int
+    stage: Stage
+    sent: bool
+    message: StoredMessage | None
+    marked: bool = False
+
+
+class RecordId(NamedTuple):
+    """What the save script needs of a value, read from its header alone."""
+
+    expiry: float | None
+    producer: int
+    seq: int
+    generation: int
+
+
+def _short(data: bytes, what: str) -> bytes:
+    if len(data) > 0xFFFF:
+        raise ValueError(f"{what} is longer than 65535 bytes")
+    return _U16.pack(len(data)) + data
+
+
+def _encode_properties(m: StoredMessage) -> bytes:
+    parts: list[bytes] = []
+    if m.payload_format_indicator is not None:
+        parts.append(_ID_U8.pack(_P_PAYLOAD_FORMAT, m.payload_format_indicator))
+    if m.content_type is not None:
+        parts.append(bytes((_P_CONTENT_TYPE,)) + _short(m.content_type.encode(), "content type"))
+    if m.response_topic is not None:
+        parts.append(
+            bytes((_P_RESPONSE_TOPIC,)) + _short(m.response_topic.encode(), "response topic")
+        )
+    if m.correlation_data is not None:
+        parts.append(bytes((_P_CORRELATION_DATA,)) + _short(m.correlation_data, "correlation"))
+    for key, value in m.user_properties:
+        parts.append(
+            bytes((_P_USER_PROPERTY,))
+            + _short(key.encode(), "user property")
+            + _short(value.encode(), "user property")
+        )
+    for sid in m.subscription_identifiers:
+        parts.append(_ID_U32.pack(_P_SUBSCRIPTION_ID, sid))
+    return b"".join(parts)
+
+
+def encode_message(m: StoredMessage, *, sent: bool = False) -> bytes:
+    """The value of ``m`` (see the module docstring for the layout)."""
+    topic = m.topic.encode()
+    if len(topic) > 0xFFFF:
+        raise ValueError("topic is longer than 65535 bytes")
+    props = _encode_properties(m)
+    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
+    if m.expiry is not None:
+        flags |= FLAG_HAS_EXPIRY
+    header = _HEADER.pack(
+        VERSION,
+        flags,
+        m.qos,
+        m.publish_time,
+        m.expiry if m.expiry is not None else 0.0,
+        m.producer,
+        m.seq,
+        m.generation,
+        len(topic),
+        len(props),
+    )
+    return b"".join((header, topic, props, m.payload))
+
+
+def pubrel_value() -> bytes:
+    """The value a message is rewritten to after PUBREC: only PUBREL is left."""
+    return _PUBREL_VALUE
+
+
+def _decode_properties(data: bytes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    users: list[tuple[str, str]] = []
+    sids: list[int] = []
+    pos = 0
+    end = len(data)
+
+    def short() -> bytes:
+        nonlocal pos
+        (n,) = _U16.unpack_from(data, pos)
+        pos += 2 + n
+        return data[pos - n : pos]
+
+    while pos < end:
+        pid = data[pos]
+        pos += 1
+        if pid == _P_PAYLOAD_FORMAT:
+            out["payload_format_indicator"] = data[pos]
+            pos += 1
+        elif pid == _P_CONTENT_TYPE:
+            out["content_type"] = short().decode()
+        elif pid == _P_RESPONSE_TOPIC:
+            out["response_topic"] = short().decode()
+        elif pid == _P_CORRELATION_DATA:
+            out["correlation_data"] = short()
+        elif pid == _P_USER_PROPERTY:
+            key = short().decode()
+            users.append((key, short().decode()))
+        elif pid == _P_SUBSCRIPTION_ID:
+            sids.append(_U32.unpack_from(data, pos)[0])
+            pos += 4
+        else:
+            raise ValueError(f"unknown stored property 0x{pid:02x}")
+    if users:
+        out["user_properties"] = tuple(users)
+    if sids:
+        out["subscription_identifiers"] = tuple(sids)
+    return out
+
+
+def _header(value: bytes) -> tuple[int, float, float | None, int, int, int, int, int, int]:
+    """(flags, published, expiry, producer, seq, generation, topic_len, props_len, size)."""
+    version = value[0] if value else 0
+    if version == VERSION and len(value) >= _HEADER.size:
+        _, flags, _q, published, expiry, producer, seq, gen, tlen, plen = _HEADER.unpack_from(value)
+        size = _HEADER.size
+    elif version == 1 and len(value) >= _HEADER_V1.size:
+        _, flags, _q, published, expiry, _off, tlen, plen = _HEADER_V1.unpack_from(value)
+        producer = seq = gen = 0
+        size = _HEADER_V1.size
+    else:
+        raise ValueError("unknown stored message format")
+    return (
+        flags,
+        published,
+        expiry if flags & FLAG_HAS_EXPIRY else None,
+        producer,
+        seq,
+        gen,
+        tlen,
+        plen,
+        size,
+    )
+
+
+def record_id(value: bytes) -> RecordId:
+    """Expiry, producer, seq and generation of a value, from its header alone."""
+    _flags, _pub, expiry, producer, seq, generation, *_ = _header(value)
+    return RecordId(expiry, producer, seq, generation)
+
+
+def header_fields(value: bytes) -> tuple[str, int, float, float | None]:
+    """(topic, payload size, publish time, expiry) of a value, without decoding it all."""
+    _flags, published, expiry, _p, _s, _g, topic_len, props_len, start = _header(value)
+    topic = bytes(value[start : start + topic_len]).decode("utf-8", "replace")
+    size = len(value) - start - topic_len - props_len
+    return topic, size, published, expiry
+
+
+def decode_record(
+    packet_id: int, score: int, value: bytes, *, marked: bool = False
+) -> StoredRecord:
+    """Read a stored value back (inverse of :func:`encode_message`).
+
+    ``marked``: the store holds it marked sent though this value is not
+    (see :attr:`StoredRecord.marked`).
+    """
+    if len(value) < 2 or value[0] not in (1, VERSION):
+        raise ValueError(f"unknown stored message format (packet id {packet_id})")
+    flags = value[1]
+    sent = bool(flags & FLAG_SENT)
+    if flags & FLAG_PUBREL:
+        return StoredRecord(packet_id, score, Stage.PUBREL, True, None)
+    _f, published, expiry, producer, seq, generation, topic_len, props_len, pos = _header(value)
+    qos = value[2]
+    topic = value[pos : pos + topic_len].decode()
+    pos += topic_len
+    props = _decode_properties(value[pos : pos + props_len]) if props_len else {}
+    pos += props_len
+    message = StoredMessage(
+        topic=topic,
+        payload=value[pos:],
+        qos=qos,
+        retain=bool(flags & FLAG_RETAIN),
+        publish_time=published,
+        expiry=expiry,
+        producer=producer,
+        seq=seq,
+        generation=generation,
+        **props,
+    )
+    return StoredRecord(packet_id, score, Stage.PUBLISH, sent, message, marked)
+
+
+# ---------------------------------------------------------------------------
+# Session state
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class SubscriptionState:
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscription_id: int | None = None
+
+
+@dataclass(slots=True)
+class SessionState:
+    """What a persistent session must keep across broker restarts and replicas.
+
+    ``expiry_interval`` is the Session Expiry Interval in seconds (None: the
+    session never expires). ``last_seen`` is epoch seconds. ``generation``
+    tells this session from earlier and later ones of the same client id (it
+    lives in its own key, ``{cid}_generation``, not in the encoded state);
+    ``owner`` is the user it belongs to (None: anonymous or not bound).
+    """
+
+    expiry_interval: int | None
+    last_seen: float
+    subscriptions: dict[str, SubscriptionState] = field(default_factory=dict)
+    protocol_level: int = 5
+    # QoS 2 packet ids received from the client and not yet released by PUBREL
+    qos2_received: tuple[int, ...] = ()
+    generation: int = 0
+    owner: str | None = None
+
+    def encode(self) -> bytes:
+        return orjson.dumps(
+            {
+                "v": 1,
+                "e": self.expiry_interval,
+                "l": self.last_seen,
+                "p": self.protocol_level,
+                "q": list(self.qos2_received),
+                "o": self.owner,
+                "s": [
+                    [
+                        f,
+                        s.qos,
+                        s.no_local,
+                        s.retain_as_published,
+                        s.retain_handling,
+                        s.subscription_id,
+                    ]
+                    for f, s in self.subscriptions.items()
+                ],
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> SessionState:
+        doc = orjson.loads(data)
+        if doc.get("v") != 1:
+            raise ValueError("unknown session state format")
+        subs = {
+            f: SubscriptionState(qos, bool(nl), bool(rap), rh, sid)
+            for f, qos, nl, rap, rh, sid in doc["s"]
+        }
+        return cls(
+            doc["e"],
+            doc["l"],
+            subs,
+            doc["p"],
+            tuple(doc.get("q", ())),
+            owner=doc.get("o"),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------
+
+
+class ClientKeys(NamedTuple):
+    """A client's keys, in the order the Lua scripts take them (KEYS[1..6])."""
+
+    messages: str
+    last_packet_id: str
+    last_score: str
+    seen: str
+    session: str
+    generation: str
+
+    def message(self, packet_id: int) -> str:
+        return f"{self.messages}_{packet_id}"
+
+
+def _tag(client_id: str) -> str:
+    if not client_id:
+        return "%"
+    if "%" in client_id or "}" in client_id:
+        return client_id.replace("%", "%25").replace("}", "%7D")
+    return client_id
+
+
+def packet_id_of(score: int) -> int:
+    """The packet id that goes with a score: 1..65535, wrapping, never 0."""
+    return (score - 1) % MAX_PACKET_ID + 1
+
+
+def client_keys(client_id: str) -> ClientKeys:
+    """The Redis keys of ``client_id`` (all in one cluster slot)."""
+    p = "{" + _tag(client_id) + "}"
+    return ClientKeys(
+        p + "_messages",
+        p + "_last_packet_id",
+        p + "_last_score",
+        p + "_seen",
+        p + "_session",
+        p + "_generation",
+    )

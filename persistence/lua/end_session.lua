@@ -1,0 +1,33 @@
+-- devicemq: a session ended (expired, or replaced by a clean start): delete
+-- every key of the client and leave a generation tombstone.
+--
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
+-- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
+-- ARGV[1] the generation that ended (0: whatever is stored)
+-- ARGV[2] ms to keep the tombstone
+--
+-- Fenced: if a newer generation was opened meanwhile (elsewhere), nothing is
+-- deleted and -1 is returned. Otherwise the generation key becomes one higher
+-- than the one that ended, for ARGV[2] ms: records still in Kafka for the
+-- ended session carry its generation and are dropped by save_batch.lua, and a
+-- new session takes a higher one still (open_session.lua).
+-- Returns how many stored messages were deleted.
+
+local ending = tonumber(ARGV[1])
+local current = tonumber(redis.call('GET', KEYS[6]) or '0')
+if ending > 0 and current > ending then return -1 end
+local set_key = KEYS[1]
+local refs = redis.call('ZRANGE', set_key, 0, -1)
+local chunk = {}
+for i = 1, #refs do
+  chunk[#chunk + 1] = set_key .. '_' .. refs[i]
+  if #chunk == 500 then
+    redis.call('DEL', unpack(chunk))
+    chunk = {}
+  end
+end
+if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+local tombstone = math.max(current, ending) + 1
+redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
+return #refs

@@ -1,0 +1,37 @@
+-- devicemq: a client connects to a durable session: resume the stored one, or
+-- start a new one with a new generation.
+--
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
+-- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
+-- ARGV[1] 'resume' (clean start 0) or 'new' (clean start 1)
+-- ARGV[2] proposed generation (the broker's clock, in ms * 1000)
+-- ARGV[3] the new session's state (written for a new session only)
+--
+-- resume with a stored session: nothing changes; returns {generation, state}.
+-- Otherwise a new session: whatever is stored belongs to no live session and
+-- is deleted, the generation becomes max(proposed, current + 1) (it only ever
+-- grows: records of every earlier session carry a lower one), and the state
+-- is written. Returns {generation, false}.
+
+local current = tonumber(redis.call('GET', KEYS[6]) or '0')
+if ARGV[1] == 'resume' then
+  local state = redis.call('GET', KEYS[5])
+  if state then return {string.format('%.0f', current), state} end
+end
+local set_key = KEYS[1]
+local refs = redis.call('ZRANGE', set_key, 0, -1)
+local chunk = {}
+for i = 1, #refs do
+  chunk[#chunk + 1] = set_key .. '_' .. refs[i]
+  if #chunk == 500 then
+    redis.call('DEL', unpack(chunk))
+    chunk = {}
+  end
+end
+if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+local generation = math.max(tonumber(ARGV[2]), current + 1)
+local text = string.format('%.0f', generation)
+redis.call('SET', KEYS[6], text)
+redis.call('SET', KEYS[5], ARGV[3])
+return {text, false}
