@@ -79,12 +79,24 @@ class WillMessage:
 
 
 class MQTTConnection:
+    """``on_output``: the connection has bytes to send (or closes). ``on_input_flow``:
+    stop (False) or go on (True) reading from this client: a publisher with as many
+    acknowledgements owed as the broker's Receive Maximum waits for them to be sent
+    (3.1.1 has no Receive Maximum: without this, a slow Kafka would queue its
+    publishes without bound)."""
+
     def __init__(
-        self, broker: Broker, peer: str, on_output: Callable[[MQTTConnection], None]
+        self,
+        broker: Broker,
+        peer: str,
+        on_output: Callable[[MQTTConnection], None],
+        on_input_flow: Callable[[bool], None] | None = None,
     ) -> None:
         self.broker = broker
         self.peer = peer
         self._on_output = on_output
+        self._on_input_flow = on_input_flow
+        self.input_paused = False  # too many acknowledgements owed: not reading
         self.decoder = PacketDecoder(max_packet_size=broker.settings.mqtt.max_packet_size)
         self.state = ConnectionState.AWAITING_CONNECT
         self.protocol_level: int = ProtocolLevel.MQTT_3_1_1
@@ -250,7 +262,16 @@ class MQTTConnection:
 
     def expect_ack(self, packet_id: int, qos: int, reason: int) -> PendingAck:
         ack = PendingAck(packet_id, qos, reason)
-        self.pending_acks.append(ack)
+        pending = self.pending_acks
+        pending.append(ack)
+        if (
+            not self.input_paused
+            and len(pending) >= self.broker.settings.mqtt.receive_maximum
+            and self._on_input_flow is not None
+        ):
+            self.input_paused = True
+            self.broker.stats.input_pauses += 1
+            self._on_input_flow(False)
         return ack
 
     def ack_ready(self, ack: PendingAck, ok: bool) -> None:
@@ -270,6 +291,10 @@ class MQTTConnection:
                 head.reason = ReasonCode.UNSPECIFIED_ERROR
             ack_type = PubAck if head.qos == 1 else PubRec
             self.send(ack_type(head.packet_id, head.reason))
+        if self.input_paused and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2:
+            self.input_paused = False
+            if self._on_input_flow is not None:
+                self._on_input_flow(True)
 
     def incoming_in_flight(self) -> int:
         """QoS > 0 publishes from this client not yet fully acknowledged (Receive Maximum)."""

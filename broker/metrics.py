@@ -253,6 +253,11 @@ class BrokerCollector(Collector):
             "network_received_bytes", "Bytes read from MQTT sockets", stats.bytes_received
         )
         yield _counter("network_sent_bytes", "Bytes queued to MQTT sockets", stats.bytes_sent)
+        yield _counter(
+            "input_pauses",
+            "Times reading from a client stopped until the acknowledgements it is owed went out",
+            stats.input_pauses,
+        )
         yield _labelled(
             CounterMetricFamily(
                 f"{PREFIX}_publish_dropped",

@@ -59,7 +59,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=high, low=high // 4)
         peer = transport.get_extra_info("peername")
         label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.conn = MQTTConnection(self.server.broker, label, self.server.schedule_flush)
+        self.conn = MQTTConnection(
+            self.server.broker, label, self.server.schedule_flush, self._input_flow
+        )
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:
             # asyncio calls connection_made after the TLS handshake: the certificate is known.
@@ -89,6 +91,16 @@ class MQTTProtocol(asyncio.Protocol):
             conn.connection_lost()
             self.server.forget(conn)
 
+    def _input_flow(self, go_on: bool) -> None:
+        """The connection owes too many acknowledgements (False), or no longer (True)."""
+        transport, conn = self.transport, self.conn
+        if transport is None or conn is None or transport.is_closing():
+            return
+        if not go_on:
+            transport.pause_reading()
+        elif not conn.congested:
+            transport.resume_reading()
+
     def pause_writing(self) -> None:
         if self.conn is None or self.transport is None:
             return
@@ -101,7 +113,7 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.conn.congested = False
         self.congested_since = None
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and not self.conn.input_paused:
             self.transport.resume_reading()
         session = self.conn.session
         if session is not None:

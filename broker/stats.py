@@ -45,6 +45,7 @@ class BrokerStats:
     dropped: dict[str, int] = field(default_factory=dict)  # PUBLISH drops by reason
     payload_bytes_received: list[int] = field(default_factory=lambda: [0, 0, 0])  # by QoS
     payload_bytes_sent: list[int] = field(default_factory=lambda: [0, 0, 0])  # by QoS
+    input_pauses: int = 0  # reading from a publisher stopped: its acknowledgements owed
     # The persistent path's outgoing side (persistence/store_feed.py)
     persisted_delivered: int = 0  # PUBLISH sends of stored messages, re-sends included
     persisted_acked: int = 0  # PUBACK / PUBCOMP removed a stored message

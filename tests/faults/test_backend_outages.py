@@ -105,3 +105,56 @@ def test_kafka_unreachable_for_a_while(stack_factory) -> None:  # type: ignore[n
         sub.close()
         for pub in pubs:
             pub.close()
+
+
+def test_a_311_publisher_is_not_read_while_kafka_owes_it_receive_maximum(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """Finding 7 of the persistent path: a 3.1.1 publisher has no in-flight cap of its
+    own, so during a Kafka stall its QoS 1 publishes queued in the broker without
+    bound. Now the broker stops reading it at mqtt.receive_maximum acknowledgements
+    owed: the client's socket fills and blocks, and everything it got to send is
+    acknowledged once Kafka is back."""
+    from broker.packets import Connect, PubAck, Publish, Subscribe, Subscription
+    from tests.e2e.clients import Raw
+
+    stack: Stack = stack_factory({"mqtt.receive_maximum": 50})
+    assert stack.tansu_pid is not None
+    topic = stack.topic("t")
+    with Raw(stack.broker, level=5) as sub:  # a persistent subscriber: records go to Kafka
+        from broker.packets import Properties
+
+        sub.send(
+            Connect(
+                stack.client("sub"),
+                protocol_level=5,
+                clean_start=False,
+                properties=Properties(session_expiry_interval=600),
+            )
+        )
+        sub.recv()
+        sub.send(Subscribe(1, [Subscription(topic, qos=1)]))
+        sub.recv()
+    payload = b"x" * 65536
+    pub = Raw(stack.broker, level=4)
+    os.kill(stack.tansu_pid, signal.SIGSTOP)
+    try:
+        pub.connect(stack.client("pub"), clean_start=True)
+        pub.sock.settimeout(2.0)
+        sent = 0
+        try:
+            for packet_id in range(1, 5001):  # 320 MB if nothing pushed back
+                pub.send(Publish(topic, payload, qos=1, packet_id=packet_id))
+                sent = packet_id
+        except TimeoutError:
+            pass
+        # 50 owed, plus what the two sockets' buffers hold (a few MB on loopback)
+        assert sent < 500, f"the broker kept reading: {sent} publishes of 64 KiB taken"
+    finally:
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+    pub.sock.settimeout(30)
+    acked = set()
+    while len(acked) < sent:
+        packet = pub.recv()
+        if isinstance(packet, PubAck):
+            acked.add(packet.packet_id)
+    assert acked == set(range(1, sent + 1))
+    pub.close()

@@ -64,7 +64,10 @@ class Client:
         self.harness = harness
         self.level = level
         self.outputs = 0  # times on_output fired
-        self.conn = MQTTConnection(harness.broker, peer, on_output=self._on_output)
+        self.reading: list[bool] = []  # what on_input_flow said, in order
+        self.conn = MQTTConnection(
+            harness.broker, peer, on_output=self._on_output, on_input_flow=self.reading.append
+        )
         self.decoder = PacketDecoder(protocol_level=level)
         self._next_id = 0
 

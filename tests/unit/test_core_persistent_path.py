@@ -173,3 +173,24 @@ def test_qos2_storage_failure_after_resend_on_new_v311_connection_closes_it() ->
     path.complete(0, ok=False)
     assert back.read() == []
     assert back.closed
+
+
+def test_a_publisher_owed_receive_maximum_acks_is_not_read_until_they_go_out() -> None:
+    """Finding 7 of the persistent path: a 3.1.1 publisher (no Receive Maximum of its
+    own) could queue publishes into a slow Kafka without bound. At the broker's
+    Receive Maximum owed acknowledgements the edge stops reading it; at half, again."""
+    h, path = _setup(receive_maximum=10)
+    pub = h.client(V311)
+    pub.connect("pub")
+    for i in range(1, 10):
+        pub.publish("t", b"m", qos=1, packet_id=i)
+    assert pub.reading == []
+    pub.publish("t", b"m", qos=1, packet_id=10)
+    assert pub.reading == [False]
+    for _ in range(4):
+        path.complete()
+    assert pub.reading == [False]  # 6 still owed
+    path.complete()
+    assert pub.reading == [False, True]
+    assert [a.packet_id for a in pub.read()] == [1, 2, 3, 4, 5]  # type: ignore[attr-defined]
+    assert h.broker.stats.input_pauses == 1
