@@ -29,7 +29,10 @@ one partition and in the order they happened. ``pipeline/`` reads them back
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
 carries a JSON array of one client's events of one flush, in order (a send
-costs far more than encoding: one per client and flush, not per event).
+costs far more than encoding: one per client and flush, not per event),
+split into several records of at most 256 KiB when a busy client's flush is
+larger. A record Kafka refuses is counted in a ``gap`` event: the audit sees
+a gap, never a false ``lost``.
 
 Off the hot path: an emitting call appends a tuple to a list and returns;
 one task wakes every ``interval`` seconds, encodes what accumulated and hands
@@ -75,6 +78,9 @@ log = logging.getLogger("devicemq.events")
 
 DEFAULT_INTERVAL = 0.05  # seconds between flushes
 DEFAULT_MAX_BUFFER = 100_000  # events waiting for Kafka before new ones are dropped
+# One record's value at most: well under Kafka's default message.max.bytes (1 MB) and
+# the producer's max_request_size, so a busy client's flush never fails as too large.
+MAX_RECORD_BYTES = 256 * 1024
 
 
 class EventSink(Protocol):
@@ -266,8 +272,12 @@ class EventLog:
                 out.append({**base, "pid": pid, "sc": score})
             else:
                 out.append(base)
-        dumps = orjson.dumps
-        return [(cid.encode(), dumps(events)) for cid, events in by_client.items() if events]
+        records: list[tuple[bytes, bytes]] = []
+        for cid, events in by_client.items():
+            if events:
+                key = cid.encode()
+                records.extend((key, value) for value in _records(events))
+        return records
 
     def _stored_events(
         self, client_id: str, ts: float, details: tuple[ClientBatch, SaveResult]
@@ -321,6 +331,17 @@ class EventLog:
         if result.trimmed_ids:
             events.append({"ev": "trimmed", "cid": client_id, "ts": ts, "pids": result.trimmed_ids})
         return events
+
+
+def _records(events: list[dict[str, Any]]) -> list[bytes]:
+    """One client's events as JSON arrays of at most :data:`MAX_RECORD_BYTES` each, in
+    order: one record per flush would outgrow Kafka's request size for a busy client
+    (a single event is far smaller than the limit)."""
+    value = orjson.dumps(events)
+    if len(value) <= MAX_RECORD_BYTES or len(events) == 1:
+        return [value]
+    half = len(events) // 2
+    return _records(events[:half]) + _records(events[half:])
 
 
 def make_event_producer(bootstrap: str, request_timeout_ms: int) -> AIOKafkaProducer:

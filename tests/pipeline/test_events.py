@@ -124,3 +124,19 @@ async def test_records_not_stored_say_why() -> None:
         ("discarded", "arrival", 21, 4),
         ("trimmed", "arrival", 22, 4),
     ]
+
+
+async def test_a_busy_clients_flush_is_split_under_the_record_limit() -> None:
+    """Finding 7 of the persistent path: one record per client and flush outgrew
+    Kafka's request size (MessageSizeTooLargeError in CI) and the events were lost."""
+    from persistence.events import MAX_RECORD_BYTES
+
+    producer = FakeProducer()
+    log = EventLog(producer, "ev", clock=lambda: 500.0)
+    for i in range(20_000):
+        log.delivered("busy", _record(i % 65535 + 1, i + 1))
+    await log.flush()
+    assert len(producer.sent) > 1
+    assert all(len(value) <= MAX_RECORD_BYTES for _t, _k, value in producer.sent)
+    assert [e["sc"] for e in producer.events()] == list(range(1, 20_001))
+    assert {k for _t, k, _v in producer.sent} == {b"busy"} and log.dropped == 0
