@@ -225,12 +225,12 @@ class PersistenceConsumer:
             self._position[tp] = records[-1].offset + 1
             by_client: dict[str, tuple[list[bytes], list[int]]] = {}
             for record in records:
-                value = record.value
-                if record.key is None or not _well_formed(value):
+                value, client_id = record.value, _client_id(record.key)
+                if client_id is None or not _well_formed(value):
                     self.stats.malformed_records += 1
                     log.warning("skipping a malformed record at %s offset %d", tp, record.offset)
                     continue
-                values, offsets = by_client.setdefault(record.key.decode(), ([], []))
+                values, offsets = by_client.setdefault(client_id, ([], []))
                 values.append(value)
                 offsets.append(record.offset)
             room_for = self._room_for
@@ -334,6 +334,15 @@ class PersistenceConsumer:
         stats.messages_trimmed += result.trimmed
         stats.expired_on_arrival += result.expired
         stats.discarded_ended_session += len(result.discarded)
+
+
+def _client_id(key: bytes | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _well_formed(value: bytes | None) -> bool:

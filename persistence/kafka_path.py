@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,7 @@ class KafkaPersistentPath:
         timeout: float = 10.0,
         producer_id: int = 0,
         on_log_reset: Callable[[list[int]], None] | None = None,
+        recreate_topic: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self._producer = producer
         self._topic = topic
@@ -81,6 +82,10 @@ class KafkaPersistentPath:
         self.producer_id = producer_id
         self._seq = 0
         self._on_log_reset = on_log_reset  # partitions whose log went backwards
+        self._recreate_topic = recreate_topic
+        self._topic_ready = asyncio.Event()
+        self._topic_ready.set()
+        self._rounds: set[_Round] = set()  # handed to the producer, not all reported
         self._timeout = timeout  # seconds a publisher waits before it is told "failed"
         self._logged_at = -LOG_INTERVAL
         self._logged_errors = 0
@@ -124,6 +129,7 @@ class KafkaPersistentPath:
         """Hand every pending record to the producer, oldest first, then end."""
         try:
             while self._pending:
+                await self._topic_ready.wait()
                 batch, self._pending = self._pending, []
                 await self._send(batch)
         finally:
@@ -136,6 +142,7 @@ class KafkaPersistentPath:
         round_.submissions = [_Submission(cb, len(records), round_) for records, cb in batch]
         round_.open = len(batch)
         self._open_rounds += 1
+        self._rounds.add(round_)
         round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
         send, topic = self._producer.send, self._topic
         partition_of = self._partitioner_for_round()
@@ -196,15 +203,47 @@ class KafkaPersistentPath:
         if metadata.offset > highest:
             self.produced[metadata.partition] = metadata.offset
         elif metadata.offset < highest:
-            # Acknowledged below an earlier acknowledgement: the partition's log
-            # was reset (a Kafka that keeps records in memory restarted, or the
-            # topic was recreated). Consumers past its new start must rewind.
-            self.produced[metadata.partition] = metadata.offset
-            if self._on_log_reset is not None:
-                self._on_log_reset([metadata.partition])
+            self._log_went_back(metadata.partition, metadata.offset)
+            return
         submission.remaining -= 1
         if not submission.remaining:
             self._report(submission, True)
+
+    def _log_went_back(self, partition: int, offset: int) -> None:
+        """An acknowledgement below an earlier one: the partition's log was reset.
+
+        A Kafka that keeps records in memory restarted, or the topic was
+        recreated. The embedded Kafka (Tansu, memory storage) even acknowledges
+        records sent to a topic it no longer has and then loses them, so what is
+        still in flight is reported failed (publishers re-send; never a false
+        success), nothing more is sent until the topic is created again, and
+        every consumer past the log's new start is told to rewind.
+        """
+        self.produced[partition] = offset
+        error = KafkaError(f"kafka partition {partition} went backwards: its log was reset")
+        for round_ in list(self._rounds):
+            for submission in round_.submissions:
+                if submission.on_stored is not None:
+                    self._failed(error)
+                    self._report(submission, False)
+        if self._on_log_reset is not None:
+            self._on_log_reset([partition])
+        if self._recreate_topic is not None and self._topic_ready.is_set():
+            self._topic_ready.clear()
+            asyncio.get_running_loop().create_task(self._recreate())
+
+    async def _recreate(self) -> None:
+        assert self._recreate_topic is not None
+        try:
+            while True:
+                try:
+                    await self._recreate_topic()
+                    return
+                except Exception as error:
+                    log.warning("creating kafka topic %s again failed: %s", self._topic, error)
+                    await asyncio.sleep(0.5)
+        finally:
+            self._topic_ready.set()
 
     def _expire(self, round_: _Round) -> None:
         """Deadline of a round: whatever is still unacknowledged is reported failed.
@@ -234,6 +273,7 @@ class KafkaPersistentPath:
         if self.latency_observer is not None:
             self.latency_observer(time.perf_counter() - round_.started)
         self._open_rounds -= 1
+        self._rounds.discard(round_)
         self._check_idle()
 
     def _check_idle(self) -> None:

@@ -55,6 +55,7 @@ class DevicePersistence:
         epoch: int = 0,
         clock: Callable[[], float] = time.monotonic,
         producer_id: int = 0,
+        bootstrap: str = "",
     ) -> None:
         config = settings.persistence
         self.settings = settings
@@ -72,6 +73,7 @@ class DevicePersistence:
             timeout=config.kafka_request_timeout_ms / 1000,
             producer_id=producer_id,
             on_log_reset=self.resets.announce,
+            recreate_topic=lambda: ensure_topic(bootstrap, config.topic, config.partitions),
         )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
@@ -252,7 +254,7 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         # Subscribed (with its rebalance listener) before it starts: the group join
         # begins at once, the rest of the start-up runs meanwhile.
         persistence = DevicePersistence(
-            settings, store, producer, consumer, epoch, producer_id=producer_id
+            settings, store, producer, consumer, epoch, producer_id=producer_id, bootstrap=bootstrap
         )
         await consumer.start()
         await producer.start()
