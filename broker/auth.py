@@ -8,8 +8,9 @@ Three ways in, decided per CONNECT by :class:`Authenticator`:
 - a user name and password checked against the password file;
 - no user name at all (anonymous), if ``auth.allow_anonymous`` allows it.
 
-The password file holds one ``username:hash`` per line, ``#`` comments and
-blank lines allowed; a hash is an argon2id PHC string
+The password file holds one ``username:hash`` per line, ``#`` comments (the
+rule of :mod:`broker.watched_file`, as in the ACL file) and blank lines
+allowed; a hash is an argon2id PHC string
 (``$argon2id$v=19$m=19456,t=2,p=1$salt$hash``) made by ``devicemq passwd``.
 
 Verifying an argon2 hash costs tens of milliseconds of CPU by design, far too
@@ -48,7 +49,7 @@ from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatc
 
 from broker.config import AuthSettings, ConfigError
 from broker.packets import ReasonCode
-from broker.watched_file import FileChangeWatch
+from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
 
 __all__ = [
     "AuthResult",
@@ -108,20 +109,25 @@ def check_username(username: str) -> None:
         raise ValueError("a user name cannot contain ':', a newline or NUL")
     if username != username.strip() or username.startswith("#"):
         raise ValueError("a user name cannot start with '#' or begin or end with spaces")
+    if has_comment_marker(username):
+        raise ValueError("a user name cannot hold a '#' after a space (it reads as a comment)")
 
 
 def parse_password_file(text: str, source: str = "password file") -> dict[str, str]:
-    """``{username: hash}`` from the file's text; PasswordFileError names the bad line."""
+    """``{username: hash}`` from the file's text; PasswordFileError names the bad line.
+
+    Comments follow the one rule of :mod:`broker.watched_file`: a line starting
+    with ``#``, or `` # `` (whitespace on both sides) to the end of a line.
+    """
     users: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
+    for number, line in content_lines(text):
         username, colon, stored = line.partition(":")
         where = f"{source}: line {number}"
         if not colon or not username:
             raise PasswordFileError(f"{where}: expected username:hash")
-        if not stored.startswith(HASH_PREFIX):
+        if has_comment_marker(username):
+            raise PasswordFileError(f"{where}: {username!r}: a user name cannot hold ' #'")
+        if not stored.startswith(HASH_PREFIX) or any(ch.isspace() for ch in stored):
             raise PasswordFileError(f"{where}: the hash of {username!r} is not an argon2 hash")
         if username in users:
             raise PasswordFileError(f"{where}: {username!r} appears twice")

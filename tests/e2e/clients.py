@@ -106,8 +106,13 @@ class Paho:
         will: tuple[str, bytes, int, bool] | None = None,
         will_properties: PahoProperties | None = None,
         timeout: float = TIMEOUT,
+        bind_address: str = "",
     ) -> Connack:
-        """Open a connection and wait for CONNACK (whatever its reason code)."""
+        """Open a connection and wait for CONNACK (whatever its reason code).
+
+        ``bind_address`` is the local address to connect from, e.g. ``127.0.0.2``:
+        any 127.x.y.z is loopback on Linux, so tests can play several sources.
+        """
         self.close()
         v5 = self.version == V5
         client = mqtt.Client(
@@ -132,10 +137,15 @@ class Paho:
         self.disconnects = queue.Queue()  # only this connection's ending counts
         if v5:
             client.connect(
-                self.host, self.port, keepalive, clean_start=clean_start, properties=properties
+                self.host,
+                self.port,
+                keepalive,
+                bind_address=bind_address,
+                clean_start=clean_start,
+                properties=properties,
             )
         else:
-            client.connect(self.host, self.port, keepalive)
+            client.connect(self.host, self.port, keepalive, bind_address=bind_address)
         client.loop_start()
         if not waiter.event.wait(timeout):
             self.close()
@@ -375,9 +385,12 @@ class Paho:
 class Raw:
     """A hand-driven MQTT client over a plain socket, using devicemq's codec."""
 
-    def __init__(self, broker: Any, level: int = 5) -> None:
+    def __init__(self, broker: Any, level: int = 5, source: str | None = None) -> None:
+        """``source``: the local address to connect from (any 127.x.y.z on Linux)."""
         self.level = level
-        self.sock = socket.create_connection(broker.address, timeout=TIMEOUT)
+        self.sock = socket.create_connection(
+            broker.address, timeout=TIMEOUT, source_address=(source, 0) if source else None
+        )
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.decoder = PacketDecoder(protocol_level=level)
         self._pending: list[Packet] = []

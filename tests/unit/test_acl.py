@@ -70,11 +70,53 @@ def test_parse_sections_and_access_words() -> None:
     ]
 
 
+def test_inline_comments_one_rule_everywhere() -> None:
+    """Issue 19: ``user alice    # restricted account`` named a user
+    ``alice    # restricted account``, silently leaving alice without rules."""
+    acl = parse_acl(
+        "user alice    # restricted account\n"
+        "topic read alice/#\t# a tab before the comment\n"
+        "topic read #\n"  # a lone '#' ending the line is the filter, not a comment
+        "  # an indented comment line\n"
+        "user a#b   # '#' inside a word is data\n"
+        "topic deny +/#\n"
+    )
+    assert acl.users == {
+        "alice": [Rule(READ, "alice/#"), Rule(READ, "#")],
+        "a#b": [Rule(DENY, "+/#")],
+    }
+    # A '#' after whitespace that ends the line is never silently part of a name or topic.
+    with pytest.raises(AclError, match="line 1: 'devices/%c/# #' is not a valid topic filter"):
+        parse_acl("pattern write devices/%c/# #")
+
+
+def test_security_md_example_loads_and_means_what_it_says() -> None:
+    """The ACL example of SECURITY.md, read from the file itself (it has inline comments)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "SECURITY.md").read_text(encoding="utf-8")
+    match = re.search(r"The format follows Mosquitto's `acl_file`.*?```\n(.*?)```", text, re.S)
+    assert match
+    acl = parse_acl(match.group(1), "SECURITY.md")
+    assert acl.anonymous == [Rule(READ, "public/#")]
+    assert acl.users == {
+        "alice": [
+            Rule(READ | WRITE, "alice/#"),
+            Rule(DENY, "alice/secret/#"),
+            Rule(READ | WRITE, "devices/+/status"),
+        ]
+    }
+    assert acl.patterns == [Rule(WRITE, "devices/%c/#"), Rule(READ, "commands/%c/#")]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("user", "line 1: 'user' needs a user name"),
+        ("user alice #", "line 1: 'alice #' is not a user name"),
+        ("user alice #nope", "line 1: 'alice #nope' is not a user name"),
         ("topic read", "line 1: 'topic' needs a topic"),
+        ("topic read # everything", "line 1: 'topic' needs a topic .* on the line above"),
         ("# x\nallow a/b", "line 2: expected 'user', 'topic' or 'pattern', got 'allow'"),
         ("topic read a/#/b", "not a valid topic filter"),
         ("pattern write a/%c+", "not a valid topic filter"),

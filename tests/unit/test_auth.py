@@ -96,6 +96,14 @@ def test_parse_password_file() -> None:
     assert parse_password_file(text) == {"alice": ALICE_HASH, "bob": ALICE_HASH}
 
 
+def test_password_file_inline_comments_like_the_acl() -> None:
+    """One comment rule for both files (broker/watched_file.py): a hash followed by
+    `` # note`` is the hash; it used to be the hash *and* the note, so alice could
+    never log in and nothing said why."""
+    text = f"alice:{ALICE_HASH}   # the admin\n   # indented\nbob:{ALICE_HASH}\t# x\n"
+    assert parse_password_file(text) == {"alice": ALICE_HASH, "bob": ALICE_HASH}
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -103,6 +111,8 @@ def test_parse_password_file() -> None:
         (":$argon2id$x", "line 1: expected username:hash"),
         ("# c\nalice:secret", "line 2: the hash of 'alice' is not an argon2 hash"),
         ("alice:$2b$12$bcrypt", "not an argon2 hash"),
+        (f"alice:{ALICE_HASH} #", "line 1: the hash of 'alice' is not an argon2 hash"),
+        (f"al #ice:{ALICE_HASH}", "line 1: 'al #ice': a user name cannot hold ' #'"),
         (f"a:{ALICE_HASH}\na:{ALICE_HASH}", "line 2: 'a' appears twice"),
     ],
 )
@@ -124,7 +134,7 @@ def test_read_password_file_missing(tmp_path: Path) -> None:
         read_password_file(tmp_path / "nope")
 
 
-@pytest.mark.parametrize("name", ["", "a:b", "a\nb", " a", "#a"])
+@pytest.mark.parametrize("name", ["", "a:b", "a\nb", " a", "#a", "a #b", "a\t#"])
 def test_check_username_refuses(name: str) -> None:
     with pytest.raises(ValueError):
         check_username(name)
