@@ -8,8 +8,8 @@ periodically to run keep-alive, will-delay and session-expiry deadlines.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -61,9 +61,7 @@ class Broker:
                 lambda: self.acl.maybe_reload(force=True),
             )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
-        self._assigned_ids = itertools.count(1)
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
-        self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
         self.cluster: ClusterState | None = None  # cluster.enabled: the other replicas
 
     # -- connections and sessions -------------------------------------------------------
@@ -74,7 +72,15 @@ class Broker:
         return bucket is None or bucket.take(self.clock())
 
     def assign_client_id(self) -> str:
-        return f"{self._id_prefix}{next(self._assigned_ids)}"
+        """An ID for a client that sent none: ``devicemq-`` and 32 characters from
+        ``secrets`` (192 bits), cut to ``mqtt.max_client_id_length`` (at least 23: 84
+        bits left), never one a session holds. No counter and no clock in it: one
+        assigned ID must not tell another client's."""
+        limit = self.settings.mqtt.max_client_id_length
+        while True:
+            client_id = f"devicemq-{secrets.token_urlsafe(24)}"[:limit]
+            if client_id not in self.sessions:
+                return client_id
 
     def open_session(
         self, conn: MQTTConnection, client_id: str, clean_start: bool, expiry_interval: int

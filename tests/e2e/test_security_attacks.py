@@ -85,3 +85,35 @@ def test_inline_comments_do_not_disable_rules(
     assert login(bob, "bob", "bob-pw") == 0
     assert bob.subscribe([("bob/in/#", 1), ("alice/#", 1)]) == [1, 0x87]
     assert alice.publish("bob/in/x", b"no", qos=1) == 0x87  # bob's rules are bob's
+
+
+# ---------------------------------------------------------------- 1: assigned client IDs
+
+
+def test_assigned_client_ids_cannot_be_predicted(broker_factory: Factory, clients: Clients) -> None:
+    """A client that connects with an empty ID learns the one the broker assigned;
+    ``devicemq-<start-ms-hex>-N`` told it the next client's ID (N + 1), i.e. whose
+    session to aim at. IDs come from ``secrets`` now: no counter, no clock."""
+    broker = broker_factory()
+    assigned = []
+    for _ in range(4):
+        with clients.raw(broker, level=5) as raw:
+            ack = raw.connect("")
+            assert ack.reason_code == 0
+            assert ack.properties is not None
+            assigned.append(ack.properties.assigned_client_identifier)
+    first, victim = assigned[0], assigned[1]
+    prefix, _, number = first.rpartition("-")
+    guesses = {f"{prefix}-{int(number) + k}" for k in (1, 2, 3)} if number.isdigit() else set()
+    assert victim not in guesses, f"{victim} predicted from {first}"
+    assert len(set(assigned)) == len(assigned)
+    # The random part: at least 14 characters of a 64-symbol alphabet (84 bits),
+    # and no two IDs share more than the fixed "devicemq-" prefix.
+    for cid in assigned:
+        assert cid.startswith("devicemq-") and len(cid) - len("devicemq-") >= 14, cid
+        assert re.fullmatch(r"devicemq-[A-Za-z0-9_-]+", cid), cid
+    randoms = [cid[len("devicemq-") :] for cid in assigned]
+    for a in randoms:
+        for b in randoms:
+            if a is not b:
+                assert a[:4] != b[:4], f"{a} and {b} share a prefix: not random"
