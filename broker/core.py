@@ -241,7 +241,8 @@ class Broker:
 
         A client whose subscriptions overlap gets one copy at the highest
         granted QoS carrying every matching subscription identifier; each
-        shared group gives the message to one member (MQTT-4.8.2).
+        shared group gives the message to one member (MQTT-4.8.2), chosen
+        among the members whose ACL lets them read the topic.
         """
         match = self.subscriptions.match(message.topic)
         by_client: dict[str, Delivery] = {}
@@ -261,22 +262,23 @@ class Broker:
                 if entry.subscription_id:
                     delivery.subscription_ids += (entry.subscription_id,)
         sessions = self.sessions
+        may_receive: Callable[[str], bool] | None = None
         if self.acl.active:  # a client whose ACL denies reading the topic gets nothing
             can_receive, topic = self.acl.can_receive, message.topic
             for cid in [cid for cid in by_client if not can_receive(cid, topic)]:
                 del by_client[cid]
                 self.stats.drop("not_authorized_receive")
+
+            def may_receive(client_id: str) -> bool:
+                return can_receive(client_id, topic)
+
         targets = [(sessions[cid], delivery) for cid, delivery in by_client.items()]
         for group in match.groups:
-            member = group.pick(self._is_online)
-            if (
-                member is not None
-                and self.acl.active
-                and not self.acl.can_receive(member.client_id, message.topic)
-            ):
+            # A shared group picks among the members the ACL lets read the topic.
+            member = group.pick(self._is_online, may_receive)
+            if member is None:
                 self.stats.drop("not_authorized_receive")
-                member = None
-            if member is not None:
+            else:
                 qos = member.qos if member.qos < message.qos else message.qos
                 ids = (member.subscription_id,) if member.subscription_id else ()
                 retain = message.retain and member.retain_as_published

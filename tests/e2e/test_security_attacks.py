@@ -117,3 +117,43 @@ def test_assigned_client_ids_cannot_be_predicted(broker_factory: Factory, client
         for b in randoms:
             if a is not b:
                 assert a[:4] != b[:4], f"{a} and {b} share a prefix: not random"
+
+
+# ---------------------------------------------------------------- 9: shared subscriptions
+
+
+def test_shared_group_gives_each_message_to_a_member_allowed_to_read_it(
+    tmp_path: Path, broker_factory: Factory, clients: Clients
+) -> None:
+    """bob may subscribe to ``$share/g/shared/#`` (his read rule covers it) but not
+    read ``shared/secret/#``. The round robin picked him for every other message,
+    which was then dropped although alice, in the same group, may read it: eve's
+    PUBLISH was acknowledged and half of it lost."""
+    acl = tmp_path / "acl"
+    acl.write_text(
+        "user alice\ntopic read shared/#\n"
+        "user bob\ntopic read shared/#\ntopic deny shared/secret/#\n"
+        "user eve\ntopic write shared/#\n"
+    )
+    broker = broker_factory({"auth.password_file": password_file(tmp_path), "auth.acl_file": acl})
+    members = {}
+    for user in ("alice", "bob"):
+        member = clients.paho(broker, f"member-{user}")
+        assert login(member, user, PASSWORDS[user]) == 0
+        assert member.subscribe("$share/g/shared/#", 1) == [1]
+        members[user] = member
+    eve = clients.paho(broker, "publisher-eve")
+    assert login(eve, "eve", "eve-pw") == 0
+    for i in range(10):
+        assert eve.publish("shared/secret/plan", f"s{i}".encode(), qos=1) == 0
+    got = members["alice"].get_n(10)
+    assert sorted(m.payload for m in got) == sorted(f"s{i}".encode() for i in range(10))
+    members["bob"].assert_no_message()
+    # Messages bob may read still go round robin between the two.
+    for i in range(10):
+        assert eve.publish("shared/open", f"o{i}".encode(), qos=1) == 0
+    alice_got = members["alice"].get_n(5)
+    bob_got = members["bob"].get_n(5)
+    assert {m.payload for m in alice_got} | {m.payload for m in bob_got} == {
+        f"o{i}".encode() for i in range(10)
+    }

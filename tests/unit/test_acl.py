@@ -374,6 +374,28 @@ def test_shared_subscription_member_denied(tmp_path: Path) -> None:
     assert payloads(member.read()) == [b"yes"]
 
 
+def test_shared_group_skips_the_member_that_may_not_read(tmp_path: Path) -> None:
+    """Issue 19: the round robin picked bob, whose ACL denies the topic, and the
+    message was dropped although carol, in the same group, may read it."""
+    h = acl_harness(
+        tmp_path,
+        "user carol\ntopic readwrite jobs/#\nuser bob\ntopic read jobs/#\ntopic deny jobs/secret\n",
+    )
+    carol = connected(h, "m1", "carol")
+    bob = connected(h, "m2", "bob")
+    assert suback(carol, "$share/g/jobs/#") == [1]
+    assert suback(bob, "$share/g/jobs/#") == [1]
+    publisher = connected(h, "p", "carol")
+    for i in range(4):
+        publisher.publish("jobs/secret", str(i).encode())
+    assert payloads(carol.read()) == [b"0", b"1", b"2", b"3"]
+    assert bob.read() == []
+    assert "not_authorized_receive" not in h.broker.stats.dropped
+    publisher.publish("jobs/open", b"a")
+    publisher.publish("jobs/open", b"b")
+    assert len(carol.read()) + len(bob.read()) == 2  # both still take turns
+
+
 def test_will_on_a_denied_topic_is_refused(tmp_path: Path) -> None:
     h = acl_harness(tmp_path)
     client = h.client(V5)
