@@ -71,11 +71,15 @@ class WillMessage:
     ``expiry_interval`` is the will's Message Expiry Interval: it starts when
     the will is published, not at CONNECT (spec 3.1.3.2.4), so
     ``message.expires_at`` is only set by :meth:`Broker.publish_will`.
+    ``client_id`` and ``username`` say who published it, for the ACL check
+    at publish time (the ACL may have changed since CONNECT).
     """
 
     message: Message
     delay: int
     expiry_interval: int | None = None
+    client_id: str = ""
+    username: str | None = None
 
 
 class MQTTConnection:

@@ -212,8 +212,21 @@ class Broker:
             self.publish_will(will)
 
     def publish_will(self, will: WillMessage) -> None:
-        """Publish a will; its expiry interval starts now (spec 3.1.3.2.4)."""
+        """Publish a will; its expiry interval starts now (spec 3.1.3.2.4).
+
+        The ACL is asked again: it may have been reloaded since CONNECT, and a
+        will whose topic its client may no longer write is dropped.
+        """
         message = will.message
+        acl = self.acl
+        if acl.active and not acl.can_publish(will.client_id, will.username, message.topic):
+            self.stats.drop("will_not_authorized")
+            log.info(
+                "will of %s on %r not published: the ACL no longer allows it",
+                will.client_id,
+                message.topic,
+            )
+            return
         if will.expiry_interval is not None:
             message = replace(message, expires_at=self.clock() + will.expiry_interval)
         if message.retain:

@@ -90,7 +90,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
     if len(client_id.encode()) > mqtt.max_client_id_length:  # a length in bytes
         raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "client id too long")
 
-    will = _will(conn, packet)
+    will = _will(conn, packet, client_id)
     acl = broker.acl
     if will is not None and not acl.can_publish(client_id, conn.username, will.message.topic):
         raise ConnectRefused(ReasonCode.NOT_AUTHORIZED, f"will topic {will.message.topic!r} denied")
@@ -154,7 +154,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
     session.outbox.resume()
 
 
-def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
+def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage | None:
     will = packet.will
     if will is None:
         return None
@@ -185,7 +185,7 @@ def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
         origin=packet.client_id or None,
         properties=forwarded,
     )
-    return WillMessage(message, delay, expiry_interval)
+    return WillMessage(message, delay, expiry_interval, client_id, conn.username)
 
 
 def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:

@@ -17,6 +17,8 @@ right code, every refusal is counted), never a tight timing.
 from __future__ import annotations
 
 import re
+import signal
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -157,3 +159,42 @@ def test_shared_group_gives_each_message_to_a_member_allowed_to_read_it(
     assert {m.payload for m in alice_got} | {m.payload for m in bob_got} == {
         f"o{i}".encode() for i in range(10)
     }
+
+
+# ---------------------------------------------------------------- low: wills after an ACL reload
+
+
+def test_will_is_checked_against_the_acl_when_it_is_published(
+    tmp_path: Path, broker_factory: Factory, clients: Clients
+) -> None:
+    """The will topic was checked at CONNECT only: after an ACL reload revoked
+    alice's right to publish there, her will still went out when she dropped."""
+    acl = tmp_path / "acl"
+    acl.write_text("user alice\ntopic readwrite alice/#\nuser bob\ntopic read alice/#\n")
+    broker = broker_factory({"auth.password_file": password_file(tmp_path), "auth.acl_file": acl})
+    bob = clients.paho(broker, "watcher-bob")
+    assert login(bob, "bob", "bob-pw") == 0
+    assert bob.subscribe("alice/will", 1) == [1]
+    alice = clients.paho(broker, "dev-alice")
+    assert login(alice, "alice", "alice-pw", will=("alice/will", b"gone", 1, False)) == 0
+    # Revoked: alice may read her topics, no longer write them.
+    acl.write_text("user alice\ntopic read alice/#\nuser bob\ntopic read alice/#\n")
+    broker.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "ACL file reloaded" in broker.log(), "the ACL reload")
+    alice.terminate()  # an abnormal end: the will is due, but no longer allowed
+    bob.assert_no_message(timeout=1.0)
+    wait_for(lambda: "will of dev-alice" in broker.log(), "the refused will in the log")
+    # A will that is still allowed goes out as before.
+    acl.write_text("user alice\ntopic readwrite alice/#\nuser bob\ntopic read alice/#\n")
+    broker.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: broker.log().count("ACL file reloaded") >= 2, "the second reload")
+    assert login(alice, "alice", "alice-pw", will=("alice/will", b"gone", 1, False)) == 0
+    alice.terminate()
+    assert bob.get().payload == b"gone"
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)

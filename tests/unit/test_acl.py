@@ -15,6 +15,7 @@ from broker.config import AuthSettings, ConfigError, Settings
 from broker.packets import (
     ConnAck,
     Connect,
+    Properties,
     PubAck,
     PubComp,
     PubRec,
@@ -406,6 +407,40 @@ def test_will_on_a_denied_topic_is_refused(tmp_path: Path) -> None:
     ok.send(Connect("c1", username="alice", password=PASSWORD, will=Will("alice/gone", b"x")))
     connack = ok.read_one()
     assert isinstance(connack, ConnAck) and connack.reason_code == 0
+
+
+def test_will_is_checked_again_when_published(tmp_path: Path) -> None:
+    """Issue 19: a will allowed at CONNECT went out after a reload revoked its topic."""
+    h = acl_harness(tmp_path, ACL + "pattern read #\n")
+    watcher = connected(h, "w", "bob")
+    assert suback(watcher, "alice/gone", "alice/later") == [1, 1]
+    client = h.client(V5)
+    client.send(Connect("c1", username="alice", password=PASSWORD, will=Will("alice/gone", b"x")))
+    assert client.read_one().reason_code == 0  # type: ignore[attr-defined]
+    revoked = ACL.replace("topic readwrite alice/#", "topic read alice/#")
+    (tmp_path / "acl").write_text(revoked + "pattern read #\n")
+    h.broker.acl.maybe_reload(force=True)
+    client.conn.connection_lost()  # abnormal end: the will is due
+    assert watcher.read() == []
+    assert h.broker.stats.dropped["will_not_authorized"] == 1
+    # A delayed will is checked when its delay is over, not when it was set.
+    (tmp_path / "acl").write_text(ACL + "pattern read #\n")
+    h.broker.acl.maybe_reload(force=True)
+    later = h.client(V5)
+    will = Will("alice/later", b"y", properties=Properties(will_delay_interval=5))
+    later.send(
+        Connect(
+            "c2",
+            username="alice",
+            password=PASSWORD,
+            will=will,
+            properties=Properties(session_expiry_interval=60),
+        )
+    )
+    assert later.read_one().reason_code == 0  # type: ignore[attr-defined]
+    later.conn.connection_lost()
+    h.advance(6)
+    assert payloads(watcher.read()) == [b"y"]
 
 
 def test_publish_without_acl_is_unchecked(tmp_path: Path) -> None:
