@@ -204,6 +204,12 @@ class MqttSettings:
     max_connection_rate: float = setting(
         1000.0, "CONNECTs accepted per second (token bucket); over: CONNACK 0x9F; 0 off", ge=0
     )
+    max_connection_rate_per_source: float = setting(
+        100.0,
+        "CONNECTs accepted per second from one address (IPv6: one /64), checked before "
+        "max_connection_rate; over: CONNACK 0x9F; 0 off",
+        ge=0,
+    )
     max_topic_length: int = setting(4096, "Longest topic name or filter, in bytes", ge=1, le=65535)
     max_topic_levels: int = setting(128, "Most levels in a topic name or filter", ge=1)
     max_subscriptions_per_client: int = setting(

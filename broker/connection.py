@@ -84,10 +84,17 @@ class WillMessage:
 
 class MQTTConnection:
     def __init__(
-        self, broker: Broker, peer: str, on_output: Callable[[MQTTConnection], None]
+        self,
+        broker: Broker,
+        peer: str,
+        on_output: Callable[[MQTTConnection], None],
+        source: str | None = None,
     ) -> None:
         self.broker = broker
         self.peer = peer
+        # Who the connection comes from, for per-source limits: the peer's address
+        # (IPv6: its /64, broker/limits.py source_key); the peer label without one.
+        self.source = source if source is not None else peer
         self._on_output = on_output
         self.decoder = PacketDecoder(max_packet_size=broker.settings.mqtt.max_packet_size)
         self.state = ConnectionState.AWAITING_CONNECT

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from broker.acl import Authorizer
 from broker.auth import Authenticator, reload_on_sighup
 from broker.cluster import ClusterState, RemoteSession
-from broker.limits import bucket_or_none
+from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outbox import MemoryOutbox
 from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
@@ -62,14 +62,29 @@ class Broker:
             )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
+        per_source = settings.mqtt.max_connection_rate_per_source
+        self._connect_by_source = SourceBuckets(per_source) if per_source > 0 else None
+        # Refused CONNECTs are all counted (stats) but logged at a bounded rate.
+        self.refusal_log = LogLimiter(logging.getLogger("devicemq.connect"), "connection refusals")
         self.cluster: ClusterState | None = None  # cluster.enabled: the other replicas
 
     # -- connections and sessions -------------------------------------------------------
 
-    def connect_allowed(self) -> bool:
-        """Take a token of the broker-wide CONNECT rate (mqtt.max_connection_rate)."""
+    def connect_allowed(self, source: str) -> str | None:
+        """Take a CONNECT token of ``source`` (a :func:`~broker.limits.source_key`), then
+        one of the broker-wide rate; None if both had one, else which limit refused.
+
+        The source's own bucket comes first and a CONNECT it refuses takes nothing
+        from the broker-wide one, so one address cannot use up everyone's rate.
+        """
+        now = self.clock()
+        by_source = self._connect_by_source
+        if by_source is not None and not by_source.take(source, now):
+            return "connection_rate_exceeded_per_source"
         bucket = self._connect_bucket
-        return bucket is None or bucket.take(self.clock())
+        if bucket is not None and not bucket.take(now):
+            return "connection_rate_exceeded"
+        return None
 
     def assign_client_id(self) -> str:
         """An ID for a client that sent none: ``devicemq-`` and 32 characters from
@@ -236,6 +251,7 @@ class Broker:
     def tick(self) -> None:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
+        self.refusal_log.flush(now)
         for conn in list(self.connections):
             conn.check_timeouts(now)
         for session in list(self._detached):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 from broker.config import ConfigError, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
+from broker.limits import source_key
 from broker.listeners import Framing, listener_specs
 from broker.packets import ReasonCode
 from broker.websocket import Closed as WsClosed
@@ -59,7 +60,10 @@ class MQTTProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=high, low=high // 4)
         peer = transport.get_extra_info("peername")
         label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.conn = MQTTConnection(self.server.broker, label, self.server.schedule_flush)
+        source = source_key(str(peer[0])) if isinstance(peer, tuple) else label
+        self.conn = MQTTConnection(
+            self.server.broker, label, self.server.schedule_flush, source=source
+        )
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:
             # asyncio calls connection_made after the TLS handshake: the certificate is known.

@@ -27,19 +27,30 @@ _V3_RETURN_CODES = {
 
 
 class ConnectRefused(Exception):
-    """The CONNECT is well formed but cannot be accepted: answer CONNACK ``reason``."""
+    """The CONNECT is well formed but cannot be accepted: answer CONNACK ``reason``.
 
-    def __init__(self, reason: ReasonCode, message: str) -> None:
+    ``counter`` is the rejected-connections reason it is counted under
+    (default: the reason code's name), to tell limits sharing a code apart.
+    """
+
+    def __init__(self, reason: ReasonCode, message: str, counter: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.counter = counter or reason.name.lower()
 
 
 def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         raise MQTTError(ReasonCode.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
     conn.protocol_level = packet.protocol_level
-    if not conn.broker.connect_allowed():  # mqtt.max_connection_rate, before any password work
-        _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, "connection rate"))
+    # mqtt.max_connection_rate_per_source, then mqtt.max_connection_rate: before any
+    # password work, and one address cannot use up the broker-wide rate.
+    over = conn.broker.connect_allowed(conn.source)
+    if over is not None:
+        limit = (
+            "its address's connection rate" if over.endswith("per_source") else "connection rate"
+        )
+        _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, limit, over))
         return
     # Authentication may hash a password in a worker thread: whatever the
     # client sends meanwhile waits in the connection until CONNACK is decided.
@@ -189,8 +200,11 @@ def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage 
 
 
 def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:
-    log.info("connection from %s refused: %s", conn.peer, refusal)
-    conn.broker.stats.reject(refusal.reason.name.lower())
+    broker = conn.broker
+    broker.stats.reject(refusal.counter)  # every refusal counted; logged at a bounded rate
+    broker.refusal_log.log(
+        broker.clock(), logging.INFO, "connection from %s refused: %s", conn.peer, refusal
+    )
     if conn.is_v5:
         conn.send(ConnAck(False, refusal.reason))
     elif refusal.reason in _V3_RETURN_CODES:

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from broker.auth import hash_password, write_password_file
+from broker.codec import encode
+from broker.packets import Connect
 from tests.e2e.clients import Paho
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
@@ -198,3 +203,106 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> 
     while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- 8: connect rate per source
+
+
+class Flood:
+    """Threads that open connections from ``source``, send ``data`` (one CONNECT),
+    note what came back (the CONNACK's reason code, or None) and go again, until stopped.
+
+    ``wait=False`` closes right after sending: an attacker that never waits for
+    an answer. Bounded: ``duration`` seconds at most.
+    """
+
+    def __init__(
+        self,
+        broker: BrokerProcess,
+        source: str,
+        data: bytes | Callable[[int], bytes],
+        threads: int = 4,
+        wait: bool = True,
+        duration: float = 3.0,
+    ) -> None:
+        self.broker = broker
+        self.source = source
+        self.data = data
+        self.wait = wait
+        self.duration = duration
+        self.sent = 0
+        self.codes: list[int | None] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> Flood:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.duration + 10)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.duration
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            with self._lock:
+                n = self.sent
+                self.sent += 1
+            data = self.data(n) if callable(self.data) else self.data
+            code = None
+            try:
+                with socket.create_connection(
+                    self.broker.address, timeout=5, source_address=(self.source, 0)
+                ) as s:
+                    s.sendall(data)
+                    if self.wait:
+                        answer = s.recv(64)
+                        if len(answer) >= 4 and answer[0] == 0x20:
+                            code = answer[3]
+            except OSError:
+                pass
+            with self._lock:
+                self.codes.append(code)
+
+    def count(self, code: int | None) -> int:
+        with self._lock:
+            return sum(1 for c in self.codes if c == code)
+
+
+def connect_bytes(client_id: str, level: int = 5, **kwargs: Any) -> bytes:
+    return encode(Connect(client_id, protocol_level=level, **kwargs), level)
+
+
+def test_one_source_cannot_use_up_everyone_s_connect_rate(
+    broker_factory: Factory, clients: Clients
+) -> None:
+    """One address sending CONNECTs as fast as it can emptied the broker-wide
+    bucket (mqtt.max_connection_rate) and 7 of 8 legitimate logins were refused
+    with 0x9F. Each address now has its own bucket
+    (mqtt.max_connection_rate_per_source) in front of the global one. Both
+    rates are scaled down (100/s global, 20/s per source) so that a test
+    client on a busy machine outruns them as surely as the issue's 2,629
+    CONNECT/s outran the default 1000/s."""
+    broker = broker_factory(
+        {"mqtt.max_connection_rate": 100, "mqtt.max_connection_rate_per_source": 20}
+    )
+    legit = []
+    with Flood(broker, "127.0.0.5", connect_bytes("attacker"), threads=4, duration=4.0) as flood:
+        time.sleep(0.5)
+        started = time.monotonic()
+        for i in range(8):
+            device = clients.paho(broker, f"device-{i}")
+            legit.append(device.connect(bind_address=f"127.0.0.{10 + i}").reason_code)
+            time.sleep(0.25)
+        rate = flood.sent / (time.monotonic() - started + 0.5)
+    assert rate > 200, f"the flood ({rate:.0f} CONNECT/s) was too slow to test anything"
+    assert legit == [0] * 8, legit
+    assert flood.count(0x9F) > 0  # the flooder is told why: Connection rate exceeded
+    assert flood.count(0) <= 20 * (flood.duration + 1) + 20  # its own bucket, no more

@@ -11,7 +11,14 @@ import socket
 import pytest
 
 from broker.config import ListenerSettings, MqttSettings, PersistenceSettings, Settings
-from broker.limits import TokenBucket, bucket_or_none, topic_within_limits
+from broker.limits import (
+    LogLimiter,
+    SourceBuckets,
+    TokenBucket,
+    bucket_or_none,
+    source_key,
+    topic_within_limits,
+)
 from broker.packets import (
     ConnAck,
     Connect,
@@ -70,8 +77,67 @@ def test_connection_rate_v5_gets_0x9f_v311_server_unavailable() -> None:
     assert h.client().connect("f", check=False).reason_code == 0x9F
 
 
+def test_source_key() -> None:
+    assert source_key("192.0.2.7") == "192.0.2.7"
+    assert source_key("::ffff:192.0.2.7") == "192.0.2.7"  # IPv4-mapped is the IPv4 address
+    assert source_key("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert source_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"  # same /64, same source
+    assert source_key("fe80::1%eth0") == "fe80::/64"
+    assert source_key("peer") == "peer"
+
+
+def test_source_buckets_are_separate_and_bounded() -> None:
+    buckets = SourceBuckets(2.0, max_sources=3)
+    assert buckets.take("a", 0.0) and buckets.take("a", 0.0)
+    assert not buckets.take("a", 0.0)
+    assert buckets.take("b", 0.0)  # a's bucket is a's alone
+    for name in ("c", "d", "e"):
+        buckets.take(name, 0.0)
+    assert len(buckets) == 3  # least recently used (a, b) dropped
+
+
+def test_log_limiter(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logger = logging.getLogger("test.limiter")
+    limiter = LogLimiter(logger, "refusals", rate=1.0, burst=3.0)
+    with caplog.at_level(logging.INFO, logger="test.limiter"):
+        for i in range(10):
+            limiter.log(0.0, logging.INFO, "refused %d", i)
+        assert [r.getMessage() for r in caplog.records] == ["refused 0", "refused 1", "refused 2"]
+        assert limiter.suppressed == 7
+        limiter.log(1.0, logging.INFO, "refused %d", 10)
+        assert caplog.records[-1].getMessage() == (
+            "refused 10 (7 more refusals not logged before this one: rate limit)"
+        )
+        limiter.log(1.0, logging.INFO, "refused %d", 11)
+        limiter.flush(1.5)  # no token yet
+        limiter.flush(2.0)
+        assert caplog.records[-1].getMessage().startswith("1 refusals not logged")
+        assert limiter.suppressed == 0
+
+
+def test_connection_rate_per_source_comes_before_the_global_one() -> None:
+    """Issue 19: one source used up the broker-wide bucket and locked everyone out."""
+    h = Harness(max_connection_rate=5, max_connection_rate_per_source=2)
+    attacker = [h.client(V5, peer="6.6.6.6:1") for _ in range(10)]
+    codes = [c.connect(f"a{i}", check=False).reason_code for i, c in enumerate(attacker)]
+    assert codes == [0, 0] + [ReasonCode.CONNECTION_RATE_EXCEEDED] * 8
+    rejected = h.broker.stats.connections_rejected
+    assert rejected == {"connection_rate_exceeded_per_source": 8}
+    # The global bucket lost only the two accepted CONNECTs: three others get in.
+    for i in range(3):
+        c = h.client(V5, peer=f"10.0.0.{i}:1")
+        c.conn.source = f"10.0.0.{i}"
+        c.connect(f"d{i}")
+    late = h.client(V5, peer="10.0.0.9:1")
+    late.conn.source = "10.0.0.9"
+    assert late.connect("d9", check=False).reason_code == ReasonCode.CONNECTION_RATE_EXCEEDED
+    assert rejected["connection_rate_exceeded"] == 1
+
+
 def test_connection_rate_zero_is_off() -> None:
-    h = Harness(max_connection_rate=0)
+    h = Harness(max_connection_rate=0, max_connection_rate_per_source=0)
     for i in range(50):
         h.connected(f"c{i}")
 
