@@ -251,6 +251,17 @@ class AuthSettings:
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
     )
+    verify_threads: int = setting(
+        0, "Threads hashing passwords; 0: one less than the CPUs, 1 to 4", ge=0, le=64
+    )
+    max_pending_verifications: int = setting(
+        32, "Password checks waiting for a thread; over: CONNACK 0x89 Server busy", ge=1
+    )
+    max_verify_rate_per_source: float = setting(
+        10.0,
+        "Password hashes per second for one address (IPv6: one /64); over: CONNACK 0x9F; 0 off",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

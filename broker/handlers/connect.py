@@ -60,18 +60,28 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
         packet.password,
         conn.peer_certificate,
         lambda result: _authenticated(conn, packet, result),
+        conn.source,
+        lambda: conn.state is ConnectionState.AWAITING_CONNECT,
     )
 
 
 def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) -> None:
+    refusal = None
+    if not result.ok:
+        who = f"client {packet.client_id!r}" + (
+            f" user {packet.username!r}" if packet.username is not None else ""
+        )
+        refusal = ConnectRefused(result.reason, f"{who}: {result.message}", result.counter)
     if conn.state is not ConnectionState.AWAITING_CONNECT:
-        return  # the socket closed (or timed out) while the password was checked
+        # The socket closed (or timed out) while the password was checked, or
+        # before it was: nobody to answer, but a failed attempt is still counted
+        # and logged like any other (SECURITY.md: every failure is).
+        if refusal is not None:
+            _count_refusal(conn, refusal, " (the client was gone)")
+        return
     try:
-        if not result.ok:
-            who = f"client {packet.client_id!r}" + (
-                f" user {packet.username!r}" if packet.username is not None else ""
-            )
-            raise ConnectRefused(result.reason, f"{who}: {result.message}")
+        if refusal is not None:
+            raise refusal
         conn.username = result.username
         _accept(conn, packet)
     except ConnectRefused as refusal:
@@ -199,12 +209,17 @@ def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage 
     return WillMessage(message, delay, expiry_interval, client_id, conn.username)
 
 
-def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:
+def _count_refusal(conn: MQTTConnection, refusal: ConnectRefused, note: str = "") -> None:
+    """Every refusal is counted; its log line goes through the rate-limited log."""
     broker = conn.broker
-    broker.stats.reject(refusal.counter)  # every refusal counted; logged at a bounded rate
+    broker.stats.reject(refusal.counter)
     broker.refusal_log.log(
-        broker.clock(), logging.INFO, "connection from %s refused: %s", conn.peer, refusal
+        broker.clock(), logging.INFO, "connection from %s refused: %s%s", conn.peer, refusal, note
     )
+
+
+def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:
+    _count_refusal(conn, refusal)
     if conn.is_v5:
         conn.send(ConnAck(False, refusal.reason))
     elif refusal.reason in _V3_RETURN_CODES:

@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import pytest
 from broker.auth import hash_password, write_password_file
 from broker.codec import encode
 from broker.packets import Connect
+from tests.conftest import free_port
 from tests.e2e.clients import Paho
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
@@ -306,3 +308,125 @@ def test_one_source_cannot_use_up_everyone_s_connect_rate(
     assert legit == [0] * 8, legit
     assert flood.count(0x9F) > 0  # the flooder is told why: Connection rate exceeded
     assert flood.count(0) <= 20 * (flood.duration + 1) + 20  # its own bucket, no more
+
+
+# ---------------------------------------------------------------- 3: the argon2 flood
+
+
+def metrics_broker(factory: Factory, tmp_path: Path, **settings: object) -> BrokerProcess:
+    """A broker with a password file and /metrics on a port of its own."""
+    return factory(
+        {
+            "auth.password_file": password_file(tmp_path),
+            "metrics.enabled": True,
+            "metrics.host": "127.0.0.1",
+            "metrics.port": free_port(),
+            **settings,
+        }
+    )
+
+
+def rejected(broker: BrokerProcess) -> dict[str, float]:
+    """devicemq_connections_rejected_total by reason, from /metrics."""
+    port = broker.settings["metrics.port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found = re.findall(
+        r'^devicemq_connections_rejected_total\{reason="([^"]+)"\} (\S+)$', text, re.M
+    )
+    return {reason: float(value) for reason, value in found}
+
+
+def timed_login(client: Paho, user: str, password: str, source: str) -> tuple[int, float]:
+    started = time.monotonic()
+    code = login(client, user, password, bind_address=source, timeout=15.0)
+    return code, time.monotonic() - started
+
+
+def test_password_flood_that_never_waits_cannot_lock_out_logins(
+    tmp_path: Path, broker_factory: Factory, clients: Clients
+) -> None:
+    """Each bad password costs ~30-40 ms of argon2 in a worker thread. CONNECTs with
+    bad passwords whose sender hung up at once queued hash after hash, all of
+    them computed although nobody waited for the answer, so a real login waited
+    behind minutes of hashing; and none of those attempts was logged or counted,
+    although SECURITY.md says every failure is.
+
+    Now: per address, mqtt.max_connection_rate_per_source and
+    auth.max_verify_rate_per_source bound what reaches argon2; a check whose
+    client is gone before a thread takes it is not computed; every attempt is
+    counted in /metrics and logged at a bounded rate."""
+    broker = metrics_broker(broker_factory, tmp_path)
+    alice = clients.paho(broker, "dev-alice")
+    assert timed_login(alice, "alice", "alice-pw", "127.0.0.2")[0] == 0  # now cached
+    alice.disconnect()
+    bad = connect_bytes("x", username="eve", password=b"guess")
+
+    with Flood(broker, "127.0.0.5", bad, threads=4, wait=False, duration=4.0) as flood:
+        time.sleep(1.5)  # let the hashes pile up
+        bob = clients.paho(broker, "dev-bob")
+        code, took = timed_login(bob, "bob", "bob-pw", "127.0.0.3")  # never verified before
+        assert code == 0
+        assert took < 5.0, f"bob's login took {took:.1f} s under the flood"
+        code, took = timed_login(alice, "alice", "alice-pw", "127.0.0.2")
+        assert code == 0 and took < 2.0, f"a cached login took {took:.1f} s"
+    assert flood.sent > 400, "the flood was too slow to test anything"
+
+    # Every attempt is counted once, whatever became of it.
+    deadline = time.monotonic() + 15
+    while sum(rejected(broker).values()) < flood.sent and time.monotonic() < deadline:
+        time.sleep(0.2)
+    counts = rejected(broker)
+    assert sum(counts.values()) == flood.sent, (counts, flood.sent)
+    # ...and logged without flooding the log.
+    log = broker.log()
+    lines = [line for line in log.splitlines() if "refused" in line]
+    assert 0 < len(lines) <= 20 + 5 * (flood.duration + 20), len(lines)
+    assert "not logged" in log
+
+
+def test_password_flood_from_many_addresses_is_refused_with_server_busy(
+    tmp_path: Path, broker_factory: Factory, clients: Clients
+) -> None:
+    """Many addresses each within their own rates still queue more hashes than
+    the threads can do: the queue of checks is bounded
+    (auth.max_pending_verifications) and a CONNECT that finds it full gets
+    CONNACK 0x89 Server busy at once (3.1.1: return code 3) instead of
+    waiting behind it. Cached logins need no hash and stay fast."""
+    broker = metrics_broker(broker_factory, tmp_path)
+    alice = clients.paho(broker, "dev-alice")
+    assert timed_login(alice, "alice", "alice-pw", "127.0.0.2")[0] == 0
+    alice.disconnect()
+    floods = [
+        Flood(
+            broker,
+            f"127.0.1.{i}",
+            lambda n: connect_bytes(f"x{n}", username="eve", password=b"guess"),
+            threads=4,
+            duration=4.0,
+        )
+        for i in range(1, 13)
+    ]
+    v311 = Flood(
+        broker,
+        "127.0.2.1",
+        connect_bytes("old", level=4, username="eve", password=b"guess"),
+        threads=2,
+        duration=4.0,
+    )
+    for flood in [*floods, v311]:
+        flood.__enter__()
+    try:
+        time.sleep(1.5)
+        code, took = timed_login(alice, "alice", "alice-pw", "127.0.0.2")
+        assert code == 0 and took < 2.0, f"a cached login took {took:.1f} s"
+    finally:
+        for flood in [*floods, v311]:
+            flood.stop()
+    busy = sum(flood.count(0x89) for flood in floods)
+    assert busy > 0, [flood.codes[:20] for flood in floods[:2]]
+    assert v311.count(3) > 0  # Server unavailable: 3.1.1's word for busy
+    assert rejected(broker).get("server_busy", 0) >= busy
+    # Nothing is left queued: a fresh login right after the flood is quick.
+    code, took = timed_login(clients.paho(broker, "dev-bob"), "bob", "bob-pw", "127.0.0.3")
+    assert code == 0 and took < 3.0, took
