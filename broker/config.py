@@ -124,6 +124,12 @@ class WebsocketSettings:
     enabled: bool = setting(False, "Serve MQTT over WebSockets")
     host: str = setting("0.0.0.0", "Address the WebSocket listener binds")
     port: int = setting(8083, "TCP port for MQTT over WebSockets", ge=1, le=65535)
+    max_frame_rate: float = setting(
+        10_000.0,
+        "Frames a second one WebSocket connection may send (ws and wss; token bucket); "
+        "over: closed with 1008; 0 off",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +162,24 @@ class MqttSettings:
         "Largest packet accepted, in bytes (MQTT 5 Maximum Packet Size)",
         ge=16,
         le=268_435_460,
+    )
+    max_connect_packet_size: int = setting(
+        65_536,
+        "Largest CONNECT (or anything sent before it) accepted, in bytes; over: closed",
+        ge=16,
+        le=268_435_460,
+    )
+    max_user_properties: int = setting(
+        128,
+        "User properties (and Subscription Identifiers) in one packet; over: DISCONNECT 0x97",
+        ge=0,
+        le=268_435_455,
+    )
+    max_topic_filters_per_packet: int = setting(
+        256,
+        "Topic filters in one SUBSCRIBE or UNSUBSCRIBE; over: DISCONNECT 0x97",
+        ge=1,
+        le=268_435_455,
     )
     receive_maximum: int = setting(
         1024, "QoS>0 PUBLISHes a client may have in flight towards us", ge=1, le=65535

@@ -24,6 +24,18 @@ class TokenBucket:
         self._tokens = self.capacity
         self._last = now
 
+    def available(self, now: float) -> float:
+        """Tokens in the bucket now (refilled up to ``now``)."""
+        elapsed = now - self._last
+        if elapsed > 0:
+            self._tokens = min(self.capacity, self._tokens + elapsed * self.rate)
+        self._last = now
+        return self._tokens
+
+    def spend(self, tokens: float) -> None:
+        """Take ``tokens`` that were already used (may leave the bucket in debt)."""
+        self._tokens -= tokens
+
     def take(self, now: float, tokens: float = 1.0) -> bool:
         """Take ``tokens`` if there are that many; False (and nothing taken) if not."""
         elapsed = now - self._last

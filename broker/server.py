@@ -16,18 +16,19 @@ import contextlib
 import functools
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from broker.config import ConfigError, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
-from broker.limits import source_key
+from broker.limits import TokenBucket, source_key
 from broker.listeners import Framing, listener_specs
 from broker.packets import ReasonCode
+from broker.websocket import CLOSE_POLICY_VIOLATION, WebSocketServer, WsState
 from broker.websocket import Closed as WsClosed
 from broker.websocket import Data as WsData
-from broker.websocket import WebSocketServer, WsState
 
 if TYPE_CHECKING:
     from broker.metrics import MetricsServer
@@ -123,13 +124,25 @@ class WebSocketProtocol(MQTTProtocol):
     def __init__(self, server: BrokerServer, listener: str = "websocket") -> None:
         super().__init__(server, listener)
         self.ws = WebSocketServer()
+        # websocket.max_frame_rate: frames cost per frame, whatever they carry, so
+        # a peer sending tiny frames is charged for them and closed when over.
+        rate = server.settings.websocket.max_frame_rate
+        self.frame_bucket = TokenBucket(rate, time.monotonic()) if rate > 0 else None
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
         transport = self.transport
         if conn is None or transport is None:
             return
-        for event in self.ws.receive_data(data):
+        ws = self.ws
+        bucket = self.frame_bucket
+        if bucket is None:
+            events = ws.receive_data(data)
+        else:
+            before = ws.frames
+            events = ws.receive_data(data, max(0, int(bucket.available(time.monotonic()))))
+            bucket.spend(ws.frames - before)
+        for event in events:
             if isinstance(event, WsData):
                 conn.receive_data(event.data)
             elif isinstance(event, WsClosed):
@@ -137,7 +150,12 @@ class WebSocketProtocol(MQTTProtocol):
                     log.debug("websocket %s closed: %s %s", conn.peer, event.code, event.reason)
                 else:
                     log.info("websocket %s failed: %s %s", conn.peer, event.code, event.reason)
-                    failed = "protocol_error" if self.ws.path is not None else "handshake"
+                    if event.code == CLOSE_POLICY_VIOLATION:
+                        failed = "frame_rate"
+                    elif ws.path is not None:
+                        failed = "protocol_error"
+                    else:
+                        failed = "handshake"
                     self.server.broker.stats.reject(f"websocket_{failed}")
                 conn.connection_lost()  # no DISCONNECT came: the will is due
         out = self.ws.data_to_send()

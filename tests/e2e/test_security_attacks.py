@@ -16,12 +16,14 @@ right code, every refusal is counted), never a tight timing.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,18 @@ import pytest
 
 from broker.auth import hash_password, write_password_file
 from broker.codec import encode
-from broker.packets import Connect
+from broker.packets import (
+    Connect,
+    Disconnect,
+    Properties,
+    Publish,
+    ReasonCode,
+    Subscribe,
+    Subscription,
+)
+from broker.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
 from tests.conftest import free_port
-from tests.e2e.clients import Paho
+from tests.e2e.clients import Paho, Raw
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
 pytestmark = [pytest.mark.e2e, devicemq_only("issue 19 attacks on devicemq's own limits")]
@@ -430,3 +441,169 @@ def test_password_flood_from_many_addresses_is_refused_with_server_busy(
     # Nothing is left queued: a fresh login right after the flood is quick.
     code, took = timed_login(clients.paho(broker, "dev-bob"), "bob", "bob-pw", "127.0.0.3")
     assert code == 0 and took < 3.0, took
+
+
+# ---------------------------------------------------------------- 5: decoding before any limit
+
+
+class PingProbe:
+    """A connected client pinging every 20 ms from its own thread: how long other
+    clients wait for the event loop while an attack runs."""
+
+    def __init__(self, broker: BrokerProcess) -> None:
+        self.raw = Raw(broker, level=4, source="127.0.0.2")
+        assert self.raw.connect("probe-" + uuid.uuid4().hex[:8]).reason_code == 0  # type: ignore[attr-defined]
+        self.rtts: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PingProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.raw.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.raw.ping()
+            if self.raw.recv_or_none(timeout=20) is None:
+                self.rtts.append(float("inf"))
+                return
+            self.rtts.append(time.monotonic() - started)
+            time.sleep(0.02)
+
+    def p90(self) -> float:
+        ordered = sorted(self.rtts)
+        return ordered[int(len(ordered) * 0.9)] if ordered else float("inf")
+
+
+def user_properties_connect(count: int, client_id: str = "props") -> bytes:
+    """An MQTT 5 CONNECT carrying ``count`` empty user properties (5 bytes each)."""
+    return connect_bytes(client_id, properties=Properties(user_properties=(("", ""),) * count))
+
+
+def answer_to(broker: BrokerProcess, data: bytes, source: str = "127.0.0.6") -> bytes:
+    """Send ``data`` on a new connection; every byte the broker sends before it closes."""
+    with Raw(broker, level=5, source=source) as raw:
+        with contextlib.suppress(OSError):  # closed before it was all written: refused early
+            raw.send_bytes(data)
+        try:
+            return raw.read_until_close(timeout=10)
+        except ConnectionResetError:
+            return b""
+
+
+def test_oversized_connect_is_refused_before_it_is_decoded(
+    broker_factory: Factory, clients: Clients
+) -> None:
+    """A 1 MB MQTT 5 CONNECT of 200,000 empty user properties cost the event loop
+    0.34 s to decode, before any authentication, and was then accepted. Before
+    CONNACK a packet may now be only mqtt.max_connect_packet_size (64 KiB) long,
+    refused from its fixed header; within that, mqtt.max_user_properties (128)
+    stops decoding at the first property over it."""
+    broker = broker_factory({"mqtt.max_connection_rate_per_source": 0})
+    with PingProbe(broker) as probe:
+        for i in range(5):
+            assert answer_to(broker, user_properties_connect(200_000, f"big{i}")) == b""
+        # 12,000 properties in a 60 KB CONNECT: under the size cap, over the count.
+        assert answer_to(broker, user_properties_connect(12_000, "many")) == b""
+    assert max(probe.rtts) < 1.0, f"pings waited up to {max(probe.rtts):.2f} s"
+    # A CONNECT within the limits still gets in.
+    with Raw(broker, level=5, source="127.0.0.7") as ok:
+        ok.send_bytes(user_properties_connect(128, "fine"))
+        assert ok.recv().reason_code == 0  # type: ignore[attr-defined]
+
+
+def test_packet_with_too_many_items_is_refused_after_connect(
+    broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """After CONNECT, max_packet_size (1 MiB) is the size bound, and the same
+    1 MB of user properties in a PUBLISH (or of topic filters in a SUBSCRIBE)
+    was decoded, routed and re-encoded for every subscriber. Decoding now stops
+    at the first item over mqtt.max_user_properties /
+    mqtt.max_topic_filters_per_packet: DISCONNECT 0x97 Quota exceeded."""
+    broker = broker_factory()
+    sub = clients.paho(broker, names.client("sub"))
+    sub.connect()
+    sub.subscribe(names.topic("#"), 0)
+    heavy = Properties(user_properties=(("", ""),) * 200_000)
+    with clients.raw(broker, level=5) as raw:
+        assert raw.connect(names.client("pub")).reason_code == 0  # type: ignore[attr-defined]
+        raw.send(Publish(names.topic("x"), b"p", 0, properties=heavy))
+        assert raw.expect_close() == [Disconnect(ReasonCode.QUOTA_EXCEEDED)]
+    sub.assert_no_message()
+    filters = [Subscription(f"{names.topic()}/{i}", 0) for i in range(2000)]
+    with clients.raw(broker, level=5) as raw:
+        assert raw.connect(names.client("subs")).reason_code == 0  # type: ignore[attr-defined]
+        raw.send(Subscribe(1, filters))
+        assert raw.expect_close() == [Disconnect(ReasonCode.QUOTA_EXCEEDED)]
+    with clients.raw(broker, level=4) as raw:  # 3.1.1: no DISCONNECT to tell, closed
+        assert raw.connect(names.client("old")).reason_code == 0  # type: ignore[attr-defined]
+        raw.send(Subscribe(1, filters))
+        assert raw.expect_close() == []
+
+
+def websocket_client(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.6", 0))
+    s.sendall(
+        b"GET /mqtt HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n"
+    )
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(4096)
+        assert chunk, "no WebSocket handshake answer"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 101 "), got
+    return s
+
+
+def test_websocket_confetti_frames_close_the_connection(broker_factory: Factory) -> None:
+    """1-byte WebSocket continuation frames at a couple of MB/s: every frame cost a
+    header parse, an unmasking and an MQTT feed, and other clients' pings
+    waited up to ~1 s (p90). Frames are charged to their connection now
+    (websocket.max_frame_rate, 10,000/s): this one is closed with 1008."""
+    port = free_port()
+    broker = broker_factory(
+        {"websocket.enabled": True, "websocket.host": "127.0.0.1", "websocket.port": port}
+    )
+    mask = b"\x01\x02\x03\x04"
+    start = encode_frame(OP_BINARY, connect_bytes("confetti"), fin=False, mask=mask)
+    # Then PINGREQs (0xC0 0x00), one byte per continuation frame: valid MQTT,
+    # so nothing but the frames themselves can be held against it.
+    pingreq = encode_frame(OP_CONTINUATION, b"\xc0", False, mask) + encode_frame(
+        OP_CONTINUATION, b"\x00", False, mask
+    )
+    burst = pingreq * 10_000  # 140 KB: 20,000 frames
+    closed_by_broker = None
+    sent = 0
+    with PingProbe(broker) as probe:
+        ws = websocket_client(port)
+        ws.sendall(start)
+        deadline = time.monotonic() + 6.0
+        try:
+            while time.monotonic() < deadline:
+                ws.sendall(burst)
+                sent += 20_000
+        except OSError:
+            closed_by_broker = True
+        ws.settimeout(5)
+        tail = b""
+        try:
+            while chunk := ws.recv(65536):
+                tail += chunk
+        except OSError:
+            pass
+        ws.close()
+    assert sent > 40_000, "too few frames sent to test anything"
+    assert closed_by_broker or b"\x88" in tail, (
+        f"the confetti connection was never closed ({sent} frames; pings p90 "
+        f"{probe.p90():.2f} s, max {max(probe.rtts):.2f} s)"
+    )
+    assert b"\x03\xf0" in tail or closed_by_broker  # close code 1008 when it got through
+    assert probe.p90() < 0.5, f"pings waited {probe.p90():.2f} s (p90)"

@@ -10,6 +10,7 @@ import socket
 
 import pytest
 
+from broker.codec import encode
 from broker.config import ListenerSettings, MqttSettings, PersistenceSettings, Settings
 from broker.limits import (
     LogLimiter,
@@ -24,10 +25,15 @@ from broker.packets import (
     Connect,
     ConnectReturnCode,
     Disconnect,
+    Properties,
     PubAck,
     Publish,
     PubRec,
     ReasonCode,
+    SubAck,
+    Subscribe,
+    Subscription,
+    Unsubscribe,
     Will,
 )
 from broker.server import BrokerServer
@@ -178,6 +184,82 @@ def test_publish_rate_is_per_client() -> None:
     a.publish("t")
     b.publish("t")
     assert not a.closed and not b.closed
+
+
+# ------------------------------------------------------------------ decoding before CONNECT
+
+
+def test_connect_above_the_pre_connect_size_is_closed_from_its_header() -> None:
+    """Issue 19: a 1 MB CONNECT was buffered and decoded before any limit applied."""
+    h = Harness(max_connect_packet_size=1000)
+    c = h.client(V5)
+    big = encode(Connect("c", protocol_level=5, will=Will("t", b"x" * 2000)), 5)
+    c.send_raw(big[:5])  # the fixed header is enough to refuse it
+    assert c.closed and c.read() == []
+    assert h.broker.stats.connections_rejected == {"packet_too_large": 1}
+    # Once connected, packets up to max_packet_size are fine.
+    ok = h.connected("ok")
+    ok.subscribe("t")
+    pub = h.connected("pub")
+    pub.publish("t", b"y" * 5000)
+    assert payloads(ok.read()) == [b"y" * 5000]
+
+
+def test_what_follows_connect_is_decoded_after_connack_with_the_full_limit() -> None:
+    """Pipelined packets wait undecoded until the CONNECT is accepted, then count
+    against max_packet_size, not the pre-CONNECT limit."""
+    h = Harness(max_connect_packet_size=100)
+    sub = h.connected("sub")
+    sub.subscribe("t")
+    c = h.client(V5)
+    wire = encode(Connect("p", protocol_level=5), 5) + encode(
+        Publish("t", b"z" * 3000, 0, False, False, None), 5
+    )
+    c.send_raw(wire)
+    assert [type(p) for p in c.read()] == [ConnAck]
+    assert payloads(sub.read()) == [b"z" * 3000]
+
+
+def test_refused_connect_leaves_what_followed_undecoded() -> None:
+    h = Harness(max_connection_rate=1, max_connection_rate_per_source=0)
+    h.connected("first")
+    c = h.client(V5)
+    garbage = b"\x00\x00" * 10  # would be Malformed if it were ever decoded
+    c.send_raw(encode(Connect("second", protocol_level=5), 5) + garbage)
+    assert c.read() == [ConnAck(False, ReasonCode.CONNECTION_RATE_EXCEEDED)]
+    assert "malformed_packet" not in h.broker.stats.connections_rejected
+
+
+def test_user_properties_over_the_limit_v5_disconnect_0x97() -> None:
+    h = Harness(max_user_properties=3)
+    sub = h.connected("sub")
+    sub.subscribe("t")
+    pub = h.connected("pub")
+    three = Properties(user_properties=(("a", "1"),) * 3)
+    pub.send(Publish("t", b"ok", 0, False, False, None, three))
+    assert payloads(sub.read()) == [b"ok"]
+    four = Properties(user_properties=(("a", "1"),) * 4)
+    pub.send(Publish("t", b"no", 0, False, False, None, four))
+    assert pub.read() == [Disconnect(ReasonCode.QUOTA_EXCEEDED)] and pub.closed
+    assert sub.read() == []
+    assert h.broker.stats.connections_rejected["quota_exceeded"] == 1
+    # In CONNECT (no CONNACK can say it before the CONNECT is decoded): closed.
+    c = h.client(V5)
+    c.send(Connect("c", protocol_level=5, properties=four))
+    assert c.read() == [] and c.closed
+
+
+def test_topic_filters_per_packet() -> None:
+    h = Harness(max_topic_filters_per_packet=2)
+    c = h.connected("c")
+    c.send(Subscribe(1, [Subscription("a", 0), Subscription("b", 0)]))
+    assert [type(p) for p in c.read()] == [SubAck]
+    c.send(Subscribe(2, [Subscription(f"t/{i}", 0) for i in range(3)]))
+    assert c.read() == [Disconnect(ReasonCode.QUOTA_EXCEEDED)]
+    assert h.broker.subscriptions.match("t/0").entries == []
+    old = h.connected("old", level=V311)
+    old.send(Unsubscribe(1, ["a", "b", "c"]))
+    assert old.read() == [] and old.closed
 
 
 # ------------------------------------------------------------------ topic limits

@@ -187,6 +187,31 @@ def test_fragmented_message_with_a_ping_in_between() -> None:
     assert ws.data_to_send() == encode_frame(OP_PONG, b"p")
 
 
+def test_tiny_frames_are_coalesced_into_one_data_event() -> None:
+    """Issue 19: 1-byte continuation frames each became an MQTT feed of their own."""
+    ws = opened()
+    wire = masked(OP_BINARY, b"a", fin=False) + b"".join(
+        masked(OP_CONTINUATION, bytes([ch]), fin=False) for ch in b"bcdefgh"
+    )
+    events = ws.receive_data(wire)
+    assert events == [Data(b"abcdefgh")]
+    assert ws.frames == 8
+    # Data before a close frame still comes before the Closed event.
+    events = ws.receive_data(masked(OP_CONTINUATION, b"i") + masked(OP_CLOSE, b""))
+    assert events[0] == Data(b"i") and isinstance(events[1], Closed)
+
+
+def test_frame_budget_fails_the_connection_with_1008() -> None:
+    ws = opened()
+    frame = masked(OP_CONTINUATION, b"x", fin=False)
+    events = ws.receive_data(masked(OP_BINARY, b"s", fin=False) + frame * 2, max_frames=3)
+    assert events == [Data(b"sxx")] and ws.state is WsState.OPEN
+    events = ws.receive_data(frame * 5, max_frames=2)
+    assert events[0] == Data(b"xx")  # what came within the budget is delivered first
+    closed_with(ws, events, 1008)
+    assert ws.frames == 5
+
+
 def test_ping_pong_and_unsolicited_pong() -> None:
     ws = opened()
     assert ws.receive_data(masked(OP_PING, b"")) == []
