@@ -212,6 +212,20 @@ class MqttSettings:
         le=4_294_967_295,
     )
     retain_available: bool = setting(True, "Accept and keep retained messages")
+    max_retained_messages: int = setting(
+        1_000_000, "Retained messages the broker keeps; over: PUBLISH refused 0x97; 0 off", ge=0
+    )
+    max_retained_bytes: int = setting(
+        268_435_456,
+        "Bytes (topics, payloads, properties) of all retained messages; over: 0x97; 0 off",
+        ge=0,
+    )
+    max_retained_messages_per_client: int = setting(
+        10_000, "Retained messages one client ID may own; over: PUBLISH refused 0x97; 0 off", ge=0
+    )
+    max_retained_bytes_per_client: int = setting(
+        16_777_216, "Bytes of retained messages one client ID may own; over: 0x97; 0 off", ge=0
+    )
     maximum_qos: int = setting(2, "Highest QoS granted and accepted", ge=0, le=2)
     wildcard_subscriptions: bool = setting(True, "Allow + and # in subscriptions")
     shared_subscriptions: bool = setting(True, "Allow $share/<group>/<filter>")

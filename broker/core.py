@@ -22,7 +22,7 @@ from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outbox import MemoryOutbox
 from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
-from broker.retained import RetainedStore
+from broker.retained import RetainedSender, RetainedStore
 from broker.session import NEVER_EXPIRES, Session
 from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry, SubscriptionTree
@@ -51,7 +51,16 @@ class Broker:
         self.sessions: dict[str, Session] = {}
         self.connections: set[MQTTConnection] = set()
         self.subscriptions = SubscriptionTree()
-        self.retained = RetainedStore()
+        mqtt = settings.mqtt
+        self.retained = RetainedStore(
+            mqtt.max_retained_messages,
+            mqtt.max_retained_bytes,
+            mqtt.max_retained_messages_per_client,
+            mqtt.max_retained_bytes_per_client,
+        )
+        # How the core defers work to the next event-loop iteration (the server
+        # sets loop.call_soon); None: do it now (sans-IO tests).
+        self.call_soon: Callable[[Callable[[], None]], object] | None = None
         self.stats = BrokerStats()
         self.auth = Authenticator(settings.auth, clock)
         self.acl = Authorizer(settings.auth.acl_file, clock)
@@ -222,6 +231,9 @@ class Broker:
             self.persistent_path.session_ended(session)
         self._detached.discard(session)
         self.acl.forget(session.client_id)
+        if session.retained_sender is not None:
+            session.retained_sender.cancel()
+            session.retained_sender = None
         if session.pending_will is not None:
             will, session.pending_will = session.pending_will, None
             self.publish_will(will)
@@ -245,7 +257,12 @@ class Broker:
         if will.expiry_interval is not None:
             message = replace(message, expires_at=self.clock() + will.expiry_interval)
         if message.retain:
-            self.retained.store(message)
+            over = self.retained.over_limit(message)
+            if over is None:
+                self.retained.store(message)
+            else:  # still published, not kept
+                self.stats.drop(over)
+                log.info("will of %s on %r not retained: %s", will.client_id, message.topic, over)
         self.dispatch(self.resolve(message), _ignore_stored)
 
     def tick(self) -> None:
@@ -254,6 +271,9 @@ class Broker:
         self.refusal_log.flush(now)
         for conn in list(self.connections):
             conn.check_timeouts(now)
+            session = conn.session
+            if session is not None and session.retained_sender:
+                session.retained_sender.resume()  # in case nothing else woke it
         for session in list(self._detached):
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
@@ -314,12 +334,37 @@ class Broker:
                 targets.append((sessions[member.client_id], Delivery(message, qos, retain, ids)))
         return targets
 
-    def dispatch(
-        self, targets: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+    def send_retained(
+        self, session: Session, topic_filter: str, qos: int, subscription_ids: tuple[int, ...]
     ) -> None:
-        """Deliver in memory, or through the persistent path for persistent sessions."""
+        """Send ``session`` the retained messages of a granted subscription, a chunk per
+        event-loop iteration (:class:`~broker.retained.RetainedSender`)."""
+        sender = session.retained_sender
+        if sender is None:
+            sender = session.retained_sender = RetainedSender(self, session)
+        sender.add(topic_filter, qos, subscription_ids)
+
+    def resume_retained(self, session: Session) -> None:
+        """The session's socket or queue drained: its retained messages may go on."""
+        if session.retained_sender:
+            session.retained_sender.resume()
+
+    def dispatch(
+        self,
+        targets: Sequence[tuple[Session, Delivery]],
+        on_stored: StoredCallback,
+        retained: bool = False,
+    ) -> None:
+        """Deliver in memory, or through the persistent path for persistent sessions.
+
+        ``retained``: these are retained messages sent on subscribe; anything
+        else is live, and supersedes a retained message of its topic that the
+        session has yet to be sent.
+        """
         persistent = []
         for session, delivery in targets:
+            if not retained and session.retained_sender:
+                session.retained_sender.live(delivery.message.topic)
             if session.durable and delivery.qos > 0:
                 persistent.append((session, delivery))
             else:

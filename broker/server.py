@@ -111,6 +111,7 @@ class MQTTProtocol(asyncio.Protocol):
         session = self.conn.session
         if session is not None:
             session.outbox.pump()
+            self.server.broker.resume_retained(session)
 
 
 class WebSocketProtocol(MQTTProtocol):
@@ -199,6 +200,7 @@ class BrokerServer:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.broker.call_soon = self._loop.call_soon  # long work goes a chunk per iteration
         specs = listener_specs(self.settings)  # ConfigError before any socket is bound
         timeout = self.settings.mqtt.connect_timeout
         try:

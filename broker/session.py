@@ -16,6 +16,7 @@ from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
     from broker.connection import MQTTConnection, WillMessage
+    from broker.retained import RetainedSender
 
 NEVER_EXPIRES = 0xFFFFFFFF
 
@@ -43,6 +44,8 @@ class Session:
         self.outbox: Outbox = MemoryOutbox(self, max_inflight, max_queued, stats)
         # Created persistent: deliveries and state go through the persistent path.
         self.durable = False
+        # Retained messages still to be sent after a SUBSCRIBE (broker/retained.py).
+        self.retained_sender: RetainedSender | None = None
 
     @property
     def persistent(self) -> bool:

@@ -35,15 +35,17 @@ from broker.codec import encode
 from broker.packets import (
     Connect,
     Disconnect,
+    PingResp,
     Properties,
     Publish,
     ReasonCode,
+    SubAck,
     Subscribe,
     Subscription,
 )
 from broker.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
 from tests.conftest import free_port
-from tests.e2e.clients import Paho, Raw
+from tests.e2e.clients import V311, Paho, Raw
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
 pytestmark = [pytest.mark.e2e, devicemq_only("issue 19 attacks on devicemq's own limits")]
@@ -607,3 +609,131 @@ def test_websocket_confetti_frames_close_the_connection(broker_factory: Factory)
     )
     assert b"\x03\xf0" in tail or closed_by_broker  # close code 1008 when it got through
     assert probe.p90() < 0.5, f"pings waited {probe.p90():.2f} s (p90)"
+
+
+# ---------------------------------------------------------------- 2 and 6: retained messages
+
+
+def fill_retained(
+    broker: BrokerProcess, count: int, topic: Callable[[int], str], size: int = 0
+) -> None:
+    """``count`` retained QoS 0 messages from one raw client, as fast as it can write;
+    its PINGRESP afterwards says the broker has handled them all."""
+    with Raw(broker, level=4, source="127.0.0.9") as raw:
+        assert raw.connect("filler").reason_code == 0  # type: ignore[attr-defined]
+        chunk = []
+        for i in range(count):
+            payload = b"v%d" % i
+            chunk.append(encode(Publish(topic(i), payload.ljust(size, b"."), 0, retain=True), 4))
+            if len(chunk) == 5000:
+                raw.send_bytes(b"".join(chunk))
+                chunk = []
+        raw.send_bytes(b"".join(chunk))
+        raw.ping()
+        assert raw.recv(timeout=120) is not None
+
+
+def test_one_subscribe_cannot_freeze_the_loop_on_many_retained(
+    broker_factory: Factory, clients: Clients
+) -> None:
+    """100,000 retained messages, then one SUBSCRIBE holding ``bob/+/none`` 40
+    times: each filter scanned every retained topic, and another client's
+    PINGREQ waited 5.3 s. Retained messages are a topic tree now, a filter
+    repeated in one SUBSCRIBE is matched once, and the walk goes a chunk per
+    event-loop iteration."""
+    broker = broker_factory({"mqtt.max_retained_messages_per_client": 0})
+    fill_retained(broker, 100_000, lambda i: f"bob/{i}/status")
+    with PingProbe(broker) as probe:
+        with clients.raw(broker, level=5) as attacker:
+            assert attacker.connect("subscriber").reason_code == 0  # type: ignore[attr-defined]
+            attacker.send(Subscribe(1, [Subscription("bob/+/none", 0)] * 40))
+            suback = attacker.recv(timeout=60)
+            assert suback.reason_codes == [0] * 40  # type: ignore[attr-defined]
+            attacker.ping()
+            assert attacker.recv(timeout=60) == PingResp()
+        time.sleep(0.3)
+    assert max(probe.rtts) < 1.0, f"a ping waited {max(probe.rtts):.2f} s"
+
+
+def test_subscribing_to_all_retained_is_sent_in_chunks_under_back_pressure(
+    broker_factory: Factory, clients: Clients
+) -> None:
+    """``bob/#`` against 40,000 retained messages of 1 KB: every one was encoded
+    in a single event-loop iteration and written at once, 40 MB past the
+    socket's buffer limits, so the subscriber was cut off as a slow consumer
+    (mqtt.write_buffer_hard_limit, 16 MiB) in the middle of its retained
+    messages. Now they go a chunk per iteration and wait while its socket is
+    congested: the subscriber gets all of them and other clients are served
+    meanwhile."""
+    broker = broker_factory(
+        {"mqtt.max_retained_messages_per_client": 0, "mqtt.max_retained_bytes_per_client": 0}
+    )
+    count = 40_000
+    fill_retained(broker, count, lambda i: f"bob/{i}/status", size=1000)
+    got = 0
+    with PingProbe(broker) as probe, clients.raw(broker, level=5) as sub:
+        assert sub.connect("everything").reason_code == 0  # type: ignore[attr-defined]
+        sub.send(Subscribe(1, [Subscription("bob/#", 0)]))
+        assert isinstance(sub.recv(timeout=30), SubAck)
+        deadline = time.monotonic() + 60
+        while got < count and time.monotonic() < deadline:
+            packet = sub.recv_or_none(timeout=3)
+            if packet is None:
+                break
+            got += isinstance(packet, Publish)
+    assert got == count, f"{got} of {count} retained messages arrived"
+    assert max(probe.rtts) < 1.0, f"a ping waited {max(probe.rtts):.2f} s"
+    assert "slow consumer" not in broker.log()
+
+
+def test_retained_messages_are_limited_per_client_and_per_broker(
+    broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """Retained messages were unlimited in number and bytes: any client could
+    fill the broker's memory and make every wildcard SUBSCRIBE heavier. Over
+    mqtt.max_retained_messages[_per_client] / _bytes[_per_client] a retained
+    PUBLISH is refused: MQTT 5 QoS 1/2 with 0x97 Quota exceeded, otherwise
+    acknowledged and dropped (3.1.1 has no code for it), counted."""
+    broker = broker_factory(
+        {
+            "mqtt.max_retained_messages_per_client": 5,
+            "mqtt.max_retained_bytes_per_client": 2000,
+            "mqtt.max_retained_messages": 12,
+        }
+    )
+    watcher = clients.paho(broker, names.client("watch"))
+    watcher.connect()
+    watcher.subscribe(names.topic("#"), 1)
+    a = clients.paho(broker, names.client("a"))
+    a.connect()
+    for i in range(5):
+        assert a.publish(names.topic(f"a/{i}"), b"x", qos=1, retain=True) == 0
+    assert a.publish(names.topic("a/5"), b"x", qos=1, retain=True) == 0x97
+    assert a.publish(names.topic("a/0"), b"replaced", qos=1, retain=True) == 0  # no growth
+    assert a.publish(names.topic("a/1"), b"", qos=1, retain=True) == 0  # deleting: allowed
+    assert a.publish(names.topic("a/5"), b"x", qos=1, retain=True) == 0  # room again
+    assert a.publish(names.topic("a/6"), b"x", qos=1, retain=False) == 0  # not retained: fine
+    big = b"y" * 1900
+    assert a.publish(names.topic("a/2"), big, qos=1, retain=True) == 0x97  # bytes per client
+    # 3.1.1: acknowledged (there is no refusal code), dropped, not delivered
+    old = clients.paho(broker, names.client("old"), version=V311)
+    old.connect()
+    for i in range(5):
+        old.publish(names.topic(f"old/{i}"), b"x", qos=1, retain=True)
+    old.publish(names.topic("old/over"), b"x", qos=1, retain=True)
+    # broker-wide: a (5) + old (5) = 10 of 12
+    c = clients.paho(broker, names.client("c"))
+    c.connect()
+    assert c.publish(names.topic("c/0"), b"x", qos=1, retain=True) == 0
+    assert c.publish(names.topic("c/1"), b"x", qos=1, retain=True) == 0
+    assert c.publish(names.topic("c/2"), b"x", qos=1, retain=True) == 0x97
+    seen = {m.topic for m in watcher.get_optional(1.0) + watcher.drain()}
+    time.sleep(0.5)
+    seen |= {m.topic for m in watcher.drain()}
+    assert names.topic("old/over") not in seen and names.topic("c/2") not in seen
+    assert names.topic("a/6") in seen
+    later = clients.paho(broker, names.client("later"))
+    later.connect()
+    later.subscribe(names.topic("#"), 0)
+    retained_now = {m.topic for m in later.get_n(12 - 1, timeout=5)}
+    assert names.topic("a/1") not in retained_now and names.topic("old/over") not in retained_now
