@@ -251,7 +251,7 @@ class MqttSettings:
     max_topic_length: int = setting(4096, "Longest topic name or filter, in bytes", ge=1, le=65535)
     max_topic_levels: int = setting(128, "Most levels in a topic name or filter", ge=1)
     max_subscriptions_per_client: int = setting(
-        10_000, "Topic filters one session may hold; over: SUBACK 0x97", ge=1
+        1_000, "Topic filters one session may hold; over: SUBACK 0x97", ge=1
     )
     queue_drop_policy: str = setting(
         "newest", "Which message a full queue drops", choices=("newest", "oldest")

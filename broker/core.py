@@ -295,21 +295,34 @@ class Broker:
         """
         match = self.subscriptions.match(message.topic)
         by_client: dict[str, Delivery] = {}
+        more_ids: dict[str, list[int]] = {}  # a client's further subscription ids
         origin = message.origin
+        message_qos = message.qos
         for entry in match.entries:
-            if entry.no_local and entry.client_id == origin:
+            client_id = entry.client_id
+            if entry.no_local and client_id == origin:
                 continue  # MQTT-3.8.3-3
-            qos = entry.qos if entry.qos < message.qos else message.qos
-            retain = message.retain and entry.retain_as_published
-            delivery = by_client.get(entry.client_id)
+            qos = entry.qos if entry.qos < message_qos else message_qos
+            delivery = by_client.get(client_id)
             if delivery is None:
+                retain = message.retain and entry.retain_as_published
                 ids = (entry.subscription_id,) if entry.subscription_id else ()
-                by_client[entry.client_id] = Delivery(message, qos, retain, ids)
-            else:
-                delivery.qos = max(delivery.qos, qos)
-                delivery.retain = delivery.retain or retain
-                if entry.subscription_id:
-                    delivery.subscription_ids += (entry.subscription_id,)
+                by_client[client_id] = Delivery(message, qos, retain, ids)
+                continue
+            # The same client by another of its filters: one copy, merged in
+            # constant time per filter (ids collected in a list, not tuple copies).
+            if qos > delivery.qos:
+                delivery.qos = qos
+            if entry.retain_as_published and message.retain:
+                delivery.retain = True
+            if entry.subscription_id:
+                extra = more_ids.get(client_id)
+                if extra is None:
+                    extra = more_ids[client_id] = []
+                extra.append(entry.subscription_id)
+        for client_id, extra in more_ids.items():
+            delivery = by_client[client_id]
+            delivery.subscription_ids = (*delivery.subscription_ids, *extra)
         sessions = self.sessions
         may_receive: Callable[[str], bool] | None = None
         if self.acl.active:  # a client whose ACL denies reading the topic gets nothing
