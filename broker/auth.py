@@ -64,6 +64,7 @@ __all__ = [
     "Authenticator",
     "PasswordFileError",
     "certificate_identity",
+    "create_initial_password_file",
     "hash_password",
     "parse_password_file",
     "read_password_file",
@@ -166,6 +167,39 @@ def write_password_file(path: str | Path, users: Mapping[str, str]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def create_initial_password_file(settings: AuthSettings) -> bool:
+    """``auth.initial_user``: write the password file with that one user when it does
+    not exist yet; True if it was written. An existing file is never touched.
+
+    So a deployment configured only through its environment (docker-compose.yml)
+    starts with authentication on: DEVICEMQ_AUTH_INITIAL_PASSWORD comes from the
+    operator, only its hash reaches the disk.
+    """
+    if not settings.password_file or not settings.initial_user:
+        return False
+    path = Path(settings.password_file)
+    if path.exists():
+        log.info("%s exists: auth.initial_user %r not written", path, settings.initial_user)
+        return False
+    try:
+        check_username(settings.initial_user)
+    except ValueError as e:
+        raise ConfigError(str(e), name="auth.initial_user") from None
+    if not settings.initial_password:
+        raise ConfigError(
+            "empty: the initial user needs a password (DEVICEMQ_AUTH_INITIAL_PASSWORD)",
+            name="auth.initial_password",
+        )
+    try:
+        write_password_file(path, {settings.initial_user: hash_password(settings.initial_password)})
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create {path}: {e.strerror or e}", name="auth.password_file"
+        ) from None
+    log.info("created %s with user %r (auth.initial_user)", path, settings.initial_user)
+    return True
 
 
 # --------------------------------------------------------------------------
@@ -271,6 +305,7 @@ class Authenticator:
         rate = settings.max_verify_rate_per_source
         self._verify_by_source = SourceBuckets(rate) if rate > 0 else None
         if self.password_path is not None:
+            create_initial_password_file(settings)
             try:
                 self.users = read_password_file(self.password_path)
             except PasswordFileError as e:

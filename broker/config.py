@@ -75,15 +75,23 @@ def setting(
     gt: float | None = None,
     le: float | None = None,
     choices: tuple[str, ...] | None = None,
+    secret: bool = False,
 ) -> T:
     """A dataclass field with its default, description and valid range.
 
     ``ge``/``le`` are inclusive bounds, ``gt`` an exclusive lower bound, and
     ``choices`` the allowed strings (matched case-insensitively, stored in the
-    spelling given here).
+    spelling given here). A ``secret`` (a password) is left out of the
+    settings' repr, so a debug log of the settings does not show it.
     """
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta, repr=not secret)
+
+
+# The listeners' host default: empty means "decided by authentication" (SECURITY.md
+# "Defaults", broker/listeners.py effective_host): every interface once clients
+# must log in, this machine only while anyone may connect.
+_AUTO_HOST_DOC = "; empty: every interface if authentication is configured, else 127.0.0.1 only"
 
 
 # --------------------------------------------------------------------------
@@ -95,7 +103,7 @@ def setting(
 class ListenerSettings:
     """The plain-TCP MQTT listener."""
 
-    host: str = setting("0.0.0.0", "Address to bind; 0.0.0.0 is every IPv4 interface")
+    host: str = setting("", "Address to bind; 0.0.0.0 is every IPv4 interface" + _AUTO_HOST_DOC)
     port: int = setting(1883, "TCP port for MQTT", ge=1, le=65535)
     enabled: bool = setting(True, "Serve MQTT over plain TCP; false leaves only TLS/WebSocket")
 
@@ -105,7 +113,7 @@ class TlsSettings:
     """The MQTT-over-TLS listener, and the certificates of both TLS listeners."""
 
     enabled: bool = setting(False, "Serve MQTT over TLS (needs certfile)")
-    host: str = setting("0.0.0.0", "Address the TLS listener binds")
+    host: str = setting("", "Address the TLS listener binds" + _AUTO_HOST_DOC)
     port: int = setting(8883, "TCP port for MQTT over TLS", ge=1, le=65535)
     certfile: str = setting("", "PEM server certificate chain (and key, if keyfile is empty)")
     keyfile: str = setting("", "PEM private key of certfile; empty: the key is in certfile")
@@ -122,7 +130,7 @@ class WebsocketSettings:
     """MQTT over WebSockets (subprotocol mqtt), plain HTTP."""
 
     enabled: bool = setting(False, "Serve MQTT over WebSockets")
-    host: str = setting("0.0.0.0", "Address the WebSocket listener binds")
+    host: str = setting("", "Address the WebSocket listener binds" + _AUTO_HOST_DOC)
     port: int = setting(8083, "TCP port for MQTT over WebSockets", ge=1, le=65535)
     max_frame_rate: float = setting(
         10_000.0,
@@ -137,7 +145,7 @@ class WebsocketTlsSettings:
     """MQTT over WebSockets over TLS; certificates come from the tls section."""
 
     enabled: bool = setting(False, "Serve MQTT over secure WebSockets (needs tls.certfile)")
-    host: str = setting("0.0.0.0", "Address the secure WebSocket listener binds")
+    host: str = setting("", "Address the secure WebSocket listener binds" + _AUTO_HOST_DOC)
     port: int = setting(8084, "TCP port for MQTT over secure WebSockets", ge=1, le=65535)
 
 
@@ -285,6 +293,12 @@ class AuthSettings:
         "cn",
         "What identifies a certificate: its subject CN, or its first DNS/email SAN",
         choices=("cn", "san"),
+    )
+    initial_user: str = setting(
+        "", "User written to password_file at start when that file does not exist yet"
+    )
+    initial_password: str = setting(
+        "", "Password of initial_user (e.g. from the environment); not logged", secret=True
     )
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0

@@ -24,7 +24,7 @@ from broker.config import ConfigError, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.limits import TokenBucket, source_key
-from broker.listeners import Framing, listener_specs
+from broker.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
 from broker.packets import ReasonCode
 from broker.websocket import CLOSE_POLICY_VIOLATION, WebSocketServer, WsState
 from broker.websocket import Closed as WsClosed
@@ -229,7 +229,33 @@ class BrokerServer:
             for server in self._servers:
                 server.close()
             raise
+        self._say_where(specs)
         self._ticker = asyncio.create_task(self._tick_forever())
+
+    def _say_where(self, specs: list[ListenerSpec]) -> None:
+        """One clear line when a listener's address was chosen for lack of one."""
+        sections = {
+            "listener": self.settings.listener.host,
+            "tls": self.settings.tls.host,
+            "websocket": self.settings.websocket.host,
+            "websocket_tls": self.settings.websocket_tls.host,
+        }
+        chosen = [spec.name for spec in specs if not sections[spec.name]]
+        if not chosen:
+            return
+        if authentication_configured(self.settings):
+            log.info(
+                "listening on every interface: authentication is configured "
+                "(set %s to choose the address)",
+                ", ".join(f"{name}.host" for name in chosen),
+            )
+        else:
+            log.warning(
+                "no authentication configured: listening on 127.0.0.1 only, like Mosquitto 2; "
+                "set auth.password_file to accept clients from the network, or set %s "
+                "explicitly (SECURITY.md)",
+                " / ".join(f"{name}.host" for name in chosen),
+            )
 
     async def stop(self) -> None:
         """Stop accepting, tell every client the server is going away, flush, close."""

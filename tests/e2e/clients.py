@@ -83,9 +83,19 @@ class _Waiter:
 class Paho:
     """One paho-mqtt client identity; each ``connect`` is a new network connection."""
 
-    def __init__(self, broker: Any, client_id: str = "", version: int = V5, name: str = "") -> None:
+    def __init__(
+        self,
+        broker: Any,
+        client_id: str = "",
+        version: int = V5,
+        name: str = "",
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
         self.host, self.port = broker.address
         self.client_id = client_id
+        self.username = username
+        self.password = password
         self.version = version
         self.name = name or client_id or "paho"
         self.messages: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
@@ -128,6 +138,8 @@ class Paho:
         client.on_unsubscribe = self._on_unsubscribe
         client.on_disconnect = self._on_disconnect
         client.on_publish = self._on_publish
+        if self.username is not None:
+            client.username_pw_set(self.username, self.password)
         if will is not None:
             topic, payload, qos, retain = will
             client.will_set(topic, payload, qos, retain, properties=will_properties)

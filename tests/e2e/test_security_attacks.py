@@ -17,9 +17,12 @@ right code, every refusal is counted), never a tight timing.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -778,3 +781,94 @@ def test_overlapping_filters_of_one_client_are_capped(
         while attacker.recv_or_none(timeout=1.0) is not None:
             got += 1
         assert got == 300  # one copy per message, however many filters match
+
+
+# ---------------------------------------------------------------- low: secure by default
+
+
+def outward_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = str(s.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+def run_without_host(tmp_path: Path, name: str, env: Mapping[str, str]) -> tuple[int, Any]:
+    """``devicemq run`` with no --host (unlike the fixtures), persistence off."""
+    data = tmp_path / name
+    data.mkdir()
+    port = free_port("0.0.0.0")
+    process_env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    process_env.update(env)
+    process_env["DEVICEMQ_PERSISTENCE_ENABLED"] = "false"
+    process_env["PYTHONPATH"] = str(REPO)
+    log = (data / "broker.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "run", "--port", str(port), "--data-dir", str(data)],
+        cwd=REPO,
+        env=process_env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+    )
+    log.close()
+    wait_for(lambda: "listening on" in (data / "broker.log").read_text(), "the listener", 15)
+    return port, proc
+
+
+def reachable(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def stop(proc: Any) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def test_without_authentication_the_broker_listens_on_loopback_only(tmp_path: Path) -> None:
+    """``devicemq run`` with no authentication configured listened on every
+    interface and let everyone in, with only a warning. Like Mosquitto 2 it now
+    listens on 127.0.0.1 only, and says so, unless a host is given explicitly;
+    with a password file it listens everywhere (and anonymous clients are refused)."""
+    outward = outward_address()
+    port, proc = run_without_host(tmp_path, "open", {})
+    try:
+        log = (tmp_path / "open" / "broker.log").read_text()
+        assert f"listening on mqtt://127.0.0.1:{port}" in log, log
+        assert "no authentication configured" in log and "127.0.0.1 only" in log
+        assert reachable("127.0.0.1", port)
+        if outward is not None:
+            assert not reachable(outward, port), f"reachable on {outward} without any login"
+    finally:
+        stop(proc)
+
+    pw = password_file(tmp_path)
+    port, proc = run_without_host(tmp_path, "secured", {"DEVICEMQ_AUTH_PASSWORD_FILE": str(pw)})
+    try:
+        log = (tmp_path / "secured" / "broker.log").read_text()
+        assert f"listening on mqtt://0.0.0.0:{port}" in log, log
+        if outward is not None:
+            assert reachable(outward, port)
+    finally:
+        stop(proc)
+
+    # An explicit host is obeyed, open or not (environment here; --host and YAML alike).
+    port, proc = run_without_host(tmp_path, "explicit", {"DEVICEMQ_LISTENER_HOST": "0.0.0.0"})
+    try:
+        log = (tmp_path / "explicit" / "broker.log").read_text()
+        assert f"listening on mqtt://0.0.0.0:{port}" in log, log
+        assert "every client is accepted" in log  # still warned about
+    finally:
+        stop(proc)

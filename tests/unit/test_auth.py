@@ -546,6 +546,45 @@ def test_cached_login_needs_no_thread_and_no_token(tmp_path: Path) -> None:
     assert again.read_one().reason_code == 0  # type: ignore[attr-defined]
 
 
+def test_initial_user_creates_a_missing_password_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docker-compose.yml starts with authentication on: the password file is made
+    from DEVICEMQ_AUTH_INITIAL_USER / _PASSWORD when it does not exist yet."""
+    from broker.config import load_settings
+
+    path = tmp_path / "passwd"
+    env = {
+        "DEVICEMQ_AUTH_PASSWORD_FILE": str(path),
+        "DEVICEMQ_AUTH_INITIAL_USER": "admin",
+        "DEVICEMQ_AUTH_INITIAL_PASSWORD": "s3cret-from-env",
+    }
+    settings = load_settings(env=env)
+    assert "s3cret" not in repr(settings)  # a debug log of the settings does not show it
+    with caplog.at_level("DEBUG"):
+        auth = Authenticator(settings.auth)
+    assert "s3cret" not in caplog.text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "s3cret" not in path.read_text()
+    assert decide(auth, "admin", b"s3cret-from-env").ok
+    assert not auth.allow_anonymous
+    # An existing file is left alone: a changed password in the environment does nothing.
+    changed = dict(env, DEVICEMQ_AUTH_INITIAL_PASSWORD="other")
+    again = Authenticator(load_settings(env=changed).auth)
+    assert decide(again, "admin", b"s3cret-from-env").ok
+    assert not decide(again, "admin", b"other").ok
+
+
+def test_initial_user_without_password_is_a_config_error(tmp_path: Path) -> None:
+    settings = AuthSettings(password_file=str(tmp_path / "pw"), initial_user="admin")
+    with pytest.raises(ConfigError, match=r"auth\.initial_password"):
+        Authenticator(settings)
+    bad = AuthSettings(password_file=str(tmp_path / "pw"), initial_user="a:b", initial_password="x")
+    with pytest.raises(ConfigError, match=r"auth\.initial_user"):
+        Authenticator(bad)
+    assert not (tmp_path / "pw").exists()
+
+
 def test_verify_threads_default_leaves_a_core() -> None:
     from broker.auth import verify_threads
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from broker.message import Message
 from broker.packets import Publish, Subscribe, Subscription
 from broker.retained import CHUNK, RetainedStore, retained_size
-from broker.topics import topic_matches
+from broker.topics import is_valid_topic_filter, is_valid_topic_name, topic_matches
 from tests.unit.core_harness import Harness, payloads
 
 # ------------------------------------------------------------------ the tree
 
 LEVEL = st.sampled_from(["a", "b", "", "$x", "c"])
-TOPIC = st.lists(LEVEL, min_size=1, max_size=4).map("/".join)
+TOPIC = st.lists(LEVEL, min_size=1, max_size=4).map("/".join).filter(is_valid_topic_name)
 FILTER_LEVEL = st.sampled_from(["a", "b", "", "$x", "+"])
 
 
@@ -26,7 +26,9 @@ def filters(draw: st.DrawFn) -> str:
     levels = draw(st.lists(FILTER_LEVEL, min_size=1, max_size=4))
     if draw(st.booleans()):
         levels.append("#")
-    return "/".join(levels)
+    topic_filter = "/".join(levels)
+    assume(is_valid_topic_filter(topic_filter))
+    return topic_filter
 
 
 @settings(max_examples=300, deadline=None)

@@ -343,6 +343,24 @@ def test_default_listeners_are_plain_tcp_only() -> None:
     ]
 
 
+def test_listeners_without_a_host_are_loopback_only_without_authentication() -> None:
+    """Issue 19 (secure by default), as Mosquitto 2: nobody configured logins, so the
+    broker is not put on the network unless a host is asked for explicitly."""
+    from broker.config import AuthSettings
+    from broker.listeners import effective_host
+
+    ws = WebsocketSettings(enabled=True)
+    open_broker = Settings(websocket=ws)
+    assert [s.host for s in listener_specs(open_broker)] == ["127.0.0.1", "127.0.0.1"]
+    secured = Settings(websocket=ws, auth=AuthSettings(password_file="/etc/devicemq/passwd"))
+    assert [s.host for s in listener_specs(secured)] == ["0.0.0.0", "0.0.0.0"]
+    certs = Settings(auth=AuthSettings(use_identity_as_username=True))
+    assert effective_host(certs, "") == "0.0.0.0"
+    explicit = Settings(listener=ListenerSettings(host="0.0.0.0"))
+    assert [s.host for s in listener_specs(explicit)] == ["0.0.0.0"]
+    assert effective_host(secured, "10.1.2.3") == "10.1.2.3"
+
+
 def test_no_listener_at_all_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="every listener is disabled"):
         listener_specs(Settings(listener=ListenerSettings(enabled=False)))
