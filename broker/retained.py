@@ -210,46 +210,43 @@ class RetainedStore:
             return
         levels = topic_filter.split("/")
         last = len(levels)
+        root = self._root
         visited = 0
-        # (node, depth of the filter level it is matched against, or -1: "#" below)
-        stack: list[tuple[_Node, int]] = [(self._root, 0)]
-        while stack:
-            node, depth = stack.pop()
+        # Frames of (nodes to visit, the filter depth they are matched at, or -1
+        # for "everything below a '#'"). A node's children are copied (at C
+        # speed) when the walk gets to them and visited one per step, so no step
+        # costs more than a node, however many children it has.
+        frames: list[tuple[Iterator[_Node], int]] = [(iter((root,)), 0)]
+        while frames:
+            nodes, depth = frames[-1]
+            node = next(nodes, None)
+            if node is None:
+                frames.pop()
+                continue
             visited += 1
             if visited % _TICK_NODES == 0:
                 yield None
             if depth == -1 or (depth < last and levels[depth] == "#"):
                 # "#": this node ("a/#" matches "a") and everything below it;
-                # at the root not the $-topics [MQTT-4.7.2-1].
-                if node is not self._root and node.message is not None:
-                    message = self._live(node, now)
-                    if message is not None:
-                        yield message
-                children = node.children
-                if node is self._root:
-                    stack.extend((c, -1) for k, c in reversed(children.items()) if k[:1] != "$")
-                else:
-                    stack.extend((c, -1) for c in reversed(children.values()))
-                continue
-            if depth == last:
+                # from the root, not the $-topics [MQTT-4.7.2-1].
                 if node.message is not None:
                     message = self._live(node, now)
                     if message is not None:
                         yield message
-                continue
-            level = levels[depth]
-            if level == "+":
-                children = node.children
-                if node is self._root:
-                    stack.extend(
-                        (c, depth + 1) for k, c in reversed(children.items()) if k[:1] != "$"
-                    )
-                else:
-                    stack.extend((c, depth + 1) for c in reversed(children.values()))
+                if node.children:
+                    frames.append((_children(node, node is root), -1))
+            elif depth == last:
+                if node.message is not None:
+                    message = self._live(node, now)
+                    if message is not None:
+                        yield message
+            elif levels[depth] == "+":
+                if node.children:
+                    frames.append((_children(node, node is root), depth + 1))
             else:
-                child = node.children.get(level)
+                child = node.children.get(levels[depth])
                 if child is not None:
-                    stack.append((child, depth + 1))
+                    frames.append((iter((child,)), depth + 1))
 
     def _live(self, node: _Node, now: float) -> Message | None:
         message = node.message
@@ -257,6 +254,14 @@ class RetainedStore:
             self._delete(message.topic)
             return None
         return message
+
+
+def _children(node: _Node, at_root: bool) -> Iterator[_Node]:
+    """A snapshot of ``node``'s children; at the root without the $-topics, which a
+    filter starting with a wildcard never matches [MQTT-4.7.2-1]."""
+    if at_root:
+        return iter([c for k, c in node.children.items() if k[:1] != "$"])
+    return iter(list(node.children.values()))
 
 
 # --------------------------------------------------------------------------
