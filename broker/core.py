@@ -275,6 +275,8 @@ class Broker:
             if session is not None and session.retained_sender:
                 session.retained_sender.resume()  # in case nothing else woke it
         for session in list(self._detached):
+            if session.retained_sender:
+                session.retained_sender.resume()  # its connection went while it waited
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
                 if will is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.message import Delivery, Message
+from broker.outbox import MemoryOutbox
 
 if TYPE_CHECKING:
     from broker.core import Broker
@@ -341,16 +342,19 @@ class RetainedSender:
         self._scheduled = False
         self._run()
 
-    def _blocked(self) -> bool:
+    def _room(self) -> int:
+        """How many more deliveries may go now: 0 while the connection is congested
+        or an in-memory queue is half full (:data:`CHUNK` at most)."""
         session = self._session
         conn = session.connection
         if conn is None:
-            return False  # QoS 0 is dropped, QoS 1/2 queued or stored as for live messages
+            return CHUNK  # QoS 0 is dropped, QoS 1/2 queued or stored as for live messages
         if conn.congested:
-            return True
-        queue = getattr(session.outbox, "queue", None)  # the in-memory outbox's queue
-        limit = self._broker.settings.mqtt.max_queued_messages
-        return queue is not None and len(queue) >= max(1, limit // 2)
+            return 0
+        outbox = session.outbox
+        if isinstance(outbox, MemoryOutbox):  # a queue of its own, bounded: keep room
+            return max(0, min(CHUNK, max(1, outbox.max_queued // 2) - len(outbox.queue)))
+        return CHUNK  # the persistent path takes them through Kafka
 
     def _run(self) -> None:
         broker = self._broker
@@ -362,11 +366,12 @@ class RetainedSender:
         jobs = self._jobs
         client_id = session.client_id
         while jobs:
-            if self._blocked():
+            room = self._room()
+            if room == 0:
                 return  # resumed when the socket or the queue drains, or by the tick
             batch: list[tuple[Session, Delivery]] = []
             budget = CHUNK
-            while jobs and budget > 0:
+            while jobs and budget > 0 and len(batch) < room:
                 job = jobs[0]
                 message = next(job.messages, False)
                 if message is False:

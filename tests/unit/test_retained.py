@@ -191,6 +191,34 @@ def test_retained_wait_while_the_connection_is_congested() -> None:
     assert len(first) + len(sub.read()) == 600
 
 
+def test_retained_wait_for_room_in_the_session_queue() -> None:
+    """QoS 1 retained messages to a client that does not ack fill its window, then its
+    queue: the sender stops at half the queue (mqtt.max_queued_messages) instead
+    of dropping the rest, and goes on as PUBACKs come."""
+    h, loop = retained_harness(0, max_inflight=4, max_queued_messages=20)
+    pub = h.connected("pub")
+    for i in range(100):
+        pub.publish_acked(f"q/{i}", b"%d" % i, qos=1, retain=True)
+    sub = h.connected("sub")
+    sub.subscribe("q/#", qos=1)
+    while loop.run_once():
+        pass
+    first = sub.read()
+    assert len(first) == 4  # the window
+    assert "queue_full" not in h.broker.stats.dropped
+    got, unacked = list(first), list(first)
+    while len(got) < 100:
+        for packet in unacked:
+            sub.ack(packet)  # each PUBACK opens the window and resumes the sender
+        while loop.run_once():
+            pass
+        unacked = sub.read()
+        assert unacked, f"stalled after {len(got)}"
+        got += unacked
+    assert "queue_full" not in h.broker.stats.dropped
+    assert sorted(payloads(got)) == sorted(b"%d" % i for i in range(100))
+
+
 def test_live_message_supersedes_a_retained_one_still_to_come() -> None:
     h, loop = retained_harness(600)
     sub = h.connected("sub")
