@@ -6,7 +6,13 @@
 #   docker build -t devicemq .
 #   docker run -p 1883:1883 -p 9883:9883 \
 #     -e DEVICEMQ_PERSISTENCE_REDIS_URL=redis://redis:6379/0 \
-#     -e DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP=kafka:9092 devicemq
+#     -e DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP=kafka:9092 \
+#     -e DEVICEMQ_AUTH_PASSWORD_FILE=/var/lib/devicemq/passwd \
+#     -e DEVICEMQ_AUTH_INITIAL_USER=devicemq -e DEVICEMQ_AUTH_INITIAL_PASSWORD devicemq
+#
+# Secure by default (SECURITY.md): without authentication configured the
+# broker listens on the container's loopback only, out of reach of -p; set
+# DEVICEMQ_LISTENER_HOST=0.0.0.0 to run it open on purpose.
 
 # ---- build: wheels of devicemq and its dependencies (uvloop, hiredis, ...)
 FROM python:3.11-slim AS build
@@ -21,7 +27,6 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    DEVICEMQ_LISTENER_HOST=0.0.0.0 \
     DEVICEMQ_LISTENER_PORT=1883 \
     DEVICEMQ_METRICS_ENABLED=true \
     DEVICEMQ_METRICS_HOST=0.0.0.0 \

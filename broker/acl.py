@@ -1,7 +1,8 @@
 """Authorisation: what a connected client may publish, subscribe to and receive.
 
 The ACL file (``auth.acl_file``) is Mosquitto-like, one rule a line, ``#``
-comments::
+comments on their own line or after the rule (`` # `` with whitespace on both
+sides, :mod:`broker.watched_file`)::
 
     # before any "user" line: rules for anonymous clients
     topic read public/#
@@ -48,7 +49,7 @@ from pathlib import Path
 
 from broker.config import ConfigError
 from broker.topics import is_valid_topic_filter, parse_shared, topic_matches
-from broker.watched_file import FileChangeWatch
+from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
 
 __all__ = [
     "DENY",
@@ -121,18 +122,21 @@ class Acl:
 
 
 def parse_acl(text: str, source: str = "acl file") -> Acl:
+    """Parse an ACL file's text; comments as in :mod:`broker.watched_file`."""
     acl = Acl()
     current = acl.anonymous
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
+    for number, line in content_lines(text):
         where = f"{source}: line {number}"
         keyword, _, rest = line.partition(" ")
         rest = rest.strip()
         if keyword == "user":
             if not rest:
                 raise AclError(f"{where}: 'user' needs a user name")
+            if has_comment_marker(rest):
+                raise AclError(
+                    f"{where}: {rest!r} is not a user name: an inline comment needs "
+                    "whitespace on both sides of its '#'"
+                )
             current = acl.users.setdefault(rest, [])
             continue
         if keyword not in ("topic", "pattern"):
@@ -143,7 +147,10 @@ def parse_acl(text: str, source: str = "acl file") -> Acl:
         else:
             access, topic = READ | WRITE, rest
         if not topic:
-            raise AclError(f"{where}: '{keyword}' needs a topic")
+            raise AclError(
+                f"{where}: '{keyword}' needs a topic (' # ' starts a comment: "
+                "a rule for the filter '#' keeps its comment on the line above)"
+            )
         check = topic.replace("%c", "c").replace("%u", "u")
         if check.startswith("$share/") or not is_valid_topic_filter(check):
             raise AclError(f"{where}: {topic!r} is not a valid topic filter")

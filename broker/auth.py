@@ -8,8 +8,9 @@ Three ways in, decided per CONNECT by :class:`Authenticator`:
 - a user name and password checked against the password file;
 - no user name at all (anonymous), if ``auth.allow_anonymous`` allows it.
 
-The password file holds one ``username:hash`` per line, ``#`` comments and
-blank lines allowed; a hash is an argon2id PHC string
+The password file holds one ``username:hash`` per line, ``#`` comments (the
+rule of :mod:`broker.watched_file`, as in the ACL file) and blank lines
+allowed; a hash is an argon2id PHC string
 (``$argon2id$v=19$m=19456,t=2,p=1$salt$hash``) made by ``devicemq passwd``.
 
 Verifying an argon2 hash costs tens of milliseconds of CPU by design, far too
@@ -19,6 +20,12 @@ through a callback, called at once when no hashing is needed (anonymous,
 unknown file, a recently verified password) and otherwise from a worker
 thread's completion on the event loop (``run_blocking``). Without a running
 event loop (the sans-IO tests) the hash is verified inline.
+
+Hashing is bounded before it starts (SECURITY.md "Hash cost and the event
+loop"): ``auth.max_verify_rate_per_source`` hashes a second per address (over:
+0x9F), ``auth.verify_threads`` at once and ``auth.max_pending_verifications``
+waiting (a full queue: 0x89 Server busy at once); a check whose client is
+gone before a thread takes it is not computed.
 
 Successful verifications are remembered for ``auth.verify_cache_seconds``
 keyed by user and stored hash, as an HMAC of the password under a key that
@@ -38,6 +45,7 @@ import os
 import secrets
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,14 +55,16 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 from broker.config import AuthSettings, ConfigError
+from broker.limits import SourceBuckets
 from broker.packets import ReasonCode
-from broker.watched_file import FileChangeWatch
+from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
 
 __all__ = [
     "AuthResult",
     "Authenticator",
     "PasswordFileError",
     "certificate_identity",
+    "create_initial_password_file",
     "hash_password",
     "parse_password_file",
     "read_password_file",
@@ -73,7 +83,6 @@ log = logging.getLogger("devicemq.auth")
 _HASHER = PasswordHasher(time_cost=2, memory_cost=19 * 1024, parallelism=1)
 HASH_PREFIX = "$argon2"
 MAX_CACHE_ENTRIES = 100_000
-VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 BlockingRunner = Callable[[Callable[[], bool], Callable[[bool], None]], None]
 
@@ -108,20 +117,25 @@ def check_username(username: str) -> None:
         raise ValueError("a user name cannot contain ':', a newline or NUL")
     if username != username.strip() or username.startswith("#"):
         raise ValueError("a user name cannot start with '#' or begin or end with spaces")
+    if has_comment_marker(username):
+        raise ValueError("a user name cannot hold a '#' after a space (it reads as a comment)")
 
 
 def parse_password_file(text: str, source: str = "password file") -> dict[str, str]:
-    """``{username: hash}`` from the file's text; PasswordFileError names the bad line."""
+    """``{username: hash}`` from the file's text; PasswordFileError names the bad line.
+
+    Comments follow the one rule of :mod:`broker.watched_file`: a line starting
+    with ``#``, or `` # `` (whitespace on both sides) to the end of a line.
+    """
     users: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
+    for number, line in content_lines(text):
         username, colon, stored = line.partition(":")
         where = f"{source}: line {number}"
         if not colon or not username:
             raise PasswordFileError(f"{where}: expected username:hash")
-        if not stored.startswith(HASH_PREFIX):
+        if has_comment_marker(username):
+            raise PasswordFileError(f"{where}: {username!r}: a user name cannot hold ' #'")
+        if not stored.startswith(HASH_PREFIX) or any(ch.isspace() for ch in stored):
             raise PasswordFileError(f"{where}: the hash of {username!r} is not an argon2 hash")
         if username in users:
             raise PasswordFileError(f"{where}: {username!r} appears twice")
@@ -155,6 +169,39 @@ def write_password_file(path: str | Path, users: Mapping[str, str]) -> None:
         raise
 
 
+def create_initial_password_file(settings: AuthSettings) -> bool:
+    """``auth.initial_user``: write the password file with that one user when it does
+    not exist yet; True if it was written. An existing file is never touched.
+
+    So a deployment configured only through its environment (docker-compose.yml)
+    starts with authentication on: DEVICEMQ_AUTH_INITIAL_PASSWORD comes from the
+    operator, only its hash reaches the disk.
+    """
+    if not settings.password_file or not settings.initial_user:
+        return False
+    path = Path(settings.password_file)
+    if path.exists():
+        log.info("%s exists: auth.initial_user %r not written", path, settings.initial_user)
+        return False
+    try:
+        check_username(settings.initial_user)
+    except ValueError as e:
+        raise ConfigError(str(e), name="auth.initial_user") from None
+    if not settings.initial_password:
+        raise ConfigError(
+            "empty: the initial user needs a password (DEVICEMQ_AUTH_INITIAL_PASSWORD)",
+            name="auth.initial_password",
+        )
+    try:
+        write_password_file(path, {settings.initial_user: hash_password(settings.initial_password)})
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create {path}: {e.strerror or e}", name="auth.password_file"
+        ) from None
+    log.info("created %s with user %r (auth.initial_user)", path, settings.initial_user)
+    return True
+
+
 # --------------------------------------------------------------------------
 # Certificates
 # --------------------------------------------------------------------------
@@ -184,12 +231,17 @@ def certificate_identity(cert: Mapping[str, Any], kind: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class AuthResult:
-    """The answer to one CONNECT: accepted as ``username``, or refused with ``reason``."""
+    """The answer to one CONNECT: accepted as ``username``, or refused with ``reason``.
+
+    ``counter`` names the rejected-connections reason a refusal is counted
+    under when the reason code alone would not tell (default: the code's name).
+    """
 
     ok: bool
     username: str | None = None
     reason: ReasonCode = ReasonCode.SUCCESS
     message: str = ""
+    counter: str = ""
 
 
 def _refused(reason: ReasonCode, message: str) -> AuthResult:
@@ -201,6 +253,24 @@ class _CacheEntry:
     stored_hash: str
     digest: bytes
     expires_at: float
+
+
+@dataclass(slots=True)
+class _Check:
+    """A password check waiting for a verify thread."""
+
+    work: Callable[[], bool]
+    finished: Callable[[bool], None]
+    alive: Callable[[], bool]  # False once its client is gone: not worth a hash any more
+    abandoned: Callable[[], None]
+
+
+def verify_threads(setting: int) -> int:
+    """auth.verify_threads: the setting, or with 0 one less than the CPUs (1 to 4), so
+    a flood of password checks leaves a core to the event loop."""
+    if setting > 0:
+        return setting
+    return max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
 class Authenticator:
@@ -227,7 +297,15 @@ class Authenticator:
         self._cache_key = secrets.token_bytes(32)  # never leaves this process
         self._dummy_hash: str | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Password checks: at most `threads` hashing, `max_pending_verifications`
+        # waiting for one, `max_verify_rate_per_source` a second from one address.
+        self.threads = verify_threads(settings.verify_threads)
+        self._running = 0
+        self._waiting: deque[_Check] = deque()
+        rate = settings.max_verify_rate_per_source
+        self._verify_by_source = SourceBuckets(rate) if rate > 0 else None
         if self.password_path is not None:
+            create_initial_password_file(settings)
             try:
                 self.users = read_password_file(self.password_path)
             except PasswordFileError as e:
@@ -263,8 +341,17 @@ class Authenticator:
         password: bytes | None,
         peer_certificate: Mapping[str, Any] | None,
         done: Callable[[AuthResult], None],
+        source: str = "",
+        alive: Callable[[], bool] | None = None,
     ) -> None:
-        """Decide a CONNECT; ``done`` is called now or later, exactly once."""
+        """Decide a CONNECT; ``done`` is called now or later, exactly once.
+
+        ``source`` is the client's address (:func:`broker.limits.source_key`) for
+        ``auth.max_verify_rate_per_source``; ``alive`` tells whether the client
+        still waits for the answer: a check whose client is gone before a
+        thread takes it up is not computed (``done`` gets a refusal counted as
+        ``auth_abandoned``).
+        """
         settings = self.settings
         if settings.use_identity_as_username and peer_certificate is not None:
             identity = certificate_identity(peer_certificate, settings.certificate_identity)
@@ -312,7 +399,86 @@ class Authenticator:
             else:
                 done(bad)
 
-        self.run_blocking(verify, verified)
+        # Every check from here costs a full hash: bounded per address, then by
+        # the threads and the queue in front of them. Refusals cost no hash.
+        by_source = self._verify_by_source
+        if by_source is not None and not by_source.take(source, self.clock()):
+            done(
+                AuthResult(
+                    False,
+                    None,
+                    ReasonCode.CONNECTION_RATE_EXCEEDED,
+                    "too many password checks from its address",
+                    "auth_rate_exceeded_per_source",
+                )
+            )
+            return
+
+        def abandoned() -> None:
+            done(
+                AuthResult(
+                    False,
+                    None,
+                    ReasonCode.UNSPECIFIED_ERROR,
+                    f"gone before the password of {username!r} was checked",
+                    "auth_abandoned",
+                )
+            )
+
+        check = _Check(verify, verified, alive or _always, abandoned)
+        if not self._queue(check):
+            done(
+                AuthResult(
+                    False,
+                    None,
+                    ReasonCode.SERVER_BUSY,
+                    f"{len(self._waiting)} password checks already waiting",
+                )
+            )
+
+    # -- the queue of password checks ------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Password checks hashing or waiting for a thread."""
+        return self._running + len(self._waiting)
+
+    def _queue(self, check: _Check) -> bool:
+        """Start ``check`` or queue it; False if the queue is full (nothing done)."""
+        if self._running < self.threads:
+            self._start(check)
+            return True
+        waiting = self._waiting
+        if len(waiting) >= self.settings.max_pending_verifications:
+            # Checks whose clients left free their places before anyone is refused.
+            gone = [c for c in waiting if not c.alive()]
+            if not gone:
+                return False
+            self._waiting = deque(c for c in waiting if c.alive())
+            for c in gone:
+                c.abandoned()
+        self._waiting.append(check)
+        return True
+
+    def _start(self, check: _Check) -> None:
+        self._running += 1
+
+        def finished(ok: bool) -> None:
+            self._running -= 1
+            try:
+                check.finished(ok)
+            finally:
+                self._start_waiting()
+
+        self.run_blocking(check.work, finished)
+
+    def _start_waiting(self) -> None:
+        while self._waiting and self._running < self.threads:
+            check = self._waiting.popleft()
+            if check.alive():
+                self._start(check)
+            else:
+                check.abandoned()
 
     def _dummy(self) -> str:
         if self._dummy_hash is None:
@@ -348,7 +514,7 @@ class Authenticator:
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                VERIFY_THREADS, thread_name_prefix="devicemq-auth"
+                self.threads, thread_name_prefix="devicemq-auth"
             )
         future = loop.run_in_executor(self._executor, _safely, work)
 
@@ -361,6 +527,10 @@ class Authenticator:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def _always() -> bool:
+    return True
 
 
 def _safely(work: Callable[[], bool]) -> bool:

@@ -74,7 +74,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help=f"YAML settings file (default: ${CONFIG_ENV}, else built-in defaults)",
     )
-    p.add_argument("--host", help="address to listen on (listener.host)")
+    p.add_argument(
+        "--host",
+        help="address to listen on (listener.host; default: 127.0.0.1 unless "
+        "authentication is configured)",
+    )
     # Text on purpose: config.py parses and range-checks it like any other value.
     p.add_argument("--port", help="TCP port for MQTT (listener.port)")
     p.add_argument("--data-dir", metavar="DIR", help="directory for broker files (data_dir)")
@@ -126,7 +130,9 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     except OSError as e:
         if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-            where = f"{settings.listener.host}:{settings.listener.port}"
+            from broker.listeners import effective_host
+
+            where = f"{effective_host(settings, settings.listener.host)}:{settings.listener.port}"
             _error(f"cannot listen on {where}: {e.strerror}")
             return 1
         raise

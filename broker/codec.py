@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import MQTTError
@@ -44,6 +45,8 @@ from broker.packets import (
 
 __all__ = [
     "MAX_REMAINING_LENGTH",
+    "UNLIMITED",
+    "DecodeLimits",
     "PacketDecoder",
     "decode_variable_int",
     "encode",
@@ -58,6 +61,28 @@ _U32 = struct.Struct(">I")
 _ACK = struct.Struct(">BBH")
 _ACK_WITH_REASON = struct.Struct(">BBHB")
 _SINGLE_BYTES = tuple(bytes((i,)) for i in range(256))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """Bounds on the work one packet may cause while it is decoded.
+
+    ``max_packet_size`` bounds its bytes; these bound what many small items
+    could cost within those bytes: a 1 MB packet can hold 200 000 empty user
+    properties or 250 000 one-byte topic filters, each an object to build.
+    Over a limit: :class:`MQTTError` 0x97 Quota exceeded, raised as soon as the
+    item past the limit is reached.
+    """
+
+    user_properties: int = MAX_REMAINING_LENGTH  # per property list; also Subscription IDs
+    topic_filters: int = MAX_REMAINING_LENGTH  # per SUBSCRIBE or UNSUBSCRIBE
+
+
+UNLIMITED = DecodeLimits()
+
+
+def _over_limit(what: str, limit: int) -> MQTTError:
+    return MQTTError(ReasonCode.QUOTA_EXCEEDED, f"more than {limit} {what} in one packet")
 
 
 def _malformed(message: str) -> MQTTError:
@@ -214,7 +239,7 @@ _PROPERTIES_BY_ID = {entry[0]: entry for entry in _PROPERTY_TABLE}
 
 
 def _decode_properties(
-    buf: bytes, pos: int, end: int, context: int
+    buf: bytes, pos: int, end: int, context: int, limits: DecodeLimits
 ) -> tuple[Properties | None, int]:
     """Read a Property Length and the properties after it.
 
@@ -239,6 +264,8 @@ def _decode_properties(
         _, name, kind, _ = entry
         pos += 1
         if kind == _STRING_PAIR:
+            if len(user_properties) >= limits.user_properties:
+                raise _over_limit("user properties", limits.user_properties)
             key, pos = _read_string(buf, pos, stop)
             text, pos = _read_string(buf, pos, stop)
             user_properties.append((key, text))
@@ -249,6 +276,8 @@ def _decode_properties(
                 raise _protocol_error("subscription identifier 0")
             if subscription_identifiers and context != _PUBLISH:
                 raise _protocol_error("more than one subscription identifier")
+            if len(subscription_identifiers) >= limits.user_properties:
+                raise _over_limit("subscription identifiers", limits.user_properties)
             subscription_identifiers.append(number)
             continue
         if name in values:
@@ -322,7 +351,7 @@ def _encode_properties(properties: Properties | None) -> bytes:
 
 # Each packet body decoder gets the whole buffer, the body's bounds, the first
 # byte of the fixed header and whether the connection speaks MQTT 5.
-_Decoder = Callable[[bytes, int, int, int, bool], Packet]
+_Decoder = Callable[[bytes, int, int, int, bool, DecodeLimits], Packet]
 
 
 def _read_remaining_length(buf: bytes, pos: int, size: int) -> tuple[int, int] | None:
@@ -335,7 +364,7 @@ def _read_remaining_length(buf: bytes, pos: int, size: int) -> tuple[int, int] |
     raise _malformed("remaining length longer than four bytes")
 
 
-def _decode_connect(buf: bytes, pos: int, end: int) -> Connect:
+def _decode_connect(buf: bytes, pos: int, end: int, limits: DecodeLimits) -> Connect:
     """CONNECT (3.1). Its protocol level decides how everything after it reads."""
     name, pos = _read_binary(buf, pos, end)
     if name == b"MQTT":
@@ -367,13 +396,13 @@ def _decode_connect(buf: bytes, pos: int, end: int) -> Connect:
         raise _malformed("password without user name (3.1.1 [MQTT-3.1.2-22])")
     properties = None
     if level == 5:
-        properties, pos = _decode_properties(buf, pos, end, _CONNECT)
+        properties, pos = _decode_properties(buf, pos, end, _CONNECT, limits)
     client_id, pos = _read_string(buf, pos, end)
     will = None
     if will_flag:
         will_properties = None
         if level == 5:
-            will_properties, pos = _decode_properties(buf, pos, end, _WILL)
+            will_properties, pos = _decode_properties(buf, pos, end, _WILL, limits)
         topic, pos = _read_string(buf, pos, end)
         payload, pos = _read_binary(buf, pos, end)
         will = Will(topic, payload, will_qos, will_retain, will_properties)
@@ -397,7 +426,9 @@ def _decode_connect(buf: bytes, pos: int, end: int) -> Connect:
     )
 
 
-def _decode_connack(buf: bytes, pos: int, end: int, first: int, v5: bool) -> ConnAck:
+def _decode_connack(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> ConnAck:
     if pos + 2 > end:
         raise _malformed("truncated CONNACK")
     ack_flags, reason_code = buf[pos], buf[pos + 1]
@@ -405,7 +436,7 @@ def _decode_connack(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Con
         raise _malformed("reserved CONNACK flags set")
     properties = None
     if v5:
-        properties, pos = _decode_properties(buf, pos + 2, end, _CONNACK)
+        properties, pos = _decode_properties(buf, pos + 2, end, _CONNACK, limits)
     else:
         pos += 2
     if pos != end:
@@ -413,7 +444,9 @@ def _decode_connack(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Con
     return ConnAck(bool(ack_flags), reason_code, properties)
 
 
-def _decode_publish(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Publish:
+def _decode_publish(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> Publish:
     """PUBLISH (3.3): the hot path, so its reads are inlined."""
     qos = (first >> 1) & 0x03
     if qos == 3:
@@ -448,7 +481,7 @@ def _decode_publish(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Pub
         if pos < end and buf[pos] == 0:
             pos += 1
         else:
-            properties, pos = _decode_properties(buf, pos, end, _PUBLISH)
+            properties, pos = _decode_properties(buf, pos, end, _PUBLISH, limits)
         if not topic and (properties is None or properties.topic_alias is None):
             raise _protocol_error("empty topic name without a topic alias (3.3.2.1)")
     elif not topic:
@@ -467,7 +500,9 @@ def _ack_decoder(cls: _AckType) -> _Decoder:
     """
     context = int(cls.type)
 
-    def decode(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Packet:
+    def decode(
+        buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+    ) -> Packet:
         if pos + 2 > end:
             raise _malformed("truncated packet identifier")
         packet_id = (buf[pos] << 8) | buf[pos + 1]
@@ -480,7 +515,7 @@ def _ack_decoder(cls: _AckType) -> _Decoder:
         reason_code = buf[pos + 2]
         if end - pos == 3:
             return cls(packet_id, reason_code)
-        properties, pos = _decode_properties(buf, pos + 3, end, context)
+        properties, pos = _decode_properties(buf, pos + 3, end, context, limits)
         if pos != end:
             raise _malformed("trailing bytes after properties")
         return cls(packet_id, reason_code, properties)
@@ -488,16 +523,20 @@ def _ack_decoder(cls: _AckType) -> _Decoder:
     return decode
 
 
-def _decode_subscribe(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Subscribe:
+def _decode_subscribe(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> Subscribe:
     """SUBSCRIBE (3.8). Topic filter syntax is the session layer's to judge,
     so it can refuse one filter in the SUBACK instead of the whole packet."""
     packet_id = _read_packet_id(buf, pos, end)
     pos += 2
     properties = None
     if v5:
-        properties, pos = _decode_properties(buf, pos, end, _SUBSCRIBE)
-    subscriptions = []
+        properties, pos = _decode_properties(buf, pos, end, _SUBSCRIBE, limits)
+    subscriptions: list[Subscription] = []
     while pos < end:
+        if len(subscriptions) >= limits.topic_filters:
+            raise _over_limit("topic filters", limits.topic_filters)
         topic_filter, pos = _read_string(buf, pos, end)
         if pos >= end:
             raise _malformed("topic filter without subscription options")
@@ -526,23 +565,29 @@ def _decode_subscribe(buf: bytes, pos: int, end: int, first: int, v5: bool) -> S
     return Subscribe(packet_id, subscriptions, properties)
 
 
-def _decode_suback(buf: bytes, pos: int, end: int, first: int, v5: bool) -> SubAck:
+def _decode_suback(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> SubAck:
     packet_id = _read_packet_id(buf, pos, end)
     pos += 2
     properties = None
     if v5:
-        properties, pos = _decode_properties(buf, pos, end, _SUBACK)
+        properties, pos = _decode_properties(buf, pos, end, _SUBACK, limits)
     return SubAck(packet_id, list(buf[pos:end]), properties)
 
 
-def _decode_unsubscribe(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Unsubscribe:
+def _decode_unsubscribe(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> Unsubscribe:
     packet_id = _read_packet_id(buf, pos, end)
     pos += 2
     properties = None
     if v5:
-        properties, pos = _decode_properties(buf, pos, end, _UNSUBSCRIBE)
-    topic_filters = []
+        properties, pos = _decode_properties(buf, pos, end, _UNSUBSCRIBE, limits)
+    topic_filters: list[str] = []
     while pos < end:
+        if len(topic_filters) >= limits.topic_filters:
+            raise _over_limit("topic filters", limits.topic_filters)
         topic_filter, pos = _read_string(buf, pos, end)
         topic_filters.append(topic_filter)
     if not topic_filters:
@@ -550,7 +595,9 @@ def _decode_unsubscribe(buf: bytes, pos: int, end: int, first: int, v5: bool) ->
     return Unsubscribe(packet_id, topic_filters, properties)
 
 
-def _decode_unsuback(buf: bytes, pos: int, end: int, first: int, v5: bool) -> UnsubAck:
+def _decode_unsuback(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> UnsubAck:
     """UNSUBACK (3.11); in 3.1.1 it is only a packet identifier."""
     packet_id = _read_packet_id(buf, pos, end)
     pos += 2
@@ -558,24 +605,28 @@ def _decode_unsuback(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Un
         if pos != end:
             raise _malformed("trailing bytes in 3.1.1 UNSUBACK")
         return UnsubAck(packet_id)
-    properties, pos = _decode_properties(buf, pos, end, _UNSUBACK)
+    properties, pos = _decode_properties(buf, pos, end, _UNSUBACK, limits)
     return UnsubAck(packet_id, list(buf[pos:end]), properties)
 
 
-def _decode_pingreq(buf: bytes, pos: int, end: int, first: int, v5: bool) -> PingReq:
+def _decode_pingreq(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> PingReq:
     if pos != end:
         raise _malformed("PINGREQ has no body")
     return PingReq()
 
 
-def _decode_pingresp(buf: bytes, pos: int, end: int, first: int, v5: bool) -> PingResp:
+def _decode_pingresp(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> PingResp:
     if pos != end:
         raise _malformed("PINGRESP has no body")
     return PingResp()
 
 
 def _decode_reason_and_properties(
-    buf: bytes, pos: int, end: int, context: int
+    buf: bytes, pos: int, end: int, context: int, limits: DecodeLimits
 ) -> tuple[int, Properties | None]:
     """DISCONNECT and AUTH bodies (3.14.2, 3.15.2): a remaining length of 0
     means Success, of 1 means no properties."""
@@ -584,24 +635,28 @@ def _decode_reason_and_properties(
     reason_code = buf[pos]
     if pos + 1 == end:
         return reason_code, None
-    properties, pos = _decode_properties(buf, pos + 1, end, context)
+    properties, pos = _decode_properties(buf, pos + 1, end, context, limits)
     if pos != end:
         raise _malformed("trailing bytes after properties")
     return reason_code, properties
 
 
-def _decode_disconnect(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Disconnect:
+def _decode_disconnect(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> Disconnect:
     if not v5:
         if pos != end:
             raise _malformed("3.1.1 DISCONNECT has no body")
         return Disconnect()
-    return Disconnect(*_decode_reason_and_properties(buf, pos, end, _DISCONNECT))
+    return Disconnect(*_decode_reason_and_properties(buf, pos, end, _DISCONNECT, limits))
 
 
-def _decode_auth(buf: bytes, pos: int, end: int, first: int, v5: bool) -> Auth:
+def _decode_auth(
+    buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
+) -> Auth:
     if not v5:
         raise _malformed("packet type 15 is reserved in MQTT 3.1.1")
-    return Auth(*_decode_reason_and_properties(buf, pos, end, _AUTH))
+    return Auth(*_decode_reason_and_properties(buf, pos, end, _AUTH, limits))
 
 
 _BY_TYPE: tuple[_Decoder | None, ...] = (
@@ -649,19 +704,50 @@ class PacketDecoder:
     a client sets it up front. ``max_packet_size`` bounds the whole packet,
     fixed header included, and is checked as soon as the fixed header is
     complete, so an oversized packet is refused before its body is buffered.
+    ``limits`` bounds the items one packet may hold (:class:`DecodeLimits`).
+
+    With ``pause_after_connect`` (the broker's connections) decoding stops
+    after a CONNECT: what follows stays buffered until the connection calls
+    ``feed`` again, once the CONNECT is accepted (and has raised
+    ``max_packet_size`` from its pre-CONNECT value). So the bytes of a client
+    that is not yet authenticated are not decoded. :meth:`buffer` keeps
+    bytes without decoding them (while the CONNECT is being decided).
 
     After ``feed`` raises, the decoder is spent: the connection must close.
     """
 
-    __slots__ = ("_buffer", "_wanted", "max_packet_size", "protocol_level")
+    __slots__ = (
+        "_buffer",
+        "_wanted",
+        "limits",
+        "max_packet_size",
+        "pause_after_connect",
+        "protocol_level",
+    )
 
     def __init__(
-        self, protocol_level: int | None = None, max_packet_size: int = MAX_REMAINING_LENGTH + 5
+        self,
+        protocol_level: int | None = None,
+        max_packet_size: int = MAX_REMAINING_LENGTH + 5,
+        limits: DecodeLimits = UNLIMITED,
+        pause_after_connect: bool = False,
     ) -> None:
         self.protocol_level = protocol_level
         self.max_packet_size = max_packet_size
+        self.limits = limits
+        self.pause_after_connect = pause_after_connect
         self._buffer = bytearray()
         self._wanted = 0  # bytes the buffered packet needs before decoding is worth trying
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not decoded yet."""
+        return len(self._buffer)
+
+    def buffer(self, data: bytes) -> None:
+        """Keep ``data`` for the next :meth:`feed`, without decoding anything."""
+        self._buffer += data
+        self._wanted = 0
 
     def feed(self, data: bytes) -> list[Packet]:
         """Buffer ``data``; return every packet it completes, in order."""
@@ -675,6 +761,7 @@ class PacketDecoder:
         packets: list[Packet] = []
         level = self.protocol_level
         v5 = level == 5
+        limits = self.limits
         size = len(data)
         pos = 0
         wanted = 0
@@ -703,16 +790,20 @@ class PacketDecoder:
                 wanted = end - pos
                 break
             if decoder is not None:
-                packets.append(decoder(data, body, end, first, v5))
+                packets.append(decoder(data, body, end, first, v5, limits))
             else:
-                connect = _decode_connect(data, body, end)
+                connect = _decode_connect(data, body, end, limits)
                 level = self.protocol_level = connect.protocol_level
                 v5 = level == 5
                 packets.append(connect)
+                if self.pause_after_connect:
+                    pos = end
+                    wanted = -1  # decode the rest at the next feed, whatever it brings
+                    break
             pos = end
         if pos < size:
             buffer += memoryview(data)[pos:]
-            self._wanted = wanted or len(buffer) + 1
+            self._wanted = max(0, wanted) if wanted else len(buffer) + 1
         return packets
 
 

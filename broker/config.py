@@ -75,15 +75,23 @@ def setting(
     gt: float | None = None,
     le: float | None = None,
     choices: tuple[str, ...] | None = None,
+    secret: bool = False,
 ) -> T:
     """A dataclass field with its default, description and valid range.
 
     ``ge``/``le`` are inclusive bounds, ``gt`` an exclusive lower bound, and
     ``choices`` the allowed strings (matched case-insensitively, stored in the
-    spelling given here).
+    spelling given here). A ``secret`` (a password) is left out of the
+    settings' repr, so a debug log of the settings does not show it.
     """
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=meta, repr=not secret)
+
+
+# The listeners' host default: empty means "decided by authentication" (SECURITY.md
+# "Defaults", broker/listeners.py effective_host): every interface once clients
+# must log in, this machine only while anyone may connect.
+_AUTO_HOST_DOC = "; empty: every interface if authentication is configured, else 127.0.0.1 only"
 
 
 # --------------------------------------------------------------------------
@@ -95,7 +103,7 @@ def setting(
 class ListenerSettings:
     """The plain-TCP MQTT listener."""
 
-    host: str = setting("0.0.0.0", "Address to bind; 0.0.0.0 is every IPv4 interface")
+    host: str = setting("", "Address to bind; 0.0.0.0 is every IPv4 interface" + _AUTO_HOST_DOC)
     port: int = setting(1883, "TCP port for MQTT", ge=1, le=65535)
     enabled: bool = setting(True, "Serve MQTT over plain TCP; false leaves only TLS/WebSocket")
 
@@ -105,7 +113,7 @@ class TlsSettings:
     """The MQTT-over-TLS listener, and the certificates of both TLS listeners."""
 
     enabled: bool = setting(False, "Serve MQTT over TLS (needs certfile)")
-    host: str = setting("0.0.0.0", "Address the TLS listener binds")
+    host: str = setting("", "Address the TLS listener binds" + _AUTO_HOST_DOC)
     port: int = setting(8883, "TCP port for MQTT over TLS", ge=1, le=65535)
     certfile: str = setting("", "PEM server certificate chain (and key, if keyfile is empty)")
     keyfile: str = setting("", "PEM private key of certfile; empty: the key is in certfile")
@@ -122,8 +130,14 @@ class WebsocketSettings:
     """MQTT over WebSockets (subprotocol mqtt), plain HTTP."""
 
     enabled: bool = setting(False, "Serve MQTT over WebSockets")
-    host: str = setting("0.0.0.0", "Address the WebSocket listener binds")
+    host: str = setting("", "Address the WebSocket listener binds" + _AUTO_HOST_DOC)
     port: int = setting(8083, "TCP port for MQTT over WebSockets", ge=1, le=65535)
+    max_frame_rate: float = setting(
+        10_000.0,
+        "Frames a second one WebSocket connection may send (ws and wss; token bucket); "
+        "over: closed with 1008; 0 off",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +145,7 @@ class WebsocketTlsSettings:
     """MQTT over WebSockets over TLS; certificates come from the tls section."""
 
     enabled: bool = setting(False, "Serve MQTT over secure WebSockets (needs tls.certfile)")
-    host: str = setting("0.0.0.0", "Address the secure WebSocket listener binds")
+    host: str = setting("", "Address the secure WebSocket listener binds" + _AUTO_HOST_DOC)
     port: int = setting(8084, "TCP port for MQTT over secure WebSockets", ge=1, le=65535)
 
 
@@ -156,6 +170,24 @@ class MqttSettings:
         "Largest packet accepted, in bytes (MQTT 5 Maximum Packet Size)",
         ge=16,
         le=268_435_460,
+    )
+    max_connect_packet_size: int = setting(
+        65_536,
+        "Largest CONNECT (or anything sent before it) accepted, in bytes; over: closed",
+        ge=16,
+        le=268_435_460,
+    )
+    max_user_properties: int = setting(
+        128,
+        "User properties (and Subscription Identifiers) in one packet; over: DISCONNECT 0x97",
+        ge=0,
+        le=268_435_455,
+    )
+    max_topic_filters_per_packet: int = setting(
+        256,
+        "Topic filters in one SUBSCRIBE or UNSUBSCRIBE; over: DISCONNECT 0x97",
+        ge=1,
+        le=268_435_455,
     )
     receive_maximum: int = setting(
         1024, "QoS>0 PUBLISHes a client may have in flight towards us", ge=1, le=65535
@@ -188,6 +220,20 @@ class MqttSettings:
         le=4_294_967_295,
     )
     retain_available: bool = setting(True, "Accept and keep retained messages")
+    max_retained_messages: int = setting(
+        1_000_000, "Retained messages the broker keeps; over: PUBLISH refused 0x97; 0 off", ge=0
+    )
+    max_retained_bytes: int = setting(
+        268_435_456,
+        "Bytes (topics, payloads, properties) of all retained messages; over: 0x97; 0 off",
+        ge=0,
+    )
+    max_retained_messages_per_client: int = setting(
+        10_000, "Retained messages one client ID may own; over: PUBLISH refused 0x97; 0 off", ge=0
+    )
+    max_retained_bytes_per_client: int = setting(
+        16_777_216, "Bytes of retained messages one client ID may own; over: 0x97; 0 off", ge=0
+    )
     maximum_qos: int = setting(2, "Highest QoS granted and accepted", ge=0, le=2)
     wildcard_subscriptions: bool = setting(True, "Allow + and # in subscriptions")
     shared_subscriptions: bool = setting(True, "Allow $share/<group>/<filter>")
@@ -204,10 +250,16 @@ class MqttSettings:
     max_connection_rate: float = setting(
         1000.0, "CONNECTs accepted per second (token bucket); over: CONNACK 0x9F; 0 off", ge=0
     )
+    max_connection_rate_per_source: float = setting(
+        100.0,
+        "CONNECTs accepted per second from one address (IPv6: one /64), checked before "
+        "max_connection_rate; over: CONNACK 0x9F; 0 off",
+        ge=0,
+    )
     max_topic_length: int = setting(4096, "Longest topic name or filter, in bytes", ge=1, le=65535)
     max_topic_levels: int = setting(128, "Most levels in a topic name or filter", ge=1)
     max_subscriptions_per_client: int = setting(
-        10_000, "Topic filters one session may hold; over: SUBACK 0x97", ge=1
+        1_000, "Topic filters one session may hold; over: SUBACK 0x97", ge=1
     )
     queue_drop_policy: str = setting(
         "newest", "Which message a full queue drops", choices=("newest", "oldest")
@@ -242,8 +294,25 @@ class AuthSettings:
         "What identifies a certificate: its subject CN, or its first DNS/email SAN",
         choices=("cn", "san"),
     )
+    initial_user: str = setting(
+        "", "User written to password_file at start when that file does not exist yet"
+    )
+    initial_password: str = setting(
+        "", "Password of initial_user (e.g. from the environment); not logged", secret=True
+    )
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
+    )
+    verify_threads: int = setting(
+        0, "Threads hashing passwords; 0: one less than the CPUs, 1 to 4", ge=0, le=64
+    )
+    max_pending_verifications: int = setting(
+        32, "Password checks waiting for a thread; over: CONNACK 0x89 Server busy", ge=1
+    )
+    max_verify_rate_per_source: float = setting(
+        10.0,
+        "Password hashes per second for one address (IPv6: one /64); over: CONNACK 0x9F; 0 off",
+        ge=0,
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from broker.codec import MAX_REMAINING_LENGTH, PacketDecoder, encode
+from broker.codec import MAX_REMAINING_LENGTH, DecodeLimits, PacketDecoder, encode
 from broker.errors import MQTTError
 from broker.limits import bucket_or_none
 from broker.message import Delivery, Message
@@ -71,11 +71,15 @@ class WillMessage:
     ``expiry_interval`` is the will's Message Expiry Interval: it starts when
     the will is published, not at CONNECT (spec 3.1.3.2.4), so
     ``message.expires_at`` is only set by :meth:`Broker.publish_will`.
+    ``client_id`` and ``username`` say who published it, for the ACL check
+    at publish time (the ACL may have changed since CONNECT).
     """
 
     message: Message
     delay: int
     expiry_interval: int | None = None
+    client_id: str = ""
+    username: str | None = None
 
 
 class MQTTConnection:
@@ -91,13 +95,25 @@ class MQTTConnection:
         peer: str,
         on_output: Callable[[MQTTConnection], None],
         on_input_flow: Callable[[bool], None] | None = None,
+        source: str | None = None,
     ) -> None:
         self.broker = broker
         self.peer = peer
+        # Who the connection comes from, for per-source limits: the peer's address
+        # (IPv6: its /64, broker/limits.py source_key); the peer label without one.
+        self.source = source if source is not None else peer
         self._on_output = on_output
         self._on_input_flow = on_input_flow
         self.input_paused = False  # too many acknowledgements owed: not reading
-        self.decoder = PacketDecoder(max_packet_size=broker.settings.mqtt.max_packet_size)
+        mqtt = broker.settings.mqtt
+        # Until its CONNECT is accepted a client is nobody: its packets may be
+        # only mqtt.max_connect_packet_size long, and nothing after the CONNECT
+        # is decoded before CONNACK (release_input).
+        self.decoder = PacketDecoder(
+            max_packet_size=min(mqtt.max_packet_size, mqtt.max_connect_packet_size),
+            limits=DecodeLimits(mqtt.max_user_properties, mqtt.max_topic_filters_per_packet),
+            pause_after_connect=True,
+        )
         self.state = ConnectionState.AWAITING_CONNECT
         self.protocol_level: int = ProtocolLevel.MQTT_3_1_1
         self.client_id: str | None = None
@@ -105,8 +121,9 @@ class MQTTConnection:
         self.username: str | None = None
         # ssl getpeercert() of a TLS client certificate, set by the listener.
         self.peer_certificate: dict[str, Any] | None = None
-        # Packets received while CONNECT waits for authentication, and their bytes.
-        self._held: list[Packet] | None = None
+        # While CONNECT waits for authentication what follows is kept undecoded
+        # in the decoder; _held_bytes counts it.
+        self._holding = False
         self._held_bytes = 0
         self.session: Session | None = None
         self.will: WillMessage | None = None
@@ -140,40 +157,42 @@ class MQTTConnection:
             return
         self.last_received = self.broker.clock()
         self.broker.stats.bytes_received += len(data)
-        if self._held is not None:
+        if self._holding:
             self._held_bytes += len(data)
             if self._held_bytes > 2 * self.broker.settings.mqtt.max_packet_size:
                 log.info("%s sent too much while its CONNECT was being checked", self.peer)
                 self.broker.stats.reject("flood_before_connack")
                 self.close(publish_will=False)
                 return
+            self.decoder.buffer(data)  # decoded once CONNACK is sent, if it is
+            return
         try:
             self._process(self.decoder.feed(data))
         except MQTTError as error:
             self.protocol_violation(error)
 
     def _process(self, packets: list[Packet]) -> None:
-        for i, packet in enumerate(packets):
-            if self._held is not None:  # CONNACK not decided yet: wait with the rest
-                self._held.extend(packets[i:])
-                return
+        for packet in packets:
             self._dispatch(packet)
-            if self.close_requested:
-                return
+            if self.close_requested or self._holding:
+                return  # the decoder returns nothing after a CONNECT: nothing is lost
 
     def hold_input(self) -> None:
         """CONNECT is being authenticated: keep what follows until :meth:`release_input`."""
-        self._held = []
+        self._holding = True
         self._held_bytes = 0
 
     def release_input(self) -> None:
-        """CONNACK was sent: handle the packets that arrived meanwhile, in order."""
-        held, self._held = self._held, None
-        if held and self.state is not ConnectionState.CLOSED:
-            try:
-                self._process(held)
-            except MQTTError as error:
-                self.protocol_violation(error)
+        """CONNACK was sent: the client may now send packets up to mqtt.max_packet_size;
+        decode and handle what arrived meanwhile, in order."""
+        self._holding = False
+        if self.state is ConnectionState.CLOSED:
+            return
+        self.decoder.max_packet_size = self.broker.settings.mqtt.max_packet_size
+        try:
+            self._process(self.decoder.feed(b""))
+        except MQTTError as error:
+            self.protocol_violation(error)
 
     def _dispatch(self, packet: Packet) -> None:
         from broker.handlers import HANDLERS

@@ -8,8 +8,8 @@ periodically to run keep-alive, will-delay and session-expiry deadlines.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from broker.acl import Authorizer
 from broker.auth import Authenticator, reload_on_sighup
 from broker.cluster import ClusterState, RemoteSession
-from broker.limits import bucket_or_none
+from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 from broker.persistent_path import (
@@ -28,7 +28,7 @@ from broker.persistent_path import (
     PersistentPath,
     StoredCallback,
 )
-from broker.retained import RetainedStore
+from broker.retained import RetainedSender, RetainedStore
 from broker.session import NEVER_EXPIRES, Session
 from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry, SubscriptionTree
@@ -60,7 +60,16 @@ class Broker:
         self.sessions: dict[str, Session] = {}
         self.connections: set[MQTTConnection] = set()
         self.subscriptions = SubscriptionTree()
-        self.retained = RetainedStore()
+        mqtt = settings.mqtt
+        self.retained = RetainedStore(
+            mqtt.max_retained_messages,
+            mqtt.max_retained_bytes,
+            mqtt.max_retained_messages_per_client,
+            mqtt.max_retained_bytes_per_client,
+        )
+        # How the core defers work to the next event-loop iteration (the server
+        # sets loop.call_soon); None: do it now (sans-IO tests).
+        self.call_soon: Callable[[Callable[[], None]], object] | None = None
         self.stats = BrokerStats()
         self.auth = Authenticator(settings.auth, clock)
         self.acl = Authorizer(settings.auth.acl_file, clock)
@@ -70,9 +79,11 @@ class Broker:
                 lambda: self.acl.maybe_reload(force=True),
             )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
-        self._assigned_ids = itertools.count(1)
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
-        self._id_prefix = f"devicemq-{int(time.time() * 1000):x}-"
+        per_source = settings.mqtt.max_connection_rate_per_source
+        self._connect_by_source = SourceBuckets(per_source) if per_source > 0 else None
+        # Refused CONNECTs are all counted (stats) but logged at a bounded rate.
+        self.refusal_log = LogLimiter(logging.getLogger("devicemq.connect"), "connection refusals")
         self.cluster: ClusterState | None = None  # cluster.enabled: the other replicas
         # Client ids whose durable session the persistent path is opening: the
         # CONNECTs that came meanwhile, to open once it is done.
@@ -80,13 +91,32 @@ class Broker:
 
     # -- connections and sessions -------------------------------------------------------
 
-    def connect_allowed(self) -> bool:
-        """Take a token of the broker-wide CONNECT rate (mqtt.max_connection_rate)."""
+    def connect_allowed(self, source: str) -> str | None:
+        """Take a CONNECT token of ``source`` (a :func:`~broker.limits.source_key`), then
+        one of the broker-wide rate; None if both had one, else which limit refused.
+
+        The source's own bucket comes first and a CONNECT it refuses takes nothing
+        from the broker-wide one, so one address cannot use up everyone's rate.
+        """
+        now = self.clock()
+        by_source = self._connect_by_source
+        if by_source is not None and not by_source.take(source, now):
+            return "connection_rate_exceeded_per_source"
         bucket = self._connect_bucket
-        return bucket is None or bucket.take(self.clock())
+        if bucket is not None and not bucket.take(now):
+            return "connection_rate_exceeded"
+        return None
 
     def assign_client_id(self) -> str:
-        return f"{self._id_prefix}{next(self._assigned_ids)}"
+        """An ID for a client that sent none: ``devicemq-`` and 32 characters from
+        ``secrets`` (192 bits), cut to ``mqtt.max_client_id_length`` (at least 23: 84
+        bits left), never one a session holds. No counter and no clock in it: one
+        assigned ID must not tell another client's."""
+        limit = self.settings.mqtt.max_client_id_length
+        while True:
+            client_id = f"devicemq-{secrets.token_urlsafe(24)}"[:limit]
+            if client_id not in self.sessions:
+                return client_id
 
     def open_session(
         self,
@@ -289,25 +319,52 @@ class Broker:
             self.persistent_path.session_ended(session)
         self._detached.discard(session)
         self.acl.forget(session.client_id)
+        if session.retained_sender is not None:
+            session.retained_sender.cancel()
+            session.retained_sender = None
         if session.pending_will is not None:
             will, session.pending_will = session.pending_will, None
             self.publish_will(will)
 
     def publish_will(self, will: WillMessage) -> None:
-        """Publish a will; its expiry interval starts now (spec 3.1.3.2.4)."""
+        """Publish a will; its expiry interval starts now (spec 3.1.3.2.4).
+
+        The ACL is asked again: it may have been reloaded since CONNECT, and a
+        will whose topic its client may no longer write is dropped.
+        """
         message = will.message
+        acl = self.acl
+        if acl.active and not acl.can_publish(will.client_id, will.username, message.topic):
+            self.stats.drop("will_not_authorized")
+            log.info(
+                "will of %s on %r not published: the ACL no longer allows it",
+                will.client_id,
+                message.topic,
+            )
+            return
         if will.expiry_interval is not None:
             message = replace(message, expires_at=self.clock() + will.expiry_interval)
         if message.retain:
-            self.retained.store(message)
+            over = self.retained.over_limit(message)
+            if over is None:
+                self.retained.store(message)
+            else:  # still published, not kept
+                self.stats.drop(over)
+                log.info("will of %s on %r not retained: %s", will.client_id, message.topic, over)
         self.dispatch(self.resolve(message), _ignore_stored)
 
     def tick(self) -> None:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
+        self.refusal_log.flush(now)
         for conn in list(self.connections):
             conn.check_timeouts(now)
+            session = conn.session
+            if session is not None and session.retained_sender:
+                session.retained_sender.resume()  # in case nothing else woke it
         for session in list(self._detached):
+            if session.retained_sender:
+                session.retained_sender.resume()  # its connection went while it waited
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
                 if will is not None:
@@ -323,54 +380,94 @@ class Broker:
 
         A client whose subscriptions overlap gets one copy at the highest
         granted QoS carrying every matching subscription identifier; each
-        shared group gives the message to one member (MQTT-4.8.2).
+        shared group gives the message to one member (MQTT-4.8.2), chosen
+        among the members whose ACL lets them read the topic.
         """
         match = self.subscriptions.match(message.topic)
         by_client: dict[str, Delivery] = {}
+        more_ids: dict[str, list[int]] = {}  # a client's further subscription ids
         origin = message.origin
+        message_qos = message.qos
         for entry in match.entries:
-            if entry.no_local and entry.client_id == origin:
+            client_id = entry.client_id
+            if entry.no_local and client_id == origin:
                 continue  # MQTT-3.8.3-3
-            qos = entry.qos if entry.qos < message.qos else message.qos
-            retain = message.retain and entry.retain_as_published
-            delivery = by_client.get(entry.client_id)
+            qos = entry.qos if entry.qos < message_qos else message_qos
+            delivery = by_client.get(client_id)
             if delivery is None:
+                retain = message.retain and entry.retain_as_published
                 ids = (entry.subscription_id,) if entry.subscription_id else ()
-                by_client[entry.client_id] = Delivery(message, qos, retain, ids)
-            else:
-                delivery.qos = max(delivery.qos, qos)
-                delivery.retain = delivery.retain or retain
-                if entry.subscription_id:
-                    delivery.subscription_ids += (entry.subscription_id,)
+                by_client[client_id] = Delivery(message, qos, retain, ids)
+                continue
+            # The same client by another of its filters: one copy, merged in
+            # constant time per filter (ids collected in a list, not tuple copies).
+            if qos > delivery.qos:
+                delivery.qos = qos
+            if entry.retain_as_published and message.retain:
+                delivery.retain = True
+            if entry.subscription_id:
+                extra = more_ids.get(client_id)
+                if extra is None:
+                    extra = more_ids[client_id] = []
+                extra.append(entry.subscription_id)
+        for client_id, extra in more_ids.items():
+            delivery = by_client[client_id]
+            delivery.subscription_ids = (*delivery.subscription_ids, *extra)
         sessions = self.sessions
+        may_receive: Callable[[str], bool] | None = None
         if self.acl.active:  # a client whose ACL denies reading the topic gets nothing
             can_receive, topic = self.acl.can_receive, message.topic
             for cid in [cid for cid in by_client if not can_receive(cid, topic)]:
                 del by_client[cid]
                 self.stats.drop("not_authorized_receive")
+
+            def may_receive(client_id: str) -> bool:
+                return can_receive(client_id, topic)
+
         targets = [(sessions[cid], delivery) for cid, delivery in by_client.items()]
         for group in match.groups:
-            member = group.pick(self._is_online)
-            if (
-                member is not None
-                and self.acl.active
-                and not self.acl.can_receive(member.client_id, message.topic)
-            ):
+            # A shared group picks among the members the ACL lets read the topic.
+            member = group.pick(self._is_online, may_receive)
+            if member is None:
                 self.stats.drop("not_authorized_receive")
-                member = None
-            if member is not None:
+            else:
                 qos = member.qos if member.qos < message.qos else message.qos
                 ids = (member.subscription_id,) if member.subscription_id else ()
                 retain = message.retain and member.retain_as_published
                 targets.append((sessions[member.client_id], Delivery(message, qos, retain, ids)))
         return targets
 
-    def dispatch(
-        self, targets: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+    def send_retained(
+        self, session: Session, topic_filter: str, qos: int, subscription_ids: tuple[int, ...]
     ) -> None:
-        """Deliver in memory, or through the persistent path for persistent sessions."""
+        """Send ``session`` the retained messages of a granted subscription, a chunk per
+        event-loop iteration (:class:`~broker.retained.RetainedSender`)."""
+        sender = session.retained_sender
+        if sender is None:
+            sender = session.retained_sender = RetainedSender(self, session)
+        sender.add(topic_filter, qos, subscription_ids)
+
+    def resume_retained(self, session: Session) -> None:
+        """The session's socket or queue drained: its retained messages may go on."""
+        if session.retained_sender:
+            session.retained_sender.resume()
+
+    def dispatch(
+        self,
+        targets: Sequence[tuple[Session, Delivery]],
+        on_stored: StoredCallback,
+        retained: bool = False,
+    ) -> None:
+        """Deliver in memory, or through the persistent path for persistent sessions.
+
+        ``retained``: these are retained messages sent on subscribe; anything
+        else is live, and supersedes a retained message of its topic that the
+        session has yet to be sent.
+        """
         persistent = []
         for session, delivery in targets:
+            if not retained and session.retained_sender:
+                session.retained_sender.live(delivery.message.topic)
             if session.durable and delivery.qos > 0:
                 persistent.append((session, delivery))
             else:

@@ -12,7 +12,9 @@ websocket      TCP          WebSocket  8083
 websocket_tls  TLS          WebSocket  8084
 ============== ============ ========== ==============================
 
-Both TLS listeners use the certificates of the ``tls`` section. All of them
+Both TLS listeners use the certificates of the ``tls`` section. A listener
+without a ``host`` listens on 127.0.0.1 only unless authentication is
+configured (:func:`effective_host`, SECURITY.md "Defaults"). All of them
 feed the same :class:`~broker.connection.MQTTConnection` and session layer;
 the WebSocket ones go through :mod:`broker.websocket` first.
 
@@ -32,7 +34,14 @@ from pathlib import Path
 
 from broker.config import ConfigError, Settings, TlsSettings
 
-__all__ = ["Framing", "ListenerSpec", "build_ssl_context", "listener_specs"]
+__all__ = [
+    "Framing",
+    "ListenerSpec",
+    "authentication_configured",
+    "build_ssl_context",
+    "effective_host",
+    "listener_specs",
+]
 
 
 class Framing(Enum):
@@ -111,8 +120,30 @@ def _readable(path: str, name: str) -> None:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}", name=name) from None
 
 
+LOOPBACK = "127.0.0.1"
+EVERYWHERE = "0.0.0.0"
+
+
+def authentication_configured(settings: Settings) -> bool:
+    """Whether clients must prove who they are: a password file or certificate identities."""
+    auth = settings.auth
+    return bool(auth.password_file) or auth.use_identity_as_username
+
+
+def effective_host(settings: Settings, host: str) -> str:
+    """A listener's address: ``host`` if one is configured; otherwise (empty, the
+    default) every interface when authentication is configured and this machine
+    only (127.0.0.1) when it is not, as Mosquitto 2 does: a broker that lets
+    anyone in is not put on the network unless someone asked for it."""
+    if host:
+        return host
+    return EVERYWHERE if authentication_configured(settings) else LOOPBACK
+
+
 def listener_specs(settings: Settings) -> list[ListenerSpec]:
-    """The enabled listeners, TLS contexts built (once, shared by both TLS listeners)."""
+    """The enabled listeners, TLS contexts built (once, shared by both TLS listeners).
+
+    Hosts are resolved (:func:`effective_host`)."""
     specs: list[ListenerSpec] = []
     context: ssl.SSLContext | None = None
 
@@ -122,19 +153,24 @@ def listener_specs(settings: Settings) -> list[ListenerSpec]:
             context = build_ssl_context(settings.tls)
         return context
 
+    def host(configured: str) -> str:
+        return effective_host(settings, configured)
+
     if settings.listener.enabled:
         plain = settings.listener
-        specs.append(ListenerSpec("listener", plain.host, plain.port, Framing.MQTT))
+        specs.append(ListenerSpec("listener", host(plain.host), plain.port, Framing.MQTT))
     if settings.tls.enabled:
         tls = settings.tls
-        specs.append(ListenerSpec("tls", tls.host, tls.port, Framing.MQTT, tls_context()))
+        specs.append(ListenerSpec("tls", host(tls.host), tls.port, Framing.MQTT, tls_context()))
     if settings.websocket.enabled:
         ws = settings.websocket
-        specs.append(ListenerSpec("websocket", ws.host, ws.port, Framing.WEBSOCKET))
+        specs.append(ListenerSpec("websocket", host(ws.host), ws.port, Framing.WEBSOCKET))
     if settings.websocket_tls.enabled:
         wss = settings.websocket_tls
         specs.append(
-            ListenerSpec("websocket_tls", wss.host, wss.port, Framing.WEBSOCKET, tls_context())
+            ListenerSpec(
+                "websocket_tls", host(wss.host), wss.port, Framing.WEBSOCKET, tls_context()
+            )
         )
     if not specs:
         raise ConfigError(

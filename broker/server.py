@@ -16,17 +16,19 @@ import contextlib
 import functools
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from broker.config import ConfigError, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
-from broker.listeners import Framing, listener_specs
+from broker.limits import TokenBucket, source_key
+from broker.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
 from broker.packets import ReasonCode
+from broker.websocket import CLOSE_POLICY_VIOLATION, WebSocketServer, WsState
 from broker.websocket import Closed as WsClosed
 from broker.websocket import Data as WsData
-from broker.websocket import WebSocketServer, WsState
 
 if TYPE_CHECKING:
     from broker.metrics import MetricsServer
@@ -59,8 +61,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=high, low=high // 4)
         peer = transport.get_extra_info("peername")
         label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        source = source_key(str(peer[0])) if isinstance(peer, tuple) else label
         self.conn = MQTTConnection(
-            self.server.broker, label, self.server.schedule_flush, self._input_flow
+            self.server.broker, label, self.server.schedule_flush, self._input_flow, source=source
         )
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:
@@ -118,6 +121,7 @@ class MQTTProtocol(asyncio.Protocol):
         session = self.conn.session
         if session is not None:
             session.outflow.pump()
+            self.server.broker.resume_retained(session)
 
 
 class WebSocketProtocol(MQTTProtocol):
@@ -131,13 +135,25 @@ class WebSocketProtocol(MQTTProtocol):
     def __init__(self, server: BrokerServer, listener: str = "websocket") -> None:
         super().__init__(server, listener)
         self.ws = WebSocketServer()
+        # websocket.max_frame_rate: frames cost per frame, whatever they carry, so
+        # a peer sending tiny frames is charged for them and closed when over.
+        rate = server.settings.websocket.max_frame_rate
+        self.frame_bucket = TokenBucket(rate, time.monotonic()) if rate > 0 else None
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
         transport = self.transport
         if conn is None or transport is None:
             return
-        for event in self.ws.receive_data(data):
+        ws = self.ws
+        bucket = self.frame_bucket
+        if bucket is None:
+            events = ws.receive_data(data)
+        else:
+            before = ws.frames
+            events = ws.receive_data(data, max(0, int(bucket.available(time.monotonic()))))
+            bucket.spend(ws.frames - before)
+        for event in events:
             if isinstance(event, WsData):
                 conn.receive_data(event.data)
             elif isinstance(event, WsClosed):
@@ -145,7 +161,12 @@ class WebSocketProtocol(MQTTProtocol):
                     log.debug("websocket %s closed: %s %s", conn.peer, event.code, event.reason)
                 else:
                     log.info("websocket %s failed: %s %s", conn.peer, event.code, event.reason)
-                    failed = "protocol_error" if self.ws.path is not None else "handshake"
+                    if event.code == CLOSE_POLICY_VIOLATION:
+                        failed = "frame_rate"
+                    elif ws.path is not None:
+                        failed = "protocol_error"
+                    else:
+                        failed = "handshake"
                     self.server.broker.stats.reject(f"websocket_{failed}")
                 conn.connection_lost()  # no DISCONNECT came: the will is due
         out = self.ws.data_to_send()
@@ -189,6 +210,7 @@ class BrokerServer:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.broker.call_soon = self._loop.call_soon  # long work goes a chunk per iteration
         specs = listener_specs(self.settings)  # ConfigError before any socket is bound
         timeout = self.settings.mqtt.connect_timeout
         try:
@@ -217,7 +239,33 @@ class BrokerServer:
             for server in self._servers:
                 server.close()
             raise
+        self._say_where(specs)
         self._ticker = asyncio.create_task(self._tick_forever())
+
+    def _say_where(self, specs: list[ListenerSpec]) -> None:
+        """One clear line when a listener's address was chosen for lack of one."""
+        sections = {
+            "listener": self.settings.listener.host,
+            "tls": self.settings.tls.host,
+            "websocket": self.settings.websocket.host,
+            "websocket_tls": self.settings.websocket_tls.host,
+        }
+        chosen = [spec.name for spec in specs if not sections[spec.name]]
+        if not chosen:
+            return
+        if authentication_configured(self.settings):
+            log.info(
+                "listening on every interface: authentication is configured "
+                "(set %s to choose the address)",
+                ", ".join(f"{name}.host" for name in chosen),
+            )
+        else:
+            log.warning(
+                "no authentication configured: listening on 127.0.0.1 only, like Mosquitto 2; "
+                "set auth.password_file to accept clients from the network, or set %s "
+                "explicitly (SECURITY.md)",
+                " / ".join(f"{name}.host" for name in chosen),
+            )
 
     async def stop(self) -> None:
         """Stop accepting, tell every client the server is going away, flush, close."""

@@ -16,6 +16,7 @@ from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
     from broker.connection import MQTTConnection, WillMessage
+    from broker.retained import RetainedSender
 
 NEVER_EXPIRES = 0xFFFFFFFF
 
@@ -49,6 +50,8 @@ class Session:
         self.generation = 0
         # The user the session belongs to (auth.session_owner), None: not bound.
         self.owner: str | None = None
+        # Retained messages still to be sent after a SUBSCRIBE (broker/retained.py).
+        self.retained_sender: RetainedSender | None = None
 
     @property
     def persistent(self) -> bool:

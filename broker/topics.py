@@ -124,22 +124,38 @@ class SharedGroup:
         default=0, init=False, repr=False, compare=False
     )  # index of the member whose turn it is
 
-    def pick(self, is_available: Callable[[str], bool]) -> SubscriptionEntry | None:
-        """The next member in round robin, skipping members whose client is not available.
+    def pick(
+        self,
+        is_available: Callable[[str], bool],
+        may_receive: Callable[[str], bool] | None = None,
+    ) -> SubscriptionEntry | None:
+        """The next member in round robin that may receive the message and is available.
 
-        If no member is available the one whose turn it is still gets the
-        message (its session may queue it) so the group does not drop it.
+        ``may_receive`` (the ACL's read decision for this message's topic) rules
+        members out: a member the ACL keeps from the topic is skipped, never
+        chosen and then dropped, so the message goes to a member that may read
+        it (issue 19). Among the members that may, the first available one in
+        turn gets it; if none is available, the first of them in turn still
+        does (its session may queue it) so the group does not drop it. None
+        only when no member may receive the message.
         """
         count = len(self.members)
         if not count:
             return None
         start = self._next % count
-        chosen = start
+        chosen = None
         for offset in range(count):
             index = (start + offset) % count
-            if is_available(self.members[index].client_id):
+            client_id = self.members[index].client_id
+            if may_receive is not None and not may_receive(client_id):
+                continue
+            if is_available(client_id):
                 chosen = index
                 break
+            if chosen is None:
+                chosen = index
+        if chosen is None:
+            return None
         self._next = chosen + 1
         return self.members[chosen]
 

@@ -31,6 +31,9 @@ Rules enforced (the close code sent when broken):
   valid code (1002) and UTF-8 reason (1007).
 - ping is answered with pong (same payload); pong is ignored; close is
   answered with close (the peer's code) and ends the connection.
+- frames per call: at most the caller's budget (1008), see
+  :meth:`WebSocketServer.receive_data`. The data of all frames one call
+  completes is handed over as one :class:`Data` event.
 """
 
 from __future__ import annotations
@@ -184,6 +187,9 @@ class WebSocketServer:
         self._in_frame = False
         self._control = bytearray()  # payload of a control frame being read
         self._fragmented = False  # inside a message whose last frame has not come
+        self._pieces: list[bytes] = []  # data payloads of this receive_data call
+        self.frames = 0  # frame headers read so far, for the caller's frame budget
+        self._frame_budget: int | None = None
 
     # -- output -----------------------------------------------------------------------
 
@@ -208,7 +214,14 @@ class WebSocketServer:
 
     # -- input ------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> list[Event]:
+    def receive_data(self, data: bytes, max_frames: int | None = None) -> list[Event]:
+        """Events for ``data``. The data payloads of all the frames it completes come
+        as one :class:`Data` event (joined once: many small frames cost one MQTT
+        feed, not one each). ``max_frames`` is how many frame headers this call
+        may read: beyond it the connection fails with 1008 Policy Violation, so
+        a peer that sends tiny frames is stopped by its frame rate
+        (``websocket.max_frame_rate``), not by the time it costs."""
+        self._frame_budget = max_frames
         events: list[Event] = []
         if self.state is WsState.CLOSED:
             return events
@@ -237,9 +250,17 @@ class WebSocketServer:
         try:
             self._frames(data, events)
         except _Failure as failure:
+            self._flush_data(events)
             self.close(failure.code, failure.reason)
             events.append(Closed(failure.code, failure.reason))
+        self._flush_data(events)
         return events
+
+    def _flush_data(self, events: list[Event]) -> None:
+        pieces = self._pieces
+        if pieces:
+            events.append(Data(pieces[0] if len(pieces) == 1 else b"".join(pieces)))
+            pieces.clear()
 
     # -- the handshake ----------------------------------------------------------------
 
@@ -344,7 +365,7 @@ class WebSocketServer:
             if self._opcode >= OP_CLOSE:
                 self._control += payload
             elif payload:
-                events.append(Data(payload))
+                self._pieces.append(payload)
             if self._left == 0:
                 self._frame_done(events)
         if pos < end and self.state is WsState.OPEN:
@@ -355,6 +376,9 @@ class WebSocketServer:
         end = len(view)
         if end - pos < 2:
             return None
+        budget = self._frame_budget
+        if budget is not None and budget <= 0:
+            raise _Failure(CLOSE_POLICY_VIOLATION, "too many frames")
         b0, b1 = view[pos], view[pos + 1]
         n = b1 & 0x7F
         need = 2 + (2 if n == 126 else 8 if n == 127 else 0) + 4
@@ -387,6 +411,9 @@ class WebSocketServer:
             (n,) = struct.unpack_from("!Q", view, pos + 2)
             if n >> 63:
                 raise _Failure(CLOSE_PROTOCOL_ERROR, "frame length has the top bit set")
+        self.frames += 1
+        if budget is not None:
+            self._frame_budget = budget - 1
         self._mask = bytes(view[pos + need - 4 : pos + need])
         self._opcode = opcode
         self._fin = fin
@@ -404,6 +431,7 @@ class WebSocketServer:
         if opcode == OP_PING:
             self._out.append(encode_frame(OP_PONG, bytes(self._control)))
         elif opcode == OP_CLOSE:
+            self._flush_data(events)  # what came before the close comes first
             payload = bytes(self._control)
             code, reason = CLOSE_NORMAL, ""
             if len(payload) == 1:

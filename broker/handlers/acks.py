@@ -14,6 +14,8 @@ def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
     assert conn.session is not None
     if not conn.session.outflow.acknowledge(packet.packet_id):
         log.debug("client %s: PUBACK for unknown id %d", conn.client_id, packet.packet_id)
+    elif conn.session.retained_sender:
+        conn.broker.resume_retained(conn.session)  # its queue shrank
 
 
 def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
@@ -34,3 +36,5 @@ def handle_pubcomp(conn: MQTTConnection, packet: PubComp) -> None:
     assert conn.session is not None
     if not conn.session.outflow.completed(packet.packet_id):
         log.debug("client %s: PUBCOMP for unknown id %d", conn.client_id, packet.packet_id)
+    elif conn.session.retained_sender:
+        conn.broker.resume_retained(conn.session)  # its queue shrank

@@ -28,19 +28,30 @@ _V3_RETURN_CODES = {
 
 
 class ConnectRefused(Exception):
-    """The CONNECT is well formed but cannot be accepted: answer CONNACK ``reason``."""
+    """The CONNECT is well formed but cannot be accepted: answer CONNACK ``reason``.
 
-    def __init__(self, reason: ReasonCode, message: str) -> None:
+    ``counter`` is the rejected-connections reason it is counted under
+    (default: the reason code's name), to tell limits sharing a code apart.
+    """
+
+    def __init__(self, reason: ReasonCode, message: str, counter: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.counter = counter or reason.name.lower()
 
 
 def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         raise MQTTError(ReasonCode.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
     conn.protocol_level = packet.protocol_level
-    if not conn.broker.connect_allowed():  # mqtt.max_connection_rate, before any password work
-        _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, "connection rate"))
+    # mqtt.max_connection_rate_per_source, then mqtt.max_connection_rate: before any
+    # password work, and one address cannot use up the broker-wide rate.
+    over = conn.broker.connect_allowed(conn.source)
+    if over is not None:
+        limit = (
+            "its address's connection rate" if over.endswith("per_source") else "connection rate"
+        )
+        _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, limit, over))
         return
     # Authentication may hash a password in a worker thread: whatever the
     # client sends meanwhile waits in the connection until CONNACK is decided.
@@ -50,18 +61,28 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
         packet.password,
         conn.peer_certificate,
         lambda result: _authenticated(conn, packet, result),
+        conn.source,
+        lambda: conn.state is ConnectionState.AWAITING_CONNECT,
     )
 
 
 def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) -> None:
+    refusal = None
+    if not result.ok:
+        who = f"client {packet.client_id!r}" + (
+            f" user {packet.username!r}" if packet.username is not None else ""
+        )
+        refusal = ConnectRefused(result.reason, f"{who}: {result.message}", result.counter)
     if conn.state is not ConnectionState.AWAITING_CONNECT:
-        return  # the socket closed (or timed out) while the password was checked
+        # The socket closed (or timed out) while the password was checked, or
+        # before it was: nobody to answer, but a failed attempt is still counted
+        # and logged like any other (SECURITY.md: every failure is).
+        if refusal is not None:
+            _count_refusal(conn, refusal, " (the client was gone)")
+        return
     try:
-        if not result.ok:
-            who = f"client {packet.client_id!r}" + (
-                f" user {packet.username!r}" if packet.username is not None else ""
-            )
-            raise ConnectRefused(result.reason, f"{who}: {result.message}")
+        if refusal is not None:
+            raise refusal
         conn.username = result.username
         _accept(conn, packet)
     except ConnectRefused as refusal:
@@ -89,7 +110,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
     if len(client_id.encode()) > mqtt.max_client_id_length:  # a length in bytes
         raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "client id too long")
 
-    will = _will(conn, packet)
+    will = _will(conn, packet, client_id)
     acl = broker.acl
     if will is not None and not acl.can_publish(client_id, conn.username, will.message.topic):
         raise ConnectRefused(ReasonCode.NOT_AUTHORIZED, f"will topic {will.message.topic!r} denied")
@@ -187,7 +208,7 @@ def _opened(
     conn.release_input()
 
 
-def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
+def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage | None:
     will = packet.will
     if will is None:
         return None
@@ -218,12 +239,20 @@ def _will(conn: MQTTConnection, packet: Connect) -> WillMessage | None:
         origin=packet.client_id or None,
         properties=forwarded,
     )
-    return WillMessage(message, delay, expiry_interval)
+    return WillMessage(message, delay, expiry_interval, client_id, conn.username)
+
+
+def _count_refusal(conn: MQTTConnection, refusal: ConnectRefused, note: str = "") -> None:
+    """Every refusal is counted; its log line goes through the rate-limited log."""
+    broker = conn.broker
+    broker.stats.reject(refusal.counter)
+    broker.refusal_log.log(
+        broker.clock(), logging.INFO, "connection from %s refused: %s%s", conn.peer, refusal, note
+    )
 
 
 def _refuse(conn: MQTTConnection, refusal: ConnectRefused) -> None:
-    log.info("connection from %s refused: %s", conn.peer, refusal)
-    conn.broker.stats.reject(refusal.reason.name.lower())
+    _count_refusal(conn, refusal)
     if conn.is_v5:
         conn.send(ConnAck(False, refusal.reason))
     elif refusal.reason in _V3_RETURN_CODES:

@@ -68,6 +68,12 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
         expires_at=now + expiry if expiry is not None else None,
     )
     if packet.retain:
+        over = broker.retained.over_limit(message)
+        if over is not None:
+            # mqtt.max_retained_*: the PUBLISH is refused, like one the ACL denies
+            # (MQTT 5 QoS 1/2: 0x97 Quota exceeded; else acknowledged and dropped).
+            _denied(conn, session, packet, topic, ReasonCode.QUOTA_EXCEEDED, over)
+            return
         broker.retained.store(message)
     targets = broker.resolve(message)
     if qos == 0:
@@ -183,7 +189,8 @@ def _denied(
 ) -> None:
     """The ACL forbids this client to publish on ``topic``: drop it (spec 3.3.4).
 
-    Also a topic beyond mqtt.max_topic_length/levels (``reason_v5`` 0x90).
+    Also a topic beyond mqtt.max_topic_length/levels (``reason_v5`` 0x90), and
+    a retained message over mqtt.max_retained_* (0x97 Quota exceeded).
 
     MQTT 5 says so in the PUBACK/PUBREC (0x87 Not authorized, which ends a
     QoS 2 flow). 3.1.1 has no way to say it: the message is acknowledged as

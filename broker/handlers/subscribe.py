@@ -8,7 +8,6 @@ from collections.abc import Callable
 from broker.connection import MQTTConnection
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
-from broker.message import Delivery
 from broker.packets import (
     ReasonCode,
     SubAck,
@@ -37,8 +36,9 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             )
         subscription_id = properties.subscription_identifiers[0]
     reason_codes: list[int] = []
-    retained: list[Delivery] = []
-    now = broker.clock()
+    # Retained messages to send after SUBACK: (filter, granted QoS), each filter once.
+    retained: dict[str, int] = {}
+    ids = (subscription_id,) if subscription_id else ()
     for request in packet.subscriptions:
         refusal = _refusal(conn, request)
         if refusal is None and not broker.acl.can_subscribe(
@@ -74,23 +74,23 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             broker.cluster.subscribed(session, entry)
         reason_codes.append(qos)
         # Retained messages: not for a new shared subscription (spec 4.8.2),
-        # and as Retain Handling says (MQTT-3.3.1-9, -10, -11).
+        # and as Retain Handling says (MQTT-3.3.1-9, -10, -11). A filter
+        # repeated in this packet replaces its subscription each time, but its
+        # retained messages are sent once: repeating it cannot multiply work.
         if entry.share_group is None and (
             request.retain_handling == 0 or (request.retain_handling == 1 and is_new)
         ):
-            ids = (subscription_id,) if subscription_id else ()
-            acl = broker.acl
-            for message in broker.retained.matching(request.topic_filter, now):
-                if acl.active and not acl.can_receive(conn.client_id, message.topic):
-                    continue
-                retained.append(Delivery(message, min(message.qos, qos), True, ids))
+            retained[request.topic_filter] = qos
 
     def saved(ok: bool) -> None:
         # A durable session's subscriptions are stored before SUBACK promises them.
         codes = reason_codes if ok else [_failed(code) for code in reason_codes]
         conn.send(SubAck(packet.packet_id, codes))
-        if ok and retained:
-            broker.dispatch([(session, d) for d in retained], _no_ack)
+        if ok:
+            # Sent a chunk per event-loop iteration, after the SUBACK
+            # (broker/retained.py RetainedSender); the ACL is asked per message.
+            for topic_filter, granted in retained.items():
+                broker.send_retained(session, topic_filter, granted, ids)
 
     _after_save(conn, saved)
 
@@ -148,7 +148,3 @@ def _after_save(conn: MQTTConnection, answer: Callable[[bool], None]) -> None:
 
 def _failed(code: int) -> int:
     return code if code >= 0x80 else ReasonCode.UNSPECIFIED_ERROR
-
-
-def _no_ack(ok: bool) -> None:
-    """Retained messages sent on subscribe have no publisher waiting."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,14 @@ class ComposeBroker:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def credentials(self) -> dict[str, str]:
+        """The compose deployment's first user, as Paho keyword arguments."""
+        return {
+            "username": self.env["DEVICEMQ_AUTH_INITIAL_USER"],
+            "password": self.env["DEVICEMQ_AUTH_INITIAL_PASSWORD"],
+        }
+
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` (with those labels) in a /metrics scrape."""
         status, text = http_get(self.url("/metrics"))
@@ -107,13 +116,38 @@ class ComposeBroker:
                 self.proc.wait(5)
 
 
+# What an operator exports before `docker compose up` (README, docker-compose.yml).
+COMPOSE_VARIABLES = {"DEVICEMQ_PASSWORD": "deploy-test-password"}
+
+_COMPOSE_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(value: str, variables: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` (the subset
+    the compose file uses), as ``docker compose`` would expand them."""
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        value = variables.get(name)
+        if value is not None and (value or not (op or "").startswith(":")):
+            return value
+        if op is not None and op.endswith("?"):
+            raise AssertionError(f"compose would refuse to start: {name}: {arg}")
+        return arg or ""
+
+    return _COMPOSE_VAR.sub(sub, value)
+
+
 def compose_env_for_test(redis_port: int, bootstrap: str, data_dir: Path) -> dict[str, str]:
-    """The devicemq service's environment with in-network names swapped for local ones."""
+    """The devicemq service's environment with in-network names swapped for local ones,
+    compose variables expanded as with :data:`COMPOSE_VARIABLES` exported."""
     env = service_environment("devicemq")
     swapped = {}
     for key, value in env.items():
+        value = interpolate(value, COMPOSE_VARIABLES)
         value = value.replace("redis:6379", f"127.0.0.1:{redis_port}")
         value = value.replace("kafka:9092", bootstrap)
+        value = value.replace("/var/lib/devicemq", str(data_dir))
         swapped[key] = value
     swapped["DEVICEMQ_LISTENER_PORT"] = str(free_port())
     swapped["DEVICEMQ_METRICS_PORT"] = str(free_port())

@@ -30,8 +30,9 @@ def test_logs_are_json_lines(compose_broker: ComposeBroker) -> None:
 
 def test_persistent_round_trip(compose_broker: ComposeBroker) -> None:
     topic = f"deploy/{uuid.uuid4().hex[:8]}/t"
-    device = Paho(compose_broker, f"deploy-dev-{uuid.uuid4().hex[:6]}", V311)
-    publisher = Paho(compose_broker, f"deploy-pub-{uuid.uuid4().hex[:6]}", V311)
+    login = compose_broker.credentials  # authentication is on in the compose deployment
+    device = Paho(compose_broker, f"deploy-dev-{uuid.uuid4().hex[:6]}", V311, **login)
+    publisher = Paho(compose_broker, f"deploy-pub-{uuid.uuid4().hex[:6]}", V311, **login)
     try:
         assert device.connect(clean_start=False).reason_code == 0
         assert device.subscribe(topic, 1) == [1]
@@ -59,6 +60,17 @@ def test_persistent_round_trip(compose_broker: ComposeBroker) -> None:
     assert compose_broker.metric("devicemq_kafka_produce_duration_seconds_count") >= 1
     assert compose_broker.metric("devicemq_redis_script_duration_seconds_count") >= 1
     assert compose_broker.metric("devicemq_kafka_records_consumed_total") >= 1
+
+
+def test_anonymous_clients_are_refused(compose_broker: ComposeBroker) -> None:
+    """Authentication is on in the compose deployment from its first start."""
+    anonymous = Paho(compose_broker, f"deploy-anon-{uuid.uuid4().hex[:6]}", V311)
+    try:
+        assert anonymous.connect().reason_code != 0
+    finally:
+        anonymous.close()
+    assert "created " in compose_broker.log() and "auth.initial_user" in compose_broker.log()
+    assert compose_broker.env["DEVICEMQ_AUTH_INITIAL_PASSWORD"] not in compose_broker.log()
 
 
 def test_metrics_follow_prometheus_conventions(compose_broker: ComposeBroker) -> None:

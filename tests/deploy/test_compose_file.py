@@ -13,7 +13,14 @@ import pytest
 import yaml
 
 from broker.config import load_settings, setting_specs
-from tests.deploy.conftest import COMPOSE_FILE, REPO, compose, service_environment
+from tests.deploy.conftest import (
+    COMPOSE_FILE,
+    COMPOSE_VARIABLES,
+    REPO,
+    compose,
+    interpolate,
+    service_environment,
+)
 
 GRAFANA = REPO / "config" / "grafana"
 
@@ -52,6 +59,23 @@ def test_devicemq_is_configured_only_through_its_environment() -> None:
     assert settings.log.format == "json"
     assert settings.listener.host == "0.0.0.0"
     assert settings.metrics.enabled and settings.metrics.host == "0.0.0.0"
+
+
+def test_devicemq_starts_with_authentication_on() -> None:
+    """Issue 19 (secure by default): the compose deployment publishes MQTT on the
+    host, so it must not start open. The password file is created at the first
+    start from DEVICEMQ_USER / DEVICEMQ_PASSWORD, and compose itself refuses to
+    start without DEVICEMQ_PASSWORD."""
+    env = service_environment("devicemq")
+    assert env["DEVICEMQ_AUTH_PASSWORD_FILE"] == "/var/lib/devicemq/passwd"
+    assert "DEVICEMQ_AUTH_ALLOW_ANONYMOUS" not in env  # auto: refused once a file is set
+    with pytest.raises(AssertionError, match="refuse to start: DEVICEMQ_PASSWORD"):
+        interpolate(env["DEVICEMQ_AUTH_INITIAL_PASSWORD"], {})
+    expanded = {k: interpolate(v, COMPOSE_VARIABLES) for k, v in env.items()}
+    settings = load_settings(env=expanded)
+    assert settings.auth.initial_user == "devicemq"
+    assert settings.auth.initial_password == COMPOSE_VARIABLES["DEVICEMQ_PASSWORD"]
+    assert interpolate(env["DEVICEMQ_AUTH_INITIAL_USER"], {"DEVICEMQ_USER": "ops"}) == "ops"
 
 
 def test_devicemq_scales() -> None:

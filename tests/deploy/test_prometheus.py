@@ -143,7 +143,9 @@ def test_prometheus_scrapes_devicemq(compose_broker: ComposeBroker, prometheus: 
     prometheus.until(devicemq_target_up, "devicemq target up")
 
     before = compose_broker.metric("devicemq_messages_received_total")
-    client = Paho(compose_broker, f"deploy-prom-{uuid.uuid4().hex[:6]}", V311)
+    client = Paho(
+        compose_broker, f"deploy-prom-{uuid.uuid4().hex[:6]}", V311, **compose_broker.credentials
+    )
     try:
         client.connect()
         for i in range(5):

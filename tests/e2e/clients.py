@@ -83,9 +83,19 @@ class _Waiter:
 class Paho:
     """One paho-mqtt client identity; each ``connect`` is a new network connection."""
 
-    def __init__(self, broker: Any, client_id: str = "", version: int = V5, name: str = "") -> None:
+    def __init__(
+        self,
+        broker: Any,
+        client_id: str = "",
+        version: int = V5,
+        name: str = "",
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
         self.host, self.port = broker.address
         self.client_id = client_id
+        self.username = username
+        self.password = password
         self.version = version
         self.name = name or client_id or "paho"
         self.messages: queue.Queue[mqtt.MQTTMessage] = queue.Queue()
@@ -106,8 +116,13 @@ class Paho:
         will: tuple[str, bytes, int, bool] | None = None,
         will_properties: PahoProperties | None = None,
         timeout: float = TIMEOUT,
+        bind_address: str = "",
     ) -> Connack:
-        """Open a connection and wait for CONNACK (whatever its reason code)."""
+        """Open a connection and wait for CONNACK (whatever its reason code).
+
+        ``bind_address`` is the local address to connect from, e.g. ``127.0.0.2``:
+        any 127.x.y.z is loopback on Linux, so tests can play several sources.
+        """
         self.close()
         v5 = self.version == V5
         client = mqtt.Client(
@@ -123,6 +138,8 @@ class Paho:
         client.on_unsubscribe = self._on_unsubscribe
         client.on_disconnect = self._on_disconnect
         client.on_publish = self._on_publish
+        if self.username is not None:
+            client.username_pw_set(self.username, self.password)
         if will is not None:
             topic, payload, qos, retain = will
             client.will_set(topic, payload, qos, retain, properties=will_properties)
@@ -132,10 +149,15 @@ class Paho:
         self.disconnects = queue.Queue()  # only this connection's ending counts
         if v5:
             client.connect(
-                self.host, self.port, keepalive, clean_start=clean_start, properties=properties
+                self.host,
+                self.port,
+                keepalive,
+                bind_address=bind_address,
+                clean_start=clean_start,
+                properties=properties,
             )
         else:
-            client.connect(self.host, self.port, keepalive)
+            client.connect(self.host, self.port, keepalive, bind_address=bind_address)
         client.loop_start()
         if not waiter.event.wait(timeout):
             self.close()
@@ -375,9 +397,12 @@ class Paho:
 class Raw:
     """A hand-driven MQTT client over a plain socket, using devicemq's codec."""
 
-    def __init__(self, broker: Any, level: int = 5) -> None:
+    def __init__(self, broker: Any, level: int = 5, source: str | None = None) -> None:
+        """``source``: the local address to connect from (any 127.x.y.z on Linux)."""
         self.level = level
-        self.sock = socket.create_connection(broker.address, timeout=TIMEOUT)
+        self.sock = socket.create_connection(
+            broker.address, timeout=TIMEOUT, source_address=(source, 0) if source else None
+        )
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.decoder = PacketDecoder(protocol_level=level)
         self._pending: list[Packet] = []

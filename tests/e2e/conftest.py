@@ -279,8 +279,8 @@ class Clients:
         self._made.append(client)
         return client
 
-    def raw(self, broker: BrokerProcess, level: int = 5) -> Raw:
-        client = Raw(broker, level)
+    def raw(self, broker: BrokerProcess, level: int = 5, source: str | None = None) -> Raw:
+        client = Raw(broker, level, source)
         self._made.append(client)
         return client
 

@@ -15,6 +15,7 @@ from broker.config import AuthSettings, ConfigError, Settings
 from broker.packets import (
     ConnAck,
     Connect,
+    Properties,
     PubAck,
     PubComp,
     PubRec,
@@ -70,11 +71,53 @@ def test_parse_sections_and_access_words() -> None:
     ]
 
 
+def test_inline_comments_one_rule_everywhere() -> None:
+    """Issue 19: ``user alice    # restricted account`` named a user
+    ``alice    # restricted account``, silently leaving alice without rules."""
+    acl = parse_acl(
+        "user alice    # restricted account\n"
+        "topic read alice/#\t# a tab before the comment\n"
+        "topic read #\n"  # a lone '#' ending the line is the filter, not a comment
+        "  # an indented comment line\n"
+        "user a#b   # '#' inside a word is data\n"
+        "topic deny +/#\n"
+    )
+    assert acl.users == {
+        "alice": [Rule(READ, "alice/#"), Rule(READ, "#")],
+        "a#b": [Rule(DENY, "+/#")],
+    }
+    # A '#' after whitespace that ends the line is never silently part of a name or topic.
+    with pytest.raises(AclError, match="line 1: 'devices/%c/# #' is not a valid topic filter"):
+        parse_acl("pattern write devices/%c/# #")
+
+
+def test_security_md_example_loads_and_means_what_it_says() -> None:
+    """The ACL example of SECURITY.md, read from the file itself (it has inline comments)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "SECURITY.md").read_text(encoding="utf-8")
+    match = re.search(r"The format follows Mosquitto's `acl_file`.*?```\n(.*?)```", text, re.S)
+    assert match
+    acl = parse_acl(match.group(1), "SECURITY.md")
+    assert acl.anonymous == [Rule(READ, "public/#")]
+    assert acl.users == {
+        "alice": [
+            Rule(READ | WRITE, "alice/#"),
+            Rule(DENY, "alice/secret/#"),
+            Rule(READ | WRITE, "devices/+/status"),
+        ]
+    }
+    assert acl.patterns == [Rule(WRITE, "devices/%c/#"), Rule(READ, "commands/%c/#")]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("user", "line 1: 'user' needs a user name"),
+        ("user alice #", "line 1: 'alice #' is not a user name"),
+        ("user alice #nope", "line 1: 'alice #nope' is not a user name"),
         ("topic read", "line 1: 'topic' needs a topic"),
+        ("topic read # everything", "line 1: 'topic' needs a topic .* on the line above"),
         ("# x\nallow a/b", "line 2: expected 'user', 'topic' or 'pattern', got 'allow'"),
         ("topic read a/#/b", "not a valid topic filter"),
         ("pattern write a/%c+", "not a valid topic filter"),
@@ -332,6 +375,28 @@ def test_shared_subscription_member_denied(tmp_path: Path) -> None:
     assert payloads(member.read()) == [b"yes"]
 
 
+def test_shared_group_skips_the_member_that_may_not_read(tmp_path: Path) -> None:
+    """Issue 19: the round robin picked bob, whose ACL denies the topic, and the
+    message was dropped although carol, in the same group, may read it."""
+    h = acl_harness(
+        tmp_path,
+        "user carol\ntopic readwrite jobs/#\nuser bob\ntopic read jobs/#\ntopic deny jobs/secret\n",
+    )
+    carol = connected(h, "m1", "carol")
+    bob = connected(h, "m2", "bob")
+    assert suback(carol, "$share/g/jobs/#") == [1]
+    assert suback(bob, "$share/g/jobs/#") == [1]
+    publisher = connected(h, "p", "carol")
+    for i in range(4):
+        publisher.publish("jobs/secret", str(i).encode())
+    assert payloads(carol.read()) == [b"0", b"1", b"2", b"3"]
+    assert bob.read() == []
+    assert "not_authorized_receive" not in h.broker.stats.dropped
+    publisher.publish("jobs/open", b"a")
+    publisher.publish("jobs/open", b"b")
+    assert len(carol.read()) + len(bob.read()) == 2  # both still take turns
+
+
 def test_will_on_a_denied_topic_is_refused(tmp_path: Path) -> None:
     h = acl_harness(tmp_path)
     client = h.client(V5)
@@ -342,6 +407,40 @@ def test_will_on_a_denied_topic_is_refused(tmp_path: Path) -> None:
     ok.send(Connect("c1", username="alice", password=PASSWORD, will=Will("alice/gone", b"x")))
     connack = ok.read_one()
     assert isinstance(connack, ConnAck) and connack.reason_code == 0
+
+
+def test_will_is_checked_again_when_published(tmp_path: Path) -> None:
+    """Issue 19: a will allowed at CONNECT went out after a reload revoked its topic."""
+    h = acl_harness(tmp_path, ACL + "pattern read #\n")
+    watcher = connected(h, "w", "bob")
+    assert suback(watcher, "alice/gone", "alice/later") == [1, 1]
+    client = h.client(V5)
+    client.send(Connect("c1", username="alice", password=PASSWORD, will=Will("alice/gone", b"x")))
+    assert client.read_one().reason_code == 0  # type: ignore[attr-defined]
+    revoked = ACL.replace("topic readwrite alice/#", "topic read alice/#")
+    (tmp_path / "acl").write_text(revoked + "pattern read #\n")
+    h.broker.acl.maybe_reload(force=True)
+    client.conn.connection_lost()  # abnormal end: the will is due
+    assert watcher.read() == []
+    assert h.broker.stats.dropped["will_not_authorized"] == 1
+    # A delayed will is checked when its delay is over, not when it was set.
+    (tmp_path / "acl").write_text(ACL + "pattern read #\n")
+    h.broker.acl.maybe_reload(force=True)
+    later = h.client(V5)
+    will = Will("alice/later", b"y", properties=Properties(will_delay_interval=5))
+    later.send(
+        Connect(
+            "c2",
+            username="alice",
+            password=PASSWORD,
+            will=will,
+            properties=Properties(session_expiry_interval=60),
+        )
+    )
+    assert later.read_one().reason_code == 0  # type: ignore[attr-defined]
+    later.conn.connection_lost()
+    h.advance(6)
+    assert payloads(watcher.read()) == [b"y"]
 
 
 def test_publish_without_acl_is_unchecked(tmp_path: Path) -> None:

@@ -29,7 +29,16 @@ from broker.auth import (
     write_password_file,
 )
 from broker.config import AuthSettings, ConfigError, Settings, load_settings
-from broker.packets import ConnAck, Connect, PingReq, PingResp, SubAck, Subscribe, Subscription
+from broker.packets import (
+    ConnAck,
+    Connect,
+    PingReq,
+    PingResp,
+    ReasonCode,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
 from tests.unit.core_harness import V5, V311, Client, Harness
 
 # One hash for the whole module: each costs ~25 ms.
@@ -96,6 +105,14 @@ def test_parse_password_file() -> None:
     assert parse_password_file(text) == {"alice": ALICE_HASH, "bob": ALICE_HASH}
 
 
+def test_password_file_inline_comments_like_the_acl() -> None:
+    """One comment rule for both files (broker/watched_file.py): a hash followed by
+    `` # note`` is the hash; it used to be the hash *and* the note, so alice could
+    never log in and nothing said why."""
+    text = f"alice:{ALICE_HASH}   # the admin\n   # indented\nbob:{ALICE_HASH}\t# x\n"
+    assert parse_password_file(text) == {"alice": ALICE_HASH, "bob": ALICE_HASH}
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -103,6 +120,8 @@ def test_parse_password_file() -> None:
         (":$argon2id$x", "line 1: expected username:hash"),
         ("# c\nalice:secret", "line 2: the hash of 'alice' is not an argon2 hash"),
         ("alice:$2b$12$bcrypt", "not an argon2 hash"),
+        (f"alice:{ALICE_HASH} #", "line 1: the hash of 'alice' is not an argon2 hash"),
+        (f"al #ice:{ALICE_HASH}", "line 1: 'al #ice': a user name cannot hold ' #'"),
         (f"a:{ALICE_HASH}\na:{ALICE_HASH}", "line 2: 'a' appears twice"),
     ],
 )
@@ -124,7 +143,7 @@ def test_read_password_file_missing(tmp_path: Path) -> None:
         read_password_file(tmp_path / "nope")
 
 
-@pytest.mark.parametrize("name", ["", "a:b", "a\nb", " a", "#a"])
+@pytest.mark.parametrize("name", ["", "a:b", "a\nb", " a", "#a", "a #b", "a\t#"])
 def test_check_username_refuses(name: str) -> None:
     with pytest.raises(ValueError):
         check_username(name)
@@ -421,6 +440,157 @@ def test_socket_closed_while_verifying(tmp_path: Path) -> None:
     runner.finish()  # the late answer is ignored
     assert client.read() == []
     assert "c1" not in h.broker.sessions
+    assert h.broker.stats.connections_rejected == {}  # a right password is no failure
+
+
+def test_failed_check_of_a_closed_client_is_counted_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19: attempts whose client hung up were neither logged nor counted."""
+    h = auth_harness(tmp_path)
+    runner = Runner(deferred=True)
+    h.broker.auth.run_blocking = runner
+    client = h.client(V5)
+    connect(client, "alice", b"guess")
+    client.conn.connection_lost()
+    with caplog.at_level("INFO", "devicemq.connect"):
+        runner.finish()
+    assert h.broker.stats.connections_rejected == {"bad_user_name_or_password": 1}
+    assert "'alice'" in caplog.text and "gone" in caplog.text
+
+
+def queue_harness(tmp_path: Path, **auth: Any) -> tuple[Harness, Runner]:
+    auth.setdefault("verify_threads", 1)
+    h = auth_harness(tmp_path, **auth)
+    runner = Runner(deferred=True)
+    h.broker.auth.run_blocking = runner
+    return h, runner
+
+
+def attempt(h: Harness, source: str, password: bytes = b"guess", level: int = V5) -> Client:
+    client = h.client(level, peer=f"{source}:1")
+    client.conn.source = source
+    connect(client, "alice", password, cid=f"c-{id(client)}")
+    return client
+
+
+def test_password_checks_per_source_are_rate_limited(tmp_path: Path) -> None:
+    h, runner = queue_harness(tmp_path, max_verify_rate_per_source=2)
+    first = [attempt(h, "6.6.6.6") for _ in range(2)]
+    over = attempt(h, "6.6.6.6")
+    assert over.read() == [ConnAck(False, ReasonCode.CONNECTION_RATE_EXCEEDED)]
+    assert runner.calls == 1 and len(h.broker.auth._waiting) == 1  # no hash for it
+    other = attempt(h, "10.0.0.1", ALICE_PW.encode())  # another address: its own budget
+    assert h.broker.auth.pending == 3
+    while runner.pending:
+        runner.finish()
+    assert [c.read() for c in first] == [[ConnAck(False, 0x86)]] * 2
+    assert other.read_one().reason_code == 0  # type: ignore[attr-defined]
+    assert h.broker.stats.connections_rejected == {
+        "auth_rate_exceeded_per_source": 1,
+        "bad_user_name_or_password": 2,
+    }
+    h.advance(0.5)  # one token back
+    attempt(h, "6.6.6.6")
+    assert runner.calls == 4
+
+
+def test_full_queue_answers_server_busy_and_gone_clients_are_not_hashed(tmp_path: Path) -> None:
+    h, runner = queue_harness(tmp_path, max_pending_verifications=2, max_verify_rate_per_source=0)
+    hashing = attempt(h, "1.1.1.1")  # the one thread
+    waiting = [attempt(h, f"2.2.2.{i}") for i in range(2)]  # the queue
+    busy = attempt(h, "3.3.3.3")
+    assert busy.read() == [ConnAck(False, ReasonCode.SERVER_BUSY)] and busy.closed
+    old = attempt(h, "4.4.4.4", level=V311)
+    assert old.read() == [ConnAck(False, 3)]  # 3.1.1: Server unavailable
+    # A waiting client that hangs up frees its place for the next one...
+    waiting[0].conn.connection_lost()
+    late = attempt(h, "5.5.5.5", ALICE_PW.encode())
+    assert late.read() == []  # queued, not refused
+    # ...and is never hashed.
+    while runner.pending:
+        runner.finish()
+    assert runner.calls == 3  # hashing, waiting[1], late
+    assert hashing.read() == [ConnAck(False, 0x86)]
+    assert late.read_one().reason_code == 0  # type: ignore[attr-defined]
+    assert h.broker.stats.connections_rejected == {
+        "server_busy": 2,
+        "auth_abandoned": 1,
+        "bad_user_name_or_password": 2,
+    }
+    assert h.broker.auth.pending == 0
+
+
+def test_client_gone_while_waiting_is_skipped_when_its_turn_comes(tmp_path: Path) -> None:
+    h, runner = queue_harness(tmp_path, max_verify_rate_per_source=0)
+    attempt(h, "1.1.1.1")
+    gone = [attempt(h, "2.2.2.2") for _ in range(5)]
+    for client in gone:
+        client.conn.connection_lost()
+    runner.finish()
+    assert runner.calls == 1 and h.broker.auth.pending == 0
+    assert h.broker.stats.connections_rejected == {
+        "bad_user_name_or_password": 1,
+        "auth_abandoned": 5,
+    }
+
+
+def test_cached_login_needs_no_thread_and_no_token(tmp_path: Path) -> None:
+    h, runner = queue_harness(tmp_path, max_verify_rate_per_source=1, max_pending_verifications=1)
+    first = attempt(h, "7.7.7.7", ALICE_PW.encode())
+    runner.finish()
+    assert first.read_one().reason_code == 0  # type: ignore[attr-defined]
+    attempt(h, "8.8.8.8")  # hashing
+    attempt(h, "8.8.8.9")  # waiting: the queue is full
+    again = attempt(h, "7.7.7.7", ALICE_PW.encode())  # rate used up, queue full: cached
+    assert again.read_one().reason_code == 0  # type: ignore[attr-defined]
+
+
+def test_initial_user_creates_a_missing_password_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docker-compose.yml starts with authentication on: the password file is made
+    from DEVICEMQ_AUTH_INITIAL_USER / _PASSWORD when it does not exist yet."""
+    from broker.config import load_settings
+
+    path = tmp_path / "passwd"
+    env = {
+        "DEVICEMQ_AUTH_PASSWORD_FILE": str(path),
+        "DEVICEMQ_AUTH_INITIAL_USER": "admin",
+        "DEVICEMQ_AUTH_INITIAL_PASSWORD": "s3cret-from-env",
+    }
+    settings = load_settings(env=env)
+    assert "s3cret" not in repr(settings)  # a debug log of the settings does not show it
+    with caplog.at_level("DEBUG"):
+        auth = Authenticator(settings.auth)
+    assert "s3cret" not in caplog.text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "s3cret" not in path.read_text()
+    assert decide(auth, "admin", b"s3cret-from-env").ok
+    assert not auth.allow_anonymous
+    # An existing file is left alone: a changed password in the environment does nothing.
+    changed = dict(env, DEVICEMQ_AUTH_INITIAL_PASSWORD="other")
+    again = Authenticator(load_settings(env=changed).auth)
+    assert decide(again, "admin", b"s3cret-from-env").ok
+    assert not decide(again, "admin", b"other").ok
+
+
+def test_initial_user_without_password_is_a_config_error(tmp_path: Path) -> None:
+    settings = AuthSettings(password_file=str(tmp_path / "pw"), initial_user="admin")
+    with pytest.raises(ConfigError, match=r"auth\.initial_password"):
+        Authenticator(settings)
+    bad = AuthSettings(password_file=str(tmp_path / "pw"), initial_user="a:b", initial_password="x")
+    with pytest.raises(ConfigError, match=r"auth\.initial_user"):
+        Authenticator(bad)
+    assert not (tmp_path / "pw").exists()
+
+
+def test_verify_threads_default_leaves_a_core() -> None:
+    from broker.auth import verify_threads
+
+    cpus = os.cpu_count() or 1
+    assert verify_threads(0) == max(1, min(4, cpus - 1))
+    assert verify_threads(3) == 3
 
 
 def test_connect_timeout_covers_a_slow_verification(tmp_path: Path) -> None:

@@ -225,7 +225,7 @@ def test_port_in_use_is_one_line(
     assert cli.main(["run", "--port", "1999"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
-        "devicemq: error: cannot listen on 0.0.0.0:1999: Address already in use"
+        "devicemq: error: cannot listen on 127.0.0.1:1999: Address already in use"
     )
 
 

@@ -42,7 +42,7 @@ def error_of(path: str | Path | None = None, **kw: object) -> str:
 
 def test_defaults() -> None:
     s = Settings()
-    assert s.listener == ListenerSettings(host="0.0.0.0", port=1883)
+    assert s.listener == ListenerSettings(host="", port=1883)  # "": decided by auth
     assert s.data_dir == "./data"
     assert s.log == LogSettings(level="INFO", format="text")
     m = s.mqtt

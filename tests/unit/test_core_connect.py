@@ -67,6 +67,20 @@ def test_v5_empty_client_id_gets_assigned_client_identifier() -> None:
     assert not c1.closed  # no takeover between the two
 
 
+def test_assigned_identifiers_are_random_and_fit_the_length_limit() -> None:
+    """Issue 19: assigned IDs were ``devicemq-<start ms>-N``, so one told the next."""
+    h = Harness(max_client_id_length=23)
+    ids = [h.broker.assign_client_id() for _ in range(50)]
+    assert len(set(ids)) == 50
+    assert all(i.startswith("devicemq-") and len(i) == 23 for i in ids)
+    assert len({i[9:12] for i in ids}) > 40  # no shared counter or clock prefix
+    c = h.client()
+    ack = c.connect("")
+    assert ack.reason_code == 0 and ack.properties is not None
+    assert len(ack.properties.assigned_client_identifier or "") == 23
+    assert len(Harness().broker.assign_client_id()) == len("devicemq-") + 32
+
+
 def test_v5_client_id_given_means_no_assigned_identifier() -> None:
     ack = Harness().client().connect("mine")
     assert ack.properties is not None

@@ -10,17 +10,30 @@ import socket
 
 import pytest
 
+from broker.codec import encode
 from broker.config import ListenerSettings, MqttSettings, PersistenceSettings, Settings
-from broker.limits import TokenBucket, bucket_or_none, topic_within_limits
+from broker.limits import (
+    LogLimiter,
+    SourceBuckets,
+    TokenBucket,
+    bucket_or_none,
+    source_key,
+    topic_within_limits,
+)
 from broker.packets import (
     ConnAck,
     Connect,
     ConnectReturnCode,
     Disconnect,
+    Properties,
     PubAck,
     Publish,
     PubRec,
     ReasonCode,
+    SubAck,
+    Subscribe,
+    Subscription,
+    Unsubscribe,
     Will,
 )
 from broker.server import BrokerServer
@@ -70,8 +83,67 @@ def test_connection_rate_v5_gets_0x9f_v311_server_unavailable() -> None:
     assert h.client().connect("f", check=False).reason_code == 0x9F
 
 
+def test_source_key() -> None:
+    assert source_key("192.0.2.7") == "192.0.2.7"
+    assert source_key("::ffff:192.0.2.7") == "192.0.2.7"  # IPv4-mapped is the IPv4 address
+    assert source_key("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert source_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"  # same /64, same source
+    assert source_key("fe80::1%eth0") == "fe80::/64"
+    assert source_key("peer") == "peer"
+
+
+def test_source_buckets_are_separate_and_bounded() -> None:
+    buckets = SourceBuckets(2.0, max_sources=3)
+    assert buckets.take("a", 0.0) and buckets.take("a", 0.0)
+    assert not buckets.take("a", 0.0)
+    assert buckets.take("b", 0.0)  # a's bucket is a's alone
+    for name in ("c", "d", "e"):
+        buckets.take(name, 0.0)
+    assert len(buckets) == 3  # least recently used (a, b) dropped
+
+
+def test_log_limiter(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logger = logging.getLogger("test.limiter")
+    limiter = LogLimiter(logger, "refusals", rate=1.0, burst=3.0)
+    with caplog.at_level(logging.INFO, logger="test.limiter"):
+        for i in range(10):
+            limiter.log(0.0, logging.INFO, "refused %d", i)
+        assert [r.getMessage() for r in caplog.records] == ["refused 0", "refused 1", "refused 2"]
+        assert limiter.suppressed == 7
+        limiter.log(1.0, logging.INFO, "refused %d", 10)
+        assert caplog.records[-1].getMessage() == (
+            "refused 10 (7 more refusals not logged before this one: rate limit)"
+        )
+        limiter.log(1.0, logging.INFO, "refused %d", 11)
+        limiter.flush(1.5)  # no token yet
+        limiter.flush(2.0)
+        assert caplog.records[-1].getMessage().startswith("1 refusals not logged")
+        assert limiter.suppressed == 0
+
+
+def test_connection_rate_per_source_comes_before_the_global_one() -> None:
+    """Issue 19: one source used up the broker-wide bucket and locked everyone out."""
+    h = Harness(max_connection_rate=5, max_connection_rate_per_source=2)
+    attacker = [h.client(V5, peer="6.6.6.6:1") for _ in range(10)]
+    codes = [c.connect(f"a{i}", check=False).reason_code for i, c in enumerate(attacker)]
+    assert codes == [0, 0] + [ReasonCode.CONNECTION_RATE_EXCEEDED] * 8
+    rejected = h.broker.stats.connections_rejected
+    assert rejected == {"connection_rate_exceeded_per_source": 8}
+    # The global bucket lost only the two accepted CONNECTs: three others get in.
+    for i in range(3):
+        c = h.client(V5, peer=f"10.0.0.{i}:1")
+        c.conn.source = f"10.0.0.{i}"
+        c.connect(f"d{i}")
+    late = h.client(V5, peer="10.0.0.9:1")
+    late.conn.source = "10.0.0.9"
+    assert late.connect("d9", check=False).reason_code == ReasonCode.CONNECTION_RATE_EXCEEDED
+    assert rejected["connection_rate_exceeded"] == 1
+
+
 def test_connection_rate_zero_is_off() -> None:
-    h = Harness(max_connection_rate=0)
+    h = Harness(max_connection_rate=0, max_connection_rate_per_source=0)
     for i in range(50):
         h.connected(f"c{i}")
 
@@ -112,6 +184,82 @@ def test_publish_rate_is_per_client() -> None:
     a.publish("t")
     b.publish("t")
     assert not a.closed and not b.closed
+
+
+# ------------------------------------------------------------------ decoding before CONNECT
+
+
+def test_connect_above_the_pre_connect_size_is_closed_from_its_header() -> None:
+    """Issue 19: a 1 MB CONNECT was buffered and decoded before any limit applied."""
+    h = Harness(max_connect_packet_size=1000)
+    c = h.client(V5)
+    big = encode(Connect("c", protocol_level=5, will=Will("t", b"x" * 2000)), 5)
+    c.send_raw(big[:5])  # the fixed header is enough to refuse it
+    assert c.closed and c.read() == []
+    assert h.broker.stats.connections_rejected == {"packet_too_large": 1}
+    # Once connected, packets up to max_packet_size are fine.
+    ok = h.connected("ok")
+    ok.subscribe("t")
+    pub = h.connected("pub")
+    pub.publish("t", b"y" * 5000)
+    assert payloads(ok.read()) == [b"y" * 5000]
+
+
+def test_what_follows_connect_is_decoded_after_connack_with_the_full_limit() -> None:
+    """Pipelined packets wait undecoded until the CONNECT is accepted, then count
+    against max_packet_size, not the pre-CONNECT limit."""
+    h = Harness(max_connect_packet_size=100)
+    sub = h.connected("sub")
+    sub.subscribe("t")
+    c = h.client(V5)
+    wire = encode(Connect("p", protocol_level=5), 5) + encode(
+        Publish("t", b"z" * 3000, 0, False, False, None), 5
+    )
+    c.send_raw(wire)
+    assert [type(p) for p in c.read()] == [ConnAck]
+    assert payloads(sub.read()) == [b"z" * 3000]
+
+
+def test_refused_connect_leaves_what_followed_undecoded() -> None:
+    h = Harness(max_connection_rate=1, max_connection_rate_per_source=0)
+    h.connected("first")
+    c = h.client(V5)
+    garbage = b"\x00\x00" * 10  # would be Malformed if it were ever decoded
+    c.send_raw(encode(Connect("second", protocol_level=5), 5) + garbage)
+    assert c.read() == [ConnAck(False, ReasonCode.CONNECTION_RATE_EXCEEDED)]
+    assert "malformed_packet" not in h.broker.stats.connections_rejected
+
+
+def test_user_properties_over_the_limit_v5_disconnect_0x97() -> None:
+    h = Harness(max_user_properties=3)
+    sub = h.connected("sub")
+    sub.subscribe("t")
+    pub = h.connected("pub")
+    three = Properties(user_properties=(("a", "1"),) * 3)
+    pub.send(Publish("t", b"ok", 0, False, False, None, three))
+    assert payloads(sub.read()) == [b"ok"]
+    four = Properties(user_properties=(("a", "1"),) * 4)
+    pub.send(Publish("t", b"no", 0, False, False, None, four))
+    assert pub.read() == [Disconnect(ReasonCode.QUOTA_EXCEEDED)] and pub.closed
+    assert sub.read() == []
+    assert h.broker.stats.connections_rejected["quota_exceeded"] == 1
+    # In CONNECT (no CONNACK can say it before the CONNECT is decoded): closed.
+    c = h.client(V5)
+    c.send(Connect("c", protocol_level=5, properties=four))
+    assert c.read() == [] and c.closed
+
+
+def test_topic_filters_per_packet() -> None:
+    h = Harness(max_topic_filters_per_packet=2)
+    c = h.connected("c")
+    c.send(Subscribe(1, [Subscription("a", 0), Subscription("b", 0)]))
+    assert [type(p) for p in c.read()] == [SubAck]
+    c.send(Subscribe(2, [Subscription(f"t/{i}", 0) for i in range(3)]))
+    assert c.read() == [Disconnect(ReasonCode.QUOTA_EXCEEDED)]
+    assert h.broker.subscriptions.match("t/0").entries == []
+    old = h.connected("old", level=V311)
+    old.send(Unsubscribe(1, ["a", "b", "c"]))
+    assert old.read() == [] and old.closed
 
 
 # ------------------------------------------------------------------ topic limits

@@ -369,6 +369,19 @@ def test_pick_calls_is_available_only_until_a_member_is_found() -> None:
     assert asked == ["c1"]
 
 
+def test_pick_only_among_members_that_may_receive() -> None:
+    """Issue 19: a member the ACL keeps from the topic is skipped, not picked and dropped."""
+    group = group_of("c1", "c2", "c3")
+    allowed = {"c1", "c3"}
+    chosen = [group.pick(always, allowed.__contains__) for _ in range(4)]
+    assert [c.client_id for c in chosen if c is not None] == ["c1", "c3", "c1", "c3"]
+    # Allowed but offline members still come before nobody; offline-but-allowed
+    # beats online-but-denied.
+    got = group.pick(lambda cid: cid == "c2", lambda cid: cid == "c3")
+    assert got is not None and got.client_id == "c3"
+    assert group.pick(always, lambda cid: False) is None
+
+
 def test_replacing_a_member_keeps_its_turn() -> None:
     tree = SubscriptionTree()
     for client in ["c1", "c2", "c3"]:

@@ -187,6 +187,31 @@ def test_fragmented_message_with_a_ping_in_between() -> None:
     assert ws.data_to_send() == encode_frame(OP_PONG, b"p")
 
 
+def test_tiny_frames_are_coalesced_into_one_data_event() -> None:
+    """Issue 19: 1-byte continuation frames each became an MQTT feed of their own."""
+    ws = opened()
+    wire = masked(OP_BINARY, b"a", fin=False) + b"".join(
+        masked(OP_CONTINUATION, bytes([ch]), fin=False) for ch in b"bcdefgh"
+    )
+    events = ws.receive_data(wire)
+    assert events == [Data(b"abcdefgh")]
+    assert ws.frames == 8
+    # Data before a close frame still comes before the Closed event.
+    events = ws.receive_data(masked(OP_CONTINUATION, b"i") + masked(OP_CLOSE, b""))
+    assert events[0] == Data(b"i") and isinstance(events[1], Closed)
+
+
+def test_frame_budget_fails_the_connection_with_1008() -> None:
+    ws = opened()
+    frame = masked(OP_CONTINUATION, b"x", fin=False)
+    events = ws.receive_data(masked(OP_BINARY, b"s", fin=False) + frame * 2, max_frames=3)
+    assert events == [Data(b"sxx")] and ws.state is WsState.OPEN
+    events = ws.receive_data(frame * 5, max_frames=2)
+    assert events[0] == Data(b"xx")  # what came within the budget is delivered first
+    closed_with(ws, events, 1008)
+    assert ws.frames == 5
+
+
 def test_ping_pong_and_unsolicited_pong() -> None:
     ws = opened()
     assert ws.receive_data(masked(OP_PING, b"")) == []
@@ -316,6 +341,24 @@ def test_default_listeners_are_plain_tcp_only() -> None:
     assert [(s.name, s.port, s.framing, s.ssl) for s in specs] == [
         ("listener", 1883, Framing.MQTT, None)
     ]
+
+
+def test_listeners_without_a_host_are_loopback_only_without_authentication() -> None:
+    """Issue 19 (secure by default), as Mosquitto 2: nobody configured logins, so the
+    broker is not put on the network unless a host is asked for explicitly."""
+    from broker.config import AuthSettings
+    from broker.listeners import effective_host
+
+    ws = WebsocketSettings(enabled=True)
+    open_broker = Settings(websocket=ws)
+    assert [s.host for s in listener_specs(open_broker)] == ["127.0.0.1", "127.0.0.1"]
+    secured = Settings(websocket=ws, auth=AuthSettings(password_file="/etc/devicemq/passwd"))
+    assert [s.host for s in listener_specs(secured)] == ["0.0.0.0", "0.0.0.0"]
+    certs = Settings(auth=AuthSettings(use_identity_as_username=True))
+    assert effective_host(certs, "") == "0.0.0.0"
+    explicit = Settings(listener=ListenerSettings(host="0.0.0.0"))
+    assert [s.host for s in listener_specs(explicit)] == ["0.0.0.0"]
+    assert effective_host(secured, "10.1.2.3") == "10.1.2.3"
 
 
 def test_no_listener_at_all_is_a_config_error() -> None:
