@@ -82,6 +82,7 @@ import importlib.resources
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -233,11 +234,35 @@ def find_tansu() -> str:
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port that is free on ``host`` right now (the kernel's choice)."""
+    """A TCP port free on every interface right now, below the kernel's ephemeral range.
+
+    A port the kernel picks (bind to port 0) comes from the ephemeral range,
+    where every outgoing connection of the machine takes its local port too:
+    one may take it before the caller binds (seen as "address already in use"
+    while several brokers and their Kafka clients started at once). Below that
+    range only listeners take ports, chosen at random here.
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # free on every address, so on ``host`` too
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
+
+
+def _ephemeral_low() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 RECORDED_PORT_WAIT = 2.0  # seconds a recorded port gets to free up after a crash
