@@ -135,6 +135,7 @@ class ClusterState:
             s=[entry_fields(e) for e in session.subscriptions.values()],
             g=session.generation,
             o=session.owner,
+            u=session.username,
         )
 
     def subscribed(self, session: Session, entry: SubscriptionEntry) -> None:
@@ -145,6 +146,7 @@ class ClusterState:
             e=entry_fields(entry),
             g=session.generation,
             o=session.owner,
+            u=session.username,
         )
 
     def unsubscribed(self, session: Session, topic_filter: str) -> None:
@@ -296,7 +298,7 @@ class ClusterState:
             for cid, durable, entries, *rest in change["l"]:
                 if self._unconfirmed:
                     self._unconfirmed.discard(cid)
-                generation, owner = [*rest, 0, None][:2]
+                generation, owner, username = [*rest, 0, None, None][:3]
                 self._snapshot(
                     {
                         "n": change["n"],
@@ -305,6 +307,7 @@ class ClusterState:
                         "s": entries,
                         "g": generation,
                         "o": owner,
+                        "u": username,
                     }
                 )
         return []
@@ -362,6 +365,7 @@ class ClusterState:
                     "s": [],
                     "g": change.get("g", 0),
                     "o": change.get("o"),
+                    "u": change.get("u"),
                 }
             )
         entry = entry_of(cid, change["e"])
@@ -388,6 +392,7 @@ class ClusterState:
                 [entry_fields(e) for e in s.subscriptions.values()],
                 s.generation,
                 s.owner,
+                s.username,
             ]
             for s in self.broker.sessions.values()
             if not isinstance(s, RemoteSession) and s.connection is not None
@@ -414,6 +419,9 @@ class ClusterState:
         )
         record.generation = int(change.get("g") or 0)
         record.owner = change.get("o")
+        record.username = change.get("u")
+        # The ACL decides for this client as its own replica does (user rules, %u).
+        broker.acl.client_connected(cid, record.username)
         for fields in change["s"]:
             entry = entry_of(cid, fields)
             broker.subscriptions.add(entry)

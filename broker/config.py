@@ -300,6 +300,13 @@ class AuthSettings:
     initial_password: str = setting(
         "", "Password of initial_user (e.g. from the environment); not logged", secret=True
     )
+    session_owner: str = setting(
+        "auto",
+        "Who a session belongs to: a client ID held by one owner is refused to another "
+        "(0x87); auto: username with a password file or certificate identities, "
+        "certificate with client certificates (tls.cafile), else none",
+        choices=("auto", "username", "certificate", "none"),
+    )
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
     )

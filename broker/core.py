@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
-from broker.auth import Authenticator, reload_on_sighup
+from broker.auth import Authenticator, certificate_identity, reload_on_sighup
 from broker.cluster import ClusterState, RemoteSession
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
@@ -40,7 +40,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.broker")
 
 
-SessionOpened = Callable[["Session | None", bool], None]
+# (session, session present, why it was refused: "" if it was not). Refusals:
+# "unavailable" (the session's store could not be reached), "not_owner" (the
+# client id's session belongs to someone else, auth.session_owner).
+SessionOpened = Callable[["Session | None", bool, str], None]
+
+
+def owner_policy(settings: Settings) -> str:
+    """auth.session_owner resolved: username, certificate or none."""
+    auth = settings.auth
+    if auth.session_owner != "auto":
+        return auth.session_owner
+    if auth.password_file or auth.use_identity_as_username:
+        return "username"
+    if settings.tls.cafile:
+        return "certificate"
+    return "none"
 
 
 def _ignore_stored(ok: bool) -> None:
@@ -88,6 +103,7 @@ class Broker:
         # Client ids whose durable session the persistent path is opening: the
         # CONNECTs that came meanwhile, to open once it is done.
         self._opening: dict[str, list[Callable[[], None]]] = {}
+        self.owner_policy = owner_policy(settings)
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -143,6 +159,13 @@ class Broker:
                 lambda: self.open_session(conn, client_id, clean_start, expiry_interval, then)
             )
             return
+        owner = self.owner_of(conn)
+        existing = self.sessions.get(client_id)
+        if existing is not None and not self._may_own(existing.owner, owner):
+            # Another owner's session (here, on another replica): not taken over,
+            # not resumed, not ended by a clean start.
+            then(None, False, "not_owner")
+            return
         remote = self.cluster.claim(client_id) if self.cluster is not None else None
         existing = self.sessions.get(client_id)
         if existing is not None and existing.connection is not None:
@@ -160,20 +183,22 @@ class Broker:
             self.persistent_path.session_ended(remote)  # fenced by its generation
         if existing is not None:
             self._attach(conn, existing, clean_start, expiry_interval)
-            then(existing, True)
+            then(existing, True, "")
             return
         if expiry_interval == 0 and not (remote_durable and not clean_start):
             session = self._new_session(client_id, expiry_interval, durable=False)
             self.sessions[client_id] = session
             self._attach(conn, session, clean_start, expiry_interval)
-            then(session, False)
+            then(session, False, "")
             return
         self._opening[client_id] = []
         request = OpenRequest(
             clean_start,
             None if expiry_interval == NEVER_EXPIRES else expiry_interval,
             conn.protocol_level,
+            owner,
             conn.username,
+            self.owner_policy != "none",
         )
         self.persistent_path.open(
             client_id,
@@ -196,7 +221,10 @@ class Broker:
         queued = self._opening.pop(client_id, [])
         try:
             if opened is None:
-                then(None, False)
+                then(None, False, "unavailable")
+                return
+            if opened.refused:
+                then(None, False, "not_owner")
                 return
             if self.cluster is not None:
                 self.cluster.claim(client_id)  # another replica's record arrived meanwhile
@@ -215,7 +243,7 @@ class Broker:
                 self.persistent_path.save_session(session, _ignore_stored)
                 return
             self._attach(conn, session, clean_start, expiry_interval)
-            then(session, opened.resumed)
+            then(session, opened.resumed, "")
         finally:
             for retry in queued:
                 retry()
@@ -230,6 +258,9 @@ class Broker:
         self._detached.discard(session)
         session.connection = conn
         conn.session = session
+        if session.owner is None:
+            session.owner = self.owner_of(conn)  # an unbound session is bound to its first
+        session.username = conn.username
         if session.durable:
             self.persistent_path.save_session(session, _ignore_stored)
         self.connections.add(conn)
@@ -263,7 +294,11 @@ class Broker:
         if feed is None:
             drop_oldest = mqtt.queue_drop_policy == "oldest"
             feed = MemoryFeed(mqtt.max_queued_messages, self.stats, drop_oldest)
-        return Session(client_id, expiry_interval, mqtt.max_inflight, feed, self.stats, durable)
+        acl = self.acl
+        may_receive = (lambda topic: acl.can_receive(client_id, topic)) if acl.active else None
+        return Session(
+            client_id, expiry_interval, mqtt.max_inflight, feed, self.stats, durable, may_receive
+        )
 
     def detach(self, conn: MQTTConnection, publish_will: bool) -> None:
         """The connection ended: start the will delay and the session expiry."""
@@ -295,6 +330,20 @@ class Broker:
             self.persistent_path.save_session(session, _ignore_stored)
             if self.cluster is not None:
                 self.cluster.went_offline(session)
+
+    def owner_of(self, conn: MQTTConnection) -> str | None:
+        """Who a session opened by ``conn`` belongs to (auth.session_owner)."""
+        policy = self.owner_policy
+        if policy == "username":
+            return conn.username
+        if policy == "certificate" and conn.peer_certificate is not None:
+            return certificate_identity(
+                conn.peer_certificate, self.settings.auth.certificate_identity
+            )
+        return None
+
+    def _may_own(self, session_owner: str | None, owner: str | None) -> bool:
+        return self.owner_policy == "none" or session_owner is None or session_owner == owner
 
     def _start_expiry(self, session: Session, now: float) -> None:
         if session.expiry_interval != NEVER_EXPIRES:

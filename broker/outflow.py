@@ -115,10 +115,21 @@ class Feed(Protocol):
 
 
 class Outflow:
-    def __init__(self, session: Session, max_inflight: int, feed: Feed) -> None:
+    """``may_receive(topic)``: the receiver's read rules (ACL), asked of every message
+    before its first send, stored ones included, so a rule changed since a message was
+    queued applies to it too; None: everything may go."""
+
+    def __init__(
+        self,
+        session: Session,
+        max_inflight: int,
+        feed: Feed,
+        may_receive: Callable[[str], bool] | None = None,
+    ) -> None:
         self._session = session
         self.max_inflight = max_inflight
         self.feed = feed
+        self._may_receive = may_receive
         feed.outflow = self
         self.inflight: dict[int, OutgoingMessage] = {}
         self._resend: deque[int] = deque()  # in flight, not yet re-sent on this connection
@@ -243,6 +254,16 @@ class Outflow:
         if item.delivery is None:  # only PUBREL is left (MQTT-4.4.0-1)
             self.inflight[item.packet_id] = OutgoingMessage(item, OutgoingState.AWAIT_PUBCOMP)
             conn.send(PubRel(item.packet_id))
+            return
+        may_receive = self._may_receive
+        if (
+            not item.sent
+            and may_receive is not None
+            and not may_receive(item.delivery.message.topic)
+        ):
+            # The receiver may not read it (any more): dropped unsent, counted, reported.
+            self._session.stats.drop("not_authorized_receive")
+            self.feed.undeliverable(item)
             return
         entry = OutgoingMessage(item, OutgoingState.MARKING)
         self.inflight[item.packet_id] = entry

@@ -34,7 +34,9 @@ class OpenRequest:
     clean_start: bool
     expiry_interval: int | None  # None: never expires
     protocol_level: int
-    owner: str | None  # the authenticated user (None: anonymous)
+    owner: str | None  # who the session belongs to (auth.session_owner), None: not bound
+    username: str | None  # the authenticated user (None: anonymous)
+    enforce_owner: bool  # a stored session of another owner is refused, not replaced
 
 
 @dataclass(slots=True)
@@ -44,7 +46,8 @@ class OpenedSession:
     ``resumed``: a stored session was found (session present), with its
     subscriptions, its held QoS 2 ids and its owner; otherwise a new one was
     started. ``generation`` tells this session from earlier and later ones of
-    the same client id.
+    the same client id. ``refused``: the stored session belongs to another
+    owner; nothing was changed.
     """
 
     generation: int
@@ -52,6 +55,7 @@ class OpenedSession:
     subscriptions: list[SubscriptionEntry]
     qos2_received: tuple[int, ...]
     owner: str | None
+    refused: bool = False
 
 
 OpenedCallback = Callable[[OpenedSession | None], None]

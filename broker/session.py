@@ -7,6 +7,7 @@ connection that is currently attached, if any, is only a way to send bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from broker.message import Delivery
@@ -30,6 +31,7 @@ class Session:
         feed: Feed,
         stats: BrokerStats,
         durable: bool = False,
+        may_receive: Callable[[str], bool] | None = None,
     ) -> None:
         self.client_id = client_id
         self.expiry_interval = expiry_interval
@@ -42,14 +44,16 @@ class Session:
         self.pending_will: WillMessage | None = None  # a will waiting out its delay
         self.will_at: float | None = None
         self.stats = stats
-        self.outflow = Outflow(self, max_inflight, feed)
+        self.outflow = Outflow(self, max_inflight, feed, may_receive)
         # Created persistent: deliveries and state go through the persistent path.
         self.durable = durable
         # Tells this durable session from earlier and later ones of the same client id
         # (the persistent path assigns it; 0: none). Its records carry it.
         self.generation = 0
-        # The user the session belongs to (auth.session_owner), None: not bound.
+        # Who the session belongs to (auth.session_owner), None: not bound.
         self.owner: str | None = None
+        # Who last connected with it: the ACL's user rules and %u apply to it.
+        self.username: str | None = None
         # Retained messages still to be sent after a SUBSCRIBE (broker/retained.py).
         self.retained_sender: RetainedSender | None = None
 

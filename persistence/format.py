@@ -398,7 +398,8 @@ class SessionState:
     session never expires). ``last_seen`` is epoch seconds. ``generation``
     tells this session from earlier and later ones of the same client id (it
     lives in its own key, ``{cid}_generation``, not in the encoded state);
-    ``owner`` is the user it belongs to (None: anonymous or not bound).
+    ``owner`` is who it belongs to under ``auth.session_owner`` (None: not
+    bound), ``username`` who last connected with it.
     """
 
     expiry_interval: int | None
@@ -409,6 +410,7 @@ class SessionState:
     qos2_received: tuple[int, ...] = ()
     generation: int = 0
     owner: str | None = None
+    username: str | None = None  # who last connected with it (ACL user rules, %u)
 
     def encode(self) -> bytes:
         return orjson.dumps(
@@ -419,6 +421,7 @@ class SessionState:
                 "p": self.protocol_level,
                 "q": list(self.qos2_received),
                 "o": self.owner,
+                "u": self.username,
                 "s": [
                     [
                         f,
@@ -449,6 +452,7 @@ class SessionState:
             doc["p"],
             tuple(doc.get("q", ())),
             owner=doc.get("o"),
+            username=doc.get("u"),
         )
 
 

@@ -106,6 +106,7 @@ __all__ = [
     "PersistedMessageStore",
     "RedisMessageStore",
     "SaveResult",
+    "SessionOwned",
 ]
 
 DEFAULT_LIMIT = 10_000
@@ -220,6 +221,10 @@ def _save_result(reply: Any) -> SaveResult:
     )
 
 
+class SessionOwned(Exception):
+    """The client id's stored session belongs to another owner (auth.session_owner)."""
+
+
 class BatchSaveError(Exception):
     """Some batches of :meth:`RedisMessageStore.save_many` failed.
 
@@ -273,7 +278,13 @@ class PersistedMessageStore(Protocol):
     async def pending_count(self, client_id: str) -> int: ...
 
     async def open_session(
-        self, client_id: str, *, resume: bool, generation: int, state: SessionState
+        self,
+        client_id: str,
+        *,
+        resume: bool,
+        generation: int,
+        state: SessionState,
+        enforce_owner: bool = False,
     ) -> SessionState | None: ...
 
     async def save_session(
@@ -655,7 +666,13 @@ class RedisMessageStore:
     # -- sessions ----------------------------------------------------------
 
     async def open_session(
-        self, client_id: str, *, resume: bool, generation: int, state: SessionState
+        self,
+        client_id: str,
+        *,
+        resume: bool,
+        generation: int,
+        state: SessionState,
+        enforce_owner: bool = False,
     ) -> SessionState | None:
         """A client connects to a durable session (one script call).
 
@@ -663,12 +680,22 @@ class RedisMessageStore:
         generation and owner included; nothing changes. Otherwise a new
         session: whatever is stored for the client goes, ``state`` is written
         with a generation above every earlier one (at least ``generation``,
-        the caller's clock), which is set on ``state``; returns None.
+        the caller's clock), which is set on ``state``; returns None. With
+        ``enforce_owner``, a stored session bound to another owner than
+        ``state.owner`` raises :class:`SessionOwned` and changes nothing.
         """
         keys = client_keys(client_id)
-        gen, stored = await self._eval(
-            _OPEN, keys, ("resume" if resume else "new", generation, state.encode())
+        args = (
+            "resume" if resume else "new",
+            generation,
+            state.encode(),
+            state.owner or "",
+            "1" if enforce_owner else "0",
         )
+        reply = await self._eval(_OPEN, keys, args)
+        if reply[0] == b"refused":
+            raise SessionOwned(client_id)
+        gen, stored = reply
         if stored:
             found = SessionState.decode(stored)
             found.generation = int(gen)

@@ -30,7 +30,7 @@ from broker.persistent_path import OpenedSession, OpenRequest
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import SubscriptionEntry
 from persistence.format import SESSIONS_INDEX, SessionState, SubscriptionState
-from persistence.redis_store import RedisMessageStore
+from persistence.redis_store import RedisMessageStore, SessionOwned
 
 log = logging.getLogger("devicemq.sessions")
 
@@ -100,6 +100,7 @@ class SessionStateStore:
             tuple(sorted(pid for pid, held in session.incoming_qos2.items() if held)),
             session.generation,
             session.owner,
+            session.username,
         )
         deadline = math.inf if forever else now + session.expiry_interval
         ttl = None if forever else session.expiry_interval + EXPIRY_GRACE
@@ -154,6 +155,8 @@ class SessionStateStore:
             restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
             restored_session.generation = state.generation
             restored_session.owner = state.owner
+            restored_session.username = state.username
+            broker.acl.client_connected(client_id, state.username)
             restored += 1
 
         await asyncio.gather(*(restore_one(raw, score) for raw, score in entries))
@@ -196,14 +199,21 @@ class SessionStateStore:
             self._wall_clock(),
             protocol_level=request.protocol_level,
             owner=request.owner,
+            username=request.username,
         )
         proposed = int(self._wall_clock() * 1000) * 1000
         for attempt in range(OPEN_ATTEMPTS):
             try:
                 found = await self._store.open_session(
-                    client_id, resume=not request.clean_start, generation=proposed, state=state
+                    client_id,
+                    resume=not request.clean_start,
+                    generation=proposed,
+                    state=state,
+                    enforce_owner=request.enforce_owner,
                 )
                 break
+            except SessionOwned:
+                return OpenedSession(0, False, [], (), None, refused=True)
             except Exception as error:
                 log.warning("opening session %s failed: %s", client_id, error)
                 if attempt + 1 == OPEN_ATTEMPTS:
@@ -218,7 +228,7 @@ class SessionStateStore:
             _entries(client_id, found),
             found.qos2_received,
             found.owner,
-        )
+        )  # the username is the one connecting now
 
     async def _save(self, client_id: str, op: _Save) -> bool:
         async def write() -> None:

@@ -148,8 +148,16 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         client_id,
         packet.clean_start,
         expiry,
-        lambda session, present: _opened(
-            conn, packet, session, present, will, assigned, requested_expiry, server_keep_alive
+        lambda session, present, refused: _opened(
+            conn,
+            packet,
+            session,
+            present,
+            refused,
+            will,
+            assigned,
+            requested_expiry,
+            server_keep_alive,
         ),
     )
 
@@ -159,6 +167,7 @@ def _opened(
     packet: Connect,
     session: Session | None,
     present: bool,
+    refused: str,
     will: WillMessage | None,
     assigned: str | None,
     requested_expiry: int,
@@ -168,9 +177,18 @@ def _opened(
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         return  # the socket closed while the session was opened
     if session is None:
-        _refuse(
-            conn, ConnectRefused(ReasonCode.SERVER_UNAVAILABLE, "the session store is unreachable")
-        )
+        if refused == "not_owner":
+            who = f"user {conn.username!r}" if conn.username is not None else "anonymous"
+            refusal = ConnectRefused(
+                ReasonCode.NOT_AUTHORIZED,
+                f"client id {conn.client_id!r} belongs to another owner's session ({who})",
+                "session_owned_by_another",
+            )
+        else:
+            refusal = ConnectRefused(
+                ReasonCode.SERVER_UNAVAILABLE, "the session store is unreachable"
+            )
+        _refuse(conn, refusal)
         return
     broker = conn.broker
     mqtt = broker.settings.mqtt

@@ -6,17 +6,26 @@
 -- ARGV[1] 'resume' (clean start 0) or 'new' (clean start 1)
 -- ARGV[2] proposed generation (the broker's clock, in ms * 1000)
 -- ARGV[3] the new session's state (written for a new session only)
+-- ARGV[4] who asks (the owner the session would have)   ARGV[5] '1': a stored
+-- session of another owner is refused, '0': not checked
 --
--- resume with a stored session: nothing changes; returns {generation, state}.
--- Otherwise a new session: whatever is stored belongs to no live session and
--- is deleted, the generation becomes max(proposed, current + 1) (it only ever
--- grows: records of every earlier session carry a lower one), and the state
--- is written. Returns {generation, false}.
+-- A stored session bound to another owner (its state's "o"), checked: nothing
+-- changes; returns {'refused'}: neither its messages nor its existence are
+-- another owner's to take. Resume with a stored session: nothing changes;
+-- returns {generation, state}. Otherwise a new session: whatever is stored
+-- belongs to no live session and is deleted, the generation becomes
+-- max(proposed, current + 1) (it only ever grows: records of every earlier
+-- session carry a lower one), and the state is written. Returns
+-- {generation, false}.
 
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
-if ARGV[1] == 'resume' then
-  local state = redis.call('GET', KEYS[5])
-  if state then return {string.format('%.0f', current), state} end
+local stored = redis.call('GET', KEYS[5])
+if stored and ARGV[5] == '1' then
+  local owner = cjson.decode(stored)['o']
+  if type(owner) == 'string' and owner ~= ARGV[4] then return {'refused'} end
+end
+if ARGV[1] == 'resume' and stored then
+  return {string.format('%.0f', current), stored}
 end
 local set_key = KEYS[1]
 local refs = redis.call('ZRANGE', set_key, 0, -1)

@@ -872,3 +872,96 @@ def test_without_authentication_the_broker_listens_on_loopback_only(tmp_path: Pa
         assert "every client is accepted" in log  # still warned about
     finally:
         stop(proc)
+
+
+# ---------------------------------------------------------------- 1: sessions bound to their owner
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_another_user_can_neither_take_nor_knock_off_a_session(
+    tmp_path: Path, broker_factory: Factory, clients: Clients, names: Names, store: str
+) -> None:
+    """bob connected with alice's client ID and his own password and received
+    alice's three stored messages (``alice/inbox``, which his ACL does not grant);
+    alice's session was gone and later messages for her dropped; and any user
+    could keep another offline by connecting with its ID (0x8E each time)."""
+    acl = tmp_path / "acl"
+    acl.write_text("user alice\ntopic readwrite alice/#\nuser bob\ntopic readwrite bob/#\n")
+    settings: dict[str, object] = {
+        "auth.password_file": password_file(tmp_path),
+        "auth.acl_file": acl,
+    }
+    if store == "redis":
+        settings["persistence.enabled"] = True
+    broker = broker_factory(settings)
+    device = names.client("dev1")
+    alice = clients.paho(broker, device, version=V311)
+    assert login(alice, "alice", "alice-pw", clean_start=False) == 0
+    assert alice.subscribe("alice/inbox", 1) == [1]
+    alice.disconnect()
+    sender = clients.paho(broker, names.client("sender"))
+    assert login(sender, "alice", "alice-pw") == 0
+    for i in range(3):
+        assert sender.publish("alice/inbox", b"m%d" % i, qos=1) == 0
+    thief = clients.paho(broker, device, version=V311)
+    # return code 5 Not authorized on the wire (paho reports it as 0x87)
+    assert login(thief, "bob", "bob-pw", clean_start=False) == 0x87
+    assert login(thief, "bob", "bob-pw", clean_start=True) == 0x87  # nor may he end it
+    # alice's session is intact: her stored messages, her subscription
+    assert login(alice, "alice", "alice-pw", clean_start=False) == 0
+    assert sorted(alice.get().payload for _ in range(3)) == [b"m0", b"m1", b"m2"]
+    # connected, she is not knocked off by bob's attempts
+    assert login(thief, "bob", "bob-pw", clean_start=False) == 0x87
+    assert sender.publish("alice/inbox", b"after", qos=1) == 0
+    assert alice.get().payload == b"after"
+    thief.assert_no_message(timeout=0.5)
+    assert "belongs to another owner" in broker.log()
+
+
+def test_stored_messages_are_checked_against_the_read_rules_at_delivery(
+    tmp_path: Path, broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """Stored messages (Redis) went to their session whatever the ACL said by then:
+    a rule revoked while the device was offline did not apply to its backlog. The
+    check refuses them at delivery, counts them, and the audit sees them dropped."""
+    acl = tmp_path / "acl"
+    rules = "user alice\ntopic readwrite alice/#\n"
+    acl.write_text(rules)
+    metrics = free_port()
+    broker = broker_factory(
+        {
+            "auth.password_file": password_file(tmp_path),
+            "auth.acl_file": acl,
+            "persistence.enabled": True,
+            "metrics.enabled": True,
+            "metrics.port": metrics,
+        }
+    )
+    alice = clients.paho(broker, names.client("dev"))
+    expiry = _expiry(600)
+    assert login(alice, "alice", "alice-pw", clean_start=False, properties=expiry) == 0
+    assert alice.subscribe("alice/#", 1) == [1]
+    alice.disconnect()
+    sender = clients.paho(broker, names.client("sender"))
+    assert login(sender, "alice", "alice-pw") == 0
+    for topic in ("alice/ok", "alice/secret/1", "alice/ok"):
+        assert sender.publish(topic, b"x", qos=1) == 0
+    acl.write_text(rules + "topic deny alice/secret/#\n")
+    broker.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "ACL file reloaded" in broker.log(), "the ACL reload")
+    assert login(alice, "alice", "alice-pw", clean_start=False, properties=expiry) == 0
+    got = [alice.get().topic for _ in range(2)]
+    assert got == ["alice/ok", "alice/ok"]
+    alice.assert_no_message(timeout=0.5)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'devicemq_publish_dropped_total{reason="not_authorized_receive"} 1.0' in text
+
+
+def _expiry(seconds: int) -> Any:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties as PahoProperties
+
+    properties = PahoProperties(PacketTypes.CONNECT)
+    properties.SessionExpiryInterval = seconds
+    return properties

@@ -22,7 +22,7 @@ class Node:
         conn.protocol_level = 5
         conn.state = ConnectionState.CONNECTED
         conn.client_id = client_id
-        self.broker.open_session(conn, client_id, expiry == 0, expiry, lambda s, present: None)
+        self.broker.open_session(conn, client_id, expiry == 0, expiry, lambda *opened: None)
         return conn
 
     def subscribe(self, client_id: str, topic_filter: str, qos: int = 1) -> None:
