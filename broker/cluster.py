@@ -418,7 +418,8 @@ class ClusterState:
             cid, change["n"], bool(change["d"]), True, broker.stats, self.forward
         )
         record.generation = int(change.get("g") or 0)
-        record.owner = change.get("o")
+        broker.sessions[cid] = record
+        broker.bind_owner(record, change.get("o"))
         record.username = change.get("u")
         # The ACL decides for this client as its own replica does (user rules, %u).
         broker.acl.client_connected(cid, record.username)
@@ -426,7 +427,6 @@ class ClusterState:
             entry = entry_of(cid, fields)
             broker.subscriptions.add(entry)
             record.subscriptions[entry.topic_filter] = entry
-        broker.sessions[cid] = record
         return record
 
     def _lost(self, record: RemoteSession) -> None:
@@ -446,6 +446,7 @@ class ClusterState:
         session.outflow.discard()
         if broker.sessions.get(session.client_id) is session:
             del broker.sessions[session.client_id]
+        broker.unbind_owner(session)
         broker.forget_detached(session)
 
     def _send(self, **change: Any) -> None:

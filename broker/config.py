@@ -201,6 +201,18 @@ class MqttSettings:
     max_queued_messages: int = setting(
         10_000, "Per non-persistent session queue while offline or window full", ge=0
     )
+    max_queued_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Payload bytes that session queue may hold (dropped over it, as over "
+        "max_queued_messages); 0: no byte limit",
+        ge=0,
+    )
+    inflight_timeout: float = setting(
+        120.0,
+        "Seconds a client may keep its whole in-flight window unacknowledged before "
+        "it is disconnected (0x97 Quota exceeded); 0: never",
+        ge=0,
+    )
     topic_alias_maximum: int = setting(
         64, "Topic aliases a client may use towards us (0 disables)", ge=0, le=65535
     )
@@ -307,6 +319,12 @@ class AuthSettings:
         "certificate with client certificates (tls.cafile), else none",
         choices=("auto", "username", "certificate", "none"),
     )
+    max_sessions_per_owner: int = setting(
+        10_000,
+        "Sessions one owner (auth.session_owner) may hold, connected or kept; a new one "
+        "over it is refused 0x97 Quota exceeded (3.1.1: return code 3); 0: no limit",
+        ge=0,
+    )
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
     )
@@ -345,6 +363,11 @@ class PersistenceSettings:
     consumer_group: str = setting("devicemq-persistence", "Kafka consumer group of the brokers")
     max_messages_per_client: int = setting(
         10_000, "Stored messages kept per client; over it the oldest are trimmed", ge=1, le=65535
+    )
+    max_bytes_per_client: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of stored messages kept per client; over it the oldest are trimmed; 0: no limit",
+        ge=0,
     )
     default_message_ttl: int = setting(
         604_800, "Seconds a stored message lives without an MQTT 5 message expiry", ge=1

@@ -360,3 +360,12 @@ class MQTTConnection:
         elif self.keep_alive and now - self.last_received > 1.5 * self.keep_alive:
             log.info("client %s keep-alive timeout", self.client_id)
             self.disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
+        else:
+            timeout = self.broker.settings.mqtt.inflight_timeout
+            session = self.session
+            if timeout and session is not None and session.outflow.stalled(now, timeout):
+                # It reads but never acknowledges: what it holds waits for a client
+                # that does (a persistent session keeps it), not for this one.
+                log.info("client %s left its whole window unacknowledged", self.client_id)
+                self.broker.stats.reject("inflight_timeout")
+                self.disconnect(ReasonCode.QUOTA_EXCEEDED)

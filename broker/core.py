@@ -104,6 +104,8 @@ class Broker:
         # CONNECTs that came meanwhile, to open once it is done.
         self._opening: dict[str, list[Callable[[], None]]] = {}
         self.owner_policy = owner_policy(settings)
+        # owner -> client ids of the sessions it holds (local, stored, other replicas')
+        self._owned: dict[str, set[str]] = {}
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -185,6 +187,10 @@ class Broker:
             self._attach(conn, existing, clean_start, expiry_interval)
             then(existing, True, "")
             return
+        resuming_remote = remote_durable and not clean_start
+        if not resuming_remote and self._over_owner_quota(owner):
+            then(None, False, "owner_quota")
+            return
         if expiry_interval == 0 and not (remote_durable and not clean_start):
             session = self._new_session(client_id, expiry_interval, durable=False)
             self.sessions[client_id] = session
@@ -230,13 +236,13 @@ class Broker:
                 self.cluster.claim(client_id)  # another replica's record arrived meanwhile
             session = self._new_session(client_id, expiry_interval, durable=True)
             session.generation = opened.generation
-            session.owner = opened.owner
             if opened.resumed:
                 for entry in opened.subscriptions:
                     self.subscriptions.add(entry)
                     session.subscriptions[entry.topic_filter] = entry
                 session.incoming_qos2 = dict.fromkeys(opened.qos2_received, True)
             self.sessions[client_id] = session
+            self.bind_owner(session, opened.owner)
             if conn.close_requested:
                 # Gone while the session was opened: it stays, disconnected.
                 self._start_expiry(session, self.clock())
@@ -258,8 +264,8 @@ class Broker:
         self._detached.discard(session)
         session.connection = conn
         conn.session = session
-        if session.owner is None:
-            session.owner = self.owner_of(conn)  # an unbound session is bound to its first
+        if session.owner is None:  # an unbound session is bound to its first owner
+            self.bind_owner(session, self.owner_of(conn))
         session.username = conn.username
         if session.durable:
             self.persistent_path.save_session(session, _ignore_stored)
@@ -293,7 +299,9 @@ class Broker:
         feed = self.persistent_path.feed_for(client_id) if durable else None
         if feed is None:
             drop_oldest = mqtt.queue_drop_policy == "oldest"
-            feed = MemoryFeed(mqtt.max_queued_messages, self.stats, drop_oldest)
+            feed = MemoryFeed(
+                mqtt.max_queued_messages, self.stats, drop_oldest, mqtt.max_queued_bytes
+            )
         acl = self.acl
         may_receive = (lambda topic: acl.can_receive(client_id, topic)) if acl.active else None
         return Session(
@@ -342,6 +350,29 @@ class Broker:
             )
         return None
 
+    def _over_owner_quota(self, owner: str | None) -> bool:
+        """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""
+        limit = self.settings.auth.max_sessions_per_owner
+        return bool(limit) and owner is not None and len(self._owned.get(owner, ())) >= limit
+
+    def bind_owner(self, session: Session, owner: str | None) -> None:
+        """``session`` (here, or a record of another replica's) belongs to ``owner``."""
+        self.unbind_owner(session)
+        session.owner = owner
+        if owner is not None:
+            self._owned.setdefault(owner, set()).add(session.client_id)
+
+    def unbind_owner(self, session: Session) -> None:
+        """``session`` is gone from this broker's view: its owner holds one less."""
+        owner = session.owner
+        if owner is None:
+            return
+        held = self._owned.get(owner)
+        if held is not None and self.sessions.get(session.client_id) is not session:
+            held.discard(session.client_id)
+            if not held:
+                del self._owned[owner]
+
     def _may_own(self, session_owner: str | None, owner: str | None) -> bool:
         return self.owner_policy == "none" or session_owner is None or session_owner == owner
 
@@ -364,6 +395,7 @@ class Broker:
         session.outflow.discard()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+        self.unbind_owner(session)
         if session.durable:
             self.persistent_path.session_ended(session)
         self._detached.discard(session)

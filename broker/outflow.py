@@ -139,6 +139,7 @@ class Outflow:
         self._may_go: set[int] = set()  # marked, waiting for their turn in _marking
         self._gone: set[int] = set()  # refused by the mark: never to be sent
         self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
+        self.last_progress = 0.0  # broker clock of the last acknowledgement (or resume)
 
     @property
     def connection(self) -> MQTTConnection | None:
@@ -154,6 +155,7 @@ class Outflow:
     def resume(self) -> None:
         """A connection was attached: re-send what is unacknowledged (MQTT-4.4.0-1)."""
         self._epoch += 1
+        self._progress()
         if self.feed.durable:
             # The record is the truth (another replica may have served the client
             # meanwhile): forget this process's view and re-read it in order.
@@ -202,6 +204,7 @@ class Outflow:
             return False
         if failed:
             return self._finish(packet_id, OutgoingState.AWAIT_PUBREC)
+        self._progress()
         entry.state = OutgoingState.RELEASING
         epoch = self._epoch
         self.feed.release(entry.item, lambda: self._released(packet_id, epoch))
@@ -348,40 +351,80 @@ class Outflow:
         if entry is None or entry.state is not expected or packet_id in self._resend:
             return False
         del self.inflight[packet_id]
+        self._progress()
         self.feed.finished(entry.item)
         self.pump()
         return True
+
+    def _progress(self) -> None:
+        conn = self._session.connection
+        if conn is not None:
+            self.last_progress = conn.broker.clock()
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """The whole window has been in flight, unacknowledged, for ``timeout`` seconds."""
+        conn = self._session.connection
+        if conn is None or not self.inflight or now - self.last_progress < timeout:
+            return False
+        window = min(self.max_inflight, conn.client_receive_maximum)
+        return len(self.inflight) - len(self._resend) >= window
 
 
 class MemoryFeed:
     """Messages queued in process memory; identifiers given out at first send.
 
-    While the queue is full (``max_queued``), new messages are dropped and
-    counted, or with ``drop_oldest`` the head of the queue is.
+    While the queue is full (``max_queued`` messages, or ``max_bytes`` of
+    payload; 0: no byte limit), new messages are dropped and counted, or with
+    ``drop_oldest`` the head of the queue is, until the new one fits.
     """
 
     durable = False
 
-    def __init__(self, max_queued: int, stats: BrokerStats, drop_oldest: bool = False) -> None:
+    def __init__(
+        self,
+        max_queued: int,
+        stats: BrokerStats,
+        drop_oldest: bool = False,
+        max_bytes: int = 0,
+    ) -> None:
         self.max_queued = max_queued
+        self.max_bytes = max_bytes
         self.stats = stats
         self.drop_oldest = drop_oldest  # mqtt.queue_drop_policy: oldest
         self.queue: deque[Delivery] = deque()
+        self.queued_bytes = 0  # payload bytes in the queue
         self.outflow: Outflow | None = None
         self._last_packet_id = 0
 
     def offer(self, delivery: Delivery) -> None:
         queue = self.queue
+        size = len(delivery.message.payload)
         outflow = self.outflow
         if not queue and outflow is not None and outflow.room() > 0:
-            queue.append(delivery)  # the window is open: it goes out at once
+            self._append(delivery, size)  # the window is open: it goes out at once
             return
         if len(queue) >= self.max_queued:
             self.stats.drop("queue_full")
             if not self.drop_oldest or not queue:
                 return
-            queue.popleft()  # make room: the newest is worth more
-        queue.append(delivery)
+            self._pop()  # make room: the newest is worth more
+        max_bytes = self.max_bytes
+        if max_bytes and self.queued_bytes + size > max_bytes:
+            self.stats.drop("queue_bytes_full")
+            if not self.drop_oldest or size > max_bytes:
+                return
+            while queue and self.queued_bytes + size > max_bytes:
+                self._pop()
+        self._append(delivery, size)
+
+    def _append(self, delivery: Delivery, size: int) -> None:
+        self.queue.append(delivery)
+        self.queued_bytes += size
+
+    def _pop(self) -> Delivery:
+        delivery = self.queue.popleft()
+        self.queued_bytes -= len(delivery.message.payload)
+        return delivery
 
     def take(self, n: int) -> list[Outgoing]:
         queue, outflow = self.queue, self.outflow
@@ -390,7 +433,7 @@ class MemoryFeed:
         while queue and len(items) < n:
             packet_id = outflow.next_packet_id(self._last_packet_id)
             self._last_packet_id = packet_id
-            items.append(Outgoing(packet_id, queue.popleft(), marked=True))
+            items.append(Outgoing(packet_id, self._pop(), marked=True))
         return items
 
     def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
@@ -413,6 +456,7 @@ class MemoryFeed:
 
     def discard(self) -> None:
         self.queue.clear()
+        self.queued_bytes = 0
 
     def queued(self) -> int:
         return len(self.queue)

@@ -63,6 +63,9 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_generation``
     the generation of the client's current session; after the session ends,
     a tombstone one higher, kept for the default message TTL.
+``{cid}_bytes``
+    the size of the messages stored (values as stored), for the per-client
+    byte limit; messages that expire unread still count until the set empties.
 
 ``cid`` is the client id itself, except that ``%`` and ``}`` are written
 ``%25`` and ``%7D`` and the empty id is written ``%``: a ``}`` would end the
@@ -462,7 +465,7 @@ class SessionState:
 
 
 class ClientKeys(NamedTuple):
-    """A client's keys, in the order the Lua scripts take them (KEYS[1..6])."""
+    """A client's keys, in the order the Lua scripts take them (KEYS[1..7])."""
 
     messages: str
     last_packet_id: str
@@ -470,6 +473,7 @@ class ClientKeys(NamedTuple):
     seen: str
     session: str
     generation: str
+    bytes: str
 
     def message(self, packet_id: int) -> str:
         return f"{self.messages}_{packet_id}"
@@ -498,4 +502,5 @@ def client_keys(client_id: str) -> ClientKeys:
         p + "_seen",
         p + "_session",
         p + "_generation",
+        p + "_bytes",
     )

@@ -328,8 +328,9 @@ class RedisMessageStore:
     """:class:`PersistedMessageStore` on redis-py asyncio (single or cluster).
 
     ``redis`` must not decode responses. ``limit`` is the per-client stored
-    limit (1..65535), ``default_ttl`` the TTL in seconds of messages without
-    an MQTT 5 expiry. ``clock`` gives epoch seconds (message expiry is absolute).
+    limit (1..65535), ``max_bytes`` the per-client limit of bytes stored (0:
+    none), ``default_ttl`` the TTL in seconds of messages without an MQTT 5
+    expiry. ``clock`` gives epoch seconds (message expiry is absolute).
     """
 
     def __init__(
@@ -339,12 +340,14 @@ class RedisMessageStore:
         limit: int = DEFAULT_LIMIT,
         default_ttl: int = DEFAULT_TTL,
         clock: Callable[[], float] = time.time,
+        max_bytes: int = 0,
     ) -> None:
         _check_limit(limit)
         if default_ttl <= 0:
             raise ValueError("default_ttl must be positive")
         self.redis = redis
         self.limit = limit
+        self.max_bytes = max_bytes  # per client, of the values stored; 0: none
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
@@ -552,6 +555,7 @@ class RedisMessageStore:
             bytes(meta),
             batch.premark,
             b"".join(values),
+            self.max_bytes,
         )
         return client_keys(batch.client_id), args
 
@@ -591,7 +595,8 @@ class RedisMessageStore:
         ids = list(packet_ids)
         if not ids:
             return 0
-        return int(await self._eval(_ACK, client_keys(client_id)[:1], ids))
+        keys = client_keys(client_id)
+        return int(await self._eval(_ACK, (keys.messages, keys.bytes), ids))
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool:
         """PUBREC received: keep only the PUBREL stage, with the remaining TTL.
@@ -655,8 +660,8 @@ class RedisMessageStore:
             for packet_id in ids:
                 pipe.execute_command("SET", keys.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL")
         for client_id, ids in acks.items():
-            key = client_keys(client_id).messages
-            pipe.execute_command("EVALSHA", _ACK.sha, 1, key, *ids)
+            keys = client_keys(client_id)
+            pipe.execute_command("EVALSHA", _ACK.sha, 2, keys.messages, keys.bytes, *ids)
         replies = await pipe.execute()
         return {
             client_id: {int(i) for i in reply}

@@ -238,6 +238,7 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         redis_url,
         cluster=config.redis_cluster,
         limit=config.max_messages_per_client,
+        max_bytes=config.max_bytes_per_client,
         default_ttl=config.default_message_ttl,
     )
     try:

@@ -154,7 +154,7 @@ class SessionStateStore:
             )
             restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
             restored_session.generation = state.generation
-            restored_session.owner = state.owner
+            broker.bind_owner(restored_session, state.owner)
             restored_session.username = state.username
             broker.acl.client_connected(client_id, state.username)
             restored += 1

@@ -24,6 +24,7 @@ _V3_RETURN_CODES = {
     ReasonCode.BAD_USER_NAME_OR_PASSWORD: ConnectReturnCode.BAD_USER_NAME_OR_PASSWORD,
     ReasonCode.NOT_AUTHORIZED: ConnectReturnCode.NOT_AUTHORIZED,
     ReasonCode.CONNECTION_RATE_EXCEEDED: ConnectReturnCode.SERVER_UNAVAILABLE,
+    ReasonCode.QUOTA_EXCEEDED: ConnectReturnCode.SERVER_UNAVAILABLE,
 }
 
 
@@ -183,6 +184,12 @@ def _opened(
                 ReasonCode.NOT_AUTHORIZED,
                 f"client id {conn.client_id!r} belongs to another owner's session ({who})",
                 "session_owned_by_another",
+            )
+        elif refused == "owner_quota":
+            refusal = ConnectRefused(
+                ReasonCode.QUOTA_EXCEEDED,
+                f"{conn.username!r} holds auth.max_sessions_per_owner sessions already",
+                "max_sessions_per_owner",
             )
         else:
             refusal = ConnectRefused(

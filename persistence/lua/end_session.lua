@@ -3,6 +3,7 @@
 --
 -- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
+-- KEYS[7] {cid}_bytes
 -- ARGV[1] the generation that ended (0: whatever is stored)
 -- ARGV[2] ms to keep the tombstone
 --
@@ -27,7 +28,7 @@ for i = 1, #refs do
   end
 end
 if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
 local tombstone = math.max(current, ending) + 1
 redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
 return #refs

@@ -3,6 +3,7 @@
 --
 -- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
+-- KEYS[7] {cid}_bytes
 -- ARGV[1] 'resume' (clean start 0) or 'new' (clean start 1)
 -- ARGV[2] proposed generation (the broker's clock, in ms * 1000)
 -- ARGV[3] the new session's state (written for a new session only)
@@ -38,7 +39,7 @@ for i = 1, #refs do
   end
 end
 if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7])
 local generation = math.max(tonumber(ARGV[2]), current + 1)
 local text = string.format('%.0f', generation)
 redis.call('SET', KEYS[6], text)

@@ -6,6 +6,7 @@
 -- KEYS[4] {cid}_seen            hash: '<producer>:<partition>' -> last seq stored
 -- KEYS[5] {cid}_session         session state (only its TTL is read here)
 -- KEYS[6] {cid}_generation      generation of the client's current session
+-- KEYS[7] {cid}_bytes           size of the values stored
 -- Message strings are KEYS[1] .. '_' .. packetId: same hash tag, same slot.
 --
 -- ARGV[1] limit (1..65535)   ARGV[2] Kafka partition the batch came from
@@ -15,7 +16,8 @@
 -- ARGV[6] how many of the stored messages to store already marked sent (they
 -- go to the waiting client right away, so no separate mark write is needed)
 -- ARGV[7] the values (opaque bytes), one after another: one argument instead
--- of n keeps the client's command packing cheap
+-- of n keeps the client's command packing cheap   ARGV[8] byte limit (0: none):
+-- the oldest unsent go while the stored values would exceed it, as for limit
 --
 -- A record is named by (producer, seq); one producer's records reach one
 -- partition in order, so a seq at or below the last one stored from that
@@ -49,6 +51,7 @@ local n = tonumber(ARGV[4])
 local meta = ARGV[5]
 local premark = tonumber(ARGV[6])
 local values = ARGV[7]
+local max_bytes = tonumber(ARGV[8] or '0')
 local value_end = 0
 
 local current_gen = tonumber(redis.call('GET', KEYS[6]) or '0')
@@ -65,6 +68,9 @@ if top[2] then
   if top_score > score then score = top_score end
 end
 local card = redis.call('ZCARD', set_key)
+local bytes = 0
+if card > 0 then bytes = tonumber(redis.call('GET', KEYS[7]) or '0') end
+local bytes_changed = false
 local check = n >= 65535
 if card > 0 then
   local oldest = redis.call('ZRANGE', set_key, 0, 0, 'WITHSCORES')
@@ -88,6 +94,8 @@ local function trim_oldest_unsent()
     if flags ~= '' and bit.band(string.byte(flags), 1) == 1 then
       rank = rank + 1
     else
+      bytes = bytes - redis.call('STRLEN', key)
+      bytes_changed = true
       redis.call('ZREM', set_key, ref[1])
       redis.call('DEL', key)
       return tonumber(ref[1])
@@ -123,9 +131,10 @@ for i = 1, n do
       current_gen = generation  -- the generation record was lost: this one stands
       gen_changed = true
     end
-    if ttl > 0 then
+    local too_big = max_bytes > 0 and size > max_bytes
+    if ttl > 0 and not too_big then
       -- Make room first: the oldest unsent out.
-      while card >= limit do
+      while card >= limit or (max_bytes > 0 and card > 0 and bytes + size > max_bytes) do
         local victim = trim_oldest_unsent()
         if not victim then break end
         trimmed[#trimmed + 1] = victim
@@ -134,7 +143,7 @@ for i = 1, n do
     end
     if ttl <= 0 then
       scores[i] = 0
-    elseif card >= limit then
+    elseif card >= limit or (max_bytes > 0 and bytes + size > max_bytes) then
       scores[i] = -3
     else
       -- card < limit <= 65535: at least one packet id is free, the search ends.
@@ -160,6 +169,8 @@ for i = 1, n do
       end
       redis.call('ZADD', set_key, score, last_id)
       card = card + 1
+      bytes = bytes + size
+      bytes_changed = true
       stored = stored + 1
       if ttl > max_ttl then max_ttl = ttl end
       scores[i] = score
@@ -170,6 +181,9 @@ end
 if stored > 0 then
   redis.call('SET', KEYS[2], last_id)
   redis.call('SET', KEYS[3], score)
+end
+if bytes_changed then
+  redis.call('SET', KEYS[7], string.format('%.0f', bytes))
 end
 local any_seen = false
 for f in pairs(seen_changed) do
@@ -192,10 +206,10 @@ end
 -- TTL (client gone, session expiring) they expire with it; with no session
 -- key at all (orphaned data) they last at least as long as the messages just
 -- stored, and at least the default TTL, then vanish.
-local lifetime_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]}
+local lifetime_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6], KEYS[7]}
 if session_ttl > 0 then
   for _, k in ipairs(lifetime_keys) do redis.call('PEXPIRE', k, session_ttl) end
-elseif session_ttl == -2 and (stored > 0 or any_seen or gen_changed) then
+elseif session_ttl == -2 and (stored > 0 or any_seen or gen_changed or bytes_changed) then
   local keep = default_ttl
   if max_ttl > keep then keep = max_ttl end
   for _, k in ipairs(lifetime_keys) do

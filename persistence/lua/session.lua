@@ -2,6 +2,7 @@
 --
 -- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
+-- KEYS[7] {cid}_bytes
 -- ARGV[1] 'save' or 'expire'   ARGV[2] TTL in ms, 0 = no expiry
 -- ARGV[3] session state (opaque bytes; 'save' only)
 -- ARGV[4] the session's generation (0: unknown, not checked)
@@ -39,7 +40,7 @@ local function live_as_the_session(key)
     redis.call('PERSIST', key)
   end
 end
-for k = 1, 6 do live_as_the_session(KEYS[k]) end
+for k = 1, 7 do live_as_the_session(KEYS[k]) end
 -- Sent messages (the oldest refs, up to the first never sent) are in flight:
 -- they live as long as the session too (mark_sent.lua).
 local rank = 0

@@ -965,3 +965,52 @@ def _expiry(seconds: int) -> Any:
     properties = PahoProperties(PacketTypes.CONNECT)
     properties.SessionExpiryInterval = seconds
     return properties
+
+
+# ---------------------------------------------------------------- 6: memory held by one user
+
+
+def test_a_reader_that_never_acknowledges_is_disconnected(
+    broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """A client that reads but never PUBACKs kept its whole window and the queue behind
+    it, 320 MiB of 1 MB messages measured, with no timeout at all."""
+    broker = broker_factory({"mqtt.inflight_timeout": 2, "mqtt.max_inflight": 4})
+    hoarder = Raw(broker)
+    hoarder.connect(names.client("hoarder"))
+    hoarder.send(Subscribe(1, [Subscription(names.topic("big"), qos=1)]))
+    assert isinstance(hoarder.recv(), SubAck)
+    sender = clients.paho(broker, names.client("sender"))
+    sender.connect()
+    for _ in range(6):
+        assert sender.publish(names.topic("big"), b"x" * 100_000, qos=1) == 0
+    deadline = time.monotonic() + 15
+    reason = None
+    while time.monotonic() < deadline:
+        packet = hoarder.recv_or_none(timeout=1.0)
+        if isinstance(packet, Disconnect):
+            reason = packet.reason_code
+            break
+    hoarder.close()
+    assert reason == ReasonCode.QUOTA_EXCEEDED, "never disconnected for holding its window"
+
+
+def test_one_owner_cannot_open_sessions_without_bound(
+    tmp_path: Path, broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """30 offline persistent sessions of one user, each its own backlog, grew Redis by
+    hundreds of MiB: nothing limited how many sessions a user may hold."""
+    broker = broker_factory(
+        {"auth.password_file": password_file(tmp_path), "auth.max_sessions_per_owner": 3}
+    )
+    expiry = _expiry(600)
+    for i in range(3):
+        device = clients.paho(broker, names.client(f"dev{i}"))
+        assert login(device, "eve", "eve-pw", clean_start=False, properties=expiry) == 0
+        device.disconnect()
+    fourth = clients.paho(broker, names.client("dev3"))
+    assert login(fourth, "eve", "eve-pw", clean_start=False, properties=expiry) == 0x97
+    again = clients.paho(broker, names.client("dev0"))  # her own sessions resume
+    assert login(again, "eve", "eve-pw", clean_start=False, properties=expiry) == 0
+    other = clients.paho(broker, names.client("bob-dev"))  # others are not affected
+    assert login(other, "bob", "bob-pw", clean_start=False, properties=expiry) == 0

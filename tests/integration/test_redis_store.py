@@ -573,3 +573,27 @@ async def test_progress_of_many_clients_in_one_pipelined_write(
     # Idempotent: writing the same progress again changes nothing.
     await store.write_progress({clients[0]: [1, 2, 3]}, {clients[0]: [2]}, {clients[0]: [1]})
     assert len(await all_records(store, clients[0])) == 3
+
+
+async def test_bytes_per_client_are_limited_like_messages(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Issue 19, finding 6: only the message count bounded a client's backlog, so ten
+    1 MB messages per slot grew Redis without bound. Over max_bytes the oldest never
+    sent go; a message over the limit on its own is not stored; acks give bytes back."""
+    keys = client_keys(cid)
+    small = RedisMessageStore(store.redis, max_bytes=3000)
+    big = [msg(i, payload=b"x" * 900) for i in range(5)]  # ~950 bytes stored each
+    res = await small.save_batch(cid, big, partition=0)
+    assert res.trimmed_ids == [1, 2]
+    assert [r.packet_id for r in await all_records(small, cid)] == [3, 4, 5]
+    size = int(await cmd(small, "GET", keys.bytes))
+    assert 2700 < size <= 3000
+    assert await small.mark_sent(cid, [3]) == [3]  # in flight: never trimmed
+    res = await small.save_batch(cid, [msg(5, payload=b"y" * 900)], partition=0)
+    assert res.trimmed_ids == [4]
+    res = await small.save_batch(cid, [msg(6, payload=b"z" * 5000)], partition=0)
+    assert (res.saved, res.unstored, res.trimmed_ids) == (0, [0], [])  # too big alone
+    assert [r.packet_id for r in await all_records(small, cid)] == [3, 5, 6]
+    await small.ack_many(cid, [3, 5, 6])
+    assert int(await cmd(small, "GET", keys.bytes)) == 0

@@ -501,3 +501,60 @@ async def test_congested_too_long_is_a_slow_consumer() -> None:
         writer.close()
     finally:
         await server.stop()
+
+
+def test_queue_bytes_bound_what_a_session_holds() -> None:
+    """Issue 19, finding 6: message count alone let ten 1 MB messages per queue slot
+    hold memory without bound; mqtt.max_queued_bytes caps the payload bytes queued."""
+    h = Harness(max_queued_messages=100, max_queued_bytes=3000, max_inflight=1)
+    sub = h.connected("sub")
+    sub.subscribe("t", qos=1)
+    pub = h.connected("pub")
+    for i in range(6):
+        pub.publish_acked("t", bytes([48 + i]) * 1000)
+    (first,) = sub.read()  # in flight; 3 of the other 5 fit in 3000 bytes
+    assert h.broker.stats.dropped["queue_bytes_full"] == 2
+    got = []
+    last = first
+    for _ in range(3):
+        sub.ack(last)
+        (last,) = sub.read()
+        got.append(last.payload[:1])  # type: ignore[attr-defined]
+    assert got == [b"1", b"2", b"3"]
+
+
+def test_queue_bytes_with_the_oldest_policy_make_room_for_the_newest() -> None:
+    h = Harness(max_queued_bytes=2000, max_inflight=1, queue_drop_policy="oldest")
+    sub = h.connected("sub")
+    sub.subscribe("t", qos=1)
+    pub = h.connected("pub")
+    for i in range(5):
+        pub.publish_acked("t", bytes([48 + i]) * 1000)
+    (first,) = sub.read()
+    sub.ack(first)
+    (second,) = sub.read()
+    sub.ack(second)
+    (third,) = sub.read()
+    assert [p.payload[:1] for p in (first, second, third)] == [b"0", b"3", b"4"]  # type: ignore[attr-defined]
+
+
+def test_a_client_that_never_acknowledges_its_window_is_disconnected() -> None:
+    """Issue 19, finding 6: a client that reads but never PUBACKs held its window and
+    everything queued behind it with no timeout (320 MiB measured)."""
+    h = Harness(max_inflight=2, inflight_timeout=30)
+    sub = h.connected("sub", session_expiry_interval=60)
+    sub.subscribe("t", qos=1)
+    pub = h.connected("pub")
+    for i in range(3):
+        pub.publish_acked("t", b"%d" % i)
+    first, _second = sub.read()
+    h.advance(20)
+    sub.ack(first)  # progress: the clock starts again
+    sub.read()
+    h.advance(20)
+    assert not sub.closed
+    h.advance(11)
+    assert sub.closed
+    assert h.broker.stats.connections_rejected["inflight_timeout"] == 1
+    again = h.connected("sub", session_expiry_interval=60, clean_start=False)
+    assert len(again.pending) == 2  # kept for the session's next connection, DUP
