@@ -78,7 +78,7 @@ class RetainedStore:
         self.max_messages_per_client = max_messages_per_client
         self.max_bytes_per_client = max_bytes_per_client
         # persistence.enabled: every change is also written to Redis (persistence/retained.py)
-        self.on_change: Callable[[Message], None] | None = None
+        self.on_change: Callable[[Message, Callable[[bool], None] | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self._by_topic)
@@ -121,14 +121,17 @@ class RetainedStore:
 
     # -- changes ---------------------------------------------------------------------
 
-    def store(self, message: Message) -> None:
+    def store(self, message: Message, done: Callable[[bool], None] | None = None) -> None:
         """Keep ``message``; an empty payload deletes the topic's message (MQTT-3.3.1-6).
 
-        The caller checked :meth:`over_limit`.
+        The caller checked :meth:`over_limit`. ``done(ok)`` once it is kept for good:
+        at once in memory; with persistence, when Redis has it (``on_change``).
         """
         self.replace(message.topic, message if message.payload else None)
         if self.on_change is not None:
-            self.on_change(message)
+            self.on_change(message, done)
+        elif done is not None:
+            done(True)
 
     def topics(self) -> list[str]:
         return list(self._by_topic)

@@ -389,7 +389,12 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             await persistence.attach(broker)
             from persistence.retained import RetainedPersistence
 
-            retained = RetainedPersistence(persistence.store.redis, broker.retained, broker.clock)
+            retained = RetainedPersistence(
+                persistence.store.redis,
+                broker.retained,
+                broker.clock,
+                timeout=settings.persistence.kafka_request_timeout_ms / 1000,
+            )
             log.info("%d retained messages loaded", await retained.load())
             if settings.cluster.enabled:
                 from persistence.cluster_link import open_cluster_link

@@ -47,17 +47,44 @@ def decode_retained(value: bytes, wall: float, now: float) -> Message | None:
     return stored_delivery(stored, wall, now).message
 
 
+class _Waiter:
+    """A publisher waiting for its retained message to be written (once, either way)."""
+
+    __slots__ = ("done", "timer")
+
+    def __init__(self, done: Callable[[bool], None], timeout: float) -> None:
+        self.done: Callable[[bool], None] | None = done
+        self.timer = asyncio.get_running_loop().call_later(timeout, self.fire, False)
+
+    def fire(self, ok: bool) -> None:
+        done, self.done = self.done, None
+        self.timer.cancel()
+        if done is not None:
+            done(ok)
+
+
+_Op = tuple[str, str, Message | None, list[_Waiter]]  # ("w"|"r", topic, message, waiters)
+
+
 class RetainedPersistence:
+    """``timeout``: seconds a publisher waits for its retained message to be written
+    before it is told the PUBLISH failed (the write goes on; a re-send is harmless)."""
+
     def __init__(
         self,
         redis: Any,  # redis.asyncio.Redis or RedisCluster: one key, so either works
         retained: RetainedStore,
         clock: Callable[[], float],
+        timeout: float = 10.0,
     ) -> None:
         self._redis = redis
         self._retained = retained
         self._clock = clock
-        self._ops: list[tuple[str, str, Message | None]] = []  # ("w"|"r", topic, message)
+        self._timeout = timeout
+        self._ops: list[_Op] = []
+        # topic -> index in _ops of its write not yet sent: a newer one replaces it, so
+        # what waits while Redis is down is one write per topic, not one per PUBLISH
+        self._unsent: dict[str, int] = {}
         self._writes = Counter[str]()  # queued writes per topic
         self._task: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
@@ -79,15 +106,24 @@ class RetainedPersistence:
         self._retained.on_change = self.changed
         return len(entries) - len(expired)
 
-    def changed(self, message: Message) -> None:
-        """``RetainedStore.on_change``: write ``message`` (empty payload: delete) through."""
-        self._writes[message.topic] += 1
-        self._push(("w", message.topic, message))
+    def changed(self, message: Message, done: Callable[[bool], None] | None = None) -> None:
+        """``RetainedStore.on_change``: write ``message`` (empty payload: delete) through,
+        then ``done(True)``; ``done(False)`` if it is not written within the timeout."""
+        topic = message.topic
+        waiters = [] if done is None else [_Waiter(done, self._timeout)]
+        unsent = self._unsent.get(topic)
+        if unsent is not None:  # not sent yet: the newest message of the topic wins
+            _kind, _topic, _old, before = self._ops[unsent]
+            self._ops[unsent] = ("w", topic, message, before + waiters)
+            return
+        self._writes[topic] += 1
+        self._unsent[topic] = len(self._ops)
+        self._push(("w", topic, message, waiters))
 
     def refresh(self, topics: Iterable[str]) -> None:
         """Another replica changed ``topics``: read them back from the hash."""
         for topic in topics:
-            self._push(("r", topic, None))
+            self._push(("r", topic, None, []))
 
     def resync(self) -> None:
         """Notices may have been missed: re-read every topic known here or in the hash."""
@@ -114,7 +150,7 @@ class RetainedPersistence:
                 log.warning("retained: %d changes not written at shutdown", len(self._ops))
                 self._task.cancel()
 
-    def _push(self, op: tuple[str, str, Message | None]) -> None:
+    def _push(self, op: _Op) -> None:
         self._ops.append(op)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -122,22 +158,28 @@ class RetainedPersistence:
     async def _run(self) -> None:
         try:
             while self._ops:
-                batch, self._ops = self._ops, []
+                batch, self._ops, self._unsent = self._ops, [], {}
                 try:
                     results = await self._execute(batch)
                 except Exception as error:
                     log.warning("retained: writing to redis failed: %s", error)
                     self._ops = batch + self._ops
+                    self._unsent = {
+                        topic: i for i, (kind, topic, _, _) in enumerate(self._ops) if kind == "w"
+                    }
                     await asyncio.sleep(RETRY_DELAY)
                     continue
                 self._applied(batch, results)
+                for *_, waiters in batch:
+                    for waiter in waiters:
+                        waiter.fire(True)
         finally:
             self._task = None
 
-    async def _execute(self, batch: list[tuple[str, str, Message | None]]) -> list[Any]:
+    async def _execute(self, batch: list[_Op]) -> list[Any]:
         wall, now = time.time(), self._clock()
         async with self._redis.pipeline(transaction=False) as pipe:
-            for kind, topic, message in batch:
+            for kind, topic, message, _ in batch:
                 if kind == "r":
                     pipe.hget(RETAINED_KEY, topic)
                 elif message is not None and message.payload and not message.expired(now):
@@ -146,11 +188,11 @@ class RetainedPersistence:
                     pipe.hdel(RETAINED_KEY, topic)
             return list(await pipe.execute())
 
-    def _applied(self, batch: list[tuple[str, str, Message | None]], results: list[Any]) -> None:
+    def _applied(self, batch: list[_Op], results: list[Any]) -> None:
         wall, now = time.time(), self._clock()
-        last_write = {topic: i for i, (kind, topic, _) in enumerate(batch) if kind == "w"}
+        last_write = {topic: i for i, (kind, topic, _, _) in enumerate(batch) if kind == "w"}
         written: list[str] = []
-        for i, ((kind, topic, _), value) in enumerate(zip(batch, results, strict=True)):
+        for i, ((kind, topic, _, _), value) in enumerate(zip(batch, results, strict=True)):
             if kind == "w":
                 written.append(topic)
                 continue
@@ -166,5 +208,5 @@ class RetainedPersistence:
             self.written(list(dict.fromkeys(written)))
 
 
-def _count(batch: list[tuple[str, str, Message | None]], topic: str) -> int:
-    return sum(1 for kind, t, _ in batch if kind == "w" and t == topic)
+def _count(batch: list[_Op], topic: str) -> int:
+    return sum(1 for kind, t, _, _ in batch if kind == "w" and t == topic)

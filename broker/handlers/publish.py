@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from broker.connection import MQTTConnection, PendingAck
 from broker.errors import MQTTError
@@ -74,9 +75,10 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
             # (MQTT 5 QoS 1/2: 0x97 Quota exceeded; else acknowledged and dropped).
             _denied(conn, session, packet, topic, ReasonCode.QUOTA_EXCEEDED, over)
             return
-        broker.retained.store(message)
     targets = broker.resolve(message)
     if qos == 0:
+        if packet.retain:
+            broker.retained.store(message)
         broker.dispatch(targets, _no_ack)
         return
     assert packet_id is not None
@@ -84,7 +86,13 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     if qos == 2:
         session.incoming_qos2[packet_id] = False
     ack = conn.expect_ack(packet_id, qos, reason if conn.is_v5 else 0)
-    broker.dispatch(targets, lambda ok: _stored(conn, session, ack, ok))
+    done: Callable[[bool], None] = lambda ok: _stored(conn, session, ack, ok)  # noqa: E731
+    if packet.retain:
+        # Acknowledged once both are kept: the retained message (in Redis, with
+        # persistence) and the deliveries; a failure of either fails the PUBLISH.
+        done = _both(done)
+        broker.retained.store(message, done)
+    broker.dispatch(targets, done)
 
 
 def handle_pubrel(conn: MQTTConnection, packet: PubRel) -> None:
@@ -210,6 +218,18 @@ def _denied(
         if packet.qos == 2:
             session.incoming_qos2[packet_id] = True  # PUBREL completes it as usual
     conn.ack_ready(conn.expect_ack(packet_id, packet.qos, reason), True)
+
+
+def _both(then: Callable[[bool], None]) -> Callable[[bool], None]:
+    """A completion to be called twice: ``then`` runs on the second, ok if both were."""
+    results: list[bool] = []
+
+    def one(ok: bool) -> None:
+        results.append(ok)
+        if len(results) == 2:
+            then(all(results))
+
+    return one
 
 
 def _no_ack(ok: bool) -> None:

@@ -158,3 +158,32 @@ def test_a_311_publisher_is_not_read_while_kafka_owes_it_receive_maximum(stack_f
             acked.add(packet.packet_id)
     assert acked == set(range(1, sent + 1))
     pub.close()
+
+
+def test_a_retained_message_is_acknowledged_only_once_redis_has_it(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """Finding 7 of the persistent path: a retained message was acknowledged before its
+    Redis write, so a broker crash right after the PUBACK lost it. With Redis paused
+    no PUBACK can come; once Redis answers, the PUBACK does, and Redis has it."""
+    import redis as redis_py
+
+    from broker.packets import PubAck, Publish
+    from tests.e2e.clients import Raw
+
+    stack: Stack = stack_factory({"persistence.kafka_request_timeout_ms": 30_000})
+    assert stack.redis.proc is not None
+    topic = stack.topic("state")
+    pub = Raw(stack.broker, level=5)
+    try:
+        pub.connect(stack.client("pub"))
+        os.kill(stack.redis.proc.pid, signal.SIGSTOP)
+        try:
+            pub.send(Publish(topic, b"on", qos=1, retain=True, packet_id=1))
+            assert pub.recv_or_none(timeout=1.5) is None, "acknowledged before Redis had it"
+        finally:
+            os.kill(stack.redis.proc.pid, signal.SIGCONT)
+        ack = pub.recv_or_none(timeout=15)
+        assert isinstance(ack, PubAck) and ack.packet_id == 1 and ack.reason_code < 0x80
+        stored = redis_py.Redis.from_url(stack.redis.url).hget("devicemq:retained", topic)
+        assert stored is not None and stored.endswith(b"on")
+    finally:
+        pub.close()
