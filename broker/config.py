@@ -364,6 +364,22 @@ class PersistenceSettings:
     max_messages_per_client: int = setting(
         10_000, "Stored messages kept per client; over it the oldest are trimmed", ge=1, le=65535
     )
+    redis_wait: str = setting(
+        "off",
+        "Before Kafka offsets are committed, wait until the batch is durable in Redis: "
+        "replicas (WAIT for redis_wait_replicas replicas), aof (WAITAOF: fsynced to "
+        "the local AOF, Redis 7.2+), off",
+        choices=("off", "replicas", "aof"),
+    )
+    redis_wait_replicas: int = setting(
+        1, "Replicas that must acknowledge a batch (redis_wait: replicas)", ge=1, le=16
+    )
+    redis_wait_timeout_ms: int = setting(
+        1000,
+        "How long one wait may take; a batch not durable by then is not committed "
+        "(it is read again after a crash, stored once)",
+        ge=1,
+    )
     max_bytes_per_client: int = setting(
         64 * 1024 * 1024,
         "Bytes of stored messages kept per client; over it the oldest are trimmed; 0: no limit",

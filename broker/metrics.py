@@ -330,6 +330,11 @@ class BrokerCollector(Collector):
             consumer.failures,
         )
         yield _counter(
+            "redis_wait_failures",
+            "Consumer batches not durable within persistence.redis_wait_timeout_ms (not committed)",
+            persistence.store.wait_failures,
+        )
+        yield _counter(
             "kafka_log_resets",
             "Partitions re-read from their start after their log went backwards",
             consumer.log_resets,

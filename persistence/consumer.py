@@ -65,6 +65,7 @@ class ConsumerStats:
     commit_errors: int = 0
     failures: int = 0  # unexpected errors of the consumer task (it went on)
     log_resets: int = 0  # partitions rewound after their log went backwards
+    not_durable: int = 0  # batches not committed: persistence.redis_wait not met in time
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
 
 
@@ -247,7 +248,12 @@ class PersistenceConsumer:
             # earliest); other replicas' consumers may be past it: tell them.
             self._resets.announce(went_back)
         results = await self._save(client_batches)
-        self._commit_soon(commit)
+        if all(result.durable for result in results):
+            self._commit_soon(commit)
+        else:
+            # Stored, but not as durable as persistence.redis_wait asks: no commit, so
+            # a crash reads them again (stored once); a later batch's commit covers them.
+            self.stats.not_durable += 1
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
             self.events.stored(batch, result)

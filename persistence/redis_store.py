@@ -160,6 +160,8 @@ class SaveResult:
     # Per message, the script's answer: its score (> 0), or EXPIRED, DUPLICATE,
     # DISCARDED, UNSTORED.
     outcomes: list[int] = field(default_factory=list)
+    # As durable as persistence.redis_wait asks (always, when it is off).
+    durable: bool = True
 
     @property
     def saved(self) -> int:
@@ -341,6 +343,9 @@ class RedisMessageStore:
         default_ttl: int = DEFAULT_TTL,
         clock: Callable[[], float] = time.time,
         max_bytes: int = 0,
+        wait: str = "off",
+        wait_replicas: int = 1,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         _check_limit(limit)
         if default_ttl <= 0:
@@ -348,6 +353,11 @@ class RedisMessageStore:
         self.redis = redis
         self.limit = limit
         self.max_bytes = max_bytes  # per client, of the values stored; 0: none
+        # persistence.redis_wait: each save wave ends with WAIT / WAITAOF
+        self.wait = wait
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.wait_failures = 0  # waves not durable within the timeout
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
@@ -510,10 +520,17 @@ class RedisMessageStore:
             for i in todo:
                 keys, args = calls[i]
                 pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
+            wait = self._wait_command()
+            if wait:
+                # On the connection that wrote: WAIT and WAITAOF wait for its writes.
+                pipe.execute_command(*wait)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             finally:
                 self._observe(_SAVE.name, time.perf_counter() - started)
+            durable = True
+            if wait:
+                durable = self._waited(replies.pop())
             again = []
             for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
@@ -522,11 +539,43 @@ class RedisMessageStore:
                     self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
                     results[i] = reply
                 else:
-                    results[i] = _save_result(reply)
+                    result = _save_result(reply)
+                    result.durable = durable
+                    results[i] = result
             if again:
                 await self.load_scripts()
             todo = again
         return results
+
+    def _wait_command(self) -> tuple[Any, ...]:
+        timeout = self.wait_timeout_ms
+        if self.wait == "replicas":
+            return ("WAIT", self.wait_replicas, timeout)
+        if self.wait == "aof":
+            return ("WAITAOF", 1, 0, timeout)
+        return ()
+
+    def _waited(self, reply: Any) -> bool:
+        """Did the wait see the writes durable (persistence.redis_wait)?"""
+        if isinstance(reply, BaseException):
+            self.wait_failures += 1
+            return False
+        ok = int(reply) >= self.wait_replicas if self.wait == "replicas" else int(reply[0]) >= 1
+        if not ok:
+            self.wait_failures += 1
+        return ok
+
+    async def check_wait(self) -> None:
+        """A clear error at start if persistence.redis_wait cannot work on this Redis."""
+        if self.wait == "off":
+            return
+        if isinstance(self.redis, RedisCluster):
+            raise ValueError("is not supported with persistence.redis_cluster yet")
+        info = await self.redis.info("server")
+        version = str(info.get("redis_version", "0"))
+        numbers = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+        if self.wait == "aof" and numbers < (7, 2):
+            raise ValueError(f"aof needs WAITAOF, Redis 7.2 or newer; this Redis is {version}")
 
     def _save_call(
         self, batch: ClientBatch, now: float, limit: int

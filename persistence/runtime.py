@@ -240,12 +240,22 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         limit=config.max_messages_per_client,
         max_bytes=config.max_bytes_per_client,
         default_ttl=config.default_message_ttl,
+        wait=config.redis_wait,
+        wait_replicas=config.redis_wait_replicas,
+        wait_timeout_ms=config.redis_wait_timeout_ms,
     )
     try:
         await store.load_scripts()
     except Exception as error:
         await store.aclose()
         raise PersistenceUnavailable(f"cannot use redis at {redis_url}: {error}") from error
+    try:
+        await store.check_wait()
+    except ValueError as error:
+        await store.aclose()
+        raise ConfigError(
+            f"redis_wait: {config.redis_wait} {error}", name="persistence.redis_wait"
+        ) from None
     producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
     consumer = make_consumer(bootstrap, config.consumer_group)
     try:

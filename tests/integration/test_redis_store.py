@@ -597,3 +597,46 @@ async def test_bytes_per_client_are_limited_like_messages(
     assert [r.packet_id for r in await all_records(small, cid)] == [3, 5, 6]
     await small.ack_many(cid, [3, 5, 6])
     assert int(await cmd(small, "GET", keys.bytes)) == 0
+
+
+async def test_redis_wait_replicas_tells_whether_a_batch_reached_a_replica() -> None:
+    """persistence.redis_wait: replicas. The save wave ends with WAIT on the connection
+    that wrote it; a batch no replica acknowledged in time is reported not durable
+    (the consumer then does not commit its offsets)."""
+    import os
+    import signal
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from tests.integration.redis_servers import RedisServer
+
+    primary, replica = RedisServer(), RedisServer()
+    client = AsyncRedis.from_url(primary.url)
+    follower = AsyncRedis.from_url(replica.url)
+    try:
+        await follower.execute_command("REPLICAOF", "127.0.0.1", primary.port)
+        for _ in range(200):
+            if (await follower.info("replication")).get("master_link_status") == "up":
+                break
+            await asyncio.sleep(0.05)
+        store = RedisMessageStore(client, wait="replicas", wait_replicas=1, wait_timeout_ms=300)
+        await store.check_wait()
+        (result,) = await store.save_many([ClientBatch("dev", msgs(0, 3), 0)])
+        assert result.saved == 3 and result.durable
+        os.kill(replica.process.pid, signal.SIGSTOP)
+        try:
+            (result,) = await store.save_many([ClientBatch("dev", msgs(3, 3), 0)])
+        finally:
+            os.kill(replica.process.pid, signal.SIGCONT)
+        assert result.saved == 3 and not result.durable
+        assert store.wait_failures == 1
+        aof = RedisMessageStore(client, wait="aof")
+        version = (await client.info("server"))["redis_version"]
+        if tuple(int(x) for x in str(version).split(".")[:2]) < (7, 2):
+            with pytest.raises(ValueError, match="aof needs WAITAOF"):
+                await aof.check_wait()
+    finally:
+        await client.aclose()
+        await follower.aclose()
+        replica.stop()
+        primary.stop()
