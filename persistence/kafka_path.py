@@ -39,6 +39,7 @@ log = logging.getLogger("devicemq.kafka")
 
 LOG_INTERVAL = 5.0  # seconds between two "produce failed" log lines
 PARTITION_CACHE_SIZE = 100_000  # client ids whose partition is remembered
+BATCH_TTL_MS = 300_000  # how long aiokafka keeps trying a batch (see make_producer)
 
 
 class _Submission:
@@ -296,14 +297,20 @@ def make_producer(bootstrap: str, request_timeout_ms: int, linger_ms: int) -> AI
 
     Idempotence stays off: Tansu, the embedded broker, does not support it;
     ordering per partition holds because aiokafka keeps one batch in flight
-    per partition.
+    per partition, and because a batch does not give up early: aiokafka drops
+    a batch older than its request timeout at the next retry and sends the
+    ones queued behind it, so a stall longer than the timeout would put an
+    earlier record after later ones. The publisher's own deadline is the Kafka
+    path's (``request_timeout_ms``, see :class:`KafkaPersistentPath`); aiokafka
+    keeps trying for :data:`BATCH_TTL_MS` at least, so whatever it was handed
+    is appended in order or, past that, not at all.
     """
     return AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         acks="all",
         enable_idempotence=False,
         linger_ms=linger_ms,
-        request_timeout_ms=request_timeout_ms,
+        request_timeout_ms=max(request_timeout_ms, BATCH_TTL_MS),
         max_batch_size=512 * 1024,
     )
 
