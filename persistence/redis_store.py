@@ -312,7 +312,9 @@ class _Script(NamedTuple):
 
 
 def _load_script(name: str) -> _Script:
-    text = resources.files("persistence").joinpath("lua", f"{name}.lua").read_bytes()
+    """A script of persistence/lua/, with lib.lua's shared helpers in front of it."""
+    lua = resources.files("persistence").joinpath("lua")
+    text = lua.joinpath("lib.lua").read_bytes() + lua.joinpath(f"{name}.lua").read_bytes()
     return _Script(name, text, hashlib.sha1(text).hexdigest())
 
 

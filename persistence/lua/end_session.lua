@@ -17,18 +17,8 @@
 local ending = tonumber(ARGV[1])
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
 if ending > 0 and current > ending then return -1 end
-local set_key = KEYS[1]
-local refs = redis.call('ZRANGE', set_key, 0, -1)
-local chunk = {}
-for i = 1, #refs do
-  chunk[#chunk + 1] = set_key .. '_' .. refs[i]
-  if #chunk == 500 then
-    redis.call('DEL', unpack(chunk))
-    chunk = {}
-  end
-end
-if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
+local deleted = delete_messages(KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
 local tombstone = math.max(current, ending) + 1
 redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
-return #refs
+return deleted

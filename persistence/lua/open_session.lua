@@ -28,17 +28,7 @@ end
 if ARGV[1] == 'resume' and stored then
   return {string.format('%.0f', current), stored}
 end
-local set_key = KEYS[1]
-local refs = redis.call('ZRANGE', set_key, 0, -1)
-local chunk = {}
-for i = 1, #refs do
-  chunk[#chunk + 1] = set_key .. '_' .. refs[i]
-  if #chunk == 500 then
-    redis.call('DEL', unpack(chunk))
-    chunk = {}
-  end
-end
-if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
+delete_messages(KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7])
 local generation = math.max(tonumber(ARGV[2]), current + 1)
 local text = string.format('%.0f', generation)

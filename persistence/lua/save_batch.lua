@@ -90,8 +90,7 @@ local function trim_oldest_unsent()
     local ref = redis.call('ZRANGE', set_key, rank, rank)
     if not ref[1] then return nil end
     local key = set_key .. '_' .. ref[1]
-    local flags = redis.call('GETRANGE', key, 1, 1)
-    if flags ~= '' and bit.band(string.byte(flags), 1) == 1 then
+    if is_sent(key) then
       rank = rank + 1
     else
       bytes = bytes - redis.call('STRLEN', key)

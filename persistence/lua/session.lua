@@ -48,8 +48,7 @@ while true do
   local ref = redis.call('ZRANGE', KEYS[1], rank, rank)
   if not ref[1] then break end
   local key = KEYS[1] .. '_' .. ref[1]
-  local flags = redis.call('GETRANGE', key, 1, 1)
-  if flags == '' or bit.band(string.byte(flags), 1) == 0 then break end
+  if not is_sent(key) then break end
   live_as_the_session(key)
   rank = rank + 1
 end
