@@ -118,6 +118,7 @@ class Inc:
     subs: list[Sub] = field(default_factory=list)
     detached_at: float | None = None  # its last connection ended then (None: connected)
     maybe_ended: bool = False  # a clean start that got no CONNACK may have ended it
+    saved_at: float | None = None  # first SUBACK: the broker has it in Redis (README)
 
     @property
     def persistent(self) -> bool:
@@ -406,7 +407,13 @@ class Model:
             return state.conn
 
     def _certainly_alive(self, inc: Inc, now: float) -> bool:
+        """Must the session still exist? Only one the broker saved (a SUBACK came:
+        session state is saved before SUBACK, not before CONNACK) survives a crash."""
         if not inc.persistent or inc.maybe_ended:
+            return False
+        if self.fault_between(inc.started, now) and (
+            inc.saved_at is None or self.fault_between(inc.started, inc.saved_at)
+        ):
             return False
         if inc.detached_at is None:
             return True  # connected until now (a takeover)
@@ -476,6 +483,8 @@ class Model:
             for sub, code in zip(subs, codes, strict=False):
                 sub.suback_at = now
                 sub.granted = code
+                if code < 0x80 and sub.inc.saved_at is None:
+                    sub.inc.saved_at = now
                 self.log(f"{sub.inc.cid} SUBACK {sub.filter} {code}")
 
     def unsubscribe_sent(self, cid: str, filters: Iterable[str]) -> None:
@@ -669,13 +678,20 @@ class Model:
                 if i is not inc and any(s.matches(msg.topic) and s.sent_at < limit for s in i.subs)
             ]
             if earlier:
-                old = earlier[-1]
+                alive = [
+                    i
+                    for i in earlier
+                    if i.started <= msg.sent_at and (i.ended is None or i.ended >= msg.sent_at)
+                ]
+                old = (alive or earlier)[-1]
+                ended = f"{old.end_reason} {now - old.ended:.1f} s ago" if old.ended else "?"
                 self.violate(
                     "ended-session",
-                    f"{state.cid}: {msg.name()} (published {now - msg.sent_at:.1f} s ago for "
-                    f"session {old.name()}, which ended by {old.end_reason}) reached the new "
-                    f"session {inc.name()} (session present 0), which had not subscribed "
-                    "to it before the publisher's acknowledgement",
+                    f"{state.cid}: {msg.name()} (published {now - msg.sent_at:.2f} s ago "
+                    f"{'while' if alive else 'for'} session {old.name()} existed; it ended: "
+                    f"{ended}) reached the new "
+                    f"session {inc.name()} (session present 0), which had not subscribed to it "
+                    "before the publisher's acknowledgement",
                     dedupe=f"ended:{state.cid}:{inc.n}",
                 )
             else:
