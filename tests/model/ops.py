@@ -103,11 +103,19 @@ _BASE = {
     "drain": 2,
     "settle": 3,
     "held_pubrel": 1,
+    "expire_session": 1,
 }
 _BIAS: dict[str, dict[str, int]] = {
     "mixed": {},
     "faults": {"kill_broker": 6, "restart_redis": 5, "pause_redis": 4, "pause_kafka": 3},
-    "expiry": {"policy": 10, "wait": 6, "disconnect": 8, "connect": 10, "held_pubrel": 4},
+    "expiry": {
+        "policy": 10,
+        "wait": 6,
+        "disconnect": 8,
+        "connect": 10,
+        "held_pubrel": 4,
+        "expire_session": 3,
+    },
     "clean": {"connect": 14, "pause_redis": 6, "pause_kafka": 3, "disconnect": 4},
     "kafka": {"restart_kafka": 5, "pause_kafka": 3},
     "wrap": {"kill_broker": 1, "restart_kafka": 0},
@@ -341,6 +349,32 @@ class _Generator:
                 expiry=LONG_EXPIRY if spec.version == 5 else V311_EXPIRY,
                 broker=self._broker(),
             ),
+        ]
+
+    def _expire_session(self) -> list[Op]:
+        """A short Session Expiry Interval, messages while away, back after it passed."""
+        spec = self.rnd.choice([c for c in self.plan.subscribers if c.version == 5] or [None])
+        if spec is None:
+            return []
+        expiry = self.rnd.choice((1, 2))
+        pub = self.rnd.choice(self.plan.publishers)
+        topic = self.rnd.choice(TOPICS[:3])
+        return [
+            op("connect", client=spec.cid, clean=False, expiry=expiry, broker=self._broker()),
+            op("subscribe", client=spec.cid, filters=((topic, self.rnd.choice((1, 2))),)),
+            op("disconnect", client=spec.cid, abrupt=self.rnd.random() < 0.5),
+            op(
+                "publish",
+                client=pub.cid,
+                topic=topic,
+                qos=self.rnd.choice((1, 2)),
+                count=self.rnd.choice((1, 5, 20)),
+                expiry=None,
+                background=self.rnd.random() < 0.5,
+                broker=self._broker(),
+            ),
+            op("wait", seconds=expiry + 3.0),
+            op("connect", client=spec.cid, clean=False, expiry=LONG_EXPIRY, broker=self._broker()),
         ]
 
     def _drain(self) -> Op:
