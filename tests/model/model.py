@@ -41,7 +41,8 @@ begins a new one), subscriptions, messages and every receipt, and checks:
     after a resume, a QoS 2 id whose PUBREL the client saw and did not
     complete gets its PUBREL again (MQTT-4.4.0-1) within a bound; an id it
     PUBREC'd without seeing PUBREL gets PUBREL or the PUBLISH again (unless
-    the message expired).
+    the message expired or may have been trimmed: the PUBREC may not have
+    reached the broker).
 ``session-lost``
     a session is present after a resume unless it may have expired;
 ``session-present``
@@ -118,7 +119,8 @@ class Inc:
     subs: list[Sub] = field(default_factory=list)
     detached_at: float | None = None  # its last connection ended then (None: connected)
     maybe_ended: bool = False  # a clean start that got no CONNACK may have ended it
-    saved_at: float | None = None  # first SUBACK: the broker has it in Redis (README)
+    saved_at: float | None = None  # last SUBACK: the broker has it in Redis (README)
+    resumed_at: float = 0.0  # last CONNACK: its terms (expiry) are saved only later
 
     @property
     def persistent(self) -> bool:
@@ -382,6 +384,7 @@ class Model:
             elif session_present and inc is not None and inc.ended is None:
                 inc.expiry = state.pending_expiry
                 inc.detached_at = None
+                inc.resumed_at = now
                 return state.conn
             elif session_present:
                 why = "no session was ever created" if inc is None else inc.end_reason
@@ -411,10 +414,11 @@ class Model:
         session state is saved before SUBACK, not before CONNACK) survives a crash."""
         if not inc.persistent or inc.maybe_ended:
             return False
-        if self.fault_between(inc.started, now) and (
-            inc.saved_at is None or self.fault_between(inc.started, inc.saved_at)
+        since = max(inc.started, inc.resumed_at)
+        if self.fault_between(since, now) and (
+            inc.saved_at is None or inc.saved_at < since or self.fault_between(since, inc.saved_at)
         ):
-            return False
+            return False  # a crash before a SUBACK confirmed the latest CONNECT's terms
         if inc.detached_at is None:
             return True  # connected until now (a takeover)
         return now < inc.detached_at + inc.expiry - SESSION_EXPIRY_MARGIN
@@ -483,7 +487,7 @@ class Model:
             for sub, code in zip(subs, codes, strict=False):
                 sub.suback_at = now
                 sub.granted = code
-                if code < 0x80 and sub.inc.saved_at is None:
+                if code < 0x80:
                     sub.inc.saved_at = now
                 self.log(f"{sub.inc.cid} SUBACK {sub.filter} {code}")
 
