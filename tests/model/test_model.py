@@ -17,11 +17,12 @@ from tests.model.ops import make_plan
 from tests.model.runner import Result, run_plan
 
 # (seed, replicas, operations, scenario): a spread of fault mixes that each runs in
-# well under a minute here.
+# well under a minute here; the random seed skips "wrap", the costly one.
 FIXED = [
     (1001, 1, 45, "mixed"),
     (1002, 1, 45, "expiry"),
     (1003, 2, 35, "faults"),
+    (1004, 1, 25, "wrap"),  # ~65k copies for one session: packet ids come round
 ]
 CHEAP = ("mixed", "faults", "expiry", "clean", "kafka")  # "wrap" floods ~65k messages
 
