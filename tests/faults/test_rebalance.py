@@ -4,11 +4,18 @@ While paho publishers send to persistent subscribers, a second member joins
 the broker's persistence consumer group: a plain aiokafka consumer in its own
 process, with the group id and topic devicemq uses, that fetches records for a
 while WITHOUT storing or committing them, then leaves the group (a clean
-``close``) or is SIGKILLed (the group notices after its session timeout). The
-broker loses partitions mid-batch (its commits for them fail), gets them back
-and must re-read from its last committed offset everything the intruder
+``close``) or is SIGKILLed (the group notices after its session timeout). Redis
+is paused while the intruder joins, so the broker's consumer is in the middle
+of storing a batch when its partitions are taken away. The broker gets them
+back and must re-read from its last committed offset everything the intruder
 fetched: nothing acknowledged lost, nothing repeated without DUP, order kept,
 and ``/ready`` back to 200 with no help.
+
+Whether the broker's commit after that stuck batch fails is not asserted: it
+depends on whether the consumer has already rejoined under the new generation
+when the store finishes (Tansu then accepts the commit), a race the test
+cannot settle, and either outcome is correct: a failed commit means a re-read
+(the store skips what it has), a successful one covers records it stored.
 """
 
 from __future__ import annotations
@@ -157,7 +164,7 @@ def test_rebalance_during_load(stack_factory, kafka, exit_mode: str) -> None:  #
         # Long enough to outlive a kill; "leave" mode closes by itself after it.
         seconds = 6.0 if exit_mode == "leave" else 60.0
         # Redis paused while the intruder joins: the broker's consumer is stuck storing
-        # a batch when its partitions are revoked, so the commit after the store fails.
+        # a batch when its partitions are revoked.
         assert stack.redis.proc is not None
         os.kill(stack.redis.proc.pid, signal.SIGSTOP)
         redis_paused = True
@@ -178,8 +185,7 @@ def test_rebalance_during_load(stack_factory, kafka, exit_mode: str) -> None:  #
         for sub in subs:
             sub.wait_all(pubs, timeout=30)
             assert_ok(check(pubs, sub))
-        assert intruder.total > 0, intruder.events
-        assert "offset commit failed" in stack.broker.log()  # it did lose partitions mid-batch
+        assert intruder.total > 0, intruder.events  # it held partitions and read from them
         assert stack.broker.alive(), stack.broker.log()[-3000:]
         assert stack.broker.exit_codes == []
         print(

@@ -1,0 +1,433 @@
+"""Operations and the seeded generator of operation sequences.
+
+A :class:`Plan` is everything a run does, fixed by its seed: the broker
+settings, the clients, and the list of :class:`Op`. Every operation is
+self-contained (a subscribe on a disconnected client resumes it first, a
+pause resumes by itself), so any sub-list is a valid plan too: the shrinker
+removes operations freely.
+
+The seed also picks a *scenario*, a bias of the weights towards one kind of
+trouble (``SCENARIOS``); every scenario still draws from every operation.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+SCENARIOS = ("mixed", "faults", "expiry", "clean", "kafka", "wrap")
+
+TOPICS = ("m/a", "m/b", "m/c/d", "m/w")
+FILTERS = ("m/a", "m/b", "m/c/d", "m/+", "m/#", "m/c/+")
+LONG_EXPIRY = 600
+V311_EXPIRY = 604_800  # mqtt.max_session_expiry_interval: a 3.1.1 persistent session
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        for k, v in self.args:
+            if k == name:
+                return v
+        return default
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.args)
+        return f"{self.kind}({inner})"
+
+
+def op(kind: str, **args: Any) -> Op:
+    return Op(kind, tuple(args.items()))
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    cid: str
+    kind: str  # raw or paho
+    version: int  # 4 (3.1.1) or 5
+    receive_maximum: int | None = None
+
+
+@dataclass
+class Plan:
+    seed: int
+    replicas: int
+    scenario: str
+    settings: dict[str, object]
+    subscribers: list[ClientSpec]
+    publishers: list[ClientSpec]
+    ops: list[Op] = field(default_factory=list)
+
+    @property
+    def limit(self) -> int:
+        return int(str(self.settings["persistence.max_messages_per_client"]))
+
+    @property
+    def max_inflight(self) -> int:
+        return int(str(self.settings["mqtt.max_inflight"]))
+
+    @property
+    def default_ttl(self) -> float | None:
+        ttl = self.settings.get("persistence.default_message_ttl")
+        return None if ttl is None else float(str(ttl))
+
+    def describe(self) -> str:
+        subs = ", ".join(f"{c.cid}:{c.kind}/v{c.version}" for c in self.subscribers)
+        pubs = ", ".join(f"{c.cid}:{c.kind}/v{c.version}" for c in self.publishers)
+        sets = ", ".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
+        return (
+            f"seed {self.seed}, scenario {self.scenario}, replicas {self.replicas}\n"
+            f"  settings: {sets}\n  subscribers: {subs}\n  publishers: {pubs}"
+        )
+
+
+# weights per scenario: op kind -> weight
+_BASE = {
+    "connect": 8,
+    "disconnect": 6,
+    "subscribe": 7,
+    "unsubscribe": 2,
+    "policy": 6,
+    "release": 4,
+    "publish": 26,
+    "wait": 2,
+    "kill_broker": 2,
+    "restart_redis": 2,
+    "restart_kafka": 1,
+    "pause_redis": 2,
+    "pause_kafka": 1,
+    "drain": 2,
+    "settle": 3,
+    "held_pubrel": 1,
+    "expire_session": 1,
+}
+_BIAS: dict[str, dict[str, int]] = {
+    "mixed": {},
+    "faults": {"kill_broker": 6, "restart_redis": 5, "pause_redis": 4, "pause_kafka": 3},
+    "expiry": {
+        "policy": 10,
+        "wait": 6,
+        "disconnect": 8,
+        "connect": 10,
+        "held_pubrel": 4,
+        "expire_session": 3,
+    },
+    "clean": {"connect": 14, "pause_redis": 6, "pause_kafka": 3, "disconnect": 4},
+    "kafka": {"restart_kafka": 5, "pause_kafka": 3},
+    "wrap": {"kill_broker": 1, "restart_kafka": 0},
+}
+
+
+def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None) -> Plan:
+    rnd = random.Random(seed)
+    scenario = scenario or SCENARIOS[seed % len(SCENARIOS)]
+    max_inflight = rnd.choice((4, 8, 16)) if scenario != "wrap" else 32
+    limit = rnd.choice((10, 15, 20, 30, 10_000)) if scenario != "wrap" else rnd.choice((3000, 5000))
+    if scenario == "expiry":
+        limit = rnd.choice((15, 30, 10_000))
+    settings: dict[str, object] = {
+        "persistence.max_messages_per_client": max(limit, max_inflight + 4),
+        "mqtt.max_inflight": max_inflight,
+        "persistence.kafka_request_timeout_ms": 3000,
+    }
+    if rnd.random() < 0.3:
+        settings["persistence.replay_page_size"] = rnd.choice((5, 20, 100))
+    if scenario in ("expiry", "mixed") and rnd.random() < 0.25:
+        settings["persistence.default_message_ttl"] = rnd.choice((6, 10, 20))
+    subscribers = []
+    n_subs = rnd.randint(2, 4)
+    for i in range(n_subs):
+        kind = "paho" if rnd.random() < 0.2 else "raw"
+        version = 5 if rnd.random() < 0.7 else 4
+        rm = rnd.choice((None, None, 2, 5, 20)) if version == 5 else None
+        subscribers.append(ClientSpec(f"s{i}", kind, version, rm))
+    if scenario == "wrap":
+        subscribers[0] = ClientSpec("s0", "raw", 5, None)
+    publishers = [
+        ClientSpec("p0", "raw", 5),
+        ClientSpec("p1", "raw", rnd.choice((4, 5))),
+        ClientSpec("p2", "paho", rnd.choice((4, 5))),
+    ]
+    plan = Plan(seed, replicas, scenario, settings, subscribers, publishers)
+    gen = _Generator(rnd, plan)
+    plan.ops = gen.generate(n_ops)
+    return plan
+
+
+class _Generator:
+    def __init__(self, rnd: random.Random, plan: Plan) -> None:
+        self.rnd = rnd
+        self.plan = plan
+        self.weights = {**_BASE, **_BIAS[plan.scenario]}
+        self.short_expiry = plan.scenario == "expiry"
+
+    def generate(self, n_ops: int) -> list[Op]:
+        rnd = self.rnd
+        ops: list[Op] = []
+        for spec in self.plan.subscribers:
+            ops.append(self._connect(spec, initial=True))
+            ops.append(self._subscribe(spec))
+        if self.plan.scenario == "wrap":
+            ops.extend(self._wrap())
+        kinds = list(self.weights)
+        weights = [self.weights[k] for k in kinds]
+        while len(ops) < n_ops:
+            kind = rnd.choices(kinds, weights)[0]
+            made = getattr(self, f"_{kind}")()
+            ops.extend(made if isinstance(made, list) else [made])
+        return ops
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _sub(self) -> ClientSpec:
+        return self.rnd.choice(self.plan.subscribers)
+
+    def _broker(self) -> int:
+        return self.rnd.randrange(self.plan.replicas)
+
+    def _expiry_for(self, spec: ClientSpec) -> int:
+        r = self.rnd.random()
+        if spec.version == 4:
+            return 0 if r < 0.15 else V311_EXPIRY
+        short = 0.35 if self.short_expiry else 0.12
+        if r < 0.08:
+            return 0
+        if r < 0.08 + short:
+            return self.rnd.choice((2, 3, 4))
+        return LONG_EXPIRY
+
+    # -- operations --------------------------------------------------------------------
+
+    def _connect(self, spec: ClientSpec | None = None, initial: bool = False) -> Op:
+        spec = spec or self._sub()
+        clean_p = 0.0 if initial else (0.35 if self.plan.scenario == "clean" else 0.15)
+        expiry = LONG_EXPIRY if initial and spec.version == 5 else self._expiry_for(spec)
+        if initial and spec.version == 4:
+            expiry = V311_EXPIRY
+        return op(
+            "connect",
+            client=spec.cid,
+            clean=self.rnd.random() < clean_p,
+            expiry=expiry,
+            broker=self._broker(),
+        )
+
+    def _disconnect(self) -> Op:
+        return op("disconnect", client=self._sub().cid, abrupt=self.rnd.random() < 0.6)
+
+    def _subscribe(self, spec: ClientSpec | None = None) -> Op:
+        spec = spec or self._sub()
+        n = self.rnd.randint(1, 2)
+        entries = []
+        for _ in range(n):
+            topic_filter = self.rnd.choice(FILTERS)
+            if spec.version == 5 and self.rnd.random() < 0.25:
+                topic_filter = f"$share/g{self.rnd.randint(0, 2)}/{topic_filter}"
+            qos = (
+                self.rnd.choice((0, 1, 1, 2, 2))
+                if spec.kind == "raw"
+                else self.rnd.choice((0, 1, 1))
+            )
+            entries.append((topic_filter, qos))
+        return op("subscribe", client=spec.cid, filters=tuple(entries))
+
+    def _unsubscribe(self) -> Op:
+        spec = self._sub()
+        topic_filter = self.rnd.choice(FILTERS)
+        return op("unsubscribe", client=spec.cid, filter=topic_filter)
+
+    def _policy(self) -> Op:
+        spec = self._sub()
+        if spec.kind == "paho":
+            choices: tuple[str, ...] = ("auto", "auto", "delay", "hold")
+        elif self.plan.scenario == "expiry":
+            choices = ("auto", "delay", "hold", "hold_comp", "hold_comp")
+        else:
+            choices = ("auto", "auto", "delay", "hold", "hold_comp")
+        return op("policy", client=spec.cid, policy=self.rnd.choice(choices))
+
+    def _release(self) -> Op:
+        return op("release", client=self._sub().cid)
+
+    def _publish(self) -> Op:
+        rnd = self.rnd
+        pub = rnd.choice(self.plan.publishers)
+        qos = rnd.choices((0, 1, 2), (1, 4, 3))[0]
+        count = rnd.choice((1, 1, 2, 3, 5, 8, 20))
+        expiry = None
+        if pub.version == 5:
+            r = rnd.random()
+            short_p = 0.4 if self.short_expiry else 0.15
+            if r < short_p:
+                expiry = rnd.choice((1, 2, 3))
+            elif r < short_p + 0.1:
+                expiry = rnd.choice((10, 30))
+        return op(
+            "publish",
+            client=pub.cid,
+            topic=rnd.choice(TOPICS[:3]),
+            qos=qos,
+            count=count,
+            expiry=expiry,
+            background=rnd.random() < 0.3,
+            broker=self._broker(),
+        )
+
+    def _settle(self) -> Op:
+        return op("settle", client=self._sub().cid)
+
+    def _wait(self) -> Op:
+        return op("wait", seconds=self.rnd.choice((0.5, 1.0, 2.5, 5.0)))
+
+    def _kill_broker(self) -> Op:
+        return op(
+            "kill_broker",
+            broker=self._broker(),
+            down=self.rnd.choice((0.0, 0.5, 2.0)),
+            failover=self.plan.replicas > 1 and self.rnd.random() < 0.5,
+        )
+
+    def _restart_redis(self) -> Op:
+        return op("restart_redis", signal=self.rnd.choice(("TERM", "KILL")))
+
+    def _restart_kafka(self) -> Op:
+        return op("restart_kafka")
+
+    def _pause_redis(self) -> list[Op]:
+        out = [op("pause_redis", seconds=self.rnd.choice((0.5, 1.5, 3.0)))]
+        if self.plan.scenario == "clean":  # the window finding 3 needs: records not yet stored
+            spec = self._sub()
+            out.append(self._publish())
+            out.append(
+                op(
+                    "connect",
+                    client=spec.cid,
+                    clean=True,
+                    expiry=LONG_EXPIRY if spec.version == 5 else V311_EXPIRY,
+                    broker=self._broker(),
+                )
+            )
+        return out
+
+    def _pause_kafka(self) -> Op:
+        return op("pause_kafka", seconds=self.rnd.choice((0.5, 1.5, 4.0)))
+
+    def _held_pubrel(self) -> list[Op]:
+        """A QoS 2 receiver that has the PUBREL but holds PUBCOMP, away past the expiry."""
+        raw = [c for c in self.plan.subscribers if c.kind == "raw"]
+        if not raw:
+            return []
+        spec = self.rnd.choice(raw)
+        expiry = self.rnd.choice((1, 2))
+        pub = self.rnd.choice([p for p in self.plan.publishers if p.version == 5])
+        topic = self.rnd.choice(TOPICS[:3])
+        return [
+            op("subscribe", client=spec.cid, filters=((topic, 2),)),
+            op("policy", client=spec.cid, policy="hold_comp"),
+            op(
+                "publish",
+                client=pub.cid,
+                topic=topic,
+                qos=2,
+                count=self.rnd.randint(1, 3),
+                expiry=expiry,
+                background=False,
+                broker=self._broker(),
+            ),
+            op("settle", client=spec.cid),
+            op("disconnect", client=spec.cid, abrupt=self.rnd.random() < 0.5),
+            op("wait", seconds=expiry + 1.0),
+            op("policy", client=spec.cid, policy="auto"),
+            op(
+                "connect",
+                client=spec.cid,
+                clean=False,
+                expiry=LONG_EXPIRY if spec.version == 5 else V311_EXPIRY,
+                broker=self._broker(),
+            ),
+        ]
+
+    def _expire_session(self) -> list[Op]:
+        """A short Session Expiry Interval, messages while away, back after it passed."""
+        spec = self.rnd.choice([c for c in self.plan.subscribers if c.version == 5] or [None])
+        if spec is None:
+            return []
+        expiry = self.rnd.choice((1, 2))
+        pub = self.rnd.choice(self.plan.publishers)
+        topic = self.rnd.choice(TOPICS[:3])
+        return [
+            op("connect", client=spec.cid, clean=False, expiry=expiry, broker=self._broker()),
+            op("subscribe", client=spec.cid, filters=((topic, self.rnd.choice((1, 2))),)),
+            op("disconnect", client=spec.cid, abrupt=self.rnd.random() < 0.5),
+            op(
+                "publish",
+                client=pub.cid,
+                topic=topic,
+                qos=self.rnd.choice((1, 2)),
+                count=self.rnd.choice((1, 5, 20)),
+                expiry=None,
+                background=self.rnd.random() < 0.5,
+                broker=self._broker(),
+            ),
+            op("wait", seconds=expiry + 3.0),
+            op("connect", client=spec.cid, clean=False, expiry=LONG_EXPIRY, broker=self._broker()),
+        ]
+
+    def _drain(self) -> Op:
+        return op("drain", abrupt=self.rnd.random() < 0.5)
+
+    def _wrap(self) -> list[Op]:
+        """Held ids, then enough copies for the packet ids to come round (65535).
+
+        Many shared-subscription groups multiply the copies one PUBLISH makes for
+        the same session (one per group), so the flood needs ~65535/(groups+1)
+        publishes. The held copies are either trimmed (newer ones pushed over the
+        limit while the client is away) or expire (and the replay drops them).
+        """
+        rnd = self.rnd
+        groups = rnd.randint(60, 120)
+        per = groups + 1
+        expire = rnd.random() < 0.5
+        ops = [
+            op("subscribe", client="s0", filters=(("m/w", 1),)),
+            op("groups", client="s0", topic="m/w", n=groups),
+            op("policy", client="s0", policy="hold"),
+            op(
+                "publish",
+                client="p0",
+                topic="m/w",
+                qos=1,
+                count=rnd.randint(1, 2),
+                expiry=1 if expire else None,
+                background=False,
+                broker=0,
+            ),
+            op("settle", client="s0"),
+            op("disconnect", client="s0", abrupt=True),
+        ]
+        if expire:
+            ops.append(op("wait", seconds=2.0))
+        else:
+            ops.append(
+                op(
+                    "publish",
+                    client="p0",
+                    topic="m/w",
+                    qos=1,
+                    count=(self.plan.limit + 50) // per + 1,
+                    expiry=None,
+                    background=False,
+                    broker=0,
+                )
+            )
+        ops += [
+            op("policy", client="s0", policy="auto"),
+            op("connect", client="s0", clean=False, expiry=LONG_EXPIRY, broker=0),
+            op("flood", client="p0", topic="m/w", wrap="s0", past=rnd.randint(0, 1000), broker=0),
+            op("settle", client="s0"),
+        ]
+        return ops

@@ -1,0 +1,299 @@
+"""The system under test: real redis-server, Tansu and one or two ``devicemq run``.
+
+Every process runs on a free 127.0.0.1 port and is started and stopped by
+its PID (the classes of ``tests/faults/conftest.py`` for Redis and devicemq):
+
+- Redis keeps an append-only file with ``appendfsync always``, so a restart
+  (SIGTERM or SIGKILL) on the same port and dir loses nothing it answered;
+- Tansu keeps its records in memory only: it is restarted on the same port
+  (empty) only after every broker stored everything Kafka acknowledged (the
+  caller waits for :meth:`System.quiesced`);
+- each broker serves metrics on its own port: the consumer lag per partition
+  tells when Kafka holds nothing the brokers have not stored.
+
+Nothing here knows the broker's insides: processes, signals, ports, and the
+``/metrics`` text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from persistence.services import find_tansu, free_port, kafka_ready
+from tests.faults.conftest import HOST, DeviceMQ, RedisProcess
+from tests.kafka_fixtures import start_tansu, stop_tansu
+
+PARTITIONS = 4
+
+
+class Tansu:
+    """A Kafka-protocol broker (memory storage) that can be killed and started again."""
+
+    def __init__(self, log: Path) -> None:
+        find_tansu()
+        self.log = log
+        self.port = free_port(HOST)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.paused = False
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def start(self) -> None:
+        """Start on :attr:`port` (again: the port may linger a moment after a kill)."""
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.proc = start_tansu(self.port, log=self.log)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.starts += 1
+        self.paused = False
+
+    def kill(self) -> None:
+        """SIGKILL: everything it held is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.paused = False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            stop_tansu(self.proc)
+        self.paused = False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        return kafka_ready(self.port)
+
+
+def _signal(proc: subprocess.Popen[bytes] | None, sig: int) -> bool:
+    if proc is None or proc.poll() is not None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, sig)
+        return True
+    return False
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value, for every sample line of the Prometheus text."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+class System:
+    """Redis, Tansu and ``replicas`` brokers (``cluster.enabled`` when 2)."""
+
+    def __init__(self, root: Path, replicas: int, settings: Mapping[str, object]) -> None:
+        self.root = root
+        shutil.rmtree(root, ignore_errors=True)  # a fresh Redis: no AOF of an earlier run
+        root.mkdir(parents=True)
+        tag = uuid.uuid4().hex[:8]
+        self.tag = tag
+        self.redis = RedisProcess(root / "redis")
+        self.tansu = Tansu(root / "tansu.log")
+        common: dict[str, object] = {
+            "persistence.topic": f"model.{tag}",
+            "persistence.consumer_group": f"model-{tag}",
+            "persistence.partitions": PARTITIONS,
+            "events.enabled": False,
+            "log.level": "INFO",
+            "metrics.enabled": True,
+            "metrics.host": HOST,
+            **settings,
+        }
+        if replicas > 1:
+            common["cluster.enabled"] = True
+        self.brokers: list[DeviceMQ] = []
+        self.metrics_ports: list[int] = []
+        for i in range(replicas):
+            port = free_port(HOST)
+            own = {**common, "metrics.port": port}
+            if replicas > 1:
+                own["cluster.node_id"] = "ab"[i] if i < 2 else f"n{i}"
+            self.brokers.append(
+                DeviceMQ(root / f"broker-{i}", self.redis, self.tansu.bootstrap, own)
+            )
+            self.metrics_ports.append(port)
+        self.redis_paused = False
+        self.kills: list[tuple[float, int]] = []  # (time, broker) of every kill -9
+        self.unexpected_exits: list[str] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.tansu.start()
+        self.redis.start()
+        for broker in self.brokers:  # one after the other: one of them creates the topic
+            broker.start()
+        for i in range(len(self.brokers)):
+            self.wait_serving(i)
+
+    def stop(self) -> None:
+        """Everything down, by PID; safe after a partial start."""
+        self.resume_all()
+        for broker in reversed(self.brokers):
+            with contextlib.suppress(Exception):
+                broker.stop()
+        with contextlib.suppress(Exception):
+            self.redis.stop()
+        with contextlib.suppress(Exception):
+            self.tansu.stop()
+
+    def address(self, i: int) -> tuple[str, int]:
+        return self.brokers[i % len(self.brokers)].address
+
+    def logs(self) -> list[Path]:
+        return [b.data_dir / "broker.log" for b in self.brokers]
+
+    # -- faults ------------------------------------------------------------------------
+
+    def kill_broker(self, i: int) -> None:
+        broker = self.brokers[i]
+        if broker.alive():
+            broker.kill()
+            self.kills.append((time.monotonic(), i))
+
+    def start_broker(self, i: int) -> None:
+        broker = self.brokers[i]
+        if not broker.alive():
+            broker.start()
+            self.wait_serving(i)
+
+    def restart_redis(self, sig: int) -> None:
+        """Stop Redis with ``sig`` (SIGTERM: fsync and exit; SIGKILL) and start it again."""
+        self.resume_redis()
+        self.redis.stop(sig)
+        self.redis.start()
+
+    def pause_redis(self) -> None:
+        if not self.redis_paused and _signal(self.redis.proc, signal.SIGSTOP):
+            self.redis_paused = True
+
+    def resume_redis(self) -> None:
+        if self.redis_paused:
+            _signal(self.redis.proc, signal.SIGCONT)
+            self.redis_paused = False
+
+    def pause_kafka(self) -> None:
+        if not self.tansu.paused and _signal(self.tansu.proc, signal.SIGSTOP):
+            self.tansu.paused = True
+
+    def resume_kafka(self) -> None:
+        if self.tansu.paused:
+            _signal(self.tansu.proc, signal.SIGCONT)
+            self.tansu.paused = False
+
+    def resume_all(self) -> None:
+        self.resume_redis()
+        self.resume_kafka()
+
+    def restart_kafka(self) -> None:
+        """Kill Tansu and start an empty one on the same port."""
+        self.tansu.kill()
+        self.tansu.start()
+
+    # -- observation ---------------------------------------------------------------------
+
+    def check_alive(self) -> list[str]:
+        """Brokers that exited without being killed (each reported once)."""
+        found = []
+        for i, broker in enumerate(self.brokers):
+            proc = broker.proc
+            if proc is not None and proc.poll() is not None and proc.returncode != -9:
+                text = f"broker {i} exited unexpectedly with code {proc.returncode}"
+                if text not in self.unexpected_exits:
+                    self.unexpected_exits.append(text)
+                    found.append(text)
+        return found
+
+    def metrics(self, i: int, timeout: float = 3.0) -> dict[str, float] | None:
+        conn = http.client.HTTPConnection(HOST, self.metrics_ports[i], timeout=timeout)
+        try:
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            body = response.read()
+            if response.status != 200:
+                return None
+            return parse_metrics(body.decode())
+        except OSError:
+            return None
+        finally:
+            conn.close()
+
+    def ready(self, i: int) -> bool:
+        conn = http.client.HTTPConnection(HOST, self.metrics_ports[i], timeout=3.0)
+        try:
+            conn.request("GET", "/ready")
+            response = conn.getresponse()
+            response.read()
+            return response.status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def wait_serving(self, i: int, timeout: float = 30.0) -> bool:
+        """Until the broker's /ready is 200 (partitions assigned, backends up)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.brokers[i].alive():
+                return False
+            if self.ready(i):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def quiesced(self) -> bool:
+        """Every partition assigned to a live broker, none with consumer lag."""
+        assigned = 0
+        for i, broker in enumerate(self.brokers):
+            if not broker.alive():
+                continue
+            sample = self.metrics(i)
+            if sample is None:
+                return False
+            assigned += int(sample.get("devicemq_kafka_consumer_assigned_partitions", 0))
+            lags = [v for k, v in sample.items() if k.startswith("devicemq_kafka_consumer_lag")]
+            if len(lags) != int(sample.get("devicemq_kafka_consumer_assigned_partitions", 0)):
+                return False  # a partition without a known highwater or commit yet
+            if any(v > 0 for v in lags):
+                return False
+        return assigned == PARTITIONS
+
+    def counter(self, name: str) -> float:
+        """Sum of a metric over the live brokers."""
+        total = 0.0
+        for i, broker in enumerate(self.brokers):
+            if broker.alive():
+                sample = self.metrics(i) or {}
+                total += sum(v for k, v in sample.items() if k.split("{")[0] == name)
+        return total
