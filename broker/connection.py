@@ -84,10 +84,10 @@ class WillMessage:
 
 class MQTTConnection:
     """``on_output``: the connection has bytes to send (or closes). ``on_input_flow``:
-    stop (False) or go on (True) reading from this client: a publisher with as many
-    acknowledgements owed as the broker's Receive Maximum waits for them to be sent
-    (3.1.1 has no Receive Maximum: without this, a slow Kafka would queue its
-    publishes without bound)."""
+    stop (False) or go on (True) reading from this client: a 3.1.1 publisher with as
+    many acknowledgements owed as the broker's Receive Maximum waits for them to be
+    sent (3.1.1 has no Receive Maximum: without this, a slow Kafka would queue its
+    publishes without bound; an MQTT 5 client over it is disconnected, 0x93)."""
 
     def __init__(
         self,
@@ -105,6 +105,7 @@ class MQTTConnection:
         self._on_output = on_output
         self._on_input_flow = on_input_flow
         self.input_paused = False  # too many acknowledgements owed: not reading
+        self._stashed: deque[Packet] = deque()  # decoded while paused, to handle on resume
         mqtt = broker.settings.mqtt
         # Until its CONNECT is accepted a client is nobody: its packets may be
         # only mqtt.max_connect_packet_size long, and nothing after the CONNECT
@@ -157,6 +158,9 @@ class MQTTConnection:
             return
         self.last_received = self.broker.clock()
         self.broker.stats.bytes_received += len(data)
+        if self.input_paused or self._stashed:
+            self.decoder.buffer(data)  # read before the edge stopped reading: kept
+            return
         if self._holding:
             self._held_bytes += len(data)
             if self._held_bytes > 2 * self.broker.settings.mqtt.max_packet_size:
@@ -172,10 +176,29 @@ class MQTTConnection:
             self.protocol_violation(error)
 
     def _process(self, packets: list[Packet]) -> None:
-        for packet in packets:
+        for i, packet in enumerate(packets):
             self._dispatch(packet)
             if self.close_requested or self._holding:
                 return  # the decoder returns nothing after a CONNECT: nothing is lost
+            if self.input_paused:
+                # Owed too many acknowledgements: what one read brought waits too.
+                self._stashed.extend(packets[i + 1 :])
+                return
+
+    def _input_resumed(self) -> None:
+        """The acknowledgements went out: handle what waited, in order, then read on."""
+        if self.state is ConnectionState.CLOSED:
+            return
+        try:
+            stashed = self._stashed
+            while stashed and not self.input_paused and not self.close_requested:
+                self._dispatch(stashed.popleft())
+            if not self.input_paused and not self.close_requested:
+                self._process(self.decoder.feed(b""))
+        except MQTTError as error:
+            self.protocol_violation(error)
+        if not self.input_paused and self._on_input_flow is not None:
+            self._on_input_flow(True)
 
     def hold_input(self) -> None:
         """CONNECT is being authenticated: keep what follows until :meth:`release_input`."""
@@ -285,6 +308,7 @@ class MQTTConnection:
         pending.append(ack)
         if (
             not self.input_paused
+            and not self.is_v5  # MQTT 5 clients keep to our Receive Maximum (or go: 0x93)
             and len(pending) >= self.broker.settings.mqtt.receive_maximum
             and self._on_input_flow is not None
         ):
@@ -312,8 +336,12 @@ class MQTTConnection:
             self.send(ack_type(head.packet_id, head.reason))
         if self.input_paused and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2:
             self.input_paused = False
-            if self._on_input_flow is not None:
-                self._on_input_flow(True)
+            # Not from inside this storage callback: what waited is handled next.
+            call_soon = self.broker.call_soon
+            if call_soon is None:
+                self._input_resumed()
+            else:
+                call_soon(self._input_resumed)
 
     def incoming_in_flight(self) -> int:
         """QoS > 0 publishes from this client not yet fully acknowledged (Receive Maximum)."""

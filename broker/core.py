@@ -538,12 +538,14 @@ class Broker:
         targets: Sequence[tuple[Session, Delivery]],
         on_stored: StoredCallback,
         retained: bool = False,
+        on_settled: StoredCallback | None = None,
     ) -> None:
         """Deliver in memory, or through the persistent path for persistent sessions.
 
         ``retained``: these are retained messages sent on subscribe; anything
         else is live, and supersedes a retained message of its topic that the
-        session has yet to be sent.
+        session has yet to be sent. ``on_settled``: see
+        :meth:`PersistentPath.submit`.
         """
         persistent = []
         for session, delivery in targets:
@@ -554,7 +556,7 @@ class Broker:
             else:
                 session.deliver(delivery)
         if persistent:
-            self.persistent_path.submit(persistent, on_stored)
+            self.persistent_path.submit(persistent, on_stored, on_settled)
         else:
             on_stored(True)
 

@@ -63,12 +63,18 @@ OpenedCallback = Callable[[OpenedSession | None], None]
 
 class PersistentPath(Protocol):
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
+        self,
+        deliveries: Sequence[tuple[Session, Delivery]],
+        on_stored: DoneCallback,
+        on_settled: DoneCallback | None = None,
     ) -> None:
         """Store ``deliveries`` durably, then call ``on_stored(True)``.
 
-        ``on_stored(False)`` means they could not be stored: the publisher must
-        not be told the message was accepted.
+        ``on_stored(False)`` means they could not be stored in time: the publisher
+        must not be told the message was accepted. ``on_settled(ok)`` follows it
+        once the outcome is final: a store that timed out may still have taken
+        them (``ok`` True), so a QoS 2 publisher's re-send must not be routed
+        again.
         """
 
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
@@ -94,7 +100,10 @@ class InMemoryPersistentPath:
     """Keeps durable sessions' messages in their in-memory outflow."""
 
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
+        self,
+        deliveries: Sequence[tuple[Session, Delivery]],
+        on_stored: DoneCallback,
+        on_settled: DoneCallback | None = None,
     ) -> None:
         for session, delivery in deliveries:
             session.deliver(delivery)

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    KafkaError,
+    TopicAlreadyExistsError,
+    UnknownError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
@@ -40,17 +46,48 @@ log = logging.getLogger("devicemq.kafka")
 LOG_INTERVAL = 5.0  # seconds between two "produce failed" log lines
 PARTITION_CACHE_SIZE = 100_000  # client ids whose partition is remembered
 BATCH_TTL_MS = 300_000  # how long aiokafka keeps trying a batch (see make_producer)
+RESEND_ATTEMPTS = 3  # sends of one PUBLISH's records while its topic is being made again
+# What a produce answers while the topic is gone or being created again after a
+# restart of a Kafka that keeps no data (Tansu answers UnknownError then).
+TOPIC_GONE = (UnknownError, UnknownTopicOrPartitionError)
+
+
+Records = list[tuple[bytes, bytes]]  # (key, value) of one PUBLISH's records
 
 
 class _Submission:
-    """One PUBLISH's records: reported once, when all are acknowledged or one failed."""
+    """One PUBLISH's records: reported once, when all are acknowledged or one failed.
 
-    __slots__ = ("on_stored", "remaining", "round")
+    Reported failed at its round's deadline while records are still out, its
+    outcome is unknown: ``on_settled`` then hears it once every record got
+    Kafka's answer. A log reset sends its records again (``attempt``): they
+    are named by (producer, seq), so Kafka holding one twice stores it once.
+    """
 
-    def __init__(self, on_stored: StoredCallback, remaining: int, round_: _Round) -> None:
+    __slots__ = (
+        "attempt",
+        "failed",
+        "handed",
+        "on_settled",
+        "on_stored",
+        "outstanding",
+        "records",
+        "remaining",
+        "round",
+    )
+
+    def __init__(
+        self, records: Records, on_stored: StoredCallback, on_settled: StoredCallback | None
+    ) -> None:
+        self.records = records
         self.on_stored: StoredCallback | None = on_stored
-        self.remaining = remaining
-        self.round = round_
+        self.on_settled = on_settled
+        self.attempt = 0
+        self.remaining = len(records)  # not yet acknowledged in this attempt
+        self.outstanding = 0  # handed to the producer, no answer yet (this attempt)
+        self.handed = 0  # handed to the producer (this attempt)
+        self.failed = False  # a record of this attempt failed
+        self.round: _Round | None = None
 
 
 class _Round:
@@ -86,13 +123,14 @@ class KafkaPersistentPath:
         self._recreate_topic = recreate_topic
         self._topic_ready = asyncio.Event()
         self._topic_ready.set()
-        self._rounds: set[_Round] = set()  # handed to the producer, not all reported
+        self._rounds: dict[_Round, None] = {}  # not all reported, in the order sent
+        self._unsettled: dict[_Submission, None] = {}  # reported at a deadline, still out
         self._timeout = timeout  # seconds a publisher waits before it is told "failed"
         self._logged_at = -LOG_INTERVAL
         self._logged_errors = 0
         self._clock = clock
         self._wall_clock = wall_clock
-        self._pending: list[tuple[list[tuple[bytes, bytes]], StoredCallback]] = []
+        self._pending: list[_Submission] = []
         self._sender: asyncio.Task[None] | None = None
         self._open_rounds = 0
         self._idle: asyncio.Event | None = None  # set when nothing is pending or open
@@ -103,8 +141,15 @@ class KafkaPersistentPath:
         self.latency_observer: Callable[[float], None] | None = None
 
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+        self,
+        deliveries: Sequence[tuple[Session, Delivery]],
+        on_stored: StoredCallback,
+        on_settled: StoredCallback | None = None,
     ) -> None:
+        """Produce one record per delivery; ``on_stored(ok)`` once all are acknowledged,
+        one failed, or the deadline passed. After ``on_stored(False)``,
+        ``on_settled(ok)`` follows once no record can be taken any more: at a
+        deadline, records may still be (``ok`` True: all were)."""
         wall, now = self._wall_clock(), self._clock()
         producer, seq = self.producer_id, self._seq
         records = []
@@ -115,7 +160,7 @@ class KafkaPersistentPath:
             )
             records.append((session.client_id.encode(), value))
         self._seq = seq
-        self._pending.append((records, on_stored))
+        self._pending.append(_Submission(records, on_stored, on_settled))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
@@ -137,29 +182,46 @@ class KafkaPersistentPath:
             self._sender = None
             self._check_idle()
 
-    async def _send(self, batch: list[tuple[list[tuple[bytes, bytes]], StoredCallback]]) -> None:
+    async def _send(self, batch: list[_Submission]) -> None:
+        """Hand a batch of submissions to the producer, in order, under one deadline.
+
+        A submission sent again after a log reset whose publisher has heard
+        already (at its deadline) rides along: it is not reported twice, only
+        settled.
+        """
         loop = asyncio.get_running_loop()
         round_ = _Round(time.perf_counter())
-        round_.submissions = [_Submission(cb, len(records), round_) for records, cb in batch]
-        round_.open = len(batch)
-        self._open_rounds += 1
-        self._rounds.add(round_)
-        round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
+        round_.submissions = [s for s in batch if s.on_stored is not None]
+        round_.open = len(round_.submissions)
+        if round_.open:
+            self._open_rounds += 1
+            self._rounds[round_] = None
+            round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
         send, topic = self._producer.send, self._topic
         partition_of = self._partitioner_for_round()
-        for (records, _), submission in zip(batch, round_.submissions, strict=True):
-            if not records:
-                self._report(submission, True)
+        for submission in batch:
+            submission.round = round_
+            attempt = submission.attempt
+            if not submission.records:
+                if submission.on_stored is not None:
+                    self._report(submission, True)
                 continue
             try:
-                for key, value in records:
-                    if submission.on_stored is None:
-                        break  # failed meanwhile (its deadline passed): nobody waits
+                for key, value in submission.records:
+                    if submission.attempt != attempt:
+                        break  # a log reset: sent again from the start
                     future = await send(topic, value=value, key=key, partition=partition_of(key))
-                    future.add_done_callback(partial(self._acked, submission))
+                    submission.outstanding += 1
+                    submission.handed += 1
+                    future.add_done_callback(partial(self._acked, submission, attempt))
             except KafkaError as error:
                 self._failed(error)
-                self._report(submission, False)
+                if submission.attempt == attempt:
+                    submission.failed = True
+                    if submission.on_stored is not None:
+                        self._report(submission, False)
+                    else:
+                        self._maybe_settle(submission)
 
     def _partitioner_for_round(self) -> Callable[[bytes], int | None]:
         """The default partitioner's choice per key, remembered per key.
@@ -188,50 +250,100 @@ class KafkaPersistentPath:
 
         return partition_of
 
-    def _acked(self, submission: _Submission, future: asyncio.Future[RecordMetadata]) -> None:
+    def _acked(
+        self, submission: _Submission, attempt: int, future: asyncio.Future[RecordMetadata]
+    ) -> None:
+        if attempt != submission.attempt:
+            return  # an answer for records sent again since
+        submission.outstanding -= 1
         if future.cancelled():
             error: BaseException | None = KafkaError("produce cancelled")
         else:
             error = future.exception()
-        if submission.on_stored is None:
-            return  # already reported (a failure, or its deadline passed)
-        if error is not None:
+        if error is None:
+            metadata = future.result()
+            highest = self.produced.get(metadata.partition, -1)
+            if metadata.offset > highest:
+                self.produced[metadata.partition] = metadata.offset
+            elif metadata.offset < highest:
+                self._log_went_back(metadata.partition, metadata.offset)
+                return
+        elif isinstance(error, TOPIC_GONE) and submission.attempt < RESEND_ATTEMPTS:
+            # The topic is gone or half made (a Kafka restarted empty): create it
+            # again and send everything in flight once more, in order.
             self._failed(error)
-            self._report(submission, False)
+            self._send_again(None)
             return
-        metadata = future.result()
-        highest = self.produced.get(metadata.partition, -1)
-        if metadata.offset > highest:
-            self.produced[metadata.partition] = metadata.offset
-        elif metadata.offset < highest:
-            self._log_went_back(metadata.partition, metadata.offset)
+        else:
+            self._failed(error)
+            submission.failed = True
+        if submission.on_stored is not None:
+            if error is not None:
+                self._report(submission, False)
+                return
+            submission.remaining -= 1
+            if not submission.remaining:
+                self._report(submission, True)
+        else:
+            self._maybe_settle(submission)
+
+    def _maybe_settle(self, submission: _Submission) -> None:
+        """A submission reported failed: once no record of it can still be taken,
+        ``on_settled`` hears whether all were (after a deadline they may have been)."""
+        if submission not in self._unsettled or submission.outstanding:
             return
-        submission.remaining -= 1
-        if not submission.remaining:
-            self._report(submission, True)
+        if submission.handed < len(submission.records) and not submission.failed:
+            return  # still being handed to the producer
+        del self._unsettled[submission]
+        if submission.on_settled is not None:
+            submission.on_settled(not submission.failed)
 
     def _log_went_back(self, partition: int, offset: int) -> None:
         """An acknowledgement below an earlier one: the partition's log was reset.
 
         A Kafka that keeps records in memory restarted, or the topic was
         recreated. The embedded Kafka (Tansu, memory storage) even acknowledges
-        records sent to a topic it no longer has and then loses them, so what is
-        still in flight is reported failed (publishers re-send; never a false
-        success), nothing more is sent until the topic is created again, and
-        every consumer past the log's new start is told to rewind.
+        records sent to a topic it no longer has and then loses them. So every
+        record still out is sent again, in order and ahead of anything newer,
+        once the topic is created again (its publishers wait for that, within
+        their deadline); and every consumer past the log's new start is told
+        to rewind. Records are named (producer, seq): one Kafka holds twice is
+        stored once.
         """
         self.produced[partition] = offset
-        error = KafkaError(f"kafka partition {partition} went backwards: its log was reset")
+        self._send_again(partition)
+
+    def _send_again(self, partition: int | None) -> None:
+        """Send every record still out again, ahead of anything newer, once the topic
+        exists again; a reset ``partition``'s consumers are told to rewind."""
+        again: list[_Submission] = []
         for round_ in list(self._rounds):
             for submission in round_.submissions:
                 if submission.on_stored is not None:
-                    self._failed(error)
-                    self._report(submission, False)
-        if self._on_log_reset is not None:
+                    self._withdraw(submission)
+                    again.append(submission)
+        again.extend(s for s in self._unsettled if s.outstanding)
+        for submission in again:
+            submission.attempt += 1
+            submission.remaining = len(submission.records)
+            submission.outstanding = 0
+            submission.handed = 0
+            submission.failed = False
+        self._pending[:0] = again
+        if self._sender is None and self._pending:
+            self._sender = asyncio.get_running_loop().create_task(self._send_pending())
+        if partition is not None and self._on_log_reset is not None:
             self._on_log_reset([partition])
         if self._recreate_topic is not None and self._topic_ready.is_set():
             self._topic_ready.clear()
             asyncio.get_running_loop().create_task(self._recreate())
+
+    def _withdraw(self, submission: _Submission) -> None:
+        """Take a submission out of its round unreported: it is sent again."""
+        round_ = submission.round
+        assert round_ is not None
+        round_.submissions = [s for s in round_.submissions if s is not submission]
+        self._close_one(round_)
 
     async def _recreate(self) -> None:
         assert self._recreate_topic is not None
@@ -255,7 +367,7 @@ class KafkaPersistentPath:
         """
         round_.timer = None
         error = TimeoutError(f"kafka did not acknowledge within {self._timeout:g} s")
-        for submission in round_.submissions:
+        for submission in list(round_.submissions):
             if submission.on_stored is not None:
                 self._failed(error)
                 self._report(submission, False)
@@ -265,6 +377,13 @@ class KafkaPersistentPath:
         assert on_stored is not None
         on_stored(ok)
         round_ = submission.round
+        assert round_ is not None
+        self._close_one(round_)
+        if not ok:
+            self._unsettled[submission] = None  # its outcome may still come
+            self._maybe_settle(submission)
+
+    def _close_one(self, round_: _Round) -> None:
         round_.open -= 1
         if round_.open:
             return
@@ -274,7 +393,7 @@ class KafkaPersistentPath:
         if self.latency_observer is not None:
             self.latency_observer(time.perf_counter() - round_.started)
         self._open_rounds -= 1
-        self._rounds.discard(round_)
+        self._rounds.pop(round_, None)
         self._check_idle()
 
     def _check_idle(self) -> None:

@@ -110,9 +110,12 @@ class DevicePersistence:
     # -- PersistentPath -----------------------------------------------------------------
 
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
+        self,
+        deliveries: Sequence[tuple[Session, Delivery]],
+        on_stored: DoneCallback,
+        on_settled: DoneCallback | None = None,
     ) -> None:
-        self.path.submit(deliveries, on_stored)
+        self.path.submit(deliveries, on_stored, on_settled)
 
     def feed_for(self, client_id: str) -> StoreFeed:
         assert self._broker is not None

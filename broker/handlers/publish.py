@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from broker.connection import MQTTConnection, PendingAck
 from broker.errors import MQTTError
@@ -92,7 +93,10 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
         # persistence) and the deliveries; a failure of either fails the PUBLISH.
         done = _both(done)
         broker.retained.store(message, done)
-    broker.dispatch(targets, done)
+    settled = None
+    if qos == 2 and not conn.is_v5:
+        settled = partial(_settled, session, packet_id)
+    broker.dispatch(targets, done, on_settled=settled)
 
 
 def handle_pubrel(conn: MQTTConnection, packet: PubRel) -> None:
@@ -164,6 +168,12 @@ def _received(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool)
         packet_id = ack.packet_id
         if ok:
             session.incoming_qos2[packet_id] = True
+        elif not conn.is_v5:
+            # 3.1.1 has no failure code: the client is disconnected and re-sends the
+            # same PUBLISH. Storage may still take the first one (a Kafka timeout):
+            # the id stays held, the re-send waits for the outcome (_settled).
+            conn.ack_ready(ack, ok)
+            return
         else:
             session.incoming_qos2.pop(packet_id, None)  # the client's re-send is routed afresh
         if packet_id in session.qos2_awaiting_pubrec:
@@ -178,6 +188,41 @@ def _received(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool)
                 else:
                     current.disconnect(ReasonCode.UNSPECIFIED_ERROR)
     conn.ack_ready(ack, ok)
+
+
+def _settled(session: Session, packet_id: int, ok: bool) -> None:
+    """The final outcome of a 3.1.1 QoS 2 PUBLISH whose storage was reported failed.
+
+    Stored after all (Kafka took it past the deadline): the id is held, and a
+    re-send gets PUBREC without being routed again, so it is delivered once.
+    Not stored: the id is free, and a re-send waiting for this is asked again
+    (the client is disconnected and re-sends, now routed afresh).
+    """
+    if session.incoming_qos2.get(packet_id) is not False:
+        return  # released, or the session moved on
+    current = session.connection
+    waiting = packet_id in session.qos2_awaiting_pubrec
+    session.qos2_awaiting_pubrec.discard(packet_id)
+    if not ok:
+        session.incoming_qos2.pop(packet_id, None)
+        if waiting and current is not None:
+            current.disconnect(ReasonCode.UNSPECIFIED_ERROR)
+        return
+    session.incoming_qos2[packet_id] = True
+
+    def held(saved: bool) -> None:
+        conn = session.connection
+        if not waiting or conn is None:
+            return
+        if saved:
+            conn.send(PubRec(packet_id))
+        else:
+            conn.disconnect(ReasonCode.UNSPECIFIED_ERROR)
+
+    if session.durable and current is not None:
+        current.broker.persistent_path.save_session(session, held)
+    else:
+        held(True)
 
 
 def _refuse(conn: MQTTConnection, packet: Publish, reason: ReasonCode) -> None:

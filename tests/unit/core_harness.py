@@ -216,19 +216,41 @@ class DeferredPersistentPath(InMemoryPersistentPath):
     """
 
     def __init__(self) -> None:
-        self.pending: list[tuple[Sequence[tuple[Session, Delivery]], StoredCallback]] = []
+        self.pending: list[
+            tuple[Sequence[tuple[Session, Delivery]], StoredCallback, StoredCallback | None]
+        ] = []
+        self.unsettled: list[tuple[Sequence[tuple[Session, Delivery]], StoredCallback]] = []
 
     def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: StoredCallback
+        self,
+        deliveries: Sequence[tuple[Session, Delivery]],
+        on_stored: StoredCallback,
+        on_settled: StoredCallback | None = None,
     ) -> None:
-        self.pending.append((list(deliveries), on_stored))
+        self.pending.append((list(deliveries), on_stored, on_settled))
 
-    def complete(self, index: int = 0, ok: bool = True) -> None:
-        deliveries, on_stored = self.pending.pop(index)
+    def complete(self, index: int = 0, ok: bool = True, settled: bool | None = False) -> None:
+        """Finish a submission. A failure is settled at once with ``settled`` (default:
+        not stored), or with None later by :meth:`settle` (a store that timed out)."""
+        deliveries, on_stored, on_settled = self.pending.pop(index)
         if ok:
             for session, delivery in deliveries:
                 session.deliver(delivery)
         on_stored(ok)
+        if ok or on_settled is None:
+            return
+        if settled is None:
+            self.unsettled.append((deliveries, on_settled))
+        else:
+            on_settled(settled)
+
+    def settle(self, index: int = 0, ok: bool = True) -> None:
+        """The late outcome of a failed submission: stored after all, or not."""
+        deliveries, on_settled = self.unsettled.pop(index)
+        if ok:
+            for session, delivery in deliveries:
+                session.deliver(delivery)
+        on_settled(ok)
 
 
 class Harness:

@@ -194,3 +194,41 @@ def test_a_publisher_owed_receive_maximum_acks_is_not_read_until_they_go_out() -
     assert pub.reading == [False, True]
     assert [a.packet_id for a in pub.read()] == [1, 2, 3, 4, 5]  # type: ignore[attr-defined]
     assert h.broker.stats.input_pauses == 1
+
+
+def _qos2_publisher_times_out(h: Harness, path: DeferredPersistentPath) -> tuple[object, object]:
+    pub = h.client(V311)
+    pub.connect("pub", clean_start=False)
+    pub.publish("t", b"once", qos=2, packet_id=7)
+    path.complete(0, ok=False, settled=None)  # the store timed out: outcome unknown
+    assert pub.closed  # 3.1.1 has no failure code: the client will re-send
+    again = h.client(V311)
+    again.connect("pub", clean_start=False)
+    again.send(Publish("t", b"once", 2, False, True, 7))  # the re-send MQTT requires
+    return pub, again
+
+
+def test_a_311_qos2_resend_after_a_timeout_waits_for_the_first_ones_outcome() -> None:
+    """Finding 6 of the persistent path: a produce request that timed out after Kafka
+    appended it, then the publisher's re-send routed again: QoS 2 delivered twice.
+    The re-send now waits for the first attempt's real outcome: stored after all, it
+    gets PUBREC and is not routed again."""
+    h, path = _setup()
+    _pub, again = _qos2_publisher_times_out(h, path)
+    assert again.read() == [] and path.pending == []  # not routed again, no answer yet
+    path.settle(0, ok=True)
+    assert again.read() == [PubRec(7)]
+    again.send(PubRel(7))
+    assert again.read() == [PubComp(7)]
+    assert path.pending == []
+
+
+def test_a_311_qos2_resend_is_asked_again_when_the_first_was_not_stored() -> None:
+    h, path = _setup()
+    _pub, again = _qos2_publisher_times_out(h, path)
+    path.settle(0, ok=False)
+    assert again.closed  # re-sends once more, now routed afresh
+    last = h.client(V311)
+    last.connect("pub", clean_start=False)
+    last.send(Publish("t", b"once", 2, False, True, 7))
+    assert len(path.pending) == 1

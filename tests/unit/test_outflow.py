@@ -16,8 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 from broker.message import Delivery
 from broker.outflow import Outflow, Outgoing
 from broker.packets import PubAck, PubComp, PubRec, PubRel
-from broker.persistent_path import DoneCallback, InMemoryPersistentPath
-from broker.session import Session
+from broker.persistent_path import InMemoryPersistentPath
 from tests.unit.core_harness import Client, Harness, payloads, publishes
 
 
@@ -96,11 +95,6 @@ class DeferredPath(InMemoryPersistentPath):
     def feed_for(self, client_id: str) -> DeferredFeed:
         feed = self.feeds[client_id] = DeferredFeed()
         return feed
-
-    def submit(
-        self, deliveries: Sequence[tuple[Session, Delivery]], on_stored: DoneCallback
-    ) -> None:
-        super().submit(deliveries, on_stored)
 
 
 def _setup(**mqtt: object) -> tuple[Harness, DeferredFeed, Client, Client]:
