@@ -212,8 +212,17 @@ class PersistenceConsumer:
                 await asyncio.sleep(RETRY_DELAY)
 
     def forget_position(self, tp: TopicPartition) -> None:
-        """The partition was (re)assigned or revoked: its next fetch may start anywhere."""
+        """The partition was (re)assigned or revoked: its next fetch may start anywhere,
+        and what this consumer committed for it before says nothing now."""
         self._position.pop(tp, None)
+        self._forget_committed(tp.partition)
+
+    def _forget_committed(self, partition: int) -> None:
+        """Offsets of a log that is gone (or of an assignment that ended): neither
+        reported nor committed (a retried commit would skip the new log's start)."""
+        self.stats.committed.pop(partition, None)
+        for tp in [tp for tp in self._to_commit if tp.partition == partition]:
+            del self._to_commit[tp]
 
     async def process(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         client_batches: list[ClientBatch] = []
@@ -242,6 +251,8 @@ class PersistenceConsumer:
             )
             commit[tp] = records[-1].offset + 1
             self.stats.records_consumed += len(records)
+        for partition in went_back:
+            self._forget_committed(partition)
         if went_back and self._resets is not None:
             # Below the position this consumer had reached: the log was reset. Its
             # new records are read from its start now (aiokafka resets to the
@@ -274,6 +285,7 @@ class PersistenceConsumer:
         for tp in self._consumer.assignment():
             if tp.partition in changed:
                 self.stats.log_resets += 1
+                self._forget_committed(tp.partition)
                 log.warning("kafka partition %d was reset: reading it from its start", tp.partition)
                 self._seek(tp, 0)
 
@@ -326,9 +338,16 @@ class PersistenceConsumer:
             await self._consumer.commit(offsets)
         except KafkaError as error:
             # Lost the assignment (rebalance): the next owner re-reads these
-            # records and the store skips them as already saved.
+            # records and the store skips them as already saved. Still assigned
+            # (Kafka slow or away): tried again, unless a later commit covers them,
+            # or the group's offset would lag until the next record arrives.
             self.stats.commit_errors += 1
             log.warning("offset commit failed: %s", error)
+            assigned = self._consumer.assignment()
+            again = {tp: offset for tp, offset in offsets.items() if tp in assigned}
+            if again:
+                self._to_commit = {**again, **self._to_commit}
+                await asyncio.sleep(RETRY_DELAY)
             return
         for tp, offset in offsets.items():
             self.stats.committed[tp.partition] = offset

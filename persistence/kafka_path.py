@@ -253,13 +253,13 @@ class KafkaPersistentPath:
     def _acked(
         self, submission: _Submission, attempt: int, future: asyncio.Future[RecordMetadata]
     ) -> None:
-        if attempt != submission.attempt:
-            return  # an answer for records sent again since
-        submission.outstanding -= 1
         if future.cancelled():
             error: BaseException | None = KafkaError("produce cancelled")
         else:
-            error = future.exception()
+            error = future.exception()  # retrieved even when ignored below
+        if attempt != submission.attempt:
+            return  # an answer for records sent again since
+        submission.outstanding -= 1
         if error is None:
             metadata = future.result()
             highest = self.produced.get(metadata.partition, -1)

@@ -287,3 +287,46 @@ async def test_records_not_in_devicemq_format_are_skipped_not_stalled_on(
         await persistence.close()
     finally:
         stop_tansu(tansu)
+
+
+async def test_a_failed_commit_is_tried_again_while_the_partition_stays_assigned(
+    redis: RedisServer,
+) -> None:
+    """Found by the model checker: a commit Kafka refused (slow, away) was dropped,
+    and the group's offset stayed behind what Redis had stored until another record
+    came to that partition; anything reading the group's lag (an operator, the
+    checker, a replica taking over) saw stored records as owed."""
+    from aiokafka import TopicPartition
+    from aiokafka.errors import KafkaError
+
+    tansu = start_tansu()
+    try:
+        persistence, broker = await _open(redis.url, bootstrap_of(tansu))
+        await _durable_session(persistence, broker, "dev")
+        kafka = persistence.kafka_consumer
+        commit = kafka.commit
+        refused: list[object] = []
+
+        async def refused_once(offsets: object = None) -> None:
+            if not refused:
+                refused.append(offsets)
+                raise KafkaError("the coordinator did not answer")
+            await commit(offsets)
+
+        kafka.commit = refused_once  # type: ignore[method-assign]
+        await _publish(broker, "dev", [b"only"])  # one record: one batch, one commit
+        assert await _stored(persistence, "dev", 1) == [b"only"]
+        topic = persistence.settings.persistence.topic
+        partitions = [TopicPartition(topic, p) for p in range(3)]
+        for _ in range(100):
+            ends = await kafka.end_offsets(partitions)
+            behind = [tp for tp in partitions if (await kafka.committed(tp) or 0) < ends[tp]]
+            if refused and not behind:
+                break
+            await asyncio.sleep(0.1)
+        assert refused, "the fault happened"
+        assert not behind, f"committed offsets behind the log end: {behind}"
+        assert persistence.consumer.stats.commit_errors == 1
+        await persistence.close()
+    finally:
+        stop_tansu(tansu)
