@@ -8,15 +8,17 @@ its PID (the classes of ``tests/faults/conftest.py`` for Redis and devicemq):
 - Tansu keeps its records in memory only: it is restarted on the same port
   (empty) only after every broker stored everything Kafka acknowledged (the
   caller waits for :meth:`System.quiesced`);
-- each broker serves metrics on its own port: the consumer lag per partition
-  tells when Kafka holds nothing the brokers have not stored.
+- each broker serves metrics on its own port (its assigned partitions), and
+  Kafka itself tells when it holds nothing the brokers have not stored: the
+  group's committed offsets against the log ends.
 
-Nothing here knows the broker's insides: processes, signals, ports, and the
-``/metrics`` text.
+Nothing here knows the broker's insides: processes, signals, ports, the
+``/metrics`` text and Kafka's offsets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import os
@@ -27,6 +29,9 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from persistence.services import find_tansu, free_port, kafka_ready
 from tests.faults.conftest import HOST, DeviceMQ, RedisProcess
@@ -118,11 +123,12 @@ class System:
         root.mkdir(parents=True)
         tag = uuid.uuid4().hex[:8]
         self.tag = tag
+        self.topic, self.group = f"model.{tag}", f"model-{tag}"
         self.redis = RedisProcess(root / "redis")
         self.tansu = Tansu(root / "tansu.log")
         common: dict[str, object] = {
-            "persistence.topic": f"model.{tag}",
-            "persistence.consumer_group": f"model-{tag}",
+            "persistence.topic": self.topic,
+            "persistence.consumer_group": self.group,
             "persistence.partitions": PARTITIONS,
             "events.enabled": False,
             "log.level": "INFO",
@@ -272,8 +278,42 @@ class System:
             time.sleep(0.1)
         return False
 
+    def kafka_settled(self) -> bool:
+        """Kafka's own answer: the group's committed offset has reached the log end of
+        every partition (the consumer commits only what Redis stored).
+
+        Asked of Tansu itself, not of the brokers' metrics: a broker's cached
+        highwater lags behind what its producer just had acknowledged, and after a
+        Kafka restart both its highwater and committed offsets may describe the
+        log that is gone.
+        """
+        if self.tansu.paused or self.tansu.proc is None:
+            return False
+        try:
+            return asyncio.run(asyncio.wait_for(self._kafka_settled(), 10.0))
+        except (KafkaError, OSError, TimeoutError):
+            return False
+
+    async def _kafka_settled(self) -> bool:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.tansu.bootstrap,
+            group_id=self.group,
+            enable_auto_commit=False,
+        )
+        await consumer.start()
+        try:
+            partitions = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
+            ends = await consumer.end_offsets(partitions)
+            for tp in partitions:
+                if ends.get(tp, 0) > 0 and (await consumer.committed(tp) or 0) < ends[tp]:
+                    return False
+            return True
+        finally:
+            await consumer.stop()
+
     def quiesced(self) -> bool:
-        """Every partition assigned to a live broker, none with consumer lag."""
+        """Every partition assigned to a live broker, none with consumer lag, and
+        Kafka itself holding nothing the brokers have not stored."""
         assigned = 0
         for i, broker in enumerate(self.brokers):
             if not broker.alive():
@@ -287,7 +327,7 @@ class System:
                 return False  # a partition without a known highwater or commit yet
             if any(v > 0 for v in lags):
                 return False
-        return assigned == PARTITIONS
+        return assigned == PARTITIONS and self.kafka_settled()
 
     def counter(self, name: str) -> float:
         """Sum of a metric over the live brokers."""
