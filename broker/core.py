@@ -22,6 +22,7 @@ from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 from broker.persistent_path import (
+    DoneCallback,
     InMemoryPersistentPath,
     OpenedSession,
     OpenRequest,
@@ -176,13 +177,16 @@ class Broker:
             log.info("client %s taken over by a new connection from %s", client_id, conn.peer)
             existing.connection.disconnect(ReasonCode.SESSION_TAKEN_OVER)
             existing = self.sessions.get(client_id)
+        # A stored session discarded by clean start is gone from the store before
+        # CONNACK says so (MQTT-3.1.2-4): a crash must not bring it back.
+        ends = _Ends()
         if existing is not None and clean_start:
-            self.end_session(existing)
+            self.end_session(existing, ends.one() if existing.durable else None)
             existing = None
         remote_durable = remote is not None and remote.durable
         if remote_durable and clean_start:
             assert remote is not None
-            self.persistent_path.session_ended(remote)  # fenced by its generation
+            self.persistent_path.session_ended(remote, ends.one())  # fenced by generation
         if existing is not None:
             self._attach(conn, existing, clean_start, expiry_interval)
             then(existing, True, "")
@@ -191,11 +195,12 @@ class Broker:
         if not resuming_remote and self._over_owner_quota(owner):
             then(None, False, "owner_quota")
             return
-        if expiry_interval == 0 and not (remote_durable and not clean_start):
-            session = self._new_session(client_id, expiry_interval, durable=False)
-            self.sessions[client_id] = session
-            self._attach(conn, session, clean_start, expiry_interval)
-            then(session, False, "")
+        if expiry_interval == 0 and not resuming_remote:
+            if ends.count:
+                self._opening[client_id] = []
+                ends.then(lambda ok: self._open_in_memory(conn, client_id, clean_start, ok, then))
+            else:
+                self._open_in_memory(conn, client_id, clean_start, True, then)
             return
         self._opening[client_id] = []
         request = OpenRequest(
@@ -213,6 +218,29 @@ class Broker:
                 conn, client_id, clean_start, expiry_interval, opened, then
             ),
         )
+
+    def _open_in_memory(
+        self,
+        conn: MQTTConnection,
+        client_id: str,
+        clean_start: bool,
+        ended: bool,
+        then: SessionOpened,
+    ) -> None:
+        """A session that ends with its connection (expiry 0), once the session it
+        replaces is ended in the store (``ended`` False: it could not be)."""
+        queued = self._opening.pop(client_id, [])
+        try:
+            if not ended:
+                then(None, False, "unavailable")
+            elif not conn.close_requested:
+                session = self._new_session(client_id, 0, durable=False)
+                self.sessions[client_id] = session
+                self._attach(conn, session, clean_start, 0)
+                then(session, False, "")
+        finally:
+            for retry in queued:
+                retry()
 
     def _opened(
         self,
@@ -385,8 +413,9 @@ class Broker:
         """Stop a session's will-delay and expiry timers (another replica owns it)."""
         self._detached.discard(session)
 
-    def end_session(self, session: Session) -> None:
-        """Discard a session; a will still waiting for its delay is sent now."""
+    def end_session(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+        """Discard a session; a will still waiting for its delay is sent now.
+        ``on_ended(ok)``: a durable session's end was written (or could not be)."""
         if self.cluster is not None:
             self.cluster.ended(session)
         for topic_filter in session.subscriptions:
@@ -397,7 +426,9 @@ class Broker:
             del self.sessions[session.client_id]
         self.unbind_owner(session)
         if session.durable:
-            self.persistent_path.session_ended(session)
+            self.persistent_path.session_ended(session, on_ended)
+        elif on_ended is not None:
+            on_ended(True)
         self._detached.discard(session)
         self.acl.forget(session.client_id)
         if session.retained_sender is not None:
@@ -565,3 +596,33 @@ class Broker:
         if isinstance(session, RemoteSession):
             return session.online  # connected to another replica
         return session is not None and session.connection is not None
+
+
+class _Ends:
+    """Joins the store's answers to the session ends one CONNECT caused."""
+
+    __slots__ = ("_answers", "_ok", "_waiter", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._answers = 0
+        self._ok = True
+        self._waiter: DoneCallback | None = None
+
+    def one(self) -> DoneCallback:
+        self.count += 1
+        return self._answer
+
+    def _answer(self, ok: bool) -> None:
+        self._answers += 1
+        self._ok = self._ok and ok
+        self._fire()
+
+    def then(self, waiter: DoneCallback) -> None:
+        self._waiter = waiter
+        self._fire()
+
+    def _fire(self) -> None:
+        if self._waiter is not None and self._answers == self.count:
+            waiter, self._waiter = self._waiter, None
+            waiter(self._ok)

@@ -88,8 +88,10 @@ class PersistentPath(Protocol):
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
         """Record the session's state (subscriptions, expiry, connected or not)."""
 
-    def session_ended(self, session: Session) -> None:
-        """The session expired or was discarded by clean start: drop what is kept."""
+    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+        """The session expired or was discarded by clean start: drop what is kept,
+        then ``on_ended(ok)`` (False: the store could not be reached; what is
+        kept may come back after a restart)."""
 
 
 def _ignore(ok: bool) -> None:
@@ -118,5 +120,6 @@ class InMemoryPersistentPath:
     def save_session(self, session: Session, on_saved: DoneCallback = _ignore) -> None:
         on_saved(True)
 
-    def session_ended(self, session: Session) -> None:
-        pass
+    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+        if on_ended is not None:
+            on_ended(True)

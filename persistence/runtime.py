@@ -138,9 +138,9 @@ class DevicePersistence:
         )
         self.sessions.save(session, on_saved)
 
-    def session_ended(self, session: Session) -> None:
+    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         self.events.session(session.client_id, end_kind(session, self._clock()))
-        self.sessions.end(session.client_id, session.generation)
+        self.sessions.end(session.client_id, session.generation, on_ended)
 
     def problem(self) -> str | None:
         """Why the persistent path cannot keep its promise right now (not ready), or None."""

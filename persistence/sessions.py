@@ -60,6 +60,7 @@ class _Save:
 @dataclass(slots=True)
 class _End:
     generation: int
+    done: Done | None = None
 
 
 @dataclass(slots=True)
@@ -113,8 +114,8 @@ class SessionStateStore:
             return
         self._enqueue(session.client_id, _Save(state, deadline, ttl, [on_saved]))
 
-    def end(self, client_id: str, generation: int) -> None:
-        self._enqueue(client_id, _End(generation))
+    def end(self, client_id: str, generation: int, on_ended: Done | None = None) -> None:
+        self._enqueue(client_id, _End(generation, on_ended))
 
     async def flush(self) -> None:
         while self._drains:
@@ -185,7 +186,9 @@ class SessionStateStore:
                         for done in op.callbacks:
                             done(ok)
                     else:
-                        await self._retrying(partial(self._end, client_id, op.generation))
+                        ok = await self._retrying(partial(self._end, client_id, op.generation))
+                        if op.done is not None:
+                            op.done(ok)
                 except Exception:  # a callback's bug must not stop the queue
                     log.exception("session operation for %s failed", client_id)
         finally:

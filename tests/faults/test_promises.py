@@ -17,7 +17,9 @@ failure each one shows on the code before the fixes.
 6. a QoS 2 message is delivered once, even when Kafka stalled past the
    produce timeout while the publisher re-sent it;
 7. a retained message is acknowledged only once it is stored; a 3.1.1
-   publisher cannot queue without bound while Kafka does not answer.
+   publisher cannot queue without bound while Kafka does not answer;
+8. a stored session discarded by clean start does not come back after a
+   crash once CONNACK said it was gone.
 """
 
 from __future__ import annotations
@@ -525,3 +527,49 @@ def test_v311_publisher_is_bounded_while_kafka_stalls(stack_factory) -> None:  #
             os.kill(stack.tansu_pid, signal.SIGCONT)
         pub.close()
         sub.close()
+
+
+# ---------------------------------------------------------------------------
+# 8. A session ended by clean start or by its connection stays ended
+# ---------------------------------------------------------------------------
+
+
+def test_clean_session_connack_waits_until_the_old_session_is_gone(stack: Stack) -> None:
+    """Finding 8: a 3.1.1 clean session replacing a stored one was CONNACKed while
+    the old session's delete still waited for Redis; a broker crash then restored
+    the old session, and the client's next resume found it present.
+
+    Redis holds writes (``CLIENT PAUSE WRITE``): no CONNACK may come while the
+    delete waits. Once writes resume the CONNACK comes, and after a SIGKILL and
+    a restart the old session is gone.
+    """
+    topic = stack.topic(TOPIC)
+    peer = RawPeer(stack.broker.address, stack.client("sub"), level=4)
+    rds = redis.Redis(port=stack.redis.port)
+    paused = False
+    try:
+        peer.connect(clean_start=False)
+        peer.send(Subscribe(1, [Subscription(topic, qos=1)]))
+        assert isinstance(peer.recv(5), SubAck)
+        peer.close()
+        rds.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")  # type: ignore[no-untyped-call]
+        paused = True
+        peer.sock = socket.create_connection(stack.broker.address, timeout=5)
+        peer.send(Connect(peer.client_id, protocol_level=4, clean_start=True, keep_alive=0))
+        early = peer.recv(1.5)
+        assert early is None, f"CONNACK while the old session's delete waited in Redis: {early}"
+        rds.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+        paused = False
+        connack = peer.recv(15)
+        assert isinstance(connack, ConnAck) and connack.reason_code == 0, connack
+        assert not connack.session_present
+        stack.broker.kill()
+        stack.broker.start()
+        resumed = peer.connect(clean_start=False)
+        assert not resumed.session_present, "the session discarded by clean session came back"
+    finally:
+        if paused:
+            rds.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+        rds.close()
+        peer.close()
+
