@@ -150,6 +150,12 @@ class SessionStateStore:
                 expires_in = None if expiry == NEVER_EXPIRES else float(expiry)
             else:
                 expires_in = deadline - now
+            if expires_in is not None and expires_in <= 0:
+                # Expiry 0: it ended with its connection, which the crash closed; the
+                # end was not written yet. Restored, a resume would find it present.
+                async with gate:
+                    await self._end(client_id, state.generation)
+                return
             restored_session = broker.restore_session(
                 client_id, expiry, _entries(client_id, state), expires_in
             )

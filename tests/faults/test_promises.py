@@ -19,7 +19,9 @@ failure each one shows on the code before the fixes.
 7. a retained message is acknowledged only once it is stored; a 3.1.1
    publisher cannot queue without bound while Kafka does not answer;
 8. a stored session discarded by clean start does not come back after a
-   crash once CONNACK said it was gone.
+   crash once CONNACK said it was gone;
+9. a session resumed with Session Expiry Interval 0 ends with the crash
+   that closes its connection.
 """
 
 from __future__ import annotations
@@ -573,3 +575,30 @@ def test_clean_session_connack_waits_until_the_old_session_is_gone(stack: Stack)
         rds.close()
         peer.close()
 
+
+def test_session_resumed_with_expiry_0_ends_with_a_crash(stack: Stack) -> None:
+    """Finding 9: a session resumed with Session Expiry Interval 0 ends when its
+    connection closes; a crash closes it without the end being written, and the
+    restarted broker restored it, due to expire at its first sweep 0.5 s later.
+
+    The client resumes as soon as the broker listens again: the session must
+    not be present. (On the old code this fails because the reconnect beats
+    the first sweep by about 0.5 s; the fixed restore ends such a session
+    before the broker listens.)
+    """
+    topic = stack.topic(TOPIC)
+    peer = RawPeer(stack.broker.address, stack.client("sub"), level=5)
+    try:
+        peer.connect(clean_start=False, expiry=600)
+        peer.send(Subscribe(1, [Subscription(topic, qos=1)]))
+        assert isinstance(peer.recv(5), SubAck)
+        peer.close()
+        assert peer.connect(clean_start=False).session_present  # expiry 0 from now on
+        peer.send(Subscribe(2, [Subscription(topic + "/more", qos=1)]))
+        assert isinstance(peer.recv(5), SubAck)  # the session's new terms are saved
+        stack.broker.kill()
+        stack.broker.start()
+        resumed = peer.connect(clean_start=False, expiry=600)
+        assert not resumed.session_present, "a session with expiry 0 outlived its connection"
+    finally:
+        peer.close()
