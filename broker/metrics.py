@@ -419,11 +419,15 @@ class BrokerCollector(Collector):
             return
         kafka = persistence.kafka_consumer
         known = persistence.consumer.stats.committed
+        committed: dict[int, int] = {}
         for tp in kafka.assignment():
-            if tp.partition not in known and tp.partition not in self.committed:
-                # Read once; the consumer's own commits take over from then on.
+            if tp.partition not in known:
+                # Read again at each refresh until the consumer's own commits take
+                # over: the consumer forgets its offsets of a reset or re-assigned
+                # log, and a value read before that would report a stale lag.
                 offset = await kafka.committed(tp)
-                self.committed[tp.partition] = 0 if offset is None else offset
+                committed[tp.partition] = 0 if offset is None else offset
+        self.committed = committed
         durable = [cid for cid, s in broker.sessions.items() if s.durable]
         total = 0
         redis: Any = persistence.store.redis
