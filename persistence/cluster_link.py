@@ -12,13 +12,17 @@ Channels, all under ``cluster.channel_prefix``:
 - ``<prefix>:retained``: topics whose retained message a replica just wrote to
   the hash ``devicemq:retained`` (``persistence/retained.py``): re-read them.
 
-Liveness: each replica refreshes the key ``<prefix>:alive:<node>`` every
+Liveness: each replica refreshes the key ``{<prefix>:alive}:<node>`` every
 ``HEARTBEAT_INTERVAL`` with a TTL of ``HEARTBEAT_TTL`` and checks the keys of
 the replicas it holds records of; a missing one is a replica that died
-without saying goodbye (``ClusterState.node_gone``).
+without saying goodbye (``ClusterState.node_gone``). The hash tag puts every
+liveness key in one slot, so on Redis Cluster (``persistence.redis_cluster``)
+one MGET reads them all; they go through the cluster client, which follows
+the slot to its node.
 
 Classic PUBLISH/SUBSCRIBE is broadcast cluster-wide on Redis Cluster too, so
-one plain connection to the store's Redis (any node of a cluster) is enough.
+one plain connection to the store's Redis (the node ``redis_url`` names) is
+enough for pub/sub.
 Everything a replica publishes goes out in call order on one connection,
 batched per event-loop iteration in one pipeline. Pub/sub is at most once: a
 replica whose subscriber connection drops misses what was said meanwhile
@@ -39,6 +43,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from broker.cluster import DELIVER, RESYNC_WINDOW, RETAINED, STORED, SUBSCRIPTIONS, ClusterState
 from broker.message import Delivery
@@ -101,8 +106,10 @@ class ClusterLink:
         broker: Broker,
         persistence: DevicePersistence,
         retained: RetainedPersistence | None = None,
+        keys: Redis | RedisCluster | None = None,
     ) -> None:
-        self._redis = redis
+        self._redis = redis  # pub/sub and PUBLISH: one plain connection
+        self._keys = keys if keys is not None else redis  # liveness keys (cluster-aware)
         self._prefix = prefix
         self._broker = broker
         self._persistence = persistence
@@ -120,11 +127,11 @@ class ClusterLink:
         self._subscribed = 0  # confirmations of the control channel's subscription
 
     def _alive_key(self, node: str) -> str:
-        return f"{self._prefix}:alive:{node}"
+        return f"{{{self._prefix}:alive}}:{node}"  # one hash slot for all: MGET on a cluster
 
     async def start(self) -> None:
         """Subscribe, join the broker, ask the other replicas for their live sessions."""
-        await self._redis.set(self._alive_key(self.state.node_id), b"1", ex=HEARTBEAT_TTL)
+        await self._keys.set(self._alive_key(self.state.node_id), b"1", ex=HEARTBEAT_TTL)
         pubsub = self._redis.pubsub()
         await pubsub.subscribe(
             f"{self._prefix}:{SUBSCRIPTIONS}",
@@ -152,11 +159,13 @@ class ClusterLink:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         with contextlib.suppress(Exception):
-            await self._redis.delete(self._alive_key(self.state.node_id))
+            await self._keys.delete(self._alive_key(self.state.node_id))
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         await self._redis.aclose()
+        if self._keys is not self._redis:
+            await self._keys.aclose()
 
     # -- out ---------------------------------------------------------------------------
 
@@ -254,11 +263,11 @@ class ClusterLink:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
             try:
-                await self._redis.set(mine, b"1", ex=HEARTBEAT_TTL)
+                await self._keys.set(mine, b"1", ex=HEARTBEAT_TTL)
                 nodes = sorted(self.state.remote_nodes())
                 if not nodes:
                     continue
-                found = await self._redis.mget([self._alive_key(n) for n in nodes])
+                found = await self._keys.mget([self._alive_key(n) for n in nodes])
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -276,9 +285,21 @@ async def open_cluster_link(
     broker: Broker,
     retained: RetainedPersistence | None = None,
 ) -> ClusterLink:
-    redis = Redis.from_url(persistence.redis_url, decode_responses=False)
+    url = persistence.redis_url
+    # The connections are named, so an operator (or a test) can find them.
+    name = f"devicemq-cluster-{node_id_of(settings)}"
+    redis = Redis.from_url(url, decode_responses=False, client_name=name)
+    keys: Redis | RedisCluster | None = None
+    if settings.persistence.redis_cluster:
+        keys = RedisCluster.from_url(url, decode_responses=False)
     link = ClusterLink(
-        redis, settings.cluster.channel_prefix, node_id_of(settings), broker, persistence, retained
+        redis,
+        settings.cluster.channel_prefix,
+        node_id_of(settings),
+        broker,
+        persistence,
+        retained,
+        keys,
     )
     await link.start()
     return link
