@@ -159,15 +159,36 @@ class ClusterState:
         if not isinstance(session, RemoteSession):
             self._send(op="end", c=session.client_id)
 
-    def claim(self, client_id: str) -> RemoteSession | None:
-        """Before a CONNECT opens ``client_id`` here: forget the remote record (returned).
-        A durable session is resumed from the store, which holds its state, or
-        ended there by a clean start: the replicated view is only for routing."""
+    def to_reopen(self, client_id: str, clean_start: bool) -> Session | None:
+        """Before a CONNECT opens ``client_id`` here: the session it must not resume
+        from this replica's memory (None: none). A durable session is resumed from
+        the store, which holds its state (held QoS 2 ids, subscriptions), or ended
+        there by a clean start: the replicated view is only for routing, and a
+        detached copy here may be stale (a ``conn`` or ``sub`` of another replica
+        missed), so it is reopened from the store too, unless a clean start ends
+        it. Durable ones keep routing until :meth:`claim` (the store answered); a
+        clean remote record, with nothing stored, is forgotten now."""
         record = self.broker.sessions.get(client_id)
-        if not isinstance(record, RemoteSession):
-            return None
-        self._drop(record)
-        return record
+        if isinstance(record, RemoteSession):
+            if not record.durable:
+                self._drop(record)
+            return record
+        if record is not None and record.durable and record.connection is None:
+            if clean_start or not all(record.incoming_qos2.values()):
+                # A QoS 2 PUBLISH of the last connection is still being stored: its
+                # outcome lands on this copy, which is then current (resumed as is).
+                return None
+            return record
+        return None
+
+    def claim(self, client_id: str) -> None:
+        """``client_id`` is opened here from the store: forget the remote record or
+        detached copy this replica held (without touching Redis)."""
+        record = self.broker.sessions.get(client_id)
+        if isinstance(record, RemoteSession) or (
+            record is not None and record.durable and record.connection is None
+        ):
+            self._drop(record)
 
     def handed_over(self, session: Session, will: WillMessage | None) -> bool:
         """``broker.detach`` of a session another replica took over: no state is saved

@@ -1,18 +1,141 @@
 """Replicas on a Redis Cluster keep the promises of one broker.
 
 Three replicas on a Redis Cluster (:func:`tests.cluster.conftest.running_replicas`)
-and the embedded Kafka-protocol broker. Liveness keys live in one hash slot and
-go through the cluster client (issue 16, 2): a replica starts whatever its node
-id hashes to, and one killed without a goodbye is noticed by the others.
+and the embedded Kafka-protocol broker.
+
+- A replica resumes a durable session from the store, never from its replicated
+  view or a detached copy of its own, which may be stale (issue 16, 1): the QoS 2
+  packet ids held for a publisher and the subscriptions made elsewhere survive the
+  move, and nothing emptier is saved over Redis's copy.
+- Liveness keys live in one hash slot and go through the cluster client (issue
+  16, 2): a replica starts whatever its node id hashes to, and one killed without
+  a goodbye is noticed by the others.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
+from broker.packets import (
+    ConnAck,
+    Properties,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
 from tests.cluster.conftest import Replicas
 from tests.cluster.test_replicas import Client, in_order_without_loss, probe, wait_until
+from tests.e2e.clients import Raw
+
+EXPIRY = Properties(session_expiry_interval=600)
+
+
+def _connect(raw: Raw, client_id: str) -> ConnAck:
+    ack = raw.connect(client_id, clean_start=False, properties=EXPIRY)
+    assert isinstance(ack, ConnAck) and ack.reason_code == 0, ack
+    return ack
+
+
+def _publish_qos2_until_pubrec(raw: Raw, topic: str, payload: bytes, dup: bool = False) -> None:
+    raw.send(Publish(topic, payload, qos=2, dup=dup, packet_id=7))
+    rec = raw.recv()
+    assert isinstance(rec, PubRec) and rec.packet_id == 7 and rec.reason_code == 0, rec
+
+
+def _complete(raw: Raw) -> None:
+    raw.send(PubRel(7))
+    comp = raw.recv()
+    assert isinstance(comp, PubComp) and comp.reason_code == 0, comp
+
+
+def _subscriber(replicas: Replicas, node: int, topic: str, suffix: str) -> tuple[Client, Client]:
+    """A persistent QoS 2 subscriber on replica ``node`` and a publisher on r0 whose
+    probes it has received (every replica routes the topic to it)."""
+    sub = Client(replicas.nodes[node], replicas.name(suffix), expiry=600)
+    sub.subscribe(topic, 2)
+    pub = Client(replicas.nodes[0], replicas.name(f"{suffix}-prober"))
+    probe(pub, sub, topic, 1, 30)
+    return sub, pub
+
+
+def test_qos2_resend_on_another_replica_is_delivered_once(replicas: Replicas) -> None:
+    """PUBREC on r0, drop before PUBREL, DUP re-send on r1: one copy."""
+    topic = replicas.name("q2/t")
+    sub, prober = _subscriber(replicas, 2, topic, "q2-sub")
+    publisher = replicas.name("q2-pub")
+    try:
+        with Raw(replicas.nodes[0]) as raw:
+            _connect(raw, publisher)
+            _publish_qos2_until_pubrec(raw, topic, b"once")
+        with Raw(replicas.nodes[1]) as raw:
+            assert _connect(raw, publisher).session_present
+            _publish_qos2_until_pubrec(raw, topic, b"once", dup=True)
+            _complete(raw)
+            raw.send(Publish(topic, b"after", qos=1, packet_id=8))
+            raw.recv()  # PUBACK
+        wait_until(lambda: bool(sub.received(b"after")), 15, "the message after")
+        time.sleep(0.5)  # room for a (wrong) second copy behind it
+        assert sub.received(b"once") == [b"once"]
+    finally:
+        sub.close()
+        prober.close()
+
+
+def test_a_stale_detached_copy_is_not_resumed(replicas: Replicas) -> None:
+    """r1 holds a detached copy of a session and misses (pub/sub cut while it is
+    paused) everything the session did on r0 meanwhile: a subscription and a
+    QoS 2 id held. Back on r1, the session is the store's: both are there."""
+    q2_topic, old_topic, new_topic = (replicas.name(f"stale/{t}") for t in ("q2", "old", "new"))
+    sub, prober = _subscriber(replicas, 2, q2_topic, "stale-sub")
+    device = replicas.name("stale-device")
+    r1 = replicas.nodes[1]
+    assert r1.proc is not None
+    try:
+        with Raw(r1) as raw:
+            _connect(raw, device)
+            raw.send(Subscribe(1, [Subscription(old_topic, qos=1)]))
+            assert isinstance(raw.recv(), SubAck)
+        time.sleep(0.3)  # r1 keeps the detached copy; the others learn it is offline
+        os.kill(r1.proc.pid, signal.SIGSTOP)
+        try:
+            replicas.kill_pubsub("r1")  # what r0 says now never reaches r1
+            with Raw(replicas.nodes[0]) as raw:
+                assert _connect(raw, device).session_present
+                raw.send(Subscribe(2, [Subscription(new_topic, qos=1)]))
+                assert isinstance(raw.recv(), SubAck)
+                _publish_qos2_until_pubrec(raw, q2_topic, b"once")
+        finally:
+            os.kill(r1.proc.pid, signal.SIGCONT)
+        with Raw(r1) as raw:
+            assert _connect(raw, device).session_present
+            _publish_qos2_until_pubrec(raw, q2_topic, b"once", dup=True)
+            _complete(raw)
+            # The subscription made on r0 is the session's: a message on it arrives.
+            deadline = time.monotonic() + 20
+            got = None
+            n = 0
+            while got is None and time.monotonic() < deadline:
+                n += 1
+                prober.client.publish(new_topic, b"new-%d" % n, 1).wait_for_publish(10)
+                packet = raw.recv_or_none(0.5)
+                while packet is not None and not isinstance(packet, Publish):
+                    packet = raw.recv_or_none(0.5)
+                got = packet
+            assert isinstance(got, Publish) and got.payload.startswith(b"new-"), got
+        prober.client.publish(q2_topic, b"after", 1).wait_for_publish(10)
+        wait_until(lambda: bool(sub.received(b"after")), 15, "the message after")
+        time.sleep(0.5)
+        assert sub.received(b"once") == [b"once"]
+    finally:
+        sub.close()
+        prober.close()
 
 
 def test_a_replica_killed_under_load_is_forgotten_and_comes_back(replicas: Replicas) -> None:
