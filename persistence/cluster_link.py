@@ -22,12 +22,17 @@ the slot to its node.
 
 Classic PUBLISH/SUBSCRIBE is broadcast cluster-wide on Redis Cluster too, so
 one plain connection to the store's Redis (the node ``redis_url`` names) is
-enough for pub/sub.
-Everything a replica publishes goes out in call order on one connection,
-batched per event-loop iteration in one pipeline. Pub/sub is at most once: a
-replica whose subscriber connection drops misses what was said meanwhile
-(redis-py re-subscribes when it reconnects): the confirmation of that
-re-subscription starts a re-sync (``ClusterState.resync``).
+enough for pub/sub. Everything a replica publishes goes out in call order on
+one connection, batched per event-loop iteration in one pipeline; a batch
+that fails is sent again, except forwarded deliveries (at most once: a
+second attempt could deliver twice). Pub/sub is at most once: a replica
+whose subscriber connection drops misses what was said meanwhile (redis-py
+re-subscribes when it reconnects), and a message can be lost without a
+reconnect (an output buffer limit, a failover). Both are caught up
+(:meth:`ClusterLink.catch_up`): the confirmation of the re-subscription, or
+a gap in a sender's sequence numbers (``broker/cluster.py``, checked at
+least every ``TICK_INTERVAL`` by its ``tick``), starts a re-sync and makes
+every connected durable outbox re-read the store.
 """
 
 from __future__ import annotations
@@ -40,12 +45,21 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from broker.cluster import DELIVER, RESYNC_WINDOW, RETAINED, STORED, SUBSCRIPTIONS, ClusterState
+from broker.cluster import (
+    DELIVER,
+    RESYNC_WINDOW,
+    RETAINED,
+    STORED,
+    SUBSCRIPTIONS,
+    TICK_INTERVAL,
+    ClusterState,
+)
 from broker.message import Delivery
 from persistence.format import decode_record
 from persistence.records import encode_delivery, stored_delivery
@@ -113,7 +127,12 @@ class ClusterLink:
         self._prefix = prefix
         self._broker = broker
         self._persistence = persistence
-        self.state = ClusterState(broker, node_id, self._wake)
+        self.state = ClusterState(broker, node_id, self._wake, self.catch_up)
+        self._resync_timer: asyncio.TimerHandle | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        # A seam for tests: a notice for which this returns True is not published
+        # (as if pub/sub lost it); None in production.
+        self.lose: Callable[[str, bytes], bool] | None = None
         self._mine = f"{prefix}:{DELIVER}{node_id}"
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -143,6 +162,7 @@ class ClusterLink:
         self._broker.cluster = self.state
         self._reader = asyncio.create_task(self._read())
         self._heartbeat = asyncio.create_task(self._beat())
+        self._ticker = asyncio.create_task(self._tick())
         self.state.request_sync()
         log.info("cluster: replica %s joined on %s:*", self.state.node_id, self._prefix)
 
@@ -153,7 +173,9 @@ class ClusterLink:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._sender), 5.0)
         self._broker.cluster = None
-        for task in (self._reader, self._heartbeat):
+        if self._resync_timer is not None:
+            self._resync_timer.cancel()
+        for task in (self._reader, self._heartbeat, self._ticker):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -166,6 +188,25 @@ class ClusterLink:
         await self._redis.aclose()
         if self._keys is not self._redis:
             await self._keys.aclose()
+
+    def catch_up(self) -> None:
+        """Messages from other replicas may have been lost: ask for their snapshots
+        again (records nobody confirms within ``RESYNC_WINDOW`` are dropped), re-read
+        the retained messages, and make every connected durable outbox re-read the
+        store (a lost ``stored`` notice)."""
+        self.state.resync()
+        if self._retained is not None:
+            self._retained.resync()
+        if self._resync_timer is not None:
+            self._resync_timer.cancel()  # the window restarts with the latest request
+        loop = asyncio.get_running_loop()
+        self._resync_timer = loop.call_later(RESYNC_WINDOW, self.state.resync_done)
+        connected = [
+            cid
+            for cid, session in self._broker.sessions.items()
+            if session.durable and session.connection is not None
+        ]
+        self._persistence.reread(connected)
 
     # -- out ---------------------------------------------------------------------------
 
@@ -188,20 +229,34 @@ class ClusterLink:
             self._sender = asyncio.create_task(self._send())
 
     async def _send(self) -> None:
+        deliver = f"{self._prefix}:{DELIVER}"
         try:
             while self._queue:
                 batch = list(self._queue)
                 self._queue.clear()
+                lose = self.lose
                 try:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for channel, payload in batch:
-                            pipe.publish(channel, payload)
+                            if lose is not None and lose(channel, payload):
+                                pipe.echo(b"lost on purpose")  # counts as 0 listeners
+                            else:
+                                pipe.publish(channel, payload)
                         listeners = await pipe.execute()
-                except Exception as error:  # at most once: what failed is lost
-                    log.warning("cluster: publishing %d messages failed: %s", len(batch), error)
+                except Exception as error:
+                    # Control messages and notices are numbered: sent again, in order,
+                    # ahead of anything newer (a receiver ignores what it heard
+                    # already). Forwarded deliveries are at most once: dropped.
+                    kept = [item for item in batch if not item[0].startswith(deliver)]
+                    log.warning(
+                        "cluster: publishing %d messages failed (%d to send again): %s",
+                        len(batch),
+                        len(kept),
+                        error,
+                    )
+                    self._queue.extendleft(reversed(kept))
                     await asyncio.sleep(RETRY_DELAY)
                     continue
-                deliver = f"{self._prefix}:{DELIVER}"
                 for (channel, _), count in zip(batch, listeners, strict=True):
                     if count == 0 and channel.startswith(deliver):
                         node = channel[len(deliver) :]
@@ -232,10 +287,7 @@ class ClusterLink:
                 self._subscribed += 1
                 if self._subscribed > 1:  # redis-py re-subscribed: messages were missed
                     log.warning("cluster: pub/sub reconnected, re-syncing")
-                    self.state.resync()
-                    if self._retained is not None:
-                        self._retained.resync()
-                    asyncio.get_running_loop().call_later(RESYNC_WINDOW, self.state.resync_done)
+                    self.catch_up()
                 continue
             if message.get("type") != "message":
                 continue
@@ -256,6 +308,16 @@ class ClusterLink:
                         self._retained.refresh(topics)
             except Exception:  # one bad message must not stop the replica listening
                 log.exception("cluster: applying a message on %s failed", channel)
+
+    async def _tick(self) -> None:
+        """Every ``TICK_INTERVAL``: this replica's last sequence number, behind what
+        is queued (so it never runs ahead of the messages it counts)."""
+        while True:
+            await asyncio.sleep(TICK_INTERVAL)
+            self._flush()
+            self._queue.append((f"{self._prefix}:{SUBSCRIPTIONS}", self.state.tick()[1]))
+            if self._sender is None:
+                self._sender = asyncio.create_task(self._send())
 
     async def _beat(self) -> None:
         """Refresh this replica's liveness key; forget replicas whose key expired."""

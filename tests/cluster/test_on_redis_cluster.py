@@ -10,6 +10,9 @@ and the embedded Kafka-protocol broker.
 - Liveness keys live in one hash slot and go through the cluster client (issue
   16, 2): a replica starts whatever its node id hashes to, and one killed without
   a goodbye is noticed by the others.
+- A ``stored`` notice lost with a replica's pub/sub connection does not stall a
+  delivery (issue 16, 3): the re-subscription (or a gap in the sender's sequence
+  numbers) makes every connected durable outbox re-read the store.
 """
 
 from __future__ import annotations
@@ -31,10 +34,19 @@ from broker.packets import (
     Subscription,
 )
 from tests.cluster.conftest import Replicas
-from tests.cluster.test_replicas import Client, in_order_without_loss, probe, wait_until
+from tests.cluster.test_replicas import (
+    Client,
+    _partition,
+    in_order_without_loss,
+    probe,
+    wait_until,
+)
 from tests.e2e.clients import Raw
 
 EXPIRY = Properties(session_expiry_interval=600)
+# A stored message reaches its connected client within this, whatever pub/sub lost
+# (issue 16, 3 asks about 1 s; generous here: two cores shared with other tests).
+CATCH_UP_BOUND = 5.0
 
 
 def _connect(raw: Raw, client_id: str) -> ConnAck:
@@ -136,6 +148,50 @@ def test_a_stale_detached_copy_is_not_resumed(replicas: Replicas) -> None:
     finally:
         sub.close()
         prober.close()
+
+
+def _one_id_per_partition(replicas: Replicas, prefix: str, partitions: int = 4) -> list[str]:
+    """Client ids whose Kafka records fall one in each partition: whichever replicas
+    consume them, some are stored by another replica than their subscriber's."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < partitions:
+        client_id = replicas.name(f"{prefix}-{i}")
+        found.setdefault(_partition(client_id, partitions), client_id)
+        i += 1
+    return [found[p] for p in range(partitions)]
+
+
+def test_a_notice_lost_with_the_pubsub_connection_is_caught_up(replicas: Replicas) -> None:
+    """r1's pub/sub connection is killed while r0 and r2 store messages for its
+    clients (their ``stored`` notices go nowhere): once r1 runs again, every
+    connected client gets its message within the bound, not at the next one."""
+    topic = replicas.name("lost/t")
+    r1 = replicas.nodes[1]
+    assert r1.proc is not None
+    subs = [Client(r1, cid, expiry=600) for cid in _one_id_per_partition(replicas, "lost-sub")]
+    pub = Client(replicas.nodes[0], replicas.name("lost-pub"))
+    try:
+        for sub in subs:
+            sub.subscribe(topic, 1)
+        for sub in subs:
+            probe(pub, sub, topic, 1, 30)
+        os.kill(r1.proc.pid, signal.SIGSTOP)
+        try:
+            replicas.kill_pubsub("r1")
+            pub.client.publish(topic, b"while-away", 1).wait_for_publish(10)
+            time.sleep(0.5)  # stored by the replicas that consume it; notices lost
+        finally:
+            os.kill(r1.proc.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        wait_until(lambda: all(s.received(b"while-away") for s in subs), 10, "every client")
+        took = time.monotonic() - resumed
+        assert took < CATCH_UP_BOUND, f"{took:.2f} s after r1 resumed"
+        assert "re-syncing" in r1.log()
+    finally:
+        pub.close()
+        for sub in subs:
+            sub.close()
 
 
 def test_a_replica_killed_under_load_is_forgotten_and_comes_back(replicas: Replicas) -> None:
