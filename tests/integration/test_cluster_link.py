@@ -2,7 +2,9 @@
 
 Pub/sub is at most once on the receiving side, but a replica must not drop a
 ``stored`` notice (or a control message) because its own PUBLISH failed
-(issue 16, 3): the batch stays queued, in order, until Redis takes it.
+(issue 16, 3): the batch stays queued, in order, until Redis takes it. The
+failure is made by an ACL that refuses PUBLISH, so a listener is subscribed
+throughout (a restarted Redis would race the retry against the subscription).
 """
 
 from __future__ import annotations
@@ -28,33 +30,41 @@ async def _next_message(pubsub: Any, timeout: float) -> bytes | None:
     return None
 
 
-async def test_a_notice_whose_publish_failed_is_published_once_redis_is_back(
+async def test_a_notice_whose_publish_failed_is_published_once_redis_takes_it(
     tmp_path: Path,
 ) -> None:
+    """The link's Redis user may not PUBLISH (every attempt fails, deterministically)
+    while a listener is subscribed; once it may, the notice arrives, the delivery
+    does not."""
     redis = RedisProcess(tmp_path / "redis", appendfsync="no")
     redis.start()
-    client = Redis.from_url(redis.url)
+    admin = Redis.from_url(redis.url)
+    await admin.acl_setuser(
+        "link", enabled=True, nopass=True, channels=["*"], commands=["-@all", "+@connection"]
+    )
+    client = Redis.from_url(redis.url, username="link", password="x")
+    listener = Redis.from_url(redis.url)
+    pubsub = listener.pubsub()
+    await pubsub.subscribe("p:stored", "p:deliver:m")
     # The edge publishes what its ClusterState has to say; persistence (re-reads on
     # notices received) is not involved in sending.
     link = ClusterLink(client, "p", "n", Broker(Settings()), None)  # type: ignore[arg-type]
     try:
-        redis.stop()
         link._queue.append(("p:stored", b"notice"))  # what _flush queues
         link._queue.append(("p:deliver:m", b"forwarded"))  # at most once: not again
         sender = asyncio.create_task(link._send())
-        await asyncio.sleep(1.0)  # at least one attempt failed
+        deadline = asyncio.get_running_loop().time() + 5.0
+        # The first attempt took both and failed: the notice alone is queued again.
+        while list(link._queue) != [("p:stored", b"notice")]:
+            assert asyncio.get_running_loop().time() < deadline, list(link._queue)
+            await asyncio.sleep(0.01)
         assert not sender.done()
-        redis.start()  # same port, same data
-        listener = Redis.from_url(redis.url)
-        pubsub = listener.pubsub()
-        await pubsub.subscribe("p:stored", "p:deliver:m")
-        try:
-            assert await _next_message(pubsub, 5.0) == b"notice"
-            assert await _next_message(pubsub, 1.0) is None  # the delivery was dropped
-            await asyncio.wait_for(sender, 5.0)
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await listener.aclose()
+        await admin.acl_setuser("link", commands=["+publish"])
+        assert await _next_message(pubsub, 5.0) == b"notice"
+        assert await _next_message(pubsub, 1.0) is None  # the delivery was dropped
+        await asyncio.wait_for(sender, 5.0)
     finally:
-        await client.aclose()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        for c in (listener, client, admin):
+            await c.aclose()
         redis.stop()
