@@ -22,7 +22,17 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 - ``off``: ``c``'s durable session lost its connection on ``n`` (kept);
 - ``end``: ``c``'s session ended on ``n`` (its subscriptions go);
 - ``sync``: ``n`` just started: every replica answers with ``snaps``, the
-  snapshots of its sessions that have a live connection.
+  snapshots of its sessions that have a live connection;
+- ``tick``: sent every ``TICK_INTERVAL``: ``n``'s last sequence number.
+
+Every message a replica publishes on ``subscriptions``, ``stored`` and
+``retained`` carries ``b``, a token of the sending process, and ``q``, its
+sequence number in that process (``tick`` repeats the last one). Pub/sub
+is at most once: a receiver that sees a sequence number skip (or a ``tick``
+ahead of what it heard) missed something, and catches up as after a lost
+connection (:meth:`ClusterState.resync`, and every connected durable
+outbox re-reads the store). A stored message thus reaches its client
+within about ``TICK_INTERVAL`` plus a page read, whatever pub/sub lost.
 
 The order of one replica's messages is kept (one Redis connection publishes
 them in order; Redis delivers them in order). Rules that make late or
@@ -43,6 +53,7 @@ of every replica, each replica round-robin on its own.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +77,7 @@ RETAINED = "retained"  # topics whose retained message changed (persistence/reta
 DELIVER = "deliver:"  # + node id
 SNAPSHOT_CHUNK = 500  # sessions per ``snaps`` message
 RESYNC_WINDOW = 2.0  # seconds the snapshots of a re-sync have to confirm remote records
+TICK_INTERVAL = 0.5  # seconds between a replica's ``tick`` (its last sequence number)
 
 Forward = Callable[[str, str, Delivery], None]
 
@@ -110,11 +122,22 @@ def entry_of(client_id: str, fields: list[Any]) -> SubscriptionEntry:
 
 
 class ClusterState:
-    def __init__(self, broker: Broker, node_id: str, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        node_id: str,
+        wake: Callable[[], None],
+        missed: Callable[[], None] = lambda: None,
+    ) -> None:
         self.broker = broker
         self.node_id = node_id
         self._wake = wake  # the edge: something is waiting in data_to_send()
-        self._control: list[bytes] = []
+        self._missed = missed  # the edge: a sequence gap, catch up as after a reconnect
+        self.boot = secrets.token_hex(8)  # this process, to tell a restarted replica's numbers
+        self._seq = 0  # the last sequence number sent
+        self._heard: dict[str, tuple[str, int]] = {}  # node -> (its boot token, last number)
+        self.gaps = 0
+        self._control: list[dict[str, Any]] = []
         self._stored: set[str] = set()
         self._deliveries: dict[str, list[tuple[str, Delivery]]] = {}
         self._handing: dict[Session, dict[str, Any]] = {}  # taken over by another node
@@ -159,15 +182,36 @@ class ClusterState:
         if not isinstance(session, RemoteSession):
             self._send(op="end", c=session.client_id)
 
-    def claim(self, client_id: str) -> RemoteSession | None:
-        """Before a CONNECT opens ``client_id`` here: forget the remote record (returned).
-        A durable session is resumed from the store, which holds its state, or
-        ended there by a clean start: the replicated view is only for routing."""
+    def to_reopen(self, client_id: str, clean_start: bool) -> Session | None:
+        """Before a CONNECT opens ``client_id`` here: the session it must not resume
+        from this replica's memory (None: none). A durable session is resumed from
+        the store, which holds its state (held QoS 2 ids, subscriptions), or ended
+        there by a clean start: the replicated view is only for routing, and a
+        detached copy here may be stale (a ``conn`` or ``sub`` of another replica
+        missed), so it is reopened from the store too, unless a clean start ends
+        it. Durable ones keep routing until :meth:`claim` (the store answered); a
+        clean remote record, with nothing stored, is forgotten now."""
         record = self.broker.sessions.get(client_id)
-        if not isinstance(record, RemoteSession):
-            return None
-        self._drop(record)
-        return record
+        if isinstance(record, RemoteSession):
+            if not record.durable:
+                self._drop(record)
+            return record
+        if record is not None and record.durable and record.connection is None:
+            if clean_start or not all(record.incoming_qos2.values()):
+                # A QoS 2 PUBLISH of the last connection is still being stored: its
+                # outcome lands on this copy, which is then current (resumed as is).
+                return None
+            return record
+        return None
+
+    def claim(self, client_id: str) -> None:
+        """``client_id`` is opened here from the store: forget the remote record or
+        detached copy this replica held (without touching Redis)."""
+        record = self.broker.sessions.get(client_id)
+        if isinstance(record, RemoteSession) or (
+            record is not None and record.durable and record.connection is None
+        ):
+            self._drop(record)
 
     def handed_over(self, session: Session, will: WillMessage | None) -> bool:
         """``broker.detach`` of a session another replica took over: no state is saved
@@ -185,9 +229,12 @@ class ClusterState:
         return True
 
     def stored_elsewhere(self, client_id: str) -> None:
-        """Messages were stored for ``client_id``, whose connection is not here."""
+        """Messages were stored for ``client_id``, whose connection is not here. A
+        detached durable copy here may be stale (restored at start before the
+        snapshots came, or a ``conn`` was missed): its client may be connected
+        elsewhere, so it is announced too; a replica without it ignores the notice."""
         record = self.broker.sessions.get(client_id)
-        if isinstance(record, RemoteSession) and record.durable:
+        if record is not None and record.durable and record.connection is None:
             if not self._stored:
                 self._wake()
             self._stored.add(client_id)
@@ -249,17 +296,58 @@ class ClusterState:
     def data_to_send(
         self,
     ) -> tuple[list[tuple[str, bytes]], dict[str, list[tuple[str, Delivery]]]]:
-        """(channel suffix, payload) control messages in order, and deliveries by node."""
-        out = [(SUBSCRIPTIONS, payload) for payload in self._control]
+        """(channel suffix, payload) control messages in order, each with the next
+        sequence number, and deliveries by node."""
+        out = [(SUBSCRIPTIONS, self._numbered(change)) for change in self._control]
         if self._stored:
-            out.append((STORED, orjson.dumps({"n": self.node_id, "c": sorted(self._stored)})))
+            out.append((STORED, self._numbered({"c": sorted(self._stored)})))
         if self._retained:
             topics = list(dict.fromkeys(self._retained))
-            out.append((RETAINED, orjson.dumps({"n": self.node_id, "t": topics})))
+            out.append((RETAINED, self._numbered({"t": topics})))
             self._retained = []
         deliveries = self._deliveries
         self._control, self._stored, self._deliveries = [], set(), {}
         return out, deliveries
+
+    def tick(self) -> tuple[str, bytes]:
+        """The periodic ``tick``: the last sequence number, so a lost last message
+        is noticed without waiting for the next one."""
+        return SUBSCRIPTIONS, orjson.dumps(
+            {"op": "tick", "n": self.node_id, "b": self.boot, "q": self._seq}
+        )
+
+    def _numbered(self, change: dict[str, Any]) -> bytes:
+        self._seq += 1
+        change["n"], change["b"], change["q"] = self.node_id, self.boot, self._seq
+        return orjson.dumps(change)
+
+    def _in_sequence(self, change: dict[str, Any]) -> bool:
+        """Track the sender's sequence numbers; False: already heard (a re-send).
+        A number skipped means messages were lost: the edge catches up."""
+        node, boot, seq = change["n"], change.get("b"), change.get("q")
+        if boot is None or seq is None:
+            return True  # an older replica: no numbers
+        heard = self._heard.get(node)
+        is_tick = change.get("op") == "tick"
+        if heard is None or heard[0] != boot:
+            # First words of this process: nothing to compare with (whatever it said
+            # before this replica subscribed, the ``sync`` answers cover).
+            self._heard[node] = (boot, seq)
+            return not is_tick
+        last = heard[1]
+        if seq <= last:
+            return False  # a tick with nothing new, or a batch sent again after a failure
+        if seq > last + 1 or is_tick:
+            self.gaps += 1
+            log.warning(
+                "cluster: missed messages %d-%d of replica %s, catching up",
+                last + 1,
+                seq if is_tick else seq - 1,
+                node,
+            )
+            self._missed()
+        self._heard[node] = (boot, seq)
+        return not is_tick
 
     # -- input from the edge -----------------------------------------------------------
 
@@ -268,7 +356,7 @@ class ClusterState:
         (their outboxes re-read the store: the persistence layer's business), or
         the topics of a ``retained`` notice (re-read from Redis, likewise)."""
         change = orjson.loads(payload)
-        if change.get("n") == self.node_id:
+        if change.get("n") == self.node_id or not self._in_sequence(change):
             return []
         if channel == STORED:
             return list(change["c"])
@@ -452,8 +540,7 @@ class ClusterState:
     def _send(self, **change: Any) -> None:
         if not self._control and not self._stored and not self._deliveries:
             self._wake()
-        change["n"] = self.node_id
-        self._control.append(orjson.dumps(change))
+        self._control.append(change)
 
 
 def _ignore(ok: bool) -> None:

@@ -169,8 +169,8 @@ class Broker:
             # not resumed, not ended by a clean start.
             then(None, False, "not_owner")
             return
-        remote = self.cluster.claim(client_id) if self.cluster is not None else None
-        existing = self.sessions.get(client_id)
+        remote = self.cluster.to_reopen(client_id, clean_start) if self.cluster else None
+        existing = self.sessions.get(client_id) if remote is None else None
         if existing is not None and existing.connection is not None:
             from broker.packets import ReasonCode
 
@@ -234,6 +234,8 @@ class Broker:
             if not ended:
                 then(None, False, "unavailable")
             elif not conn.close_requested:
+                if self.cluster is not None:
+                    self.cluster.claim(client_id)  # the remote record it replaces
                 session = self._new_session(client_id, 0, durable=False)
                 self.sessions[client_id] = session
                 self._attach(conn, session, clean_start, 0)
@@ -261,7 +263,9 @@ class Broker:
                 then(None, False, "not_owner")
                 return
             if self.cluster is not None:
-                self.cluster.claim(client_id)  # another replica's record arrived meanwhile
+                # What this replica held (or learnt meanwhile) of the session: the
+                # store's state replaces it.
+                self.cluster.claim(client_id)
             session = self._new_session(client_id, expiry_interval, durable=True)
             session.generation = opened.generation
             if opened.resumed:

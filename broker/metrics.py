@@ -339,6 +339,11 @@ class BrokerCollector(Collector):
             "Partitions re-read from their start after their log went backwards",
             consumer.log_resets,
         )
+        yield _counter(
+            "kafka_stuck_joins",
+            "Consumer group joins given up after 15 s and started again as a new member",
+            consumer.stuck_joins,
+        )
         if self.backlog is not None:
             yield _gauge(
                 "persisted_backlog_messages",

@@ -386,7 +386,9 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
     retained = None
     try:
         if persistence is not None:
-            await persistence.attach(broker)
+            # The consumer starts after the cluster link: sessions restored here may be
+            # connected to another replica, and their stored messages must tell it.
+            await persistence.attach(broker, consume=not settings.cluster.enabled)
             from persistence.retained import RetainedPersistence
 
             retained = RetainedPersistence(
@@ -400,6 +402,7 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
                 from persistence.cluster_link import open_cluster_link
 
                 link = await open_cluster_link(settings, persistence, broker, retained)
+                persistence.start_consuming()
         server = BrokerServer(settings, broker)
         await server.start()
         if metrics is not None:

@@ -12,18 +12,27 @@ Channels, all under ``cluster.channel_prefix``:
 - ``<prefix>:retained``: topics whose retained message a replica just wrote to
   the hash ``devicemq:retained`` (``persistence/retained.py``): re-read them.
 
-Liveness: each replica refreshes the key ``<prefix>:alive:<node>`` every
+Liveness: each replica refreshes the key ``{<prefix>:alive}:<node>`` every
 ``HEARTBEAT_INTERVAL`` with a TTL of ``HEARTBEAT_TTL`` and checks the keys of
 the replicas it holds records of; a missing one is a replica that died
-without saying goodbye (``ClusterState.node_gone``).
+without saying goodbye (``ClusterState.node_gone``). The hash tag puts every
+liveness key in one slot, so on Redis Cluster (``persistence.redis_cluster``)
+one MGET reads them all; they go through the cluster client, which follows
+the slot to its node.
 
 Classic PUBLISH/SUBSCRIBE is broadcast cluster-wide on Redis Cluster too, so
-one plain connection to the store's Redis (any node of a cluster) is enough.
-Everything a replica publishes goes out in call order on one connection,
-batched per event-loop iteration in one pipeline. Pub/sub is at most once: a
-replica whose subscriber connection drops misses what was said meanwhile
-(redis-py re-subscribes when it reconnects): the confirmation of that
-re-subscription starts a re-sync (``ClusterState.resync``).
+one plain connection to the store's Redis (the node ``redis_url`` names) is
+enough for pub/sub. Everything a replica publishes goes out in call order on
+one connection, batched per event-loop iteration in one pipeline; a batch
+that fails is sent again, except forwarded deliveries (at most once: a
+second attempt could deliver twice). Pub/sub is at most once: a replica
+whose subscriber connection drops misses what was said meanwhile (redis-py
+re-subscribes when it reconnects), and a message can be lost without a
+reconnect (an output buffer limit, a failover). Both are caught up
+(:meth:`ClusterLink.catch_up`): the confirmation of the re-subscription, or
+a gap in a sender's sequence numbers (``broker/cluster.py``, checked at
+least every ``TICK_INTERVAL`` by its ``tick``), starts a re-sync and makes
+every connected durable outbox re-read the store.
 """
 
 from __future__ import annotations
@@ -36,11 +45,21 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from broker.cluster import DELIVER, RESYNC_WINDOW, RETAINED, STORED, SUBSCRIPTIONS, ClusterState
+from broker.cluster import (
+    DELIVER,
+    RESYNC_WINDOW,
+    RETAINED,
+    STORED,
+    SUBSCRIPTIONS,
+    TICK_INTERVAL,
+    ClusterState,
+)
 from broker.message import Delivery
 from persistence.format import decode_record
 from persistence.records import encode_delivery, stored_delivery
@@ -101,12 +120,19 @@ class ClusterLink:
         broker: Broker,
         persistence: DevicePersistence,
         retained: RetainedPersistence | None = None,
+        keys: Redis | RedisCluster | None = None,
     ) -> None:
-        self._redis = redis
+        self._redis = redis  # pub/sub and PUBLISH: one plain connection
+        self._keys = keys if keys is not None else redis  # liveness keys (cluster-aware)
         self._prefix = prefix
         self._broker = broker
         self._persistence = persistence
-        self.state = ClusterState(broker, node_id, self._wake)
+        self.state = ClusterState(broker, node_id, self._wake, self.catch_up)
+        self._resync_timer: asyncio.TimerHandle | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        # A seam for tests: a notice for which this returns True is not published
+        # (as if pub/sub lost it); None in production.
+        self.lose: Callable[[str, bytes], bool] | None = None
         self._mine = f"{prefix}:{DELIVER}{node_id}"
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -120,11 +146,11 @@ class ClusterLink:
         self._subscribed = 0  # confirmations of the control channel's subscription
 
     def _alive_key(self, node: str) -> str:
-        return f"{self._prefix}:alive:{node}"
+        return f"{{{self._prefix}:alive}}:{node}"  # one hash slot for all: MGET on a cluster
 
     async def start(self) -> None:
         """Subscribe, join the broker, ask the other replicas for their live sessions."""
-        await self._redis.set(self._alive_key(self.state.node_id), b"1", ex=HEARTBEAT_TTL)
+        await self._keys.set(self._alive_key(self.state.node_id), b"1", ex=HEARTBEAT_TTL)
         pubsub = self._redis.pubsub()
         await pubsub.subscribe(
             f"{self._prefix}:{SUBSCRIPTIONS}",
@@ -136,6 +162,7 @@ class ClusterLink:
         self._broker.cluster = self.state
         self._reader = asyncio.create_task(self._read())
         self._heartbeat = asyncio.create_task(self._beat())
+        self._ticker = asyncio.create_task(self._tick())
         self.state.request_sync()
         log.info("cluster: replica %s joined on %s:*", self.state.node_id, self._prefix)
 
@@ -146,17 +173,40 @@ class ClusterLink:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._sender), 5.0)
         self._broker.cluster = None
-        for task in (self._reader, self._heartbeat):
+        if self._resync_timer is not None:
+            self._resync_timer.cancel()
+        for task in (self._reader, self._heartbeat, self._ticker):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         with contextlib.suppress(Exception):
-            await self._redis.delete(self._alive_key(self.state.node_id))
+            await self._keys.delete(self._alive_key(self.state.node_id))
         if self._pubsub is not None:
             with contextlib.suppress(Exception):
                 await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         await self._redis.aclose()
+        if self._keys is not self._redis:
+            await self._keys.aclose()
+
+    def catch_up(self) -> None:
+        """Messages from other replicas may have been lost: ask for their snapshots
+        again (records nobody confirms within ``RESYNC_WINDOW`` are dropped), re-read
+        the retained messages, and make every connected durable outbox re-read the
+        store (a lost ``stored`` notice)."""
+        self.state.resync()
+        if self._retained is not None:
+            self._retained.resync()
+        if self._resync_timer is not None:
+            self._resync_timer.cancel()  # the window restarts with the latest request
+        loop = asyncio.get_running_loop()
+        self._resync_timer = loop.call_later(RESYNC_WINDOW, self.state.resync_done)
+        connected = [
+            cid
+            for cid, session in self._broker.sessions.items()
+            if session.durable and session.connection is not None
+        ]
+        self._persistence.reread(connected)
 
     # -- out ---------------------------------------------------------------------------
 
@@ -179,20 +229,34 @@ class ClusterLink:
             self._sender = asyncio.create_task(self._send())
 
     async def _send(self) -> None:
+        deliver = f"{self._prefix}:{DELIVER}"
         try:
             while self._queue:
                 batch = list(self._queue)
                 self._queue.clear()
+                lose = self.lose
                 try:
                     async with self._redis.pipeline(transaction=False) as pipe:
                         for channel, payload in batch:
-                            pipe.publish(channel, payload)
+                            if lose is not None and lose(channel, payload):
+                                pipe.echo(b"lost on purpose")  # counts as 0 listeners
+                            else:
+                                pipe.publish(channel, payload)
                         listeners = await pipe.execute()
-                except Exception as error:  # at most once: what failed is lost
-                    log.warning("cluster: publishing %d messages failed: %s", len(batch), error)
+                except Exception as error:
+                    # Control messages and notices are numbered: sent again, in order,
+                    # ahead of anything newer (a receiver ignores what it heard
+                    # already). Forwarded deliveries are at most once: dropped.
+                    kept = [item for item in batch if not item[0].startswith(deliver)]
+                    log.warning(
+                        "cluster: publishing %d messages failed (%d to send again): %s",
+                        len(batch),
+                        len(kept),
+                        error,
+                    )
+                    self._queue.extendleft(reversed(kept))
                     await asyncio.sleep(RETRY_DELAY)
                     continue
-                deliver = f"{self._prefix}:{DELIVER}"
                 for (channel, _), count in zip(batch, listeners, strict=True):
                     if count == 0 and channel.startswith(deliver):
                         node = channel[len(deliver) :]
@@ -223,10 +287,7 @@ class ClusterLink:
                 self._subscribed += 1
                 if self._subscribed > 1:  # redis-py re-subscribed: messages were missed
                     log.warning("cluster: pub/sub reconnected, re-syncing")
-                    self.state.resync()
-                    if self._retained is not None:
-                        self._retained.resync()
-                    asyncio.get_running_loop().call_later(RESYNC_WINDOW, self.state.resync_done)
+                    self.catch_up()
                 continue
             if message.get("type") != "message":
                 continue
@@ -248,17 +309,27 @@ class ClusterLink:
             except Exception:  # one bad message must not stop the replica listening
                 log.exception("cluster: applying a message on %s failed", channel)
 
+    async def _tick(self) -> None:
+        """Every ``TICK_INTERVAL``: this replica's last sequence number, behind what
+        is queued (so it never runs ahead of the messages it counts)."""
+        while True:
+            await asyncio.sleep(TICK_INTERVAL)
+            self._flush()
+            self._queue.append((f"{self._prefix}:{SUBSCRIPTIONS}", self.state.tick()[1]))
+            if self._sender is None:
+                self._sender = asyncio.create_task(self._send())
+
     async def _beat(self) -> None:
         """Refresh this replica's liveness key; forget replicas whose key expired."""
         mine = self._alive_key(self.state.node_id)
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
             try:
-                await self._redis.set(mine, b"1", ex=HEARTBEAT_TTL)
+                await self._keys.set(mine, b"1", ex=HEARTBEAT_TTL)
                 nodes = sorted(self.state.remote_nodes())
                 if not nodes:
                     continue
-                found = await self._redis.mget([self._alive_key(n) for n in nodes])
+                found = await self._keys.mget([self._alive_key(n) for n in nodes])
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -276,9 +347,21 @@ async def open_cluster_link(
     broker: Broker,
     retained: RetainedPersistence | None = None,
 ) -> ClusterLink:
-    redis = Redis.from_url(persistence.redis_url, decode_responses=False)
+    url = persistence.redis_url
+    # The connections are named, so an operator (or a test) can find them.
+    name = f"devicemq-cluster-{node_id_of(settings)}"
+    redis = Redis.from_url(url, decode_responses=False, client_name=name)
+    keys: Redis | RedisCluster | None = None
+    if settings.persistence.redis_cluster:
+        keys = RedisCluster.from_url(url, decode_responses=False)
     link = ClusterLink(
-        redis, settings.cluster.channel_prefix, node_id_of(settings), broker, persistence, retained
+        redis,
+        settings.cluster.channel_prefix,
+        node_id_of(settings),
+        broker,
+        persistence,
+        retained,
+        keys,
     )
     await link.start()
     return link

@@ -25,6 +25,14 @@ The consumer task is supervised: an unexpected error rewinds the partitions
 of the batch it was storing to that batch's first record, is logged and
 counted, and reading goes on after :data:`RETRY_DELAY`; meanwhile
 :attr:`PersistenceConsumer.failure` says why (``/ready`` answers 503).
+
+A group join can get stuck: a replica restarted against a Kafka (the embedded
+Tansu) whose old members were still leaving rejoined every 3 s at the same
+generation and never got an assignment (BENCHMARKS.md, "Two replicas on one
+host"). A join that has not completed (the rebalance listener was not told of
+an assignment, even an empty one) within :data:`STUCK_JOIN_AFTER` is given up:
+the consumer forgets its member id and generation and joins as a new member,
+and stays not ready until a join completes.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ log = logging.getLogger("devicemq.consumer")
 
 RETRY_DELAY = 0.5  # seconds between attempts to store a batch Redis refused
 RESET_CHECK_INTERVAL = 1.0  # seconds between two looks at the announced log resets
+# Seconds a group join may take before it counts as stuck: several of aiokafka's
+# rejoin rounds (a session timeout of 2 s, a rejoin every ~3 s when stuck).
+STUCK_JOIN_AFTER = 15.0
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
 RoomFor = Callable[[str], int]  # client id -> messages it can be sent right now
@@ -65,6 +76,7 @@ class ConsumerStats:
     commit_errors: int = 0
     failures: int = 0  # unexpected errors of the consumer task (it went on)
     log_resets: int = 0  # partitions rewound after their log went backwards
+    stuck_joins: int = 0  # group joins given up and started again as a new member
     not_durable: int = 0  # batches not committed: persistence.redis_wait not met in time
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
 
@@ -144,10 +156,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self._owner = owner
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
+        self._owner.joining()
         for tp in revoked:
             self._owner.forget_position(tp)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
+        self._owner.joined()
         for tp in assigned:
             self._owner.forget_position(tp)
 
@@ -164,8 +178,13 @@ class PersistenceConsumer:
         room_for: RoomFor = lambda client_id: 0,
         resets: LogResets | None = None,
         events: EventSink = NO_EVENTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._consumer = consumer
+        self._clock = clock
+        # Since when a group join has been under way without completing (None: joined).
+        self._joining_since: float | None = clock()
+        self._stuck: str | None = None  # why not ready: a stuck join, until one completes
         self._room_for = room_for
         self._epoch = epoch
         self._store = store
@@ -199,7 +218,8 @@ class PersistenceConsumer:
                 )
                 if batches:
                     await self.process(batches)
-                self.failure = None
+                self.check_join()
+                self.failure = self._stuck
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -210,6 +230,36 @@ class PersistenceConsumer:
                     # Nothing of that batch may count as read: store it again.
                     self._seek(tp, records[0].offset)
                 await asyncio.sleep(RETRY_DELAY)
+
+    def joining(self) -> None:
+        """A group join starts (the rebalance listener's revoke comes first)."""
+        if self._joining_since is None:
+            self._joining_since = self._clock()
+
+    def joined(self) -> None:
+        """A join completed with an assignment (possibly empty: more members than
+        partitions is no fault)."""
+        self._joining_since = None
+        self._stuck = None
+
+    def check_join(self) -> bool:
+        """True when the join under way is older than :data:`STUCK_JOIN_AFTER`: it is
+        given up, and the consumer joins again as a new member (not ready meanwhile)."""
+        since = self._joining_since
+        if since is None or self._clock() - since < STUCK_JOIN_AFTER:
+            return False
+        self.stats.stuck_joins += 1
+        self._stuck = f"consumer group join stuck for {STUCK_JOIN_AFTER:g} s: rejoining"
+        self.failure = self._stuck
+        log.warning("%s as a new member", self._stuck)
+        self._joining_since = self._clock()  # the new join gets its own time
+        coordinator = getattr(self._consumer, "_coordinator", None)  # None before start()
+        if coordinator is not None:
+            # aiokafka keeps no public call for it: forgetting the member id and
+            # generation makes the next JoinGroup that of a new member.
+            coordinator.reset_generation()
+            coordinator.request_rejoin()
+        return True
 
     def forget_position(self, tp: TopicPartition) -> None:
         """The partition was (re)assigned or revoked: its next fetch may start anywhere,

@@ -150,14 +150,24 @@ class DevicePersistence:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def attach(self, broker: Broker) -> None:
-        """Restore saved sessions into ``broker``, then start consuming."""
+    async def attach(self, broker: Broker, consume: bool = True) -> None:
+        """Restore saved sessions into ``broker``, then start consuming (``consume``
+        False: :meth:`start_consuming` later, once the cluster link knows which
+        restored sessions are connected to other replicas)."""
         self._broker = broker
         restored = await self.sessions.restore(broker)
         log.info("restored %d persistent sessions from redis", restored)
-        self._consumer_task = asyncio.create_task(self.consumer.run())
-        if self.event_log is not None:
-            self.event_log.start()
+        if consume:
+            self.start_consuming()
+
+    def start_consuming(self) -> None:
+        """Store what Kafka holds: a stored message finds its session here, or its
+        replica is told (``cluster.stored_elsewhere``), so the cluster comes first."""
+        assert self._broker is not None
+        if self._consumer_task is None:
+            self._consumer_task = asyncio.create_task(self.consumer.run())
+            if self.event_log is not None:
+                self.event_log.start()
 
     async def close(self) -> None:
         """Drain: Kafka acknowledgements, then the consumer up to them, then writes."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,7 @@ import pytest
 
 from persistence.services import find_tansu
 from tests.faults.conftest import START_TIMEOUT, DeviceMQ, RedisProcess
+from tests.integration.redis_servers import RedisCluster3
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
 
@@ -87,3 +89,85 @@ def _wait_for_log(broker: DeviceMQ, line: str, timeout: float) -> None:
         if not broker.alive() or time.monotonic() > deadline:
             raise RuntimeError(f"{broker.data_dir}: no {line!r}:\n{broker.log()[-4000:]}")
         time.sleep(0.05)
+
+
+@dataclass
+class Replicas:
+    """Replicas ``r0``, ``r1``, ... on a Redis Cluster (``persistence.redis_cluster``)."""
+
+    nodes: list[DeviceMQ]
+    redis: RedisCluster3
+    tag: str
+
+    def name(self, suffix: str) -> str:
+        return f"rc-{self.tag}-{suffix}"
+
+    def redis_cli(self, *args: str) -> str:
+        """Run a command on every master; their answers, joined."""
+        return "\n".join(
+            subprocess.run(
+                ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, check=True
+            ).stdout
+            for port in self.redis.ports
+        )
+
+    def kill_pubsub(self, node: str) -> None:
+        """Close the cluster link's pub/sub connection of replica ``node`` (it is
+        named devicemq-cluster-<node>), as a Redis restart or a network cut would."""
+        for port in self.redis.ports:
+            listing = subprocess.run(
+                ["redis-cli", "-p", str(port), "CLIENT", "LIST", "TYPE", "pubsub"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            for line in listing.splitlines():
+                fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+                if fields.get("name") == f"devicemq-cluster-{node}":
+                    subprocess.run(
+                        ["redis-cli", "-p", str(port), "CLIENT", "KILL", "ID", fields["id"]],
+                        capture_output=True,
+                        check=True,
+                    )
+
+
+@contextlib.contextmanager
+def running_replicas(
+    root: Path, count: int, settings: Mapping[str, object] = {}
+) -> Iterator[Replicas]:
+    """Tansu, a 3-master Redis Cluster, then ``count`` replicas started one by one."""
+    find_tansu()
+    tansu = start_tansu(log=root / "tansu.log")
+    redis = RedisCluster3()
+    tag = uuid.uuid4().hex[:8]
+    common: dict[str, object] = {
+        "persistence.topic": f"rc.{tag}",
+        "persistence.consumer_group": f"rc-{tag}",
+        "persistence.partitions": 4,
+        "persistence.redis_cluster": True,
+        "cluster.enabled": True,
+        "events.enabled": False,
+        "log.level": "INFO",
+        **settings,
+    }
+    nodes = [
+        DeviceMQ(root / f"r{i}", redis, bootstrap_of(tansu), {**common, "cluster.node_id": f"r{i}"})  # type: ignore[arg-type]
+        for i in range(count)
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        yield Replicas(nodes, redis, tag)
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        redis.stop()
+        stop_tansu(tansu)
+        for node in nodes:  # shown by pytest when a test of the module failed
+            print(f"--- {node.data_dir} ---\n{node.log()[-8000:]}")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
+    with running_replicas(tmp_path_factory.mktemp("replicas"), 3) as running:
+        yield running
