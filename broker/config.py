@@ -343,7 +343,7 @@ class AuthSettings:
 
 @dataclass(frozen=True, slots=True)
 class PersistenceSettings:
-    """The persistent-session path: Kafka, then Redis (DESIGN.md)."""
+    """The persistent-session path: Kafka, then Redis (docs/ARCHITECTURE.md)."""
 
     enabled: bool = setting(
         True,
