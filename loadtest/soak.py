@@ -92,7 +92,7 @@ class BrokerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env["DEVICEMQ_MQTT_MAX_CONNECTION_RATE"] = "0"
-        argv = [sys.executable, "-m", "broker.cli", "run", "--host", HOST]
+        argv = [sys.executable, "-m", "app.cli", "run", "--host", HOST]
         argv += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=log)

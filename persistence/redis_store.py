@@ -363,7 +363,7 @@ class RedisMessageStore:
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
-        # Exported by broker/metrics.py: seconds per script call, failed calls.
+        # Exported by app/metrics.py: seconds per script call, failed calls.
         self.script_latency: dict[str, Histogram] = {}
         self.script_errors: dict[str, int] = {}
 

@@ -104,7 +104,7 @@ class DevicePersistence:
 
     @property
     def kafka_consumer(self) -> AIOKafkaConsumer:
-        """The group member (assignment, highwater marks): read by broker/metrics.py."""
+        """The group member (assignment, highwater marks): read by app/metrics.py."""
         return self._kafka_consumer
 
     # -- PersistentPath -----------------------------------------------------------------

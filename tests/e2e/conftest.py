@@ -1,6 +1,6 @@
 """Start a real broker process for end-to-end tests.
 
-The broker is devicemq (``python -m broker.cli run``) unless
+The broker is devicemq (``python -m app.cli run``) unless
 ``DEVICEMQ_TEST_BROKER=mosquitto``, which starts the reference broker
 (``/usr/sbin/mosquitto``) on the same terms, to check that a test expects
 what a mature broker does. Tests that need a devicemq-only setting are
@@ -172,7 +172,7 @@ def start_broker(data_dir: Path, settings: Mapping[str, object] | None = None) -
         argv = [
             sys.executable,
             "-m",
-            "broker.cli",
+            "app.cli",
             "run",
             "--host",
             HOST,

@@ -156,7 +156,7 @@ class DeviceMQ:
 
     def start(self) -> None:
         argv = [
-            sys.executable, "-m", "broker.cli", "run",
+            sys.executable, "-m", "app.cli", "run",
             "--host", HOST, "--port", str(self.port), "--data-dir", str(self.data_dir),
         ]  # fmt: skip
         log = (self.data_dir / "broker.log").open("ab")

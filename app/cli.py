@@ -113,13 +113,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         # Imported here: --help, --version and config errors stay fast and
         # work whatever the server's own imports need.
-        server = importlib.import_module("broker.server")
+        server = importlib.import_module("app.serve")
     except ModuleNotFoundError as e:
-        if e.name != "broker.server":
+        if e.name != "app.serve":
             raise
-        _error("broker.server is not available in this installation")
+        _error("app.serve is not available in this installation")
         return 1
-    from broker.metrics import MetricsUnavailable
+    from app.metrics import MetricsUnavailable
     from persistence.runtime import PersistenceUnavailable
     from persistence.services import ServiceError
 
