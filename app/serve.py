@@ -21,6 +21,7 @@ from broker.server import BrokerServer
 
 if TYPE_CHECKING:
     from app.metrics import MetricsServer
+    from persistence.runtime import DevicePersistence
 
 log = logging.getLogger("devicemq.server")
 
@@ -59,9 +60,7 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             name="cluster.share_ports",
         )
     if settings.persistence.enabled:
-        from persistence.runtime import open_persistence
-
-        persistence = await open_persistence(settings)
+        persistence = await _open_persistence(settings)
     broker = Broker(settings, persistent_path=persistence)
     link = None
     retained = None
@@ -98,6 +97,23 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             await link.close()
         if persistence is not None:
             await persistence.close()
+
+
+async def _open_persistence(settings: Settings) -> DevicePersistence:
+    """The configured Redis and Kafka, or embedded ones started under ``data_dir``."""
+    from persistence.runtime import configured_endpoints, open_persistence
+
+    endpoints = configured_endpoints(settings)
+    if endpoints is None:
+        from app.embedded_services import EmbeddedServices
+
+        running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)
+        endpoints = (running.redis_url, running.kafka_bootstrap)
+        # Logged under the persistence logger, where this line always was.
+        logging.getLogger("devicemq.persistence").info(
+            "embedded services: redis %s, kafka %s", *endpoints
+        )
+    return await open_persistence(settings, endpoints)
 
 
 def run(settings: Settings) -> None:

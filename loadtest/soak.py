@@ -309,7 +309,7 @@ async def inject_faults(
             os.kill(pid, signal.SIGTERM)
             while _alive(pid):
                 await asyncio.sleep(0.05)
-            from persistence.services import EmbeddedServices
+            from app.embedded_services import EmbeddedServices
 
             await loop.run_in_executor(None, EmbeddedServices(broker.data_dir).ensure_running)
         elif kind == "pause-kafka":
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             if load is not None and load.poll() is None:
                 load.terminate()
             with contextlib.suppress(Exception):
-                from persistence.services import EmbeddedServices
+                from app.embedded_services import EmbeddedServices
 
                 EmbeddedServices(data_dir).stop()
         acked = sum(map(len, stats.acked.values()))

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
@@ -220,8 +219,8 @@ class DevicePersistence:
                     feed.stored([])
 
 
-async def open_persistence(settings: Settings) -> DevicePersistence:
-    """Connect to Redis and Kafka (embedded ones if none are configured)."""
+def configured_endpoints(settings: Settings) -> tuple[str, str] | None:
+    """(redis_url, kafka_bootstrap) as configured; None when neither is (embedded ones)."""
     config = settings.persistence
     redis_url, bootstrap = config.redis_url, config.kafka_bootstrap
     if bool(redis_url) != bool(bootstrap):
@@ -229,14 +228,24 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         raise ConfigError(
             "set both redis_url and kafka_bootstrap, or neither", name=f"persistence.{missing}"
         )
-    if not redis_url:
-        from persistence.services import EmbeddedServices
+    return (redis_url, bootstrap) if redis_url else None
 
-        endpoints = await asyncio.to_thread(
-            EmbeddedServices(Path(settings.data_dir)).ensure_running
-        )
-        redis_url, bootstrap = endpoints.redis_url, endpoints.kafka_bootstrap
-        log.info("embedded services: redis %s, kafka %s", redis_url, bootstrap)
+
+async def open_persistence(
+    settings: Settings, endpoints: tuple[str, str] | None = None
+) -> DevicePersistence:
+    """Connect to Redis and Kafka: ``endpoints`` (redis_url, kafka_bootstrap), else the
+    configured ones. Starting embedded services when none are configured is the
+    application's part (app/serve.py): persistence does not import the edge."""
+    config = settings.persistence
+    if endpoints is None:
+        endpoints = configured_endpoints(settings)
+        if endpoints is None:
+            raise ConfigError(
+                "set both redis_url and kafka_bootstrap, or start embedded services",
+                name="persistence.redis_url",
+            )
+    redis_url, bootstrap = endpoints
     store = RedisMessageStore.from_url(
         redis_url,
         cluster=config.redis_cluster,

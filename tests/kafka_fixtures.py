@@ -40,7 +40,7 @@ from typing import IO, Any
 
 import pytest
 
-from persistence.services import find_tansu, free_port, kafka_ready
+from app.embedded_services import find_tansu, free_port, kafka_ready
 
 ENV_BOOTSTRAP = "DEVICEMQ_TEST_KAFKA_BOOTSTRAP"
 

@@ -19,8 +19,8 @@ Fixtures:
   default, durable path.
 
 devicemq's embedded Redis and Tansu outlive the broker process by design
-(persistence/services.py); every fixture stops them with
-``python -m persistence.services stop --data-dir DIR`` after the broker.
+(app/embedded_services.py); every fixture stops them with
+``python -m app.embedded_services stop --data-dir DIR`` after the broker.
 - ``names``: unique topic prefix and client ids for one test.
 - ``clients``: makes paho and raw-socket clients, all closed when the test ends.
 """
@@ -114,7 +114,7 @@ class BrokerProcess:
         """Stop the Redis and Tansu this devicemq started under its data dir, if any."""
         if self.kind != "devicemq" or not (self.data_dir / "services").exists():
             return
-        argv = [sys.executable, "-m", "persistence.services", "stop", "--data-dir"]
+        argv = [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir"]
         subprocess.run(
             [*argv, str(self.data_dir)],
             cwd=REPO,
