@@ -40,7 +40,14 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord
 from aiokafka.errors import KafkaError
 
 from persistence.events import NO_EVENTS, EventSink
-from persistence.format import Stage, StoredRecord, decode_record, epoch_key, record_id
+from persistence.format import (
+    Stage,
+    StoredRecord,
+    decode_record,
+    epoch_key,
+    record_id,
+    resets_key,
+)
 from persistence.redis_store import ClientBatch, PersistedMessageStore, SaveResult
 
 log = logging.getLogger("devicemq.consumer")
@@ -97,7 +104,7 @@ class LogResets:
 
     def __init__(self, redis: Any, topic: str) -> None:
         self._redis = redis
-        self._key = f"devicemq:resets:{topic}"
+        self._key = resets_key(topic)
         self._epoch_key = epoch_key(topic)
         self._pending: set[int] = set()
         self._task: asyncio.Task[None] | None = None

@@ -21,7 +21,7 @@ from aiokafka.errors import KafkaError
 from broker.config import ConfigError, Settings
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
-from persistence.format import PRODUCERS_KEY, StoredRecord, epoch_key
+from persistence.format import StoredRecord
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
 from persistence.redis_store import RedisMessageStore
 from persistence.sessions import SessionStateStore
@@ -271,9 +271,9 @@ async def open_persistence(
     producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
     consumer = make_consumer(bootstrap, config.consumer_group)
     try:
-        producer_id = int(await store.redis.incr(PRODUCERS_KEY))
+        producer_id = await store.next_producer_id()
         created = await ensure_topic(bootstrap, config.topic, config.partitions)
-        epoch = await _topic_epoch(store, config.topic, created)
+        epoch = await store.topic_epoch(config.topic, created)
         # Subscribed (with its rebalance listener) before it starts: the group join
         # begins at once, the rest of the start-up runs meanwhile.
         persistence = DevicePersistence(
@@ -291,11 +291,3 @@ async def open_persistence(
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
     persistence.redis_url = redis_url
     return persistence
-
-
-async def _topic_epoch(store: RedisMessageStore, topic: str, created: bool) -> int:
-    """How many times devicemq created ``topic``: its offsets restart each time."""
-    key = epoch_key(topic)
-    if created:
-        return int(await store.redis.incr(key))
-    return int(await store.redis.get(key) or 0)
