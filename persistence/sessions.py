@@ -28,6 +28,7 @@ from broker.core import Broker
 from broker.persistent_path import OpenedSession, OpenRequest
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import SubscriptionEntry
+from persistence.coalescing import RETRY_DELAY
 from persistence.format import SessionState, SubscriptionState
 from persistence.redis_store import RedisMessageStore, SessionOwned
 
@@ -35,7 +36,6 @@ log = logging.getLogger("devicemq.sessions")
 
 SAVE_ATTEMPTS = 20
 OPEN_ATTEMPTS = 6  # a CONNECT waits at most this many tries for Redis
-RETRY_DELAY = 0.5
 RESTORE_CONCURRENCY = 50
 # Redis keeps a disconnected session's keys this much longer than the session
 # lasts: the broker deletes them itself when the session expires, and that delete
