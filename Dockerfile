@@ -34,7 +34,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     DEVICEMQ_DATA_DIR=/var/lib/devicemq
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-index --find-links=/wheels devicemq \
-    && python -c "import uvloop, prometheus_client, broker.server" \
+    && python -c "import uvloop, prometheus_client, app.serve" \
     && useradd --system --uid 10001 --user-group --home-dir /var/lib/devicemq --create-home devicemq
 USER devicemq
 WORKDIR /var/lib/devicemq

@@ -343,7 +343,7 @@ class AuthSettings:
 
 @dataclass(frozen=True, slots=True)
 class PersistenceSettings:
-    """The persistent-session path: Kafka, then Redis (DESIGN.md)."""
+    """The persistent-session path: Kafka, then Redis (docs/ARCHITECTURE.md)."""
 
     enabled: bool = setting(
         True,
@@ -417,7 +417,7 @@ class EventsSettings:
 
 @dataclass(frozen=True, slots=True)
 class MetricsSettings:
-    """Prometheus metrics and health checks over HTTP (broker/metrics.py)."""
+    """Prometheus metrics and health checks over HTTP (app/metrics.py)."""
 
     enabled: bool = setting(False, "Serve /metrics, /health and /ready over HTTP")
     host: str = setting("0.0.0.0", "Address the metrics HTTP server binds")

@@ -5,7 +5,8 @@ A session is persistent when it outlives its connection (clean session 0 in
 router sends its QoS 1/2 deliveries through a :class:`PersistentPath` and
 acknowledges the publisher only when the path reports them stored; its
 outgoing flow is fed by the path; its state is saved through the
-path before SUBACK. DESIGN.md's durable path (Kafka, then Redis) lives in
+path before SUBACK. The durable path (Kafka, then Redis; docs/ARCHITECTURE.md,
+"The life of a persistent QoS 1 message") lives in
 ``persistence/``; :class:`InMemoryPersistentPath` keeps everything in the
 session itself, as an ordinary broker does (survives disconnects, not
 restarts).

@@ -12,15 +12,12 @@ reading from that socket pauses until the buffer drains.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import signal
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
-from broker.config import ConfigError, Settings
+from broker.config import Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.limits import TokenBucket, source_key
@@ -29,9 +26,6 @@ from broker.packets import ReasonCode
 from broker.websocket import CLOSE_POLICY_VIOLATION, WebSocketServer, WsState
 from broker.websocket import Closed as WsClosed
 from broker.websocket import Data as WsData
-
-if TYPE_CHECKING:
-    from broker.metrics import MetricsServer
 
 log = logging.getLogger("devicemq.server")
 
@@ -342,101 +336,3 @@ class BrokerServer:
                 self._check_slow_consumers()
             except Exception:  # a bug in one sweep must not stop the next
                 log.exception("periodic sweep failed")
-
-
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    """Run a broker until ``stop`` is set, then drain and close.
-
-    With persistence enabled, Redis and Kafka (embedded if not configured)
-    are connected and saved sessions restored before the listener opens; on
-    the way out, clients are disconnected first so nothing new arrives, then
-    the persistent path drains into Redis. With ``metrics.enabled`` the
-    metrics server answers from the start (/health 200, /ready 503 until the
-    listener opens) to the end.
-    """
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
-    metrics: MetricsServer | None = None
-    if settings.metrics.enabled:
-        from broker.metrics import MetricsServer
-
-        metrics = MetricsServer(settings.metrics)
-        await metrics.start()
-    try:
-        await _serve(settings, stop, metrics)
-    finally:
-        if metrics is not None:
-            await metrics.stop()
-
-
-async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer | None) -> None:
-    persistence = None
-    if settings.cluster.enabled and not settings.persistence.enabled:
-        raise ConfigError("the cluster shares Redis: enable persistence", name="cluster.enabled")
-    if settings.cluster.share_ports and not settings.cluster.enabled:
-        raise ConfigError(
-            "brokers sharing a port must form a cluster: enable cluster",
-            name="cluster.share_ports",
-        )
-    if settings.persistence.enabled:
-        from persistence.runtime import open_persistence
-
-        persistence = await open_persistence(settings)
-    broker = Broker(settings, persistent_path=persistence)
-    link = None
-    retained = None
-    try:
-        if persistence is not None:
-            # The consumer starts after the cluster link: sessions restored here may be
-            # connected to another replica, and their stored messages must tell it.
-            await persistence.attach(broker, consume=not settings.cluster.enabled)
-            from persistence.retained import RetainedPersistence
-
-            retained = RetainedPersistence(
-                persistence.store.redis,
-                broker.retained,
-                broker.clock,
-                timeout=settings.persistence.kafka_request_timeout_ms / 1000,
-            )
-            log.info("%d retained messages loaded", await retained.load())
-            if settings.cluster.enabled:
-                from persistence.cluster_link import open_cluster_link
-
-                link = await open_cluster_link(settings, persistence, broker, retained)
-                persistence.start_consuming()
-        server = BrokerServer(settings, broker)
-        await server.start()
-        if metrics is not None:
-            metrics.attach(broker, persistence)
-        try:
-            await stop.wait()
-        finally:
-            if metrics is not None:
-                metrics.stopping = True  # /ready: 503 while draining
-            await server.stop()
-    finally:
-        if retained is not None:
-            await retained.close()
-        if link is not None:
-            await link.close()
-        if persistence is not None:
-            await persistence.close()
-
-
-def run(settings: Settings) -> None:
-    """Blocking entry point of ``devicemq run``: serve until SIGTERM or SIGINT."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on every platform we ship
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(settings, stop)
-
-    with contextlib.suppress(KeyboardInterrupt):
-        runner(main())

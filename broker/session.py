@@ -58,7 +58,10 @@ class Session:
         self.retained_sender: RetainedSender | None = None
 
     @property
-    def persistent(self) -> bool:
+    def outlives_connection(self) -> bool:
+        """Kept after its connection closes, as of now (a 5.0 DISCONNECT may set the
+        expiry to 0). Not :attr:`durable`, fixed at creation: whether the
+        persistent path holds the session."""
         return self.expiry_interval > 0
 
     def deliver(self, delivery: Delivery) -> None:

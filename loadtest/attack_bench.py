@@ -199,7 +199,7 @@ def flood(mode: str, seconds: float) -> None:
         DEVICEMQ_AUTH_PASSWORD_FILE=str(password_file),
         DEVICEMQ_AUTH_ALLOW_ANONYMOUS="true" if mode == "anonymous" else "false",
     )
-    argv = [sys.executable, "-m", "broker.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
     with (tmp / "broker.log").open("wb") as log:
         proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
     try:

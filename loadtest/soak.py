@@ -92,7 +92,7 @@ class BrokerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env["DEVICEMQ_MQTT_MAX_CONNECTION_RATE"] = "0"
-        argv = [sys.executable, "-m", "broker.cli", "run", "--host", HOST]
+        argv = [sys.executable, "-m", "app.cli", "run", "--host", HOST]
         argv += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=log)
@@ -309,7 +309,7 @@ async def inject_faults(
             os.kill(pid, signal.SIGTERM)
             while _alive(pid):
                 await asyncio.sleep(0.05)
-            from persistence.services import EmbeddedServices
+            from app.embedded_services import EmbeddedServices
 
             await loop.run_in_executor(None, EmbeddedServices(broker.data_dir).ensure_running)
         elif kind == "pause-kafka":
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             if load is not None and load.poll() is None:
                 load.terminate()
             with contextlib.suppress(Exception):
-                from persistence.services import EmbeddedServices
+                from app.embedded_services import EmbeddedServices
 
                 EmbeddedServices(data_dir).stop()
         acked = sum(map(len, stats.acked.values()))

@@ -47,13 +47,20 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
+from persistence.coalescing import RETRY_DELAY, CoalescingWriter
 from persistence.events import NO_EVENTS, EventSink
-from persistence.format import Stage, StoredRecord, decode_record, epoch_key, record_id
+from persistence.format import (
+    Stage,
+    StoredRecord,
+    decode_record,
+    epoch_key,
+    record_id,
+    resets_key,
+)
 from persistence.redis_store import ClientBatch, PersistedMessageStore, SaveResult
 
 log = logging.getLogger("devicemq.consumer")
 
-RETRY_DELAY = 0.5  # seconds between attempts to store a batch Redis refused
 RESET_CHECK_INTERVAL = 1.0  # seconds between two looks at the announced log resets
 # Seconds a group join may take before it counts as stuck: several of aiokafka's
 # rejoin rounds (a session timeout of 2 s, a rejoin every ~3 s when stuck).
@@ -109,38 +116,30 @@ class LogResets:
 
     def __init__(self, redis: Any, topic: str) -> None:
         self._redis = redis
-        self._key = f"devicemq:resets:{topic}"
+        self._key = resets_key(topic)
         self._epoch_key = epoch_key(topic)
-        self._pending: set[int] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._writer: CoalescingWriter[set[int]] = CoalescingWriter(self._write, _union, set)
 
     def announce(self, partitions: Iterable[int]) -> None:
         """From the hot path: written in the background, retried until it lands."""
-        self._pending.update(partitions)
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._write())
+        self._writer.add(set(partitions))
 
-    async def _write(self) -> None:
+    async def _write(self, partitions: set[int]) -> set[int]:
         try:
-            while self._pending:
-                partitions, self._pending = self._pending, set()
-                try:
-                    pipe = self._redis.pipeline(transaction=False)
-                    for partition in sorted(partitions):
-                        pipe.hincrby(self._key, str(partition), 1)
-                    pipe.incr(self._epoch_key)
-                    await pipe.execute()
-                    log.warning(
-                        "kafka partitions %s went backwards (log reset): announced, every "
-                        "consumer re-reads them from their beginning",
-                        sorted(partitions),
-                    )
-                except Exception as error:
-                    self._pending.update(partitions)
-                    log.warning("announcing a kafka log reset failed, retrying: %s", error)
-                    await asyncio.sleep(RETRY_DELAY)
-        finally:
-            self._task = None
+            pipe = self._redis.pipeline(transaction=False)
+            for partition in sorted(partitions):
+                pipe.hincrby(self._key, str(partition), 1)
+            pipe.incr(self._epoch_key)
+            await pipe.execute()
+        except Exception as error:
+            log.warning("announcing a kafka log reset failed, retrying: %s", error)
+            return partitions
+        log.warning(
+            "kafka partitions %s went backwards (log reset): announced, every "
+            "consumer re-reads them from their beginning",
+            sorted(partitions),
+        )
+        return set()
 
     async def read(self) -> tuple[dict[int, int], int]:
         """(partition -> resets announced, epoch)."""
@@ -194,8 +193,8 @@ class PersistenceConsumer:
         self.stats = ConsumerStats()
         self.events = events
         self.failure: str | None = None  # why storing is failing right now (not ready)
-        self._to_commit: dict[TopicPartition, int] = {}
-        self._committer: asyncio.Task[None] | None = None
+        # One commit in flight; offsets asked meanwhile go together in the next.
+        self._commits = CoalescingWriter(self._commit, _newer_wins, dict)
         # Next offset expected per partition while it stays assigned: a fetched
         # record below it means the log went backwards.
         self._position: dict[TopicPartition, int] = {}
@@ -271,8 +270,9 @@ class PersistenceConsumer:
         """Offsets of a log that is gone (or of an assignment that ended): neither
         reported nor committed (a retried commit would skip the new log's start)."""
         self.stats.committed.pop(partition, None)
-        for tp in [tp for tp in self._to_commit if tp.partition == partition]:
-            del self._to_commit[tp]
+        pending = self._commits.pending
+        for tp in [tp for tp in pending if tp.partition == partition]:
+            del pending[tp]
 
     async def process(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         client_batches: list[ClientBatch] = []
@@ -366,24 +366,13 @@ class PersistenceConsumer:
 
     async def commits_done(self) -> None:
         """Wait until every offset handed to Kafka so far is committed (or failed)."""
-        while self._committer is not None:
-            await asyncio.shield(self._committer)
+        await self._commits.drain()
 
     def _commit_soon(self, offsets: dict[TopicPartition, int]) -> None:
-        """One commit in flight; offsets asked meanwhile go together in the next."""
-        self._to_commit.update(offsets)
-        if self._committer is None:
-            self._committer = asyncio.get_running_loop().create_task(self._commit_pending())
+        self._commits.add(offsets)
 
-    async def _commit_pending(self) -> None:
-        try:
-            while self._to_commit:
-                offsets, self._to_commit = self._to_commit, {}
-                await self._commit(offsets)
-        finally:
-            self._committer = None
-
-    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Commit; answers the offsets to commit again (see below)."""
         try:
             await self._consumer.commit(offsets)
         except KafkaError as error:
@@ -394,13 +383,10 @@ class PersistenceConsumer:
             self.stats.commit_errors += 1
             log.warning("offset commit failed: %s", error)
             assigned = self._consumer.assignment()
-            again = {tp: offset for tp, offset in offsets.items() if tp in assigned}
-            if again:
-                self._to_commit = {**again, **self._to_commit}
-                await asyncio.sleep(RETRY_DELAY)
-            return
+            return {tp: offset for tp, offset in offsets.items() if tp in assigned}
         for tp, offset in offsets.items():
             self.stats.committed[tp.partition] = offset
+        return {}
 
     def _account(self, result: SaveResult) -> None:
         stats = self.stats
@@ -447,3 +433,13 @@ def _records_of(batch: ClientBatch, result: SaveResult) -> Callable[[], list[Sto
         return records
 
     return decode
+
+
+def _newer_wins(
+    older: dict[TopicPartition, int], newer: dict[TopicPartition, int]
+) -> dict[TopicPartition, int]:
+    return {**older, **newer}
+
+
+def _union(older: set[int], newer: set[int]) -> set[int]:
+    return older | newer

@@ -73,7 +73,9 @@ hash tag early. The mapping is injective and leaves ordinary ids alone.
 
 Keys of the whole installation: :data:`SESSIONS_INDEX` (durable sessions for
 the restore at start-up), :data:`PRODUCERS_KEY` (producer ids handed out),
-:func:`epoch_key` (how often the persisted topic was created anew).
+:func:`epoch_key` (how often the persisted topic was created anew),
+:func:`resets_key` (log resets announced per partition), :data:`RETAINED_KEY`
+(retained messages, topic -> message value).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ __all__ = [
     "FLAG_SENT",
     "MAX_PACKET_ID",
     "PRODUCERS_KEY",
+    "RETAINED_KEY",
     "SESSIONS_INDEX",
     "ClientKeys",
     "RecordId",
@@ -105,6 +108,7 @@ __all__ = [
     "packet_id_of",
     "pubrel_value",
     "record_id",
+    "resets_key",
 ]
 
 MAX_PACKET_ID = 65_535
@@ -133,11 +137,17 @@ _ID_U32 = struct.Struct(">BI")
 
 SESSIONS_INDEX = "devicemq:sessions"
 PRODUCERS_KEY = "devicemq:producers"
+RETAINED_KEY = "devicemq:retained"
 
 
 def epoch_key(topic: str) -> str:
     """How many times devicemq found ``topic`` created anew (its offsets restart)."""
     return f"devicemq:epoch:{topic}"
+
+
+def resets_key(topic: str) -> str:
+    """Hash, partition -> how many log resets of ``topic`` were announced."""
+    return f"devicemq:resets:{topic}"
 
 
 # ---------------------------------------------------------------------------

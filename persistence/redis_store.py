@@ -71,7 +71,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -79,6 +79,8 @@ from redis.exceptions import NoScriptError
 
 from broker.stats import Histogram
 from persistence.format import (
+    PRODUCERS_KEY,
+    SESSIONS_INDEX,
     ClientKeys,
     SessionState,
     StoredMessage,
@@ -86,6 +88,7 @@ from persistence.format import (
     client_keys,
     decode_record,
     encode_message,
+    epoch_key,
     packet_id_of,
     pubrel_value,
     record_id,
@@ -363,7 +366,7 @@ class RedisMessageStore:
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
-        # Exported by broker/metrics.py: seconds per script call, failed calls.
+        # Exported by app/metrics.py: seconds per script call, failed calls.
         self.script_latency: dict[str, Histogram] = {}
         self.script_errors: dict[str, int] = {}
 
@@ -802,6 +805,43 @@ class RedisMessageStore:
     async def delete_session(self, client_id: str) -> int:
         """End whatever session is stored for ``client_id``; returns messages deleted."""
         return await self.end_session(client_id) or 0
+
+    # -- keys of the whole installation (persistence/format.py) -------------------
+
+    async def indexed_sessions(self) -> list[tuple[bytes, float]]:
+        """(client id, expiry deadline) of every durable session, for the restore."""
+        entries = await self.redis.zrange(SESSIONS_INDEX, 0, -1, withscores=True)
+        return cast(list[tuple[bytes, float]], entries)
+
+    async def index_session(self, client_id: str, deadline: float) -> None:
+        await self.redis.zadd(SESSIONS_INDEX, {client_id: deadline})
+
+    async def unindex_session(self, client_id: str) -> None:
+        await self.redis.zrem(SESSIONS_INDEX, client_id)
+
+    async def next_producer_id(self) -> int:
+        """A producer id no other broker process of this installation was given."""
+        return int(await self.redis.incr(PRODUCERS_KEY))
+
+    async def topic_epoch(self, topic: str, created: bool) -> int:
+        """How many times devicemq created ``topic``: its offsets restart each time."""
+        key = epoch_key(topic)
+        if created:
+            return int(await self.redis.incr(key))
+        return int(await self.redis.get(key) or 0)
+
+    async def pending_total(self, client_ids: Sequence[str], chunk: int) -> int:
+        """Refs stored for all of ``client_ids``, ``chunk`` clients per round trip."""
+        total = 0
+        for start in range(0, len(client_ids), chunk):
+            pipe = self.redis.pipeline(transaction=False)
+            for cid in client_ids[start : start + chunk]:
+                pipe.zcard(client_keys(cid).messages)
+            total += sum(int(n) for n in await pipe.execute())
+        return total
+
+    async def ping(self) -> None:
+        await self.redis.ping()
 
 
 def _check_limit(limit: int) -> None:

@@ -26,13 +26,11 @@ from typing import Any
 
 from broker.message import Delivery, Message
 from broker.retained import RetainedStore
-from persistence.format import decode_record
+from persistence.coalescing import RETRY_DELAY
+from persistence.format import RETAINED_KEY, decode_record
 from persistence.records import encode_delivery, stored_delivery
 
 log = logging.getLogger("devicemq.retained")
-
-RETAINED_KEY = "devicemq:retained"
-RETRY_DELAY = 0.5
 
 
 def encode_retained(message: Message, wall: float, now: float) -> bytes:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
@@ -22,7 +21,7 @@ from aiokafka.errors import KafkaError
 from broker.config import ConfigError, Settings
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
-from persistence.format import PRODUCERS_KEY, StoredRecord, epoch_key
+from persistence.format import StoredRecord
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
 from persistence.redis_store import RedisMessageStore
 from persistence.sessions import SessionStateStore
@@ -104,7 +103,7 @@ class DevicePersistence:
 
     @property
     def kafka_consumer(self) -> AIOKafkaConsumer:
-        """The group member (assignment, highwater marks): read by broker/metrics.py."""
+        """The group member (assignment, highwater marks): read by app/metrics.py."""
         return self._kafka_consumer
 
     # -- PersistentPath -----------------------------------------------------------------
@@ -230,8 +229,8 @@ class DevicePersistence:
                     feed.stored([])
 
 
-async def open_persistence(settings: Settings) -> DevicePersistence:
-    """Connect to Redis and Kafka (embedded ones if none are configured)."""
+def configured_endpoints(settings: Settings) -> tuple[str, str] | None:
+    """(redis_url, kafka_bootstrap) as configured; None when neither is (embedded ones)."""
     config = settings.persistence
     redis_url, bootstrap = config.redis_url, config.kafka_bootstrap
     if bool(redis_url) != bool(bootstrap):
@@ -239,14 +238,24 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         raise ConfigError(
             "set both redis_url and kafka_bootstrap, or neither", name=f"persistence.{missing}"
         )
-    if not redis_url:
-        from persistence.services import EmbeddedServices
+    return (redis_url, bootstrap) if redis_url else None
 
-        endpoints = await asyncio.to_thread(
-            EmbeddedServices(Path(settings.data_dir)).ensure_running
-        )
-        redis_url, bootstrap = endpoints.redis_url, endpoints.kafka_bootstrap
-        log.info("embedded services: redis %s, kafka %s", redis_url, bootstrap)
+
+async def open_persistence(
+    settings: Settings, endpoints: tuple[str, str] | None = None
+) -> DevicePersistence:
+    """Connect to Redis and Kafka: ``endpoints`` (redis_url, kafka_bootstrap), else the
+    configured ones. Starting embedded services when none are configured is the
+    application's part (app/serve.py): persistence does not import the edge."""
+    config = settings.persistence
+    if endpoints is None:
+        endpoints = configured_endpoints(settings)
+        if endpoints is None:
+            raise ConfigError(
+                "set both redis_url and kafka_bootstrap, or start embedded services",
+                name="persistence.redis_url",
+            )
+    redis_url, bootstrap = endpoints
     store = RedisMessageStore.from_url(
         redis_url,
         cluster=config.redis_cluster,
@@ -272,9 +281,9 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
     producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
     consumer = make_consumer(bootstrap, config.consumer_group)
     try:
-        producer_id = int(await store.redis.incr(PRODUCERS_KEY))
+        producer_id = await store.next_producer_id()
         created = await ensure_topic(bootstrap, config.topic, config.partitions)
-        epoch = await _topic_epoch(store, config.topic, created)
+        epoch = await store.topic_epoch(config.topic, created)
         # Subscribed (with its rebalance listener) before it starts: the group join
         # begins at once, the rest of the start-up runs meanwhile.
         persistence = DevicePersistence(
@@ -292,11 +301,3 @@ async def open_persistence(settings: Settings) -> DevicePersistence:
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
     persistence.redis_url = redis_url
     return persistence
-
-
-async def _topic_epoch(store: RedisMessageStore, topic: str, created: bool) -> int:
-    """How many times devicemq created ``topic``: its offsets restart each time."""
-    key = epoch_key(topic)
-    if created:
-        return int(await store.redis.incr(key))
-    return int(await store.redis.get(key) or 0)

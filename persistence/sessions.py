@@ -23,21 +23,19 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import cast
 
 from broker.core import Broker
 from broker.persistent_path import OpenedSession, OpenRequest
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import SubscriptionEntry
-from persistence.format import SESSIONS_INDEX, SessionState, SubscriptionState
+from persistence.coalescing import RETRY_DELAY
+from persistence.format import SessionState, SubscriptionState
 from persistence.redis_store import RedisMessageStore, SessionOwned
 
 log = logging.getLogger("devicemq.sessions")
 
-INDEX_KEY = SESSIONS_INDEX
 SAVE_ATTEMPTS = 20
 OPEN_ATTEMPTS = 6  # a CONNECT waits at most this many tries for Redis
-RETRY_DELAY = 0.5
 RESTORE_CONCURRENCY = 50
 # Redis keeps a disconnected session's keys this much longer than the session
 # lasts: the broker deletes them itself when the session expires, and that delete
@@ -128,10 +126,7 @@ class SessionStateStore:
 
     async def restore(self, broker: Broker) -> int:
         """Recreate every durable session saved in Redis; expired ones are deleted."""
-        redis = self._store.redis
-        entries = cast(
-            list[tuple[bytes, float]], await redis.zrange(INDEX_KEY, 0, -1, withscores=True)
-        )
+        entries = await self._store.indexed_sessions()
         now = self._wall_clock()
         gate = asyncio.Semaphore(RESTORE_CONCURRENCY)
         restored = 0
@@ -257,11 +252,11 @@ class SessionStateStore:
         return False
 
     async def _index(self, client_id: str, deadline: float) -> None:
-        await self._store.redis.zadd(INDEX_KEY, {client_id: deadline})
+        await self._store.index_session(client_id, deadline)
 
     async def _end(self, client_id: str, generation: int) -> None:
         if await self._store.end_session(client_id, generation) is not None:
-            await self._store.redis.zrem(INDEX_KEY, client_id)
+            await self._store.unindex_session(client_id)
 
 
 def _entries(client_id: str, state: SessionState) -> list[SubscriptionEntry]:

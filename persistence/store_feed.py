@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from broker.outflow import Outflow, Outgoing
+from persistence.coalescing import RETRY_DELAY
 from persistence.events import NO_EVENTS, EventSink
 from persistence.format import Stage, StoredRecord
 from persistence.records import stored_delivery
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devicemq.outflow")
 
-RETRY_DELAY = 0.5  # seconds before a failed Redis read or write is tried again
 
 MarksDone = Callable[[Collection[int]], None]
 

@@ -72,7 +72,7 @@ def resolve_endpoints(
         if not (bootstrap and redis_url):
             raise PipelineError("give both --bootstrap and --redis, or --data-dir")
         return Endpoints(bootstrap, redis_url, cluster)
-    from persistence.services import HOST, EmbeddedServices
+    from app.embedded_services import HOST, EmbeddedServices
 
     directory = Path(data_dir or "./data")
     ports = {s.name: s for s in EmbeddedServices(directory).status()}

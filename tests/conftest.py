@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from persistence.services import free_port
+from app.embedded_services import free_port
 
 __all__ = ["free_port"]

@@ -14,8 +14,9 @@ share it should use their own topic and group names (e.g. with a uuid).
 Set ``DEVICEMQ_TEST_KAFKA_BOOTSTRAP`` to run the same tests against another
 broker (for instance the Apache Kafka of docker-compose); nothing is started.
 
-Tansu facts (DESIGN.md) a test must respect: no idempotent/transactional
-producer, no ``create_partitions``/``delete_records``, ``end_offsets`` and
+Tansu facts (docs/ARCHITECTURE.md, "Kafka topics and records") a test must
+respect: no idempotent/transactional producer, no
+``create_partitions``/``delete_records``, ``end_offsets`` and
 ``auto_offset_reset="latest"`` are wrong (use ``"earliest"``), and a group
 join stalls for session_timeout/2, so consumers should use
 :data:`GROUP_SETTINGS`.
@@ -39,7 +40,7 @@ from typing import IO, Any
 
 import pytest
 
-from persistence.services import find_tansu, free_port, kafka_ready
+from app.embedded_services import find_tansu, free_port, kafka_ready
 
 ENV_BOOTSTRAP = "DEVICEMQ_TEST_KAFKA_BOOTSTRAP"
 

@@ -226,7 +226,7 @@ def _opened(
         client_id,
         conn.peer,
         {3: "3.1", 4: "3.1.1", 5: "5.0"}[conn.protocol_level],
-        "persistent" if session.persistent else "clean",
+        "persistent" if session.outlives_connection else "clean",
         ", resumed" if present else "",
     )
     session.outflow.resume()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from persistence.services import find_tansu
+from app.embedded_services import find_tansu
 from tests.faults.conftest import START_TIMEOUT, DeviceMQ, RedisProcess
 from tests.integration.redis_servers import RedisCluster3
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu

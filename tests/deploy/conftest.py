@@ -5,7 +5,7 @@
 makes sense inside the compose network (``redis:6379`` and ``kafka:9092``
 become a real ``redis-server`` and a real Tansu started here; the MQTT and
 metrics ports become free ones; the data dir a temporary one). It runs
-``python -m broker.cli run`` with no other ``DEVICEMQ_*`` variable and no
+``python -m app.cli run`` with no other ``DEVICEMQ_*`` variable and no
 config file, and is stopped by its PID.
 """
 
@@ -171,7 +171,7 @@ def compose_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose
         log_path = tmp / "devicemq.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "broker.cli", "run"],
+                [sys.executable, "-m", "app.cli", "run"],
                 cwd=tmp,
                 env=process_env,
                 stdin=subprocess.DEVNULL,

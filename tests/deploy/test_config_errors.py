@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import cli
+from app import cli
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,12 @@
-"""broker/metrics.py in-process: the HTTP endpoints, readiness states and histogram export."""
+"""app/metrics.py in-process: the HTTP endpoints, readiness states and histogram export."""
 
 from __future__ import annotations
 
 import asyncio
 
+from app.metrics import MetricsServer, MetricsUnavailable
 from broker.config import MetricsSettings, Settings
 from broker.core import Broker
-from broker.metrics import MetricsServer, MetricsUnavailable
 from broker.stats import Histogram
 from tests.conftest import free_port
 

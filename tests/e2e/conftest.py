@@ -1,6 +1,6 @@
 """Start a real broker process for end-to-end tests.
 
-The broker is devicemq (``python -m broker.cli run``) unless
+The broker is devicemq (``python -m app.cli run``) unless
 ``DEVICEMQ_TEST_BROKER=mosquitto``, which starts the reference broker
 (``/usr/sbin/mosquitto``) on the same terms, to check that a test expects
 what a mature broker does. Tests that need a devicemq-only setting are
@@ -19,8 +19,8 @@ Fixtures:
   default, durable path.
 
 devicemq's embedded Redis and Tansu outlive the broker process by design
-(persistence/services.py); every fixture stops them with
-``python -m persistence.services stop --data-dir DIR`` after the broker.
+(app/embedded_services.py); every fixture stops them with
+``python -m app.embedded_services stop --data-dir DIR`` after the broker.
 - ``names``: unique topic prefix and client ids for one test.
 - ``clients``: makes paho and raw-socket clients, all closed when the test ends.
 """
@@ -114,7 +114,7 @@ class BrokerProcess:
         """Stop the Redis and Tansu this devicemq started under its data dir, if any."""
         if self.kind != "devicemq" or not (self.data_dir / "services").exists():
             return
-        argv = [sys.executable, "-m", "persistence.services", "stop", "--data-dir"]
+        argv = [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir"]
         subprocess.run(
             [*argv, str(self.data_dir)],
             cwd=REPO,
@@ -172,7 +172,7 @@ def start_broker(data_dir: Path, settings: Mapping[str, object] | None = None) -
         argv = [
             sys.executable,
             "-m",
-            "broker.cli",
+            "app.cli",
             "run",
             "--host",
             HOST,

@@ -808,7 +808,7 @@ def run_without_host(tmp_path: Path, name: str, env: Mapping[str, str]) -> tuple
     process_env["PYTHONPATH"] = str(REPO)
     log = (data / "broker.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "run", "--port", str(port), "--data-dir", str(data)],
+        [sys.executable, "-m", "app.cli", "run", "--port", str(port), "--data-dir", str(data)],
         cwd=REPO,
         env=process_env,
         stdin=subprocess.DEVNULL,

@@ -36,7 +36,7 @@ Factory = Callable[[Mapping[str, object] | None], BrokerProcess]
 def passwd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(
-        [sys.executable, "-m", "broker.cli", "passwd", *args],
+        [sys.executable, "-m", "app.cli", "passwd", *args],
         input=stdin,
         capture_output=True,
         text=True,

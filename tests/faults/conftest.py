@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from persistence.services import find_redis_server, find_tansu, free_port
+from app.embedded_services import find_redis_server, find_tansu, free_port
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +156,7 @@ class DeviceMQ:
 
     def start(self) -> None:
         argv = [
-            sys.executable, "-m", "broker.cli", "run",
+            sys.executable, "-m", "app.cli", "run",
             "--host", HOST, "--port", str(self.port), "--data-dir", str(self.data_dir),
         ]  # fmt: skip
         log = (self.data_dir / "broker.log").open("ab")

@@ -15,8 +15,7 @@ import redis
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 
-from persistence.format import client_keys
-from persistence.sessions import INDEX_KEY
+from persistence.format import SESSIONS_INDEX, client_keys
 from tests.faults.checker import Publisher, RawSubscriber, parse, wait_until
 from tests.faults.conftest import Stack
 
@@ -53,10 +52,10 @@ def test_session_expiry_removes_session_and_keys(stack: Stack, rds: redis.Redis)
         pub.stop()
         assert pub.acked == set(range(1, 21))
         wait_until(lambda: _stored(rds, cid) == 20, 10, "messages stored")
-        assert rds.zscore(INDEX_KEY, cid) is not None
+        assert rds.zscore(SESSIONS_INDEX, cid) is not None
         # 2 s of expiry, the broker's 0.5 s tick, then the delete reaches Redis
         wait_until(lambda: _client_keys(rds, cid) <= {client_keys(cid).generation}, 8, "keys gone")
-        assert rds.zscore(INDEX_KEY, cid) is None
+        assert rds.zscore(SESSIONS_INDEX, cid) is None
         assert (
             rds.exists(client_keys(cid).generation) == 0 or rds.ttl(client_keys(cid).generation) > 0
         ), "the generation tombstone must expire"

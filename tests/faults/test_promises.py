@@ -38,6 +38,7 @@ import redis
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 
+from app.embedded_services import free_port
 from broker.codec import PacketDecoder, encode
 from broker.packets import (
     ConnAck,
@@ -53,7 +54,6 @@ from broker.packets import (
     Subscribe,
     Subscription,
 )
-from persistence.services import free_port
 from tests.faults.checker import Publisher, RawSubscriber, parse, wait_until
 from tests.faults.conftest import HOST, Stack
 from tests.model.system import System, parse_metrics

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 
-from persistence.services import free_port
+from app.embedded_services import free_port
 from tests.faults.checker import (
     V5,
     PahoSubscriber,

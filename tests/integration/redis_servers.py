@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 
-from persistence import services
+from app import embedded_services as services
 
 __all__ = ["RedisCluster3", "RedisServer", "find_redis_server", "free_port"]
 

@@ -179,7 +179,7 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
     devicemq; its recreated topic began at offset 0, every new record was at or below
     the stored offset watermark and was skipped as already stored, and its offset
     committed, though the publisher had PUBACK 0x00."""
-    from persistence.services import free_port
+    from app.embedded_services import free_port
 
     port = free_port()
     first = start_tansu(port)

@@ -640,3 +640,25 @@ async def test_redis_wait_replicas_tells_whether_a_batch_reached_a_replica() -> 
         await follower.aclose()
         replica.stop()
         primary.stop()
+
+
+async def test_keys_of_the_installation_through_the_store(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """The session index, producer ids, topic epochs and the backlog sum, named in
+    persistence/format.py and reached only through the store."""
+    await store.index_session(cid, 123.5)
+    assert (cid.encode(), 123.5) in await store.indexed_sessions()
+    await store.unindex_session(cid)
+    assert all(entry[0] != cid.encode() for entry in await store.indexed_sessions())
+    first = await store.next_producer_id()
+    assert await store.next_producer_id() > first
+    topic = f"t-{uuid.uuid4().hex}"
+    assert await store.topic_epoch(topic, created=False) == 0
+    assert await store.topic_epoch(topic, created=True) == 1
+    assert await store.topic_epoch(topic, created=False) == 1
+    other = f"{cid}-other"
+    await store.save_batch(cid, msgs(0, 3), partition=0)
+    await store.save_batch(other, msgs(0, 2), partition=0)
+    assert await store.pending_total([cid, other, f"{cid}-none"], chunk=2) == 5
+    await store.ping()

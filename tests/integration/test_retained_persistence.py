@@ -10,7 +10,8 @@ from redis.asyncio import Redis
 
 from broker.message import Message
 from broker.retained import RetainedStore
-from persistence.retained import RETAINED_KEY, RetainedPersistence
+from persistence.format import RETAINED_KEY
+from persistence.retained import RetainedPersistence
 from tests.integration.redis_servers import RedisServer
 
 

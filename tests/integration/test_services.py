@@ -24,7 +24,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from persistence.services import (
+from app.embedded_services import (
     EmbeddedServices,
     ServiceError,
     ServiceStatus,
@@ -101,7 +101,7 @@ def _pids(services: EmbeddedServices) -> dict[str, int]:
 CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from persistence.services import EmbeddedServices
+    from app.embedded_services import EmbeddedServices
     s = EmbeddedServices(sys.argv[1])
     e = s.ensure_running()
     pids = {st.name: st.pid for st in s.status()}
@@ -406,7 +406,7 @@ def test_format_status_and_the_module_cli(
     assert lines[2].startswith("Kafka (Tansu)") and " running " in lines[2]
 
     out = subprocess.run(
-        [sys.executable, "-m", "persistence.services", "status", "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "app.embedded_services", "status", "--data-dir", str(data_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -414,7 +414,7 @@ def test_format_status_and_the_module_cli(
     ).stdout
     assert out.strip() == format_status(services.status())
     subprocess.run(
-        [sys.executable, "-m", "persistence.services", "stop", "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir", str(data_dir)],
         cwd=REPO,
         check=True,
         capture_output=True,

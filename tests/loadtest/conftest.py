@@ -51,7 +51,7 @@ def _env(persistence: bool) -> dict[str, str]:
 def _start(data_dir: Path, persistence: bool, timeout: float = 30.0) -> Broker:
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port(HOST)
-    argv = [sys.executable, "-m", "broker.cli", "run", "--host", HOST, "--port", str(port)]
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", HOST, "--port", str(port)]
     argv += ["--data-dir", str(data_dir)]
     with open(data_dir / "broker.log", "wb") as log:
         proc = subprocess.Popen(
@@ -87,7 +87,7 @@ def _stop(broker: Broker, persistence: bool) -> None:
             [
                 sys.executable,
                 "-m",
-                "broker.cli",
+                "app.cli",
                 "services",
                 "stop",
                 "--data-dir",

@@ -33,7 +33,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from persistence.services import find_tansu, free_port, kafka_ready
+from app.embedded_services import find_tansu, free_port, kafka_ready
 from tests.faults.conftest import HOST, DeviceMQ, RedisProcess
 from tests.kafka_fixtures import start_tansu, stop_tansu
 

@@ -151,7 +151,7 @@ def _start_broker(port: int, bootstrap: str, redis_url: str, data: Path) -> subp
     )
     log = (data / "broker.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "run"],
+        [sys.executable, "-m", "app.cli", "run"],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,

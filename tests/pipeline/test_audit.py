@@ -8,7 +8,7 @@ from typing import Any
 
 from redis import Redis
 
-from broker import cli
+from app import cli
 from persistence.format import client_keys
 from pipeline.audit import run_audit, stream_audit, write_outputs
 from pipeline.common import Window

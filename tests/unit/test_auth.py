@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from broker import cli
+from app import cli
 from broker.auth import (
     Authenticator,
     AuthResult,

@@ -1,4 +1,4 @@
-"""broker.cli: --version, `run` with its flags, one-line errors, logging setup."""
+"""app.cli: --version, `run` with its flags, one-line errors, logging setup."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from broker import __version__, cli
+from app import cli
+from broker import __version__
 from broker.config import Settings
 from broker.logging_setup import setup_logging
 
@@ -39,16 +40,16 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def fake_server(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
     """Replace broker.server with a stub whose run() records its settings."""
     calls: list[Settings] = []
-    module = types.ModuleType("broker.server")
+    module = types.ModuleType("app.serve")
     module.run = calls.append  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "broker.server", module)
+    monkeypatch.setitem(sys.modules, "app.serve", module)
     return calls
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "broker.cli", *args],
+        [sys.executable, "-m", "app.cli", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -219,9 +220,9 @@ def test_port_in_use_is_one_line(
     def run(settings: Settings) -> None:
         raise OSError(errno.EADDRINUSE, "Address already in use")
 
-    module = types.ModuleType("broker.server")
+    module = types.ModuleType("app.serve")
     module.run = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "broker.server", module)
+    monkeypatch.setitem(sys.modules, "app.serve", module)
     assert cli.main(["run", "--port", "1999"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (

@@ -1,9 +1,9 @@
 """Acknowledging the publisher only once the persistent path has stored the message.
 
-DESIGN.md: for persistent subscribers the PUBACK/PUBREC is sent only after
-storage; acknowledgements still leave in the order the PUBLISH packets arrived
-(MQTT-4.6.0-2). These tests drive a persistent path whose storage completes
-when the test says so.
+docs/ARCHITECTURE.md (hop 7, and the first invariant): for persistent
+subscribers the PUBACK/PUBREC is sent only after storage; acknowledgements
+still leave in the order the PUBLISH packets arrived (MQTT-4.6.0-2). These
+tests drive a persistent path whose storage completes when the test says so.
 """
 
 from __future__ import annotations

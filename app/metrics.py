@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -434,16 +434,7 @@ class BrokerCollector(Collector):
                 committed[tp.partition] = 0 if offset is None else offset
         self.committed = committed
         durable = [cid for cid, s in broker.sessions.items() if s.durable]
-        total = 0
-        redis: Any = persistence.store.redis
-        from persistence.format import client_keys
-
-        for start in range(0, len(durable), BACKLOG_PIPELINE):
-            pipe = redis.pipeline(transaction=False)
-            for cid in durable[start : start + BACKLOG_PIPELINE]:
-                pipe.zcard(client_keys(cid).messages)
-            total += sum(int(n) for n in await pipe.execute())
-        self.backlog = total
+        self.backlog = await persistence.store.pending_total(durable, BACKLOG_PIPELINE)
 
 
 # --------------------------------------------------------------------------
@@ -561,7 +552,7 @@ class MetricsServer:
         if persistence is None:
             return True, {"persistence": "disabled"}
         try:
-            await asyncio.wait_for(persistence.store.redis.ping(), PROBE_TIMEOUT)
+            await asyncio.wait_for(persistence.store.ping(), PROBE_TIMEOUT)
         except RedisResponseError as e:
             # Reachable, but refusing: e.g. MISCONF after a failed AOF write (disk full).
             return False, {"reason": f"redis refuses commands: {_short(e)}"}

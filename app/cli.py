@@ -113,15 +113,15 @@ def _run(args: argparse.Namespace) -> int:
     try:
         # Imported here: --help, --version and config errors stay fast and
         # work whatever the server's own imports need.
-        server = importlib.import_module("broker.server")
+        server = importlib.import_module("app.serve")
     except ModuleNotFoundError as e:
-        if e.name != "broker.server":
+        if e.name != "app.serve":
             raise
-        _error("broker.server is not available in this installation")
+        _error("app.serve is not available in this installation")
         return 1
-    from broker.metrics import MetricsUnavailable
+    from app.embedded_services import ServiceError
+    from app.metrics import MetricsUnavailable
     from persistence.runtime import PersistenceUnavailable
-    from persistence.services import ServiceError
 
     try:
         server.run(settings)
@@ -156,7 +156,7 @@ def _services(args: argparse.Namespace) -> int:
     """The embedded Redis and Kafka-protocol broker of a data dir."""
     from pathlib import Path
 
-    from persistence.services import EmbeddedServices, ServiceError, format_status
+    from app.embedded_services import EmbeddedServices, ServiceError, format_status
 
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
     settings = load_settings(_config_path(args), overrides=overrides)

@@ -18,7 +18,7 @@ Both are started in their own session (``start_new_session=True``), with
 stdin closed and stdout/stderr appended to ``DATA/services/<name>.log``, so a
 ``kill -9`` of devicemq (or a Ctrl-C to its process group) does not take them
 down. They keep running after devicemq exits; ``devicemq services stop`` (or
-``python -m persistence.services stop --data-dir DATA``) stops them.
+``python -m app.embedded_services stop --data-dir DATA``) stops them.
 
 Files under ``DATA/services/``: ``lock`` (the flock), ``redis.log`` and
 ``tansu.log`` (appended, one ``--- <time> devicemq starts: <argv>`` line per
@@ -823,9 +823,9 @@ def format_status(statuses: Sequence[ServiceStatus]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m persistence.services status|stop|start --data-dir DIR``."""
+    """``python -m app.embedded_services status|stop|start --data-dir DIR``."""
     parser = argparse.ArgumentParser(
-        prog="python -m persistence.services",
+        prog="python -m app.embedded_services",
         description="Manage the local Redis and Kafka (Tansu) that devicemq starts itself.",
     )
     parser.add_argument("command", choices=("status", "stop", "start"))

@@ -1,0 +1,1 @@
+"""The application edge: the composition root, the command line, the HTTP metrics."""
