@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         data_dir = Path(args.data_dir or stack.enter_context(tempfile.TemporaryDirectory()))
+        data_dir.mkdir(parents=True, exist_ok=True)
         broker = BrokerProcess(data_dir, _free_port())
         broker.start()
         load = None

@@ -121,6 +121,12 @@ class Inc:
     maybe_ended: bool = False  # a clean start that got no CONNACK may have ended it
     saved_at: float | None = None  # last SUBACK: the broker has it in Redis (README)
     resumed_at: float = 0.0  # last CONNACK: its terms (expiry) are saved only later
+    # ever had an expiry > 0: its messages went to the store, where the per-client
+    # limit trims them, even if a later resume set its expiry to 0
+    was_persistent: bool = False
+
+    def __post_init__(self) -> None:
+        self.was_persistent = self.expiry > 0
 
     @property
     def persistent(self) -> bool:
@@ -383,6 +389,7 @@ class Model:
                     self._end(inc, state.pending_since, "clean start")
             elif session_present and inc is not None and inc.ended is None:
                 inc.expiry = state.pending_expiry
+                inc.was_persistent = inc.was_persistent or inc.expiry > 0
                 inc.detached_at = None
                 inc.resumed_at = now
                 return state.conn
@@ -859,7 +866,7 @@ class Model:
         wanted: dict[Inc, list[tuple[Ob, Msg]]] = {}
         for ob in obs:
             for inc in ob.incs:
-                if inc.persistent:
+                if inc.was_persistent:  # not .persistent: a resume with expiry 0 keeps the store
                     wanted.setdefault(inc, []).append((ob, ob.msg))
         out: set[Ob] = set()
         for inc, items in wanted.items():
