@@ -188,8 +188,7 @@ class Broker:
             assert remote is not None
             self.persistent_path.session_ended(remote, ends.one())  # fenced by generation
         if existing is not None:
-            self._attach(conn, existing, clean_start, expiry_interval)
-            then(existing, True, "")
+            self._attach_then(conn, existing, clean_start, expiry_interval, True, then)
             return
         resuming_remote = remote_durable and not clean_start
         if not resuming_remote and self._over_owner_quota(owner):
@@ -280,14 +279,52 @@ class Broker:
                 self._start_expiry(session, self.clock())
                 self.persistent_path.save_session(session, _ignore_stored)
                 return
-            self._attach(conn, session, clean_start, expiry_interval)
-            then(session, opened.resumed, "")
+            self._attach_then(conn, session, clean_start, expiry_interval, opened.resumed, then)
         finally:
             for retry in queued:
                 retry()
 
+    def _attach_then(
+        self,
+        conn: MQTTConnection,
+        session: Session,
+        clean_start: bool,
+        expiry_interval: int,
+        present: bool,
+        then: SessionOpened,
+    ) -> None:
+        """Attach, then answer: a durable session's terms as of this CONNECT (its
+        expiry, connected) are saved before CONNACK, so a crash right after it
+        neither brings back an older expiry (a resume with expiry 0 would outlive
+        its connection) nor counts the expiry from an earlier disconnect. Later
+        CONNECTs of the client id wait; a save that fails answers 0x88."""
+        if not session.durable:
+            self._attach(conn, session, clean_start, expiry_interval)
+            then(session, present, "")
+            return
+        client_id = session.client_id
+        self._opening.setdefault(client_id, [])
+
+        def saved(ok: bool) -> None:
+            queued = self._opening.pop(client_id, [])
+            try:
+                if ok:
+                    then(session, present, "")
+                else:
+                    then(None, False, "unavailable")
+            finally:
+                for retry in queued:
+                    retry()
+
+        self._attach(conn, session, clean_start, expiry_interval, saved)
+
     def _attach(
-        self, conn: MQTTConnection, session: Session, clean_start: bool, expiry_interval: int
+        self,
+        conn: MQTTConnection,
+        session: Session,
+        clean_start: bool,
+        expiry_interval: int,
+        on_saved: DoneCallback = _ignore_stored,
     ) -> None:
         session.expiry_interval = expiry_interval
         session.pending_will = None
@@ -299,12 +336,12 @@ class Broker:
         if session.owner is None:  # an unbound session is bound to its first owner
             self.bind_owner(session, self.owner_of(conn))
         session.username = conn.username
-        if session.durable:
-            self.persistent_path.save_session(session, _ignore_stored)
         self.connections.add(conn)
         self.stats.connections_total += 1
         if self.cluster is not None:
             self.cluster.opened(session, clean_start)  # other replicas drop theirs
+        if session.durable:
+            self.persistent_path.save_session(session, on_saved)
 
     def restore_session(
         self,

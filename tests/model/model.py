@@ -119,7 +119,7 @@ class Inc:
     subs: list[Sub] = field(default_factory=list)
     detached_at: float | None = None  # its last connection ended then (None: connected)
     maybe_ended: bool = False  # a clean start that got no CONNACK may have ended it
-    saved_at: float | None = None  # last SUBACK: the broker has it in Redis (README)
+    saved_at: float | None = None  # last CONNACK or SUBACK: the broker has it in Redis
     resumed_at: float = 0.0  # last CONNACK: its terms (expiry) are saved only later
     # ever had an expiry > 0: its messages went to the store, where the per-client
     # limit trims them, even if a later resume set its expiry to 0
@@ -392,6 +392,7 @@ class Model:
                 inc.was_persistent = inc.was_persistent or inc.expiry > 0
                 inc.detached_at = None
                 inc.resumed_at = now
+                inc.saved_at = now  # the terms of a CONNECT are saved before its CONNACK
                 return state.conn
             elif session_present:
                 why = "no session was ever created" if inc is None else inc.end_reason
@@ -411,14 +412,14 @@ class Model:
                         f"expiry {inc.expiry} s",
                     )
                 self._end(inc, now, "not present on resume")
-            new = Inc(cid, len(state.incs) + 1, state.pending_expiry, now)
+            new = Inc(cid, len(state.incs) + 1, state.pending_expiry, now, saved_at=now)
             state.incs.append(new)
             state.inc = new
             return state.conn
 
     def _certainly_alive(self, inc: Inc, now: float) -> bool:
-        """Must the session still exist? Only one the broker saved (a SUBACK came:
-        session state is saved before SUBACK, not before CONNACK) survives a crash."""
+        """Must the session still exist? Only one the broker saved survives a crash:
+        its state is saved before every CONNACK and SUBACK (``saved_at``)."""
         if not inc.persistent or inc.maybe_ended:
             return False
         since = max(inc.started, inc.resumed_at)

@@ -8,8 +8,21 @@ tests drive a persistent path whose storage completes when the test says so.
 
 from __future__ import annotations
 
-from broker.packets import Disconnect, PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
-from tests.unit.core_harness import V5, V311, DeferredPersistentPath, Harness, payloads
+from broker.packets import (
+    ConnAck,
+    Connect,
+    Disconnect,
+    Properties,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    ReasonCode,
+)
+from broker.persistent_path import DoneCallback, InMemoryPersistentPath
+from broker.session import Session
+from tests.unit.core_harness import V5, V311, Client, DeferredPersistentPath, Harness, payloads
 
 
 def _setup(**mqtt: object) -> tuple[Harness, DeferredPersistentPath]:
@@ -232,3 +245,64 @@ def test_a_311_qos2_resend_is_asked_again_when_the_first_was_not_stored() -> Non
     last.connect("pub", clean_start=False)
     last.send(Publish("t", b"once", 2, False, True, 7))
     assert len(path.pending) == 1
+
+
+def _nothing(ok: bool) -> None:
+    """Nobody waits."""
+
+
+class HeldSaves(InMemoryPersistentPath):
+    """Session saves complete only when the test says so."""
+
+    def __init__(self) -> None:
+        self.saves: list[tuple[int, DoneCallback]] = []  # (expiry saved, callback)
+
+    def save_session(self, session: Session, on_saved: DoneCallback = _nothing) -> None:
+        self.saves.append((session.expiry_interval, on_saved))
+
+
+def _connect(client: Client, client_id: str, expiry: int) -> None:
+    client.send(
+        Connect(
+            client_id,
+            protocol_level=V5,
+            clean_start=False,
+            properties=Properties(session_expiry_interval=expiry),
+        )
+    )
+
+
+def test_connack_waits_until_a_resumed_sessions_terms_are_saved() -> None:
+    """Checker seed 144: a session resumed with Session Expiry 0 got CONNACK before
+    its new expiry was saved; closed and crashed at once, the store still held
+    expiry 600 and the restarted broker brought the session back. The terms of
+    every CONNECT of a durable session are saved before CONNACK."""
+    path = HeldSaves()
+    h = Harness(persistent_path=path)
+    c = h.client(V5, "d")
+    _connect(c, "d", 600)
+    assert c.read() == [] and [e for e, _ in path.saves] == [600]
+    path.saves.pop()[1](True)
+    assert isinstance(c.read_one(), ConnAck)
+    c.send(Disconnect())
+    path.saves.clear()  # the disconnected state's save
+
+    again = h.client(V5, "d2")
+    _connect(again, "d", 0)  # resumed from memory, its expiry now 0
+    assert again.read() == [], "CONNACK before the new expiry was saved"
+    assert [e for e, _ in path.saves] == [0]
+    path.saves.pop()[1](True)
+    connack = again.read_one()
+    assert isinstance(connack, ConnAck) and connack.session_present
+
+
+def test_a_connect_whose_terms_cannot_be_saved_is_refused_with_0x88() -> None:
+    path = HeldSaves()
+    h = Harness(persistent_path=path)
+    c = h.client(V5, "d")
+    _connect(c, "d", 600)
+    path.saves.pop()[1](False)
+    connack = c.read_one()
+    assert isinstance(connack, ConnAck)
+    assert connack.reason_code == ReasonCode.SERVER_UNAVAILABLE
+    assert c.closed
