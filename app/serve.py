@@ -107,7 +107,10 @@ async def _open_persistence(settings: Settings) -> DevicePersistence:
     from persistence.runtime import configured_endpoints, open_persistence
 
     endpoints = configured_endpoints(settings)
+    compact_after = 0
     if endpoints is None:
+        if not settings.cluster.enabled:  # other replicas' producers cannot be held
+            compact_after = settings.persistence.embedded_kafka_compact_after
         from app.embedded_services import EmbeddedServices
 
         running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)
@@ -116,7 +119,7 @@ async def _open_persistence(settings: Settings) -> DevicePersistence:
         logging.getLogger("devicemq.persistence").info(
             "embedded services: redis %s, kafka %s", *endpoints
         )
-    return await open_persistence(settings, endpoints)
+    return await open_persistence(settings, endpoints, compact_after)
 
 
 def run(settings: Settings) -> None:

@@ -56,6 +56,11 @@ class CoalescingWriter(Generic[B]):
         """Asked, and not yet handed to a write."""
         return self._pending
 
+    @property
+    def busy(self) -> bool:
+        """A write is under way (or waits to retry)."""
+        return self._task is not None
+
     async def drain(self) -> None:
         """Wait until everything asked so far is written (or a write raised)."""
         while self._task is not None:

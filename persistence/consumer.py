@@ -339,6 +339,40 @@ class PersistenceConsumer:
                 log.warning("kafka partition %d was reset: reading it from its start", tp.partition)
                 self._seek(tp, 0)
 
+    async def caught_up(self, produced: dict[int, int], partitions: int) -> bool:
+        """This consumer holds all ``partitions`` and has stored and committed each to
+        its end, which is at least past what ``produced`` says was acknowledged.
+        A partition this consumer has committed nothing for since it was assigned
+        is asked of Kafka."""
+        assigned = self._consumer.assignment()
+        if len(assigned) != partitions or self._commits.busy or len(self._commits.pending):
+            return False
+        for tp in assigned:
+            end = self._consumer.highwater(tp)
+            if end is None or end <= produced.get(tp.partition, -1):
+                return False
+            if not end:
+                continue
+            committed = self.stats.committed.get(tp.partition)
+            if committed is None:
+                committed = await self._consumer.committed(tp)
+            if committed is None or committed < end:
+                return False
+        return True
+
+    def log_recreated(self) -> None:
+        """The topic was emptied (deleted and created again, persistence/compaction.py):
+        every partition is read from its start and nothing committed before counts.
+        Announced like any reset (the epoch goes up); hearing its own announcement
+        later only rewinds to 0 again, and what is read twice is stored once."""
+        assigned = list(self._consumer.assignment())
+        for tp in assigned:
+            self.stats.log_resets += 1
+            self._forget_committed(tp.partition)
+            self._seek(tp, 0)
+        if self._resets is not None:
+            self._resets.announce(tp.partition for tp in assigned)
+
     async def _check_resets_now_and_then(self) -> None:
         now = time.monotonic()
         if now - self._resets_checked >= RESET_CHECK_INTERVAL:

@@ -138,6 +138,9 @@ class KafkaPersistentPath:
         self._partitions: tuple[list[int], dict[bytes, int]] = ([], {})
         self.produce_errors = 0
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
+        self.acked_since_new_log = 0  # records acknowledged since the topic was last new
+        self._held = False  # records wait while the topic is emptied (persistence/compaction.py)
+        self._recreating = False
         self.latency_observer: Callable[[float], None] | None = None
 
     def submit(
@@ -265,6 +268,7 @@ class KafkaPersistentPath:
             highest = self.produced.get(metadata.partition, -1)
             if metadata.offset > highest:
                 self.produced[metadata.partition] = metadata.offset
+                self.acked_since_new_log += 1
             elif metadata.offset < highest:
                 self._log_went_back(metadata.partition, metadata.offset)
                 return
@@ -334,7 +338,8 @@ class KafkaPersistentPath:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
         if partition is not None and self._on_log_reset is not None:
             self._on_log_reset([partition])
-        if self._recreate_topic is not None and self._topic_ready.is_set():
+        if self._recreate_topic is not None and not self._recreating:
+            self._recreating = True
             self._topic_ready.clear()
             asyncio.get_running_loop().create_task(self._recreate())
 
@@ -356,6 +361,31 @@ class KafkaPersistentPath:
                     log.warning("creating kafka topic %s again failed: %s", self._topic, error)
                     await asyncio.sleep(0.5)
         finally:
+            self._recreating = False
+            if not self._held:
+                self._topic_ready.set()
+
+    # -- emptying the topic (persistence/compaction.py) --------------------------------------
+
+    def hold(self) -> None:
+        """Records submitted from now on wait (their publishers' deadlines run) until
+        :meth:`release`; what was handed to the producer already goes on."""
+        self._held = True
+        self._topic_ready.clear()
+
+    def nothing_out(self) -> bool:
+        """Every record handed to the producer has Kafka's answer."""
+        return not any(
+            s.outstanding for round_ in self._rounds for s in round_.submissions
+        ) and not any(s.outstanding for s in self._unsettled)
+
+    def release(self, new_log: bool) -> None:
+        """Send again; ``new_log``: the topic was emptied, its offsets start at 0."""
+        self._held = False
+        if new_log:
+            self.produced.clear()
+            self.acked_since_new_log = 0
+        if not self._recreating:
             self._topic_ready.set()
 
     def _expire(self, round_: _Round) -> None:
@@ -454,3 +484,17 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> bool:
             raise error(f"cannot create kafka topic {topic}")
     log.info("created kafka topic %s with %d partitions", topic, partitions)
     return True
+
+
+async def replace_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """Delete the topic and create it again, empty (persistence/compaction.py)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        response = await admin.delete_topics([topic])
+    finally:
+        await admin.close()
+    for _name, code, *_ in response.topic_error_codes:
+        if code and for_code(code) is not UnknownTopicOrPartitionError:
+            raise for_code(code)(f"cannot delete kafka topic {topic}")
+    await ensure_topic(bootstrap, topic, partitions)

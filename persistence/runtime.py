@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
+from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
 from persistence.format import StoredRecord
-from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer
+from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer, replace_topic
 from persistence.redis_store import RedisMessageStore
 from persistence.sessions import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
@@ -55,7 +56,10 @@ class DevicePersistence:
         clock: Callable[[], float] = time.monotonic,
         producer_id: int = 0,
         bootstrap: str = "",
+        compact_after: int = 0,
     ) -> None:
+        """``compact_after`` > 0: the topic is emptied after that many records, once
+        all are stored (only for an embedded Kafka of a single broker)."""
         config = settings.persistence
         self.settings = settings
         self.store = store
@@ -89,6 +93,17 @@ class DevicePersistence:
         self._broker: Broker | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self._consumer_task: asyncio.Task[None] | None = None
+        self.compactor: KafkaCompactor | None = None
+        if compact_after > 0:
+            self.compactor = KafkaCompactor(
+                self.path,
+                self.consumer,
+                config.partitions,
+                lambda: replace_topic(bootstrap, config.topic, config.partitions),
+                compact_after,
+                hold_limit=min(2.0, config.kafka_request_timeout_ms / 4000),
+            )
+        self._compactor_task: asyncio.Task[None] | None = None
 
     def use_events(self, events: EventLog | None) -> None:
         """Report delivery events to ``events`` (before :meth:`attach`; None: off)."""
@@ -167,9 +182,15 @@ class DevicePersistence:
             self._consumer_task = asyncio.create_task(self.consumer.run())
             if self.event_log is not None:
                 self.event_log.start()
+            if self.compactor is not None:
+                self._compactor_task = asyncio.create_task(self.compactor.run())
 
     async def close(self) -> None:
         """Drain: Kafka acknowledgements, then the consumer up to them, then writes."""
+        if self._compactor_task is not None:
+            self._compactor_task.cancel()  # a compaction under way releases its hold
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._compactor_task
         await self.path.drain()
         await self._wait_consumed()
         if self._consumer_task is not None:
@@ -242,11 +263,12 @@ def configured_endpoints(settings: Settings) -> tuple[str, str] | None:
 
 
 async def open_persistence(
-    settings: Settings, endpoints: tuple[str, str] | None = None
+    settings: Settings, endpoints: tuple[str, str] | None = None, compact_after: int = 0
 ) -> DevicePersistence:
     """Connect to Redis and Kafka: ``endpoints`` (redis_url, kafka_bootstrap), else the
     configured ones. Starting embedded services when none are configured is the
-    application's part (app/serve.py): persistence does not import the edge."""
+    application's part (app/serve.py): persistence does not import the edge; so is
+    ``compact_after`` (see :class:`DevicePersistence`)."""
     config = settings.persistence
     if endpoints is None:
         endpoints = configured_endpoints(settings)
@@ -287,7 +309,14 @@ async def open_persistence(
         # Subscribed (with its rebalance listener) before it starts: the group join
         # begins at once, the rest of the start-up runs meanwhile.
         persistence = DevicePersistence(
-            settings, store, producer, consumer, epoch, producer_id=producer_id, bootstrap=bootstrap
+            settings,
+            store,
+            producer,
+            consumer,
+            epoch,
+            producer_id=producer_id,
+            bootstrap=bootstrap,
+            compact_after=compact_after,
         )
         await consumer.start()
         await producer.start()

@@ -1,0 +1,112 @@
+"""Emptying the embedded Kafka's topic once everything in it is stored.
+
+The embedded Kafka (Tansu, memory storage) keeps every record it was ever sent
+and cannot delete old ones (no DeleteRecords, no retention): its memory grows
+and every fetch gets slower, until fetches come back empty and delivery stops
+(BENCHMARKS.md, "Reliability": the soak that stopped delivering after
+~12 minutes). Records are only a way into Redis, so once Redis holds all of
+them the log can go: after ``threshold`` records acknowledged since the log
+was new, the compactor holds new records back (publishers wait, within their
+deadline), waits until every record handed to Kafka is answered and the
+consumer has stored and committed up to the end of every partition, then
+deletes the topic and creates it again. The consumer reads the new log from
+its start; a reset is announced like any other (the epoch the audit uses goes
+up). Nothing unstored is ever in the topic that goes, so nothing is lost; if
+the consumer does not catch up within ``hold_limit`` seconds, the log stays
+and the compactor tries again later.
+
+Only for the embedded Kafka of a single broker (app/serve.py decides): a real
+Kafka has retention, and other replicas' producers cannot be held from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from persistence.consumer import PersistenceConsumer
+from persistence.kafka_path import KafkaPersistentPath
+
+log = logging.getLogger("devicemq.kafka")
+
+CHECK_INTERVAL = 1.0  # seconds between two looks at the record count
+RETRY_AFTER = 10.0  # seconds before a compaction that could not finish is tried again
+
+
+@dataclass(slots=True)
+class CompactionStats:
+    compactions: int = 0  # topics emptied
+    deferred: int = 0  # compactions given up: the consumer did not catch up in time
+    records_dropped: int = 0  # stored records removed from Kafka with their topic
+
+
+class KafkaCompactor:
+    def __init__(
+        self,
+        path: KafkaPersistentPath,
+        consumer: PersistenceConsumer,
+        partitions: int,
+        replace_topic: Callable[[], Awaitable[object]],
+        threshold: int,
+        hold_limit: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = path
+        self._consumer = consumer
+        self._partitions = partitions
+        self._replace_topic = replace_topic  # delete the topic, then create it again
+        self.threshold = threshold
+        self._hold_limit = hold_limit
+        self._clock = clock
+        self._next_try = 0.0
+        self.stats = CompactionStats()
+
+    async def run(self) -> None:
+        """Compact whenever the threshold is passed, until cancelled."""
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL)
+            if self._path.acked_since_new_log < self.threshold or self._clock() < self._next_try:
+                continue
+            try:
+                done = await self.compact()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never the end of the broker; tried again later
+                log.exception("emptying the embedded kafka topic failed")
+                done = False
+            if not done:
+                self._next_try = self._clock() + RETRY_AFTER
+
+    async def compact(self) -> bool:
+        """Empty the topic now if everything in it is stored; False if it was not."""
+        path, consumer = self._path, self._consumer
+        path.hold()
+        new_log = False
+        try:
+            deadline = self._clock() + self._hold_limit
+            while not (
+                path.nothing_out() and await consumer.caught_up(path.produced, self._partitions)
+            ):
+                if self._clock() >= deadline:
+                    self.stats.deferred += 1
+                    log.info(
+                        "embedded kafka topic not emptied: the consumer did not store "
+                        "everything within %g s; trying again in %g s",
+                        self._hold_limit,
+                        RETRY_AFTER,
+                    )
+                    return False
+                await asyncio.sleep(0.02)
+            dropped = path.acked_since_new_log
+            await self._replace_topic()
+            new_log = True
+            consumer.log_recreated()
+            self.stats.compactions += 1
+            self.stats.records_dropped += dropped
+            log.info("embedded kafka topic emptied: its %d records were all stored", dropped)
+            return True
+        finally:
+            path.release(new_log)

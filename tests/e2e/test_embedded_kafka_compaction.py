@@ -1,0 +1,115 @@
+"""The one-command broker empties its embedded Kafka once everything in it is stored.
+
+The embedded Kafka (Tansu, memory storage) keeps every record and slows as it
+fills, until its fetches come back empty and delivery stops: the 15-minute soak
+(BENCHMARKS.md, "Reliability") stopped delivering after ~330,000 records. With
+``persistence.embedded_kafka_compact_after`` the broker holds publishers back
+for a moment, once the consumer has stored everything, and deletes and
+recreates the topic (persistence/compaction.py). These tests drive it with a
+small threshold: what must hold is that nothing acknowledged is lost or
+reordered across it, and that the topic really is emptied (on the code before
+it, the topic only grows: the last assertion of the first test fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties as PahoProperties
+
+from app.embedded_services import EmbeddedServices
+from tests.e2e.conftest import BrokerProcess, devicemq_only
+
+pytestmark = devicemq_only("the embedded Kafka is devicemq's")
+
+TOPIC = "devicemq.device.persisted"
+THRESHOLD = 200
+
+
+def _kafka_records(broker: BrokerProcess) -> int:
+    """Records in the persisted topic of the broker's embedded Kafka now."""
+    kafka = next(s for s in EmbeddedServices(broker.data_dir).status() if s.name == "kafka")
+    assert kafka.port is not None
+
+    async def count() -> int:
+        consumer = AIOKafkaConsumer(bootstrap_servers=f"127.0.0.1:{kafka.port}")
+        await consumer.start()
+        try:
+            partitions = consumer.partitions_for_topic(TOPIC) or set()
+            tps = [TopicPartition(TOPIC, p) for p in partitions]
+            ends = await consumer.end_offsets(tps)
+            starts = await consumer.beginning_offsets(tps)
+            return sum(ends[tp] - starts[tp] for tp in tps)
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(count())
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _persistent(clients, broker, client_id):  # type: ignore[no-untyped-def]
+    sub = clients.paho(broker, client_id)
+    props = PahoProperties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 600
+    sub.connect(clean_start=False, properties=props)
+    return sub
+
+
+def test_the_topic_is_emptied_and_nothing_acknowledged_is_lost(broker_factory, clients, names):
+    broker = broker_factory({"persistence.embedded_kafka_compact_after": THRESHOLD})
+    sub = _persistent(clients, broker, names.client("sub"))
+    sub.subscribe(names.topic("#"), qos=1)
+    pub = clients.paho(broker, names.client("pub"))
+    pub.connect()
+    sent = []
+    for round_ in range(3):
+        for i in range(THRESHOLD + 50):
+            payload = f"{round_}:{i}".encode()
+            assert pub.publish(names.topic("m"), payload, qos=1) == 0
+            sent.append(payload)
+        got = [m.payload for m in sub.get_n(THRESHOLD + 50, timeout=60)]
+        assert got == sent[-(THRESHOLD + 50) :], "lost or reordered across an emptied topic"
+        # Everything is stored now: the compactor empties the topic within a few
+        # of its looks (once a second).
+        _wait_for(
+            lambda: "embedded kafka topic emptied" in broker.log(),
+            30,
+            "the embedded kafka topic was never emptied",
+        )
+    assert broker.log().count("embedded kafka topic emptied") >= 2
+    assert _kafka_records(broker) < len(sent) - THRESHOLD, "the embedded kafka only grows"
+    sub.assert_no_message()
+
+
+def test_a_session_resumed_after_the_topic_was_emptied_gets_its_backlog(
+    broker_factory, clients, names
+):
+    """Messages stored while the subscriber was away stay in Redis when the topic
+    that carried them goes: the subscriber gets them all, in order, when it
+    comes back."""
+    broker = broker_factory({"persistence.embedded_kafka_compact_after": THRESHOLD})
+    sub = _persistent(clients, broker, names.client("sub"))
+    sub.subscribe(names.topic("#"), qos=1)
+    sub.disconnect()
+    pub = clients.paho(broker, names.client("pub"))
+    pub.connect()
+    sent = [f"{i}".encode() for i in range(THRESHOLD * 2)]
+    for payload in sent:
+        assert pub.publish(names.topic("m"), payload, qos=1) == 0
+    _wait_for(
+        lambda: "embedded kafka topic emptied" in broker.log(),
+        30,
+        "the embedded kafka topic was never emptied",
+    )
+    sub = _persistent(clients, broker, names.client("sub"))
+    got = [m.payload for m in sub.get_n(len(sent), timeout=60)]
+    assert got == sent
