@@ -366,11 +366,17 @@ class Model:
             self.log(f"{cid} CONNECT clean={clean_start} expiry={expiry}")
 
     def connect_failed(self, cid: str) -> None:
-        """No CONNACK came: a clean start may or may not have reached the broker."""
+        """No CONNACK came: the CONNECT may or may not have reached the broker. A clean
+        start may have ended the session; a resume may have changed its expiry (to 0:
+        then the connection's close ended it; seed 225)."""
         with self.lock:
             state = self.clients[cid]
-            if state.pending_clean and state.inc is not None and state.inc.ended is None:
-                state.inc.maybe_ended = True
+            inc = state.inc
+            if inc is None or inc.ended is not None:
+                return
+            if state.pending_clean or state.pending_expiry < inc.expiry:
+                inc.maybe_ended = True
+            inc.expiry = max(inc.expiry, state.pending_expiry)  # it may outlive our guess
 
     def connack(self, cid: str, session_present: bool) -> int:
         """A CONNACK accepted the connection; returns its connection number."""

@@ -83,3 +83,38 @@ def test_under_the_limit_nothing_is_excused() -> None:
     model.connect_sent("s1", clean_start=False, expiry=0)
     model.connack("s1", session_present=True)
     assert _lost_names(model, clock) == {f"r:p1:{n}" for n in range(5, 11)}
+
+
+def test_a_resume_with_expiry_0_that_got_no_connack_may_have_ended_the_session() -> None:
+    """Seed 225: a CONNECT resuming with Session Expiry 0 reached the broker but its
+    connection closed before the CONNACK; the close ended the session, and the
+    next resume rightly found none."""
+    clock = Clock()
+    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
+    model.add_client("s0", 5, paho=True)
+    model.connect_sent("s0", clean_start=False, expiry=600)
+    conn = model.connack("s0", session_present=False)
+    model.suback(model.subscribe_sent("s0", [("m/#", 1, None)]), [1])
+    clock.tick()
+    model.connection_closed("s0", conn)
+    model.connect_sent("s0", clean_start=False, expiry=0)
+    model.connect_failed("s0")
+    clock.tick()
+    model.connect_sent("s0", clean_start=False, expiry=0)
+    model.connack("s0", session_present=False)
+    assert model.violations == []
+
+
+def test_a_session_left_with_its_expiry_must_still_be_there() -> None:
+    """The other side: without that failed CONNECT, present 0 is a lost session."""
+    clock = Clock()
+    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
+    model.add_client("s0", 5, paho=True)
+    model.connect_sent("s0", clean_start=False, expiry=600)
+    conn = model.connack("s0", session_present=False)
+    model.suback(model.subscribe_sent("s0", [("m/#", 1, None)]), [1])
+    clock.tick()
+    model.connection_closed("s0", conn)
+    model.connect_sent("s0", clean_start=False, expiry=0)
+    model.connack("s0", session_present=False)
+    assert [v.kind for v in model.violations] == ["session-lost"]
