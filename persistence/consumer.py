@@ -198,6 +198,9 @@ class PersistenceConsumer:
         # Next offset expected per partition while it stays assigned: a fetched
         # record below it means the log went backwards.
         self._position: dict[TopicPartition, int] = {}
+        # Bumped by every revoke and assign: a commit refused before one is not tried
+        # again after it (the partition may now hold another log: a Kafka restarted).
+        self._assignments = 0
         self._known_resets: dict[int, int] | None = None
         self._resets_checked = 0.0
         consumer.subscribe([topic], listener=_Rebalance(self))
@@ -264,6 +267,7 @@ class PersistenceConsumer:
         """The partition was (re)assigned or revoked: its next fetch may start anywhere,
         and what this consumer committed for it before says nothing now."""
         self._position.pop(tp, None)
+        self._assignments += 1
         self._forget_committed(tp.partition)
 
     def _forget_committed(self, partition: int) -> None:
@@ -407,15 +411,22 @@ class PersistenceConsumer:
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """Commit; answers the offsets to commit again (see below)."""
+        assignments = self._assignments
         try:
             await self._consumer.commit(offsets)
         except KafkaError as error:
             # Lost the assignment (rebalance): the next owner re-reads these
             # records and the store skips them as already saved. Still assigned
             # (Kafka slow or away): tried again, unless a later commit covers them,
-            # or the group's offset would lag until the next record arrives.
+            # or the group's offset would lag until the next record arrives. Not
+            # after a rebalance, even one that gave the partition back: a Kafka
+            # that restarted empty makes every member rejoin, and an old log's
+            # offset committed into the new one would skip its first records
+            # (checker seed 112). Whoever holds it now re-reads and commits.
             self.stats.commit_errors += 1
             log.warning("offset commit failed: %s", error)
+            if self._assignments != assignments:
+                return {}
             assigned = self._consumer.assignment()
             return {tp: offset for tp, offset in offsets.items() if tp in assigned}
         for tp, offset in offsets.items():

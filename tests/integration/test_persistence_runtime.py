@@ -330,3 +330,51 @@ async def test_a_failed_commit_is_tried_again_while_the_partition_stays_assigned
         await persistence.close()
     finally:
         stop_tansu(tansu)
+
+
+async def test_a_commit_refused_before_a_rebalance_is_not_tried_after_it(
+    redis: RedisServer,
+) -> None:
+    """Found by the model checker (seed 112): a Kafka that restarted empty makes the
+    consumer rejoin; a commit refused just before, tried again once the partition
+    was assigned back, wrote an offset of the old log into the new one, and the
+    group's next start there skipped the new log's first records. The rebalance is
+    driven here through the listener's hooks while the commit is refused: the
+    refused offset must never be committed afterwards."""
+    from aiokafka import TopicPartition
+    from aiokafka.errors import KafkaError
+
+    tansu = start_tansu()
+    try:
+        persistence, broker = await _open(redis.url, bootstrap_of(tansu))
+        await _durable_session(persistence, broker, "dev")
+        kafka = persistence.kafka_consumer
+        commit = kafka.commit
+        refused: list[dict[TopicPartition, int]] = []
+        sent: list[dict[TopicPartition, int]] = []
+
+        async def refused_across_a_rebalance(offsets: dict[TopicPartition, int]) -> None:
+            if not refused:
+                refused.append(offsets)
+                for tp in offsets:  # what the rebalance listener does on revoke + assign
+                    persistence.consumer.forget_position(tp)
+                    persistence.consumer.forget_position(tp)
+                raise KafkaError("the coordinator is gone (a Kafka restart)")
+            sent.append(offsets)
+            await commit(offsets)
+
+        kafka.commit = refused_across_a_rebalance  # type: ignore[method-assign]
+        await _publish(broker, "dev", [b"only"])  # one record: one batch, one commit
+        assert await _stored(persistence, "dev", 1) == [b"only"]
+        for _ in range(50):
+            if refused:
+                break
+            await asyncio.sleep(0.1)
+        assert refused, "the fault happened"
+        await asyncio.sleep(1.5)  # three times the retry delay
+        assert sent == [], f"a refused commit was sent again after a rebalance: {sent}"
+        (tp,) = refused[0]
+        assert await kafka.committed(tp) is None
+        await persistence.close()
+    finally:
+        stop_tansu(tansu)
