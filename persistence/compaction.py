@@ -5,11 +5,12 @@ and cannot delete old ones (no DeleteRecords, no retention): its memory grows
 and every fetch gets slower, until fetches come back empty and delivery stops
 (BENCHMARKS.md, "Reliability": the soak that stopped delivering after
 ~12 minutes). Records are only a way into Redis, so once Redis holds all of
-them the log can go: after ``threshold`` records acknowledged since the log
-was new, the compactor holds new records back (publishers wait, within their
-deadline), waits until every record handed to Kafka is answered and the
-consumer has stored and committed up to the end of every partition, then
-deletes the topic and creates it again. The consumer reads the new log from
+them the log can go: once the topic holds ``threshold`` records (as the
+consumer's last fetches saw its partitions' ends), the compactor holds new
+records back (publishers wait, within their deadline), waits until every
+record handed to Kafka is answered and the consumer has stored and committed
+up to the end of every partition, then deletes the topic and creates it
+again. The consumer reads the new log from
 its start; a reset is announced like any other (the epoch the audit uses goes
 up). Nothing unstored is ever in the topic that goes, so nothing is lost; if
 the consumer does not catch up within ``hold_limit`` seconds, the log stays
@@ -68,7 +69,8 @@ class KafkaCompactor:
         """Compact whenever the threshold is passed, until cancelled."""
         while True:
             await asyncio.sleep(CHECK_INTERVAL)
-            if self._path.acked_since_new_log < self.threshold or self._clock() < self._next_try:
+            held = self._consumer.records_held()
+            if held < self.threshold or self._clock() < self._next_try:
                 continue
             try:
                 done = await self.compact()
@@ -100,7 +102,7 @@ class KafkaCompactor:
                     )
                     return False
                 await asyncio.sleep(0.02)
-            dropped = path.acked_since_new_log
+            dropped = consumer.records_held()
             await self._replace_topic()
             new_log = True
             consumer.log_recreated()

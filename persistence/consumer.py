@@ -343,6 +343,12 @@ class PersistenceConsumer:
                 log.warning("kafka partition %d was reset: reading it from its start", tp.partition)
                 self._seek(tp, 0)
 
+    def records_held(self) -> int:
+        """Records the assigned partitions hold, as their last fetches said (a log's
+        offsets start at 0: the embedded Kafka cannot delete records)."""
+        ends = (self._consumer.highwater(tp) for tp in self._consumer.assignment())
+        return sum(end for end in ends if end)
+
     async def caught_up(self, produced: dict[int, int], partitions: int) -> bool:
         """This consumer holds all ``partitions`` and has stored and committed each to
         its end, which is at least past what ``produced`` says was acknowledged.

@@ -138,7 +138,6 @@ class KafkaPersistentPath:
         self._partitions: tuple[list[int], dict[bytes, int]] = ([], {})
         self.produce_errors = 0
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
-        self.acked_since_new_log = 0  # records acknowledged since the topic was last new
         self._held = False  # records wait while the topic is emptied (persistence/compaction.py)
         self._recreating = False
         self.latency_observer: Callable[[float], None] | None = None
@@ -268,7 +267,6 @@ class KafkaPersistentPath:
             highest = self.produced.get(metadata.partition, -1)
             if metadata.offset > highest:
                 self.produced[metadata.partition] = metadata.offset
-                self.acked_since_new_log += 1
             elif metadata.offset < highest:
                 self._log_went_back(metadata.partition, metadata.offset)
                 return
@@ -384,7 +382,6 @@ class KafkaPersistentPath:
         self._held = False
         if new_log:
             self.produced.clear()
-            self.acked_since_new_log = 0
         if not self._recreating:
             self._topic_ready.set()
 
