@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from paho.mqtt.packettypes import PacketTypes
@@ -113,3 +114,33 @@ def test_a_session_resumed_after_the_topic_was_emptied_gets_its_backlog(
     sub = _persistent(clients, broker, names.client("sub"))
     got = [m.payload for m in sub.get_n(len(sent), timeout=60)]
     assert got == sent
+
+
+def test_compactions_are_counted_in_metrics(broker_factory, clients, names):
+    from tests.conftest import free_port
+
+    port = free_port()
+    broker = broker_factory(
+        {
+            "persistence.embedded_kafka_compact_after": THRESHOLD,
+            "metrics.enabled": True,
+            "metrics.host": "127.0.0.1",
+            "metrics.port": port,
+        }
+    )
+    pub = clients.paho(broker, names.client("pub"))
+    pub.connect()
+    sub = _persistent(clients, broker, names.client("sub"))
+    sub.subscribe(names.topic("#"), qos=1)
+    for i in range(THRESHOLD + 10):
+        assert pub.publish(names.topic("m"), str(i).encode(), qos=1) == 0
+    sub.get_n(THRESHOLD + 10, timeout=60)
+
+    def compactions() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        name = "devicemq_kafka_compactions_total"
+        line = next(x for x in text.splitlines() if x.startswith(name))
+        return float(line.split()[-1])
+
+    _wait_for(lambda: compactions() >= 1, 30, "no compaction counted")
