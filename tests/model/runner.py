@@ -455,6 +455,7 @@ class Runner:
         ):
             time.sleep(0.2)
         time.sleep(0.3)  # late repeats still get checked
+        self.model.kafka_reused_offsets = self.system.tansu.reused_offsets()
         self.model.check_losses(start)
         self.model.check_order()
         self._pubrels_missing(start, strict=True)

@@ -69,6 +69,15 @@ class Tansu:
         self.starts += 1
         self.paused = False
 
+    def reused_offsets(self) -> bool:
+        """Did Tansu write over offsets it had acknowledged? After a restart it takes
+        produces for the topic before the topic exists again, then counts that
+        partition's offsets from 0 once more (its log: AlreadyExists)."""
+        try:
+            return "AlreadyExists" in self.log.read_text(errors="replace")
+        except OSError:
+            return False
+
     def kill(self) -> None:
         """SIGKILL: everything it held is gone."""
         if self.proc is not None and self.proc.poll() is None:

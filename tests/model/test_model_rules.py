@@ -118,3 +118,32 @@ def test_a_session_left_with_its_expiry_must_still_be_there() -> None:
     model.connect_sent("s0", clean_start=False, expiry=0)
     model.connack("s0", session_present=False)
     assert [v.kind for v in model.violations] == ["session-lost"]
+
+
+def _one_owed(model: Model, clock: Clock, payload: bytes) -> None:
+    msg = model.publish_sent("p1", int(payload.split(b":")[-1]), 1, payload, "m/a", 1, None, 0)
+    clock.tick()
+    model.publish_answered(msg, ok=True)
+
+
+def test_kafka_reusing_offsets_excuses_only_what_was_acknowledged_after_its_restart() -> None:
+    """README: the embedded Kafka, restarted, can write over offsets it acknowledged.
+    Only messages acknowledged after a Kafka restart are excused, and only when
+    Tansu's log shows it happened."""
+    clock = Clock()
+    model = Model(Config(limit=100, max_inflight=4, default_ttl=None, cluster=False), clock)
+    model.add_client("s1", 5, paho=False)
+    model.add_client("p1", 5, paho=False)
+    model.connect_sent("s1", clean_start=False, expiry=600)
+    model.connack("s1", session_present=False)
+    model.suback(model.subscribe_sent("s1", [("m/#", 1, None)]), [1])
+    clock.tick()
+    _one_owed(model, clock, b"r:p1:1")
+    clock.tick()
+    model.fault("restart_kafka")
+    clock.tick()
+    _one_owed(model, clock, b"r:p1:2")
+    model.kafka_reused_offsets = True
+    lost = _lost_names(model, clock)
+    assert model.stats.excused == {"kafka reused offsets": 1}
+    assert lost == {"r:p1:1"}
