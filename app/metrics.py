@@ -344,18 +344,21 @@ class BrokerCollector(Collector):
             "Consumer group joins given up after 15 s and started again as a new member",
             consumer.stuck_joins,
         )
-        if persistence.compactor is not None:
-            compaction = persistence.compactor.stats
-            yield _counter(
-                "kafka_compactions",
-                "Times the embedded Kafka's topic was emptied once everything in it was stored",
-                compaction.compactions,
-            )
-            yield _counter(
-                "kafka_compactions_deferred",
-                "Compactions put off: the consumer had not stored everything within the hold",
-                compaction.deferred,
-            )
+        # Always exported (0 without the embedded Kafka's compaction): one set of names.
+        from persistence.compaction import CompactionStats
+
+        compactor = persistence.compactor
+        compaction = compactor.stats if compactor is not None else CompactionStats()
+        yield _counter(
+            "kafka_compactions",
+            "Times the embedded Kafka's topic was emptied once everything in it was stored",
+            compaction.compactions,
+        )
+        yield _counter(
+            "kafka_compactions_deferred",
+            "Compactions put off: the consumer had not stored everything within the hold",
+            compaction.deferred,
+        )
         if self.backlog is not None:
             yield _gauge(
                 "persisted_backlog_messages",
