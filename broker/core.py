@@ -36,7 +36,8 @@ from broker.topics import SubscriptionEntry, SubscriptionTree
 
 if TYPE_CHECKING:
     from broker.config import Settings
-    from broker.connection import MQTTConnection, WillMessage
+    from broker.connection import MQTTConnection
+    from broker.connection_state import WillMessage
 
 log = logging.getLogger("devicemq.broker")
 

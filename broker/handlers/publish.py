@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
-from broker.connection import MQTTConnection, PendingAck
+from broker.connection_state import PendingAck
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 log = logging.getLogger("devicemq.publish")
 
