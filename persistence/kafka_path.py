@@ -113,6 +113,7 @@ class KafkaPersistentPath:
         producer_id: int = 0,
         on_log_reset: Callable[[list[int]], None] | None = None,
         recreate_topic: Callable[[], Awaitable[object]] | None = None,
+        latency_observer: Callable[[float], None] | None = None,
     ) -> None:
         self._producer = producer
         self._topic = topic
@@ -140,7 +141,7 @@ class KafkaPersistentPath:
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
         self._held = False  # records wait while the topic is emptied (persistence/compaction.py)
         self._recreating = False
-        self.latency_observer: Callable[[float], None] | None = None
+        self._latency_observer = latency_observer  # seconds per round (the metrics' histogram)
 
     def submit(
         self,
@@ -417,8 +418,8 @@ class KafkaPersistentPath:
         if round_.timer is not None:
             round_.timer.cancel()
             round_.timer = None
-        if self.latency_observer is not None:
-            self.latency_observer(time.perf_counter() - round_.started)
+        if self._latency_observer is not None:
+            self._latency_observer(time.perf_counter() - round_.started)
         self._open_rounds -= 1
         self._rounds.pop(round_, None)
         self._check_idle()
