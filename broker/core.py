@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
-from broker.auth import Authenticator, certificate_identity, reload_on_sighup
+from broker.auth import Authenticator, certificate_identity
 from broker.cluster import ClusterState, RemoteSession
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
@@ -90,11 +90,6 @@ class Broker:
         self.stats = BrokerStats()
         self.auth = Authenticator(settings.auth, clock)
         self.acl = Authorizer(settings.auth.acl_file, clock)
-        if settings.auth.password_file or settings.auth.acl_file:
-            reload_on_sighup(
-                lambda: self.auth.maybe_reload(force=True),
-                lambda: self.acl.maybe_reload(force=True),
-            )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         per_source = settings.mqtt.max_connection_rate_per_source
