@@ -22,12 +22,12 @@ from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 from broker.persistent_path import (
+    AcceptedCallback,
     DoneCallback,
     InMemoryPersistentPath,
     OpenedSession,
     OpenRequest,
     PersistentPath,
-    StoredCallback,
 )
 from broker.retained import RetainedSender, RetainedStore
 from broker.session import NEVER_EXPIRES, Session
@@ -604,9 +604,9 @@ class Broker:
     def dispatch(
         self,
         targets: Sequence[tuple[Session, Delivery]],
-        on_stored: StoredCallback,
+        on_accepted: AcceptedCallback,
         retained: bool = False,
-        on_settled: StoredCallback | None = None,
+        on_settled: AcceptedCallback | None = None,
     ) -> None:
         """Deliver in memory, or through the persistent path for persistent sessions.
 
@@ -624,9 +624,9 @@ class Broker:
             else:
                 session.deliver(delivery)
         if persistent:
-            self.persistent_path.submit(persistent, on_stored, on_settled)
+            self.persistent_path.submit(persistent, on_accepted, on_settled)
         else:
-            on_stored(True)
+            on_accepted(True)
 
     def _is_online(self, client_id: str) -> bool:
         session = self.sessions.get(client_id)

@@ -129,10 +129,10 @@ class DevicePersistence:
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
-        on_stored: DoneCallback,
+        on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
-        self.path.submit(deliveries, on_stored, on_settled)
+        self.path.submit(deliveries, on_accepted, on_settled)
 
     def feed_for(self, client_id: str) -> StoreFeed:
         assert self._broker is not None

@@ -91,7 +91,7 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     if qos == 2:
         session.incoming_qos2[packet_id] = False
     ack = conn.expect_ack(packet_id, qos, reason if conn.is_v5 else 0)
-    done: Callable[[bool], None] = lambda ok: _stored(conn, session, ack, ok)  # noqa: E731
+    done: Callable[[bool], None] = lambda ok: _accepted(conn, session, ack, ok)  # noqa: E731
     if packet.retain:
         # Acknowledged once both are kept: the retained message (in Redis, with
         # persistence) and the deliveries; a failure of either fails the PUBLISH.
@@ -147,7 +147,7 @@ def _qos2_retransmission(conn: MQTTConnection, session: Session, packet_id: int)
     """A QoS 2 PUBLISH seen before is not routed again (MQTT-4.3.3-10).
 
     If it is stored, PUBREC goes out now; if storage is still under way, the
-    PUBREC follows when it completes (see :func:`_stored`).
+    PUBREC follows when it completes (see :func:`_accepted`).
     """
     if session.incoming_qos2[packet_id]:
         conn.send(PubRec(packet_id))
@@ -155,7 +155,7 @@ def _qos2_retransmission(conn: MQTTConnection, session: Session, packet_id: int)
         session.qos2_awaiting_pubrec.add(packet_id)
 
 
-def _stored(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
+def _accepted(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
     if ack.qos == 2 and ok and session.durable:
         # PUBREC promises the id is held until PUBREL: a durable session keeps it
         # through a broker crash, or the client's re-send would be routed again.
