@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devicemq.broker")
 
+SLOW_CONNACK = 1.0  # seconds: a CONNACK that waited this long for the store is logged
+
 
 # (session, session present, why it was refused: "" if it was not). Refusals:
 # "unavailable" (the session's store could not be reached), "not_owner" (the
@@ -300,8 +302,14 @@ class Broker:
             return
         client_id = session.client_id
         self._opening.setdefault(client_id, [])
+        asked = self.clock()
 
         def saved(ok: bool) -> None:
+            waited = self.clock() - asked
+            if waited >= SLOW_CONNACK:
+                log.info(
+                    "CONNACK to %s waited %.1f s for its session to be saved", client_id, waited
+                )
             queued = self._opening.pop(client_id, [])
             try:
                 if ok:
