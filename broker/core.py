@@ -102,6 +102,7 @@ class Broker:
         # Client ids whose durable session the persistent path is opening: the
         # CONNECTs that came meanwhile, to open once it is done.
         self._opening: dict[str, list[Callable[[], None]]] = {}
+        self._opening_since: dict[str, float] = {}  # when each began (a slow one is logged)
         self.owner_policy = owner_policy(settings)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
@@ -194,12 +195,12 @@ class Broker:
             return
         if expiry_interval == 0 and not resuming_remote:
             if ends.count:
-                self._opening[client_id] = []
+                self._begin_opening(client_id)
                 ends.then(lambda ok: self._open_in_memory(conn, client_id, clean_start, ok, then))
             else:
                 self._open_in_memory(conn, client_id, clean_start, True, then)
             return
-        self._opening[client_id] = []
+        self._begin_opening(client_id)
         request = OpenRequest(
             clean_start,
             None if expiry_interval == NEVER_EXPIRES else expiry_interval,
@@ -226,7 +227,7 @@ class Broker:
     ) -> None:
         """A session that ends with its connection (expiry 0), once the session it
         replaces is ended in the store (``ended`` False: it could not be)."""
-        queued = self._opening.pop(client_id, [])
+        queued = self._end_opening(client_id)
         try:
             if not ended:
                 then(None, False, "unavailable")
@@ -251,7 +252,7 @@ class Broker:
         then: SessionOpened,
     ) -> None:
         """The persistent path opened (or could not open) a durable session."""
-        queued = self._opening.pop(client_id, [])
+        queued = self._end_opening(client_id)
         try:
             if opened is None:
                 then(None, False, "unavailable")
@@ -301,7 +302,7 @@ class Broker:
             then(session, present, "")
             return
         client_id = session.client_id
-        self._opening.setdefault(client_id, [])
+        self._begin_opening(client_id)
         asked = self.clock()
 
         def saved(ok: bool) -> None:
@@ -310,7 +311,7 @@ class Broker:
                 log.info(
                     "CONNACK to %s waited %.1f s for its session to be saved", client_id, waited
                 )
-            queued = self._opening.pop(client_id, [])
+            queued = self._end_opening(client_id)
             try:
                 if ok:
                     then(session, present, "")
@@ -510,10 +511,28 @@ class Broker:
                 log.info("will of %s on %r not retained: %s", will.client_id, message.topic, over)
         self.dispatch(self.resolve(message), _ignore_stored)
 
+    def _begin_opening(self, client_id: str) -> None:
+        """CONNECTs of ``client_id`` wait until :meth:`_end_opening`."""
+        self._opening.setdefault(client_id, [])
+        self._opening_since.setdefault(client_id, self.clock())
+
+    def _end_opening(self, client_id: str) -> list[Callable[[], None]]:
+        self._opening_since.pop(client_id, None)
+        return self._opening.pop(client_id, [])
+
     def tick(self) -> None:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
         self.refusal_log.flush(now)
+        for client_id, since in list(self._opening_since.items()):
+            if now - since >= SLOW_CONNACK * 3:
+                self._opening_since[client_id] = now  # logged again if it goes on
+                log.warning(
+                    "CONNECT of %s has waited %.1f s for its session store (%d more queued)",
+                    client_id,
+                    now - since,
+                    len(self._opening.get(client_id, ())),
+                )
         for conn in list(self.connections):
             conn.check_timeouts(now)
             session = conn.session
