@@ -404,7 +404,7 @@ class PersistenceSettings:
         1, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
     )
     embedded_kafka_compact_after: int = setting(
-        200_000,
+        100_000,
         "Embedded Kafka of a single broker only: after this many records, once all are "
         "stored, the topic is emptied (it keeps every record in memory and slows as it "
         "fills); 0: never",

@@ -113,6 +113,13 @@ class MQTTConnection:
     def is_v5(self) -> bool:
         return self.protocol_level == ProtocolLevel.MQTT_5
 
+    @property
+    def accepts_publish(self) -> bool:
+        """CONNACK went out and the connection is open: the first packet the server
+        sends is CONNACK (MQTT-3.2.0-1), so nothing is delivered before it, even to
+        a session attached while its CONNACK waits for the store."""
+        return self.state is ConnectionState.CONNECTED
+
     # -- input ------------------------------------------------------------------------
 
     def receive_data(self, data: bytes) -> None:

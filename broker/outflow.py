@@ -247,7 +247,7 @@ class Outflow:
     # -- internals ------------------------------------------------------------------------
 
     def _room(self, conn: MQTTConnection) -> int:
-        if conn.congested:
+        if conn.congested or not conn.accepts_publish:
             return 0
         window = min(self.max_inflight, conn.client_receive_maximum)
         return window - (len(self.inflight) - len(self._resend))
@@ -287,7 +287,7 @@ class Outflow:
         may_go.update(ids)
         gone.update(set(batch).difference(ids))
         conn = self._session.connection
-        if conn is None:
+        if conn is None or not conn.accepts_publish:
             return  # not sent: the next connection re-reads or re-sends them
         marking = self._marking
         while marking:
@@ -343,7 +343,7 @@ class Outflow:
             return  # the next connection re-sends PUBREL from the record
         entry.state = OutgoingState.AWAIT_PUBCOMP
         conn = self._session.connection
-        if conn is not None:
+        if conn is not None and conn.accepts_publish:
             conn.send(PubRel(packet_id))
 
     def _finish(self, packet_id: int, expected: OutgoingState) -> bool:

@@ -72,7 +72,7 @@ class Session:
             self.outflow.deliver(delivery)
             return
         conn = self.connection
-        if conn is None:
+        if conn is None or not conn.accepts_publish:
             return
         if conn.congested:
             self.stats.drop("qos0_congested")

@@ -427,8 +427,8 @@ class PersistenceConsumer:
             # or the group's offset would lag until the next record arrives. Not
             # after a rebalance, even one that gave the partition back: a Kafka
             # that restarted empty makes every member rejoin, and an old log's
-            # offset committed into the new one would skip its first records
-            # (checker seed 112). Whoever holds it now re-reads and commits.
+            # offset committed into the new one would skip its first records.
+            # Whoever holds it now re-reads and commits.
             self.stats.commit_errors += 1
             log.warning("offset commit failed: %s", error)
             if self._assignments != assignments:

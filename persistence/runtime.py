@@ -104,7 +104,7 @@ class DevicePersistence:
                 config.partitions,
                 lambda: replace_topic(bootstrap, config.topic, config.partitions),
                 compact_after,
-                hold_limit=min(2.0, config.kafka_request_timeout_ms / 4000),
+                hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
             )
         self._compactor_task: asyncio.Task[None] | None = None
 

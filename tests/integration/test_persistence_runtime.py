@@ -335,12 +335,13 @@ async def test_a_failed_commit_is_tried_again_while_the_partition_stays_assigned
 async def test_a_commit_refused_before_a_rebalance_is_not_tried_after_it(
     redis: RedisServer,
 ) -> None:
-    """Found by the model checker (seed 112): a Kafka that restarted empty makes the
-    consumer rejoin; a commit refused just before, tried again once the partition
-    was assigned back, wrote an offset of the old log into the new one, and the
-    group's next start there skipped the new log's first records. The rebalance is
-    driven here through the listener's hooks while the commit is refused: the
-    refused offset must never be committed afterwards."""
+    """Found reading the consumer while replaying checker seed 112: a Kafka that
+    restarted empty makes the consumer rejoin; a commit refused just before, tried
+    again once the partition was assigned back, would write an offset of the old
+    log into the new one, and the group's next start there would skip the new
+    log's first records. The rebalance is driven here through the listener's hooks
+    while the commit is refused: the refused offset must never be committed
+    afterwards."""
     from aiokafka import TopicPartition
     from aiokafka.errors import KafkaError
 

@@ -52,72 +52,64 @@ def _lost_names(model: Model, clock: Clock) -> set[str]:
     return {ob.msg.name() for ob in model.check_losses(clock.now)}
 
 
-def test_trim_excuses_the_oldest_beyond_the_limit() -> None:
+def _lost_after_resume(count: int, expiry: int) -> set[str]:
+    """``count`` messages crowd s1 (limit 15, 4 in flight); it resumes with ``expiry``."""
     clock = Clock()
     model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
-    _crowd(model, clock, 20)
-    model.connect_sent("s1", clean_start=False, expiry=600)
+    _crowd(model, clock, count)
+    model.connect_sent("s1", clean_start=False, expiry=expiry)
     model.connack("s1", session_present=True)
+    return _lost_names(model, clock)
+
+
+def test_trim_excuses_the_oldest_beyond_the_limit() -> None:
     # 20 stored, 15 kept: 1-4 in flight stay, the 5 oldest after them may be gone
     # (the rule is coarse by one: 10 is excused too); 11-20 were never trimmed.
-    assert _lost_names(model, clock) == {f"r:p1:{n}" for n in range(11, 21)}
+    assert _lost_after_resume(20, 600) == {f"r:p1:{n}" for n in range(11, 21)}
 
 
 def test_trim_still_excuses_after_a_resume_with_expiry_0() -> None:
     """Seed 216: the messages were stored (and trimmed) while the session had an
     expiry; resuming it with expiry 0 does not make them owed beyond the limit."""
-    clock = Clock()
-    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
-    _crowd(model, clock, 20)
-    model.connect_sent("s1", clean_start=False, expiry=0)
-    model.connack("s1", session_present=True)
-    assert _lost_names(model, clock) == {f"r:p1:{n}" for n in range(11, 21)}
+    assert _lost_after_resume(20, 0) == {f"r:p1:{n}" for n in range(11, 21)}
 
 
 def test_under_the_limit_nothing_is_excused() -> None:
     """The other side: 10 messages fit in a limit of 15, so the 6 never delivered
     are lost (the rule does not excuse everything)."""
+    assert _lost_after_resume(10, 0) == {f"r:p1:{n}" for n in range(5, 11)}
+
+
+def _left_then_resumed(failed_connect_first: bool) -> list[str]:
+    """s0 (expiry 600, subscribed) leaves; optionally a resume with expiry 0 gets no
+    CONNACK; then a resume finds no session. The violations' kinds."""
     clock = Clock()
     model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
-    _crowd(model, clock, 10)
-    model.connect_sent("s1", clean_start=False, expiry=0)
-    model.connack("s1", session_present=True)
-    assert _lost_names(model, clock) == {f"r:p1:{n}" for n in range(5, 11)}
+    model.add_client("s0", 5, paho=True)
+    model.connect_sent("s0", clean_start=False, expiry=600)
+    conn = model.connack("s0", session_present=False)
+    model.suback(model.subscribe_sent("s0", [("m/#", 1, None)]), [1])
+    clock.tick()
+    model.connection_closed("s0", conn)
+    if failed_connect_first:
+        model.connect_sent("s0", clean_start=False, expiry=0)
+        model.connect_failed("s0")
+        clock.tick()
+    model.connect_sent("s0", clean_start=False, expiry=0)
+    model.connack("s0", session_present=False)
+    return [v.kind for v in model.violations]
 
 
 def test_a_resume_with_expiry_0_that_got_no_connack_may_have_ended_the_session() -> None:
     """Seed 225: a CONNECT resuming with Session Expiry 0 reached the broker but its
     connection closed before the CONNACK; the close ended the session, and the
     next resume rightly found none."""
-    clock = Clock()
-    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
-    model.add_client("s0", 5, paho=True)
-    model.connect_sent("s0", clean_start=False, expiry=600)
-    conn = model.connack("s0", session_present=False)
-    model.suback(model.subscribe_sent("s0", [("m/#", 1, None)]), [1])
-    clock.tick()
-    model.connection_closed("s0", conn)
-    model.connect_sent("s0", clean_start=False, expiry=0)
-    model.connect_failed("s0")
-    clock.tick()
-    model.connect_sent("s0", clean_start=False, expiry=0)
-    model.connack("s0", session_present=False)
-    assert model.violations == []
+    assert _left_then_resumed(failed_connect_first=True) == []
 
 
 def test_a_session_left_with_its_expiry_must_still_be_there() -> None:
     """The other side: without that failed CONNECT, present 0 is a lost session."""
-    clock = Clock()
-    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
-    model.add_client("s0", 5, paho=True)
-    model.connect_sent("s0", clean_start=False, expiry=600)
-    conn = model.connack("s0", session_present=False)
-    model.suback(model.subscribe_sent("s0", [("m/#", 1, None)]), [1])
-    clock.tick()
-    model.connection_closed("s0", conn)
-    model.connect_sent("s0", clean_start=False, expiry=0)
-    model.connack("s0", session_present=False)
-    assert [v.kind for v in model.violations] == ["session-lost"]
+    assert _left_then_resumed(failed_connect_first=False) == ["session-lost"]
 
 
 def _one_owed(model: Model, clock: Clock, payload: bytes) -> None:

@@ -19,6 +19,9 @@ from broker.packets import (
     PubRec,
     PubRel,
     ReasonCode,
+    SubAck,
+    Subscribe,
+    Subscription,
 )
 from broker.persistent_path import DoneCallback, InMemoryPersistentPath
 from broker.session import Session
@@ -306,3 +309,33 @@ def test_a_connect_whose_terms_cannot_be_saved_is_refused_with_0x88() -> None:
     assert isinstance(connack, ConnAck)
     assert connack.reason_code == ReasonCode.SERVER_UNAVAILABLE
     assert c.closed
+
+
+def test_nothing_is_sent_before_the_connack_of_a_resume_waiting_for_its_save() -> None:
+    """Checker seeds 107, 110, 114, 139, 145 (the 60-minute run): while a resume's
+    CONNACK waited for its session to be saved, a message for the session went
+    out on the new connection first; the client, expecting CONNACK, gave up on
+    the connection (MQTT-3.2.0-1: the server's first packet is CONNACK)."""
+    path = HeldSaves()
+    h = Harness(persistent_path=path)
+    c = h.client(V5, "d")
+    _connect(c, "d", 600)
+    path.saves.pop()[1](True)
+    assert isinstance(c.read_one(), ConnAck)
+    c.send(Subscribe(1, [Subscription("t", qos=1)]))
+    for _, done in path.saves:  # SUBACK waits for the subscription to be saved
+        done(True)
+    assert isinstance(c.read_one(), SubAck)
+    c.send(Disconnect())
+    path.saves.clear()
+    pub = h.connected("pub")
+    pub.publish("t", b"while away", qos=1, packet_id=1)
+
+    again = h.client(V5, "d2")
+    _connect(again, "d", 600)
+    pub.publish("t", b"while the CONNACK waits", qos=1, packet_id=2)
+    assert again.read() == [], "a packet before CONNACK"
+    path.saves.pop()[1](True)
+    packets = again.read()
+    assert isinstance(packets[0], ConnAck) and packets[0].session_present
+    assert payloads(packets[1:]) == [b"while away", b"while the CONNACK waits"]
