@@ -133,8 +133,6 @@ class BrokerCollector(Collector):
     def attach(self, broker: Broker, persistence: DevicePersistence | None) -> None:
         self.broker = broker
         self.persistence = persistence
-        if persistence is not None:
-            persistence.path.latency_observer = self.kafka_produce.observe
 
     def collect(self) -> Iterator[Metric]:
         yield from self._info()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,8 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             name="cluster.share_ports",
         )
     if settings.persistence.enabled:
-        persistence = await _open_persistence(settings)
+        produce_latency = metrics.collector.kafka_produce.observe if metrics is not None else None
+        persistence = await _open_persistence(settings, produce_latency)
     broker = Broker(settings, persistent_path=persistence)
     link = None
     retained = None
@@ -102,7 +104,9 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             await persistence.close()
 
 
-async def _open_persistence(settings: Settings) -> DevicePersistence:
+async def _open_persistence(
+    settings: Settings, produce_latency: Callable[[float], None] | None
+) -> DevicePersistence:
     """The configured Redis and Kafka, or embedded ones started under ``data_dir``."""
     from persistence.runtime import configured_endpoints, open_persistence
 
@@ -119,7 +123,7 @@ async def _open_persistence(settings: Settings) -> DevicePersistence:
         logging.getLogger("devicemq.persistence").info(
             "embedded services: redis %s, kafka %s", *endpoints
         )
-    return await open_persistence(settings, endpoints, compact_after)
+    return await open_persistence(settings, endpoints, compact_after, produce_latency)
 
 
 def run(settings: Settings) -> None:

@@ -264,13 +264,11 @@ class Authorizer:
     def can_publish(self, client_id: str, username: str | None, topic: str) -> bool:
         if not self.active:
             return True
-        self.maybe_reload()
         return self._decide(client_id, username, topic, WRITE)
 
     def can_subscribe(self, client_id: str, username: str | None, topic_filter: str) -> bool:
         if not self.active:
             return True
-        self.maybe_reload()
         _, inner = parse_shared(topic_filter)
         allowed = False
         for access, rule in self._rules_for(client_id, username):
@@ -290,7 +288,6 @@ class Authorizer:
         """
         if not self.active:
             return True
-        self.maybe_reload()
         known = client_id in self.usernames
         username = self.usernames.get(client_id)
         key = (client_id, username if known else "\x00unknown", topic)

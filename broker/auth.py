@@ -374,7 +374,6 @@ class Authenticator:
             else:
                 done(_refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, "no password file"))
             return
-        self.maybe_reload()
         bad = _refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"bad password for {username!r}")
         if password is None:
             done(_refused(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"no password for {username!r}"))

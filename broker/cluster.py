@@ -66,7 +66,7 @@ from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
-    from broker.connection import WillMessage
+    from broker.connection_state import WillMessage
     from broker.core import Broker
 
 log = logging.getLogger("devicemq.cluster")

@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from broker.codec import MAX_REMAINING_LENGTH, DecodeLimits, PacketDecoder, encode
+from broker.connection_state import ConnectionState, PendingAck, WillMessage
 from broker.errors import MQTTError
+from broker.handlers import HANDLERS
 from broker.limits import bucket_or_none
-from broker.message import Delivery, Message
+from broker.message import Delivery
 from broker.packets import (
     ConnAck,
     Disconnect,
@@ -41,45 +42,6 @@ log = logging.getLogger("devicemq.connection")
 
 MAX_PACKET_SIZE = MAX_REMAINING_LENGTH + 5
 _NO_PROPERTIES = Properties()
-
-
-class ConnectionState(Enum):
-    AWAITING_CONNECT = 1
-    CONNECTED = 2
-    CLOSED = 3
-
-
-@dataclass(slots=True)
-class PendingAck:
-    """A PUBACK/PUBREC owed to the client once the message is stored.
-
-    Acknowledgements leave in the order the PUBLISH packets arrived
-    (MQTT-4.6.0-2), even when storage completes out of order.
-    """
-
-    packet_id: int
-    qos: int
-    reason: int
-    done: bool = False
-    ok: bool = True
-
-
-@dataclass(slots=True)
-class WillMessage:
-    """The will of the current connection, resolved into a message.
-
-    ``expiry_interval`` is the will's Message Expiry Interval: it starts when
-    the will is published, not at CONNECT (spec 3.1.3.2.4), so
-    ``message.expires_at`` is only set by :meth:`Broker.publish_will`.
-    ``client_id`` and ``username`` say who published it, for the ACL check
-    at publish time (the ACL may have changed since CONNECT).
-    """
-
-    message: Message
-    delay: int
-    expiry_interval: int | None = None
-    client_id: str = ""
-    username: str | None = None
 
 
 class MQTTConnection:
@@ -225,8 +187,6 @@ class MQTTConnection:
             self.protocol_violation(error)
 
     def _dispatch(self, packet: Packet) -> None:
-        from broker.handlers import HANDLERS
-
         HANDLERS[packet.type](self, packet)
 
     # -- output -----------------------------------------------------------------------
@@ -404,3 +364,6 @@ class MQTTConnection:
                 log.info("client %s left its whole window unacknowledged", self.client_id)
                 self.broker.stats.reject("inflight_timeout")
                 self.disconnect(ReasonCode.QUOTA_EXCEEDED)
+
+
+__all__ = ["ConnectionState", "MQTTConnection", "PendingAck", "WillMessage"]

@@ -16,18 +16,18 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
-from broker.auth import Authenticator, certificate_identity, reload_on_sighup
+from broker.auth import Authenticator, certificate_identity
 from broker.cluster import ClusterState, RemoteSession
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 from broker.persistent_path import (
+    AcceptedCallback,
     DoneCallback,
     InMemoryPersistentPath,
     OpenedSession,
     OpenRequest,
     PersistentPath,
-    StoredCallback,
 )
 from broker.retained import RetainedSender, RetainedStore
 from broker.session import NEVER_EXPIRES, Session
@@ -36,9 +36,12 @@ from broker.topics import SubscriptionEntry, SubscriptionTree
 
 if TYPE_CHECKING:
     from broker.config import Settings
-    from broker.connection import MQTTConnection, WillMessage
+    from broker.connection import MQTTConnection
+    from broker.connection_state import WillMessage
 
 log = logging.getLogger("devicemq.broker")
+
+SLOW_CONNACK = 1.0  # seconds: a CONNACK that waited this long for the store is logged
 
 
 # (session, session present, why it was refused: "" if it was not). Refusals:
@@ -89,11 +92,6 @@ class Broker:
         self.stats = BrokerStats()
         self.auth = Authenticator(settings.auth, clock)
         self.acl = Authorizer(settings.auth.acl_file, clock)
-        if settings.auth.password_file or settings.auth.acl_file:
-            reload_on_sighup(
-                lambda: self.auth.maybe_reload(force=True),
-                lambda: self.acl.maybe_reload(force=True),
-            )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         per_source = settings.mqtt.max_connection_rate_per_source
@@ -104,6 +102,7 @@ class Broker:
         # Client ids whose durable session the persistent path is opening: the
         # CONNECTs that came meanwhile, to open once it is done.
         self._opening: dict[str, list[Callable[[], None]]] = {}
+        self._opening_since: dict[str, float] = {}  # when each began (a slow one is logged)
         self.owner_policy = owner_policy(settings)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
@@ -196,12 +195,12 @@ class Broker:
             return
         if expiry_interval == 0 and not resuming_remote:
             if ends.count:
-                self._opening[client_id] = []
+                self._begin_opening(client_id)
                 ends.then(lambda ok: self._open_in_memory(conn, client_id, clean_start, ok, then))
             else:
                 self._open_in_memory(conn, client_id, clean_start, True, then)
             return
-        self._opening[client_id] = []
+        self._begin_opening(client_id)
         request = OpenRequest(
             clean_start,
             None if expiry_interval == NEVER_EXPIRES else expiry_interval,
@@ -228,7 +227,7 @@ class Broker:
     ) -> None:
         """A session that ends with its connection (expiry 0), once the session it
         replaces is ended in the store (``ended`` False: it could not be)."""
-        queued = self._opening.pop(client_id, [])
+        queued = self._end_opening(client_id)
         try:
             if not ended:
                 then(None, False, "unavailable")
@@ -253,7 +252,7 @@ class Broker:
         then: SessionOpened,
     ) -> None:
         """The persistent path opened (or could not open) a durable session."""
-        queued = self._opening.pop(client_id, [])
+        queued = self._end_opening(client_id)
         try:
             if opened is None:
                 then(None, False, "unavailable")
@@ -303,10 +302,16 @@ class Broker:
             then(session, present, "")
             return
         client_id = session.client_id
-        self._opening.setdefault(client_id, [])
+        self._begin_opening(client_id)
+        asked = self.clock()
 
         def saved(ok: bool) -> None:
-            queued = self._opening.pop(client_id, [])
+            waited = self.clock() - asked
+            if waited >= SLOW_CONNACK:
+                log.info(
+                    "CONNACK to %s waited %.1f s for its session to be saved", client_id, waited
+                )
+            queued = self._end_opening(client_id)
             try:
                 if ok:
                     then(session, present, "")
@@ -506,10 +511,28 @@ class Broker:
                 log.info("will of %s on %r not retained: %s", will.client_id, message.topic, over)
         self.dispatch(self.resolve(message), _ignore_stored)
 
+    def _begin_opening(self, client_id: str) -> None:
+        """CONNECTs of ``client_id`` wait until :meth:`_end_opening`."""
+        self._opening.setdefault(client_id, [])
+        self._opening_since.setdefault(client_id, self.clock())
+
+    def _end_opening(self, client_id: str) -> list[Callable[[], None]]:
+        self._opening_since.pop(client_id, None)
+        return self._opening.pop(client_id, [])
+
     def tick(self) -> None:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
         self.refusal_log.flush(now)
+        for client_id, since in list(self._opening_since.items()):
+            if now - since >= SLOW_CONNACK * 3:
+                self._opening_since[client_id] = now  # logged again if it goes on
+                log.warning(
+                    "CONNECT of %s has waited %.1f s for its session store (%d more queued)",
+                    client_id,
+                    now - since,
+                    len(self._opening.get(client_id, ())),
+                )
         for conn in list(self.connections):
             conn.check_timeouts(now)
             session = conn.session
@@ -608,9 +631,9 @@ class Broker:
     def dispatch(
         self,
         targets: Sequence[tuple[Session, Delivery]],
-        on_stored: StoredCallback,
+        on_accepted: AcceptedCallback,
         retained: bool = False,
-        on_settled: StoredCallback | None = None,
+        on_settled: AcceptedCallback | None = None,
     ) -> None:
         """Deliver in memory, or through the persistent path for persistent sessions.
 
@@ -628,9 +651,9 @@ class Broker:
             else:
                 session.deliver(delivery)
         if persistent:
-            self.persistent_path.submit(persistent, on_stored, on_settled)
+            self.persistent_path.submit(persistent, on_accepted, on_settled)
         else:
-            on_stored(True)
+            on_accepted(True)
 
     def _is_online(self, client_id: str) -> bool:
         session = self.sessions.get(client_id)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from broker.topics import SubscriptionEntry
 
 DoneCallback = Callable[[bool], None]
-StoredCallback = DoneCallback
+AcceptedCallback = DoneCallback
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,13 +66,15 @@ class PersistentPath(Protocol):
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
-        on_stored: DoneCallback,
+        on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
-        """Store ``deliveries`` durably, then call ``on_stored(True)``.
+        """Make ``deliveries`` durable (for the Kafka path: Kafka acknowledged them;
+        Redis stores them later), then call ``on_accepted(True)``: the publisher
+        may now be told the message was accepted.
 
-        ``on_stored(False)`` means they could not be stored in time: the publisher
-        must not be told the message was accepted. ``on_settled(ok)`` follows it
+        ``on_accepted(False)`` means they could not be made durable in time: the
+        publisher must not be told the message was accepted. ``on_settled(ok)`` follows it
         once the outcome is final: a store that timed out may still have taken
         them (``ok`` True), so a QoS 2 publisher's re-send must not be routed
         again.
@@ -105,12 +107,12 @@ class InMemoryPersistentPath:
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
-        on_stored: DoneCallback,
+        on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
         for session, delivery in deliveries:
             session.deliver(delivery)
-        on_stored(True)
+        on_accepted(True)
 
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
         done(OpenedSession(0, False, [], (), request.owner))

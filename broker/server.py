@@ -17,6 +17,7 @@ import logging
 import time
 from typing import cast
 
+from broker.auth import reload_on_sighup
 from broker.config import Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
@@ -234,6 +235,12 @@ class BrokerServer:
                 server.close()
             raise
         self._say_where(specs)
+        auth = self.settings.auth
+        if auth.password_file or auth.acl_file:
+            reload_on_sighup(
+                lambda: self.broker.auth.maybe_reload(force=True),
+                lambda: self.broker.acl.maybe_reload(force=True),
+            )
         self._ticker = asyncio.create_task(self._tick_forever())
 
     def _say_where(self, specs: list[ListenerSpec]) -> None:
@@ -334,5 +341,9 @@ class BrokerServer:
             try:
                 self.broker.tick()
                 self._check_slow_consumers()
+                # The password and ACL files are looked at here, at the edge (at most
+                # one stat() a second each), never on the PUBLISH path.
+                self.broker.auth.maybe_reload()
+                self.broker.acl.maybe_reload()
             except Exception:  # a bug in one sweep must not stop the next
                 log.exception("periodic sweep failed")

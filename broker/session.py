@@ -16,7 +16,8 @@ from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
-    from broker.connection import MQTTConnection, WillMessage
+    from broker.connection import MQTTConnection
+    from broker.connection_state import WillMessage
     from broker.retained import RetainedSender
 
 NEVER_EXPIRES = 0xFFFFFFFF

@@ -58,7 +58,7 @@ class FileChangeWatch:
         self.path = path
         self._clock = clock
         self._mtime = self._stat()
-        self._next_check = 0.0
+        self._next_check = clock() + CHECK_INTERVAL  # just read
 
     def changed(self, force: bool = False) -> bool:
         """True when the file should be read again (always when ``force``, e.g. SIGHUP)."""

@@ -38,7 +38,7 @@ from persistence.records import encode_delivery
 
 if TYPE_CHECKING:
     from broker.message import Delivery
-    from broker.persistent_path import StoredCallback
+    from broker.persistent_path import AcceptedCallback
     from broker.session import Session
 
 log = logging.getLogger("devicemq.kafka")
@@ -68,8 +68,8 @@ class _Submission:
         "attempt",
         "failed",
         "handed",
+        "on_accepted",
         "on_settled",
-        "on_stored",
         "outstanding",
         "records",
         "remaining",
@@ -77,10 +77,10 @@ class _Submission:
     )
 
     def __init__(
-        self, records: Records, on_stored: StoredCallback, on_settled: StoredCallback | None
+        self, records: Records, on_accepted: AcceptedCallback, on_settled: AcceptedCallback | None
     ) -> None:
         self.records = records
-        self.on_stored: StoredCallback | None = on_stored
+        self.on_accepted: AcceptedCallback | None = on_accepted
         self.on_settled = on_settled
         self.attempt = 0
         self.remaining = len(records)  # not yet acknowledged in this attempt
@@ -113,6 +113,7 @@ class KafkaPersistentPath:
         producer_id: int = 0,
         on_log_reset: Callable[[list[int]], None] | None = None,
         recreate_topic: Callable[[], Awaitable[object]] | None = None,
+        latency_observer: Callable[[float], None] | None = None,
     ) -> None:
         self._producer = producer
         self._topic = topic
@@ -140,16 +141,16 @@ class KafkaPersistentPath:
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
         self._held = False  # records wait while the topic is emptied (persistence/compaction.py)
         self._recreating = False
-        self.latency_observer: Callable[[float], None] | None = None
+        self._latency_observer = latency_observer  # seconds per round (the metrics' histogram)
 
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
-        on_stored: StoredCallback,
-        on_settled: StoredCallback | None = None,
+        on_accepted: AcceptedCallback,
+        on_settled: AcceptedCallback | None = None,
     ) -> None:
-        """Produce one record per delivery; ``on_stored(ok)`` once all are acknowledged,
-        one failed, or the deadline passed. After ``on_stored(False)``,
+        """Produce one record per delivery; ``on_accepted(ok)`` once all are acknowledged,
+        one failed, or the deadline passed. After ``on_accepted(False)``,
         ``on_settled(ok)`` follows once no record can be taken any more: at a
         deadline, records may still be (``ok`` True: all were)."""
         wall, now = self._wall_clock(), self._clock()
@@ -162,7 +163,7 @@ class KafkaPersistentPath:
             )
             records.append((session.client_id.encode(), value))
         self._seq = seq
-        self._pending.append(_Submission(records, on_stored, on_settled))
+        self._pending.append(_Submission(records, on_accepted, on_settled))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
@@ -193,7 +194,7 @@ class KafkaPersistentPath:
         """
         loop = asyncio.get_running_loop()
         round_ = _Round(time.perf_counter())
-        round_.submissions = [s for s in batch if s.on_stored is not None]
+        round_.submissions = [s for s in batch if s.on_accepted is not None]
         round_.open = len(round_.submissions)
         if round_.open:
             self._open_rounds += 1
@@ -205,7 +206,7 @@ class KafkaPersistentPath:
             submission.round = round_
             attempt = submission.attempt
             if not submission.records:
-                if submission.on_stored is not None:
+                if submission.on_accepted is not None:
                     self._report(submission, True)
                 continue
             try:
@@ -220,7 +221,7 @@ class KafkaPersistentPath:
                 self._failed(error)
                 if submission.attempt == attempt:
                     submission.failed = True
-                    if submission.on_stored is not None:
+                    if submission.on_accepted is not None:
                         self._report(submission, False)
                     else:
                         self._maybe_settle(submission)
@@ -279,7 +280,7 @@ class KafkaPersistentPath:
         else:
             self._failed(error)
             submission.failed = True
-        if submission.on_stored is not None:
+        if submission.on_accepted is not None:
             if error is not None:
                 self._report(submission, False)
                 return
@@ -321,7 +322,7 @@ class KafkaPersistentPath:
         again: list[_Submission] = []
         for round_ in list(self._rounds):
             for submission in round_.submissions:
-                if submission.on_stored is not None:
+                if submission.on_accepted is not None:
                     self._withdraw(submission)
                     again.append(submission)
         again.extend(s for s in self._unsettled if s.outstanding)
@@ -395,14 +396,14 @@ class KafkaPersistentPath:
         round_.timer = None
         error = TimeoutError(f"kafka did not acknowledge within {self._timeout:g} s")
         for submission in list(round_.submissions):
-            if submission.on_stored is not None:
+            if submission.on_accepted is not None:
                 self._failed(error)
                 self._report(submission, False)
 
     def _report(self, submission: _Submission, ok: bool) -> None:
-        on_stored, submission.on_stored = submission.on_stored, None
-        assert on_stored is not None
-        on_stored(ok)
+        on_accepted, submission.on_accepted = submission.on_accepted, None
+        assert on_accepted is not None
+        on_accepted(ok)
         round_ = submission.round
         assert round_ is not None
         self._close_one(round_)
@@ -417,8 +418,8 @@ class KafkaPersistentPath:
         if round_.timer is not None:
             round_.timer.cancel()
             round_.timer = None
-        if self.latency_observer is not None:
-            self.latency_observer(time.perf_counter() - round_.started)
+        if self._latency_observer is not None:
+            self._latency_observer(time.perf_counter() - round_.started)
         self._open_rounds -= 1
         self._rounds.pop(round_, None)
         self._check_idle()

@@ -57,9 +57,11 @@ class DevicePersistence:
         producer_id: int = 0,
         bootstrap: str = "",
         compact_after: int = 0,
+        produce_latency: Callable[[float], None] | None = None,
     ) -> None:
         """``compact_after`` > 0: the topic is emptied after that many records, once
-        all are stored (only for an embedded Kafka of a single broker)."""
+        all are stored (only for an embedded Kafka of a single broker);
+        ``produce_latency`` hears the seconds each round of records took Kafka."""
         config = settings.persistence
         self.settings = settings
         self.store = store
@@ -77,6 +79,7 @@ class DevicePersistence:
             producer_id=producer_id,
             on_log_reset=self.resets.announce,
             recreate_topic=lambda: ensure_topic(bootstrap, config.topic, config.partitions),
+            latency_observer=produce_latency,
         )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
@@ -126,10 +129,10 @@ class DevicePersistence:
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
-        on_stored: DoneCallback,
+        on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
-        self.path.submit(deliveries, on_stored, on_settled)
+        self.path.submit(deliveries, on_accepted, on_settled)
 
     def feed_for(self, client_id: str) -> StoreFeed:
         assert self._broker is not None
@@ -263,12 +266,15 @@ def configured_endpoints(settings: Settings) -> tuple[str, str] | None:
 
 
 async def open_persistence(
-    settings: Settings, endpoints: tuple[str, str] | None = None, compact_after: int = 0
+    settings: Settings,
+    endpoints: tuple[str, str] | None = None,
+    compact_after: int = 0,
+    produce_latency: Callable[[float], None] | None = None,
 ) -> DevicePersistence:
     """Connect to Redis and Kafka: ``endpoints`` (redis_url, kafka_bootstrap), else the
     configured ones. Starting embedded services when none are configured is the
-    application's part (app/serve.py): persistence does not import the edge; so is
-    ``compact_after`` (see :class:`DevicePersistence`)."""
+    application's part (app/serve.py): persistence does not import the edge; so are
+    ``compact_after`` and ``produce_latency`` (see :class:`DevicePersistence`)."""
     config = settings.persistence
     if endpoints is None:
         endpoints = configured_endpoints(settings)
@@ -317,6 +323,7 @@ async def open_persistence(
             producer_id=producer_id,
             bootstrap=bootstrap,
             compact_after=compact_after,
+            produce_latency=produce_latency,
         )
         await consumer.start()
         await producer.start()

@@ -35,6 +35,7 @@ from persistence.redis_store import RedisMessageStore, SessionOwned
 log = logging.getLogger("devicemq.sessions")
 
 SAVE_ATTEMPTS = 20
+SLOW_OPERATION = 2.0  # seconds: a session write (or open) this slow is logged
 OPEN_ATTEMPTS = 6  # a CONNECT waits at most this many tries for Redis
 RESTORE_CONCURRENCY = 50
 # Redis keeps a disconnected session's keys this much longer than the session
@@ -179,6 +180,7 @@ class SessionStateStore:
         try:
             while queue:
                 op = queue.popleft()  # from now on, saves asked go into a new write
+                started = time.monotonic()
                 try:
                     if isinstance(op, _Open):
                         op.done(await self._open(client_id, op.request))
@@ -192,6 +194,15 @@ class SessionStateStore:
                             op.done(ok)
                 except Exception:  # a callback's bug must not stop the queue
                     log.exception("session operation for %s failed", client_id)
+                took = time.monotonic() - started
+                if took >= SLOW_OPERATION:
+                    log.info(
+                        "session %s of %s took %.1f s (%d more queued)",
+                        type(op).__name__.strip("_").lower(),
+                        client_id,
+                        took,
+                        len(queue),
+                    )
         finally:
             del self._drains[client_id]
             if self._queues.get(client_id) is queue and not queue:

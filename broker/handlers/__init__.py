@@ -7,9 +7,8 @@ table the connection uses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from broker.connection import MQTTConnection
 from broker.errors import MQTTError
 from broker.handlers.acks import handle_puback, handle_pubcomp, handle_pubrec
 from broker.handlers.connect import handle_connect
@@ -18,6 +17,9 @@ from broker.handlers.ping import handle_pingreq
 from broker.handlers.publish import handle_publish, handle_pubrel
 from broker.handlers.subscribe import handle_subscribe, handle_unsubscribe
 from broker.packets import PacketType, ReasonCode
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 
 def reject_server_packet(conn: MQTTConnection, packet: Any) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from broker.connection import MQTTConnection
 from broker.packets import PubAck, PubComp, PubRec, PubRel, ReasonCode
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 log = logging.getLogger("devicemq.acks")
 

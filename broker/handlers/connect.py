@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from broker.auth import AuthResult
-from broker.connection import ConnectionState, MQTTConnection, WillMessage
+from broker.connection_state import ConnectionState, WillMessage
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import ConnAck, Connect, ConnectReturnCode, Properties, ReasonCode
 from broker.session import Session
 from broker.topics import is_valid_topic_name
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 log = logging.getLogger("devicemq.connect")
 

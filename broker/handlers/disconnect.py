@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from broker.connection import MQTTConnection
+from typing import TYPE_CHECKING
+
 from broker.errors import MQTTError
 from broker.packets import Disconnect, ReasonCode
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 
 def handle_disconnect(conn: MQTTConnection, packet: Disconnect) -> None:

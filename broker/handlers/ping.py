@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from broker.connection import MQTTConnection
+from typing import TYPE_CHECKING
+
 from broker.packets import PingReq, PingResp
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 
 def handle_pingreq(conn: MQTTConnection, packet: PingReq) -> None:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
-from broker.connection import MQTTConnection, PendingAck
+from broker.connection_state import PendingAck
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 log = logging.getLogger("devicemq.publish")
 
@@ -87,7 +91,7 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     if qos == 2:
         session.incoming_qos2[packet_id] = False
     ack = conn.expect_ack(packet_id, qos, reason if conn.is_v5 else 0)
-    done: Callable[[bool], None] = lambda ok: _stored(conn, session, ack, ok)  # noqa: E731
+    done: Callable[[bool], None] = lambda ok: _accepted(conn, session, ack, ok)  # noqa: E731
     if packet.retain:
         # Acknowledged once both are kept: the retained message (in Redis, with
         # persistence) and the deliveries; a failure of either fails the PUBLISH.
@@ -143,7 +147,7 @@ def _qos2_retransmission(conn: MQTTConnection, session: Session, packet_id: int)
     """A QoS 2 PUBLISH seen before is not routed again (MQTT-4.3.3-10).
 
     If it is stored, PUBREC goes out now; if storage is still under way, the
-    PUBREC follows when it completes (see :func:`_stored`).
+    PUBREC follows when it completes (see :func:`_accepted`).
     """
     if session.incoming_qos2[packet_id]:
         conn.send(PubRec(packet_id))
@@ -151,7 +155,7 @@ def _qos2_retransmission(conn: MQTTConnection, session: Session, packet_id: int)
         session.qos2_awaiting_pubrec.add(packet_id)
 
 
-def _stored(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
+def _accepted(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool) -> None:
     if ack.qos == 2 and ok and session.durable:
         # PUBREC promises the id is held until PUBREL: a durable session keeps it
         # through a broker crash, or the client's re-send would be routed again.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from broker.connection import MQTTConnection
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.packets import (
@@ -17,6 +17,9 @@ from broker.packets import (
     Unsubscribe,
 )
 from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
+
+if TYPE_CHECKING:
+    from broker.connection import MQTTConnection
 
 log = logging.getLogger("devicemq.subscribe")
 

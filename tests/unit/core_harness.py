@@ -37,7 +37,7 @@ from broker.packets import (
     Unsubscribe,
     Will,
 )
-from broker.persistent_path import InMemoryPersistentPath, PersistentPath, StoredCallback
+from broker.persistent_path import AcceptedCallback, InMemoryPersistentPath, PersistentPath
 from broker.session import Session
 
 V311 = 4
@@ -212,31 +212,31 @@ class DeferredPersistentPath(InMemoryPersistentPath):
 
     ``complete(i, ok)`` finishes the i-th pending submission (0 = oldest still
     pending): on success the deliveries reach their sessions, then the
-    publisher's ``on_stored`` runs, as the durable path does.
+    publisher's ``on_accepted`` runs, as the durable path does.
     """
 
     def __init__(self) -> None:
         self.pending: list[
-            tuple[Sequence[tuple[Session, Delivery]], StoredCallback, StoredCallback | None]
+            tuple[Sequence[tuple[Session, Delivery]], AcceptedCallback, AcceptedCallback | None]
         ] = []
-        self.unsettled: list[tuple[Sequence[tuple[Session, Delivery]], StoredCallback]] = []
+        self.unsettled: list[tuple[Sequence[tuple[Session, Delivery]], AcceptedCallback]] = []
 
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
-        on_stored: StoredCallback,
-        on_settled: StoredCallback | None = None,
+        on_accepted: AcceptedCallback,
+        on_settled: AcceptedCallback | None = None,
     ) -> None:
-        self.pending.append((list(deliveries), on_stored, on_settled))
+        self.pending.append((list(deliveries), on_accepted, on_settled))
 
     def complete(self, index: int = 0, ok: bool = True, settled: bool | None = False) -> None:
         """Finish a submission. A failure is settled at once with ``settled`` (default:
         not stored), or with None later by :meth:`settle` (a store that timed out)."""
-        deliveries, on_stored, on_settled = self.pending.pop(index)
+        deliveries, on_accepted, on_settled = self.pending.pop(index)
         if ok:
             for session, delivery in deliveries:
                 session.deliver(delivery)
-        on_stored(ok)
+        on_accepted(ok)
         if ok or on_settled is None:
             return
         if settled is None:
