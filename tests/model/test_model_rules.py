@@ -139,3 +139,34 @@ def test_kafka_reusing_offsets_excuses_only_what_was_acknowledged_after_its_rest
     lost = _lost_names(model, clock)
     assert model.stats.excused == {"kafka reused offsets": 1}
     assert lost == {"r:p1:1"}
+
+
+def _group_copy_at_qos0(member_qos: int) -> set[str]:
+    """Group g1: s0 subscribed with ``member_qos``, s3 with QoS 1. A QoS 1 message
+    reaches s0 at QoS 0 before the publisher's PUBACK. What is reported lost."""
+    clock = Clock()
+    model = Model(Config(limit=100, max_inflight=4, default_ttl=None, cluster=False), clock)
+    model.add_client("p1", 5, paho=False)
+    conns = {}
+    for cid, qos, sub_id in (("s0", member_qos, 2), ("s3", 1, 3)):
+        model.add_client(cid, 5, paho=True)
+        model.connect_sent(cid, clean_start=False, expiry=600)
+        conns[cid] = model.connack(cid, session_present=False)
+        model.suback(model.subscribe_sent(cid, [("$share/g1/m/+", qos, sub_id)]), [qos])
+        clock.tick()
+    msg = model.publish_sent("p1", 1, 1, b"r:p1:1", "m/a", 1, None, 0)
+    clock.tick()
+    model.received("s0", conns["s0"], None, b"r:p1:1", 0, False, (2,), None, False)
+    model.publish_answered(msg, ok=True)
+    return _lost_names(model, clock)
+
+
+def test_a_shared_group_may_give_a_qos1_message_to_its_qos0_member() -> None:
+    """Seed 340: round robin chose the member that subscribed with QoS 0; its QoS 0
+    copy, received before the PUBACK, is the group's one delivery."""
+    assert _group_copy_at_qos0(member_qos=0) == set()
+
+
+def test_a_qos1_member_given_the_message_at_qos0_has_not_got_it() -> None:
+    """The other side: a member granted QoS 1 that gets a QoS 0 copy was downgraded."""
+    assert _group_copy_at_qos0(member_qos=1) == {"r:p1:1"}
