@@ -24,6 +24,7 @@ earlier run) are counted as foreign and otherwise ignored.
 from __future__ import annotations
 
 import asyncio
+import random
 import struct
 from array import array
 from collections.abc import Callable
@@ -62,6 +63,9 @@ _NO_PID_HEADER = struct.Struct(">IIIQ")  # QoS 0, 3.1.1
 _NO_PID_PROPS_HEADER = struct.Struct(">BIIIQ")  # QoS 0, 5
 _PINGREQ = b"\xc0\x00"
 _DISCONNECT = b"\xe0\x00"
+# CONNACK codes that mean "busy, come back later": 3.1.1 server unavailable (3),
+# MQTT 5 server busy (0x89) and connection rate exceeded (0x9F)
+_BUSY = frozenset({3, 0x89, 0x9F})
 
 
 class ClientError(Exception):
@@ -141,12 +145,37 @@ class _Client(asyncio.Protocol):
         self.connected = False
         self.session_present = False
         self.lost_connections = 0
+        self.busy_refusals = 0  # CONNECTs refused as busy, then retried (connect)
         self.closed: asyncio.Future[None] | None = None
         self.paused = False
 
     # -- connection -------------------------------------------------------------
 
     async def connect(self, host: str, port: int, timeout: float = 30.0) -> None:
+        """Connect, and retry a CONNECT the broker refused as busy, as devices do.
+
+        A broker that paces CONNECTs (devicemq's ``mqtt.max_connection_rate_per_source``:
+        the load tool's hundreds of clients share one address) answers 0x9F, 3.1.1
+        return code 3; the client backs off and tries again until ``timeout``.
+        ``busy_refusals`` counts those answers, for the report.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        backoff = 0.05
+        while True:
+            code = await self._connect_once(host, port, max(deadline - loop.time(), 0.1))
+            if code == 0:
+                return
+            if code not in _BUSY or loop.time() + backoff >= deadline:
+                raise ClientError(f"{self.client_id}: CONNECT refused: {code!r}")
+            self.busy_refusals += 1
+            if self.closed is not None:
+                await asyncio.shield(self.closed)
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 2.0)
+
+    async def _connect_once(self, host: str, port: int, timeout: float) -> object:
+        """One TCP connection and CONNECT; the CONNACK's code (0: connected)."""
         loop = asyncio.get_running_loop()
         self._rest = b""
         self.closed = loop.create_future()
@@ -173,10 +202,12 @@ class _Client(asyncio.Protocol):
             timeout,
         )
         if not isinstance(connack, ConnAck) or connack.reason_code != 0:
-            code = getattr(connack, "reason_code", connack)
-            raise ClientError(f"{self.client_id}: CONNECT refused: {code!r}")
+            if self.transport is not None:
+                self.transport.close()
+            return getattr(connack, "reason_code", connack)
         self.session_present = connack.session_present
         self.connected = True
+        return 0
 
     async def subscribe(self, topic_filter: str, qos: int, timeout: float = 30.0) -> None:
         packet = Subscribe(1, [Subscription(topic_filter, qos)])

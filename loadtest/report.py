@@ -255,6 +255,7 @@ def summarize(
             "client_capacity_per_core": round(capacity) if capacity else None,
         },
         "connect_seconds": max((r.connect_seconds for r in results), default=0.0),
+        "connect_busy_refusals": sum(r.busy_refusals for r in results),
         "drain_seconds": max((r.drain_seconds for r in results), default=0.0),
         "timeline": timeline,
         "errors": errors,
@@ -355,6 +356,11 @@ def format_report(results: list[dict[str, Any]]) -> str:
             f"{check['out_of_order']} out of order, {check['rejected']} rejected"
             + (f", {check['reconnects']} reconnects" if check["reconnects"] else "")
         )
+        if r.get("connect_busy_refusals"):
+            lines.append(
+                f"connect {r['label']}: {r['connect_busy_refusals']:,} CONNECTs refused as busy "
+                f"(rate limit), retried; all connected in {r['connect_seconds']:.1f} s"
+            )
         for example in check["lost_examples"]:
             lines.append(f"  lost: {example}")
         cpu = r["cpu"]

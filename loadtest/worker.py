@@ -74,6 +74,7 @@ class WorkerResult:
     subscribers: dict[int, SubscriberResult] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     connect_seconds: float = 0.0
+    busy_refusals: int = 0  # CONNECTs refused as busy and retried (Client.connect)
     drain_seconds: float = 0.0
 
 
@@ -326,6 +327,7 @@ class _Worker:
             },
             errors=self.errors,
             drain_seconds=self.drain_seconds,
+            busy_refusals=sum(c.busy_refusals for c in (*self.publishers, *self.subscribers)),
         )
 
     async def serve(self) -> None:

@@ -4,7 +4,9 @@
 clean-subscriber scenarios. ``persistent_broker``: the default, persistent
 sessions through the embedded Redis and Kafka-protocol broker that
 ``devicemq run`` starts in its data dir; they are stopped afterwards with
-``devicemq services stop``.
+``devicemq services stop``. ``paced_broker``: in memory, 5 CONNECTs a second
+from one address (``mqtt.max_connection_rate_per_source``), so that the load
+tool's clients, all from 127.0.0.1, are refused as busy and must retry.
 """
 
 from __future__ import annotations
@@ -41,21 +43,29 @@ class Broker:
             return ""
 
 
-def _env(persistence: bool) -> dict[str, str]:
+def _env(persistence: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["DEVICEMQ_PERSISTENCE_ENABLED"] = "true" if persistence else "false"
+    env.update(extra or {})
     return env
 
 
-def _start(data_dir: Path, persistence: bool, timeout: float = 30.0) -> Broker:
+def _start(
+    data_dir: Path, persistence: bool, timeout: float = 30.0, extra: dict[str, str] | None = None
+) -> Broker:
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port(HOST)
     argv = [sys.executable, "-m", "app.cli", "run", "--host", HOST, "--port", str(port)]
     argv += ["--data-dir", str(data_dir)]
     with open(data_dir / "broker.log", "wb") as log:
         proc = subprocess.Popen(
-            argv, cwd=REPO, env=_env(persistence), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            argv,
+            cwd=REPO,
+            env=_env(persistence, extra),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
         )
     broker = Broker(port, proc, data_dir)
     deadline = time.monotonic() + timeout
@@ -118,3 +128,16 @@ def persistent_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Brok
         yield broker
     finally:
         _stop(broker, persistence=True)
+
+
+@pytest.fixture(scope="session")
+def paced_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    broker = _start(
+        tmp_path_factory.mktemp("loadtest-paced"),
+        persistence=False,
+        extra={"DEVICEMQ_MQTT_MAX_CONNECTION_RATE_PER_SOURCE": "5"},
+    )
+    try:
+        yield broker
+    finally:
+        _stop(broker, persistence=False)
