@@ -73,6 +73,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target and output")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=1883)
+    g.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=[],
+        metavar="PORT:METRICS_PORT,...",
+        help="devicemq replicas on --host, each with its own MQTT and metrics port: clients "
+        "are spread over them, and latency is reported for subscribers on the replica "
+        "that consumes their Kafka partition and for the others",
+    )
     g.add_argument("--label", default="", help="name of the target in reports")
     g.add_argument(
         "--compare",
@@ -94,6 +103,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also count this process (and children) as broker CPU",
     )
     g.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _replicas(text: str) -> list[tuple[int, int]]:
+    """``--replicas 18883:18884,18893:18894``."""
+    out = []
+    for part in text.split(","):
+        mqtt, sep, metrics = part.partition(":")
+        if not (sep and mqtt.isdigit() and metrics.isdigit()):
+            raise argparse.ArgumentTypeError(f"{part!r}: expected PORT:METRICS_PORT")
+        out.append((int(mqtt), int(metrics)))
+    if len(out) < 2:
+        raise argparse.ArgumentTypeError("two or more replicas, comma-separated")
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
@@ -118,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         reconnect_every=args.reconnect_every,
         keep_sessions=args.keep_sessions,
         label=args.label,
+        replicas=args.replicas,
     )
 
 
@@ -136,7 +159,9 @@ def run_command(args: argparse.Namespace) -> int:
         results.append(run_load(config, progress=show, watch_pids=args.watch_pid))
         if args.compare:
             host, port = args.compare
-            other = LoadConfig(**{**vars(config), "host": host, "port": port, "label": ""})
+            other = LoadConfig(
+                **{**vars(config), "host": host, "port": port, "label": "", "replicas": []}
+            )
             results.append(
                 run_load(other, label=args.compare_label or f"{host}:{port}", progress=show)
             )

@@ -539,6 +539,8 @@ class Subscriber(_Client):
         self.foreign = 0
         self._qos2_pending: set[int] = set()
         self.on_activity: Callable[[], None] | None = None
+        # e2e us of each first delivery, when the run groups subscribers (--replicas)
+        self.latencies: array[int] | None = None
 
     async def start(self, host: str, port: int) -> None:
         await self.connect(host, port)
@@ -555,6 +557,7 @@ class Subscriber(_Client):
         replies: list[bytes] = []
         reply = replies.append
         record = self.stats.bucket(now).e2e.append
+        own = self.latencies
         unpack = HEADER.unpack_from
         v5 = self.v5
         nonce = self.nonce
@@ -625,7 +628,11 @@ class Subscriber(_Client):
                         stream.highest = seq
                 received += 1
                 latency = (now - sent_ns) // 1000
-                record(latency if 0 <= latency <= 0xFFFFFFFF else _micros(now - sent_ns))
+                if not 0 <= latency <= 0xFFFFFFFF:
+                    latency = _micros(now - sent_ns)
+                record(latency)
+                if own is not None:
+                    own.append(latency)
             elif kind == 6:  # PUBREL (QoS 2): release and complete
                 pid = (data[body] << 8) | data[body + 1]
                 self._qos2_pending.discard(pid)

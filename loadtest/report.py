@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.procstat import CpuSample
+from loadtest.replicas import by_consuming_replica
 from loadtest.scenarios import LoadConfig, Plan
 from loadtest.worker import WorkerResult
 
@@ -169,6 +170,7 @@ def summarize(
     cpu_end: CpuSample | None = None,
     broker_pid: int | None = None,
     watched_pids: list[int] | None = None,
+    owners: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     buckets = _merge_buckets(results)
     w0 = round(config.warmup)
@@ -219,7 +221,7 @@ def summarize(
         us_per_message = client_cores * 1e6 / messages_per_s
         capacity = 1e6 / us_per_message if us_per_message else None
 
-    return {
+    out: dict[str, Any] = {
         "label": label,
         "target": f"{config.host}:{config.port}",
         "scenario": config.scenario,
@@ -260,6 +262,25 @@ def summarize(
         "timeline": timeline,
         "errors": errors,
     }
+    if config.replicas:
+        n = len(config.replicas)
+        grouping = by_consuming_replica(
+            owners or {},
+            (
+                (plan.subscribers[j].client_id, j % n, s.latencies)
+                for r in results
+                for j, s in r.subscribers.items()
+            ),
+        )
+        out["by_replica"] = {
+            "partitions": {str(r): ps for r, ps in grouping.partitions.items()},
+            "error": grouping.error,
+            **{
+                group: {"subscribers": grouping.subscribers[group], **_percentiles(samples)}
+                for group, samples in grouping.latencies.items()
+            },
+        }
+    return out
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:
@@ -356,6 +377,21 @@ def format_report(results: list[dict[str, Any]]) -> str:
             f"{check['out_of_order']} out of order, {check['rejected']} rejected"
             + (f", {check['reconnects']} reconnects" if check["reconnects"] else "")
         )
+        grouped = r.get("by_replica")
+        if grouped and grouped["error"]:
+            lines.append(f"by replica {r['label']}: {grouped['error']}")
+        elif grouped:
+            for group, text in (
+                ("consuming", "on the replica consuming their partition"),
+                ("other", "on another replica"),
+            ):
+                g = grouped[group]
+                lines.append(
+                    f"e2e ms, {g['subscribers']} subscribers {text} (whole run): "
+                    f"p50 {_num(g['p50'], 1)}, p95 {_num(g['p95'], 1)}, "
+                    f"p99 {_num(g['p99'], 1)}, max {_num(g['max'], 1)} "
+                    f"({g['count']:,} deliveries)"
+                )
         if r.get("connect_busy_refusals"):
             lines.append(
                 f"connect {r['label']}: {r['connect_busy_refusals']:,} CONNECTs refused as busy "

@@ -19,6 +19,7 @@ from typing import Any
 
 from loadtest import procstat
 from loadtest.progress import Progress
+from loadtest.replicas import partition_owners
 from loadtest.report import summarize
 from loadtest.scenarios import LoadConfig, make_plan
 from loadtest.worker import WorkerResult, run_worker, start_thread_worker
@@ -96,6 +97,12 @@ def run_load(
     broker_pid = procstat.find_listener_pid(config.port) if config.host in _LOCAL else None
     if broker_pid is not None and broker_pid not in pids:
         pids.insert(0, broker_pid)
+    if config.host in _LOCAL:  # every replica's process counts as the broker
+        for port, _ in config.replicas:
+            pid = procstat.find_listener_pid(port)
+            if pid is not None and pid not in pids:
+                pids.append(pid)
+    owners: dict[int, int] | None = None
     workers = _Workers(config, plan)
     pending = dict(enumerate(workers.conns))
     totals = [(0, 0, 0)] * len(workers.conns)
@@ -131,6 +138,8 @@ def run_load(
             if "start" not in samples and now >= window_start:
                 samples["start"] = procstat.sample(pids)
                 phase = "measure"
+                if config.replicas:  # after the warm-up: the group has its partitions
+                    owners = partition_owners(config.host, [m for _, m in config.replicas])
             if "end" not in samples and now >= window_end:
                 samples["end"] = procstat.sample(pids)
                 phase = "drain"
@@ -172,6 +181,7 @@ def run_load(
         cpu_end=samples.get("end"),
         broker_pid=broker_pid,
         watched_pids=pids,
+        owners=owners,
     )
 
 

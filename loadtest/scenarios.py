@@ -48,6 +48,11 @@ class LoadConfig:
     keep_sessions: bool = False  # leave persistent sessions in the broker afterwards
     connect_concurrency: int = 100
     label: str = ""
+    # Replicas, each as (MQTT port, metrics port) on ``host``: clients are spread
+    # over their ports and latency is reported by whether a subscriber is on the
+    # replica that consumes its Kafka partition (loadtest/replicas.py). Empty: one
+    # target, ``port``.
+    replicas: list[tuple[int, int]] = field(default_factory=list)
 
     def resolved(self) -> LoadConfig:
         """A copy with the scenario's defaults filled in, checked."""
@@ -75,6 +80,8 @@ class LoadConfig:
             raise ValueError("--rate, --warmup and --drain must be >= 0, --duration > 0")
         if self.processes < 1:
             raise ValueError("--processes must be at least 1")
+        if len(self.replicas) == 1:
+            raise ValueError("--replicas needs two or more PORT:METRICS_PORT")
         persistent = self.persistent
         if persistent is None:
             persistent = self.scenario == "p2p"
@@ -96,6 +103,20 @@ class LoadConfig:
     @property
     def total_seconds(self) -> float:
         return self.warmup + self.duration
+
+    def subscriber_port(self, index: int) -> int:
+        """Subscriber ``index``'s port: round robin over the replicas."""
+        if not self.replicas:
+            return self.port
+        return self.replicas[index % len(self.replicas)][0]
+
+    def publisher_port(self, index: int) -> int:
+        """Publisher ``index``'s port: round robin in runs of ``len(replicas)``, so
+        that p2p pairs cover every (publisher replica, subscriber replica) pair."""
+        if not self.replicas:
+            return self.port
+        n = len(self.replicas)
+        return self.replicas[(index // n) % n][0]
 
 
 @dataclass

@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import traceback
+from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -53,6 +54,7 @@ class SubscriberResult:
     foreign: int
     reconnects: int
     lost_connections: int
+    latencies: bytes = b""  # e2e us of every delivery (array "I"), with --replicas
 
 
 @dataclass
@@ -126,6 +128,9 @@ class _Worker:
             )
             for spec in (plan.subscribers[j] for j in plan.worker_subscribers[worker])
         ]
+        if config.replicas:  # latency per subscriber, to group by replica (report.py)
+            for s in self.subscribers:
+                s.latencies = array("I")
         self.sources = {s.index: plan.subscribers[s.index].publishers for s in self.subscribers}
         self.reconnects: dict[int, int] = {s.index: 0 for s in self.subscribers}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -163,13 +168,22 @@ class _Worker:
         await asyncio.gather(*(one(job) for job in jobs))
 
     async def connect_all(self) -> None:
-        host, port = self.config.host, self.config.port
-        await self._bounded([lambda s=s: s.start(host, port) for s in self.subscribers])  # type: ignore[misc]
+        config = self.config
+        host = config.host
+        await self._bounded(
+            [
+                lambda s=s: s.start(host, config.subscriber_port(s.index))  # type: ignore[misc]
+                for s in self.subscribers
+            ]
+        )
         for s in self.subscribers:
             if s.session_present:
                 self.errors.append(f"{s.client_id}: a session was present on first connect")
         await self._bounded(
-            [lambda p=p: p.connect(host, port) for p in self.publishers]  # type: ignore[misc]
+            [
+                lambda p=p: p.connect(host, config.publisher_port(p.index))  # type: ignore[misc]
+                for p in self.publishers
+            ]
         )
 
     def _progress(self) -> None:
@@ -183,7 +197,7 @@ class _Worker:
     async def _reconnect(self, sub: Subscriber, deadline: int) -> None:
         while monotonic_ns() < deadline:
             try:
-                await sub.start(self.config.host, self.config.port)
+                await sub.start(self.config.host, self.config.subscriber_port(sub.index))
             except ClientError:
                 await asyncio.sleep(0.2)
                 continue
@@ -322,6 +336,7 @@ class _Worker:
                     s.foreign,
                     self.reconnects[s.index],
                     s.lost_connections - self.reconnects[s.index],
+                    s.latencies.tobytes() if s.latencies is not None else b"",
                 )
                 for s in self.subscribers
             },

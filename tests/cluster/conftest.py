@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from app.embedded_services import find_tansu
-from tests.faults.conftest import START_TIMEOUT, DeviceMQ, RedisProcess
+from tests.conftest import free_port
+from tests.faults.conftest import HOST, START_TIMEOUT, DeviceMQ, RedisProcess
 from tests.integration.redis_servers import RedisCluster3
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
@@ -39,9 +40,13 @@ class Cluster:
 
 @contextlib.contextmanager
 def running_cluster(
-    root: Path, settings: Mapping[str, object] = {}, shared_port: bool = False
+    root: Path,
+    settings: Mapping[str, object] = {},
+    shared_port: bool = False,
+    metrics: bool = False,
 ) -> Iterator[Cluster]:
-    """Tansu, redis-server and replicas ``a`` then ``b``; ``shared_port``: both on a's port."""
+    """Tansu, redis-server and replicas ``a`` then ``b``; ``shared_port``: both on a's
+    port; ``metrics``: each serves /metrics on a port of its own (``metrics.port``)."""
     find_tansu()
     tansu = start_tansu(log=root / "tansu.log")
     redis = RedisProcess(root / "redis")
@@ -59,6 +64,9 @@ def running_cluster(
     b = DeviceMQ(root / "b", redis, bootstrap_of(tansu), {**common, "cluster.node_id": "b"})
     if shared_port:
         b.port = a.port
+    if metrics:
+        for broker in (a, b):
+            broker.settings.update({"metrics.enabled": True, "metrics.port": free_port(HOST)})
     try:
         redis.start()
         a.start()
