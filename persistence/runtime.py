@@ -212,9 +212,20 @@ class DevicePersistence:
         await self.store.aclose()
 
     async def _wait_consumed(self) -> None:
+        """Wait until this broker's consumer stored what this broker had acknowledged,
+        in the partitions it holds. With replicas, what went to a partition another
+        replica holds is that replica's to store: it is in Kafka, and waiting for
+        this consumer to commit it would only wait out DRAIN_TIMEOUT (issue 16)."""
         deadline = time.monotonic() + DRAIN_TIMEOUT
         committed = self.consumer.stats.committed
-        while any(committed.get(p, 0) <= o for p, o in self.path.produced.items()):
+        held = {tp.partition for tp in self._kafka_consumer.assignment()}
+
+        def waiting() -> bool:
+            return any(
+                committed.get(p, 0) <= o for p, o in self.path.produced.items() if p in held
+            )
+
+        while waiting():
             if time.monotonic() > deadline:
                 log.error("shutdown: consumer did not store everything acknowledged in time")
                 return
