@@ -121,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     from app.embedded_services import ServiceError
     from app.metrics import MetricsUnavailable
-    from persistence.runtime import PersistenceUnavailable
+    from persistence.device_persistence import PersistenceUnavailable
 
     try:
         server.run(settings)

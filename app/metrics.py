@@ -47,7 +47,7 @@ from broker.stats import LATENCY_BUCKETS, Histogram
 if TYPE_CHECKING:
     from broker.config import MetricsSettings
     from broker.core import Broker
-    from persistence.runtime import DevicePersistence
+    from persistence.device_persistence import DevicePersistence
 
 __all__ = ["BrokerCollector", "MetricsServer", "MetricsUnavailable"]
 

@@ -22,7 +22,7 @@ from broker.server import BrokerServer
 
 if TYPE_CHECKING:
     from app.metrics import MetricsServer
-    from persistence.runtime import DevicePersistence
+    from persistence.device_persistence import DevicePersistence
 
 log = logging.getLogger("devicemq.server")
 
@@ -71,7 +71,7 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             # The consumer starts after the cluster link: sessions restored here may be
             # connected to another replica, and their stored messages must tell it.
             await persistence.attach(broker, consume=not settings.cluster.enabled)
-            from persistence.retained import RetainedPersistence
+            from persistence.retained_persistence import RetainedPersistence
 
             retained = RetainedPersistence(
                 persistence.store.redis,
@@ -108,7 +108,7 @@ async def _open_persistence(
     settings: Settings, produce_latency: Callable[[float], None] | None
 ) -> DevicePersistence:
     """The configured Redis and Kafka, or embedded ones started under ``data_dir``."""
-    from persistence.runtime import configured_endpoints, open_persistence
+    from persistence.device_persistence import configured_endpoints, open_persistence
 
     endpoints = configured_endpoints(settings)
     compact_after = 0

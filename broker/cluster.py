@@ -73,7 +73,7 @@ log = logging.getLogger("devicemq.cluster")
 
 SUBSCRIPTIONS = "subscriptions"  # channel suffixes; the edge adds "<prefix>:"
 STORED = "stored"
-RETAINED = "retained"  # topics whose retained message changed (persistence/retained.py)
+RETAINED = "retained"  # topics whose retained message changed (persistence/retained_persistence.py)
 DELIVER = "deliver:"  # + node id
 SNAPSHOT_CHUNK = 500  # sessions per ``snaps`` message
 RESYNC_WINDOW = 2.0  # seconds the snapshots of a re-sync have to confirm remote records

@@ -77,7 +77,8 @@ class RetainedStore:
         self.max_bytes = max_bytes
         self.max_messages_per_client = max_messages_per_client
         self.max_bytes_per_client = max_bytes_per_client
-        # persistence.enabled: every change is also written to Redis (persistence/retained.py)
+        # persistence.enabled: every change is also written to Redis
+        # (persistence/retained_persistence.py)
         self.on_change: Callable[[Message, Callable[[bool], None] | None], None] | None = None
 
     def __len__(self) -> int:

@@ -10,7 +10,7 @@ Channels, all under ``cluster.channel_prefix``:
 - ``<prefix>:deliver:<node>``: deliveries forwarded to clients connected on
   ``node``, framed ``[u16 len][client id][u32 len][stored-message encoding]``;
 - ``<prefix>:retained``: topics whose retained message a replica just wrote to
-  the hash ``devicemq:retained`` (``persistence/retained.py``): re-read them.
+  the hash ``devicemq:retained`` (``persistence/retained_persistence.py``): re-read them.
 
 Liveness: each replica refreshes the key ``{<prefix>:alive}:<node>`` every
 ``HEARTBEAT_INTERVAL`` with a TTL of ``HEARTBEAT_TTL`` and checks the keys of
@@ -61,16 +61,16 @@ from broker.cluster import (
     ClusterState,
 )
 from broker.message import Delivery
+from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import decode_record
-from persistence.records import encode_delivery, stored_delivery
 
 if TYPE_CHECKING:
     from redis.asyncio.client import PubSub
 
     from broker.config import Settings
     from broker.core import Broker
-    from persistence.retained import RetainedPersistence
-    from persistence.runtime import DevicePersistence
+    from persistence.device_persistence import DevicePersistence
+    from persistence.retained_persistence import RetainedPersistence
 
 log = logging.getLogger("devicemq.cluster")
 

@@ -34,7 +34,7 @@ from aiokafka.errors import (
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
-from persistence.records import encode_delivery
+from persistence.delivery_codec import encode_delivery
 
 if TYPE_CHECKING:
     from broker.message import Delivery

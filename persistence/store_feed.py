@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 from broker.outflow import Outflow, Outgoing
 from persistence.coalescing import RETRY_DELAY
+from persistence.delivery_codec import stored_delivery
 from persistence.events import NO_EVENTS, EventSink
 from persistence.format import Stage, StoredRecord
-from persistence.records import stored_delivery
 from persistence.redis_store import PersistedMessageStore
 
 if TYPE_CHECKING:

@@ -121,7 +121,7 @@ def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> Spar
 
 
 def read_epoch(endpoints: Endpoints, topic: str) -> int:
-    """How many times devicemq created ``topic`` (persistence/runtime.py's epoch)."""
+    """How many times devicemq created ``topic`` (persistence/device_persistence.py's epoch)."""
     client = _redis(endpoints)
     try:
         value = client.get(f"devicemq:epoch:{topic}")

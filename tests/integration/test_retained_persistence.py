@@ -1,4 +1,4 @@
-"""Retained messages written through to a real Redis (persistence/retained.py)."""
+"""Retained messages written through to a real Redis (persistence/retained_persistence.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from broker.message import Message
 from broker.retained import RetainedStore
 from persistence.format import RETAINED_KEY
-from persistence.retained import RetainedPersistence
+from persistence.retained_persistence import RetainedPersistence
 from tests.integration.redis_servers import RedisServer
 
 

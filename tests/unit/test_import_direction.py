@@ -72,9 +72,9 @@ def test_no_module_imports_upward() -> None:
 
 
 def test_an_upward_import_inside_a_function_is_found() -> None:
-    source = "def f() -> None:\n    from persistence.runtime import open_persistence\n"
+    source = "def f() -> None:\n    from persistence.device_persistence import open_persistence\n"
     assert upward_imports("broker.core", source) == [
-        "line 2: imports persistence.runtime.open_persistence"
+        "line 2: imports persistence.device_persistence.open_persistence"
     ]
     assert upward_imports("app.serve", source) == []
 

@@ -27,8 +27,8 @@ from typing import Any
 from broker.message import Delivery, Message
 from broker.retained import RetainedStore
 from persistence.coalescing import RETRY_DELAY
+from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import RETAINED_KEY, decode_record
-from persistence.records import encode_delivery, stored_delivery
 
 log = logging.getLogger("devicemq.retained")
 

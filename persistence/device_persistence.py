@@ -25,7 +25,7 @@ from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_ev
 from persistence.format import StoredRecord
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer, replace_topic
 from persistence.redis_store import RedisMessageStore
-from persistence.sessions import SessionStateStore
+from persistence.session_store import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
 
 if TYPE_CHECKING:
@@ -221,9 +221,7 @@ class DevicePersistence:
         held = {tp.partition for tp in self._kafka_consumer.assignment()}
 
         def waiting() -> bool:
-            return any(
-                committed.get(p, 0) <= o for p, o in self.path.produced.items() if p in held
-            )
+            return any(committed.get(p, 0) <= o for p, o in self.path.produced.items() if p in held)
 
         while waiting():
             if time.monotonic() > deadline:

@@ -13,7 +13,7 @@ import pytest
 from broker.config import PersistenceSettings, Settings
 from broker.core import Broker
 from broker.message import Delivery, Message
-from persistence.runtime import DevicePersistence, open_persistence
+from persistence.device_persistence import DevicePersistence, open_persistence
 from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
