@@ -53,7 +53,9 @@ of every replica, each replica round-robin on its own.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,7 @@ from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
+    from broker.config import Settings
     from broker.connection_state import WillMessage
     from broker.core import Broker
 
@@ -121,18 +124,30 @@ def entry_of(client_id: str, fields: list[Any]) -> SubscriptionEntry:
     return SubscriptionEntry(client_id, topic_filter, qos, no_local, rap, handling, sid)
 
 
+def node_id_of(settings: Settings) -> str:
+    """This replica's name among the others: ``cluster.node_id``, else host and PID."""
+    return settings.cluster.node_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _nothing() -> None:
+    pass
+
+
 class ClusterState:
-    def __init__(
-        self,
-        broker: Broker,
-        node_id: str,
-        wake: Callable[[], None],
-        missed: Callable[[], None] = lambda: None,
-    ) -> None:
+    """What this replica tells the others and what it heard from them, sans IO.
+
+    The broker builds it (``cluster.enabled``) and calls it from the core and the
+    handlers; the edge that carries it (persistence/cluster_link.py) plugs in
+    with :meth:`connect_edge` and takes what is to be sent from
+    :meth:`data_to_send`. Until then, and after :meth:`disconnect_edge`, what is
+    to be sent waits.
+    """
+
+    def __init__(self, broker: Broker, node_id: str) -> None:
         self.broker = broker
         self.node_id = node_id
-        self._wake = wake  # the edge: something is waiting in data_to_send()
-        self._missed = missed  # the edge: a sequence gap, catch up as after a reconnect
+        self._wake: Callable[[], None] = _nothing  # the edge: data_to_send() has something
+        self._missed: Callable[[], None] = _nothing  # the edge: a sequence gap, catch up
         self.boot = secrets.token_hex(8)  # this process, to tell a restarted replica's numbers
         self._seq = 0  # the last sequence number sent
         self._heard: dict[str, tuple[str, int]] = {}  # node -> (its boot token, last number)
@@ -145,6 +160,14 @@ class ClusterState:
         self.received = 0
         self._retained: list[str] = []
         self._unconfirmed: set[str] | None = None  # re-sync under way: not yet confirmed
+
+    def connect_edge(self, wake: Callable[[], None], missed: Callable[[], None]) -> None:
+        """The edge is up: ``wake()`` when something waits in :meth:`data_to_send`,
+        ``missed()`` when a gap in another replica's numbers says notices were lost."""
+        self._wake, self._missed = wake, missed
+
+    def disconnect_edge(self) -> None:
+        self._wake = self._missed = _nothing
 
     # -- local events (called by the broker core and handlers) -----------------------
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
-from broker.cluster import ClusterState, RemoteSession
+from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
@@ -98,7 +98,10 @@ class Broker:
         self._connect_by_source = SourceBuckets(per_source) if per_source > 0 else None
         # Refused CONNECTs are all counted (stats) but logged at a bounded rate.
         self.refusal_log = LogLimiter(logging.getLogger("devicemq.connect"), "connection refusals")
-        self.cluster: ClusterState | None = None  # cluster.enabled: the other replicas
+        # cluster.enabled: the other replicas (their edge plugs in: persistence/cluster_link.py)
+        self.cluster: ClusterState | None = (
+            ClusterState(self, node_id_of(settings)) if settings.cluster.enabled else None
+        )
         # Client ids whose durable session the persistent path is opening: the
         # CONNECTs that came meanwhile, to open once it is done.
         self._opening: dict[str, list[Callable[[], None]]] = {}

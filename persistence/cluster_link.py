@@ -40,8 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import struct
 import time
 from collections import deque
@@ -81,10 +79,6 @@ HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TTL = 5  # seconds without a refresh before a replica counts as dead
 
 
-def node_id_of(settings: Settings) -> str:
-    return settings.cluster.node_id or f"{socket.gethostname()}-{os.getpid()}"
-
-
 def encode_deliveries(items: list[tuple[str, Delivery]], wall: float, now: float) -> bytes:
     parts: list[bytes] = []
     for client_id, delivery in items:
@@ -116,7 +110,6 @@ class ClusterLink:
         self,
         redis: Redis,
         prefix: str,
-        node_id: str,
         broker: Broker,
         persistence: DevicePersistence,
         retained: RetainedPersistence | None = None,
@@ -127,13 +120,14 @@ class ClusterLink:
         self._prefix = prefix
         self._broker = broker
         self._persistence = persistence
-        self.state = ClusterState(broker, node_id, self._wake, self.catch_up)
+        assert broker.cluster is not None, "the broker builds its ClusterState (cluster.enabled)"
+        self.state: ClusterState = broker.cluster
         self._resync_timer: asyncio.TimerHandle | None = None
         self._ticker: asyncio.Task[None] | None = None
         # A seam for tests: a notice for which this returns True is not published
         # (as if pub/sub lost it); None in production.
         self.lose: Callable[[str, bytes], bool] | None = None
-        self._mine = f"{prefix}:{DELIVER}{node_id}"
+        self._mine = f"{prefix}:{DELIVER}{self.state.node_id}"
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -159,7 +153,7 @@ class ClusterLink:
             self._mine,
         )
         self._pubsub = pubsub
-        self._broker.cluster = self.state
+        self.state.connect_edge(self._wake, self.catch_up)
         self._reader = asyncio.create_task(self._read())
         self._heartbeat = asyncio.create_task(self._beat())
         self._ticker = asyncio.create_task(self._tick())
@@ -172,7 +166,7 @@ class ClusterLink:
         if self._sender is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._sender), 5.0)
-        self._broker.cluster = None
+        self.state.disconnect_edge()
         if self._resync_timer is not None:
             self._resync_timer.cancel()
         for task in (self._reader, self._heartbeat, self._ticker):
@@ -349,7 +343,7 @@ async def open_cluster_link(
 ) -> ClusterLink:
     url = persistence.redis_url
     # The connections are named, so an operator (or a test) can find them.
-    name = f"devicemq-cluster-{node_id_of(settings)}"
+    name = f"devicemq-cluster-{broker.cluster.node_id if broker.cluster else ''}"
     redis = Redis.from_url(url, decode_responses=False, client_name=name)
     keys: Redis | RedisCluster | None = None
     if settings.persistence.redis_cluster:
@@ -357,7 +351,6 @@ async def open_cluster_link(
     link = ClusterLink(
         redis,
         settings.cluster.channel_prefix,
-        node_id_of(settings),
         broker,
         persistence,
         retained,

@@ -15,7 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from broker.config import Settings
+from broker.config import ClusterSettings, Settings
 from broker.core import Broker
 from persistence.cluster_link import ClusterLink
 from tests.faults.conftest import RedisProcess
@@ -48,7 +48,8 @@ async def test_a_notice_whose_publish_failed_is_published_once_redis_takes_it(
     await pubsub.subscribe("p:stored", "p:deliver:m")
     # The edge publishes what its ClusterState has to say; persistence (re-reads on
     # notices received) is not involved in sending.
-    link = ClusterLink(client, "p", "n", Broker(Settings()), None)  # type: ignore[arg-type]
+    broker = Broker(Settings(cluster=ClusterSettings(enabled=True, node_id="n")))
+    link = ClusterLink(client, "p", broker, None)  # type: ignore[arg-type]
     try:
         link._queue.append(("p:stored", b"notice"))  # what _flush queues
         link._queue.append(("p:deliver:m", b"forwarded"))  # at most once: not again

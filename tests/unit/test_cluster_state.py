@@ -4,7 +4,7 @@ by hand (what one sends, the other receives), as the Redis pub/sub edge does."""
 from __future__ import annotations
 
 from broker.cluster import ClusterState, RemoteSession
-from broker.config import Settings
+from broker.config import ClusterSettings, Settings
 from broker.connection import ConnectionState, MQTTConnection
 from broker.core import Broker
 from broker.message import Delivery, Message
@@ -13,9 +13,10 @@ from broker.topics import SubscriptionEntry
 
 class Node:
     def __init__(self, name: str) -> None:
-        self.broker = Broker(Settings(), clock=lambda: 0.0)
-        self.state = ClusterState(self.broker, name, lambda: None)
-        self.broker.cluster = self.state
+        settings = Settings(cluster=ClusterSettings(enabled=True, node_id=name))
+        self.broker = Broker(settings, clock=lambda: 0.0)
+        assert self.broker.cluster is not None
+        self.state: ClusterState = self.broker.cluster
 
     def connect(self, client_id: str, expiry: int = 0) -> MQTTConnection:
         conn = MQTTConnection(self.broker, "test", lambda c: None)
