@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from persistence.device_persistence import DevicePersistence
 
 log = logging.getLogger("devicemq.server")
+
+# The drain after SIGTERM ends within this, or the process exits as if killed.
+SHUTDOWN_TIMEOUT = 60.0
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
@@ -91,6 +95,7 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             metrics.attach(broker, persistence)
         try:
             await stop.wait()
+            log.info("stop requested: disconnecting clients, then draining")
         finally:
             if metrics is not None:
                 metrics.stopping = True  # /ready: 503 while draining
@@ -138,9 +143,28 @@ def run(settings: Settings) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def signalled() -> None:
+            """The first SIGTERM/SIGINT drains, bounded by SHUTDOWN_TIMEOUT; a second
+            one exits at once (a backend that stopped answering can hold a drain)."""
+            if stop.is_set():
+                _exit_now("a second signal during the drain")
+            stop.set()
+            loop.call_later(
+                SHUTDOWN_TIMEOUT, _exit_now, f"the drain took more than {SHUTDOWN_TIMEOUT:g} s"
+            )
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signalled)
         await serve(settings, stop)
 
     with contextlib.suppress(KeyboardInterrupt):
         runner(main())
+
+
+def _exit_now(why: str) -> None:
+    """Leave without finishing the drain: as after a crash, nothing acknowledged is
+    lost (what is not stored yet is read again from Kafka at the next start)."""
+    log.error("%s: exiting without finishing the drain (exit status 1)", why)
+    logging.shutdown()
+    os._exit(1)

@@ -6,6 +6,9 @@ Redis and Kafka topic, and the clients reconnect by themselves.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
 
 import pytest
@@ -132,3 +135,42 @@ def test_sigterm_drains_everything_acknowledged(stack: Stack) -> None:
         offline.close()
         for pub in pubs:
             pub.close()
+
+
+def test_a_second_sigterm_ends_a_drain_that_a_paused_kafka_holds(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """A PUBLISH for a persistent subscriber waits for a paused Kafka, so the drain
+    after SIGTERM waits too (up to the request timeout, a minute here). A second
+    SIGTERM exits at once with status 1, as after a crash: nothing acknowledged
+    is lost. On the code before, it was ignored and the process stayed until
+    Kafka answered. The drain's own bound, ``app.serve.SHUTDOWN_TIMEOUT``, exits
+    the same way."""
+    from broker.packets import Publish
+    from tests.e2e.clients import Raw
+
+    stack: Stack = stack_factory({"persistence.kafka_request_timeout_ms": 60_000})
+    broker = stack.broker
+    assert broker.proc is not None and stack.tansu_pid is not None
+    topic = stack.topic("t")
+    sub = RawSubscriber(broker.address, stack.client("sub"), level=5)
+    pub = Raw(broker, level=5)
+    try:
+        sub.connect(subscribe=[(topic, 1)])
+        pub.connect(stack.client("pub"))
+        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        pub.send(Publish(topic, b"m", qos=1, packet_id=1))
+        assert pub.recv_or_none(timeout=1.0) is None  # waits for Kafka: the drain will too
+        os.kill(broker.proc.pid, signal.SIGTERM)
+        wait_until(lambda: not _accepting(broker.address), 10, "the listener to close")
+        os.kill(broker.proc.pid, signal.SIGTERM)
+        assert broker.proc.wait(10) == 1
+        assert "a second signal during the drain: exiting" in broker.log()
+    finally:
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        pub.close()
+        sub.close()
+
+
+def _accepting(address: tuple[str, int]) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(address) == 0
