@@ -329,7 +329,7 @@ class BrokerCollector(Collector):
         )
         yield _counter(
             "redis_wait_failures",
-            "Consumer batches not durable within persistence.redis_wait_timeout_ms (not committed)",
+            "Offset commits held back: persistence.redis_wait not met within its timeout",
             persistence.store.wait_failures,
         )
         yield _counter(

@@ -84,7 +84,7 @@ class ConsumerStats:
     failures: int = 0  # unexpected errors of the consumer task (it went on)
     log_resets: int = 0  # partitions rewound after their log went backwards
     stuck_joins: int = 0  # group joins given up and started again as a new member
-    not_durable: int = 0  # batches not committed: persistence.redis_wait not met in time
+    not_durable: int = 0  # commits held back: persistence.redis_wait not met in time
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
 
 
@@ -313,12 +313,7 @@ class PersistenceConsumer:
             # earliest); other replicas' consumers may be past it: tell them.
             self._resets.announce(went_back)
         results = await self._save(client_batches)
-        if all(result.durable for result in results):
-            self._commit_soon(commit)
-        else:
-            # Stored, but not as durable as persistence.redis_wait asks: no commit, so
-            # a crash reads them again (stored once); a later batch's commit covers them.
-            self.stats.not_durable += 1
+        self._commit_soon(commit)
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
             self.events.stored(batch, result)
@@ -416,8 +411,18 @@ class PersistenceConsumer:
         self._commits.add(offsets)
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
-        """Commit; answers the offsets to commit again (see below)."""
+        """Commit; answers the offsets to commit again (see below).
+
+        With ``persistence.redis_wait``, only once Redis says the saves are as
+        durable as asked: the stored messages were delivered already (a failover
+        that lost them makes them read from Kafka and delivered again, never lost),
+        but an offset committed too early would skip them. The wait runs here,
+        beside storing, so the consumer never waits for it; commits held back
+        meanwhile merge, and one wait covers them all."""
         assignments = self._assignments
+        if not await self._store.wait_durable():
+            self.stats.not_durable += 1
+            return self._still_mine(offsets, assignments)
         try:
             await self._consumer.commit(offsets)
         except KafkaError as error:
@@ -431,13 +436,20 @@ class PersistenceConsumer:
             # Whoever holds it now re-reads and commits.
             self.stats.commit_errors += 1
             log.warning("offset commit failed: %s", error)
-            if self._assignments != assignments:
-                return {}
-            assigned = self._consumer.assignment()
-            return {tp: offset for tp, offset in offsets.items() if tp in assigned}
+            return self._still_mine(offsets, assignments)
         for tp, offset in offsets.items():
             self.stats.committed[tp.partition] = offset
         return {}
+
+    def _still_mine(
+        self, offsets: dict[TopicPartition, int], assignments: int
+    ) -> dict[TopicPartition, int]:
+        """The offsets to try committing again: none after a rebalance (see
+        :meth:`_commit`), else those of partitions still assigned."""
+        if self._assignments != assignments:
+            return {}
+        assigned = self._consumer.assignment()
+        return {tp: offset for tp, offset in offsets.items() if tp in assigned}
 
     def _account(self, result: SaveResult) -> None:
         stats = self.stats

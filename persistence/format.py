@@ -75,7 +75,8 @@ Keys of the whole installation: :data:`SESSIONS_INDEX` (durable sessions for
 the restore at start-up), :data:`PRODUCERS_KEY` (producer ids handed out),
 :func:`epoch_key` (how often the persisted topic was created anew),
 :func:`resets_key` (log resets announced per partition), :data:`RETAINED_KEY`
-(retained messages, topic -> message value).
+(retained messages, topic -> message value), :data:`WAIT_FENCE_KEY` (written
+before a WAIT: ``persistence.redis_wait``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ __all__ = [
     "PRODUCERS_KEY",
     "RETAINED_KEY",
     "SESSIONS_INDEX",
+    "WAIT_FENCE_KEY",
     "ClientKeys",
     "RecordId",
     "SessionState",
@@ -138,6 +140,9 @@ _ID_U32 = struct.Struct(">BI")
 SESSIONS_INDEX = "devicemq:sessions"
 PRODUCERS_KEY = "devicemq:producers"
 RETAINED_KEY = "devicemq:retained"
+# A counter written just before WAIT / WAITAOF, on the waiting connection: WAIT
+# covers that connection's writes, and this one comes after every save.
+WAIT_FENCE_KEY = "devicemq:wait-fence"
 
 
 def epoch_key(topic: str) -> str:

@@ -81,6 +81,7 @@ from broker.stats import Histogram
 from persistence.format import (
     PRODUCERS_KEY,
     SESSIONS_INDEX,
+    WAIT_FENCE_KEY,
     ClientKeys,
     SessionState,
     StoredMessage,
@@ -163,8 +164,6 @@ class SaveResult:
     # Per message, the script's answer: its score (> 0), or EXPIRED, DUPLICATE,
     # DISCARDED, UNSTORED.
     outcomes: list[int] = field(default_factory=list)
-    # As durable as persistence.redis_wait asks (always, when it is off).
-    durable: bool = True
 
     @property
     def saved(self) -> int:
@@ -263,6 +262,8 @@ class PersistedMessageStore(Protocol):
 
     async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]: ...
 
+    async def wait_durable(self) -> bool: ...
+
     async def load_page(self, client_id: str, after_score: int = 0, limit: int = 100) -> Page: ...
 
     async def ack(self, client_id: str, packet_id: int) -> bool: ...
@@ -358,11 +359,11 @@ class RedisMessageStore:
         self.redis = redis
         self.limit = limit
         self.max_bytes = max_bytes  # per client, of the values stored; 0: none
-        # persistence.redis_wait: each save wave ends with WAIT / WAITAOF
+        # persistence.redis_wait: offsets are committed after WAIT / WAITAOF (wait_durable)
         self.wait = wait
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
-        self.wait_failures = 0  # waves not durable within the timeout
+        self.wait_failures = 0  # waits that did not see the writes durable in time
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
@@ -525,17 +526,10 @@ class RedisMessageStore:
             for i in todo:
                 keys, args = calls[i]
                 pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
-            wait = self._wait_command()
-            if wait:
-                # On the connection that wrote: WAIT and WAITAOF wait for its writes.
-                pipe.execute_command(*wait)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             finally:
                 self._observe(_SAVE.name, time.perf_counter() - started)
-            durable = True
-            if wait:
-                durable = self._waited(replies.pop())
             again = []
             for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
@@ -544,13 +538,33 @@ class RedisMessageStore:
                     self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
                     results[i] = reply
                 else:
-                    result = _save_result(reply)
-                    result.durable = durable
-                    results[i] = result
+                    results[i] = _save_result(reply)
             if again:
                 await self.load_scripts()
             todo = again
         return results
+
+    async def wait_durable(self) -> bool:
+        """Is everything saved so far as durable as ``persistence.redis_wait`` asks?
+
+        WAIT and WAITAOF cover the writes of the connection they run on, and saves
+        run on any connection of the pool. So this connection writes a fence
+        (:data:`~persistence.format.WAIT_FENCE_KEY`) first: Redis replicates and
+        appends in one order, so once the fence is on the replicas (or fsynced),
+        every write that finished before it is too. Off: always True. A Redis
+        error counts as not durable.
+        """
+        wait = self._wait_command()
+        if not wait:
+            return True
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(WAIT_FENCE_KEY)
+        pipe.execute_command(*wait)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except Exception as error:  # connection errors vary by client mode
+            replies = [error, error]
+        return self._waited(replies[-1])
 
     def _wait_command(self) -> tuple[Any, ...]:
         timeout = self.wait_timeout_ms

@@ -379,3 +379,62 @@ async def test_a_commit_refused_before_a_rebalance_is_not_tried_after_it(
         await persistence.close()
     finally:
         stop_tansu(tansu)
+
+
+async def test_redis_wait_holds_the_commit_back_until_a_replica_has_the_batch(
+    redis: RedisServer,
+) -> None:
+    """persistence.redis_wait: replicas. With the replica stopped, the message is
+    stored at once (and could be delivered), but its offset is not committed;
+    once the replica answers, the held-back commit goes through by itself. On the
+    code before, the consumer waited in every save and a batch found not durable
+    stayed uncommitted until a later record of its partition came."""
+    import os
+    import signal
+
+    from aiokafka import TopicPartition
+    from redis.asyncio import Redis as AsyncRedis
+
+    replica = RedisServer()
+    follower = AsyncRedis.from_url(replica.url)
+    tansu = start_tansu()
+    try:
+        await follower.execute_command("REPLICAOF", "127.0.0.1", redis.port)
+        for _ in range(200):
+            if (await follower.info("replication")).get("master_link_status") == "up":
+                break
+            await asyncio.sleep(0.05)
+        persistence, broker = await _open(
+            redis.url, bootstrap_of(tansu), redis_wait="replicas", redis_wait_timeout_ms=300
+        )
+        await _durable_session(persistence, broker, "dev")
+        kafka = persistence.kafka_consumer
+        topic = persistence.settings.persistence.topic
+        partitions = [TopicPartition(topic, p) for p in range(3)]
+
+        async def behind() -> list[TopicPartition]:
+            ends = await kafka.end_offsets(partitions)
+            return [tp for tp in partitions if (await kafka.committed(tp) or 0) < ends[tp]]
+
+        os.kill(replica.process.pid, signal.SIGSTOP)
+        try:
+            await _publish(broker, "dev", [b"only"])
+            assert await _stored(persistence, "dev", 1) == [b"only"]
+            for _ in range(100):
+                if persistence.consumer.stats.not_durable:
+                    break
+                await asyncio.sleep(0.05)
+            assert persistence.consumer.stats.not_durable >= 1
+            assert await behind(), "committed while no replica had the batch"
+        finally:
+            os.kill(replica.process.pid, signal.SIGCONT)
+        for _ in range(100):
+            if not await behind():
+                break
+            await asyncio.sleep(0.1)
+        assert not await behind(), "the held-back commit never went through"
+        await persistence.close()
+    finally:
+        stop_tansu(tansu)
+        await follower.aclose()
+        replica.stop()

@@ -599,10 +599,11 @@ async def test_bytes_per_client_are_limited_like_messages(
     assert int(await cmd(small, "GET", keys.bytes)) == 0
 
 
-async def test_redis_wait_replicas_tells_whether_a_batch_reached_a_replica() -> None:
-    """persistence.redis_wait: replicas. The save wave ends with WAIT on the connection
-    that wrote it; a batch no replica acknowledged in time is reported not durable
-    (the consumer then does not commit its offsets)."""
+async def test_redis_wait_sees_every_earlier_save_on_a_replica() -> None:
+    """persistence.redis_wait: replicas. ``wait_durable`` writes a fence and WAITs on
+    its own connection; saves made on other connections before it are on the
+    replica once it answers True (Redis replicates in one order). With the replica
+    stopped it answers False in time (the consumer then holds the commit back)."""
     import os
     import signal
 
@@ -612,6 +613,7 @@ async def test_redis_wait_replicas_tells_whether_a_batch_reached_a_replica() -> 
 
     primary, replica = RedisServer(), RedisServer()
     client = AsyncRedis.from_url(primary.url)
+    other = AsyncRedis.from_url(primary.url)  # the saves' connections are not the wait's
     follower = AsyncRedis.from_url(replica.url)
     try:
         await follower.execute_command("REPLICAOF", "127.0.0.1", primary.port)
@@ -621,15 +623,21 @@ async def test_redis_wait_replicas_tells_whether_a_batch_reached_a_replica() -> 
             await asyncio.sleep(0.05)
         store = RedisMessageStore(client, wait="replicas", wait_replicas=1, wait_timeout_ms=300)
         await store.check_wait()
-        (result,) = await store.save_many([ClientBatch("dev", msgs(0, 3), 0)])
-        assert result.saved == 3 and result.durable
+        saver = RedisMessageStore(other)
+        for n in range(20):
+            (result,) = await saver.save_many([ClientBatch(f"dev-{n}", msgs(0, 3), 0)])
+            assert result.saved == 3
+        assert await store.wait_durable()
+        keys = client_keys("dev-19")
+        assert await follower.zcard(keys.messages) == 3  # the last save is on the replica
         os.kill(replica.process.pid, signal.SIGSTOP)
         try:
-            (result,) = await store.save_many([ClientBatch("dev", msgs(3, 3), 0)])
+            await saver.save_many([ClientBatch("dev-20", msgs(0, 3), 0)])
+            assert not await store.wait_durable()
         finally:
             os.kill(replica.process.pid, signal.SIGCONT)
-        assert result.saved == 3 and not result.durable
         assert store.wait_failures == 1
+        assert await RedisMessageStore(client).wait_durable()  # off: nothing to wait for
         aof = RedisMessageStore(client, wait="aof")
         version = (await client.info("server"))["redis_version"]
         if tuple(int(x) for x in str(version).split(".")[:2]) < (7, 2):
@@ -637,6 +645,7 @@ async def test_redis_wait_replicas_tells_whether_a_batch_reached_a_replica() -> 
                 await aof.check_wait()
     finally:
         await client.aclose()
+        await other.aclose()
         await follower.aclose()
         replica.stop()
         primary.stop()
