@@ -47,6 +47,7 @@ from broker.stats import LATENCY_BUCKETS, Histogram
 if TYPE_CHECKING:
     from broker.config import MetricsSettings
     from broker.core import Broker
+    from persistence.coalescing import Retry
     from persistence.device_persistence import DevicePersistence
 
 __all__ = ["BrokerCollector", "MetricsServer", "MetricsUnavailable"]
@@ -123,6 +124,7 @@ class BrokerCollector(Collector):
     def __init__(self) -> None:
         self.broker: Broker | None = None
         self.persistence: DevicePersistence | None = None
+        self.retries: list[Retry] = []
         self.kafka_produce = Histogram(LATENCY_BUCKETS)
         # Refreshed by MetricsServer before a scrape (they need I/O).
         self.backlog: int | None = None
@@ -130,9 +132,15 @@ class BrokerCollector(Collector):
         # this process has not committed itself
         self.committed: dict[int, int] = {}
 
-    def attach(self, broker: Broker, persistence: DevicePersistence | None) -> None:
+    def attach(
+        self,
+        broker: Broker,
+        persistence: DevicePersistence | None,
+        retries: Sequence[Retry] = (),
+    ) -> None:
         self.broker = broker
         self.persistence = persistence
+        self.retries = list(retries)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._info()
@@ -140,6 +148,7 @@ class BrokerCollector(Collector):
             yield from self._broker(self.broker)
         if self.persistence is not None:
             yield from self._persistence(self.persistence)
+            yield from self._retries(self.retries)
 
     def _info(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
@@ -288,6 +297,25 @@ class BrokerCollector(Collector):
             "persisted_replay_page_messages",
             "Stored messages read per Redis page when a session catches up or replays",
             [((), stats.replay_pages)],
+        )
+
+    def _retries(self, retries: list[Retry]) -> Iterator[Metric]:
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_write_retries",
+                "Background writes to Redis or Kafka tried again after a failure, per writer",
+                labels=["writer"],
+            ),
+            [((r.name,), r.retries) for r in retries],
+        )
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_writes_given_up",
+                "What a background writer gave up: writes abandoned after their last "
+                "try, or queued items dropped over its bound, per writer",
+                labels=["writer"],
+            ),
+            [((r.name,), r.given_up) for r in retries],
         )
 
     def _persistence(self, persistence: DevicePersistence) -> Iterator[Metric]:
@@ -495,9 +523,14 @@ class MetricsServer:
             ) from e
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
-    def attach(self, broker: Broker, persistence: DevicePersistence | None) -> None:
+    def attach(
+        self,
+        broker: Broker,
+        persistence: DevicePersistence | None,
+        retries: Sequence[Retry] = (),
+    ) -> None:
         """The broker serves MQTT now: export it and let /ready answer for it."""
-        self.collector.attach(broker, persistence)
+        self.collector.attach(broker, persistence, retries)
 
     async def stop(self) -> None:
         self.stopping = True

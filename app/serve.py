@@ -92,7 +92,12 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
         server = BrokerServer(settings, broker)
         await server.start()
         if metrics is not None:
-            metrics.attach(broker, persistence)
+            retries = persistence.retries() if persistence is not None else []
+            if retained is not None:
+                retries.append(retained.retry)
+            if link is not None:
+                retries += link.retries()
+            metrics.attach(broker, persistence, retries)
         try:
             await stop.wait()
             log.info("stop requested: disconnecting clients, then draining")

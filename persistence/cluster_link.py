@@ -59,6 +59,7 @@ from broker.cluster import (
     ClusterState,
 )
 from broker.message import Delivery
+from persistence.coalescing import CoalescingWriter, Retry
 from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import decode_record
 
@@ -74,7 +75,24 @@ log = logging.getLogger("devicemq.cluster")
 
 _CID = struct.Struct(">H")
 _VALUE = struct.Struct(">I")
-RETRY_DELAY = 0.5
+# Messages waiting for Redis (it is away): over this, the oldest are dropped; a
+# receiver that misses numbered ones sees the gap and catches up.
+MAX_QUEUED = 100_000
+
+Queued = deque[tuple[str, bytes]]  # (channel, payload), oldest first
+
+
+def _appended(older: Queued, newer: Queued) -> Queued:
+    older.extend(newer)
+    return older
+
+
+def _newest(queued: Queued, n: int) -> Queued:
+    while len(queued) > n:
+        queued.popleft()
+    return queued
+
+
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TTL = 5  # seconds without a refresh before a replica counts as dead
 
@@ -130,14 +148,24 @@ class ClusterLink:
         self._mine = f"{prefix}:{DELIVER}{self.state.node_id}"
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._sender: asyncio.Task[None] | None = None
-        self._queue: deque[tuple[str, bytes]] = deque()
+        self._sender: CoalescingWriter[deque[tuple[str, bytes]]] = CoalescingWriter(
+            self._publish,
+            _appended,
+            deque,
+            Retry("cluster_link"),
+            limit=MAX_QUEUED,
+            trim=_newest,
+        )
+        self.read_retry = Retry("cluster_pubsub_reads")
         self._scheduled = False
         self._retained = retained
         if retained is not None:
             retained.written = self.state.retained_changed
         self._heartbeat: asyncio.Task[None] | None = None
         self._subscribed = 0  # confirmations of the control channel's subscription
+
+    def retries(self) -> list[Retry]:
+        return [self._sender.retry, self.read_retry]
 
     def _alive_key(self, node: str) -> str:
         return f"{{{self._prefix}:alive}}:{node}"  # one hash slot for all: MGET on a cluster
@@ -163,9 +191,8 @@ class ClusterLink:
     async def close(self) -> None:
         """Send what is queued (session ends of the shutdown), then leave."""
         self._flush()
-        if self._sender is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._sender), 5.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._sender.drain(), 5.0)
         self.state.disconnect_edge()
         if self._resync_timer is not None:
             self._resync_timer.cancel()
@@ -213,51 +240,45 @@ class ClusterLink:
         self._scheduled = False
         control, deliveries = self.state.data_to_send()
         prefix = self._prefix
-        self._queue.extend((f"{prefix}:{channel}", payload) for channel, payload in control)
+        queued = [(f"{prefix}:{channel}", payload) for channel, payload in control]
         if deliveries:
             wall, now = time.time(), self._broker.clock()
             for node, items in deliveries.items():
                 channel = f"{prefix}:{DELIVER}{node}"
-                self._queue.append((channel, encode_deliveries(items, wall, now)))
-        if self._queue and self._sender is None:
-            self._sender = asyncio.create_task(self._send())
+                queued.append((channel, encode_deliveries(items, wall, now)))
+        if queued:
+            self._sender.add(deque(queued))
 
-    async def _send(self) -> None:
+    async def _publish(self, batch: Queued) -> Queued:
+        """Publish ``batch`` in order; what to send again (see below)."""
         deliver = f"{self._prefix}:{DELIVER}"
+        lose = self.lose
         try:
-            while self._queue:
-                batch = list(self._queue)
-                self._queue.clear()
-                lose = self.lose
-                try:
-                    async with self._redis.pipeline(transaction=False) as pipe:
-                        for channel, payload in batch:
-                            if lose is not None and lose(channel, payload):
-                                pipe.echo(b"lost on purpose")  # counts as 0 listeners
-                            else:
-                                pipe.publish(channel, payload)
-                        listeners = await pipe.execute()
-                except Exception as error:
-                    # Control messages and notices are numbered: sent again, in order,
-                    # ahead of anything newer (a receiver ignores what it heard
-                    # already). Forwarded deliveries are at most once: dropped.
-                    kept = [item for item in batch if not item[0].startswith(deliver)]
-                    log.warning(
-                        "cluster: publishing %d messages failed (%d to send again): %s",
-                        len(batch),
-                        len(kept),
-                        error,
-                    )
-                    self._queue.extendleft(reversed(kept))
-                    await asyncio.sleep(RETRY_DELAY)
-                    continue
-                for (channel, _), count in zip(batch, listeners, strict=True):
-                    if count == 0 and channel.startswith(deliver):
-                        node = channel[len(deliver) :]
-                        log.info("cluster: replica %s is gone, dropping its clean sessions", node)
-                        self.state.node_gone(node)
-        finally:
-            self._sender = None
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for channel, payload in batch:
+                    if lose is not None and lose(channel, payload):
+                        pipe.echo(b"lost on purpose")  # counts as 0 listeners
+                    else:
+                        pipe.publish(channel, payload)
+                listeners = await pipe.execute()
+        except Exception as error:
+            # Control messages and notices are numbered: sent again, in order,
+            # ahead of anything newer (a receiver ignores what it heard
+            # already). Forwarded deliveries are at most once: dropped.
+            kept = deque(item for item in batch if not item[0].startswith(deliver))
+            log.warning(
+                "cluster: publishing %d messages failed (%d to send again): %s",
+                len(batch),
+                len(kept),
+                error,
+            )
+            return kept
+        for (channel, _), count in zip(batch, listeners, strict=True):
+            if count == 0 and channel.startswith(deliver):
+                node = channel[len(deliver) :]
+                log.info("cluster: replica %s is gone, dropping its clean sessions", node)
+                self.state.node_gone(node)
+        return deque()
 
     # -- in ----------------------------------------------------------------------------
 
@@ -273,8 +294,9 @@ class ClusterLink:
                 raise
             except Exception as error:
                 log.warning("cluster: reading pub/sub failed: %s", error)
-                await asyncio.sleep(RETRY_DELAY)
+                await self.read_retry.wait()
                 continue
+            self.read_retry.succeeded()
             if message is None:
                 continue
             if message.get("type") == "subscribe" and message["channel"] == subscriptions.encode():
@@ -309,9 +331,7 @@ class ClusterLink:
         while True:
             await asyncio.sleep(TICK_INTERVAL)
             self._flush()
-            self._queue.append((f"{self._prefix}:{SUBSCRIPTIONS}", self.state.tick()[1]))
-            if self._sender is None:
-                self._sender = asyncio.create_task(self._send())
+            self._sender.add(deque([(f"{self._prefix}:{SUBSCRIPTIONS}", self.state.tick()[1])]))
 
     async def _beat(self) -> None:
         """Refresh this replica's liveness key; forget replicas whose key expired."""

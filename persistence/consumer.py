@@ -23,7 +23,7 @@ every consumer rewinds the partitions named there to their beginning
 
 The consumer task is supervised: an unexpected error rewinds the partitions
 of the batch it was storing to that batch's first record, is logged and
-counted, and reading goes on after :data:`RETRY_DELAY`; meanwhile
+counted, and reading goes on after a wait (persistence/coalescing.py); meanwhile
 :attr:`PersistenceConsumer.failure` says why (``/ready`` answers 503).
 
 A group join can get stuck: a replica restarted against a Kafka (the embedded
@@ -47,7 +47,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
-from persistence.coalescing import RETRY_DELAY, CoalescingWriter
+from persistence.coalescing import CoalescingWriter, Retry
 from persistence.events import NO_EVENTS, EventSink
 from persistence.format import (
     Stage,
@@ -118,7 +118,13 @@ class LogResets:
         self._redis = redis
         self._key = resets_key(topic)
         self._epoch_key = epoch_key(topic)
-        self._writer: CoalescingWriter[set[int]] = CoalescingWriter(self._write, _union, set)
+        self._writer: CoalescingWriter[set[int]] = CoalescingWriter(
+            self._write, _union, set, Retry("log_resets")
+        )
+
+    @property
+    def retry(self) -> Retry:
+        return self._writer.retry
 
     def announce(self, partitions: Iterable[int]) -> None:
         """From the hot path: written in the background, retried until it lands."""
@@ -194,7 +200,8 @@ class PersistenceConsumer:
         self.events = events
         self.failure: str | None = None  # why storing is failing right now (not ready)
         # One commit in flight; offsets asked meanwhile go together in the next.
-        self._commits = CoalescingWriter(self._commit, _newer_wins, dict)
+        self._commits = CoalescingWriter(self._commit, _newer_wins, dict, Retry("kafka_commits"))
+        self.store_retry = Retry("consumer_saves")  # storing a poll, reading after a failure
         # Next offset expected per partition while it stays assigned: a fetched
         # record below it means the log went backwards.
         self._position: dict[TopicPartition, int] = {}
@@ -208,6 +215,10 @@ class PersistenceConsumer:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def commit_retry(self) -> Retry:
+        return self._commits.retry
 
     async def run(self) -> None:
         """Read and store until cancelled; an unexpected error never ends it."""
@@ -227,11 +238,11 @@ class PersistenceConsumer:
             except Exception as error:
                 self.stats.failures += 1
                 self.failure = f"persistence consumer failed: {error!r}"
-                log.exception("persistence consumer failed; reading again after %gs", RETRY_DELAY)
+                log.exception("persistence consumer failed; reading again shortly")
                 for tp, records in batches.items():
                     # Nothing of that batch may count as read: store it again.
                     self._seek(tp, records[0].offset)
-                await asyncio.sleep(RETRY_DELAY)
+                await self.store_retry.wait()
 
     def joining(self) -> None:
         """A group join starts (the rebalance listener's revoke comes first)."""
@@ -397,11 +408,13 @@ class PersistenceConsumer:
     async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:
         while True:
             try:
-                return await self._store.save_many(batches)
+                saved = await self._store.save_many(batches)
+                self.store_retry.succeeded()
+                return saved
             except Exception as error:  # BatchSaveError, connection errors, cluster errors
                 self.stats.save_errors += 1
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)
-                await asyncio.sleep(RETRY_DELAY)
+                await self.store_retry.wait()
 
     async def commits_done(self) -> None:
         """Wait until every offset handed to Kafka so far is committed (or failed)."""

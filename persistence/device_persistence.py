@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
+from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
@@ -166,6 +167,20 @@ class DevicePersistence:
         return self.consumer.failure
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    def retries(self) -> list[Retry]:
+        """Every background write's retry counts (persistence/coalescing.py)."""
+        consumer = self.consumer
+        return [
+            consumer.store_retry,
+            consumer.commit_retry,
+            self.resets.retry,
+            self.writer.retry,
+            self.writer.replay_retry,
+            self.sessions.retry,
+            self.sessions.open_retry,
+            self.path.recreate_retry,
+        ]
 
     async def attach(self, broker: Broker, consume: bool = True) -> None:
         """Restore saved sessions into ``broker``, then start consuming (``consume``

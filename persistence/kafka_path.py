@@ -34,6 +34,7 @@ from aiokafka.errors import (
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
+from persistence.coalescing import Retry
 from persistence.delivery_codec import encode_delivery
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class KafkaPersistentPath:
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
         self._held = False  # records wait while the topic is emptied (persistence/compaction.py)
         self._recreating = False
+        self.recreate_retry = Retry("kafka_topic_create")
         self._latency_observer = latency_observer  # seconds per round (the metrics' histogram)
 
     def submit(
@@ -355,10 +357,11 @@ class KafkaPersistentPath:
             while True:
                 try:
                     await self._recreate_topic()
+                    self.recreate_retry.succeeded()
                     return
                 except Exception as error:
                     log.warning("creating kafka topic %s again failed: %s", self._topic, error)
-                    await asyncio.sleep(0.5)
+                    await self.recreate_retry.wait()
         finally:
             self._recreating = False
             if not self._held:

@@ -26,7 +26,7 @@ from typing import Any
 
 from broker.message import Delivery, Message
 from broker.retained import RetainedStore
-from persistence.coalescing import RETRY_DELAY
+from persistence.coalescing import Retry
 from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import RETAINED_KEY, decode_record
 
@@ -86,6 +86,7 @@ class RetainedPersistence:
         self._writes = Counter[str]()  # queued writes per topic
         self._task: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
+        self.retry = Retry("retained")
         self.written: Callable[[list[str]], None] | None = None  # cluster: tell the others
 
     async def load(self) -> int:
@@ -165,8 +166,9 @@ class RetainedPersistence:
                     self._unsent = {
                         topic: i for i, (kind, topic, _, _) in enumerate(self._ops) if kind == "w"
                     }
-                    await asyncio.sleep(RETRY_DELAY)
+                    await self.retry.wait()
                     continue
+                self.retry.succeeded()
                 self._applied(batch, results)
                 for *_, waiters in batch:
                     for waiter in waiters:

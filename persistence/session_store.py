@@ -28,7 +28,7 @@ from broker.core import Broker
 from broker.persistent_path import OpenedSession, OpenRequest
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import SubscriptionEntry
-from persistence.coalescing import RETRY_DELAY
+from persistence.coalescing import Retry
 from persistence.format import SessionState, SubscriptionState
 from persistence.redis_store import RedisMessageStore, SessionOwned
 
@@ -77,6 +77,9 @@ class SessionStateStore:
         self._wall_clock = wall_clock
         self._queues: dict[str, deque[_Op]] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
+        self.retry = Retry("session_saves")
+        # A CONNECT waits for its session: tries at a steady pace, no growing waits.
+        self.open_retry = Retry("session_opens", most=0)
 
     # -- asked by the broker ----------------------------------------------------------
 
@@ -232,8 +235,9 @@ class SessionStateStore:
             except Exception as error:
                 log.warning("opening session %s failed: %s", client_id, error)
                 if attempt + 1 == OPEN_ATTEMPTS:
+                    self.open_retry.gave_up()
                     return None
-                await asyncio.sleep(RETRY_DELAY)
+                await self.open_retry.wait()
         if found is None:  # a new session, written with its generation
             await self._index(client_id, math.inf)
             return OpenedSession(state.generation, False, [], (), request.owner)
@@ -256,10 +260,12 @@ class SessionStateStore:
         for _ in range(SAVE_ATTEMPTS):
             try:
                 await write()
+                self.retry.succeeded()
                 return True
             except Exception as error:
                 log.warning("writing session state failed: %s", error)
-                await asyncio.sleep(RETRY_DELAY)
+                await self.retry.wait()
+        self.retry.gave_up()
         return False
 
     async def _index(self, client_id: str, deadline: float) -> None:

@@ -26,10 +26,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker.outflow import Outflow, Outgoing
-from persistence.coalescing import RETRY_DELAY
+from persistence.coalescing import CoalescingWriter, Retry
 from persistence.delivery_codec import stored_delivery
 from persistence.events import NO_EVENTS, EventSink
 from persistence.format import Stage, StoredRecord
@@ -45,98 +46,105 @@ log = logging.getLogger("devicemq.outflow")
 MarksDone = Callable[[Collection[int]], None]
 
 
+@dataclass(slots=True)
+class _Progress:
+    """Delivery-progress writes asked, per client, oldest first, and who waits."""
+
+    marks: dict[str, list[int]] = field(default_factory=dict)
+    pubrels: dict[str, list[int]] = field(default_factory=dict)
+    acks: dict[str, list[int]] = field(default_factory=dict)
+    mark_callbacks: list[tuple[str, list[int], MarksDone]] = field(default_factory=list)
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.marks) + len(self.pubrels) + len(self.acks)
+
+    @staticmethod
+    def merge(older: _Progress, newer: _Progress) -> _Progress:
+        for mine, theirs in (
+            (older.marks, newer.marks),
+            (older.pubrels, newer.pubrels),
+            (older.acks, newer.acks),
+        ):
+            for client_id, ids in theirs.items():
+                mine.setdefault(client_id, []).extend(ids)
+        older.mark_callbacks += newer.mark_callbacks
+        older.callbacks += newer.callbacks
+        return older
+
+
 class StoreWriter:
     """Delivery progress of every durable session: sent marks, PUBREL stages, acks.
 
-    Everything asked while one write is under way goes into the next, as one
-    pipelined round trip for all clients (:meth:`write_progress`): under load
-    the batches grow instead of the number of Redis calls. A failed write is
-    retried after :data:`RETRY_DELAY` until it lands, since messages wait for
-    their sent mark and PUBRELs for their stage; acks are idempotent, so
-    writing them again is harmless.
+    What is asked in one event-loop iteration is handed over together; everything
+    asked while one write is under way goes into the next, as one pipelined round
+    trip for all clients (:meth:`write_progress`): under load the batches grow
+    instead of the number of Redis calls. A failed write is tried again
+    (persistence/coalescing.py) until it lands, since messages wait for their
+    sent mark and PUBRELs for their stage; acks are idempotent, so writing them
+    again is harmless.
     """
 
     def __init__(self, store: PersistedMessageStore) -> None:
         self._store = store
-        self._marks: dict[str, list[int]] = {}
-        self._pubrels: dict[str, list[int]] = {}
-        self._acks: dict[str, list[int]] = {}
-        self._mark_callbacks: list[tuple[str, list[int], MarksDone]] = []
-        self._callbacks: list[Callable[[], None]] = []
+        self._asked = _Progress()
         self._scheduled = False
-        self._task: asyncio.Task[None] | None = None
+        self._writer = CoalescingWriter(
+            self._write, _Progress.merge, _Progress, Retry("delivery_progress")
+        )
+        self.replay_retry = Retry("replay_reads")  # a session's page read that failed
         self.errors = 0
 
+    @property
+    def retry(self) -> Retry:
+        return self._writer.retry
+
     def ack(self, client_id: str, packet_id: int) -> None:
-        self._acks.setdefault(client_id, []).append(packet_id)
+        self._asked.acks.setdefault(client_id, []).append(packet_id)
         self._schedule()
 
     def mark_pubrel(self, client_id: str, packet_id: int, then: Callable[[], None]) -> None:
-        self._pubrels.setdefault(client_id, []).append(packet_id)
-        self._callbacks.append(then)
+        self._asked.pubrels.setdefault(client_id, []).append(packet_id)
+        self._asked.callbacks.append(then)
         self._schedule()
 
     def mark_sent(self, client_id: str, packet_ids: list[int], then: MarksDone) -> None:
         """Mark, then ``then(ids marked)``: an id left out is no longer stored."""
-        self._marks.setdefault(client_id, []).extend(packet_ids)
-        self._mark_callbacks.append((client_id, packet_ids, then))
+        self._asked.marks.setdefault(client_id, []).extend(packet_ids)
+        self._asked.mark_callbacks.append((client_id, packet_ids, then))
         self._schedule()
 
     async def flush(self) -> None:
         """Wait until everything asked so far is written."""
-        while self._task is not None or self._has_work():
-            if self._task is None:
-                self._start()
-            if self._task is not None:
-                await asyncio.shield(self._task)
-
-    def _has_work(self) -> bool:
-        return bool(self._marks or self._pubrels or self._acks)
+        self._hand_over()
+        await self._writer.drain()
 
     def _schedule(self) -> None:
-        if not self._scheduled and self._task is None:
+        if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._start)
+            asyncio.get_running_loop().call_soon(self._hand_over)
 
-    def _start(self) -> None:
+    def _hand_over(self) -> None:
         self._scheduled = False
-        if self._task is not None or not self._has_work():
-            return
-        marks, self._marks = self._marks, {}
-        pubrels, self._pubrels = self._pubrels, {}
-        acks, self._acks = self._acks, {}
-        mark_callbacks, self._mark_callbacks = self._mark_callbacks, []
-        callbacks, self._callbacks = self._callbacks, []
-        self._task = asyncio.get_running_loop().create_task(
-            self._write(marks, pubrels, acks, mark_callbacks, callbacks)
-        )
+        if len(self._asked):
+            asked, self._asked = self._asked, _Progress()
+            self._writer.add(asked)
 
-    async def _write(
-        self,
-        marks: dict[str, list[int]],
-        pubrels: dict[str, list[int]],
-        acks: dict[str, list[int]],
-        mark_callbacks: list[tuple[str, list[int], MarksDone]],
-        callbacks: list[Callable[[], None]],
-    ) -> None:
+    async def _write(self, progress: _Progress) -> _Progress:
         try:
-            while True:
-                try:
-                    marked = await self._store.write_progress(marks, pubrels, acks)
-                    break
-                except Exception as error:  # redis errors vary by client mode
-                    self.errors += 1
-                    log.warning("redis delivery-progress write failed, retrying: %s", error)
-                    await asyncio.sleep(RETRY_DELAY)
-            for client_id, ids, then in mark_callbacks:
-                done = marked.get(client_id, set())
-                then([i for i in ids if i in done])
-            for then_ in callbacks:
-                then_()
-        finally:
-            self._task = None
-            if self._has_work():
-                self._schedule()
+            marked = await self._store.write_progress(
+                progress.marks, progress.pubrels, progress.acks
+            )
+        except Exception as error:  # redis errors vary by client mode
+            self.errors += 1
+            log.warning("redis delivery-progress write failed, retrying: %s", error)
+            return progress
+        for client_id, ids, then in progress.mark_callbacks:
+            done = marked.get(client_id, set())
+            then([i for i in ids if i in done])
+        for then_ in progress.callbacks:
+            then_()
+        return _Progress()
 
 
 class StoreFeed:
@@ -314,9 +322,10 @@ class StoreFeed:
         try:
             await self._writer.flush()  # acks first, so the page holds no acked message
             page = await self._store.load_page(self.client_id, self._cursor, self._page_size)
+            self._writer.replay_retry.succeeded()
         except Exception as error:
             log.warning("replay read for %s failed: %s", self.client_id, error)
-            await asyncio.sleep(RETRY_DELAY)
+            await self._writer.replay_retry.wait()
             page = None
         if epoch != self._epoch:
             return

@@ -10,6 +10,7 @@ throughout (a restarted Redis would race the retry against the subscription).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +52,20 @@ async def test_a_notice_whose_publish_failed_is_published_once_redis_takes_it(
     broker = Broker(Settings(cluster=ClusterSettings(enabled=True, node_id="n")))
     link = ClusterLink(client, "p", broker, None)  # type: ignore[arg-type]
     try:
-        link._queue.append(("p:stored", b"notice"))  # what _flush queues
-        link._queue.append(("p:deliver:m", b"forwarded"))  # at most once: not again
-        sender = asyncio.create_task(link._send())
+        sender = link._sender
+        # what _flush hands over: a numbered notice, and a delivery (at most once)
+        sender.add(deque([("p:stored", b"notice"), ("p:deliver:m", b"forwarded")]))
         deadline = asyncio.get_running_loop().time() + 5.0
-        # The first attempt took both and failed: the notice alone is queued again.
-        while list(link._queue) != [("p:stored", b"notice")]:
-            assert asyncio.get_running_loop().time() < deadline, list(link._queue)
+        # The first attempt took both and failed: the notice alone waits to go again.
+        while list(sender.pending) != [("p:stored", b"notice")]:
+            assert asyncio.get_running_loop().time() < deadline, list(sender.pending)
             await asyncio.sleep(0.01)
-        assert not sender.done()
+        assert sender.busy
         await admin.acl_setuser("link", commands=["+publish"])
         assert await _next_message(pubsub, 5.0) == b"notice"
         assert await _next_message(pubsub, 1.0) is None  # the delivery was dropped
-        await asyncio.wait_for(sender, 5.0)
+        await asyncio.wait_for(sender.drain(), 5.0)
+        assert sender.retry.retries >= 1
     finally:
         await pubsub.aclose()  # type: ignore[no-untyped-call]
         for c in (listener, client, admin):
