@@ -385,6 +385,11 @@ class BrokerCollector(Collector):
             "Compactions put off: the consumer had not stored everything within the hold",
             compaction.deferred,
         )
+        yield _counter(
+            "kafka_compaction_hold_seconds",
+            "Time publishers waited while the embedded Kafka's topic was being emptied",
+            compaction.held_seconds,
+        )
         if self.backlog is not None:
             yield _gauge(
                 "persisted_backlog_messages",

@@ -49,6 +49,7 @@ class CompactionStats:
     compactions: int = 0  # topics emptied
     deferred: int = 0  # compactions given up: the consumer did not catch up in time
     records_dropped: int = 0  # stored records removed from Kafka with their topic
+    held_seconds: float = 0.0  # publishers held, by every try (finished or deferred)
 
 
 class KafkaCompactor:
@@ -93,6 +94,7 @@ class KafkaCompactor:
         """Empty the topic now if everything in it is stored; False if it was not."""
         path, consumer = self._path, self._consumer
         path.hold()
+        held_at = self._clock()
         new_log = False
         try:
             deadline = self._clock() + self._hold_limit
@@ -117,7 +119,13 @@ class KafkaCompactor:
             consumer.log_recreated()
             self.stats.compactions += 1
             self.stats.records_dropped += dropped
-            log.info("embedded kafka topic emptied: its %d records were all stored", dropped)
+            log.info(
+                "embedded kafka topic emptied: its %d records were all stored "
+                "(publishers held %.0f ms)",
+                dropped,
+                (self._clock() - held_at) * 1000,
+            )
             return True
         finally:
+            self.stats.held_seconds += self._clock() - held_at
             path.release(new_log)
