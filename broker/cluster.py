@@ -550,15 +550,7 @@ class ClusterState:
 
     def _drop(self, session: Session) -> None:
         """Forget a session here only: its tree entries, queue and timers; no Redis."""
-        broker = self.broker
-        for topic_filter in session.subscriptions:
-            broker.subscriptions.remove(session.client_id, topic_filter)
-        session.subscriptions.clear()
-        session.outflow.discard()
-        if broker.sessions.get(session.client_id) is session:
-            del broker.sessions[session.client_id]
-        broker.unbind_owner(session)
-        broker.forget_detached(session)
+        self.broker.forget_session(session)
 
     def _send(self, **change: Any) -> None:
         if not self._control and not self._stored and not self._deliveries:

@@ -458,15 +458,10 @@ class Broker:
             session.expires_at = now + session.expiry_interval
         self._detached.add(session)
 
-    def forget_detached(self, session: Session) -> None:
-        """Stop a session's will-delay and expiry timers (another replica owns it)."""
-        self._detached.discard(session)
-
-    def end_session(self, session: Session, on_ended: DoneCallback | None = None) -> None:
-        """Discard a session; a will still waiting for its delay is sent now.
-        ``on_ended(ok)``: a durable session's end was written (or could not be)."""
-        if self.cluster is not None:
-            self.cluster.ended(session)
+    def forget_session(self, session: Session) -> None:
+        """Forget a session on this broker only: its filters, queue, index entry,
+        owner and timers. Nothing is written; its end is someone else's (another
+        replica owns it now) or :meth:`end_session`'s."""
         for topic_filter in session.subscriptions:
             self.subscriptions.remove(session.client_id, topic_filter)
         session.subscriptions.clear()
@@ -474,11 +469,18 @@ class Broker:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
         self.unbind_owner(session)
+        self._detached.discard(session)
+
+    def end_session(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+        """Discard a session; a will still waiting for its delay is sent now.
+        ``on_ended(ok)``: a durable session's end was written (or could not be)."""
+        if self.cluster is not None:
+            self.cluster.ended(session)
+        self.forget_session(session)
         if session.durable:
             self.persistent_path.session_ended(session, on_ended)
         elif on_ended is not None:
             on_ended(True)
-        self._detached.discard(session)
         self.acl.forget(session.client_id)
         if session.retained_sender is not None:
             session.retained_sender.cancel()
