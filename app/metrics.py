@@ -361,6 +361,12 @@ class BrokerCollector(Collector):
             persistence.store.wait_failures,
         )
         yield _counter(
+            "redis_lost_writes",
+            "Times Redis no longer had saves it had acknowledged (persistence.redis_wait "
+            "found it; the partitions were read again from their committed offsets)",
+            persistence.store.lost_writes,
+        )
+        yield _counter(
             "kafka_log_resets",
             "Partitions re-read from their start after their log went backwards",
             consumer.log_resets,

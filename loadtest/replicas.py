@@ -25,14 +25,18 @@ from aiokafka.partitioner import DefaultPartitioner
 __all__ = ["Grouping", "by_consuming_replica", "partition_of", "partition_owners"]
 
 _ASSIGNED = re.compile(rb'^devicemq_kafka_consumer_lag_records\{partition="(\d+)"\}', re.M)
+_COUNT = re.compile(rb"^devicemq_kafka_consumer_assigned_partitions (\d+)", re.M)
 
 
 def partition_owners(
     host: str, metrics_ports: Iterable[int], timeout: float = 3.0
-) -> dict[int, int]:
+) -> tuple[dict[int, int], int]:
     """Partition -> index of the replica whose consumer holds it, read from each
-    replica's ``/metrics``. A replica that does not answer holds nothing here."""
+    replica's ``/metrics``, and how many partitions the replicas say they hold in
+    all (a partition's lag series is only there once its offsets are known, so
+    the two can differ). A replica that does not answer holds nothing here."""
     owners: dict[int, int] = {}
+    held = 0
     for index, port in enumerate(metrics_ports):
         try:
             with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
@@ -41,7 +45,9 @@ def partition_owners(
             continue
         for match in _ASSIGNED.finditer(text):
             owners[int(match.group(1))] = index
-    return owners
+        count = _COUNT.search(text)
+        held += int(count.group(1)) if count else 0
+    return owners, held
 
 
 def partition_of(client_id: str, count: int) -> int:
@@ -62,19 +68,19 @@ class Grouping:
 
 
 def by_consuming_replica(
-    owners: dict[int, int], subscribers: Iterable[tuple[str, int, bytes]]
+    owners: dict[int, int], held: int, subscribers: Iterable[tuple[str, int, bytes]]
 ) -> Grouping:
     """Split ``subscribers`` (client ID, index of the replica it is connected to,
     its latencies as array "I" bytes) into those on the replica that consumes
-    their partition and the others. ``owners`` as :func:`partition_owners`; when
-    it is not every partition from 0 up, the split cannot be trusted and
-    ``error`` says so."""
-    count = max(owners, default=-1) + 1
-    held: dict[int, list[int]] = {}
+    their partition and the others. ``owners`` and ``held`` as
+    :func:`partition_owners`; when the owners are not every partition from 0 to
+    ``held``, the split cannot be trusted and ``error`` says so."""
+    count = held
+    by_replica: dict[int, list[int]] = {}
     for partition, replica in sorted(owners.items()):
-        held.setdefault(replica, []).append(partition)
+        by_replica.setdefault(replica, []).append(partition)
     grouping = Grouping(
-        held, {"consuming": 0, "other": 0}, {"consuming": array("I"), "other": array("I")}
+        by_replica, {"consuming": 0, "other": 0}, {"consuming": array("I"), "other": array("I")}
     )
     if count == 0 or set(owners) != set(range(count)):
         grouping.error = f"partition owners incomplete: {sorted(owners)}"

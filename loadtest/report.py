@@ -170,7 +170,7 @@ def summarize(
     cpu_end: CpuSample | None = None,
     broker_pid: int | None = None,
     watched_pids: list[int] | None = None,
-    owners: dict[int, int] | None = None,
+    owners: tuple[dict[int, int], int] | None = None,
 ) -> dict[str, Any]:
     buckets = _merge_buckets(results)
     w0 = round(config.warmup)
@@ -264,8 +264,10 @@ def summarize(
     }
     if config.replicas:
         n = len(config.replicas)
+        known, held = owners or ({}, 0)
         grouping = by_consuming_replica(
-            owners or {},
+            known,
+            held,
             (
                 (plan.subscribers[j].client_id, j % n, s.latencies)
                 for r in results

@@ -102,7 +102,7 @@ def run_load(
             pid = procstat.find_listener_pid(port)
             if pid is not None and pid not in pids:
                 pids.append(pid)
-    owners: dict[int, int] | None = None
+    owners: tuple[dict[int, int], int] | None = None
     workers = _Workers(config, plan)
     pending = dict(enumerate(workers.conns))
     totals = [(0, 0, 0)] * len(workers.conns)

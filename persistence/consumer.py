@@ -57,7 +57,13 @@ from persistence.format import (
     record_id,
     resets_key,
 )
-from persistence.redis_store import ClientBatch, PersistedMessageStore, SaveResult
+from persistence.redis_store import (
+    DURABLE,
+    LOST,
+    ClientBatch,
+    PersistedMessageStore,
+    SaveResult,
+)
 
 log = logging.getLogger("devicemq.consumer")
 
@@ -65,6 +71,7 @@ RESET_CHECK_INTERVAL = 1.0  # seconds between two looks at the announced log res
 # Seconds a group join may take before it counts as stuck: several of aiokafka's
 # rejoin rounds (a session timeout of 2 s, a rejoin every ~3 s when stuck).
 STUCK_JOIN_AFTER = 15.0
+COMMITS_DONE_TIMEOUT = 5.0  # seconds a shutdown waits for offset commits still held back
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
 RoomFor = Callable[[str], int]  # client id -> messages it can be sent right now
@@ -85,6 +92,7 @@ class ConsumerStats:
     log_resets: int = 0  # partitions rewound after their log went backwards
     stuck_joins: int = 0  # group joins given up and started again as a new member
     not_durable: int = 0  # commits held back: persistence.redis_wait not met in time
+    rewinds: int = 0  # partitions read again: Redis lost saves it had acknowledged
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
 
 
@@ -208,6 +216,9 @@ class PersistenceConsumer:
         # Bumped by every revoke and assign: a commit refused before one is not tried
         # again after it (the partition may now hold another log: a Kafka restarted).
         self._assignments = 0
+        # Bumped when Redis lost acknowledged saves and the partitions are read again
+        # (_rewind): the offsets of a poll stored before it are not committed.
+        self._rewinds = 0
         self._known_resets: dict[int, int] | None = None
         self._resets_checked = 0.0
         consumer.subscribe([topic], listener=_Rebalance(self))
@@ -290,6 +301,7 @@ class PersistenceConsumer:
             del pending[tp]
 
     async def process(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        rewinds = self._rewinds
         client_batches: list[ClientBatch] = []
         commit: dict[TopicPartition, int] = {}
         went_back: list[int] = []
@@ -324,7 +336,8 @@ class PersistenceConsumer:
             # earliest); other replicas' consumers may be past it: tell them.
             self._resets.announce(went_back)
         results = await self._save(client_batches)
-        self._commit_soon(commit)
+        if rewinds == self._rewinds:  # else these records are being read again
+            self._commit_soon(commit)
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
             self.events.stored(batch, result)
@@ -416,9 +429,19 @@ class PersistenceConsumer:
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)
                 await self.store_retry.wait()
 
-    async def commits_done(self) -> None:
-        """Wait until every offset handed to Kafka so far is committed (or failed)."""
-        await self._commits.drain()
+    async def commits_done(self, timeout: float = COMMITS_DONE_TIMEOUT) -> None:
+        """Wait until every offset handed to Kafka so far is committed (or failed),
+        at most ``timeout``: a commit held back by ``persistence.redis_wait`` may
+        never be allowed (a replica gone). What is not committed is read again at
+        the next start, and stored once."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._commits.drain()), timeout)
+        except TimeoutError:
+            log.warning(
+                "offsets not committed within %g s (persistence.redis_wait not met?); "
+                "their records are read again at the next start, stored once",
+                timeout,
+            )
 
     def _commit_soon(self, offsets: dict[TopicPartition, int]) -> None:
         self._commits.add(offsets)
@@ -432,10 +455,16 @@ class PersistenceConsumer:
         but an offset committed too early would skip them. The wait runs here,
         beside storing, so the consumer never waits for it; commits held back
         meanwhile merge, and one wait covers them all."""
-        assignments = self._assignments
-        if not await self._store.wait_durable():
+        assignments, rewinds = self._assignments, self._rewinds
+        verdict = await self._store.wait_durable()
+        if verdict == LOST:
+            await self._rewind()
+            return {}
+        if verdict != DURABLE:
             self.stats.not_durable += 1
             return self._still_mine(offsets, assignments)
+        if self._assignments != assignments or self._rewinds != rewinds:
+            return {}  # a rebalance or a rewind during the wait: see below
         try:
             await self._consumer.commit(offsets)
         except KafkaError as error:
@@ -453,6 +482,28 @@ class PersistenceConsumer:
         for tp, offset in offsets.items():
             self.stats.committed[tp.partition] = offset
         return {}
+
+    async def _rewind(self) -> None:
+        """Redis no longer has saves it acknowledged (a restart from a file without
+        them, a replica without them taking over): read every assigned partition
+        again from its committed offset. What Redis still has is skipped as
+        stored; what it lost is saved again. Nothing stored before now commits."""
+        self._rewinds += 1
+        self.stats.rewinds += 1
+        self._commits.pending.clear()
+        assigned = list(self._consumer.assignment())
+        log.warning(
+            "redis lost saves it had acknowledged (restart or failover): reading %d "
+            "partitions again from their committed offsets",
+            len(assigned),
+        )
+        for tp in assigned:
+            try:
+                committed = await self._consumer.committed(tp)
+            except KafkaError as error:
+                log.warning("reading the committed offset of %s failed: %s", tp, error)
+                committed = None
+            self._seek(tp, committed or 0)  # nothing committed: from the start
 
     def _still_mine(
         self, offsets: dict[TopicPartition, int], assignments: int

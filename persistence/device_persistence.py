@@ -233,9 +233,9 @@ class DevicePersistence:
         this consumer to commit it would only wait out DRAIN_TIMEOUT (issue 16)."""
         deadline = time.monotonic() + DRAIN_TIMEOUT
         committed = self.consumer.stats.committed
-        held = {tp.partition for tp in self._kafka_consumer.assignment()}
 
-        def waiting() -> bool:
+        def waiting() -> bool:  # the assignment as it is now: a rebalance may change it
+            held = {tp.partition for tp in self._kafka_consumer.assignment()}
             return any(committed.get(p, 0) <= o for p, o in self.path.produced.items() if p in held)
 
         while waiting():

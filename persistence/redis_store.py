@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -247,6 +248,13 @@ class BatchSaveError(Exception):
 # ---------------------------------------------------------------------------
 
 
+# What wait_durable answers (persistence.redis_wait).
+DURABLE = "durable"
+NOT_YET = "not yet"  # the wait timed out or failed: try again
+LOST = "lost"  # Redis lost saves it acknowledged: save them again
+COUNTER_TTL = 7 * 86400  # seconds a store's durability counter outlives its last fence
+
+
 class PersistedMessageStore(Protocol):
     """Stored messages and session state of persistent sessions."""
 
@@ -262,7 +270,7 @@ class PersistedMessageStore(Protocol):
 
     async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]: ...
 
-    async def wait_durable(self) -> bool: ...
+    async def wait_durable(self) -> str: ...
 
     async def load_page(self, client_id: str, after_score: int = 0, limit: int = 100) -> Page: ...
 
@@ -272,11 +280,13 @@ class PersistedMessageStore(Protocol):
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool: ...
 
-    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> list[int]: ...
+    async def mark_sent(
+        self, client_id: str, packet_ids: Iterable[int], scores: Iterable[int] | None = None
+    ) -> list[int]: ...
 
     async def write_progress(
         self,
-        marks: Mapping[str, Sequence[int]],
+        marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[int]],
     ) -> dict[str, set[int]]: ...
@@ -364,6 +374,12 @@ class RedisMessageStore:
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.wait_failures = 0  # waits that did not see the writes durable in time
+        self.lost_writes = 0  # fences that found acknowledged saves gone (restart, failover)
+        # Every save wave (and every fence) increments this store's own counter in
+        # Redis; ``_counted`` is the highest value Redis acknowledged. A fence that
+        # finds it lower saw Redis lose acknowledged writes (wait_durable).
+        self._counter_key = f"{WAIT_FENCE_KEY}:{secrets.token_hex(8)}"
+        self._counted = 0
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
@@ -526,10 +542,17 @@ class RedisMessageStore:
             for i in todo:
                 keys, args = calls[i]
                 pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
+            counting = self.wait != "off"
+            if counting:  # after the saves, on their connection (wait_durable)
+                pipe.incr(self._counter_key)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             finally:
                 self._observe(_SAVE.name, time.perf_counter() - started)
+            if counting:
+                counted = replies.pop()
+                if isinstance(counted, int):
+                    self._counted = max(self._counted, counted)
             again = []
             for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
@@ -544,27 +567,43 @@ class RedisMessageStore:
             todo = again
         return results
 
-    async def wait_durable(self) -> bool:
+    async def wait_durable(self) -> str:
         """Is everything saved so far as durable as ``persistence.redis_wait`` asks?
+
+        :data:`DURABLE`, :data:`NOT_YET` (try again later) or :data:`LOST`: Redis
+        no longer has saves it acknowledged (it restarted from a file without
+        them, or a replica without them took over), so they must be saved again.
 
         WAIT and WAITAOF cover the writes of the connection they run on, and saves
         run on any connection of the pool. So this connection writes a fence
-        (:data:`~persistence.format.WAIT_FENCE_KEY`) first: Redis replicates and
-        appends in one order, so once the fence is on the replicas (or fsynced),
-        every write that finished before it is too. Off: always True. A Redis
-        error counts as not durable.
+        first, an increment of this store's counter: Redis replicates and appends
+        in one order, so once the fence is on the replicas (or fsynced), every
+        write that finished before it is too. Every save wave increments the
+        same counter after its saves; a fence that reads a value not above the
+        highest one acknowledged sees that acknowledged saves are gone. Off:
+        always DURABLE. A Redis error counts as NOT_YET.
         """
         wait = self._wait_command()
         if not wait:
-            return True
+            return DURABLE
         pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(WAIT_FENCE_KEY)
+        pipe.incr(self._counter_key)
+        pipe.expire(self._counter_key, COUNTER_TTL)
         pipe.execute_command(*wait)
         try:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as error:  # connection errors vary by client mode
-            replies = [error, error]
-        return self._waited(replies[-1])
+            replies = [error, error, error]
+        counted = replies[0]
+        if not isinstance(counted, int):  # no fence written: the WAIT would prove nothing
+            self.wait_failures += 1
+            return NOT_YET
+        lost = counted <= self._counted
+        self._counted = max(self._counted, counted) if not lost else counted
+        if lost:
+            self.lost_writes += 1
+            return LOST
+        return DURABLE if self._waited(replies[-1]) else NOT_YET
 
     def _wait_command(self) -> tuple[Any, ...]:
         timeout = self.wait_timeout_ms
@@ -675,26 +714,34 @@ class RedisMessageStore:
         reply = await self.redis.execute_command("SET", key, _PUBREL_VALUE, "XX", "KEEPTTL")
         return reply is not None and reply is not False
 
-    async def mark_sent(self, client_id: str, packet_ids: Iterable[int]) -> list[int]:
+    async def mark_sent(
+        self, client_id: str, packet_ids: Iterable[int], scores: Iterable[int] | None = None
+    ) -> list[int]:
         """Record that messages are about to go out (DUP on any later send).
 
         Returns the ids marked; a message no longer stored (trimmed, expired)
-        is left out and must not be sent.
+        is left out and must not be sent. With ``scores`` (those the messages
+        were read with), an id that now belongs to another message is left
+        out too, and that message is left alone (mark_sent.lua).
         """
         ids = list(packet_ids)
         if not ids:
             return []
         keys = client_keys(client_id)
-        reply = await self._eval(_MARK_SENT, (keys.messages, keys.session), ids)
+        wanted = list(scores) if scores is not None else [0] * len(ids)
+        args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
+        reply = await self._eval(_MARK_SENT, (keys.messages, keys.session), args)
         return [int(i) for i in reply]
 
     async def write_progress(
         self,
-        marks: Mapping[str, Sequence[int]],
+        marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[int]],
     ) -> dict[str, set[int]]:
         """Many clients' delivery progress in one pipelined round trip.
+
+        ``marks``: per client, (packet id, score it was read with) pairs.
 
         Sent marks first, then PUBREL stages, then acks: the order one
         message's progress can take within one batch. Every command is
@@ -715,14 +762,15 @@ class RedisMessageStore:
 
     async def _write_progress(
         self,
-        marks: Mapping[str, Sequence[int]],
+        marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[int]],
     ) -> dict[str, set[int]]:
         pipe = self.redis.pipeline(transaction=False)
-        for client_id, ids in marks.items():
+        for client_id, sent in marks.items():
             keys = client_keys(client_id)
-            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 2, keys.messages, keys.session, *ids)
+            args = [x for pair in sent for x in pair]
+            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 2, keys.messages, keys.session, *args)
         for client_id, ids in pubrels.items():
             keys = client_keys(client_id)
             for packet_id in ids:

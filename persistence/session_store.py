@@ -77,7 +77,9 @@ class SessionStateStore:
         self._wall_clock = wall_clock
         self._queues: dict[str, deque[_Op]] = {}
         self._drains: dict[str, asyncio.Task[None]] = {}
-        self.retry = Retry("session_saves")
+        # Shared by every client's writes, so at a steady pace: one client's failures
+        # must not lengthen another's waits (a CONNACK may wait on them).
+        self.retry = Retry("session_saves", most=0)
         # A CONNECT waits for its session: tries at a steady pace, no growing waits.
         self.open_retry = Retry("session_opens", most=0)
 

@@ -50,7 +50,7 @@ MarksDone = Callable[[Collection[int]], None]
 class _Progress:
     """Delivery-progress writes asked, per client, oldest first, and who waits."""
 
-    marks: dict[str, list[int]] = field(default_factory=dict)
+    marks: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (id, score)
     pubrels: dict[str, list[int]] = field(default_factory=dict)
     acks: dict[str, list[int]] = field(default_factory=dict)
     mark_callbacks: list[tuple[str, list[int], MarksDone]] = field(default_factory=list)
@@ -61,11 +61,9 @@ class _Progress:
 
     @staticmethod
     def merge(older: _Progress, newer: _Progress) -> _Progress:
-        for mine, theirs in (
-            (older.marks, newer.marks),
-            (older.pubrels, newer.pubrels),
-            (older.acks, newer.acks),
-        ):
+        for client_id, sent in newer.marks.items():
+            older.marks.setdefault(client_id, []).extend(sent)
+        for mine, theirs in ((older.pubrels, newer.pubrels), (older.acks, newer.acks)):
             for client_id, ids in theirs.items():
                 mine.setdefault(client_id, []).extend(ids)
         older.mark_callbacks += newer.mark_callbacks
@@ -108,10 +106,11 @@ class StoreWriter:
         self._asked.callbacks.append(then)
         self._schedule()
 
-    def mark_sent(self, client_id: str, packet_ids: list[int], then: MarksDone) -> None:
-        """Mark, then ``then(ids marked)``: an id left out is no longer stored."""
-        self._asked.marks.setdefault(client_id, []).extend(packet_ids)
-        self._asked.mark_callbacks.append((client_id, packet_ids, then))
+    def mark_sent(self, client_id: str, sent: list[tuple[int, int]], then: MarksDone) -> None:
+        """Mark (packet id, score read with) pairs, then ``then(ids marked)``: an id
+        left out is no longer stored, or is another message's now."""
+        self._asked.marks.setdefault(client_id, []).extend(sent)
+        self._asked.mark_callbacks.append((client_id, [pid for pid, _ in sent], then))
         self._schedule()
 
     async def flush(self) -> None:
@@ -139,11 +138,18 @@ class StoreWriter:
             self.errors += 1
             log.warning("redis delivery-progress write failed, retrying: %s", error)
             return progress
+        # A callback that raises must not end the writer with work left behind.
         for client_id, ids, then in progress.mark_callbacks:
             done = marked.get(client_id, set())
-            then([i for i in ids if i in done])
+            try:
+                then([i for i in ids if i in done])
+            except Exception:
+                log.exception("after marking %s sent", client_id)
         for then_ in progress.callbacks:
-            then_()
+            try:
+                then_()
+            except Exception:
+                log.exception("after a PUBREL stage was written")
         return _Progress()
 
 
@@ -203,7 +209,9 @@ class StoreFeed:
         return items
 
     def mark(self, items: list[Outgoing], done: MarksDone) -> None:
-        self._writer.mark_sent(self.client_id, [item.packet_id for item in items], done)
+        self._writer.mark_sent(
+            self.client_id, [(item.packet_id, self._record(item).score) for item in items], done
+        )
 
     def release(self, item: Outgoing, done: Callable[[], None]) -> None:
         self._writer.mark_pubrel(self.client_id, item.packet_id, done)

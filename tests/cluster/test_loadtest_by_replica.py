@@ -60,7 +60,7 @@ def test_grouping_puts_each_subscriber_by_its_partition_owner() -> None:
     owners = {0: 0, 1: 1, 2: 0, 3: 1}
     ids = [f"lt-x-s{j}" for j in range(16)]
     one = array("I", [5000]).tobytes()
-    grouping = by_consuming_replica(owners, ((cid, j % 2, one) for j, cid in enumerate(ids)))
+    grouping = by_consuming_replica(owners, 4, ((cid, j % 2, one) for j, cid in enumerate(ids)))
     expected = sum(owners[partition_of(cid, 4)] == j % 2 for j, cid in enumerate(ids))
     assert grouping.subscribers == {"consuming": expected, "other": 16 - expected}
     assert len(grouping.latencies["consuming"]) == expected
@@ -69,9 +69,12 @@ def test_grouping_puts_each_subscriber_by_its_partition_owner() -> None:
 
 
 def test_grouping_refuses_owners_that_miss_a_partition() -> None:
-    """A replica whose /metrics did not answer: the split cannot be trusted."""
-    grouping = by_consuming_replica({0: 0, 2: 0}, [("c", 0, b"")])
+    """A replica whose /metrics did not answer, or a partition whose lag series is
+    not there yet: the split cannot be trusted."""
+    grouping = by_consuming_replica({0: 0, 2: 0}, 2, [("c", 0, b"")])
     assert grouping.error == "partition owners incomplete: [0, 2]"
+    grouping = by_consuming_replica({0: 0, 1: 1, 2: 0}, 4, [("c", 0, b"")])
+    assert grouping.error == "partition owners incomplete: [0, 1, 2]"
     assert grouping.subscribers == {"consuming": 0, "other": 0}
 
 

@@ -438,3 +438,77 @@ async def test_redis_wait_holds_the_commit_back_until_a_replica_has_the_batch(
         stop_tansu(tansu)
         await follower.aclose()
         replica.stop()
+
+
+async def test_redis_wait_saves_again_what_redis_lost_after_acknowledging_it(
+    redis: RedisServer,
+) -> None:
+    """persistence.redis_wait: a message is stored but not yet on the replica; then
+    Redis loses that write (as a restart from a file without it, or a failover to
+    the replica, would). The next fence sees the saves counter gone back, so the
+    partitions are read again from their committed offsets and the message is
+    stored again before anything is committed. On the code before, the fence
+    passed on the new state, the offset was committed, and the message was gone."""
+    import os
+    import signal
+
+    from aiokafka import TopicPartition
+    from redis.asyncio import Redis as AsyncRedis
+
+    from persistence.format import client_keys
+
+    replica = RedisServer()
+    follower = AsyncRedis.from_url(replica.url)
+    primary = AsyncRedis.from_url(redis.url)
+    tansu = start_tansu()
+    try:
+        await follower.execute_command("REPLICAOF", "127.0.0.1", redis.port)
+        for _ in range(200):
+            if (await follower.info("replication")).get("master_link_status") == "up":
+                break
+            await asyncio.sleep(0.05)
+        persistence, broker = await _open(
+            redis.url, bootstrap_of(tansu), redis_wait="replicas", redis_wait_timeout_ms=300
+        )
+        await _durable_session(persistence, broker, "dev")
+        consumer = persistence.consumer
+        os.kill(replica.process.pid, signal.SIGSTOP)
+        try:
+            await _publish(broker, "dev", [b"only"])
+            assert await _stored(persistence, "dev", 1) == [b"only"]
+            for _ in range(100):
+                if consumer.stats.not_durable:
+                    break
+                await asyncio.sleep(0.05)
+            assert consumer.stats.not_durable >= 1, "the commit was held back"
+            # What a loss of the last writes looks like: the message, its bookkeeping
+            # and the saves counter's increments are gone; the session stays.
+            keys = client_keys("dev")
+            lost = [keys.messages, keys.last_packet_id, keys.last_score, keys.seen, keys.bytes]
+            lost += [k async for k in primary.scan_iter(match=f"{keys.messages}_*")]
+            lost += [k async for k in primary.scan_iter(match="devicemq:wait-fence:*")]
+            await primary.delete(*lost)
+            assert (await persistence.store.load_page("dev", 0, 10)).records == []
+        finally:
+            os.kill(replica.process.pid, signal.SIGCONT)
+        assert await _stored(persistence, "dev", 1) == [b"only"], "stored again"
+        assert consumer.stats.rewinds >= 1
+        kafka = persistence.kafka_consumer
+        topic = persistence.settings.persistence.topic
+        partitions = [TopicPartition(topic, p) for p in range(3)]
+
+        async def behind() -> list[TopicPartition]:
+            ends = await kafka.end_offsets(partitions)
+            return [tp for tp in partitions if (await kafka.committed(tp) or 0) < ends[tp]]
+
+        for _ in range(100):
+            if not await behind():
+                break
+            await asyncio.sleep(0.1)
+        assert not await behind(), "committed once stored again"
+        await persistence.close()
+    finally:
+        stop_tansu(tansu)
+        await follower.aclose()
+        await primary.aclose()
+        replica.stop()

@@ -23,7 +23,14 @@ from persistence.format import (
     decode_record,
     encode_message,
 )
-from persistence.redis_store import Assigned, ClientBatch, RedisMessageStore
+from persistence.redis_store import (
+    DURABLE,
+    LOST,
+    NOT_YET,
+    Assigned,
+    ClientBatch,
+    RedisMessageStore,
+)
 
 
 def msg(i: int, **kw: object) -> StoredMessage:
@@ -559,7 +566,7 @@ async def test_progress_of_many_clients_in_one_pipelined_write(
     for client in clients:
         await store.save_batch(client, msgs(0, 4, qos=2), 0, [0, 1, 2, 3])
     await store.write_progress(
-        marks={c: [1, 2, 3] for c in clients},
+        marks={c: [(1, 1), (2, 2), (3, 3)] for c in clients},  # (packet id, score)
         pubrels={c: [2] for c in clients},
         acks={c: [1] for c in clients},
     )
@@ -571,8 +578,30 @@ async def test_progress_of_many_clients_in_one_pipelined_write(
             (4, Stage.PUBLISH, False),
         ]
     # Idempotent: writing the same progress again changes nothing.
-    await store.write_progress({clients[0]: [1, 2, 3]}, {clients[0]: [2]}, {clients[0]: [1]})
+    await store.write_progress(
+        {clients[0]: [(1, 1), (2, 2), (3, 3)]}, {clients[0]: [2]}, {clients[0]: [1]}
+    )
     assert len(await all_records(store, clients[0])) == 3
+
+
+async def test_a_packet_id_now_another_messages_is_not_marked_for_the_old_one(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Found by the model checker (seed 755, under load): a message trimmed while
+    the delivery side still held it in memory freed its packet id, and a newer
+    message took it. The old message's send then marked the newer one sent, the
+    client's PUBACK deleted it, and the newer message was never delivered. A mark
+    carries the score its message was read with; an id whose ref has another
+    score now is left out (not sent) and the message holding it is left alone."""
+    await store.save_batch(cid, msgs(0, 2), 0, [0, 1])
+    records = await all_records(store, cid)
+    first = records[0]
+    assert await store.mark_sent(cid, [first.packet_id], [first.score + 100]) == []
+    after = await all_records(store, cid)
+    assert [(r.packet_id, r.score, r.sent) for r in after] == [
+        (r.packet_id, r.score, False) for r in records
+    ]
+    assert await store.mark_sent(cid, [first.packet_id], [first.score]) == [first.packet_id]
 
 
 async def test_bytes_per_client_are_limited_like_messages(
@@ -602,8 +631,9 @@ async def test_bytes_per_client_are_limited_like_messages(
 async def test_redis_wait_sees_every_earlier_save_on_a_replica() -> None:
     """persistence.redis_wait: replicas. ``wait_durable`` writes a fence and WAITs on
     its own connection; saves made on other connections before it are on the
-    replica once it answers True (Redis replicates in one order). With the replica
-    stopped it answers False in time (the consumer then holds the commit back)."""
+    replica once it answers DURABLE (Redis replicates in one order). With the
+    replica stopped it answers NOT_YET in time (the consumer holds the commit
+    back); when Redis lost acknowledged saves, LOST."""
     import os
     import signal
 
@@ -627,17 +657,24 @@ async def test_redis_wait_sees_every_earlier_save_on_a_replica() -> None:
         for n in range(20):
             (result,) = await saver.save_many([ClientBatch(f"dev-{n}", msgs(0, 3), 0)])
             assert result.saved == 3
-        assert await store.wait_durable()
+        assert await store.wait_durable() == DURABLE
         keys = client_keys("dev-19")
         assert await follower.zcard(keys.messages) == 3  # the last save is on the replica
         os.kill(replica.process.pid, signal.SIGSTOP)
         try:
             await saver.save_many([ClientBatch("dev-20", msgs(0, 3), 0)])
-            assert not await store.wait_durable()
+            assert await store.wait_durable() == NOT_YET
         finally:
             os.kill(replica.process.pid, signal.SIGCONT)
         assert store.wait_failures == 1
-        assert await RedisMessageStore(client).wait_durable()  # off: nothing to wait for
+        assert await RedisMessageStore(client).wait_durable() == DURABLE  # off: no wait
+        # Redis loses acknowledged writes (a restart without them): the counter the
+        # saves and fences increment goes back, and the fence says so.
+        await store.save_many([ClientBatch("dev-21", msgs(0, 3), 0)])
+        await client.delete(*[k async for k in client.scan_iter(match="devicemq:wait-fence:*")])
+        assert await store.wait_durable() == LOST
+        assert store.lost_writes == 1
+        assert await store.wait_durable() == DURABLE  # from the new state on
         aof = RedisMessageStore(client, wait="aof")
         version = (await client.info("server"))["redis_version"]
         if tuple(int(x) for x in str(version).split(".")[:2]) < (7, 2):
