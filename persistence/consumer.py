@@ -487,23 +487,30 @@ class PersistenceConsumer:
         """Redis no longer has saves it acknowledged (a restart from a file without
         them, a replica without them taking over): read every assigned partition
         again from its committed offset. What Redis still has is skipped as
-        stored; what it lost is saved again. Nothing stored before now commits."""
-        self._rewinds += 1
-        self.stats.rewinds += 1
-        self._commits.pending.clear()
+        stored; what it lost is saved again. Nothing stored before now commits.
+
+        The committed offsets are read first; the rewind itself (the count that
+        stops earlier polls committing, the pending commits dropped, the seeks)
+        then happens at once, so no poll can start in between and commit past
+        the lost records."""
         assigned = list(self._consumer.assignment())
         log.warning(
             "redis lost saves it had acknowledged (restart or failover): reading %d "
             "partitions again from their committed offsets",
             len(assigned),
         )
+        committed: dict[TopicPartition, int] = {}
         for tp in assigned:
             try:
-                committed = await self._consumer.committed(tp)
+                committed[tp] = await self._consumer.committed(tp) or 0
             except KafkaError as error:
                 log.warning("reading the committed offset of %s failed: %s", tp, error)
-                committed = None
-            self._seek(tp, committed or 0)  # nothing committed: from the start
+                committed[tp] = 0  # from the start: read again, stored once
+        self._rewinds += 1
+        self.stats.rewinds += 1
+        self._commits.pending.clear()
+        for tp, offset in committed.items():
+            self._seek(tp, offset)
 
     def _still_mine(
         self, offsets: dict[TopicPartition, int], assignments: int

@@ -274,9 +274,11 @@ class PersistedMessageStore(Protocol):
 
     async def load_page(self, client_id: str, after_score: int = 0, limit: int = 100) -> Page: ...
 
-    async def ack(self, client_id: str, packet_id: int) -> bool: ...
+    async def ack(self, client_id: str, packet_id: int, score: int = 0) -> bool: ...
 
-    async def ack_many(self, client_id: str, packet_ids: Iterable[int]) -> int: ...
+    async def ack_many(
+        self, client_id: str, packet_ids: Iterable[int], scores: Iterable[int] | None = None
+    ) -> int: ...
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool: ...
 
@@ -288,8 +290,8 @@ class PersistedMessageStore(Protocol):
         self,
         marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
-        acks: Mapping[str, Sequence[int]],
-    ) -> dict[str, set[int]]: ...
+        acks: Mapping[str, Sequence[tuple[int, int]]],
+    ) -> dict[str, set[tuple[int, int]]]: ...
 
     async def pending_count(self, client_id: str) -> int: ...
 
@@ -380,6 +382,7 @@ class RedisMessageStore:
         # finds it lower saw Redis lose acknowledged writes (wait_durable).
         self._counter_key = f"{WAIT_FENCE_KEY}:{secrets.token_hex(8)}"
         self._counted = 0
+        self._lost_seen = False  # a save's increment came back below _counted
         self.default_ttl = default_ttl
         self._clock = clock
         self._default_ttl_ms = default_ttl * 1000
@@ -543,6 +546,7 @@ class RedisMessageStore:
                 keys, args = calls[i]
                 pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
             counting = self.wait != "off"
+            floor = self._counted
             if counting:  # after the saves, on their connection (wait_durable)
                 pipe.incr(self._counter_key)
             try:
@@ -552,6 +556,8 @@ class RedisMessageStore:
             if counting:
                 counted = replies.pop()
                 if isinstance(counted, int):
+                    if counted <= floor:  # below what Redis acknowledged before: lost
+                        self._lost_seen = True
                     self._counted = max(self._counted, counted)
             again = []
             for i, reply in zip(todo, replies, strict=True):
@@ -590,6 +596,9 @@ class RedisMessageStore:
         pipe.incr(self._counter_key)
         pipe.expire(self._counter_key, COUNTER_TTL)
         pipe.execute_command(*wait)
+        # Compared with what was acknowledged before it was sent: saves answered
+        # while the WAIT blocks may be higher, and say nothing about a loss.
+        floor = self._counted
         try:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as error:  # connection errors vary by client mode
@@ -598,11 +607,14 @@ class RedisMessageStore:
         if not isinstance(counted, int):  # no fence written: the WAIT would prove nothing
             self.wait_failures += 1
             return NOT_YET
-        lost = counted <= self._counted
-        self._counted = max(self._counted, counted) if not lost else counted
-        if lost:
+        if counted <= floor or self._lost_seen:
+            # Lost, seen here or by a save since the last fence (a save after the
+            # loss already counted from the lower value: saves rebuild the count).
+            self._lost_seen = False
+            self._counted = counted
             self.lost_writes += 1
             return LOST
+        self._counted = max(self._counted, counted)
         return DURABLE if self._waited(replies[-1]) else NOT_YET
 
     def _wait_command(self) -> tuple[Any, ...]:
@@ -693,17 +705,23 @@ class RedisMessageStore:
 
     # -- delivery progress ---------------------------------------------------
 
-    async def ack(self, client_id: str, packet_id: int) -> bool:
+    async def ack(self, client_id: str, packet_id: int, score: int = 0) -> bool:
         """PUBACK / PUBCOMP: forget the message. False if it was not stored."""
-        return await self.ack_many(client_id, (packet_id,)) == 1
+        return await self.ack_many(client_id, (packet_id,), (score,)) == 1
 
-    async def ack_many(self, client_id: str, packet_ids: Iterable[int]) -> int:
-        """Forget many messages in one call; returns how many were stored."""
+    async def ack_many(
+        self, client_id: str, packet_ids: Iterable[int], scores: Iterable[int] | None = None
+    ) -> int:
+        """Forget many messages in one call; returns how many were stored. With
+        ``scores`` (those the messages were read with), an id now another
+        message's is left alone (ack.lua)."""
         ids = list(packet_ids)
         if not ids:
             return 0
         keys = client_keys(client_id)
-        return int(await self._eval(_ACK, (keys.messages, keys.bytes), ids))
+        wanted = list(scores) if scores is not None else [0] * len(ids)
+        args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
+        return int(await self._eval(_ACK, (keys.messages, keys.bytes), args))
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool:
         """PUBREC received: keep only the PUBREL stage, with the remaining TTL.
@@ -731,17 +749,18 @@ class RedisMessageStore:
         wanted = list(scores) if scores is not None else [0] * len(ids)
         args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
         reply = await self._eval(_MARK_SENT, (keys.messages, keys.session), args)
-        return [int(i) for i in reply]
+        return [int(i) for i in reply[::2]]
 
     async def write_progress(
         self,
         marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
-        acks: Mapping[str, Sequence[int]],
-    ) -> dict[str, set[int]]:
+        acks: Mapping[str, Sequence[tuple[int, int]]],
+    ) -> dict[str, set[tuple[int, int]]]:
         """Many clients' delivery progress in one pipelined round trip.
 
-        ``marks``: per client, (packet id, score it was read with) pairs.
+        ``marks`` and ``acks``: per client, (packet id, score it was read with)
+        pairs. Returns, per client, the pairs marked.
 
         Sent marks first, then PUBREL stages, then acks: the order one
         message's progress can take within one batch. Every command is
@@ -764,8 +783,8 @@ class RedisMessageStore:
         self,
         marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
-        acks: Mapping[str, Sequence[int]],
-    ) -> dict[str, set[int]]:
+        acks: Mapping[str, Sequence[tuple[int, int]]],
+    ) -> dict[str, set[tuple[int, int]]]:
         pipe = self.redis.pipeline(transaction=False)
         for client_id, sent in marks.items():
             keys = client_keys(client_id)
@@ -775,12 +794,13 @@ class RedisMessageStore:
             keys = client_keys(client_id)
             for packet_id in ids:
                 pipe.execute_command("SET", keys.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL")
-        for client_id, ids in acks.items():
+        for client_id, acked in acks.items():
             keys = client_keys(client_id)
-            pipe.execute_command("EVALSHA", _ACK.sha, 2, keys.messages, keys.bytes, *ids)
+            args = [x for pair in acked for x in pair]
+            pipe.execute_command("EVALSHA", _ACK.sha, 2, keys.messages, keys.bytes, *args)
         replies = await pipe.execute()
         return {
-            client_id: {int(i) for i in reply}
+            client_id: {(int(i), int(s)) for i, s in zip(reply[::2], reply[1::2], strict=True)}
             for client_id, reply in zip(marks, replies, strict=False)
         }
 

@@ -52,8 +52,8 @@ class _Progress:
 
     marks: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (id, score)
     pubrels: dict[str, list[int]] = field(default_factory=dict)
-    acks: dict[str, list[int]] = field(default_factory=dict)
-    mark_callbacks: list[tuple[str, list[int], MarksDone]] = field(default_factory=list)
+    acks: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # (id, score)
+    mark_callbacks: list[tuple[str, list[tuple[int, int]], MarksDone]] = field(default_factory=list)
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -63,9 +63,10 @@ class _Progress:
     def merge(older: _Progress, newer: _Progress) -> _Progress:
         for client_id, sent in newer.marks.items():
             older.marks.setdefault(client_id, []).extend(sent)
-        for mine, theirs in ((older.pubrels, newer.pubrels), (older.acks, newer.acks)):
-            for client_id, ids in theirs.items():
-                mine.setdefault(client_id, []).extend(ids)
+        for client_id, acked in newer.acks.items():
+            older.acks.setdefault(client_id, []).extend(acked)
+        for client_id, ids in newer.pubrels.items():
+            older.pubrels.setdefault(client_id, []).extend(ids)
         older.mark_callbacks += newer.mark_callbacks
         older.callbacks += newer.callbacks
         return older
@@ -97,8 +98,9 @@ class StoreWriter:
     def retry(self) -> Retry:
         return self._writer.retry
 
-    def ack(self, client_id: str, packet_id: int) -> None:
-        self._asked.acks.setdefault(client_id, []).append(packet_id)
+    def ack(self, client_id: str, packet_id: int, score: int) -> None:
+        """Forget the message read with ``score`` under ``packet_id`` (ack.lua)."""
+        self._asked.acks.setdefault(client_id, []).append((packet_id, score))
         self._schedule()
 
     def mark_pubrel(self, client_id: str, packet_id: int, then: Callable[[], None]) -> None:
@@ -110,7 +112,7 @@ class StoreWriter:
         """Mark (packet id, score read with) pairs, then ``then(ids marked)``: an id
         left out is no longer stored, or is another message's now."""
         self._asked.marks.setdefault(client_id, []).extend(sent)
-        self._asked.mark_callbacks.append((client_id, [pid for pid, _ in sent], then))
+        self._asked.mark_callbacks.append((client_id, sent, then))
         self._schedule()
 
     async def flush(self) -> None:
@@ -139,10 +141,10 @@ class StoreWriter:
             log.warning("redis delivery-progress write failed, retrying: %s", error)
             return progress
         # A callback that raises must not end the writer with work left behind.
-        for client_id, ids, then in progress.mark_callbacks:
+        for client_id, sent, then in progress.mark_callbacks:
             done = marked.get(client_id, set())
             try:
-                then([i for i in ids if i in done])
+                then([pid for pid, score in sent if (pid, score) in done])
             except Exception:
                 log.exception("after marking %s sent", client_id)
         for then_ in progress.callbacks:
@@ -217,7 +219,7 @@ class StoreFeed:
         self._writer.mark_pubrel(self.client_id, item.packet_id, done)
 
     def finished(self, item: Outgoing) -> None:
-        self._writer.ack(self.client_id, item.packet_id)
+        self._writer.ack(self.client_id, item.packet_id, self._record(item).score)
         self._events.acked(self.client_id, self._record(item))
         self._stats.persisted_acked += 1
 
@@ -225,7 +227,7 @@ class StoreFeed:
         # Expired, or too large for this client: it will never be delivered.
         self._stats.persisted_undeliverable += 1
         self._events.discarded(self.client_id, self._record(item))
-        self._writer.ack(self.client_id, item.packet_id)
+        self._writer.ack(self.client_id, item.packet_id, self._record(item).score)
 
     def sent(self, item: Outgoing, dup: bool) -> None:
         record = self._record(item)

@@ -11,7 +11,7 @@
 -- when its packet id is now another message's (its ref has another score): a
 -- message trimmed while the sender held it in memory freed its id, and a newer
 -- one took it; marking (and later acknowledging) that one would lose it.
--- Returns the ids marked.
+-- Returns the (id, score) pairs marked, flattened.
 
 local set_key = KEYS[1]
 local session_ttl = redis.call('PTTL', KEYS[2])
@@ -31,6 +31,7 @@ for i = 1, #ARGV, 2 do
       redis.call('PERSIST', key)
     end
     marked[#marked + 1] = id
+    marked[#marked + 1] = ARGV[i + 1]
   else
     redis.call('ZREM', set_key, id)
   end

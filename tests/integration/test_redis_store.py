@@ -568,7 +568,7 @@ async def test_progress_of_many_clients_in_one_pipelined_write(
     await store.write_progress(
         marks={c: [(1, 1), (2, 2), (3, 3)] for c in clients},  # (packet id, score)
         pubrels={c: [2] for c in clients},
-        acks={c: [1] for c in clients},
+        acks={c: [(1, 1)] for c in clients},
     )
     for client in clients:
         records = await all_records(store, client)
@@ -579,7 +579,7 @@ async def test_progress_of_many_clients_in_one_pipelined_write(
         ]
     # Idempotent: writing the same progress again changes nothing.
     await store.write_progress(
-        {clients[0]: [(1, 1), (2, 2), (3, 3)]}, {clients[0]: [2]}, {clients[0]: [1]}
+        {clients[0]: [(1, 1), (2, 2), (3, 3)]}, {clients[0]: [2]}, {clients[0]: [(1, 1)]}
     )
     assert len(await all_records(store, clients[0])) == 3
 
@@ -601,7 +601,11 @@ async def test_a_packet_id_now_another_messages_is_not_marked_for_the_old_one(
     assert [(r.packet_id, r.score, r.sent) for r in after] == [
         (r.packet_id, r.score, False) for r in records
     ]
+    # Nor is it acknowledged (or dropped as undeliverable) for the old one.
+    assert await store.ack_many(cid, [first.packet_id], [first.score + 100]) == 0
+    assert len(await all_records(store, cid)) == 2
     assert await store.mark_sent(cid, [first.packet_id], [first.score]) == [first.packet_id]
+    assert await store.ack_many(cid, [first.packet_id], [first.score]) == 1
 
 
 async def test_bytes_per_client_are_limited_like_messages(
@@ -708,3 +712,51 @@ async def test_keys_of_the_installation_through_the_store(
     await store.save_batch(other, msgs(0, 2), partition=0)
     assert await store.pending_total([cid, other, f"{cid}-none"], chunk=2) == 5
     await store.ping()
+
+
+async def test_redis_wait_tells_a_loss_from_saves_overlapping_a_fence() -> None:
+    """Found in review of the counter that tells a loss: a save answered while a
+    fence's WAIT blocked made that fence look lost; and saves after a loss that
+    counted past the old value hid it. Neither now."""
+    import os
+    import signal
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from tests.integration.redis_servers import RedisServer
+
+    primary, replica = RedisServer(), RedisServer()
+    client = AsyncRedis.from_url(primary.url)
+    follower = AsyncRedis.from_url(replica.url)
+    try:
+        await follower.execute_command("REPLICAOF", "127.0.0.1", primary.port)
+        for _ in range(200):
+            if (await follower.info("replication")).get("master_link_status") == "up":
+                break
+            await asyncio.sleep(0.05)
+        store = RedisMessageStore(client, wait="replicas", wait_replicas=1, wait_timeout_ms=500)
+        await store.save_many([ClientBatch("dev", msgs(0, 1), 0)])
+        assert await store.wait_durable() == DURABLE
+        os.kill(replica.process.pid, signal.SIGSTOP)
+        try:
+            fence = asyncio.create_task(store.wait_durable())  # blocks in WAIT
+            await asyncio.sleep(0.1)
+            await store.save_many([ClientBatch("dev", msgs(1, 1), 0)])  # answered first
+            assert await fence == NOT_YET  # not LOST
+        finally:
+            os.kill(replica.process.pid, signal.SIGCONT)
+        assert await store.wait_durable() == DURABLE
+        # A loss of every increment so far, then more saves than there were: the
+        # count passes the old value again, and the loss must still show.
+        saved = [k async for k in client.scan_iter(match="devicemq:wait-fence:*")]
+        before = int(await client.get(saved[0]))
+        await client.delete(*saved)
+        for n in range(before + 3):
+            await store.save_many([ClientBatch(f"dev-{n}", msgs(0, 1), 0)])
+        assert await store.wait_durable() == LOST
+        assert await store.wait_durable() == DURABLE
+    finally:
+        await client.aclose()
+        await follower.aclose()
+        replica.stop()
+        primary.stop()

@@ -19,11 +19,11 @@ class Progress:
         self,
         marks: Mapping[str, Sequence[tuple[int, int]]],
         pubrels: Mapping[str, Sequence[int]],
-        acks: Mapping[str, Sequence[int]],
-    ) -> dict[str, set[int]]:
+        acks: Mapping[str, Sequence[tuple[int, int]]],
+    ) -> dict[str, set[tuple[int, int]]]:
         self.calls.append(({**marks}, {**pubrels}, {**acks}))  # type: ignore[arg-type]
         await self.gate.wait()
-        return {cid: {pid for pid, _ in sent} for cid, sent in marks.items()}
+        return {cid: set(sent) for cid, sent in marks.items()}
 
 
 async def test_a_callback_that_raises_does_not_leave_progress_unwritten() -> None:
@@ -38,8 +38,8 @@ async def test_a_callback_that_raises_does_not_leave_progress_unwritten() -> Non
     writer.mark_sent("c", [(1, 1)], broken)
     while not store.calls:  # handed over, and the write is under way
         await asyncio.sleep(0)
-    writer.ack("c", 7)  # asked while it runs: goes into the next write
+    writer.ack("c", 7, 7)  # asked while it runs: goes into the next write
     await asyncio.sleep(0)
     store.gate.set()
     await asyncio.wait_for(writer.flush(), 5)
-    assert [call[2] for call in store.calls] == [{}, {"c": [7]}]
+    assert [call[2] for call in store.calls] == [{}, {"c": [(7, 7)]}]
