@@ -178,7 +178,10 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
     """Finding 2 of the persistent path: the embedded Kafka restarted under a running
     devicemq; its recreated topic began at offset 0, every new record was at or below
     the stored offset watermark and was skipped as already stored, and its offset
-    committed, though the publisher had PUBACK 0x00."""
+    committed, though the publisher had PUBACK 0x00. One record before the restart
+    (offset 0): the first one after it is acknowledged at that same offset, which
+    only an acknowledgement *below* an earlier one used to count as a reset (seed
+    1153 of the model checker: acknowledged and lost)."""
     from app.embedded_services import free_port
 
     port = free_port()
@@ -187,8 +190,8 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
     try:
         persistence, broker = await _open(redis.url, bootstrap_of(first))
         await _durable_session(persistence, broker, "dev")
-        await _publish(broker, "dev", [b"old-%d" % i for i in range(50)])
-        await _stored(persistence, "dev", 50)
+        await _publish(broker, "dev", [b"old-0"])
+        await _stored(persistence, "dev", 1)
         stop_tansu(first)
         second = start_tansu(port)  # same address, empty: offsets begin at 0 again
         # The embedded Kafka acknowledges records sent to a topic it no longer has,
@@ -200,9 +203,9 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
                 failed += 1
                 assert failed < 20, "publishing never succeeded again"
         # A record reported failed may still have been kept: it may come twice.
-        want = [b"old-%d" % i for i in range(50)] + [b"new-%d" % i for i in range(5)]
+        want = [b"old-0"] + [b"new-%d" % i for i in range(5)]
         for _ in range(200):
-            firsts = list(dict.fromkeys(await _stored(persistence, "dev", 55)))
+            firsts = list(dict.fromkeys(await _stored(persistence, "dev", 6)))
             if firsts == want:
                 break
             await asyncio.sleep(0.05)
