@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from typing import Any
 
 from app import embedded_services as services
 
@@ -195,3 +196,16 @@ class RedisCluster3:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def follow(follower: Any, primary_port: int) -> None:
+    """Make the redis-server behind ``follower`` (an asyncio client) a replica of the
+    one on ``primary_port``, and wait until its link is up."""
+    import asyncio
+
+    await follower.execute_command("REPLICAOF", "127.0.0.1", primary_port)
+    for _ in range(200):
+        if (await follower.info("replication")).get("master_link_status") == "up":
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"replica of :{primary_port} never linked up")

@@ -14,7 +14,7 @@ from broker.config import PersistenceSettings, Settings
 from broker.core import Broker
 from broker.message import Delivery, Message
 from persistence.device_persistence import DevicePersistence, open_persistence
-from tests.integration.redis_servers import RedisServer
+from tests.integration.redis_servers import RedisServer, follow
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
 
@@ -402,11 +402,7 @@ async def test_redis_wait_holds_the_commit_back_until_a_replica_has_the_batch(
     follower = AsyncRedis.from_url(replica.url)
     tansu = start_tansu()
     try:
-        await follower.execute_command("REPLICAOF", "127.0.0.1", redis.port)
-        for _ in range(200):
-            if (await follower.info("replication")).get("master_link_status") == "up":
-                break
-            await asyncio.sleep(0.05)
+        await follow(follower, redis.port)
         persistence, broker = await _open(
             redis.url, bootstrap_of(tansu), redis_wait="replicas", redis_wait_timeout_ms=300
         )
@@ -465,11 +461,7 @@ async def test_redis_wait_saves_again_what_redis_lost_after_acknowledging_it(
     primary = AsyncRedis.from_url(redis.url)
     tansu = start_tansu()
     try:
-        await follower.execute_command("REPLICAOF", "127.0.0.1", redis.port)
-        for _ in range(200):
-            if (await follower.info("replication")).get("master_link_status") == "up":
-                break
-            await asyncio.sleep(0.05)
+        await follow(follower, redis.port)
         persistence, broker = await _open(
             redis.url, bootstrap_of(tansu), redis_wait="replicas", redis_wait_timeout_ms=300
         )

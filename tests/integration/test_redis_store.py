@@ -643,18 +643,14 @@ async def test_redis_wait_sees_every_earlier_save_on_a_replica() -> None:
 
     from redis.asyncio import Redis as AsyncRedis
 
-    from tests.integration.redis_servers import RedisServer
+    from tests.integration.redis_servers import RedisServer, follow
 
     primary, replica = RedisServer(), RedisServer()
     client = AsyncRedis.from_url(primary.url)
     other = AsyncRedis.from_url(primary.url)  # the saves' connections are not the wait's
     follower = AsyncRedis.from_url(replica.url)
     try:
-        await follower.execute_command("REPLICAOF", "127.0.0.1", primary.port)
-        for _ in range(200):
-            if (await follower.info("replication")).get("master_link_status") == "up":
-                break
-            await asyncio.sleep(0.05)
+        await follow(follower, primary.port)
         store = RedisMessageStore(client, wait="replicas", wait_replicas=1, wait_timeout_ms=300)
         await store.check_wait()
         saver = RedisMessageStore(other)
@@ -723,17 +719,13 @@ async def test_redis_wait_tells_a_loss_from_saves_overlapping_a_fence() -> None:
 
     from redis.asyncio import Redis as AsyncRedis
 
-    from tests.integration.redis_servers import RedisServer
+    from tests.integration.redis_servers import RedisServer, follow
 
     primary, replica = RedisServer(), RedisServer()
     client = AsyncRedis.from_url(primary.url)
     follower = AsyncRedis.from_url(replica.url)
     try:
-        await follower.execute_command("REPLICAOF", "127.0.0.1", primary.port)
-        for _ in range(200):
-            if (await follower.info("replication")).get("master_link_status") == "up":
-                break
-            await asyncio.sleep(0.05)
+        await follow(follower, primary.port)
         store = RedisMessageStore(client, wait="replicas", wait_replicas=1, wait_timeout_ms=500)
         await store.save_many([ClientBatch("dev", msgs(0, 1), 0)])
         assert await store.wait_durable() == DURABLE
