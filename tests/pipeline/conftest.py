@@ -37,6 +37,7 @@ LIMIT = 10  # persistence.max_messages_per_client: forces trimming
 # What the workload does, hence what the audit must find.
 ACKERS = ("acker-1", "acker-2")  # online, acknowledge everything
 ACKED_EACH = 20
+CHUNK = 4  # published to the ackers, then waited for: < LIMIT outstanding
 SLEEPER_PENDING = 3  # offline: stays stored
 EXPIRING = 4  # offline, 1 s message expiry: expires in Redis
 HOARDED = 15  # offline with LIMIT 10: 5 trimmed, 10 pending
@@ -204,6 +205,12 @@ def run_workload(port: int) -> dict[str, int]:
     try:
         for i in range(ACKED_EACH):
             _publish(publisher, f"audit/all/device{i % 4}/temp", b"t" * (10 + i))
+            if i % CHUNK == CHUNK - 1:
+                # The ackers' queues stay below LIMIT: a burst past it would trim
+                # messages they had not yet been sent (as it must), not a count
+                # this workload can know.
+                for c in ackers:
+                    c.wait_for(i + 1)
         for _ in range(SLEEPER_PENDING):
             _publish(publisher, "audit/sleep/a", b"s" * 100)
         for _ in range(EXPIRING):
