@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep-going", action="store_true", help="continue after a failure")
     parser.add_argument("--dir", type=Path, help="where runs keep their files")
+    parser.add_argument("--keep", action="store_true", help="keep the files of passing runs too")
     parser.add_argument(
         "--ignore",
         default="",
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append((result, shrunk_text))
             if not args.keep_going:
                 break
-        elif not result.error:
+        elif not result.error and not args.keep:
             shutil.rmtree(directory, ignore_errors=True)
         seed += 1
     print(totals.summary(runs, time.monotonic() - started))
