@@ -392,6 +392,16 @@ class BrokerCollector(Collector):
             compaction.deferred,
         )
         yield _counter(
+            "kafka_topics_restored",
+            "Topics Kafka had lost under the broker (restarted empty, deleted), created again",
+            compaction.topics_restored,
+        )
+        yield _counter(
+            "kafka_topic_restores_incomplete",
+            "Of those: created before every record Kafka had acknowledged was read back",
+            compaction.restores_incomplete,
+        )
+        yield _counter(
             "kafka_compaction_hold_seconds",
             "Time publishers waited while the embedded Kafka's topic was being emptied",
             compaction.held_seconds,

@@ -111,6 +111,14 @@ class CoalescingWriter(Generic[B]):
         while self._task is not None:
             await asyncio.shield(self._task)
 
+    def abandon(self) -> None:
+        """Drop what waits and cancel the write under way: it is no longer wanted (the
+        offsets of a Kafka log that is gone, which would land in its successor)."""
+        self._pending = self._empty()
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
     def _bounded(self, batch: B) -> B:
         over = len(batch) - self._limit
         if self._limit and over > 0 and self._trim is not None:
@@ -129,4 +137,5 @@ class CoalescingWriter(Generic[B]):
                 else:
                     self.retry.succeeded()
         finally:
-            self._task = None
+            if self._task is asyncio.current_task():  # not a task abandoned since
+                self._task = None

@@ -25,6 +25,18 @@ connection (3.1.1), never a false success.
 
 Only for the embedded Kafka of a single broker (app/serve.py decides): a real
 Kafka has retention, and other replicas' producers cannot be held from here.
+
+The same hold keeps a topic that Kafka lost under a running broker, on any
+single broker (issue 12, seed 1183). A Tansu that restarted empty, or a topic
+deleted by hand, no longer lists the topic, yet still acknowledges records sent
+to it and serves them, from offset 0 again; commits for it are refused, and the
+next CreateTopics (a broker that starts) drops them: acknowledged, lost. So
+every second the compactor asks Kafka for the topic (:class:`TopicProbe`).
+Missing, or with another partition count: the consumer reads every partition
+again from 0, publishers are held until every record Kafka serves is stored,
+and the topic is created again (a reset, as a compaction). If the records
+cannot be read back within :data:`GIVE_UP_AFTER`, Kafka has lost them with its
+log; the topic is made anyway, counted and logged as such.
 """
 
 from __future__ import annotations
@@ -40,8 +52,9 @@ from persistence.kafka_path import KafkaPersistentPath
 
 log = logging.getLogger("devicemq.kafka")
 
-CHECK_INTERVAL = 1.0  # seconds between two looks at the record count
+CHECK_INTERVAL = 1.0  # seconds between two looks at the record count and the topic
 RETRY_AFTER = 1.0  # seconds before a compaction that could not finish is tried again
+GIVE_UP_AFTER = 10.0  # seconds a lost topic's records are waited for before it is made
 
 
 @dataclass(slots=True)
@@ -50,6 +63,8 @@ class CompactionStats:
     deferred: int = 0  # compactions given up: the consumer did not catch up in time
     records_dropped: int = 0  # stored records removed from Kafka with their topic
     held_seconds: float = 0.0  # publishers held, by every try (finished or deferred)
+    topics_restored: int = 0  # topics Kafka had lost, created again
+    restores_incomplete: int = 0  # of them: made before every record was read back
 
 
 class KafkaCompactor:
@@ -62,7 +77,10 @@ class KafkaCompactor:
         threshold: int,
         hold_limit: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        probe: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
+        """``threshold`` 0: never compact; ``probe``: the partitions Kafka lists for
+        the topic (None: it lost it), asked every second; None: not watched."""
         self._path = path
         self._consumer = consumer
         self._partitions = partitions
@@ -70,25 +88,99 @@ class KafkaCompactor:
         self.threshold = threshold
         self._hold_limit = hold_limit
         self._clock = clock
+        self._probe = probe
+        self._lost_since: float | None = None  # when the topic was found lost
         self._next_try = 0.0
         self.stats = CompactionStats()
 
     async def run(self) -> None:
-        """Compact whenever the threshold is passed, until cancelled."""
+        """Restore a lost topic, compact once the threshold is passed, until cancelled."""
         while True:
             await asyncio.sleep(CHECK_INTERVAL)
-            held = self._consumer.records_held()
-            if held < self.threshold or self._clock() < self._next_try:
+            if self._clock() < self._next_try:
                 continue
             try:
-                done = await self.compact()
+                if await self.topic_lost():
+                    done = await self.restore()
+                elif self.threshold and self._consumer.records_held() >= self.threshold:
+                    done = await self.compact()
+                else:
+                    continue
             except asyncio.CancelledError:
                 raise
             except Exception:  # never the end of the broker; tried again later
-                log.exception("emptying the embedded kafka topic failed")
+                log.exception("emptying or restoring the kafka topic failed")
                 done = False
             if not done:
                 self._next_try = self._clock() + RETRY_AFTER
+
+    async def topic_lost(self) -> bool:
+        """Kafka answers and does not list the topic with its partitions."""
+        if self._probe is None:
+            return False
+        try:
+            partitions = await self._probe()
+        except Exception as error:  # Kafka away: nothing to decide now
+            log.debug("asking kafka for the topic failed: %s", error)
+            return False
+        return partitions != self._partitions
+
+    async def restore(self) -> bool:
+        """Make the lost topic again once every record Kafka still serves is stored;
+        False: not yet (tried again a second later)."""
+        path, consumer = self._path, self._consumer
+        if self._lost_since is None:
+            self._lost_since = self._clock()
+            log.warning(
+                "kafka no longer lists topic %s with %d partitions (restarted empty, "
+                "or deleted): storing every record it still serves, then creating it again",
+                path.topic,
+                self._partitions,
+            )
+            consumer.read_from_start()
+        path.hold()
+        held_at = self._clock()
+        new_log = False
+        try:
+            deadline = held_at + self._hold_limit
+            answered_at: float | None = None  # wall clock: fetches after it see every record
+            while True:
+                if answered_at is None and path.nothing_out():
+                    answered_at = time.time()
+                if (
+                    answered_at is not None
+                    and consumer.stored_to_end(answered_at, self._partitions)
+                    and await consumer.durable()
+                ):
+                    break
+                if self._clock() >= deadline:
+                    if self._clock() - self._lost_since < GIVE_UP_AFTER:
+                        return False
+                    self.stats.restores_incomplete += 1
+                    log.error(
+                        "kafka topic %s: its records could not all be read back within "
+                        "%g s; creating it anyway (what Kafka acknowledged and no longer "
+                        "serves is lost with its log)",
+                        path.topic,
+                        GIVE_UP_AFTER,
+                    )
+                    break
+                await asyncio.sleep(0.02)
+            await self._replace_topic()
+            new_log = True
+            consumer.log_recreated()
+            self._lost_since = None
+            self.stats.topics_restored += 1
+            log.warning(
+                "kafka topic %s created again with %d partitions (publishers held %.0f ms)",
+                path.topic,
+                self._partitions,
+                (self._clock() - held_at) * 1000,
+            )
+            return True
+        finally:
+            self.stats.held_seconds += self._clock() - held_at
+            path.release(new_log)
 
     async def compact(self) -> bool:
         """Empty the topic now if everything in it is stored; False if it was not."""

@@ -213,6 +213,9 @@ class PersistenceConsumer:
         # Next offset expected per partition while it stays assigned: a fetched
         # record below it means the log went backwards.
         self._position: dict[TopicPartition, int] = {}
+        # Next offset not yet stored per partition (since its last seek or
+        # assignment): what a topic Kafka lost may be replaced past (compaction.py).
+        self._stored: dict[TopicPartition, int] = {}
         # Bumped by every revoke and assign: a commit refused before one is not tried
         # again after it (the partition may now hold another log: a Kafka restarted).
         self._assignments = 0
@@ -289,6 +292,7 @@ class PersistenceConsumer:
         """The partition was (re)assigned or revoked: its next fetch may start anywhere,
         and what this consumer committed for it before says nothing now."""
         self._position.pop(tp, None)
+        self._stored.pop(tp, None)
         self._assignments += 1
         self._forget_committed(tp.partition)
 
@@ -338,6 +342,9 @@ class PersistenceConsumer:
         results = await self._save(client_batches)
         if rewinds == self._rewinds:  # else these records are being read again
             self._commit_soon(commit)
+            for tp, offset in commit.items():
+                if self._position.get(tp) == offset:  # not sought elsewhere meanwhile
+                    self._stored[tp] = offset
         for batch, result in zip(client_batches, results, strict=True):
             self._account(result)
             self.events.stored(batch, result)
@@ -389,6 +396,36 @@ class PersistenceConsumer:
                 return False
         return True
 
+    def read_from_start(self) -> None:
+        """Read every assigned partition again from offset 0, offsets of the log it
+        had forgotten: Kafka lost the topic (a Tansu restarted empty acknowledges
+        and serves records of a topic it no longer lists, from offset 0 again, and
+        a consumer past that offset would never fetch them). Read twice, stored once."""
+        for tp in self._consumer.assignment():
+            self._forget_committed(tp.partition)
+            self._seek(tp, 0)
+        self._commits.abandon()
+
+    def stored_to_end(self, since: float, partitions: int) -> bool:
+        """This consumer holds all ``partitions``, fetched each after ``since`` (wall
+        clock seconds) and stored each up to the end that fetch reported: the test
+        that needs no commit (Kafka refuses commits for a topic it lost)."""
+        assigned = self._consumer.assignment()
+        if len(assigned) != partitions:
+            return False
+        for tp in assigned:
+            fetched = self._consumer.last_poll_timestamp(tp)  # ms, 0: never
+            end = self._consumer.highwater(tp)
+            if not fetched or fetched / 1000 < since or end is None:
+                return False
+            if end and self._stored.get(tp, 0) < end:
+                return False
+        return True
+
+    async def durable(self) -> bool:
+        """What is stored is as durable as ``persistence.redis_wait`` asks."""
+        return await self._store.wait_durable() == DURABLE
+
     def log_recreated(self) -> None:
         """The topic was emptied (deleted and created again, persistence/compaction.py):
         every partition is read from its start and nothing committed before counts.
@@ -399,6 +436,7 @@ class PersistenceConsumer:
             self.stats.log_resets += 1
             self._forget_committed(tp.partition)
             self._seek(tp, 0)
+        self._commits.abandon()  # an old log's offset must not land in the new one
         if self._resets is not None:
             self._resets.announce(tp.partition for tp in assigned)
 
@@ -417,6 +455,7 @@ class PersistenceConsumer:
         except Exception as error:  # no longer assigned: its next owner reads it
             log.debug("seek of %s failed: %s", tp, error)
         self._position.pop(tp, None)
+        self._stored.pop(tp, None)
 
     async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:
         while True:

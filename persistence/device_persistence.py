@@ -24,7 +24,13 @@ from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
 from persistence.format import StoredRecord
-from persistence.kafka_path import KafkaPersistentPath, ensure_topic, make_producer, replace_topic
+from persistence.kafka_path import (
+    KafkaPersistentPath,
+    TopicProbe,
+    ensure_topic,
+    make_producer,
+    replace_topic,
+)
 from persistence.redis_store import RedisMessageStore
 from persistence.session_store import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
@@ -98,7 +104,12 @@ class DevicePersistence:
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self._consumer_task: asyncio.Task[None] | None = None
         self.compactor: KafkaCompactor | None = None
-        if compact_after > 0:
+        # A single broker holds every producer of the topic: it can keep a topic
+        # that Kafka lost (persistence/compaction.py); replicas cannot hold the others.
+        self._probe: TopicProbe | None = None
+        if bootstrap and not settings.cluster.enabled:
+            self._probe = TopicProbe(bootstrap, config.topic)
+        if compact_after > 0 or self._probe is not None:
             self.compactor = KafkaCompactor(
                 self.path,
                 self.consumer,
@@ -106,6 +117,7 @@ class DevicePersistence:
                 lambda: replace_topic(bootstrap, config.topic, config.partitions),
                 compact_after,
                 hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
+                probe=self._probe.partitions if self._probe is not None else None,
             )
         self._compactor_task: asyncio.Task[None] | None = None
 
@@ -224,6 +236,9 @@ class DevicePersistence:
             await self._kafka_consumer.stop()
         with contextlib.suppress(KafkaError):
             await self._producer.stop()
+        if self._probe is not None:
+            with contextlib.suppress(KafkaError):
+                await self._probe.close()
         await self.store.aclose()
 
     async def _wait_consumed(self) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import (
     KafkaError,
     TopicAlreadyExistsError,
@@ -227,6 +228,10 @@ class KafkaPersistentPath:
                         self._report(submission, False)
                     else:
                         self._maybe_settle(submission)
+
+    @property
+    def topic(self) -> str:
+        return self._topic
 
     def _partitioner_for_round(self) -> Callable[[bytes], int | None]:
         """The default partitioner's choice per key, remembered per key.
@@ -491,11 +496,42 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> bool:
     return True
 
 
+class TopicProbe:
+    """How many partitions Kafka lists for the topic (None: none, it lost the topic).
+
+    Asked with a metadata request for all topics, on a client of its own: one
+    naming the topic would make Tansu create it, with its default partition
+    count, and the producer's own client must keep the metadata it has.
+    """
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._client = AIOKafkaClient(bootstrap_servers=bootstrap)
+        self._topic = topic
+        self._started = False
+
+    async def partitions(self) -> int | None:
+        if not self._started:
+            await self._client.bootstrap()
+            self._started = True
+        cluster = await self._client.fetch_all_metadata()
+        found = cluster.partitions_for_topic(self._topic)
+        return len(found) if found else None
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
 async def replace_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    """Delete the topic and create it again, empty (persistence/compaction.py)."""
+    """Delete the topic and create it again, empty (persistence/compaction.py).
+
+    Described first: a Tansu that lost the topic still keeps the records sent to
+    it since, and deletes them only with a topic it lists (a describe makes it
+    list the topic); created over them, its new records would find their offsets
+    taken (AlreadyExists in its log) and be lost."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
+        await admin.describe_topics([topic])
         response = await admin.delete_topics([topic])
     finally:
         await admin.close()

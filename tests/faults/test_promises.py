@@ -21,7 +21,9 @@ failure each one shows on the code before the fixes.
 8. a stored session discarded by clean start does not come back after a
    crash once CONNACK said it was gone;
 9. a session resumed with Session Expiry Interval 0 ends with the crash
-   that closes its connection.
+   that closes its connection;
+10. after Kafka restarts empty under a broker that has not produced yet,
+    messages acknowledged later survive a crash of that broker.
 """
 
 from __future__ import annotations
@@ -228,6 +230,53 @@ def test_messages_after_a_kafka_restart_are_delivered(tmp_path: Path) -> None:
         pub2.stop(30)
         assert pub2.acked == set(range(1, 21)), pub2.outcomes
         sub.wait_all([pub2], 10)
+    finally:
+        for client in (sub, pub, pub2):
+            if client is not None:
+                client.close()
+        system.stop()
+
+
+def test_a_topic_kafka_lost_is_made_again_before_a_crash_can_lose_its_records(
+    tmp_path: Path,
+) -> None:
+    """Seed 1183: a Tansu restarted empty no longer lists the topic, yet acknowledges
+    records sent to it (from offset 0 again) while refusing commits; the next
+    broker to start created the topic over them. The broker that finds the topic
+    gone stores what Kafka still serves and makes the topic again, so messages
+    acknowledged afterwards are in a topic that a broker starting after a crash
+    reads. Redis is paused while they are published and during the crash: none
+    of them was stored before it.
+    """
+    system = System(tmp_path / "system", 1, {})
+    sub = pub = pub2 = None
+    try:
+        system.start()
+        address = system.address(0)
+        sub = RawSubscriber(address, "sub", level=5)
+        sub.connect(subscribe=[(TOPIC, 1)], reconnect=True)
+        pub = Publisher(address, "pub", TOPIC)
+        pub.publish(10)
+        pub.stop()
+        sub.wait_all([pub], 15)
+        wait_until(system.quiesced, 20, "consumer lag 0")
+        system.kill_broker(0)  # the next process has produced nothing before the restart
+        system.start_broker(0)
+        system.restart_kafka()
+        wait_until(
+            lambda: system.counter("devicemq_kafka_topics_restored_total") >= 1,
+            30,
+            "the broker to make the lost topic again",
+        )
+        system.pause_redis()
+        pub2 = Publisher(address, "pub2", TOPIC)
+        pub2.publish(10)
+        pub2.stop(30)
+        assert pub2.acked == set(range(1, 11)), pub2.outcomes
+        system.kill_broker(0)
+        system.resume_redis()
+        system.start_broker(0)
+        sub.wait_all([pub, pub2], 20)
     finally:
         for client in (sub, pub, pub2):
             if client is not None:
