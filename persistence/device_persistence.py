@@ -30,6 +30,7 @@ from persistence.kafka_path import (
     ensure_topic,
     make_producer,
     replace_topic,
+    topic_listed,
 )
 from persistence.redis_store import RedisMessageStore
 from persistence.session_store import SessionStateStore
@@ -85,7 +86,11 @@ class DevicePersistence:
             timeout=config.kafka_request_timeout_ms / 1000,
             producer_id=producer_id,
             on_log_reset=self.resets.announce,
-            recreate_topic=lambda: ensure_topic(bootstrap, config.topic, config.partitions),
+            recreate_topic=(
+                None
+                if bootstrap and not settings.cluster.enabled
+                else lambda: ensure_topic(bootstrap, config.topic, config.partitions)
+            ),
             latency_observer=produce_latency,
         )
         self.writer = StoreWriter(store)
@@ -349,8 +354,21 @@ async def open_persistence(
     consumer = make_consumer(bootstrap, config.consumer_group)
     try:
         producer_id = await store.next_producer_id()
+        lost = False
+        if await store.topic_used(config.topic) and not await topic_listed(bootstrap, config.topic):
+            # Kafka lost a topic devicemq used (a Tansu restarted empty). What a killed
+            # predecessor sent to it since, Tansu keeps unlisted and unread; a topic
+            # created over it would hand out those offsets again and drop the new
+            # records (AlreadyExists): the old ones go with a replace (finding 17).
+            lost = True
+            log.warning(
+                "kafka had lost topic %s: records it held and devicemq had not stored "
+                "are gone; making it again",
+                config.topic,
+            )
+            await replace_topic(bootstrap, config.topic, config.partitions)
         created = await ensure_topic(bootstrap, config.topic, config.partitions)
-        epoch = await store.topic_epoch(config.topic, created)
+        epoch = await store.topic_epoch(config.topic, created or lost)
         # Subscribed (with its rebalance listener) before it starts: the group join
         # begins at once, the rest of the start-up runs meanwhile.
         persistence = DevicePersistence(

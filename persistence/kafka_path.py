@@ -521,6 +521,15 @@ class TopicProbe:
         await self._client.close()
 
 
+async def topic_listed(bootstrap: str, topic: str) -> bool:
+    """Kafka lists ``topic`` (asked without making Tansu create it)."""
+    probe = TopicProbe(bootstrap, topic)
+    try:
+        return await probe.partitions() is not None
+    finally:
+        await probe.close()
+
+
 async def replace_topic(bootstrap: str, topic: str, partitions: int) -> None:
     """Delete the topic and create it again, empty (persistence/compaction.py).
 

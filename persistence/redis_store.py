@@ -912,6 +912,10 @@ class RedisMessageStore:
             return int(await self.redis.incr(key))
         return int(await self.redis.get(key) or 0)
 
+    async def topic_used(self, topic: str) -> bool:
+        """devicemq created ``topic`` before (its epoch is counted)."""
+        return bool(await self.redis.exists(epoch_key(topic)))
+
     async def pending_total(self, client_ids: Sequence[str], chunk: int) -> int:
         """Refs stored for all of ``client_ids``, ``chunk`` clients per round trip."""
         total = 0
