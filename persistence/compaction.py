@@ -32,7 +32,7 @@ deleted by hand, no longer lists the topic, yet still acknowledges records sent
 to it and serves them, from offset 0 again; commits for it are refused, and the
 next CreateTopics (a broker that starts) drops them: acknowledged, lost. So
 every second the compactor asks Kafka for the topic (:class:`TopicProbe`).
-Missing, or with another partition count: the consumer reads every partition
+Missing: the consumer reads every partition
 again from 0, publishers are held until every record Kafka serves is stored,
 and the topic is created again (a reset, as a compaction). If the records
 cannot be read back within :data:`GIVE_UP_AFTER`, Kafka has lost them with its
@@ -89,6 +89,7 @@ class KafkaCompactor:
         self._hold_limit = hold_limit
         self._clock = clock
         self._probe = probe
+        self._listed = partitions  # partitions Kafka last listed for the topic
         self._lost_since: float | None = None  # when the topic was found lost
         self._next_try = 0.0
         self.stats = CompactionStats()
@@ -115,15 +116,20 @@ class KafkaCompactor:
                 self._next_try = self._clock() + RETRY_AFTER
 
     async def topic_lost(self) -> bool:
-        """Kafka answers and does not list the topic with its partitions."""
+        """Kafka answers and does not list the topic. A topic listed with another
+        partition count than configured is an operator's (the setting applies
+        when devicemq creates it): never replaced."""
         if self._probe is None:
             return False
         try:
-            partitions = await self._probe()
+            listed = await self._probe()
         except Exception as error:  # Kafka away: nothing to decide now
             log.debug("asking kafka for the topic failed: %s", error)
             return False
-        return partitions != self._partitions
+        if listed is None:
+            return True
+        self._listed = listed
+        return False
 
     async def restore(self) -> bool:
         """Make the lost topic again once every record Kafka still serves is stored;
@@ -132,10 +138,9 @@ class KafkaCompactor:
         if self._lost_since is None:
             self._lost_since = self._clock()
             log.warning(
-                "kafka no longer lists topic %s with %d partitions (restarted empty, "
-                "or deleted): storing every record it still serves, then creating it again",
+                "kafka no longer lists topic %s (restarted empty, or deleted): storing "
+                "every record it still serves, then creating it again",
                 path.topic,
-                self._partitions,
             )
             consumer.read_from_start()
         path.hold()
@@ -149,7 +154,7 @@ class KafkaCompactor:
                     answered_at = time.time()
                 if (
                     answered_at is not None
-                    and consumer.stored_to_end(answered_at, self._partitions)
+                    and consumer.stored_to_end(answered_at, self._listed)
                     and await consumer.durable()
                 ):
                     break

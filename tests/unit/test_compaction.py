@@ -88,3 +88,91 @@ def test_a_failed_replace_releases_the_publishers() -> None:
     with pytest.raises(OSError):
         asyncio.run(compactor.compact())
     assert path.releases == [False] and not path.held
+
+
+# -- a topic Kafka lost (finding 17) ---------------------------------------------------
+
+
+class LostTopicConsumer(Consumer):
+    def __init__(self, stores_after: float | None) -> None:
+        super().__init__(catches_up_after=None)
+        self.stores_after = stores_after  # seconds after reading from the start; None: never
+        self.read_again: list[float] = []
+
+    def read_from_start(self) -> None:
+        self.read_again.append(asyncio.get_running_loop().time())
+
+    def stored_to_end(self, since: float, partitions: int) -> bool:
+        assert partitions == 1
+        now = asyncio.get_running_loop().time()
+        return self.stores_after is not None and now - self.read_again[0] >= self.stores_after
+
+    async def durable(self) -> bool:
+        return True
+
+
+def _restorer(
+    path: Path,
+    consumer: Consumer,
+    replaced: list[int],
+    listed: list[int | None],
+    clock: Any = None,
+) -> KafkaCompactor:
+    async def replace() -> None:
+        assert path.held, "the topic is made again only while publishers are held"
+        replaced.append(1)
+
+    async def probe() -> int | None:
+        return listed[0]
+
+    path.topic = "t"  # type: ignore[attr-defined]
+    stand_in: Any = (path, consumer)
+    extra = {"clock": clock} if clock is not None else {}
+    return KafkaCompactor(
+        stand_in[0], stand_in[1], 1, replace, 0, hold_limit=0.3, probe=probe, **extra
+    )
+
+
+def test_only_a_topic_kafka_does_not_list_is_lost() -> None:
+    """Listed with another partition count than configured: an operator's topic, kept."""
+    path, consumer, replaced = Path(), LostTopicConsumer(0.0), []
+    listed: list[int | None] = [6]
+    compactor = _restorer(path, consumer, replaced, listed)
+    assert not asyncio.run(compactor.topic_lost())
+    listed[0] = None
+    assert asyncio.run(compactor.topic_lost())
+
+
+def test_a_lost_topic_is_made_again_once_everything_is_stored() -> None:
+    path, consumer, replaced = Path(), LostTopicConsumer(stores_after=0.1), []
+    compactor = _restorer(path, consumer, replaced, [None])
+    assert asyncio.run(compactor.restore())
+    assert len(consumer.read_again) == 1 and replaced == [1] and consumer.recreated == 1
+    assert path.releases == [True] and not path.held
+    assert compactor.stats.topics_restored == 1 and compactor.stats.restores_incomplete == 0
+
+
+def test_a_lost_topic_waits_for_its_records_then_is_made_anyway() -> None:
+    """Not stored within the hold: tried again (publishers released meanwhile); past
+    GIVE_UP_AFTER the topic is made anyway and counted as incomplete."""
+    from persistence.compaction import GIVE_UP_AFTER
+
+    now = [0.0]
+    path, consumer, replaced = Path(), LostTopicConsumer(stores_after=None), []
+
+    def clock() -> float:
+        now[0] += 0.05
+        return now[0]
+
+    compactor = _restorer(path, consumer, replaced, [None], clock)
+
+    async def twice() -> tuple[bool, bool]:
+        first = await compactor.restore()
+        now[0] += GIVE_UP_AFTER
+        return first, await compactor.restore()
+
+    first, second = asyncio.run(twice())
+    assert not first and second
+    assert len(consumer.read_again) == 1  # once per loss, not per try
+    assert path.releases == [False, True] and replaced == [1]
+    assert compactor.stats.restores_incomplete == 1 and compactor.stats.topics_restored == 1
