@@ -12,13 +12,19 @@
 -- than the one that ended, for ARGV[2] ms: records still in Kafka for the
 -- ended session carry its generation and are dropped by save_batch.lua, and a
 -- new session takes a higher one still (open_session.lua).
+-- The score counter (and the packet id that follows it) outlives the session
+-- with the tombstone: a delivery-progress write of the ended session retried
+-- late (a Redis outage) names (packet id, score) pairs that no message of the
+-- next session can have, since its scores go on from here.
 -- Returns how many stored messages were deleted.
 
 local ending = tonumber(ARGV[1])
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
 if ending > 0 and current > ending then return -1 end
 local deleted = delete_messages(KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
+redis.call('DEL', KEYS[1], KEYS[4], KEYS[5], KEYS[7])
 local tombstone = math.max(current, ending) + 1
 redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return deleted

@@ -17,7 +17,9 @@
 -- belongs to no live session and is deleted, the generation becomes
 -- max(proposed, current + 1) (it only ever grows: records of every earlier
 -- session carry a lower one), and the state is written. Returns
--- {generation, false}.
+-- {generation, false}. The score counter and packet id go on from the
+-- ended session's (end_session.lua), so that its late progress writes match
+-- nothing of the new one.
 
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
 local stored = redis.call('GET', KEYS[5])
@@ -29,7 +31,7 @@ if ARGV[1] == 'resume' and stored then
   return {string.format('%.0f', current), stored}
 end
 delete_messages(KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[7])
+redis.call('DEL', KEYS[1], KEYS[4], KEYS[7])
 local generation = math.max(tonumber(ARGV[2]), current + 1)
 local text = string.format('%.0f', generation)
 redis.call('SET', KEYS[6], text)

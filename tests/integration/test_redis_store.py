@@ -459,8 +459,10 @@ async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> N
     await store.save_batch(cid, msgs(0, 5, generation=1000), partition=0)
     assert await store.end_session(cid, 1000) == 5
     assert await store.load_session(cid) is None
-    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.seen, keys.session):
+    for key in (keys.messages, keys.seen, keys.session):
         assert await cmd(store, "EXISTS", key) == 0
+    for key in (keys.last_packet_id, keys.last_score):  # kept with the tombstone
+        assert await cmd(store, "TTL", key) > 0
     for pid in range(1, 6):
         assert await cmd(store, "EXISTS", keys.message(pid)) == 0
     # a tombstone generation stays (with a TTL): a record of the ended session still in
@@ -469,12 +471,12 @@ async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> N
     assert await cmd(store, "TTL", keys.generation) > 0
     late = await store.save_batch(cid, msgs(5, 1, generation=1000), partition=0)
     assert (late.saved, late.discarded) == (0, [0])
-    # a new session takes a higher generation; its ids and scores start from 1
+    # a new session takes a higher generation; its ids and scores go on
     new = SessionState(expiry_interval=60, last_seen=time.time())
     assert await store.open_session(cid, resume=True, generation=5, state=new) is None
     assert new.generation == 1002
     res = await store.save_batch(cid, msgs(6, 1, generation=1002), partition=0)
-    assert res.assigned == [Assigned(1, 1)]
+    assert res.assigned == [Assigned(6, 6)]
     # the old session's broker can neither overwrite nor end the new one
     assert not await store.save_session(cid, state)
     assert await store.end_session(cid, 1000) is None
@@ -487,6 +489,29 @@ async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> N
     assert await store.open_session(cid, resume=False, generation=9, state=fresh) is None
     assert fresh.generation == 1003
     assert await store.pending_count(cid) == 0
+
+
+async def test_late_progress_of_an_ended_session_takes_nothing_of_the_next(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """A sent mark and an ack of an ended session, retried after a Redis outage,
+    land once the next session of the same client stored messages: they name
+    (packet id, score) pairs of the old session, and the new session's scores go
+    on from the old one's, so they match none of its messages (FINDINGS.md,
+    finding 18). With scores starting again from 1, the ack deleted the new
+    session's first message."""
+    old = SessionState(expiry_interval=3600, last_seen=time.time())
+    await store.open_session(cid, resume=True, generation=1, state=old)
+    await store.save_batch(cid, msgs(0, 2, generation=old.generation), partition=0)
+    sent = [(r.packet_id, r.score) for r in await all_records(store, cid)]
+    fresh = SessionState(expiry_interval=3600, last_seen=time.time())
+    assert await store.open_session(cid, resume=False, generation=2, state=fresh) is None
+    await store.save_batch(cid, msgs(10, 2, generation=fresh.generation), partition=0)
+    before = [(r.packet_id, r.score, r.sent) for r in await all_records(store, cid)]
+    marked = await store.write_progress({cid: sent}, {}, {cid: sent})  # the late writes
+    assert [(r.packet_id, r.score, r.sent) for r in await all_records(store, cid)] == before
+    assert marked.get(cid, set()) == set()
+    assert [score for _, score, _ in before] == [3, 4]
 
 
 async def test_session_expiry_takes_every_key_and_reconnect_persists(
