@@ -403,7 +403,7 @@ class BrokerCollector(Collector):
         )
         yield _counter(
             "kafka_compaction_hold_seconds",
-            "Time publishers waited while the embedded Kafka's topic was being emptied",
+            "Time publishers waited while the embedded Kafka's topic was emptied or restored",
             compaction.held_seconds,
         )
         if self.backlog is not None:

@@ -216,6 +216,7 @@ class PersistenceConsumer:
         # Next offset not yet stored per partition (since its last seek or
         # assignment): what a topic Kafka lost may be replaced past (compaction.py).
         self._stored: dict[TopicPartition, int] = {}
+        self._commits_off = False  # the topic is lost: nothing commits (read_from_start)
         # Bumped by every revoke and assign: a commit refused before one is not tried
         # again after it (the partition may now hold another log: a Kafka restarted).
         self._assignments = 0
@@ -400,11 +401,21 @@ class PersistenceConsumer:
         """Read every assigned partition again from offset 0, offsets of the log it
         had forgotten: Kafka lost the topic (a Tansu restarted empty acknowledges
         and serves records of a topic it no longer lists, from offset 0 again, and
-        a consumer past that offset would never fetch them). Read twice, stored once."""
+        a consumer past that offset would never fetch them). Read twice, stored once.
+
+        Nothing is committed until :meth:`log_recreated` or :meth:`commit_again`:
+        Kafka refuses commits for a topic it lost, and aiokafka retries them until
+        a topic of that name exists again, where an offset of the lost log would
+        skip the new log's first records."""
+        self._commits_off = True
+        self._commits.abandon()
         for tp in self._consumer.assignment():
             self._forget_committed(tp.partition)
             self._seek(tp, 0)
-        self._commits.abandon()
+
+    def commit_again(self) -> None:
+        """Kafka lists the topic again by itself (not made again): commits resume."""
+        self._commits_off = False
 
     def stored_to_end(self, since: float, partitions: int) -> bool:
         """This consumer holds all ``partitions``, fetched each after ``since`` (wall
@@ -423,8 +434,13 @@ class PersistenceConsumer:
         return True
 
     async def durable(self) -> bool:
-        """What is stored is as durable as ``persistence.redis_wait`` asks."""
-        return await self._store.wait_durable() == DURABLE
+        """What is stored is as durable as ``persistence.redis_wait`` asks. Redis lost
+        saves (LOST): the partitions are read from 0 again, not yet durable."""
+        verdict = await self._store.wait_durable()
+        if verdict == LOST:
+            self.stats.rewinds += 1
+            self.read_from_start()
+        return verdict == DURABLE
 
     def log_recreated(self) -> None:
         """The topic was emptied (deleted and created again, persistence/compaction.py):
@@ -437,6 +453,7 @@ class PersistenceConsumer:
             self._forget_committed(tp.partition)
             self._seek(tp, 0)
         self._commits.abandon()  # an old log's offset must not land in the new one
+        self._commits_off = False
         if self._resets is not None:
             self._resets.announce(tp.partition for tp in assigned)
 
@@ -483,7 +500,8 @@ class PersistenceConsumer:
             )
 
     def _commit_soon(self, offsets: dict[TopicPartition, int]) -> None:
-        self._commits.add(offsets)
+        if not self._commits_off:  # see read_from_start
+            self._commits.add(offsets)
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """Commit; answers the offsets to commit again (see below).

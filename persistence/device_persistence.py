@@ -28,9 +28,9 @@ from persistence.kafka_path import (
     KafkaPersistentPath,
     TopicProbe,
     ensure_topic,
+    lost_by_tansu,
     make_producer,
     replace_topic,
-    topic_listed,
 )
 from persistence.redis_store import RedisMessageStore
 from persistence.session_store import SessionStateStore
@@ -76,6 +76,7 @@ class DevicePersistence:
         self._producer = producer
         self._kafka_consumer = consumer
         self._clock = clock
+        self._bootstrap = bootstrap
         self.event_log: EventLog | None = None  # delivery events for the pipeline, None: off
         self.events: EventSink = NO_EVENTS
         self.resets = LogResets(store.redis, config.topic)
@@ -86,8 +87,10 @@ class DevicePersistence:
             timeout=config.kafka_request_timeout_ms / 1000,
             producer_id=producer_id,
             on_log_reset=self.resets.announce,
+            # A single broker's path waits for the compactor's restore (it holds every
+            # producer); replicas create the topic at once (they cannot hold the others).
             recreate_topic=(
-                None
+                self._restore_topic
                 if bootstrap and not settings.cluster.enabled
                 else lambda: ensure_topic(bootstrap, config.topic, config.partitions)
             ),
@@ -122,9 +125,17 @@ class DevicePersistence:
                 lambda: replace_topic(bootstrap, config.topic, config.partitions),
                 compact_after,
                 hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
-                probe=self._probe.partitions if self._probe is not None else None,
+                probe=self._probe,
             )
         self._compactor_task: asyncio.Task[None] | None = None
+
+    async def _restore_topic(self) -> None:
+        """The path's log went back or its topic is gone: a Tansu's lost topic is
+        restored (persistence/compaction.py), any other Kafka's is created."""
+        assert self.compactor is not None  # made whenever the path waits for it
+        if not await self.compactor.restore_when_lost():
+            config = self.settings.persistence
+            await ensure_topic(self._bootstrap, config.topic, config.partitions)
 
     def use_events(self, events: EventLog | None) -> None:
         """Report delivery events to ``events`` (before :meth:`attach`; None: off)."""
@@ -355,7 +366,11 @@ async def open_persistence(
     try:
         producer_id = await store.next_producer_id()
         lost = False
-        if await store.topic_used(config.topic) and not await topic_listed(bootstrap, config.topic):
+        if (
+            not settings.cluster.enabled
+            and await store.topic_used(config.topic)
+            and await lost_by_tansu(bootstrap, config.topic)
+        ):
             # Kafka lost a topic devicemq used (a Tansu restarted empty). What a killed
             # predecessor sent to it since, Tansu keeps unlisted and unread; a topic
             # created over it would hand out those offsets again and drop the new

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
+from aiokafka.cluster import ClusterMetadata
 from aiokafka.errors import (
     KafkaError,
     TopicAlreadyExistsError,
@@ -33,6 +34,7 @@ from aiokafka.errors import (
     for_code,
 )
 from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import RecordMetadata
 
 from persistence.coalescing import Retry
@@ -126,6 +128,7 @@ class KafkaPersistentPath:
         self._recreate_topic = recreate_topic
         self._topic_ready = asyncio.Event()
         self._topic_ready.set()
+        self._handing = False  # a batch is being handed to the producer (_send)
         self._rounds: dict[_Round, None] = {}  # not all reported, in the order sent
         self._unsettled: dict[_Submission, None] = {}  # reported at a deadline, still out
         self._timeout = timeout  # seconds a publisher waits before it is told "failed"
@@ -183,7 +186,11 @@ class KafkaPersistentPath:
             while self._pending:
                 await self._topic_ready.wait()
                 batch, self._pending = self._pending, []
-                await self._send(batch)
+                self._handing = True
+                try:
+                    await self._send(batch)
+                finally:
+                    self._handing = False
         finally:
             self._sender = None
             self._check_idle()
@@ -385,10 +392,13 @@ class KafkaPersistentPath:
         self._topic_ready.clear()
 
     def nothing_out(self) -> bool:
-        """Every record handed to the producer has Kafka's answer."""
-        return not any(
-            s.outstanding for round_ in self._rounds for s in round_.submissions
-        ) and not any(s.outstanding for s in self._unsettled)
+        """No record is being handed to the producer, and every one handed has
+        Kafka's answer (a hold stops the sender between batches only)."""
+        return (
+            not self._handing
+            and not any(s.outstanding for round_ in self._rounds for s in round_.submissions)
+            and not any(s.outstanding for s in self._unsettled)
+        )
 
     def release(self, new_log: bool) -> None:
         """Send again; ``new_log``: the topic was emptied, its offsets start at 0."""
@@ -497,23 +507,33 @@ async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> bool:
 
 
 class TopicProbe:
-    """How many partitions Kafka lists for the topic (None: none, it lost the topic).
+    """What Kafka lists for the topic, and whether that Kafka forgets topics.
 
     Asked with a metadata request for all topics, on a client of its own: one
     naming the topic would make Tansu create it, with its default partition
-    count, and the producer's own client must keep the metadata it has.
+    count, and the producer's own client must keep the metadata it has. Only a
+    Tansu (its cluster id says so) loses a topic under a running broker (memory
+    storage, restarted empty); an Apache Kafka's topic goes only when deleted
+    by hand, and is deleted asynchronously: replacing it there would fight the
+    operator.
     """
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self._client = AIOKafkaClient(bootstrap_servers=bootstrap)
         self._topic = topic
         self._started = False
+        self.forgets_topics = False  # learnt from the last answer
 
     async def partitions(self) -> int | None:
+        """Partitions listed for the topic, None if none; raises if Kafka is away."""
         if not self._started:
             await self._client.bootstrap()
             self._started = True
-        cluster = await self._client.fetch_all_metadata()
+        node = next(iter(self._client.cluster.brokers())).nodeId
+        response = await self._client.send(node, MetadataRequest(None))
+        self.forgets_topics = str(getattr(response, "cluster_id", "")).startswith("tansu")
+        cluster = ClusterMetadata()
+        cluster.update_metadata(response)
         found = cluster.partitions_for_topic(self._topic)
         return len(found) if found else None
 
@@ -521,11 +541,11 @@ class TopicProbe:
         await self._client.close()
 
 
-async def topic_listed(bootstrap: str, topic: str) -> bool:
-    """Kafka lists ``topic`` (asked without making Tansu create it)."""
+async def lost_by_tansu(bootstrap: str, topic: str) -> bool:
+    """A Tansu (memory storage) no longer lists ``topic``."""
     probe = TopicProbe(bootstrap, topic)
     try:
-        return await probe.partitions() is not None
+        return await probe.partitions() is None and probe.forgets_topics
     finally:
         await probe.close()
 

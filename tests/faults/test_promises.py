@@ -268,6 +268,7 @@ def test_a_topic_kafka_lost_is_made_again_before_a_crash_can_lose_its_records(
             30,
             "the broker to make the lost topic again",
         )
+        assert system.counter("devicemq_kafka_topic_restores_incomplete_total") == 0
         system.pause_redis()
         pub2 = Publisher(address, "pub2", TOPIC)
         pub2.publish(10)

@@ -102,6 +102,9 @@ class LostTopicConsumer(Consumer):
     def read_from_start(self) -> None:
         self.read_again.append(asyncio.get_running_loop().time())
 
+    def commit_again(self) -> None:
+        self.commits_again = True
+
     def stored_to_end(self, since: float, partitions: int) -> bool:
         assert partitions == 1
         now = asyncio.get_running_loop().time()
@@ -122,14 +125,17 @@ def _restorer(
         assert path.held, "the topic is made again only while publishers are held"
         replaced.append(1)
 
-    async def probe() -> int | None:
-        return listed[0]
+    class Probe:
+        forgets_topics = True  # a Tansu
+
+        async def partitions(self) -> int | None:
+            return listed[0]
 
     path.topic = "t"  # type: ignore[attr-defined]
-    stand_in: Any = (path, consumer)
+    stand_in: Any = (path, consumer, Probe())
     extra = {"clock": clock} if clock is not None else {}
     return KafkaCompactor(
-        stand_in[0], stand_in[1], 1, replace, 0, hold_limit=0.3, probe=probe, **extra
+        stand_in[0], stand_in[1], 1, replace, 0, hold_limit=0.3, probe=stand_in[2], **extra
     )
 
 
@@ -176,3 +182,40 @@ def test_a_lost_topic_waits_for_its_records_then_is_made_anyway() -> None:
     assert len(consumer.read_again) == 1  # once per loss, not per try
     assert path.releases == [False, True] and replaced == [1]
     assert compactor.stats.restores_incomplete == 1 and compactor.stats.topics_restored == 1
+
+
+def test_the_kafka_path_waits_for_the_restore_of_a_lost_topic() -> None:
+    """After a log reset the path sends nothing until Kafka lists the topic: at once
+    when it does, after the restore (stored, then made again) when it does not."""
+    path, consumer, replaced = Path(), LostTopicConsumer(stores_after=0.05), []
+    listed: list[int | None] = [1]
+    compactor = _restorer(path, consumer, replaced, listed)
+    asyncio.run(compactor.restore_when_lost())
+    assert replaced == [] and consumer.read_again == [] and path.releases == []
+    listed[0] = None
+    asyncio.run(compactor.restore_when_lost())
+    assert replaced == [1] and len(consumer.read_again) == 1 and path.releases == [True]
+
+
+def test_an_apache_kafka_topic_is_never_restored_only_created_by_the_path() -> None:
+    """Only a Kafka that forgets topics (Tansu) loses one under a running broker; an
+    operator's deleted topic is not replaced behind their back."""
+    path, consumer, replaced = Path(), LostTopicConsumer(stores_after=0.0), []
+    compactor = _restorer(path, consumer, replaced, [None])
+    compactor._probe.forgets_topics = False  # type: ignore[union-attr]
+    assert not asyncio.run(compactor.topic_lost())
+    assert not asyncio.run(compactor.restore_when_lost())
+    assert replaced == [] and consumer.read_again == [] and path.releases == []
+
+
+def test_a_topic_listed_again_by_itself_ends_the_restore_and_commits_resume() -> None:
+    path, consumer, replaced = Path(), LostTopicConsumer(stores_after=None), []
+    listed: list[int | None] = [None]
+    compactor = _restorer(path, consumer, replaced, listed)
+    assert not asyncio.run(compactor.restore())  # not stored within the hold
+    listed[0] = 1
+    assert not asyncio.run(compactor.topic_lost())
+    assert getattr(consumer, "commits_again", False) and replaced == []
+    listed[0] = None  # lost again later: read from the start again, anew
+    asyncio.run(compactor.restore())
+    assert len(consumer.read_again) == 2
