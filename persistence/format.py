@@ -53,7 +53,10 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_messages_<packetId>``
     string: the message value above.
 ``{cid}_last_packet_id``, ``{cid}_last_score``
-    the last packet id (1..65535) and score handed out.
+    the last packet id (1..65535) and score handed out; they outlive a
+    session that ends, with its generation tombstone, and the next session
+    counts on from them (a late acknowledgement of the old session then names
+    no message of the new one).
 ``{cid}_seen``
     hash, ``<producer>:<partition>`` -> the last ``seq`` stored from that
     producer through that partition (records of one producer reach a
