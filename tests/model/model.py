@@ -70,6 +70,11 @@ DUP_MARGIN = {False: 0.2, True: 1.0}
 SESSION_EXPIRY_MARGIN = 2.0  # s: the broker's 0.5 s sweep, Redis round trips, our clocks
 ACK_SLACK = 1.0  # s an acknowledged copy may still count as stored (coalesced writes)
 TTL_MARGIN = 0.5  # s: an expiry counted from our send, the broker counts from its receipt
+# s: with replicas, a connection (Session Expiry 0) the client closed this long before
+# its next CONNECT may not have been seen closed by its replica when another one took
+# the session over (seed 1549): the takeover resumes it, as MQTT-3.1.4-3 says.
+CLOSE_RACE = 0.5
+CLOSED_NO_EXPIRY = "connection closed (no session expiry)"
 
 Route = tuple[str, ...]  # ("d",) direct, or ("s", group, inner filter)
 DIRECT: Route = ("d",)
@@ -393,6 +398,20 @@ class Model:
             state.connected = True
             inc = state.inc
             self.log(f"{cid} CONNACK present={int(session_present)} conn={state.conn}")
+            if (
+                session_present
+                and not state.pending_clean
+                and self.config.cluster
+                and inc is not None
+                and inc.ended is not None
+                and inc.end_reason == CLOSED_NO_EXPIRY
+                and state.pending_since - inc.ended <= CLOSE_RACE
+            ):
+                # A takeover of a connection its replica had not yet seen closed: the
+                # session goes on (nothing published meanwhile was owed to it).
+                self.log(f"{cid} took its session over, closed {now - inc.ended:.3f} s before")
+                inc.ended = None
+                inc.end_reason = ""
             if state.pending_clean:
                 if session_present:
                     self.violate("session-present", f"{cid}: session present after a clean start")
@@ -456,7 +475,7 @@ class Model:
                 return
             inc.detached_at = now
             if not inc.persistent:
-                self._end(inc, now, "connection closed (no session expiry)")
+                self._end(inc, now, CLOSED_NO_EXPIRY)
 
     def expire_sessions(self) -> None:
         """Sessions left longer than their expiry (plus margin) have certainly ended."""

@@ -170,3 +170,28 @@ def test_a_shared_group_may_give_a_qos1_message_to_its_qos0_member() -> None:
 def test_a_qos1_member_given_the_message_at_qos0_has_not_got_it() -> None:
     """The other side: a member granted QoS 1 that gets a QoS 0 copy was downgraded."""
     assert _group_copy_at_qos0(member_qos=1) == {"r:p1:1"}
+
+
+def _present_after_close(cluster: bool, gap: float) -> list[str]:
+    """s1 (Session Expiry 0) closes its connection and, ``gap`` s later, resumes; the
+    CONNACK says session present."""
+    clock = Clock()
+    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=cluster), clock)
+    model.add_client("s1", 5, paho=False)
+    model.connect_sent("s1", clean_start=False, expiry=0)
+    conn = model.connack("s1", session_present=False)
+    clock.tick()
+    model.connection_closed("s1", conn)
+    clock.tick(gap)
+    model.connect_sent("s1", clean_start=False, expiry=0)
+    clock.tick()
+    model.connack("s1", session_present=True)
+    return [v.kind for v in model.violations]
+
+
+def test_with_replicas_a_takeover_right_after_a_close_may_resume_the_session() -> None:
+    """Seed 1549: the replica of the closed connection had not seen it closed when
+    another replica took the session over; a takeover resumes (MQTT-3.1.4-3)."""
+    assert _present_after_close(cluster=True, gap=0.0) == []
+    assert _present_after_close(cluster=True, gap=2.0) == ["session-present"]
+    assert _present_after_close(cluster=False, gap=0.0) == ["session-present"]
