@@ -126,34 +126,48 @@ class LogResets:
         self._redis = redis
         self._key = resets_key(topic)
         self._epoch_key = epoch_key(topic)
-        self._writer: CoalescingWriter[set[int]] = CoalescingWriter(
-            self._write, _union, set, Retry("log_resets")
+        # partition -> whether this process's consumer already re-read it
+        self._writer: CoalescingWriter[dict[int, bool]] = CoalescingWriter(
+            self._write, _reread_by_both, dict, Retry("log_resets")
         )
+        # partition -> its count right after an announcement of this process whose
+        # consumer had re-read the partition already: hearing it back is no news.
+        self._mine: dict[int, int] = {}
 
     @property
     def retry(self) -> Retry:
         return self._writer.retry
 
-    def announce(self, partitions: Iterable[int]) -> None:
-        """From the hot path: written in the background, retried until it lands."""
-        self._writer.add(set(partitions))
+    def announce(self, partitions: Iterable[int], *, reread: bool = False) -> None:
+        """From the hot path: written in the background, retried until it lands.
 
-    async def _write(self, partitions: set[int]) -> set[int]:
+        ``reread``: this process's consumer already reads these partitions from
+        their start (it saw the reset itself); the Kafka path's announcements
+        are news to it like anyone's."""
+        self._writer.add(dict.fromkeys(partitions, reread))
+
+    async def _write(self, partitions: dict[int, bool]) -> dict[int, bool]:
+        ordered = sorted(partitions)
         try:
             pipe = self._redis.pipeline(transaction=False)
-            for partition in sorted(partitions):
+            for partition in ordered:
                 pipe.hincrby(self._key, str(partition), 1)
             pipe.incr(self._epoch_key)
-            await pipe.execute()
+            counts = await pipe.execute()
         except Exception as error:
             log.warning("announcing a kafka log reset failed, retrying: %s", error)
             return partitions
+        for partition, count in zip(ordered, counts, strict=False):
+            if partitions[partition]:
+                self._mine[partition] = int(count)
+            else:
+                self._mine.pop(partition, None)
         log.warning(
             "kafka partitions %s went backwards (log reset): announced, every "
             "consumer re-reads them from their beginning",
-            sorted(partitions),
+            ordered,
         )
-        return set()
+        return {}
 
     async def read(self) -> tuple[dict[int, int], int]:
         """(partition -> resets announced, epoch)."""
@@ -162,6 +176,18 @@ class LogResets:
         pipe.get(self._epoch_key)
         counts, epoch = await pipe.execute()
         return {int(k): int(v) for k, v in counts.items()}, int(epoch or 0)
+
+    def announced_by_others(self, known: dict[int, int], counts: dict[int, int]) -> set[int]:
+        """Partitions whose count went from ``known`` to ``counts`` by another's
+        announcement. One step that this process made itself is not news: it had
+        re-read the partition before announcing (a compaction's new log would
+        otherwise be read twice, a second of records stored again)."""
+        return {
+            partition
+            for partition, count in counts.items()
+            if count != known.get(partition, 0)
+            and not (count == self._mine.get(partition) and known.get(partition, 0) == count - 1)
+        }
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -334,12 +360,13 @@ class PersistenceConsumer:
             commit[tp] = records[-1].offset + 1
             self.stats.records_consumed += len(records)
         for partition in went_back:
+            self.stats.log_resets += 1
             self._forget_committed(partition)
         if went_back and self._resets is not None:
             # Below the position this consumer had reached: the log was reset. Its
             # new records are read from its start now (aiokafka resets to the
             # earliest); other replicas' consumers may be past it: tell them.
-            self._resets.announce(went_back)
+            self._resets.announce(went_back, reread=True)
         results = await self._save(client_batches)
         if rewinds == self._rewinds:  # else these records are being read again
             self._commit_soon(commit)
@@ -362,7 +389,7 @@ class PersistenceConsumer:
         self._epoch = max(self._epoch, epoch)
         if known is None:
             return  # the first look: what was announced before us is history
-        changed = {p for p, n in counts.items() if known.get(p, 0) != n}
+        changed = self._resets.announced_by_others(known, counts)
         for tp in self._consumer.assignment():
             if tp.partition in changed:
                 self.stats.log_resets += 1
@@ -446,7 +473,7 @@ class PersistenceConsumer:
         """The topic was emptied (deleted and created again, persistence/compaction.py):
         every partition is read from its start and nothing committed before counts.
         Announced like any reset (the epoch goes up); hearing its own announcement
-        later only rewinds to 0 again, and what is read twice is stored once."""
+        back is no news (:meth:`LogResets.announced_by_others`)."""
         assigned = list(self._consumer.assignment())
         for tp in assigned:
             self.stats.log_resets += 1
@@ -455,7 +482,7 @@ class PersistenceConsumer:
         self._commits.abandon()  # an old log's offset must not land in the new one
         self._commits_off = False
         if self._resets is not None:
-            self._resets.announce(tp.partition for tp in assigned)
+            self._resets.announce((tp.partition for tp in assigned), reread=True)
 
     async def _check_resets_now_and_then(self) -> None:
         now = time.monotonic()
@@ -632,5 +659,6 @@ def _newer_wins(
     return {**older, **newer}
 
 
-def _union(older: set[int], newer: set[int]) -> set[int]:
-    return older | newer
+def _reread_by_both(older: dict[int, bool], newer: dict[int, bool]) -> dict[int, bool]:
+    """Announcements merged: a partition is known re-read only if both said so."""
+    return {p: older.get(p, True) and newer.get(p, True) for p in older.keys() | newer.keys()}

@@ -1,0 +1,57 @@
+"""Announced Kafka log resets (persistence/consumer.py, LogResets) on a real Redis
+and on Redis Cluster: a consumer re-reads a partition for another's announcement,
+never for the one it made itself after re-reading that partition already; the
+Kafka path's announcements (a producer saw the reset) are news to it too."""
+
+from __future__ import annotations
+
+import uuid
+
+from persistence.consumer import LogResets
+from persistence.redis_store import RedisMessageStore
+
+
+async def _announce(resets: LogResets, partitions: set[int], *, reread: bool = True) -> None:
+    resets.announce(partitions, reread=reread)
+    await resets._writer.drain()
+
+
+async def test_a_consumer_rewinds_for_resets_others_announced_not_its_own(
+    store: RedisMessageStore,
+) -> None:
+    topic = f"resets-{uuid.uuid4().hex}"
+    mine, other = LogResets(store.redis, topic), LogResets(store.redis, topic)
+    known, epoch = await mine.read()
+    assert (known, epoch) == ({}, 0)
+
+    # A compaction's new log, announced by the consumer that already reads it from 0.
+    await _announce(mine, {0, 1})
+    counts, epoch = await mine.read()
+    assert counts == {0: 1, 1: 1} and epoch == 1
+    assert mine.announced_by_others(known, counts) == set()
+    assert other.announced_by_others(known, counts) == {0, 1}
+
+    # Another replica's reset of partition 1, then one of this consumer's own on
+    # both: partition 1 moved twice, once by the other, so it is read again.
+    known = counts
+    await _announce(other, {1})
+    await _announce(mine, {0, 1})
+    counts, epoch = await mine.read()
+    assert counts == {0: 2, 1: 3} and epoch == 3
+    assert mine.announced_by_others(known, counts) == {1}
+
+    # The Kafka path of this same process saw partition 2 go back (an acknowledgement
+    # at an offset used before): its consumer has not re-read it, so it must.
+    known = counts
+    await _announce(mine, {2}, reread=False)
+    counts, _ = await mine.read()
+    assert mine.announced_by_others(known, counts) == {2}
+
+    # Both in one write: the consumer re-read partition 0, the Kafka path saw it too.
+    known = counts
+    mine.announce({0}, reread=True)
+    mine.announce({0}, reread=False)
+    await mine._writer.drain()
+    counts, _ = await mine.read()
+    assert counts[0] == known[0] + 1
+    assert mine.announced_by_others(known, counts) == {0}
