@@ -132,7 +132,11 @@ class LogResets:
         )
         # partition -> its count right after an announcement of this process whose
         # consumer had re-read the partition already: hearing it back is no news.
+        # Used once: a count is not unique over time (Redis may lose increments).
         self._mine: dict[int, int] = {}
+        # Partitions reassigned since this process last claimed them: a claim
+        # still being written no longer holds (the consumer may not be at 0).
+        self._disowned: set[int] = set()
 
     @property
     def retry(self) -> Retry:
@@ -144,7 +148,16 @@ class LogResets:
         ``reread``: this process's consumer already reads these partitions from
         their start (it saw the reset itself); the Kafka path's announcements
         are news to it like anyone's."""
+        partitions = list(partitions)
+        if reread:
+            self._disowned.difference_update(partitions)
         self._writer.add(dict.fromkeys(partitions, reread))
+
+    def disown(self, partition: int) -> None:
+        """The partition was revoked or assigned again: where this consumer reads
+        it says nothing about a reset it announced before."""
+        self._mine.pop(partition, None)
+        self._disowned.add(partition)
 
     async def _write(self, partitions: dict[int, bool]) -> dict[int, bool]:
         ordered = sorted(partitions)
@@ -158,7 +171,7 @@ class LogResets:
             log.warning("announcing a kafka log reset failed, retrying: %s", error)
             return partitions
         for partition, count in zip(ordered, counts, strict=False):
-            if partitions[partition]:
+            if partitions[partition] and partition not in self._disowned:
                 self._mine[partition] = int(count)
             else:
                 self._mine.pop(partition, None)
@@ -182,12 +195,15 @@ class LogResets:
         announcement. One step that this process made itself is not news: it had
         re-read the partition before announcing (a compaction's new log would
         otherwise be read twice, a second of records stored again)."""
-        return {
-            partition
-            for partition, count in counts.items()
-            if count != known.get(partition, 0)
-            and not (count == self._mine.get(partition) and known.get(partition, 0) == count - 1)
-        }
+        news: set[int] = set()
+        for partition in counts.keys() | known.keys():
+            count, before = counts.get(partition, 0), known.get(partition, 0)
+            if count == before:
+                continue  # an own step not visible yet stays remembered
+            mine = self._mine.pop(partition, None)
+            if partition in counts and not (count == mine and before == count - 1):
+                news.add(partition)
+        return news
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -322,6 +338,8 @@ class PersistenceConsumer:
         self._stored.pop(tp, None)
         self._assignments += 1
         self._forget_committed(tp.partition)
+        if self._resets is not None:
+            self._resets.disown(tp.partition)
 
     def _forget_committed(self, partition: int) -> None:
         """Offsets of a log that is gone (or of an assignment that ended): neither

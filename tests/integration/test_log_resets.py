@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 
 from persistence.consumer import LogResets
+from persistence.format import resets_key
 from persistence.redis_store import RedisMessageStore
 
 
@@ -54,4 +55,43 @@ async def test_a_consumer_rewinds_for_resets_others_announced_not_its_own(
     await mine._writer.drain()
     counts, _ = await mine.read()
     assert counts[0] == known[0] + 1
+    assert mine.announced_by_others(known, counts) == {0}
+
+
+async def test_a_count_seen_again_after_redis_lost_it_is_news(
+    store: RedisMessageStore,
+) -> None:
+    """A count is not unique over time: Redis may lose an acknowledged increment
+    (a restart without the last second of writes). This process's own step to
+    k+1, once seen, says nothing about another's later step to k+1."""
+    topic = f"resets-{uuid.uuid4().hex}"
+    mine, other = LogResets(store.redis, topic), LogResets(store.redis, topic)
+    known, _ = await mine.read()
+    await _announce(mine, {0})
+    counts, _ = await mine.read()
+    assert mine.announced_by_others(known, counts) == set()
+    # Redis loses the increment: the count is back where it was.
+    await store.redis.hset(resets_key(topic), "0", 0)
+    known, (counts, _) = counts, await mine.read()
+    assert mine.announced_by_others(known, counts) == {0}  # went down: re-read anyway
+    # Another replica's reset takes the count to the value this process had made.
+    await _announce(other, {0}, reread=False)
+    known, (counts, _) = counts, await mine.read()
+    assert counts == {0: 1}
+    assert mine.announced_by_others(known, counts) == {0}
+
+
+async def test_a_claim_made_before_a_reassignment_is_news_after_it(
+    store: RedisMessageStore,
+) -> None:
+    """The consumer announced partition 0 as re-read, then lost and got the
+    partition back (its position now comes from a committed offset): its own
+    announcement, heard after that, is a reason to read the partition again."""
+    topic = f"resets-{uuid.uuid4().hex}"
+    mine = LogResets(store.redis, topic)
+    known, _ = await mine.read()
+    mine.announce({0}, reread=True)
+    mine.disown(0)  # revoked and assigned again before the write landed
+    await mine._writer.drain()
+    counts, _ = await mine.read()
     assert mine.announced_by_others(known, counts) == {0}
