@@ -234,15 +234,11 @@ class DevicePersistence:
     async def close(self) -> None:
         """Drain: Kafka acknowledgements, then the consumer up to them, then writes."""
         if self._compactor_task is not None:
-            self._compactor_task.cancel()  # a compaction under way releases its hold
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._compactor_task
+            await _cancel(self._compactor_task)  # a compaction under way releases its hold
         await self.path.drain()
         await self._wait_consumed()
         if self._consumer_task is not None:
-            self._consumer_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._consumer_task
+            await _cancel(self._consumer_task)
         await self.consumer.commits_done()
         await self.writer.flush()
         await self.sessions.flush()
@@ -409,3 +405,15 @@ async def open_persistence(
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
     persistence.redis_url = redis_url
     return persistence
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for it to end, cancelling it again while it runs
+    on: a cancellation can be swallowed below our code (seen: the consumer task
+    stayed "cancelling" in aiokafka's getmany for minutes, and close() with it,
+    in tests/integration/test_device_persistence.py)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("task %s ended with an error", task.get_name(), exc_info=task.exception())
