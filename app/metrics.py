@@ -372,6 +372,17 @@ class BrokerCollector(Collector):
             consumer.log_resets,
         )
         yield _counter(
+            "kafka_offset_holes",
+            "Fetches that skipped an offset of a partition (a batch not yet visible): "
+            "read again from the hole",
+            consumer.offset_holes,
+        )
+        yield _counter(
+            "kafka_offset_holes_passed",
+            "Offset holes still there after 5 s, passed (a Kafka whose log has gaps)",
+            consumer.offset_holes_passed,
+        )
+        yield _counter(
             "kafka_stuck_joins",
             "Consumer group joins given up after 15 s and started again as a new member",
             consumer.stuck_joins,
