@@ -539,8 +539,10 @@ class Subscriber(_Client):
         self.foreign = 0
         self._qos2_pending: set[int] = set()
         self.on_activity: Callable[[], None] | None = None
-        # e2e us of each first delivery, when the run groups subscribers (--replicas)
+        # e2e us of each first delivery received inside ``window`` (monotonic ns,
+        # the run's measured seconds): the tail by client, and by replica
         self.latencies: array[int] | None = None
+        self.window = (0, 0)
 
     async def start(self, host: str, port: int) -> None:
         await self.connect(host, port)
@@ -558,6 +560,8 @@ class Subscriber(_Client):
         reply = replies.append
         record = self.stats.bucket(now).e2e.append
         own = self.latencies
+        if own is not None and not self.window[0] <= now < self.window[1]:
+            own = None
         unpack = HEADER.unpack_from
         v5 = self.v5
         nonce = self.nonce

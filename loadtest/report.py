@@ -13,6 +13,10 @@ A result is a plain JSON-able dict:
   ``duplicates`` (received again; ``duplicates_dup_flag`` of them with DUP=1),
   ``out_of_order`` (received after a higher sequence number of the same
   publisher), ``ok``;
+- ``by_client``: the tail by client: each subscriber's own e2e p50 and p99
+  over the window, and across the subscribers the median, p90 and worst of
+  those (with the worst client's ID), so a few slow clients show apart
+  from a slow run;
 - ``cpu``: cores used during the window by the load generator, the broker
   (the process listening on the port and its children) and the whole machine,
   and the generator's cost per message;
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -262,6 +266,11 @@ def summarize(
         "timeline": timeline,
         "errors": errors,
     }
+    out["by_client"] = _by_client(
+        (plan.subscribers[j].client_id, s.latencies)
+        for r in results
+        for j, s in r.subscribers.items()
+    )
     if config.replicas:
         n = len(config.replicas)
         known, held = owners or ({}, 0)
@@ -285,6 +294,37 @@ def summarize(
     return out
 
 
+def _by_client(subscribers: Iterable[tuple[str, bytes]]) -> dict[str, Any]:
+    """Each subscriber's e2e p50 and p99 over the window (from its samples, array
+    "I" bytes), and their spread across the subscribers that received any."""
+    own: list[tuple[float, float, str, int]] = []  # (p99, p50, client id, deliveries)
+    for client_id, latencies in subscribers:
+        samples: array[int] = array("I")
+        samples.frombytes(latencies)
+        if samples:
+            mine = _percentiles(samples)
+            own.append((mine["p99"], mine["p50"], client_id, len(samples)))  # type: ignore[arg-type]
+    if not own:
+        return {"clients": 0, "p50_ms": None, "p99_ms": None, "worst": None}
+
+    def spread(values: list[float]) -> dict[str, float]:
+        values = sorted(values)
+        n = len(values)
+        return {
+            "median": values[(n - 1) // 2],
+            "p90": values[min(n - 1, max(0, int(0.9 * n + 0.999999) - 1))],
+            "max": values[-1],
+        }
+
+    worst = max(own)
+    return {
+        "clients": len(own),
+        "p50_ms": spread([p50 for _, p50, _, _ in own]),
+        "p99_ms": spread([p99 for p99, _, _, _ in own]),
+        "worst": {"client_id": worst[2], "p99_ms": worst[0], "deliveries": worst[3]},
+    }
+
+
 def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -305,6 +345,7 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
     lat = result["latency_ms"]
     check = result["check"]
     cpu = result["cpu"]
+    by_client = result.get("by_client", {}).get("p99_ms")
     return [
         ("delivered msg/s", result["rates"]["delivered"], 0),
         ("acked (published) msg/s", result["rates"]["acked"], 0),
@@ -312,6 +353,8 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
         ("e2e latency p95 ms", lat["e2e"]["p95"], 2),
         ("e2e latency p99 ms", lat["e2e"]["p99"], 2),
         ("e2e latency max ms", lat["e2e"]["max"], 2),
+        ("e2e p99 by client, median ms", by_client["median"] if by_client else None, 2),
+        ("e2e p99 by client, worst ms", by_client["max"] if by_client else None, 2),
         ("PUBACK latency p50 ms", lat["puback"]["p50"], 2),
         ("PUBACK latency p99 ms", lat["puback"]["p99"], 2),
         ("messages acked", check["acked"], 0),
@@ -389,11 +432,18 @@ def format_report(results: list[dict[str, Any]]) -> str:
             ):
                 g = grouped[group]
                 lines.append(
-                    f"e2e ms, {g['subscribers']} subscribers {text} (whole run): "
+                    f"e2e ms, {g['subscribers']} subscribers {text} (measured window): "
                     f"p50 {_num(g['p50'], 1)}, p95 {_num(g['p95'], 1)}, "
                     f"p99 {_num(g['p99'], 1)}, max {_num(g['max'], 1)} "
                     f"({g['count']:,} deliveries)"
                 )
+        worst = r.get("by_client", {}).get("worst")
+        if worst:
+            lines.append(
+                f"slowest client {r['label']}: {worst['client_id']}, e2e p99 "
+                f"{_num(worst['p99_ms'], 1)} ms over {worst['deliveries']:,} deliveries "
+                f"(p90 of the clients' p99: {_num(r['by_client']['p99_ms']['p90'], 1)} ms)"
+            )
         if r.get("connect_busy_refusals"):
             lines.append(
                 f"connect {r['label']}: {r['connect_busy_refusals']:,} CONNECTs refused as busy "

@@ -54,7 +54,7 @@ class SubscriberResult:
     foreign: int
     reconnects: int
     lost_connections: int
-    latencies: bytes = b""  # e2e us of every delivery (array "I"), with --replicas
+    latencies: bytes = b""  # e2e us of its deliveries in the measured window (array "I")
 
 
 @dataclass
@@ -128,9 +128,8 @@ class _Worker:
             )
             for spec in (plan.subscribers[j] for j in plan.worker_subscribers[worker])
         ]
-        if config.replicas:  # latency per subscriber, to group by replica (report.py)
-            for s in self.subscribers:
-                s.latencies = array("I")
+        for s in self.subscribers:  # latency per subscriber: by client, by replica (report.py)
+            s.latencies = array("I")
         self.sources = {s.index: plan.subscribers[s.index].publishers for s in self.subscribers}
         self.reconnects: dict[int, int] = {s.index: 0 for s in self.subscribers}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -208,6 +207,11 @@ class _Worker:
     async def publish_phase(self, t0: int) -> None:
         config = self.config
         self.stats.restart(t0)
+        # The report's measured window: whole seconds after t0 (report.summarize).
+        w0 = round(config.warmup)
+        window = (t0 + w0 * NS, t0 + max(w0 + 1, round(config.warmup + config.duration)) * NS)
+        for s in self.subscribers:
+            s.window = window
         end = t0 + int(config.total_seconds * NS)
         drain_deadline = end + int(config.drain * NS)
         delay = (t0 - monotonic_ns()) / NS

@@ -73,3 +73,40 @@ def test_scenario_defaults() -> None:
     assert all(s.publishers == [0] for s in plan.subscribers)
     with pytest.raises(ValueError):
         LoadConfig("p2p", payload_size=10).resolved()
+
+
+def test_the_tail_by_client_names_the_slow_one() -> None:
+    """Per-client percentiles: one slow subscriber shows as the worst client even
+    where the run's own p99 hides it among many fast deliveries."""
+    from array import array
+
+    config = LoadConfig("p2p", pairs=3, duration=1, warmup=0, seed=1).resolved()
+    plan = make_plan(config)
+    fast = array("I", [1_000] * 200).tobytes()  # 1 ms
+    slow = array("I", [1_000] * 196 + [900_000] * 4).tobytes()  # 2% at 900 ms
+    subs = {
+        j: SubscriberResult(
+            counts={},
+            received=200,
+            duplicates=0,
+            duplicates_flagged=0,
+            out_of_order=0,
+            foreign=0,
+            reconnects=0,
+            lost_connections=0,
+            latencies=slow if j == 2 else fast,
+        )
+        for j in range(3)
+    }
+    result = WorkerResult(
+        worker=0, t0=0, buckets=[(0, 0, b"", b"")], cpu=[], publishers={}, subscribers=subs
+    )
+    by_client = summarize(config, plan, [result], label="x")["by_client"]
+    assert isinstance(by_client, dict)
+    assert by_client["clients"] == 3
+    assert by_client["p99_ms"] == {"median": 1.0, "p90": 900.0, "max": 900.0}
+    assert by_client["worst"] == {
+        "client_id": plan.subscribers[2].client_id,
+        "p99_ms": 900.0,
+        "deliveries": 200,
+    }

@@ -73,6 +73,11 @@ def test_p2p_clean_through_the_command_line(clean_broker: Broker, tmp_path: Path
     (result,) = document["runs"]
     _assert_clean(result)
     assert result["config"]["persistent"] is False
+    # every subscriber measured its own tail, within the window's deliveries
+    by_client = result["by_client"]
+    assert by_client["clients"] == 5
+    assert by_client["p99_ms"]["median"] <= by_client["p99_ms"]["max"]
+    assert by_client["worst"]["deliveries"] <= result["latency_ms"]["e2e"]["count"]
     # throttled: 5 publishers x 200 msg/s over warm-up + measured window
     assert 0.8 * 5 * 200 * 3 <= result["check"]["acked"] <= 5 * 200 * 3 + 5
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
