@@ -427,9 +427,10 @@ class PersistenceConsumer:
         is then read again from that offset (see the module docstring). After
         :data:`HOLE_WAIT` on one hole, the whole fetch."""
         hole = None
-        if expected is not None and records[0].offset > expected:
+        first = records[0].offset
+        if expected is not None and first > expected:
             hole, keep = expected, 0
-        else:
+        elif records[-1].offset - first != len(records) - 1:  # offsets only rise
             for i in range(1, len(records)):
                 if records[i].offset != records[i - 1].offset + 1:
                     hole, keep = records[i - 1].offset + 1, i
