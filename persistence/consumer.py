@@ -314,8 +314,10 @@ class PersistenceConsumer:
                 self.failure = f"persistence consumer failed: {error!r}"
                 log.exception("persistence consumer failed; reading again shortly")
                 for tp, records in batches.items():
-                    # Nothing of that batch may count as read: store it again.
-                    self._seek(tp, records[0].offset)
+                    # Nothing of that batch may count as read: store it again (from
+                    # the hole it showed, if it began past one).
+                    first = records[0].offset
+                    self._seek(tp, min(first, self._position.get(tp, first)))
                 await self.store_retry.wait()
 
     def joining(self) -> None:
@@ -376,10 +378,10 @@ class PersistenceConsumer:
             expected = self._position.get(tp)
             if expected is not None and records[0].offset < expected:
                 went_back.append(tp.partition)
-            else:
-                records = self._up_to_hole(tp, expected, records)
-                if not records:
-                    continue
+                expected = None  # a new log: only holes inside the fetch count
+            records = self._up_to_hole(tp, expected, records)
+            if not records:
+                continue
             self._position[tp] = records[-1].offset + 1
             by_client: dict[str, tuple[list[bytes], list[int]]] = {}
             for record in records:
@@ -424,8 +426,9 @@ class PersistenceConsumer:
         self, tp: TopicPartition, expected: int | None, records: list[ConsumerRecord]
     ) -> list[ConsumerRecord]:
         """The records of a fetch before the first offset it skipped; the partition
-        is then read again from that offset (see the module docstring). After
-        :data:`HOLE_WAIT` on one hole, the whole fetch."""
+        is then read again from that offset (see the module docstring). A hole
+        still there after :data:`HOLE_WAIT` is passed, and the rest of the fetch
+        is looked at the same way."""
         hole = None
         first = records[0].offset
         if expected is not None and first > expected:
@@ -452,7 +455,8 @@ class PersistenceConsumer:
                 hole,
                 HOLE_WAIT,
             )
-            return records
+            # That hole only: one further on in the fetch may still be filling.
+            return records[:keep] + self._up_to_hole(tp, None, records[keep:])
         try:
             self._consumer.seek(tp, hole)
         except Exception as error:  # no longer assigned: its next owner reads it
@@ -578,7 +582,8 @@ class PersistenceConsumer:
             self._consumer.seek(tp, offset)
         except Exception as error:  # no longer assigned: its next owner reads it
             log.debug("seek of %s failed: %s", tp, error)
-        self._position.pop(tp, None)
+        # The next fetch starts here: one that starts further on skipped offsets.
+        self._position[tp] = offset
         self._stored.pop(tp, None)
         self._holes.pop(tp, None)
 

@@ -13,8 +13,11 @@ into a real Redis (single and cluster) and seeking a real Kafka consumer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
@@ -36,31 +39,41 @@ async def _stored(store: RedisMessageStore, client: str) -> list[bytes]:
     return [r.message.payload for r in page.records if r.message is not None]
 
 
-async def test_a_record_fetched_past_a_hole_waits_for_the_hole(
-    tansu: str,  # noqa: F811
-    store: RedisMessageStore,
-) -> None:
+@contextlib.asynccontextmanager
+async def _consumer(
+    bootstrap: str, store: RedisMessageStore, now: list[float]
+) -> AsyncIterator[tuple[PersistenceConsumer, AIOKafkaConsumer, str]]:
+    """A consumer of a new one-partition topic, assigned it, on a settable clock."""
     topic, group = f"holes.{uuid.uuid4().hex[:8]}", f"holes-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=tansu)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, 1, 1)])
     finally:
         await admin.close()
-    now = [0.0]
-    kafka = make_consumer(tansu, group)
+    kafka = make_consumer(bootstrap, group)
     consumer = PersistenceConsumer(
         kafka, topic, store, lambda c, r: None, 100, clock=lambda: now[0]
     )
-    client, other = f"dev-{uuid.uuid4().hex[:8]}", f"dev-{uuid.uuid4().hex[:8]}"
-    tp = TopicPartition(topic, 0)
     await kafka.start()
     try:
         deadline = asyncio.get_running_loop().time() + 30
         while not kafka.assignment():
             assert asyncio.get_running_loop().time() < deadline, "no assignment"
             await asyncio.sleep(0.05)
+        yield consumer, kafka, topic
+    finally:
+        await kafka.stop()
 
+
+async def test_a_record_fetched_past_a_hole_waits_for_the_hole(
+    tansu: str,  # noqa: F811
+    store: RedisMessageStore,
+) -> None:
+    now = [0.0]
+    client, other = f"dev-{uuid.uuid4().hex[:8]}", f"dev-{uuid.uuid4().hex[:8]}"
+    async with _consumer(tansu, store, now) as (consumer, kafka, topic):
+        tp = TopicPartition(topic, 0)
         # Offsets 0-1 fetched; then a fetch shows 3 but not 2 (not yet written).
         await consumer.process({tp: [_record(topic, 0, client, 1), _record(topic, 1, client, 2)]})
         await consumer.process({tp: [_record(topic, 3, client, 4)]})
@@ -90,5 +103,42 @@ async def test_a_record_fetched_past_a_hole_waits_for_the_hole(
         await consumer.process({tp: [_record(topic, 7, client, 7)]})
         assert consumer.stats.offset_holes_passed == 1
         assert (await _stored(store, client))[-1] == b"7"
-    finally:
-        await kafka.stop()
+
+
+async def test_holes_after_a_seek_in_a_new_log_and_past_a_passed_one(
+    tansu: str,  # noqa: F811
+    store: RedisMessageStore,
+) -> None:
+    """Review of the first fix: the first fetch after a seek, a fetch of a log
+    that went back, and the rest of a fetch after a passed hole are looked at
+    for holes too."""
+    now = [0.0]
+    client = f"dev-{uuid.uuid4().hex[:8]}"
+    async with _consumer(tansu, store, now) as (consumer, kafka, topic):
+        tp = TopicPartition(topic, 0)
+        await consumer.process({tp: [_record(topic, i, client, i + 1) for i in range(6)]})
+        # A log that went back (Kafka restarted): 0-1 then 3, 2 not yet written.
+        await consumer.process(
+            {
+                tp: [
+                    _record(topic, 0, client, 7),
+                    _record(topic, 1, client, 8),
+                    _record(topic, 3, client, 10),
+                ]
+            }
+        )
+        assert consumer.stats.log_resets == 1
+        assert await kafka.position(tp) == 2
+        # Read from the start again (the topic was lost): a first fetch at 1 skipped 0.
+        consumer.read_from_start()
+        await consumer.process({tp: [_record(topic, 1, client, 8)]})
+        assert await kafka.position(tp) == 0
+        assert consumer.stats.offset_holes == 2
+        # A hole that stays at 0 is passed after HOLE_WAIT; 2 is still filling.
+        await consumer.process({tp: [_record(topic, 1, client, 8), _record(topic, 3, client, 10)]})
+        now[0] += HOLE_WAIT
+        await consumer.process({tp: [_record(topic, 1, client, 8), _record(topic, 3, client, 10)]})
+        assert consumer.stats.offset_holes_passed == 1
+        assert await kafka.position(tp) == 2  # stored 1, waits for 2
+        await consumer.process({tp: [_record(topic, 2, client, 9), _record(topic, 3, client, 10)]})
+        assert await _stored(store, client) == [b"%d" % i for i in range(1, 11)]
