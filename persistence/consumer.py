@@ -84,6 +84,7 @@ RESET_CHECK_INTERVAL = 1.0  # seconds between two looks at the announced log res
 STUCK_JOIN_AFTER = 15.0
 # Seconds a hole in a partition's offsets is read again before it is passed.
 HOLE_WAIT = 5.0
+COMMITTED_TIMEOUT = 2.0  # seconds to ask a new assignment's committed offset
 COMMITS_DONE_TIMEOUT = 5.0  # seconds a shutdown waits for offset commits still held back
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
@@ -283,6 +284,9 @@ class PersistenceConsumer:
         self._known_resets: dict[int, int] | None = None
         # partition -> (offset of a hole its fetches showed, since when)
         self._holes: dict[TopicPartition, tuple[int, float]] = {}
+        # Assigned since their last fetch: that fetch starts at the group's
+        # committed offset, asked of Kafka to see whether it skipped offsets.
+        self._unplaced: set[TopicPartition] = set()
         self._resets_checked = 0.0
         consumer.subscribe([topic], listener=_Rebalance(self))
 
@@ -356,6 +360,7 @@ class PersistenceConsumer:
         self._position.pop(tp, None)
         self._stored.pop(tp, None)
         self._holes.pop(tp, None)
+        self._unplaced.add(tp)
         self._assignments += 1
         self._forget_committed(tp.partition)
         if self._resets is not None:
@@ -376,6 +381,13 @@ class PersistenceConsumer:
         went_back: list[int] = []
         for tp, records in batches.items():
             expected = self._position.get(tp)
+            if expected is None and tp in self._unplaced:
+                # Forward only: a committed offset above the fetch (a late commit of
+                # the previous owner) is no log reset.
+                committed = await self._committed(tp)
+                if committed is not None and records[0].offset > committed:
+                    expected = committed
+            self._unplaced.discard(tp)
             if expected is not None and records[0].offset < expected:
                 went_back.append(tp.partition)
                 expected = None  # a new log: only holes inside the fetch count
@@ -421,6 +433,16 @@ class PersistenceConsumer:
             if result.saved or result.duplicates:
                 # Duplicates too: a save whose reply was lost stored them, unseen.
                 self._on_stored(batch.client_id, _records_of(batch, result))
+
+    async def _committed(self, tp: TopicPartition) -> int | None:
+        """The group's committed offset of ``tp`` (where a new assignment's first
+        fetch starts), None if there is none or Kafka does not answer in time."""
+        try:
+            committed = await asyncio.wait_for(self._consumer.committed(tp), COMMITTED_TIMEOUT)
+        except Exception as error:  # a timeout, or a Kafka away: the fetch is taken as is
+            log.debug("asking kafka for the committed offset of %s failed: %s", tp, error)
+            return None
+        return committed if isinstance(committed, int) and committed >= 0 else None
 
     def _up_to_hole(
         self, tp: TopicPartition, expected: int | None, records: list[ConsumerRecord]

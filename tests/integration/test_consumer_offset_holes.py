@@ -142,3 +142,28 @@ async def test_holes_after_a_seek_in_a_new_log_and_past_a_passed_one(
         assert await kafka.position(tp) == 2  # stored 1, waits for 2
         await consumer.process({tp: [_record(topic, 2, client, 9), _record(topic, 3, client, 10)]})
         assert await _stored(store, client) == [b"%d" % i for i in range(1, 11)]
+
+
+async def test_the_first_fetch_of_a_new_assignment_is_checked_against_the_commit(
+    tansu: str,  # noqa: F811
+    store: RedisMessageStore,
+) -> None:
+    """A partition assigned (a rebalance: a replica joined) is first fetched from
+    the group's committed offset; a fetch that begins past it skipped offsets."""
+    now = [0.0]
+    client = f"dev-{uuid.uuid4().hex[:8]}"
+    async with _consumer(tansu, store, now) as (consumer, kafka, topic):
+        tp = TopicPartition(topic, 0)
+        await consumer.process({tp: [_record(topic, i, client, i + 1) for i in range(2)]})
+        await kafka.commit({tp: 2})
+        consumer.forget_position(tp)  # what the rebalance listener does on assignment
+        await consumer.process({tp: [_record(topic, 4, client, 5)]})
+        assert consumer.stats.offset_holes == 1
+        assert await kafka.position(tp) == 2
+        await consumer.process({tp: [_record(topic, i, client, i + 1) for i in range(2, 5)]})
+        assert await _stored(store, client) == [b"%d" % i for i in range(1, 6)]
+        # A committed offset above the first fetch is no hole and no reset.
+        await kafka.commit({tp: 9})
+        consumer.forget_position(tp)
+        await consumer.process({tp: [_record(topic, 5, client, 6)]})
+        assert (consumer.stats.offset_holes, consumer.stats.log_resets) == (1, 0)
