@@ -9,8 +9,8 @@ from loadtest.scenarios import LoadConfig, make_plan
 from loadtest.worker import PublisherResult, SubscriberResult, WorkerResult
 
 
-def _sub(counts: bytes, **extra: int) -> SubscriberResult:
-    fields = dict(
+def _sub(counts: bytes, **extra: int | bytes) -> SubscriberResult:
+    fields: dict[str, int | bytes] = dict(
         received=sum(counts),
         duplicates=0,
         duplicates_flagged=0,
@@ -84,20 +84,7 @@ def test_the_tail_by_client_names_the_slow_one() -> None:
     plan = make_plan(config)
     fast = array("I", [1_000] * 200).tobytes()  # 1 ms
     slow = array("I", [1_000] * 196 + [900_000] * 4).tobytes()  # 2% at 900 ms
-    subs = {
-        j: SubscriberResult(
-            counts={},
-            received=200,
-            duplicates=0,
-            duplicates_flagged=0,
-            out_of_order=0,
-            foreign=0,
-            reconnects=0,
-            lost_connections=0,
-            latencies=slow if j == 2 else fast,
-        )
-        for j in range(3)
-    }
+    subs = {j: _sub(b"", received=200, latencies=slow if j == 2 else fast) for j in range(3)}
     result = WorkerResult(
         worker=0, t0=0, buckets=[(0, 0, b"", b"")], cpu=[], publishers={}, subscribers=subs
     )
