@@ -65,6 +65,7 @@ _RUN_OVERRIDES = {
     "data_dir": "data_dir",
     "log_level": "log.level",
     "metrics_port": "metrics.port",
+    "workers": "workers",
 }
 
 
@@ -87,6 +88,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-port",
         metavar="PORT",
         help="serve /metrics, /health and /ready on PORT (metrics.port; sets metrics.enabled)",
+    )
+    p.add_argument(
+        "--workers",
+        metavar="N",
+        help="broker processes sharing the ports, a number or auto: one per core (workers)",
     )
 
 
@@ -119,26 +125,55 @@ def _run(args: argparse.Namespace) -> int:
             raise
         _error("app.serve is not available in this installation")
         return 1
+    from app.workers import check_workers, run_workers, worker_count
+
+    count = worker_count(settings)
+    check_workers(settings, count)
+    try:
+        if count > 1:
+            log.info("%d workers on one port", count)
+            return run_workers(settings, count, lambda: _embedded_services(settings))
+        server.run(settings)
+    except Exception as e:
+        line = startup_error(settings, e)
+        if line is None or isinstance(e, ConfigError):
+            raise
+        _error(line)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before the server installed its handler
+        return 130
+    return 0
+
+
+def startup_error(settings: Settings, error: BaseException) -> str | None:
+    """The one line ``devicemq run`` prints for an error that stops a start (a backend
+    that does not answer, a port in use), or None for one that is a bug."""
     from app.embedded_services import ServiceError
     from app.metrics import MetricsUnavailable
     from persistence.device_persistence import PersistenceUnavailable
 
-    try:
-        server.run(settings)
-    except (PersistenceUnavailable, ServiceError, MetricsUnavailable) as e:
-        _error(str(e))
-        return 1
-    except OSError as e:
-        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-            from broker.listeners import effective_host
+    if isinstance(error, PersistenceUnavailable | ServiceError | MetricsUnavailable | ConfigError):
+        return str(error)
+    if isinstance(error, OSError) and error.errno in (
+        errno.EADDRINUSE,
+        errno.EADDRNOTAVAIL,
+        errno.EACCES,
+    ):
+        from broker.listeners import effective_host
 
-            where = f"{effective_host(settings, settings.listener.host)}:{settings.listener.port}"
-            _error(f"cannot listen on {where}: {e.strerror}")
-            return 1
-        raise
-    except KeyboardInterrupt:  # Ctrl-C before the server installed its handler
-        return 130
-    return 0
+        where = f"{effective_host(settings, settings.listener.host)}:{settings.listener.port}"
+        return f"cannot listen on {where}: {error.strerror}"
+    return None
+
+
+def _embedded_services(settings: Settings) -> tuple[str, str]:
+    """Start (or reuse) the embedded Redis and Kafka of ``data_dir``: their addresses."""
+    from pathlib import Path
+
+    from app.embedded_services import EmbeddedServices
+
+    running = EmbeddedServices(Path(settings.data_dir)).ensure_running()
+    return running.redis_url, running.kafka_bootstrap
 
 
 # --------------------------------------------------------------------------

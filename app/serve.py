@@ -31,7 +31,9 @@ log = logging.getLogger("devicemq.server")
 SHUTDOWN_TIMEOUT = 60.0
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
+async def serve(
+    settings: Settings, stop: asyncio.Event, on_listening: Callable[[], None] | None = None
+) -> None:
     """Run a broker until ``stop`` is set, then drain and close.
 
     With persistence enabled, Redis and Kafka (embedded if not configured)
@@ -39,7 +41,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     the way out, clients are disconnected first so nothing new arrives, then
     the persistent path drains into Redis. With ``metrics.enabled`` the
     metrics server answers from the start (/health 200, /ready 503 until the
-    listener opens) to the end.
+    listener opens) to the end. ``on_listening`` is called once the listeners
+    are open (app/workers.py tells its supervisor).
     """
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     metrics: MetricsServer | None = None
@@ -49,13 +52,18 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         metrics = MetricsServer(settings.metrics)
         await metrics.start()
     try:
-        await _serve(settings, stop, metrics)
+        await _serve(settings, stop, metrics, on_listening)
     finally:
         if metrics is not None:
             await metrics.stop()
 
 
-async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer | None) -> None:
+async def _serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    metrics: MetricsServer | None,
+    on_listening: Callable[[], None] | None,
+) -> None:
     persistence = None
     if settings.cluster.enabled and not settings.persistence.enabled:
         raise ConfigError("the cluster shares Redis: enable persistence", name="cluster.enabled")
@@ -98,6 +106,8 @@ async def _serve(settings: Settings, stop: asyncio.Event, metrics: MetricsServer
             if link is not None:
                 retries += link.retries()
             metrics.attach(broker, persistence, retries)
+        if on_listening is not None:
+            on_listening()
         try:
             await stop.wait()
             log.info("stop requested: disconnecting clients, then draining")
@@ -136,8 +146,15 @@ async def _open_persistence(
     return await open_persistence(settings, endpoints, compact_after, produce_latency)
 
 
-def run(settings: Settings) -> None:
-    """Blocking entry point of ``devicemq run``: serve until SIGTERM or SIGINT."""
+def run(
+    settings: Settings,
+    *,
+    on_listening: Callable[[], None] | None = None,
+    stop_when_readable: int | None = None,
+) -> None:
+    """Blocking entry point of ``devicemq run``: serve until SIGTERM or SIGINT, or
+    until the file descriptor ``stop_when_readable`` (a worker's supervisor's
+    sentinel, app/workers.py) becomes readable."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every platform we ship
@@ -161,7 +178,15 @@ def run(settings: Settings) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signalled)
-        await serve(settings, stop)
+        if stop_when_readable is not None:
+
+            def orphaned() -> None:
+                loop.remove_reader(stop_when_readable)
+                log.error("the supervisor is gone: stopping")
+                signalled()
+
+            loop.add_reader(stop_when_readable, orphaned)
+        await serve(settings, stop, on_listening)
 
     with contextlib.suppress(KeyboardInterrupt):
         runner(main())

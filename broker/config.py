@@ -456,6 +456,11 @@ class Settings:
     websocket: WebsocketSettings = field(default_factory=WebsocketSettings)
     websocket_tls: WebsocketTlsSettings = field(default_factory=WebsocketTlsSettings)
     data_dir: str = setting("./data", "Directory for files the broker keeps")
+    workers: str = setting(
+        "1",
+        "Broker processes sharing the listeners' ports (app/workers.py), each a cluster "
+        "replica; a number, or auto: one per core",
+    )
     log: LogSettings = field(default_factory=LogSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
