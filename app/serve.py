@@ -146,15 +146,19 @@ async def _open_persistence(
     return await open_persistence(settings, endpoints, compact_after, produce_latency)
 
 
+# A supervisor's hold on a worker (app/workers.py): given the loop, a "drain" that
+# starts the drain once (more calls change nothing) and an "exit now".
+Controls = Callable[[asyncio.AbstractEventLoop, Callable[[], None], Callable[[str], None]], None]
+
+
 def run(
     settings: Settings,
     *,
     on_listening: Callable[[], None] | None = None,
-    stop_when_readable: int | None = None,
+    controls: Controls | None = None,
 ) -> None:
     """Blocking entry point of ``devicemq run``: serve until SIGTERM or SIGINT, or
-    until the file descriptor ``stop_when_readable`` (a worker's supervisor's
-    sentinel, app/workers.py) becomes readable."""
+    until ``controls`` (a worker's supervisor) asks for the drain."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every platform we ship
@@ -166,26 +170,26 @@ def run(
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
-        def signalled() -> None:
-            """The first SIGTERM/SIGINT drains, bounded by SHUTDOWN_TIMEOUT; a second
-            one exits at once (a backend that stopped answering can hold a drain)."""
+        def drain() -> None:
+            """Start the drain, bounded by SHUTDOWN_TIMEOUT; once."""
             if stop.is_set():
-                _exit_now("a second signal during the drain")
+                return
             stop.set()
             loop.call_later(
                 SHUTDOWN_TIMEOUT, _exit_now, f"the drain took more than {SHUTDOWN_TIMEOUT:g} s"
             )
 
+        def signalled() -> None:
+            """The first SIGTERM/SIGINT drains; a second one exits at once (a backend
+            that stopped answering can hold a drain)."""
+            if stop.is_set():
+                _exit_now("a second signal during the drain")
+            drain()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signalled)
-        if stop_when_readable is not None:
-
-            def orphaned() -> None:
-                loop.remove_reader(stop_when_readable)
-                log.error("the supervisor is gone: stopping")
-                signalled()
-
-            loop.add_reader(stop_when_readable, orphaned)
+        if controls is not None:
+            controls(loop, drain, _exit_now)
         await serve(settings, stop, on_listening)
 
     with contextlib.suppress(KeyboardInterrupt):

@@ -17,6 +17,8 @@ means "exit now" to a broker, app/serve.py). A worker whose supervisor dies
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -46,6 +48,7 @@ STABLE = 60.0
 DRAIN_TIMEOUT = 90.0
 
 _TICK = 0.25
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def worker_count(settings: Settings) -> int:
@@ -80,16 +83,18 @@ def check_workers(settings: Settings, count: int) -> None:
         )
 
 
-def worker_settings(settings: Settings, endpoints: tuple[str, str], index: int) -> Settings:
-    """Worker ``index``'s settings: a cluster replica sharing the ports, on ``endpoints``
-    (redis_url, kafka_bootstrap), its metrics on ``metrics.port + index``."""
-    base = settings.cluster.node_id or socket.gethostname()
+def worker_settings(
+    settings: Settings, endpoints: tuple[str, str], index: int, node_id: str
+) -> Settings:
+    """Worker ``index``'s settings: a cluster replica named ``node_id`` sharing the
+    ports, on ``endpoints`` (redis_url, kafka_bootstrap), its metrics on
+    ``metrics.port + index``."""
     redis_url, bootstrap = endpoints
     return dataclasses.replace(
         settings,
         workers="1",
         cluster=dataclasses.replace(
-            settings.cluster, enabled=True, share_ports=True, node_id=f"{base}-w{index}"
+            settings.cluster, enabled=True, share_ports=True, node_id=node_id
         ),
         persistence=dataclasses.replace(
             settings.persistence, redis_url=redis_url, kafka_bootstrap=bootstrap
@@ -98,18 +103,33 @@ def worker_settings(settings: Settings, endpoints: tuple[str, str], index: int) 
     )
 
 
+def node_name(settings: Settings, index: int, incarnation: int) -> str:
+    """A worker's name in the cluster: new at every start, as a replica's default
+    (hostname-pid) is, so that the others see a dead one go (its heartbeat key
+    expires) rather than the same name come back before it does."""
+    base = settings.cluster.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    return f"{base}-w{index}-{incarnation}"
+
+
 # --------------------------------------------------------------------------
 # The worker's side
 # --------------------------------------------------------------------------
 
-# Messages a worker sends its supervisor: ("listening", None) once its listeners are
-# open, ("error", one line) when it cannot start.
+# Messages on the pipe between a worker and its supervisor. From the worker:
+# (LISTENING, None) once its listeners are open, (ERROR, one line) when it cannot
+# start. From the supervisor: (DRAIN, None), (EXIT, None): exit without a drain.
+# A pipe, not signals: under a service manager that signals every process of the
+# service (systemd's default), a worker would take the supervisor's SIGTERM for a
+# second signal and skip its drain.
 LISTENING = "listening"
 ERROR = "error"
+DRAIN = "drain"
+EXIT = "exit"
 
 
 def _worker_main(settings: Settings, name: str, conn: Connection) -> None:
-    """A worker process: serve like ``devicemq run`` until SIGTERM or the supervisor dies."""
+    """A worker process: serve like ``devicemq run`` until SIGTERM, its supervisor
+    asks, or its supervisor is gone (the pipe's end)."""
     os.setpgrp()  # a terminal's Ctrl-C is the supervisor's to handle
     setup_logging(settings.log.level, settings.log.format)
     tag = _Tag(name)
@@ -118,19 +138,35 @@ def _worker_main(settings: Settings, name: str, conn: Connection) -> None:
     from app.cli import startup_error
     from app.serve import run
 
-    parent = multiprocessing.parent_process()
-    sentinel = parent.sentinel if parent is not None else None
+    def controls(
+        loop: asyncio.AbstractEventLoop, drain: Callable[[], None], exit_now: Callable[[str], None]
+    ) -> None:
+        fd = conn.fileno()
+
+        def readable() -> None:
+            try:
+                while conn.poll():
+                    kind, _ = conn.recv()
+                    if kind == DRAIN:
+                        drain()
+                    elif kind == EXIT:
+                        exit_now("told to by the supervisor")
+            except (EOFError, OSError):
+                loop.remove_reader(fd)
+                log.error("the supervisor is gone: stopping")
+                drain()
+
+        loop.add_reader(fd, readable)
+
     try:
-        run(
-            settings,
-            on_listening=lambda: conn.send((LISTENING, None)),
-            stop_when_readable=sentinel,
-        )
+        run(settings, on_listening=lambda: conn.send((LISTENING, None)), controls=controls)
     except BaseException as e:
         line = startup_error(settings, e)
         if line is None:
             raise
-        conn.send((ERROR, line))
+        log.error("cannot start: %s", line)
+        with contextlib.suppress(OSError):
+            conn.send((ERROR, line))
         os._exit(1)
 
 
@@ -154,11 +190,11 @@ class _Tag(logging.Filter):
 @dataclasses.dataclass
 class _Worker:
     index: int
-    settings: Settings
     process: BaseProcess | None = None
     conn: Connection | None = None
     listening: bool = False
     started: float = 0.0
+    incarnation: int = 0
     delay: float = RESTART_DELAY
     restart_at: float | None = None
 
@@ -166,13 +202,18 @@ class _Worker:
     def name(self) -> str:
         return f"w{self.index}"
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.exitcode is None
+
 
 class Supervisor:
     """Starts ``count`` workers, keeps them running, and drains them on a signal."""
 
     def __init__(self, settings: Settings, count: int, endpoints: tuple[str, str]) -> None:
         self._context = multiprocessing.get_context("spawn")
-        self.workers = [_Worker(i, worker_settings(settings, endpoints, i)) for i in range(count)]
+        self._settings = settings
+        self._endpoints = endpoints
+        self.workers = [_Worker(i) for i in range(count)]
         self._signals = 0
 
     def _signalled(self, signum: int, frame: object) -> None:
@@ -180,29 +221,39 @@ class Supervisor:
 
     def run(self) -> int:
         """Serve until signalled; the exit status: 0 after a clean drain, else 1."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._signalled)
-        for worker in self.workers:
-            self._start(worker)
-        status = self._serve()
-        return self._drain(status)
+        previous = {sig: signal.signal(sig, self._signalled) for sig in _SIGNALS}
+        status = 1
+        try:
+            status = self._serve()
+        finally:
+            # Whatever ended the watch, even an error here: never leave workers behind
+            # (multiprocessing's exit would wait for them, and they for a drain order).
+            status = self._drain(status)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return status
 
     def _start(self, worker: _Worker) -> None:
-        ours, theirs = self._context.Pipe(duplex=False)
+        ours, theirs = self._context.Pipe(duplex=True)
+        name = node_name(self._settings, worker.index, worker.incarnation)
+        worker.incarnation += 1
+        settings = worker_settings(self._settings, self._endpoints, worker.index, name)
         process = self._context.Process(
-            target=_worker_main,
-            args=(worker.settings, worker.name, theirs),
-            name=f"devicemq-{worker.name}",
+            target=_worker_main, args=(settings, worker.name, theirs), name=f"devicemq-{name}"
         )
         process.start()
         theirs.close()
         worker.process, worker.conn = process, ours
         worker.listening, worker.started, worker.restart_at = False, time.monotonic(), None
-        log.info("worker %s started (pid %d)", worker.name, process.pid)
+        log.info("worker %s started as %s (pid %d)", worker.name, name, process.pid)
 
     def _serve(self) -> int:
         """Watch the workers until a signal (0) or a worker that cannot start (1)."""
         starting = True
+        for worker in self.workers:
+            if self._signals:
+                return 0
+            self._start(worker)
         while not self._signals:
             self._poll()
             for worker in self.workers:
@@ -212,6 +263,8 @@ class Supervisor:
                     print(f"devicemq: error: {failed}", file=sys.stderr, flush=True)
                     return 1
                 if worker.restart_at is not None and time.monotonic() >= worker.restart_at:
+                    if self._signals:
+                        break
                     self._start(worker)
             if starting and all(w.listening for w in self.workers):
                 starting = False
@@ -219,89 +272,117 @@ class Supervisor:
         return 0
 
     def _poll(self) -> None:
+        """Wait (a tick at most) for a message or an exit of a live worker."""
         waitables: list[Connection | int] = []
         for worker in self.workers:
             if worker.conn is not None:
                 waitables.append(worker.conn)
-            if worker.process is not None:
+            if worker.alive():
+                assert worker.process is not None
                 waitables.append(worker.process.sentinel)
         if waitables:
             multiprocessing.connection.wait(waitables, timeout=_TICK)
         else:
             time.sleep(_TICK)
 
-    def _check(self, worker: _Worker) -> str | None:
-        """Read what ``worker`` said and whether it died; a start failure's line, if any."""
+    def _read(self, worker: _Worker) -> str | None:
+        """What ``worker`` said since the last look; its start failure's line, if any.
+        The pipe is closed at its end (the worker exited)."""
         failed = None
         conn = worker.conn
-        while conn is not None and conn.poll():
-            try:
+        try:
+            while conn is not None and conn.poll():
                 kind, detail = conn.recv()
-            except (EOFError, OSError):
-                conn.close()
-                worker.conn = conn = None
-                break
-            if kind == LISTENING:
-                worker.listening = True
-                worker.delay = RESTART_DELAY
-                log.info("worker %s listening", worker.name)
-            elif kind == ERROR:
-                failed = str(detail)
+                if kind == LISTENING:
+                    worker.listening = True
+                    log.info("worker %s listening", worker.name)
+                elif kind == ERROR:
+                    failed = str(detail)
+        except (EOFError, OSError):
+            assert conn is not None
+            conn.close()
+            worker.conn = None
+        return failed
+
+    def _check(self, worker: _Worker) -> str | None:
+        """Read what ``worker`` said and whether it died (then plan its restart);
+        a start failure's line, if any."""
+        failed = self._read(worker)
         process = worker.process
-        if process is not None and process.exitcode is not None:
-            uptime = time.monotonic() - worker.started
-            worker.process = None
-            if worker.conn is not None:
+        if process is None or process.exitcode is None:
+            return failed
+        # Exited: everything it sent before is in the pipe, read it to the end.
+        while worker.conn is not None:
+            failed = self._read(worker) or failed
+            if worker.conn is not None and not worker.conn.poll(0.1):
                 worker.conn.close()
                 worker.conn = None
-            if failed is None and not worker.listening:
-                failed = f"worker {worker.name} exited with status {process.exitcode}"
-            if uptime >= STABLE:
-                worker.delay = RESTART_DELAY
-            log.error(
-                "worker %s (pid %d) exited with status %s after %.1f s: starting it again in "
-                "%.0f s",
-                worker.name,
-                process.pid,
-                process.exitcode,
-                uptime,
-                worker.delay,
-            )
-            worker.restart_at = time.monotonic() + worker.delay
-            worker.delay = min(worker.delay * 2, RESTART_MAX)
+        uptime = time.monotonic() - worker.started
+        worker.process = None
+        if uptime >= STABLE:
+            worker.delay = RESTART_DELAY
+        if failed is None and not worker.listening:
+            failed = f"worker {worker.name} exited with status {process.exitcode}"
+        log.error(
+            "worker %s (pid %d) exited with status %s after %.1f s%s: starting it again in %.0f s",
+            worker.name,
+            process.pid,
+            process.exitcode,
+            uptime,
+            f" ({failed})" if failed else "",
+            worker.delay,
+        )
+        worker.restart_at = time.monotonic() + worker.delay
+        worker.delay = min(worker.delay * 2, RESTART_MAX)
         return failed
 
     def _drain(self, status: int) -> int:
-        """SIGTERM every worker once (again on a second signal: exit at once), then wait."""
+        """Ask every worker to drain (to exit at once after a second signal), wait."""
         log.info("stopping %d workers", len(self.workers))
-        signals_sent = self._signals
-        self._terminate()
+        for worker in self.workers:
+            worker.restart_at = None
+        told = EXIT if self._signals >= 2 else DRAIN
+        signals_seen = max(self._signals, 1)
+        self._tell(told)
         deadline = time.monotonic() + DRAIN_TIMEOUT
-        while any(w.process is not None and w.process.is_alive() for w in self.workers):
+        while any(w.alive() for w in self.workers):
             if time.monotonic() > deadline:
                 log.error("workers still running after %.0f s: killing them", DRAIN_TIMEOUT)
                 for worker in self.workers:
-                    if worker.process is not None and worker.process.is_alive():
+                    if worker.alive():
+                        assert worker.process is not None
                         worker.process.kill()
                 status = 1
                 break
-            if self._signals > signals_sent:
-                signals_sent = self._signals
-                self._terminate()
+            if self._signals > signals_seen and told != EXIT:
+                told = EXIT
+                self._tell(EXIT)
             self._poll()
+            for worker in self.workers:
+                self._read(worker)  # a closed pipe leaves the wait list: no busy loop
         for worker in self.workers:
-            if worker.process is not None:
-                worker.process.join(5)
-                if worker.process.exitcode not in (0, None):
-                    code = worker.process.exitcode
-                    log.error("worker %s exited with status %s", worker.name, code)
-                    status = 1
+            process = worker.process
+            if process is None:
+                continue
+            process.join(5)
+            if process.exitcode != 0:
+                log.error("worker %s exited with status %s", worker.name, process.exitcode)
+                status = 1
+            if worker.conn is not None:
+                worker.conn.close()
+                worker.conn = None
         return status
 
-    def _terminate(self) -> None:
+    def _tell(self, kind: str) -> None:
         for worker in self.workers:
-            if worker.process is not None and worker.process.is_alive():
-                worker.process.terminate()  # SIGTERM
+            if not worker.alive():
+                continue
+            try:
+                assert worker.conn is not None
+                worker.conn.send((kind, None))
+            except (AssertionError, OSError):  # no pipe to it: the signal it understands
+                assert worker.process is not None
+                worker.process.terminate()
 
 
 def run_workers(

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
+import time
 
 import pytest
 
-from app.workers import check_workers, worker_count, worker_settings
+from app.workers import (
+    LISTENING,
+    STABLE,
+    Supervisor,
+    check_workers,
+    node_name,
+    worker_count,
+    worker_settings,
+)
 from broker.config import ConfigError, MetricsSettings, PersistenceSettings, Settings
 
 
@@ -36,17 +46,56 @@ def test_several_workers_need_persistence_and_room_for_their_metrics_ports() -> 
         check_workers(high, 2)
 
 
-def test_each_worker_is_a_replica_sharing_the_ports_with_its_own_name_and_metrics() -> None:
+def test_each_worker_is_a_replica_sharing_the_ports_with_its_own_metrics() -> None:
     settings = dataclasses.replace(
         Settings(), workers="3", metrics=MetricsSettings(enabled=True, port=9000)
     )
     endpoints = ("redis://127.0.0.1:1/0", "127.0.0.1:2")
-    made = [worker_settings(settings, endpoints, i) for i in range(3)]
+    made = [worker_settings(settings, endpoints, i, node_name(settings, i, 0)) for i in range(3)]
     assert [w.metrics.port for w in made] == [9000, 9001, 9002]
     assert len({w.cluster.node_id for w in made}) == 3
     for w in made:
         assert w.cluster.enabled and w.cluster.share_ports
         assert (w.persistence.redis_url, w.persistence.kafka_bootstrap) == endpoints
         assert w.workers == "1"  # a worker does not start workers of its own
-    # A restarted worker keeps its name: the cluster sees the same replica come back.
-    assert worker_settings(settings, endpoints, 1).cluster.node_id == made[1].cluster.node_id
+
+
+def test_a_restarted_worker_gets_a_new_name() -> None:
+    """The others see the dead one's heartbeat expire and drop its sessions; the same
+    name back within the heartbeat's TTL would hide that it died (a review finding)."""
+    settings = Settings()
+    assert node_name(settings, 1, 0) != node_name(settings, 1, 1)
+    cluster = dataclasses.replace(settings.cluster, node_id="n")
+    named = dataclasses.replace(settings, cluster=cluster)
+    assert node_name(named, 1, 2) == "n-w1-2"
+
+
+class _Exited:
+    """What the supervisor reads of a worker process that has exited."""
+
+    pid = 4242
+    exitcode = 1
+
+
+def test_a_worker_that_keeps_crashing_after_it_listens_is_restarted_ever_later() -> None:
+    """Backoff doubles while a worker dies within STABLE seconds of its start, even
+    when it got as far as listening (a review finding: LISTENING reset it)."""
+    supervisor = Supervisor(Settings(), 1, ("redis://127.0.0.1:1/0", "127.0.0.1:2"))
+    worker = supervisor.workers[0]
+    delays = []
+    for _ in range(7):
+        ours, theirs = multiprocessing.Pipe()
+        theirs.send((LISTENING, None))  # it listened, then died
+        theirs.close()
+        worker.conn, worker.listening = ours, False
+        worker.process = _Exited()  # type: ignore[assignment]
+        worker.started = time.monotonic() - 5
+        supervisor._check(worker)
+        assert worker.listening and worker.conn is None
+        assert worker.restart_at is not None
+        delays.append(round(worker.restart_at - time.monotonic()))
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    worker.process, worker.started = _Exited(), time.monotonic() - STABLE  # type: ignore[assignment]
+    supervisor._check(worker)
+    assert worker.restart_at is not None
+    assert round(worker.restart_at - time.monotonic()) == 1  # it had run a while: from 1 s again
