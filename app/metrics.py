@@ -429,6 +429,17 @@ class BrokerCollector(Collector):
             [((), self.kafka_produce)],
         )
         yield _counter(
+            "kafka_push_back_holds",
+            "Produce batches held because the consumer had persistence.max_unstored_records "
+            "or more records to store",
+            persistence.path.backpressure_holds,
+        )
+        yield _counter(
+            "kafka_push_back_seconds",
+            "Time produce batches were held that way (publishers' PUBACKs wait meanwhile)",
+            persistence.path.backpressure_seconds,
+        )
+        yield _counter(
             "kafka_produce_errors",
             "Submissions Kafka failed to acknowledge",
             persistence.path.produce_errors,

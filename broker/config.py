@@ -391,6 +391,12 @@ class PersistenceSettings:
     consumer_max_records: int = setting(
         5_000, "Most Kafka records read per consumer batch", ge=1, le=1_000_000
     )
+    max_unstored_records: int = setting(
+        3_000,
+        "Records Kafka holds that the consumer has not stored yet, past which this "
+        "broker's publishers wait (up to 0.5 s a batch) before more go to Kafka; 0: no limit",
+        ge=0,
+    )
     replay_page_size: int = setting(
         500, "Stored messages read per Redis call when replaying a backlog", ge=1, le=65535
     )

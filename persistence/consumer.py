@@ -503,6 +503,19 @@ class PersistenceConsumer:
                 log.warning("kafka partition %d was reset: reading it from its start", tp.partition)
                 self._seek(tp, 0)
 
+    def unstored(self, produced: dict[int, int]) -> int:
+        """Records of the assigned partitions not stored yet: from where each is stored
+        up to its end (its last fetch, or past what ``produced`` says Kafka has
+        acknowledged since). A partition not stored into since its assignment or
+        last seek is left out: unknown, so it never holds anyone back."""
+        highwater = self._consumer.highwater
+        total = 0
+        for tp, stored in self._stored.items():
+            end = max(highwater(tp) or 0, produced.get(tp.partition, -1) + 1)
+            if end > stored:
+                total += end - stored
+        return total
+
     def records_held(self) -> int:
         """Records the assigned partitions hold, as their last fetches said (a log's
         offsets start at 0: the embedded Kafka cannot delete records)."""

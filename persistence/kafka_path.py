@@ -50,6 +50,10 @@ log = logging.getLogger("devicemq.kafka")
 LOG_INTERVAL = 5.0  # seconds between two "produce failed" log lines
 PARTITION_CACHE_SIZE = 100_000  # client ids whose partition is remembered
 BATCH_TTL_MS = 300_000  # how long aiokafka keeps trying a batch (see make_producer)
+# The push-back on publishers while the consumer is behind (push_back): at most
+# this long per batch, looking again every PUSH_BACK_POLL seconds.
+MAX_PUSH_BACK = 0.5
+PUSH_BACK_POLL = 0.005
 RESEND_ATTEMPTS = 3  # sends of one PUBLISH's records while its topic is being made again
 # What a produce answers while the topic is gone or being created again after a
 # restart of a Kafka that keeps no data (Tansu answers UnknownError then).
@@ -148,6 +152,10 @@ class KafkaPersistentPath:
         self._recreating = False
         self.recreate_retry = Retry("kafka_topic_create")
         self._latency_observer = latency_observer  # seconds per round (the metrics' histogram)
+        self._unstored: Callable[[], int] | None = None
+        self._max_unstored = 0
+        self.backpressure_holds = 0  # batches held because the consumer was behind
+        self.backpressure_seconds = 0.0
 
     def submit(
         self,
@@ -173,6 +181,29 @@ class KafkaPersistentPath:
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
+    def push_back(self, unstored: Callable[[], int], limit: int) -> None:
+        """Hold each batch (up to :data:`MAX_PUSH_BACK` seconds) while ``unstored()``,
+        the records Kafka has that the consumer has not stored, is ``limit`` or more.
+
+        Kafka accepts records faster than one process can store and deliver them;
+        unchecked, the gap grows for as long as publishers offer more, and every
+        message waits behind it (BENCHMARKS.md, "The shape"). Held here, the wait
+        is the publishers': their PUBACKs come later, their windows fill, they send
+        less. Bounded, because Kafka is also the buffer that keeps accepting while
+        Redis is away: a consumer that stores nothing costs each batch that long."""
+        self._unstored, self._max_unstored = unstored, limit
+
+    async def _room(self) -> None:
+        unstored, limit = self._unstored, self._max_unstored
+        if unstored is None or not limit or unstored() < limit:
+            return
+        started = time.perf_counter()
+        self.backpressure_holds += 1
+        deadline = started + MAX_PUSH_BACK
+        while unstored() >= limit and time.perf_counter() < deadline:
+            await asyncio.sleep(PUSH_BACK_POLL)
+        self.backpressure_seconds += time.perf_counter() - started
+
     async def drain(self) -> None:
         """Wait until everything submitted so far is acknowledged or failed."""
         while self._pending or self._sender is not None or self._open_rounds:
@@ -185,6 +216,8 @@ class KafkaPersistentPath:
         try:
             while self._pending:
                 await self._topic_ready.wait()
+                await self._room()
+                await self._topic_ready.wait()  # a hold may have begun meanwhile
                 batch, self._pending = self._pending, []
                 self._handing = True
                 try:

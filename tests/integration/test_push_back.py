@@ -1,0 +1,107 @@
+"""Publishers wait while the consumer is behind (``persistence.max_unstored_records``).
+
+Kafka accepts records faster than one process stores and delivers them; without
+a bound the gap grew for as long as more was offered, and every message waited
+behind it (BENCHMARKS.md, "The shape"). Driven here against a real Tansu and
+Redis: how far behind the consumer is, and that the path holds new records
+while it is that far behind, for a bounded time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from broker.message import Delivery, Message
+from persistence import kafka_path
+from persistence.kafka_path import KafkaPersistentPath, ensure_topic
+from persistence.redis_store import RedisMessageStore
+from tests.integration.test_consumer_offset_holes import _consumer, _record
+from tests.integration.test_kafka_path import _session
+from tests.kafka_fixtures import tansu  # noqa: F401  (pytest fixture)
+
+
+async def test_unstored_counts_from_what_is_stored_to_what_kafka_acknowledged(
+    tansu: str,  # noqa: F811
+    store: RedisMessageStore,
+) -> None:
+    client = f"dev-{uuid.uuid4().hex[:8]}"
+    async with _consumer(tansu, store, [0.0]) as (consumer, _kafka, topic):
+        # Nothing stored since the assignment: unknown, so it holds no one back.
+        assert consumer.unstored({0: 9}) == 0
+        tp = TopicPartition(topic, 0)
+        await consumer.process({tp: [_record(topic, i, client, i + 1) for i in range(5)]})
+        assert consumer.unstored({0: 4}) == 0  # stored up to what Kafka acknowledged
+        assert consumer.unstored({0: 9}) == 5  # offsets 5-9 acknowledged, not stored
+        assert consumer.unstored({}) == 0
+
+
+async def _path(bootstrap: str) -> tuple[KafkaPersistentPath, AIOKafkaProducer]:
+    topic = f"pushback-{uuid.uuid4().hex[:8]}"
+    assert await ensure_topic(bootstrap, topic, 1)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    return KafkaPersistentPath(producer, topic), producer
+
+
+def _submit(path: KafkaPersistentPath, outcomes: list[bool]) -> None:
+    delivery = Delivery(Message("t", b"x", 1, False), 1, False)
+    path.submit([(_session("pushed"), delivery)], outcomes.append)
+
+
+async def test_records_wait_while_the_consumer_is_behind(
+    tansu: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kafka_path, "MAX_PUSH_BACK", 600.0)  # only the count can release
+    path, producer = await _path(tansu)
+    behind = [100]
+    path.push_back(lambda: behind[0], 100)
+    outcomes: list[bool] = []
+    try:
+        _submit(path, outcomes)
+        await asyncio.sleep(0.5)
+        assert outcomes == [] and path.produced == {}, "sent while the consumer was behind"
+        behind[0] = 99
+        await path.drain()
+    finally:
+        await producer.stop()
+    assert outcomes == [True]
+    assert path.backpressure_holds == 1
+
+
+async def test_the_wait_is_bounded_when_the_consumer_stores_nothing(
+    tansu: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kafka keeps accepting while Redis is away: a held batch goes after MAX_PUSH_BACK."""
+    monkeypatch.setattr(kafka_path, "MAX_PUSH_BACK", 0.2)
+    path, producer = await _path(tansu)
+    path.push_back(lambda: 10**9, 100)
+    outcomes: list[bool] = []
+    try:
+        _submit(path, outcomes)
+        await path.drain()
+        _submit(path, outcomes)
+        await path.drain()
+    finally:
+        await producer.stop()
+    assert outcomes == [True, True]
+    assert path.backpressure_holds == 2
+    assert path.backpressure_seconds >= 0.4
+
+
+async def test_no_limit_never_holds(tansu: str) -> None:  # noqa: F811
+    path, producer = await _path(tansu)
+    path.push_back(lambda: 10**9, 0)  # persistence.max_unstored_records: 0
+    outcomes: list[bool] = []
+    try:
+        _submit(path, outcomes)
+        await path.drain()
+    finally:
+        await producer.stop()
+    assert outcomes == [True] and path.backpressure_holds == 0
