@@ -394,7 +394,8 @@ class PersistenceSettings:
     max_unstored_records: int = setting(
         3_000,
         "Records Kafka holds that the consumer has not stored yet, past which this "
-        "broker's publishers wait (up to 0.5 s a batch) before more go to Kafka; 0: no limit",
+        "broker's publishers wait before more go to Kafka, while it stores (ends after 0.5 s "
+        "without progress); 0: no limit",
         ge=0,
     )
     replay_page_size: int = setting(

@@ -50,10 +50,11 @@ log = logging.getLogger("devicemq.kafka")
 LOG_INTERVAL = 5.0  # seconds between two "produce failed" log lines
 PARTITION_CACHE_SIZE = 100_000  # client ids whose partition is remembered
 BATCH_TTL_MS = 300_000  # how long aiokafka keeps trying a batch (see make_producer)
-# The push-back on publishers while the consumer is behind (push_back): at most
-# this long per batch, looking again every PUSH_BACK_POLL seconds.
-MAX_PUSH_BACK = 0.5
+# The push-back on publishers while the consumer is behind (push_back): looked at
+# every PUSH_BACK_POLL seconds, ended by a consumer that stored nothing for
+# PUSH_BACK_STALL seconds.
 PUSH_BACK_POLL = 0.005
+PUSH_BACK_STALL = 0.5
 RESEND_ATTEMPTS = 3  # sends of one PUBLISH's records while its topic is being made again
 # What a produce answers while the topic is gone or being created again after a
 # restart of a Kafka that keeps no data (Tansu answers UnknownError then).
@@ -182,26 +183,36 @@ class KafkaPersistentPath:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
     def push_back(self, unstored: Callable[[], int], limit: int) -> None:
-        """Hold each batch (up to :data:`MAX_PUSH_BACK` seconds) while ``unstored()``,
-        the records Kafka has that the consumer has not stored, is ``limit`` or more.
+        """Hold each batch while ``unstored()``, the records Kafka has that the
+        consumer has not stored, is ``limit`` or more and going down.
 
         Kafka accepts records faster than one process can store and deliver them;
         unchecked, the gap grows for as long as publishers offer more, and every
         message waits behind it (BENCHMARKS.md, "The shape"). Held here, the wait
         is the publishers': their PUBACKs come later, their windows fill, they send
-        less. Bounded, because Kafka is also the buffer that keeps accepting while
-        Redis is away: a consumer that stores nothing costs each batch that long."""
+        less. A consumer that stores nothing for :data:`PUSH_BACK_STALL` seconds
+        (Redis away, a partition being reassigned) ends the hold: Kafka is also the
+        buffer that keeps accepting while the consumer cannot."""
         self._unstored, self._max_unstored = unstored, limit
 
     async def _room(self) -> None:
         unstored, limit = self._unstored, self._max_unstored
-        if unstored is None or not limit or unstored() < limit:
+        if unstored is None or not limit:
             return
-        started = time.perf_counter()
+        behind = unstored()
+        if behind < limit:
+            return
+        started = progressed = time.perf_counter()
         self.backpressure_holds += 1
-        deadline = started + MAX_PUSH_BACK
-        while unstored() >= limit and time.perf_counter() < deadline:
+        while True:
             await asyncio.sleep(PUSH_BACK_POLL)
+            now, before, behind = time.perf_counter(), behind, unstored()
+            if behind < limit:
+                break
+            if behind < before:
+                progressed = now
+            elif now - progressed >= PUSH_BACK_STALL:
+                break
         self.backpressure_seconds += time.perf_counter() - started
 
     async def drain(self) -> None:
