@@ -274,6 +274,9 @@ class PersistenceConsumer:
         # Next offset not yet stored per partition (since its last seek or
         # assignment): what a topic Kafka lost may be replaced past (compaction.py).
         self._stored: dict[TopicPartition, int] = {}
+        # First offset fetched per partition since its last seek or assignment: where
+        # unstored() counts from until something is stored (the push-back).
+        self._fetched_from: dict[TopicPartition, int] = {}
         self._commits_off = False  # the topic is lost: nothing commits (read_from_start)
         # Bumped by every revoke and assign: a commit refused before one is not tried
         # again after it (the partition may now hold another log: a Kafka restarted).
@@ -359,6 +362,7 @@ class PersistenceConsumer:
         and what this consumer committed for it before says nothing now."""
         self._position.pop(tp, None)
         self._stored.pop(tp, None)
+        self._fetched_from.pop(tp, None)
         self._holes.pop(tp, None)
         self._unplaced.add(tp)
         self._assignments += 1
@@ -380,6 +384,7 @@ class PersistenceConsumer:
         commit: dict[TopicPartition, int] = {}
         went_back: list[int] = []
         for tp, records in batches.items():
+            self._fetched_from.setdefault(tp, records[0].offset)
             expected = self._position.get(tp)
             if expected is None and tp in self._unplaced:
                 # Forward only: a committed offset above the fetch (a late commit of
@@ -503,17 +508,22 @@ class PersistenceConsumer:
                 log.warning("kafka partition %d was reset: reading it from its start", tp.partition)
                 self._seek(tp, 0)
 
-    def unstored(self, produced: dict[int, int]) -> int:
+    def unstored(self) -> int:
         """Records of the assigned partitions not stored yet: from where each is stored
-        up to its end (its last fetch, or past what ``produced`` says Kafka has
-        acknowledged since). A partition not stored into since its assignment or
-        last seek is left out: unknown, so it never holds anyone back."""
-        highwater = self._consumer.highwater
+        (or, before anything is, from its first fetch since its assignment or last
+        seek) up to its end as its last fetch saw it: one poll behind at most. A
+        partition not fetched yet is left out: unknown, it holds no one back."""
+        consumer, stored, fetched_from = self._consumer, self._stored, self._fetched_from
         total = 0
-        for tp, stored in self._stored.items():
-            end = max(highwater(tp) or 0, produced.get(tp.partition, -1) + 1)
-            if end > stored:
-                total += end - stored
+        for tp in consumer.assignment():
+            start = stored.get(tp)
+            if start is None:
+                start = fetched_from.get(tp)
+                if start is None:
+                    continue
+            end = consumer.highwater(tp)
+            if end is not None and end > start:
+                total += end - start
         return total
 
     def records_held(self) -> int:
@@ -620,6 +630,7 @@ class PersistenceConsumer:
         # The next fetch starts here: one that starts further on skipped offsets.
         self._position[tp] = offset
         self._stored.pop(tp, None)
+        self._fetched_from.pop(tp, None)
         self._holes.pop(tp, None)
 
     async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:

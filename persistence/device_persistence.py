@@ -108,8 +108,8 @@ class DevicePersistence:
             self._room_for,
             self.resets,
         )
-        produced = self.path.produced
-        self.path.push_back(lambda: self.consumer.unstored(produced), config.max_unstored_records)
+        # Per process: in a cluster each replica counts its own partitions only.
+        self.path.push_back(self.consumer.unstored, config.max_unstored_records)
         self._broker: Broker | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self._consumer_task: asyncio.Task[None] | None = None

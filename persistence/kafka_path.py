@@ -196,24 +196,30 @@ class KafkaPersistentPath:
         self._unstored, self._max_unstored = unstored, limit
 
     async def _room(self) -> None:
+        """Wait while the consumer is ``limit`` or more behind and catching up."""
         unstored, limit = self._unstored, self._max_unstored
         if unstored is None or not limit:
             return
-        behind = unstored()
-        if behind < limit:
-            return
-        started = progressed = time.perf_counter()
-        self.backpressure_holds += 1
-        while True:
-            await asyncio.sleep(PUSH_BACK_POLL)
-            now, before, behind = time.perf_counter(), behind, unstored()
+        try:
+            behind = unstored()
             if behind < limit:
-                break
-            if behind < before:
-                progressed = now
-            elif now - progressed >= PUSH_BACK_STALL:
-                break
-        self.backpressure_seconds += time.perf_counter() - started
+                return
+            started = progressed = time.perf_counter()
+            self.backpressure_holds += 1
+            try:
+                while True:
+                    await asyncio.sleep(PUSH_BACK_POLL)
+                    now, before, behind = time.perf_counter(), behind, unstored()
+                    if behind < limit:
+                        break
+                    if behind < before:
+                        progressed = now
+                    elif now - progressed >= PUSH_BACK_STALL:
+                        break
+            finally:
+                self.backpressure_seconds += time.perf_counter() - started
+        except Exception:  # a count that cannot be read must never stop the publishers
+            log.exception("counting the consumer's unstored records failed: not holding")
 
     async def drain(self) -> None:
         """Wait until everything submitted so far is acknowledged or failed."""

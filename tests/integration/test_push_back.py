@@ -25,19 +25,51 @@ from tests.integration.test_kafka_path import _session
 from tests.kafka_fixtures import tansu  # noqa: F401  (pytest fixture)
 
 
-async def test_unstored_counts_from_what_is_stored_to_what_kafka_acknowledged(
+async def test_unstored_counts_from_what_is_stored_to_the_end_last_fetched(
     tansu: str,  # noqa: F811
     store: RedisMessageStore,
 ) -> None:
     client = f"dev-{uuid.uuid4().hex[:8]}"
-    async with _consumer(tansu, store, [0.0]) as (consumer, _kafka, topic):
-        # Nothing stored since the assignment: unknown, so it holds no one back.
-        assert consumer.unstored({0: 9}) == 0
+    async with _consumer(tansu, store, [0.0]) as (consumer, kafka, topic):
         tp = TopicPartition(topic, 0)
+        producer = AIOKafkaProducer(bootstrap_servers=tansu, acks="all")
+        await producer.start()
+        try:
+            for _ in range(8):
+                await producer.send_and_wait(topic, b"x", key=client.encode(), partition=0)
+        finally:
+            await producer.stop()
+        # Nothing stored since the assignment: unknown, so it holds no one back.
+        assert consumer.unstored() == 0
+        while kafka.highwater(tp) is None:  # the real consumer's fetch sees the end (8)
+            await kafka.getmany(tp, timeout_ms=500)
+        assert kafka.highwater(tp) == 8
         await consumer.process({tp: [_record(topic, i, client, i + 1) for i in range(5)]})
-        assert consumer.unstored({0: 4}) == 0  # stored up to what Kafka acknowledged
-        assert consumer.unstored({0: 9}) == 5  # offsets 5-9 acknowledged, not stored
-        assert consumer.unstored({}) == 0
+        assert consumer.unstored() == 3  # offsets 5-7 in Kafka, not stored
+        # After a seek and before anything is stored (a cold start's first poll,
+        # being saved): counted from the first offset fetched.
+        consumer.read_from_start()
+        assert consumer.unstored() == 0  # not fetched since: unknown
+        saving, release = asyncio.Event(), asyncio.Event()
+        real_save = consumer._save
+
+        async def slow_save(batches):  # type: ignore[no-untyped-def]
+            saving.set()
+            await release.wait()
+            return await real_save(batches)
+
+        consumer._save = slow_save  # type: ignore[method-assign]
+        task = asyncio.create_task(
+            consumer.process({tp: [_record(topic, i, client, i + 1) for i in range(3)]})
+        )
+        await saving.wait()
+        assert consumer.unstored() == 8  # offsets 0-7, none stored since the seek
+        release.set()
+        await task
+        assert consumer.unstored() == 5
+        # A partition no longer assigned does not count (and does not raise).
+        kafka.unsubscribe()
+        assert consumer.unstored() == 0
 
 
 async def _path(bootstrap: str) -> tuple[KafkaPersistentPath, AIOKafkaProducer]:
@@ -96,6 +128,46 @@ async def test_a_consumer_that_stores_nothing_ends_the_wait(
     assert outcomes == [True, True]
     assert path.backpressure_holds == 2
     assert path.backpressure_seconds >= 0.4
+
+
+async def test_a_compaction_hold_that_begins_meanwhile_is_kept(
+    tansu: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Released by the consumer while the compactor holds the topic: still held."""
+    monkeypatch.setattr(kafka_path, "PUSH_BACK_STALL", 600.0)
+    path, producer = await _path(tansu)
+    behind = [150]
+    path.push_back(lambda: behind[0], 100)
+    outcomes: list[bool] = []
+    try:
+        _submit(path, outcomes)
+        await asyncio.sleep(0.1)
+        path.hold()
+        behind[0] = 0
+        await asyncio.sleep(0.3)
+        assert outcomes == [] and path.produced == {}, "sent during the compactor's hold"
+        path.release(new_log=False)
+        await path.drain()
+    finally:
+        await producer.stop()
+    assert outcomes == [True]
+
+
+async def test_a_count_that_fails_holds_no_one(tansu: str) -> None:  # noqa: F811
+    path, producer = await _path(tansu)
+
+    def broken() -> int:
+        raise AssertionError("partition not assigned")
+
+    path.push_back(broken, 100)
+    outcomes: list[bool] = []
+    try:
+        _submit(path, outcomes)
+        await path.drain()
+    finally:
+        await producer.stop()
+    assert outcomes == [True]
 
 
 async def test_no_limit_never_holds(tansu: str) -> None:  # noqa: F811
