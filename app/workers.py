@@ -215,6 +215,7 @@ class Supervisor:
         self._endpoints = endpoints
         self.workers = [_Worker(i) for i in range(count)]
         self._signals = 0
+        self.failure: str | None = None  # why the first start failed
 
     def _signalled(self, signum: int, frame: object) -> None:
         self._signals += 1
@@ -231,6 +232,8 @@ class Supervisor:
             status = self._drain(status)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if self.failure is not None:  # the last line, after the drain's
+            print(f"devicemq: error: {self.failure}", file=sys.stderr, flush=True)
         return status
 
     def _start(self, worker: _Worker) -> None:
@@ -260,7 +263,7 @@ class Supervisor:
                 failed = self._check(worker)
                 if failed is not None and starting:
                     # As one broker would: the first start's error ends the command.
-                    print(f"devicemq: error: {failed}", file=sys.stderr, flush=True)
+                    self.failure = failed
                     return 1
                 if worker.restart_at is not None and time.monotonic() >= worker.restart_at:
                     if self._signals:
