@@ -148,6 +148,9 @@ class _Client(asyncio.Protocol):
         self.busy_refusals = 0  # CONNECTs refused as busy, then retried (connect)
         self.closed: asyncio.Future[None] | None = None
         self.paused = False
+        # The broker's Receive Maximum (MQTT 5 CONNACK): QoS 1/2 PUBLISHes it takes in
+        # flight from us; a client must not send more (MQTT-3.3.4-7).
+        self.send_maximum = 65535
 
     # -- connection -------------------------------------------------------------
 
@@ -206,6 +209,8 @@ class _Client(asyncio.Protocol):
                 self.transport.close()
             return getattr(connack, "reason_code", connack)
         self.session_present = connack.session_present
+        if connack.properties is not None and connack.properties.receive_maximum:
+            self.send_maximum = connack.properties.receive_maximum
         self.connected = True
         return 0
 
@@ -373,8 +378,10 @@ class Publisher(_Client):
         if not self.running or transport is None or not self.connected:
             return
         qos = self.qos
-        # QoS 0 has no window: a burst per call, none while the socket is full
-        budget = self.inflight - self.outstanding if qos else (0 if self.paused else self.inflight)
+        if qos:
+            budget = min(self.inflight, self.send_maximum) - self.outstanding
+        else:  # QoS 0 has no window: a burst per call, none while the socket is full
+            budget = 0 if self.paused else self.inflight
         rate = self.rate
         if rate:
             due = int((now - self.start_ns) * rate / NS) + 1 - self.sent

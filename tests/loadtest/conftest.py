@@ -141,3 +141,19 @@ def paced_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         yield broker
     finally:
         _stop(broker, persistence=False)
+
+
+@pytest.fixture(scope="session")
+def narrow_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """Persistent (a PUBLISH stays in flight until Kafka has it), a Receive Maximum
+    of 4: MQTT 5 publishers may have 4 QoS 1/2 PUBLISHes unacknowledged, whatever
+    window they would like (over it: DISCONNECT 0x93)."""
+    broker = _start(
+        tmp_path_factory.mktemp("loadtest-narrow"),
+        persistence=True,
+        extra={"DEVICEMQ_MQTT_RECEIVE_MAXIMUM": "4"},
+    )
+    try:
+        yield broker
+    finally:
+        _stop(broker, persistence=True)

@@ -113,6 +113,15 @@ def test_clients_refused_by_the_per_address_connect_rate_retry(paced_broker: Bro
     assert "CONNECTs refused as busy" in format_report([result])
 
 
+def test_mqtt5_publishers_keep_to_the_brokers_receive_maximum(narrow_broker: Broker) -> None:
+    """MQTT-3.3.4-7: a window of 50 asked, 4 taken (the broker's CONNACK says so);
+    one more would be a protocol error, and the broker disconnects with 0x93."""
+    config = _config(narrow_broker, "p2p", pairs=3, qos=1, mqtt="5", inflight=50)
+    result = run_load(config, progress=False)
+    _assert_clean(result)
+    assert "too many unacknowledged PUBLISH" not in narrow_broker.log()
+
+
 def test_p2p_persistent_through_kafka_and_redis(persistent_broker: Broker) -> None:
     result = run_load(_config(persistent_broker, "p2p", pairs=5, qos=1), progress=False)
     assert result["config"]["persistent"] is True
