@@ -427,6 +427,12 @@ class EventsSettings:
         True, "Write delivery events of persistent sessions to a Kafka topic for the pipeline"
     )
     topic: str = setting("devicemq.events", "Kafka topic of delivery events, keyed by client ID")
+    embedded_max_bytes: int = setting(
+        256 * 1024 * 1024,
+        "Embedded Kafka of a single broker only: past this many bytes written, the events "
+        "topic is emptied at the next compaction of the persisted topic; 0: never",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

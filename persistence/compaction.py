@@ -81,9 +81,13 @@ class KafkaCompactor:
         hold_limit: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         probe: TopicProbe | None = None,
+        after_compaction: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         """``threshold`` 0: never compact; ``probe``: asked every second what Kafka
-        lists for the topic (a lost one is restored); None: not watched."""
+        lists for the topic (a lost one is restored); None: not watched.
+        ``after_compaction`` runs once the topic is emptied, publishers still held
+        (the events topic's turn, persistence/device_persistence.py)."""
+        self._after_compaction = after_compaction
         self._path = path
         self._consumer = consumer
         self._partitions = partitions
@@ -260,6 +264,11 @@ class KafkaCompactor:
             consumer.log_recreated()
             self.stats.compactions += 1
             self.stats.records_dropped += dropped
+            if self._after_compaction is not None:
+                try:
+                    await self._after_compaction()
+                except Exception:  # the compaction itself is done: only logged
+                    log.exception("after emptying the kafka topic")
             now = self._clock()
             log.info(
                 "embedded kafka topic emptied: its %d records were all stored "

@@ -128,8 +128,24 @@ class DevicePersistence:
                 compact_after,
                 hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
                 probe=self._probe,
+                after_compaction=self._empty_events_if_full,
             )
         self._compactor_task: asyncio.Task[None] | None = None
+
+    async def _empty_events_if_full(self) -> None:
+        """The embedded Kafka keeps every record in memory, delivery events too (about
+        6 KB a record at full load: 12 GB an hour at 6,000 msg/s, BENCHMARKS.md).
+        Past ``events.embedded_max_bytes`` the events topic is emptied with the
+        persisted one: its records are all gone then, and what the audit
+        reconciles (the persisted topic's records of its current epoch) has all
+        its events after this moment."""
+        events, limit = self.event_log, self.settings.events.embedded_max_bytes
+        if events is None or not limit or events.bytes_in_topic < limit:
+            return
+        held = events.bytes_in_topic
+        topic, partitions = events.topic, self.settings.persistence.partitions
+        await events.rotate(lambda: replace_topic(self._bootstrap, topic, partitions))
+        log.info("embedded kafka events topic %s emptied (%d bytes written to it)", topic, held)
 
     async def _restore_topic(self) -> None:
         """The path's log went back or its topic is gone: a Tansu's lost topic is

@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -155,6 +155,9 @@ class EventLog:
         self.dropped = 0  # events lost to a full buffer, records to produce errors
         self.errors = 0  # produce failures
         self._gap = 0  # dropped since the last gap event
+        self.bytes_in_topic = 0  # written since the start or the last rotate()
+        self.rotations = 0
+        self._flushing = asyncio.Lock()  # a flush and a rotation never overlap
 
     # -- EventSink (hot path: append and return) ----------------------------------------
 
@@ -218,8 +221,21 @@ class EventLog:
                 except Exception:  # a broken flush must not end event logging
                     log.exception("writing delivery events failed")
 
+    async def rotate(self, replace: Callable[[], Awaitable[object]]) -> None:
+        """Empty the topic with ``replace`` (delete it and create it again) between two
+        flushes: events meanwhile wait in the buffer, none is sent to a topic being
+        deleted (persistence/compaction.py, for an embedded Kafka)."""
+        async with self._flushing:
+            await replace()
+            self.bytes_in_topic = 0
+            self.rotations += 1
+
     async def flush(self) -> None:
         """Encode and produce everything buffered; wait for Kafka's answer."""
+        async with self._flushing:
+            await self._flush()
+
+    async def _flush(self) -> None:
         entries, self._buffer = self._buffer, []
         records = self.encode(entries)
         if self._gap:
@@ -227,16 +243,20 @@ class EventLog:
             records.append((b"", orjson.dumps([gap])))
             self._gap = 0
         futures = []
+        sizes = []
         for key, value in records:
             try:
                 futures.append(await self._producer.send(self.topic, value=value, key=key))
+                sizes.append(len(key) + len(value))
             except Exception as error:
                 self._failed(error)
-        for result in await asyncio.gather(*futures, return_exceptions=True):
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result, size in zip(results, sizes, strict=True):
             if isinstance(result, BaseException):
                 self._failed(result)
             else:
                 self.written += 1
+                self.bytes_in_topic += size
 
     def _failed(self, error: BaseException) -> None:
         # A record carries several events; the gap counts records (a lower bound).
