@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -154,13 +155,11 @@ async def test_a_compaction_hold_that_begins_meanwhile_is_kept(
     assert outcomes == [True]
 
 
-async def test_a_count_that_fails_holds_no_one(tansu: str) -> None:  # noqa: F811
-    path, producer = await _path(tansu)
-
-    def broken() -> int:
-        raise AssertionError("partition not assigned")
-
-    path.push_back(broken, 100)
+async def _one_record(bootstrap: str, unstored: Callable[[], int], limit: int) -> int:
+    """Submit one record under ``push_back(unstored, limit)``: the holds it took.
+    It must be accepted."""
+    path, producer = await _path(bootstrap)
+    path.push_back(unstored, limit)
     outcomes: list[bool] = []
     try:
         _submit(path, outcomes)
@@ -168,15 +167,16 @@ async def test_a_count_that_fails_holds_no_one(tansu: str) -> None:  # noqa: F81
     finally:
         await producer.stop()
     assert outcomes == [True]
+    return path.backpressure_holds
+
+
+async def test_a_count_that_fails_holds_no_one(tansu: str) -> None:  # noqa: F811
+    def broken() -> int:
+        raise AssertionError("partition not assigned")
+
+    await _one_record(tansu, broken, 100)
 
 
 async def test_no_limit_never_holds(tansu: str) -> None:  # noqa: F811
-    path, producer = await _path(tansu)
-    path.push_back(lambda: 10**9, 0)  # persistence.max_unstored_records: 0
-    outcomes: list[bool] = []
-    try:
-        _submit(path, outcomes)
-        await path.drain()
-    finally:
-        await producer.stop()
-    assert outcomes == [True] and path.backpressure_holds == 0
+    # persistence.max_unstored_records: 0
+    assert await _one_record(tansu, lambda: 10**9, 0) == 0
