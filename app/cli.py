@@ -16,7 +16,6 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import logging
 import os
@@ -125,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
             raise
         _error("app.serve is not available in this installation")
         return 1
+    from app.start_errors import startup_error
     from app.workers import check_workers, run_workers, worker_count
 
     count = worker_count(settings)
@@ -143,27 +143,6 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the server installed its handler
         return 130
     return 0
-
-
-def startup_error(settings: Settings, error: BaseException) -> str | None:
-    """The one line ``devicemq run`` prints for an error that stops a start (a backend
-    that does not answer, a port in use), or None for one that is a bug."""
-    from app.embedded_services import ServiceError
-    from app.metrics import MetricsUnavailable
-    from persistence.device_persistence import PersistenceUnavailable
-
-    if isinstance(error, PersistenceUnavailable | ServiceError | MetricsUnavailable | ConfigError):
-        return str(error)
-    if isinstance(error, OSError) and error.errno in (
-        errno.EADDRINUSE,
-        errno.EADDRNOTAVAIL,
-        errno.EACCES,
-    ):
-        from broker.listeners import effective_host
-
-        where = f"{effective_host(settings, settings.listener.host)}:{settings.listener.port}"
-        return f"cannot listen on {where}: {error.strerror}"
-    return None
 
 
 def _embedded_services(settings: Settings) -> tuple[str, str]:

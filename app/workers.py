@@ -135,8 +135,8 @@ def _worker_main(settings: Settings, name: str, conn: Connection) -> None:
     tag = _Tag(name)
     for handler in logging.getLogger().handlers:
         handler.addFilter(tag)
-    from app.cli import startup_error
     from app.serve import run
+    from app.start_errors import startup_error
 
     def controls(
         loop: asyncio.AbstractEventLoop, drain: Callable[[], None], exit_now: Callable[[str], None]
