@@ -72,6 +72,17 @@ class Client:
         with self.lock:
             return [p for p in self.payloads if p.startswith(prefix)]
 
+    def held(self, prefix: bytes) -> list[bytes]:
+        """QoS 2 messages this client accepted (it sent PUBREC) and paho keeps back
+        until their PUBREL. A taken-over client never gets that PUBREL: the broker
+        sends it on the new connection, whose paho answers PUBCOMP for an id it does
+        not know and drops it (paho's own note, issue #284). The message was still
+        received, by this client: after its PUBREC the broker sends only PUBREL
+        (MQTT-4.3.3-4, -6). paho has no public view of these; its fields are read."""
+        client = self.client
+        with client._in_message_mutex:
+            return [m.payload for m in client._in_messages.values() if m.payload.startswith(prefix)]
+
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
