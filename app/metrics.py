@@ -648,9 +648,7 @@ class MetricsServer:
         except Exception as e:
             return False, {"reason": f"redis unreachable: {_short(e)}"}
         try:
-            await asyncio.wait_for(
-                persistence.kafka_producer.client.fetch_all_metadata(), PROBE_TIMEOUT
-            )
+            await asyncio.wait_for(persistence.kafka_producer.check(), PROBE_TIMEOUT)
         except Exception as e:
             return False, {"reason": f"kafka unreachable: {_short(e)}"}
         problem = persistence.problem()

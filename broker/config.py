@@ -407,6 +407,12 @@ class PersistenceSettings:
         ge=100,
         le=600_000,
     )
+    kafka_client: str = setting(
+        "aiokafka",
+        "The persistent path's Kafka producer: aiokafka (Python) or confluent "
+        "(confluent-kafka over librdkafka, C); the consumer is aiokafka's either way",
+        choices=("aiokafka", "confluent"),
+    )
     producer_linger_ms: int = setting(
         1, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
     )

@@ -37,12 +37,13 @@ from persistence.session_store import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka import AIOKafkaConsumer
 
     from broker.core import Broker
     from broker.message import Delivery
     from broker.persistent_path import DoneCallback, OpenedCallback, OpenRequest
     from broker.session import Session
+    from persistence.producers import RecordProducer
 
 log = logging.getLogger("devicemq.persistence")
 
@@ -58,7 +59,7 @@ class DevicePersistence:
         self,
         settings: Settings,
         store: RedisMessageStore,
-        producer: AIOKafkaProducer,
+        producer: RecordProducer,
         consumer: AIOKafkaConsumer,
         epoch: int = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -163,7 +164,7 @@ class DevicePersistence:
             events.epoch_of = lambda: self.consumer.epoch
 
     @property
-    def kafka_producer(self) -> AIOKafkaProducer:
+    def kafka_producer(self) -> RecordProducer:
         return self._producer
 
     @property
@@ -375,7 +376,9 @@ async def open_persistence(
         raise ConfigError(
             f"redis_wait: {config.redis_wait} {error}", name="persistence.redis_wait"
         ) from None
-    producer = make_producer(bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms)
+    producer = make_producer(
+        bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms, config.kafka_client
+    )
     consumer = make_consumer(bootstrap, config.consumer_group)
     try:
         producer_id = await store.next_producer_id()

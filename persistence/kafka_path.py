@@ -39,6 +39,7 @@ from aiokafka.structs import RecordMetadata
 
 from persistence.coalescing import Retry
 from persistence.delivery_codec import encode_delivery
+from persistence.producers import Aiokafka, Confluent, RecordProducer, confluent_settings
 
 if TYPE_CHECKING:
     from broker.message import Delivery
@@ -114,7 +115,7 @@ class _Round:
 class KafkaPersistentPath:
     def __init__(
         self,
-        producer: AIOKafkaProducer,
+        producer: RecordProducer,
         topic: str,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -297,7 +298,7 @@ class KafkaPersistentPath:
         with the same partitioner. Looked up once per round: the metadata call
         builds a new set each time.
         """
-        partitions = self._producer.client.cluster.partitions_for_topic(self._topic)
+        partitions = self._producer.partitions_for_topic(self._topic)
         if not partitions:
             return lambda key: None
         known, chosen = self._partitions
@@ -511,26 +512,37 @@ class KafkaPersistentPath:
             self._logged_at, self._logged_errors = now, self.produce_errors
 
 
-def make_producer(bootstrap: str, request_timeout_ms: int, linger_ms: int) -> AIOKafkaProducer:
-    """A producer that waits for every in-sync replica (acks=all).
+def make_producer(
+    bootstrap: str, request_timeout_ms: int, linger_ms: int, client: str = "aiokafka"
+) -> RecordProducer:
+    """A producer that waits for every in-sync replica (acks=all), of ``client``
+    (``persistence.kafka_client``: aiokafka or confluent, persistence/producers.py).
 
     Idempotence stays off: Tansu, the embedded broker, does not support it;
     ordering per partition holds because aiokafka keeps one batch in flight
-    per partition, and because a batch does not give up early: aiokafka drops
-    a batch older than its request timeout at the next retry and sends the
-    ones queued behind it, so a stall longer than the timeout would put an
-    earlier record after later ones. The publisher's own deadline is the Kafka
-    path's (``request_timeout_ms``, see :class:`KafkaPersistentPath`); aiokafka
+    per partition (librdkafka: one request per connection), and because a
+    batch does not give up early: aiokafka drops a batch older than its
+    request timeout at the next retry and sends the ones queued behind it, so
+    a stall longer than the timeout would put an earlier record after later
+    ones. The publisher's own deadline is the Kafka path's
+    (``request_timeout_ms``, see :class:`KafkaPersistentPath`); the producer
     keeps trying for :data:`BATCH_TTL_MS` at least, so whatever it was handed
     is appended in order or, past that, not at all.
     """
-    return AIOKafkaProducer(
-        bootstrap_servers=bootstrap,
-        acks="all",
-        enable_idempotence=False,
-        linger_ms=linger_ms,
-        request_timeout_ms=max(request_timeout_ms, BATCH_TTL_MS),
-        max_batch_size=512 * 1024,
+    if client == "confluent":
+        return Confluent(
+            confluent_settings(bootstrap, request_timeout_ms, linger_ms, BATCH_TTL_MS),
+            start_timeout=request_timeout_ms / 1000,
+        )
+    return Aiokafka(
+        AIOKafkaProducer(
+            bootstrap_servers=bootstrap,
+            acks="all",
+            enable_idempotence=False,
+            linger_ms=linger_ms,
+            request_timeout_ms=max(request_timeout_ms, BATCH_TTL_MS),
+            max_batch_size=512 * 1024,
+        )
     )
 
 

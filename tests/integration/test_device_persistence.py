@@ -117,11 +117,17 @@ async def test_a_new_kafka_incarnation_does_not_make_new_messages_look_stored(
     assert payloads == [b"old-%d" % i for i in range(20)] + [b"new-%d" % i for i in range(5)]
 
 
-async def test_graceful_close_leaves_everything_acknowledged_in_redis(redis: RedisServer) -> None:
+CLIENTS = pytest.mark.parametrize("client", ["aiokafka", "confluent"])  # kafka_client
+
+
+@CLIENTS
+async def test_graceful_close_leaves_everything_acknowledged_in_redis(
+    redis: RedisServer, client: str
+) -> None:
     """close() returns only after the consumer stored what Kafka acknowledged."""
     tansu = start_tansu()
     try:
-        persistence, broker = await _open(redis.url, bootstrap_of(tansu))
+        persistence, broker = await _open(redis.url, bootstrap_of(tansu), kafka_client=client)
         await _durable_session(persistence, broker, "dev")
         await _publish(broker, "dev", [b"m-%d" % i for i in range(300)])
         await persistence.close()
@@ -135,14 +141,15 @@ async def test_graceful_close_leaves_everything_acknowledged_in_redis(redis: Red
     assert [r.message.payload for r in page if r.message] == [b"m-%d" % i for i in range(300)]
 
 
+@CLIENTS
 async def test_a_publisher_hears_failure_within_the_timeout_while_kafka_is_frozen(
-    redis: RedisServer,
+    redis: RedisServer, client: str
 ) -> None:
     """Records queued behind a stuck request are bounded too: no publisher waits forever."""
     tansu = start_tansu()
     try:
         persistence, broker = await _open(
-            redis.url, bootstrap_of(tansu), kafka_request_timeout_ms=1000
+            redis.url, bootstrap_of(tansu), kafka_request_timeout_ms=1000, kafka_client=client
         )
         await _durable_session(persistence, broker, "dev")
         session = broker.sessions["dev"]
@@ -172,8 +179,9 @@ async def test_a_publisher_hears_failure_within_the_timeout_while_kafka_is_froze
         stop_tansu(tansu)
 
 
+@CLIENTS
 async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
-    redis: RedisServer,
+    redis: RedisServer, client: str
 ) -> None:
     """Finding 2 of the persistent path: the embedded Kafka restarted under a running
     devicemq; its recreated topic began at offset 0, every new record was at or below
@@ -188,7 +196,7 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
     first = start_tansu(port)
     second = None
     try:
-        persistence, broker = await _open(redis.url, bootstrap_of(first))
+        persistence, broker = await _open(redis.url, bootstrap_of(first), kafka_client=client)
         await _durable_session(persistence, broker, "dev")
         await _publish(broker, "dev", [b"old-0"])
         await _stored(persistence, "dev", 1)
@@ -210,7 +218,12 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
                 break
             await asyncio.sleep(0.05)
         assert firsts == want
-        assert persistence.consumer.stats.log_resets >= 1
+        if client == "aiokafka":
+            # aiokafka has its record acknowledged at offset 0 again: a log reset.
+            # librdkafka may hear first that the topic is gone (its metadata is
+            # refreshed on its own): then everything out is sent again once the
+            # topic is made again, and the consumer finds its offset out of range.
+            assert persistence.consumer.stats.log_resets >= 1
         await persistence.close()
     finally:
         stop_tansu(first)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 from broker.session import Session
 from broker.stats import BrokerStats
-from persistence.kafka_path import KafkaPersistentPath, ensure_topic
+from persistence.kafka_path import BATCH_TTL_MS, KafkaPersistentPath, ensure_topic
+from persistence.producers import Aiokafka, Confluent, RecordProducer, confluent_settings
 from persistence.redis_store import decode_record
 from tests.kafka_fixtures import tansu  # noqa: F401  (pytest fixture)
 
@@ -48,13 +50,25 @@ async def _read_all(bootstrap: str, topic: str, count: int) -> dict[bytes, list[
         await consumer.stop()
 
 
-async def test_each_clients_records_keep_submission_order_when_sends_wait(tansu: str) -> None:  # noqa: F811
-    """Batches of 1 KiB fill at once, so the producer keeps making sends wait for a
-    drain; submissions made meanwhile must still reach each partition in order,
+def _small_producer(client: str, bootstrap: str) -> RecordProducer:
+    """A producer that is full after a few records: sends keep waiting for room."""
+    if client == "confluent":
+        settings = confluent_settings(bootstrap, 10_000, 1, BATCH_TTL_MS)
+        return Confluent({**settings, "batch.size": 1024, "queue.buffering.max.messages": 50})
+    return Aiokafka(AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", max_batch_size=1024))
+
+
+@pytest.mark.parametrize("client", ["aiokafka", "confluent"])
+async def test_each_clients_records_keep_submission_order_when_sends_wait(
+    tansu: str,  # noqa: F811
+    client: str,
+) -> None:
+    """The producer is full after a few records, so it keeps making sends wait for
+    room; submissions made meanwhile must still reach each partition in order,
     and every publisher callback reports success exactly once."""
     topic = f"order-{uuid.uuid4().hex[:8]}"
     assert await ensure_topic(tansu, topic, 3)
-    producer = AIOKafkaProducer(bootstrap_servers=tansu, acks="all", max_batch_size=1024)
+    producer = _small_producer(client, tansu)
     await producer.start()
     path = KafkaPersistentPath(producer, topic)
     sessions = [_session(f"client-{c}") for c in range(CLIENTS)]

@@ -20,6 +20,7 @@ from aiokafka.structs import TopicPartition
 from broker.message import Delivery, Message
 from persistence import kafka_path
 from persistence.kafka_path import KafkaPersistentPath, ensure_topic
+from persistence.producers import Aiokafka
 from persistence.redis_store import RedisMessageStore
 from tests.integration.test_consumer_offset_holes import _consumer, _record
 from tests.integration.test_kafka_path import _session
@@ -78,7 +79,7 @@ async def _path(bootstrap: str) -> tuple[KafkaPersistentPath, AIOKafkaProducer]:
     assert await ensure_topic(bootstrap, topic, 1)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
-    return KafkaPersistentPath(producer, topic), producer
+    return KafkaPersistentPath(Aiokafka(producer), topic), producer
 
 
 def _submit(path: KafkaPersistentPath, outcomes: list[bool]) -> None:
