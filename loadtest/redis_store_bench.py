@@ -9,7 +9,8 @@ It starts its own redis-server (and a 3-master cluster) on free 127.0.0.1
 ports, stops them by PID at the end, and prints msg/s for:
 
 * ``save_many``: clients x batches of ``--batch`` messages, one pipelined
-  round trip per poll (the persistence consumer's path);
+  round trip per poll (the persistence consumer's path), and the time Redis
+  itself spent per client batch (its script call, from INFO commandstats);
 * ``per-message``: one awaited script call per message, for comparison;
 * ``replay``: ``load_page`` pages of 1000 over one client's 10k messages.
 
@@ -95,13 +96,29 @@ async def bench_replay(store: RedisMessageStore, count: int = 10_000) -> float:
     return count / (time.perf_counter() - t0)
 
 
+async def _script_us(store: RedisMessageStore) -> float:
+    """Redis's own time per script call since its statistics were reset (INFO
+    commandstats; on a cluster, averaged over the primaries)."""
+    stats = await store.redis.info("commandstats")
+    if "cmdstat_evalsha" in stats:
+        return float(stats["cmdstat_evalsha"]["usec_per_call"])
+    per_node = [
+        node["cmdstat_evalsha"]["usec_per_call"]
+        for node in stats.values()
+        if "cmdstat_evalsha" in node
+    ]
+    return sum(per_node) / len(per_node) if per_node else 0.0
+
+
 async def run(url: str, cluster: bool, args: argparse.Namespace) -> dict[str, float]:
     store = RedisMessageStore.from_url(url, cluster=cluster, limit=65535)
     try:
         await store.load_scripts()
         await bench_save_many(store, 20, args.batch, 2)  # warm-up
+        await store.redis.config_resetstat()
         out = {
             "save_many": await bench_save_many(store, args.clients, args.batch, args.batches),
+            "redis_us_per_save": await _script_us(store),
             "per-message": await bench_per_message(store, args.single_count),
             "replay": await bench_replay(store),
         }
@@ -144,7 +161,8 @@ def main() -> None:
         with servers as (url, cluster):
             result = asyncio.run(run(url, cluster, args))
         print(
-            f"{name:8s} save_many {result['save_many']:>9,.0f} msg/s   "
+            f"{name:8s} save_many {result['save_many']:>9,.0f} msg/s "
+            f"(Redis {result['redis_us_per_save']:,.0f} us per client batch)   "
             f"per-message {result['per-message']:>8,.0f} msg/s   "
             f"replay {result['replay']:>9,.0f} msg/s"
         )
