@@ -531,7 +531,9 @@ def make_producer(
     """
     if client == "confluent":
         return Confluent(
-            confluent_settings(bootstrap, request_timeout_ms, linger_ms, BATCH_TTL_MS),
+            confluent_settings(
+                bootstrap, request_timeout_ms, linger_ms, max(request_timeout_ms, BATCH_TTL_MS)
+            ),
             start_timeout=request_timeout_ms / 1000,
         )
     return Aiokafka(

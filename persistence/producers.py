@@ -36,8 +36,10 @@ from aiokafka.errors import (
 log = logging.getLogger("devicemq.kafka")
 
 METADATA_REFRESH = 10.0  # seconds between two reads of the topics' partitions (confluent)
-POLL_BUSY = 0.001  # seconds between two reads of delivery reports while records are out
-POLL_IDLE = 1.0  # ... and while none are
+POLL_BUSY = 0.001  # seconds between two reads of delivery reports while records are out,
+POLL_STUCK = 0.05  # ... up to this while none come back (a frozen Kafka),
+POLL_IDLE = 1.0  # ... and while none are out
+CHECK_TIMEOUT = 1.5  # seconds a readiness check waits for metadata (below the probe's 2 s)
 
 
 class Produced(NamedTuple):
@@ -111,9 +113,9 @@ class Confluent:
     librdkafka batches, sends and retries on its own threads. Its delivery
     reports are read on the event loop (``poll(0)``: the callbacks run there
     and resolve the futures directly): every :data:`POLL_BUSY` seconds while
-    records are out, and at once after a quiet spell. A poll thread of ours
-    handing reports to the loop measured worse (BENCHMARKS.md, "Optimisation
-    log").
+    records are out (backing off to :data:`POLL_STUCK` while none come back),
+    and at once after a quiet spell. A poll thread of ours handing reports to
+    the loop measured worse (BENCHMARKS.md, "Optimisation log").
     """
 
     def __init__(self, settings: dict[str, object], *, start_timeout: float = 10.0) -> None:
@@ -125,6 +127,7 @@ class Confluent:
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._checking: asyncio.Task[Any] | None = None
         self._logged_at = 0.0
 
     async def start(self) -> None:
@@ -141,18 +144,20 @@ class Confluent:
                 self._producer.list_topics, None, self._start_timeout
             )
         except KafkaException as error:
+            await self._close()
             raise KafkaConnectionError(f"{error.args[0].str()}") from None
         self._read_partitions(metadata)
         self._poller = asyncio.create_task(self._poll())
         self._refresher = asyncio.create_task(self._refresh())
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Wait (up to ``timeout``) for what is out, as aiokafka's stop flushes."""
-        for task in (self._poller, self._refresher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        """Wait (up to ``timeout``) for what is out, as aiokafka's stop flushes; what
+        is still out then is purged, its futures failed: every one is answered."""
+        tasks = {t for t in (self._poller, self._refresher) if t is not None}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)  # a cancel of stop itself still ends it
         self._poller = self._refresher = None
         if self._producer is None:
             return
@@ -165,6 +170,15 @@ class Confluent:
             log.warning(
                 "kafka producer stopped with %d records not acknowledged", self._outstanding
             )
+            self._producer.purge()  # in flight too: their reports come at the next poll
+            self._producer.poll(0)
+        await self._close()
+
+    async def _close(self) -> None:
+        """End librdkafka's threads and connections."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await asyncio.to_thread(producer.close)
 
     async def send(
         self, topic: str, value: bytes, key: bytes, partition: int | None
@@ -183,6 +197,10 @@ class Confluent:
                 self._producer.poll(0)
                 await asyncio.sleep(0.005)  # librdkafka's queue is full: wait for room
             except KafkaException as error:
+                from confluent_kafka import KafkaError as Rd
+
+                if error.args[0].code() == Rd._UNKNOWN_PARTITION and self._refresher is not None:
+                    asyncio.get_running_loop().create_task(self._read_metadata())
                 raise aiokafka_error(error.args[0]) from None
         self._outstanding += 1
         self._wake.set()
@@ -192,10 +210,18 @@ class Confluent:
         return self._partitions.get(topic)
 
     async def check(self) -> None:
+        """One metadata request at a time, however often it is asked: each holds a
+        thread of the default pool until it ends."""
         from confluent_kafka import KafkaException
 
+        if self._producer is None:
+            raise KafkaConnectionError("producer not started")
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.ensure_future(
+                asyncio.to_thread(self._producer.list_topics, None, CHECK_TIMEOUT)
+            )
         try:
-            await asyncio.to_thread(self._producer.list_topics, None, 5.0)
+            await asyncio.shield(self._checking)
         except KafkaException as error:
             raise aiokafka_error(error.args[0]) from None
 
@@ -210,26 +236,38 @@ class Confluent:
 
     async def _poll(self) -> None:
         poll = self._producer.poll
+        delay = POLL_BUSY
         while True:
-            poll(0)
+            try:
+                served = poll(0)
+            except Exception:  # a callback raised: logged, and the reports go on
+                log.exception("kafka producer: a delivery report failed")
+                served = 1
             if self._outstanding:
-                await asyncio.sleep(POLL_BUSY)
+                delay = POLL_BUSY if served else min(delay * 2, POLL_STUCK)
+                await asyncio.sleep(delay)
             else:
                 # Quiet: wait for a send, or a while (librdkafka's errors and logs
-                # are served by poll too).
+                # are served by poll too). Not wait_for: on 3.11 it can swallow
+                # the cancel that ends this task, and stop() would wait forever.
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), POLL_IDLE)
+                    async with asyncio.timeout(POLL_IDLE):
+                        await self._wake.wait()
 
     async def _refresh(self) -> None:
-        from confluent_kafka import KafkaException
-
         while True:
             await asyncio.sleep(METADATA_REFRESH)
-            # Kept as last seen if it fails: the error callback reports an unreachable Kafka.
-            with contextlib.suppress(KafkaException):
-                metadata = await asyncio.to_thread(self._producer.list_topics, None, 5.0)
-                self._read_partitions(metadata)
+            await self._read_metadata()
+
+    async def _read_metadata(self) -> None:
+        from confluent_kafka import KafkaException
+
+        producer = self._producer
+        # Kept as last seen if it fails: the error callback reports an unreachable Kafka.
+        with contextlib.suppress(KafkaException):
+            if producer is not None:
+                self._read_partitions(await asyncio.to_thread(producer.list_topics, None, 5.0))
 
     def _read_partitions(self, metadata: Any) -> None:
         topics = metadata.topics.items()
