@@ -81,6 +81,11 @@ class DevicePersistence:
         self.event_log: EventLog | None = None  # delivery events for the pipeline, None: off
         self.events: EventSink = NO_EVENTS
         self.resets = LogResets(store.redis, config.topic)
+        # A single broker holds every producer of the topic: it can keep a topic
+        # that Kafka lost (persistence/compaction.py); replicas cannot hold the others.
+        self._probe: TopicProbe | None = None
+        if bootstrap and not settings.cluster.enabled:
+            self._probe = TopicProbe(bootstrap, config.topic)
         self.path = KafkaPersistentPath(
             producer,
             config.topic,
@@ -96,6 +101,7 @@ class DevicePersistence:
                 else lambda: ensure_topic(bootstrap, config.topic, config.partitions)
             ),
             latency_observer=produce_latency,
+            probe=self._probe,
         )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
@@ -115,11 +121,6 @@ class DevicePersistence:
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self._consumer_task: asyncio.Task[None] | None = None
         self.compactor: KafkaCompactor | None = None
-        # A single broker holds every producer of the topic: it can keep a topic
-        # that Kafka lost (persistence/compaction.py); replicas cannot hold the others.
-        self._probe: TopicProbe | None = None
-        if bootstrap and not settings.cluster.enabled:
-            self._probe = TopicProbe(bootstrap, config.topic)
         if compact_after > 0 or self._probe is not None:
             self.compactor = KafkaCompactor(
                 self.path,
@@ -234,6 +235,11 @@ class DevicePersistence:
         False: :meth:`start_consuming` later, once the cluster link knows which
         restored sessions are connected to other replicas)."""
         self._broker = broker
+        if self._probe is not None:
+            # Learn now whether this Kafka forgets topics (the path's vouching,
+            # persistence/kafka_path.py); Kafka away: the compactor asks every second.
+            with contextlib.suppress(Exception):
+                await self._probe.partitions()
         restored = await self.sessions.restore(broker)
         log.info("restored %d persistent sessions from redis", restored)
         if consume:

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -56,6 +56,8 @@ BATCH_TTL_MS = 300_000  # how long aiokafka keeps trying a batch (see make_produ
 # PUSH_BACK_STALL seconds.
 PUSH_BACK_POLL = 0.005
 PUSH_BACK_STALL = 0.5
+VOUCH_TIMEOUT = 1.0  # seconds the probe may take to say whether Kafka lists the topic
+VOUCH_RETRY = 0.05  # seconds before it is asked again (doubling to VOUCH_TIMEOUT)
 RESEND_ATTEMPTS = 3  # sends of one PUBLISH's records while its topic is being made again
 # What a produce answers while the topic is gone or being created again after a
 # restart of a Kafka that keeps no data (Tansu answers UnknownError then).
@@ -124,8 +126,18 @@ class KafkaPersistentPath:
         on_log_reset: Callable[[list[int]], None] | None = None,
         recreate_topic: Callable[[], Awaitable[object]] | None = None,
         latency_observer: Callable[[float], None] | None = None,
+        probe: TopicProbe | None = None,
     ) -> None:
+        """``probe``: a single broker's watch on a Kafka that may forget the topic
+        (persistence/compaction.py); success is reported only for records it
+        vouches for (:meth:`_vouch`)."""
         self._producer = producer
+        self._probe = probe
+        # Acknowledged after a broken connection, not vouched for yet, in order:
+        # submission -> (attempt, topics made again by then)
+        self._unvouched: dict[_Submission, tuple[int, int]] = {}
+        self._logs_made = 0  # topics made again (release after a restore or compaction)
+        self._voucher: asyncio.Task[None] | None = None
         self._topic = topic
         # Every record is named (producer_id, seq): the store skips one it has stored.
         self.producer_id = producer_id
@@ -333,6 +345,14 @@ class KafkaPersistentPath:
             highest = self.produced.get(metadata.partition, -1)
             if metadata.offset > highest:
                 self.produced[metadata.partition] = metadata.offset
+                probe = self._probe
+                if probe is not None and submission not in self._unvouched and not probe.vouches():
+                    # After a broken connection: this record may be in a log that
+                    # Kafka lost. The submission waits for _vouch to say.
+                    self._unvouched[submission] = (attempt, self._logs_made)
+                    if self._voucher is None:
+                        loop = asyncio.get_running_loop()
+                        self._voucher = loop.create_task(self._vouch())
             else:
                 # At or below an earlier acknowledgement: two records never share an
                 # offset in one log, so the log was reset (seed 1153: the first
@@ -354,15 +374,79 @@ class KafkaPersistentPath:
                 self._report(submission, False)
                 return
             submission.remaining -= 1
-            if not submission.remaining:
+            if not submission.remaining and submission not in self._unvouched:
                 self._report(submission, True)
         else:
-            self._maybe_settle(submission)
+            self._maybe_settle(submission)  # waits while it is in _unvouched
+
+    async def _vouch(self) -> None:
+        """Acknowledgements that came after a connection to Kafka broke: success once
+        Kafka lists the topic again (asked now), with no hold or new topic since;
+        if it does not list it, they went into a log it lost, and everything out
+        is sent again once the topic is back (as after a log reset). A deadline
+        passing meanwhile reports failure; such a publish is settled only once
+        vouched for (``on_settled``), or sent again."""
+        assert self._probe is not None
+        backoff = VOUCH_RETRY
+        try:
+            while True:
+                # Sent again since (a log reset): not waited for here.
+                for submission, (attempt, _) in list(self._unvouched.items()):
+                    if submission.attempt != attempt:
+                        del self._unvouched[submission]
+                if not self._unvouched:
+                    return
+                if self._held or self._recreating:
+                    # A compaction or restore: its end decides (a topic made again
+                    # since is listed, but without these records).
+                    await self._topic_ready.wait()
+                    continue
+                # Only those acknowledged before the question: the answer says
+                # nothing of a break after it was sent.
+                asked = dict(self._unvouched)
+                made = self._logs_made
+                try:
+                    partitions = await asyncio.wait_for(self._probe.partitions(), VOUCH_TIMEOUT)
+                except Exception as error:  # Kafka away or slow: asked again shortly
+                    log.debug("asking kafka for the topic failed: %s", error)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, VOUCH_TIMEOUT)
+                    continue
+                backoff = VOUCH_RETRY
+                if self._held or self._recreating or self._logs_made != made:
+                    continue  # a describe during a restore lists the lost topic: ask after it
+                current = [
+                    s for s, (a, m) in asked.items() if s.attempt == a and s in self._unvouched
+                ]
+                if partitions is not None and all(asked[s][1] == made for s in current):
+                    for submission in current:
+                        del self._unvouched[submission]
+                        if submission.on_accepted is None:
+                            self._maybe_settle(submission)  # failed at its deadline, yet taken
+                        elif not submission.remaining:
+                            self._report(submission, True)
+                        # else: its other records are still out; each is looked at as
+                        # it is acknowledged
+                elif current:
+                    log.warning(
+                        "kafka acknowledged %d publishes into topic %s after a broken "
+                        "connection, and no longer lists it (or it was made anew): "
+                        "sending them again",
+                        len(current),
+                        self._topic,
+                    )
+                    self._send_again(None)
+        finally:
+            self._voucher = None
+            self._check_idle()
 
     def _maybe_settle(self, submission: _Submission) -> None:
         """A submission reported failed: once no record of it can still be taken,
-        ``on_settled`` hears whether all were (after a deadline they may have been)."""
+        ``on_settled`` hears whether all were (after a deadline they may have been);
+        not while its acknowledgements wait to be vouched for."""
         if submission not in self._unsettled or submission.outstanding:
+            return
+        if submission in self._unvouched:
             return
         if submission.handed < len(submission.records) and not submission.failed:
             return  # still being handed to the producer
@@ -394,7 +478,7 @@ class KafkaPersistentPath:
                 if submission.on_accepted is not None:
                     self._withdraw(submission)
                     again.append(submission)
-        again.extend(s for s in self._unsettled if s.outstanding)
+        again.extend(s for s in self._unsettled if s.outstanding or s in self._unvouched)
         for submission in again:
             submission.attempt += 1
             submission.remaining = len(submission.records)
@@ -456,6 +540,7 @@ class KafkaPersistentPath:
         self._held = False
         if new_log:
             self.produced.clear()
+            self._logs_made += 1
         if not self._recreating:
             self._topic_ready.set()
 
@@ -583,26 +668,55 @@ class TopicProbe:
     """
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        self._client = AIOKafkaClient(bootstrap_servers=bootstrap)
+        self._client = _WatchedClient(bootstrap_servers=bootstrap)
         self._topic = topic
         self._started = False
         self.forgets_topics = False  # learnt from the last answer
+        self._answered = False  # forgets_topics is known
+        self._listed_at_break: int | None = None  # breaks seen when last listed
 
     async def partitions(self) -> int | None:
         """Partitions listed for the topic, None if none; raises if Kafka is away."""
         if not self._started:
             await self._client.bootstrap()
             self._started = True
+        breaks = self._client.breaks
         node = next(iter(self._client.cluster.brokers())).nodeId
         response = await self._client.send(node, MetadataRequest(None))
         self.forgets_topics = str(getattr(response, "cluster_id", "")).startswith("tansu")
+        self._answered = True
         cluster = ClusterMetadata()
         cluster.update_metadata(response)
         found = cluster.partitions_for_topic(self._topic)
+        self._listed_at_break = breaks if found else None
         return len(found) if found else None
+
+    def vouches(self) -> bool:
+        """Still listed, as far as anyone can tell without asking: Kafka listed the
+        topic, and no connection to it broke since. A Tansu restarted empty no
+        longer lists it, yet acknowledges records sent to it and loses them
+        (tests/model/FINDINGS.md, finding 19); its restart breaks every
+        connection, this probe's too, before a producer can reconnect and be
+        acknowledged. A Kafka that keeps its topics is always vouched for; one not
+        heard from yet, never."""
+        if not self._answered:
+            return False
+        if not self.forgets_topics:
+            return True
+        return self._listed_at_break is not None and self._listed_at_break == self._client.breaks
 
     async def close(self) -> None:
         await self._client.close()
+
+
+class _WatchedClient(AIOKafkaClient):  # type: ignore[misc]  # aiokafka is untyped
+    """A client that counts its connections that closed (a Kafka restart closes all)."""
+
+    breaks = 0
+
+    def _on_connection_closed(self, conn: Any, reason: Any) -> None:
+        self.breaks += 1
+        super()._on_connection_closed(conn, reason)
 
 
 async def lost_by_tansu(bootstrap: str, topic: str) -> bool:

@@ -91,3 +91,51 @@ async def test_each_clients_records_keep_submission_order_when_sends_wait(
         values = by_key[session.client_id.encode()]
         payloads = [decode_record(1, 1, v).message.payload for v in values]  # type: ignore[union-attr]
         assert payloads == [f"{session.client_id}:{n}".encode() for n in range(PER_CLIENT)]
+
+
+async def test_records_acknowledged_into_a_topic_kafka_lost_are_sent_again() -> None:
+    """Finding 19 (tests/model/FINDINGS.md): a Tansu restarted empty no longer lists
+    the topic, yet acknowledges the first records sent to it and loses them; with
+    no earlier record of the partition, no offset goes backwards to tell. The
+    connection its restart broke makes the path ask before it reports success:
+    the topic is gone, so the record is sent again once the topic is made again,
+    and only then is the publisher told."""
+    from app.embedded_services import free_port
+    from persistence.kafka_path import TopicProbe
+    from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
+
+    port = free_port()
+    first = start_tansu(port)
+    second = None
+    bootstrap = bootstrap_of(first)
+    topic = f"lost-{uuid.uuid4().hex[:8]}"
+    assert await ensure_topic(bootstrap, topic, 3)
+    probe = TopicProbe(bootstrap, topic)
+    producer = Aiokafka(AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all"))
+    try:
+        assert await probe.partitions() == 3 and probe.forgets_topics
+        await producer.start()
+        path = KafkaPersistentPath(
+            producer,
+            topic,
+            probe=probe,
+            recreate_topic=lambda: ensure_topic(bootstrap, topic, 3),
+        )
+        stop_tansu(first)
+        second = start_tansu(port)  # same address, empty: the topic is not listed
+        outcomes: list[bool] = []
+        delivery = Delivery(Message("t", b"after the restart", 1, False), 1, False)
+        path.submit([(_session("first-of-its-partition"), delivery)], outcomes.append)
+        await path.drain()
+        assert outcomes == [True]
+        by_key = await _read_all(bootstrap, topic, 1)
+        values = by_key[b"first-of-its-partition"]  # twice: once in the lost log
+        assert {decode_record(1, 1, v).message.payload for v in values} == {  # type: ignore[union-attr]
+            b"after the restart"
+        }
+    finally:
+        await producer.stop()
+        await probe.close()
+        stop_tansu(first)
+        if second is not None:
+            stop_tansu(second)
