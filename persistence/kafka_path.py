@@ -394,8 +394,8 @@ class KafkaPersistentPath:
                 for submission, (attempt, _) in list(self._unvouched.items()):
                     if submission.attempt != attempt:
                         del self._unvouched[submission]
-                if not self._unvouched:
-                    return
+                if not self._unvouched or self._probe.closed:
+                    return  # closed: the broker stops, nothing will answer
                 if self._held or self._recreating:
                     # A compaction or restore: its end decides (a topic made again
                     # since is listed, but without these records).
@@ -673,6 +673,7 @@ class TopicProbe:
         self._started = False
         self.forgets_topics = False  # learnt from the last answer
         self._answered = False  # forgets_topics is known
+        self.closed = False
         self._listed_at_break: int | None = None  # breaks seen when last listed
 
     async def partitions(self) -> int | None:
@@ -706,6 +707,7 @@ class TopicProbe:
         return self._listed_at_break is not None and self._listed_at_break == self._client.breaks
 
     async def close(self) -> None:
+        self.closed = True
         await self._client.close()
 
 

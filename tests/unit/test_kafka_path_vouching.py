@@ -48,6 +48,7 @@ class Probe:
     """A connection broke (it does not vouch); each answer waits for the test."""
 
     forgets_topics = True
+    closed = False
 
     def __init__(self) -> None:
         self.vouching = False
