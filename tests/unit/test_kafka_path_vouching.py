@@ -76,9 +76,34 @@ async def _until(condition: Callable[[], bool]) -> None:
     raise AssertionError("never happened")
 
 
-def _submit(path: KafkaPersistentPath, accepted: list[bool], settled: list[bool]) -> None:
-    delivery = Delivery(Message("t", b"x", 2, False), 2, False)
-    path.submit([(_session("c"), delivery)], accepted.append, settled.append)
+class Acknowledged:
+    """One QoS 2 publish through a path whose probe does not vouch, its one record
+    acknowledged at offset 0, and the probe's question about it out."""
+
+    producer: Producer
+    probe: Probe
+    path: KafkaPersistentPath
+    accepted: list[bool]
+    settled: list[bool]
+    question: asyncio.Future[int | None]
+
+    @classmethod
+    async def make(cls, timeout: float) -> Acknowledged:
+        self = cls()
+        self.producer, self.probe = Producer(), Probe()
+        self.path = KafkaPersistentPath(
+            self.producer,  # type: ignore[arg-type]
+            "t",
+            timeout=timeout,
+            probe=self.probe,  # type: ignore[arg-type]
+        )
+        self.accepted, self.settled = [], []
+        delivery = Delivery(Message("t", b"x", 2, False), 2, False)
+        self.path.submit([(_session("c"), delivery)], self.accepted.append, self.settled.append)
+        await _until(lambda: len(self.producer.sent) == 1)
+        self.producer.ack(0, 0)
+        self.question = await self.probe.questions.get()
+        return self
 
 
 async def test_a_publish_failed_at_its_deadline_is_not_settled_as_taken_before_vouched() -> None:
@@ -86,57 +111,38 @@ async def test_a_publish_failed_at_its_deadline_is_not_settled_as_taken_before_v
     failure, and the record is not settled as taken (a 3.1.1 QoS 2 publisher's
     packet id would be kept and its re-send answered without routing). The topic
     is not listed: it is sent again, and settled once that copy is vouched for."""
-    producer, probe = Producer(), Probe()
-    path = KafkaPersistentPath(producer, "t", timeout=0.05, probe=probe)  # type: ignore[arg-type]
-    accepted: list[bool] = []
-    settled: list[bool] = []
-    _submit(path, accepted, settled)
-    await _until(lambda: len(producer.sent) == 1)
-    producer.ack(0, 0)  # acknowledged into a log Kafka may have lost
-    question = await probe.questions.get()
-    await _until(lambda: accepted == [False])  # the deadline, while the question is out
-    assert settled == []
-    question.set_result(None)  # not listed: the log was lost
-    await _until(lambda: len(producer.sent) == 2)  # sent again
-    assert settled == []
-    probe.vouching = True
-    producer.ack(1, 1)
-    await _until(lambda: settled == [True])
-    assert accepted == [False]
+    a = await Acknowledged.make(timeout=0.05)
+    await _until(lambda: a.accepted == [False])  # the deadline, while the question is out
+    assert a.settled == []
+    a.question.set_result(None)  # not listed: the log was lost
+    await _until(lambda: len(a.producer.sent) == 2)  # sent again
+    assert a.settled == []
+    a.probe.vouching = True
+    a.producer.ack(1, 1)
+    await _until(lambda: a.settled == [True])
+    assert a.accepted == [False]
 
 
 async def test_a_topic_made_again_during_the_question_does_not_vouch() -> None:
     """The probe finds the topic listed, but it was made again (a restore's describe,
     delete and create) after the record was acknowledged: sent again, and the
     publisher hears success only for the copy in the new topic."""
-    producer, probe = Producer(), Probe()
-    path = KafkaPersistentPath(producer, "t", timeout=5.0, probe=probe)  # type: ignore[arg-type]
-    accepted: list[bool] = []
-    _submit(path, accepted, [])
-    await _until(lambda: len(producer.sent) == 1)
-    producer.ack(0, 0)
-    question = await probe.questions.get()
-    path.hold()
-    path.release(new_log=True)  # a restore made the topic again meanwhile
-    question.set_result(1)  # listed: the new topic, so it asks again, after it
-    (await probe.questions.get()).set_result(1)
-    await _until(lambda: len(producer.sent) == 2)
-    assert accepted == []
-    probe.vouching = True
-    producer.ack(1, 0)
-    await _until(lambda: accepted == [True])
+    a = await Acknowledged.make(timeout=5.0)
+    a.path.hold()
+    a.path.release(new_log=True)  # a restore made the topic again meanwhile
+    a.question.set_result(1)  # listed: the new topic, so it asks again, after it
+    (await a.probe.questions.get()).set_result(1)
+    await _until(lambda: len(a.producer.sent) == 2)
+    assert a.accepted == []
+    a.probe.vouching = True
+    a.producer.ack(1, 0)
+    await _until(lambda: a.accepted == [True])
 
 
 async def test_success_is_reported_once_the_probe_sees_the_topic() -> None:
-    producer, probe = Producer(), Probe()
-    path = KafkaPersistentPath(producer, "t", timeout=5.0, probe=probe)  # type: ignore[arg-type]
-    accepted: list[bool] = []
-    _submit(path, accepted, [])
-    await _until(lambda: len(producer.sent) == 1)
-    producer.ack(0, 0)
-    question = await probe.questions.get()
+    a = await Acknowledged.make(timeout=5.0)
     await asyncio.sleep(0.01)
-    assert accepted == []  # not before the answer
-    question.set_result(1)
-    await _until(lambda: accepted == [True])
-    assert len(producer.sent) == 1
+    assert a.accepted == []  # not before the answer
+    a.question.set_result(1)
+    await _until(lambda: a.accepted == [True])
+    assert len(a.producer.sent) == 1
