@@ -32,6 +32,8 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
     for_code,
 )
+from confluent_kafka import KafkaError as Rd
+from confluent_kafka import KafkaException, Producer
 
 log = logging.getLogger("devicemq.kafka")
 
@@ -91,8 +93,6 @@ class Aiokafka:
 def aiokafka_error(error: Any) -> KafkaError:
     """A librdkafka error (``confluent_kafka.KafkaError``) as the aiokafka error
     the path knows: broker error codes are Kafka's own, librdkafka's are < 0."""
-    from confluent_kafka import KafkaError as Rd
-
     code, text = error.code(), error.str()
     if code > 0:
         return for_code(code)(text)
@@ -131,8 +131,6 @@ class Confluent:
         self._logged_at = 0.0
 
     async def start(self) -> None:
-        from confluent_kafka import KafkaException, Producer
-
         settings = {
             **self._settings,
             "error_cb": self._error,
@@ -183,8 +181,6 @@ class Confluent:
     async def send(
         self, topic: str, value: bytes, key: bytes, partition: int | None
     ) -> asyncio.Future[Any]:
-        from confluent_kafka import KafkaException
-
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         report = partial(self._delivered, future)
         while True:
@@ -197,8 +193,6 @@ class Confluent:
                 self._producer.poll(0)
                 await asyncio.sleep(0.005)  # librdkafka's queue is full: wait for room
             except KafkaException as error:
-                from confluent_kafka import KafkaError as Rd
-
                 if error.args[0].code() == Rd._UNKNOWN_PARTITION and self._refresher is not None:
                     asyncio.get_running_loop().create_task(self._read_metadata())
                 raise aiokafka_error(error.args[0]) from None
@@ -212,8 +206,6 @@ class Confluent:
     async def check(self) -> None:
         """One metadata request at a time, however often it is asked: each holds a
         thread of the default pool until it ends."""
-        from confluent_kafka import KafkaException
-
         if self._producer is None:
             raise KafkaConnectionError("producer not started")
         if self._checking is None or self._checking.done():
@@ -261,8 +253,6 @@ class Confluent:
             await self._read_metadata()
 
     async def _read_metadata(self) -> None:
-        from confluent_kafka import KafkaException
-
         producer = self._producer
         # Kept as last seen if it fails: the error callback reports an unreachable Kafka.
         with contextlib.suppress(KafkaException):
