@@ -131,6 +131,8 @@ class BrokerCollector(Collector):
         # partition -> committed offset read from Kafka (0: none yet) for partitions
         # this process has not committed itself
         self.committed: dict[int, int] = {}
+        self._refreshed = 0.0
+        self._refresh_lock = asyncio.Lock()
 
     def attach(
         self,
@@ -464,25 +466,19 @@ class BrokerCollector(Collector):
             "Delivery-progress writes to Redis that failed",
             persistence.writer.errors,
         )
-        kafka = persistence.kafka_consumer
-        assigned = sorted(kafka.assignment(), key=lambda tp: tp.partition)
         yield _gauge(
             "kafka_consumer_assigned_partitions",
             "Partitions assigned to this broker's consumer",
-            len(assigned),
+            len(persistence.kafka_consumer.assignment()),
         )
-        lag = GaugeMetricFamily(
-            f"{PREFIX}_kafka_consumer_lag_records",
-            "Records of an assigned partition not yet stored: highwater - committed offset",
-            labels=["partition"],
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_kafka_consumer_lag_records",
+                "Records of an assigned partition not yet stored: highwater - committed offset",
+                labels=["partition"],
+            ),
+            (((str(partition),), n) for partition, n in self.consumer_lag(persistence).items()),
         )
-        committed = consumer.committed
-        for tp in assigned:
-            highwater = kafka.highwater(tp)
-            done = committed.get(tp.partition, self.committed.get(tp.partition))
-            if highwater is not None and done is not None:
-                lag.add_metric([str(tp.partition)], max(0, highwater - done))
-        yield lag
         store = persistence.store
         yield _histogram(
             "redis_script_duration_seconds",
@@ -499,7 +495,33 @@ class BrokerCollector(Collector):
             (((name,), n) for name, n in sorted(store.script_errors.items())),
         )
 
+    def consumer_lag(self, persistence: DevicePersistence) -> dict[int, int]:
+        """partition -> records not yet stored (highwater - committed offset), for the
+        assigned partitions whose both offsets are known; /metrics and $SYS report it."""
+        kafka = persistence.kafka_consumer
+        committed = persistence.consumer.stats.committed
+        lag: dict[int, int] = {}
+        for tp in sorted(kafka.assignment(), key=lambda tp: tp.partition):
+            highwater = kafka.highwater(tp)
+            done = committed.get(tp.partition, self.committed.get(tp.partition))
+            if highwater is not None and done is not None:
+                lag[tp.partition] = max(0, highwater - done)
+        return lag
+
     # -- values that need I/O ---------------------------------------------------------
+
+    async def refresh_if_stale(self) -> None:
+        """:meth:`refresh`, unless it ran within :data:`REFRESH_INTERVAL` (a scrape and
+        the $SYS task share its counts), bounded by :data:`PROBE_TIMEOUT`; a failure
+        keeps the last values."""
+        async with self._refresh_lock:
+            if time.monotonic() - self._refreshed < REFRESH_INTERVAL:
+                return
+            try:
+                await asyncio.wait_for(self.refresh(), PROBE_TIMEOUT)
+            except Exception as e:
+                log.debug("metrics refresh failed: %s", _short(e))
+            self._refreshed = time.monotonic()
 
     async def refresh(self) -> None:
         """Count the Redis backlog and read committed offsets the consumer lacks."""
@@ -546,8 +568,6 @@ class MetricsServer:
         ProcessCollector(namespace=PREFIX, registry=self.registry)
         self.stopping = False
         self._server: asyncio.Server | None = None
-        self._refreshed = 0.0
-        self._refresh_lock = asyncio.Lock()
 
     @property
     def port(self) -> int:
@@ -627,7 +647,7 @@ class MetricsServer:
             ready, detail = await self.readiness()
             body = orjson.dumps({"ready": ready, **detail}) + b"\n"
             return (200 if ready else 503), _JSON, body, head_only
-        await self._refresh()
+        await self.collector.refresh_if_stale()
         return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry), head_only
 
     async def readiness(self) -> tuple[bool, dict[str, object]]:
@@ -658,16 +678,6 @@ class MetricsServer:
         if not assigned:
             return False, {"reason": "consumer has no partitions assigned"}
         return True, {"partitions": assigned}
-
-    async def _refresh(self) -> None:
-        async with self._refresh_lock:
-            if time.monotonic() - self._refreshed < REFRESH_INTERVAL:
-                return
-            try:
-                await asyncio.wait_for(self.collector.refresh(), PROBE_TIMEOUT)
-            except Exception as e:  # the scrape goes on with the last values
-                log.debug("metrics refresh failed: %s", _short(e))
-            self._refreshed = time.monotonic()
 
 
 def _short(error: BaseException) -> str:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from broker.server import BrokerServer
 
 if TYPE_CHECKING:
     from app.metrics import MetricsServer
+    from broker.sys_topics import SysTopics
     from persistence.device_persistence import DevicePersistence
 
 log = logging.getLogger("devicemq.server")
@@ -106,12 +107,20 @@ async def _serve(
             if link is not None:
                 retries += link.retries()
             metrics.attach(broker, persistence, retries)
+        sys_task = None
+        if broker.sys_topics is not None:
+            persisted = _persisted_numbers(broker, persistence, metrics)
+            sys_task = asyncio.create_task(
+                _publish_sys(broker.sys_topics, settings.sys_interval, persisted)
+            )
         if on_listening is not None:
             on_listening()
         try:
             await stop.wait()
             log.info("stop requested: disconnecting clients, then draining")
         finally:
+            if sys_task is not None:
+                sys_task.cancel()
             if metrics is not None:
                 metrics.stopping = True  # /ready: 503 while draining
             await server.stop()
@@ -122,6 +131,45 @@ async def _serve(
             await link.close()
         if persistence is not None:
             await persistence.close()
+
+
+PersistedNumbers = Callable[[], Awaitable[tuple[int | None, int | None]]]
+
+
+def _persisted_numbers(
+    broker: Broker, persistence: DevicePersistence | None, metrics: MetricsServer | None
+) -> PersistedNumbers | None:
+    """$SYS's backlog and consumer lag (None without persistence), counted by the
+    metrics collector: /metrics' own when it is served (a scrape and $SYS then share
+    one count every 5 s), else one made for $SYS."""
+    if persistence is None:
+        return None
+    from app.metrics import BrokerCollector
+
+    if metrics is not None:
+        collector = metrics.collector
+    else:
+        collector = BrokerCollector()
+        collector.attach(broker, persistence)
+
+    async def numbers() -> tuple[int | None, int | None]:
+        await collector.refresh_if_stale()
+        return collector.backlog, sum(collector.consumer_lag(persistence).values())
+
+    return numbers
+
+
+async def _publish_sys(
+    sys_topics: SysTopics, interval: float, persisted: PersistedNumbers | None
+) -> None:
+    """Publish $SYS/broker/... now and every ``interval`` seconds, until cancelled."""
+    while True:
+        try:
+            backlog, lag = await persisted() if persisted is not None else (None, None)
+            sys_topics.publish_numbers(backlog, lag)
+        except Exception:  # a bug must not end $SYS for good; one line in the log
+            log.exception("$SYS topics not published")
+        await asyncio.sleep(interval)
 
 
 async def _open_persistence(

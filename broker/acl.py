@@ -20,7 +20,10 @@ defaults to readwrite); ``read`` covers subscribing and receiving, ``write``
 publishing. ``user NAME`` starts the rules of that user (up to the next
 ``user`` line); ``pattern`` lines apply to every client wherever they stand.
 
-Decisions, once an ACL file is configured (no file: everything allowed):
+Whatever the file says, and without one, no client may publish to ``$SYS``
+(:meth:`Authorizer.can_publish`).
+
+Decisions, once an ACL file is configured (no file: everything else allowed):
 
 - anything not granted is denied;
 - a ``deny`` rule that matches wins over every grant;
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.config import ConfigError
-from broker.topics import is_valid_topic_filter, parse_shared, topic_matches
+from broker.topics import is_sys_topic, is_valid_topic_filter, parse_shared, topic_matches
 from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
 
 __all__ = [
@@ -262,6 +265,15 @@ class Authorizer:
         return allowed
 
     def can_publish(self, client_id: str, username: str | None, topic: str) -> bool:
+        """May the client publish on ``topic`` (a PUBLISH, or its will at CONNECT)?
+
+        ``$SYS`` is read-only for every client, ACL file or not: only the broker
+        writes it (broker/sys_topics.py). Mosquitto denies writes to topics that
+        begin with ``$SYS`` the same way (``acl__check_dollar``); spec 4.7.2 leaves
+        ``$`` topics to the server.
+        """
+        if is_sys_topic(topic):
+            return False
         if not self.active:
             return True
         return self._decide(client_id, username, topic, WRITE)

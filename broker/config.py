@@ -480,6 +480,12 @@ class Settings:
         "Broker processes sharing the listeners' ports (app/workers.py), each a cluster "
         "replica; a number, or auto: one per core",
     )
+    sys_interval: float = setting(
+        10.0,
+        "Seconds between publishes of the $SYS/broker/... topics (broker/sys_topics.py); "
+        "0: no $SYS topics, presence events included",
+        ge=0,
+    )
     log: LogSettings = field(default_factory=LogSettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)

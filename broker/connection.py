@@ -58,9 +58,12 @@ class MQTTConnection:
         on_output: Callable[[MQTTConnection], None],
         on_input_flow: Callable[[bool], None] | None = None,
         source: str | None = None,
+        address: str | None = None,
     ) -> None:
         self.broker = broker
         self.peer = peer
+        # The peer's IP address (the block list's "address" entries); the label without one.
+        self.address = address if address is not None else peer
         # Who the connection comes from, for per-source limits: the peer's address
         # (IPv6: its /64, broker/limits.py source_key); the peer label without one.
         self.source = source if source is not None else peer
@@ -104,6 +107,8 @@ class MQTTConnection:
         self.pending_acks: deque[PendingAck] = deque()
         self.congested = False
         self.close_requested = False
+        # Why it ended, for the $SYS presence event (broker/sys_topics.py): the first says.
+        self.close_reason = ""
         self.publish_bucket = bucket_or_none(broker.settings.mqtt.max_publish_rate, now)
         self._out: list[bytes] = []
         # Tracked from the start so Broker.tick() can enforce the connect timeout.
@@ -331,6 +336,7 @@ class MQTTConnection:
 
     def disconnect(self, reason: ReasonCode) -> None:
         """Server-initiated end: DISCONNECT with a reason (5.0 only), then close."""
+        self.close_reason = self.close_reason or reason.name.lower()
         if self.state is ConnectionState.CONNECTED and self.is_v5:
             self.send(Disconnect(reason))
         self.close(publish_will=True)
@@ -345,6 +351,7 @@ class MQTTConnection:
 
     def connection_lost(self) -> None:
         """The socket closed under us: an abnormal disconnect, so the will is due."""
+        self.close_reason = self.close_reason or "connection_lost"
         self.close(publish_will=True)
 
     def check_timeouts(self, now: float) -> None:

@@ -32,6 +32,7 @@ from broker.persistent_path import (
 from broker.retained import RetainedSender, RetainedStore
 from broker.session import NEVER_EXPIRES, Session
 from broker.stats import BrokerStats
+from broker.sys_topics import SysTopics, node_name
 from broker.topics import SubscriptionEntry, SubscriptionTree
 
 if TYPE_CHECKING:
@@ -72,9 +73,12 @@ class Broker:
         settings: Settings,
         clock: Callable[[], float] = time.monotonic,
         persistent_path: PersistentPath | None = None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.clock = clock
+        self.wall_clock = wall_clock  # block-list deadlines are epoch seconds, shared
         self.persistent_path: PersistentPath = persistent_path or InMemoryPersistentPath()
         self.sessions: dict[str, Session] = {}
         self.connections: set[MQTTConnection] = set()
@@ -109,6 +113,8 @@ class Broker:
         self.owner_policy = owner_policy(settings)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
+        # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
+        self.sys_topics = SysTopics(self, node_name(settings)) if settings.sys_interval else None
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -346,6 +352,8 @@ class Broker:
         session.username = conn.username
         self.connections.add(conn)
         self.stats.connections_total += 1
+        if self.sys_topics is not None:
+            self.sys_topics.connected(conn, session, clean_start)
         if self.cluster is not None:
             self.cluster.opened(session, clean_start)  # other replicas drop theirs
         if session.durable:
@@ -395,6 +403,8 @@ class Broker:
             return
         conn.session = None
         session.connection = None
+        if self.sys_topics is not None:
+            self.sys_topics.disconnected(conn, session)
         if self.cluster is not None and self.cluster.handed_over(
             session, will if publish_will else None
         ):

@@ -70,6 +70,7 @@ class RetainedStore:
         """Limits of 0 are off."""
         self._root = _Node()
         self._by_topic: dict[str, Message] = {}
+        self._own: dict[str, Message] = {}  # the broker's own (keep_own), by topic
         self._sizes: dict[str, int] = {}
         self._by_origin: dict[str, list[int]] = {}  # client ID -> [messages, bytes]
         self.bytes = 0
@@ -143,13 +144,7 @@ class RetainedStore:
             self._delete(topic)
             return
         self._forget(topic)
-        node = self._root
-        for level in topic.split("/"):
-            child = node.children.get(level)
-            if child is None:
-                child = node.children[level] = _Node()
-            node = child
-        node.message = message
+        self._node(topic).message = message
         self._by_topic[topic] = message
         size = retained_size(message)
         self._sizes[topic] = size
@@ -160,6 +155,28 @@ class RetainedStore:
                 used = self._by_origin[message.origin] = [0, 0]
             used[0] += 1
             used[1] += size
+
+    def keep_own(self, message: Message) -> None:
+        """Keep one of the broker's own retained messages (``$SYS``, broker/sys_topics.py).
+
+        Subscribers get it as any retained message, but it is outside the limits,
+        ``len`` and :meth:`topics`, and never passed to ``on_change``: made again
+        every interval by this process, it is neither a client's nor shared. A
+        client's message on its topic (loaded from Redis, kept from before ``$SYS``
+        was read-only) is uncounted: this one replaces it.
+        """
+        self._forget(message.topic)
+        self._node(message.topic).message = message
+        self._own[message.topic] = message
+
+    def _node(self, topic: str) -> _Node:
+        node = self._root
+        for level in topic.split("/"):
+            child = node.children.get(level)
+            if child is None:
+                child = node.children[level] = _Node()
+            node = child
+        return node
 
     def _forget(self, topic: str) -> None:
         """Uncount ``topic``'s message (the tree node stays)."""
@@ -207,6 +224,8 @@ class RetainedStore:
         """
         if "+" not in topic_filter and "#" not in topic_filter:
             message = self._by_topic.get(topic_filter)
+            if message is None:
+                message = self._own.get(topic_filter)  # never expires
             if message is not None:
                 if message.expired(now):
                     self._delete(topic_filter)

@@ -56,9 +56,14 @@ class MQTTProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=high, low=high // 4)
         peer = transport.get_extra_info("peername")
         label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        source = source_key(str(peer[0])) if isinstance(peer, tuple) else label
+        address = str(peer[0]) if isinstance(peer, tuple) else label
         self.conn = MQTTConnection(
-            self.server.broker, label, self.server.schedule_flush, self._input_flow, source=source
+            self.server.broker,
+            label,
+            self.server.schedule_flush,
+            self._input_flow,
+            source=source_key(address),
+            address=address,
         )
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:

@@ -71,6 +71,12 @@ def is_valid_topic_filter(filter: str) -> bool:
     return _has_valid_wildcards(inner)
 
 
+def is_sys_topic(topic: str) -> bool:
+    """A ``$SYS`` topic, by Mosquitto's test (``strncmp(topic, "$SYS", 4)``): only the
+    broker publishes there (broker/sys_topics.py, ``Authorizer.can_publish``)."""
+    return topic.startswith("$SYS")
+
+
 def parse_shared(filter: str) -> tuple[str | None, str]:
     """Split a valid filter into (ShareName, inner filter); ShareName is None if not shared."""
     if not filter.startswith(SHARE_PREFIX):

@@ -27,4 +27,5 @@ def handle_disconnect(conn: MQTTConnection, packet: Disconnect) -> None:
                 )
             limit = conn.broker.settings.mqtt.max_session_expiry_interval
             session.expiry_interval = min(requested, limit)
+    conn.close_reason = conn.close_reason or "normal"
     conn.close(publish_will=packet.reason_code == ReasonCode.DISCONNECT_WITH_WILL)

@@ -55,8 +55,8 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     ):
         _refuse(conn, packet, ReasonCode.PAYLOAD_FORMAT_INVALID)  # spec 3.3.2.3.2
         return
-    acl = broker.acl
-    if acl.active and not acl.can_publish(conn.client_id or "", conn.username, topic):
+    # Asked without an ACL file too: $SYS is read-only for clients (Authorizer.can_publish).
+    if not broker.acl.can_publish(conn.client_id or "", conn.username, topic):
         _denied(conn, session, packet, topic)
         return
     if not topic_within_limits(topic, mqtt.max_topic_length, mqtt.max_topic_levels):
@@ -244,7 +244,8 @@ def _denied(
     reason_v5: ReasonCode = ReasonCode.NOT_AUTHORIZED,
     counter: str = "not_authorized",
 ) -> None:
-    """The ACL forbids this client to publish on ``topic``: drop it (spec 3.3.4).
+    """The ACL forbids this client to publish on ``topic``, or it is a ``$SYS`` topic:
+    drop it (spec 3.3.4).
 
     Also a topic beyond mqtt.max_topic_length/levels (``reason_v5`` 0x90), and
     a retained message over mqtt.max_retained_* (0x97 Quota exceeded).

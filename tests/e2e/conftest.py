@@ -55,6 +55,7 @@ STOP_TIMEOUT = 8.0
 _MOSQUITTO_EQUIVALENTS = {
     "mqtt.max_keep_alive": "max_keepalive",
     "mqtt.max_packet_size": "max_packet_size",
+    "sys_interval": "sys_interval",
 }
 
 

@@ -263,7 +263,9 @@ class Harness:
         if settings is None:
             settings = make_settings(**mqtt)
         self.clock = FakeClock()
-        self.broker = Broker(settings, clock=self.clock, persistent_path=persistent_path)
+        self.broker = Broker(
+            settings, clock=self.clock, persistent_path=persistent_path, wall_clock=self.clock
+        )
 
     def client(self, level: int = V5, peer: str = "peer") -> Client:
         return Client(self, level, peer)
