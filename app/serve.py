@@ -24,6 +24,7 @@ from broker.server import BrokerServer
 if TYPE_CHECKING:
     from app.metrics import MetricsServer
     from broker.sys_topics import SysTopics
+    from persistence.blocklist_store import BlockListStore
     from persistence.device_persistence import DevicePersistence
 
 log = logging.getLogger("devicemq.server")
@@ -73,10 +74,18 @@ async def _serve(
             "brokers sharing a port must form a cluster: enable cluster",
             name="cluster.share_ports",
         )
+    blocks: BlockListStore | None = None
     if settings.persistence.enabled:
         produce_latency = metrics.collector.kafka_produce.observe if metrics is not None else None
         persistence = await _open_persistence(settings, produce_latency)
-    broker = Broker(settings, persistent_path=persistence)
+        from persistence.blocklist_store import BlockListStore
+
+        blocks = BlockListStore(persistence.store.redis)
+    broker = Broker(
+        settings,
+        persistent_path=persistence,
+        keep_block=blocks.keep if blocks is not None else None,
+    )
     link = None
     retained = None
     try:
@@ -98,6 +107,9 @@ async def _serve(
 
                 link = await open_cluster_link(settings, persistence, broker, retained)
                 persistence.start_consuming()
+        if blocks is not None:
+            await blocks.refresh(broker)  # the shared block list, before the first CONNECT
+            blocks.start(broker)
         server = BrokerServer(settings, broker)
         await server.start()
         if metrics is not None:
@@ -125,6 +137,8 @@ async def _serve(
                 metrics.stopping = True  # /ready: 503 while draining
             await server.stop()
     finally:
+        if blocks is not None:
+            await blocks.close()
         if retained is not None:
             await retained.close()
         if link is not None:

@@ -15,7 +15,8 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 ``[filter, qos, no_local, retain_as_published, retain_handling, sub_id]``):
 
 - ``conn``: ``c`` connected on ``n`` (``d`` durable, ``k`` clean start, ``s``
-  its subscriptions, ``g`` its session generation, ``o`` its owner): whoever
+  its subscriptions, ``g`` its session generation, ``o`` its owner; ``a``,
+  ``p``, ``t`` its address, protocol level and connect time, for operators): whoever
   holds a connection for ``c`` disconnects it with 0x8E and everyone records
   ``c`` as remote on ``n``;
 - ``sub`` / ``unsub``: one subscription added / removed by ``c``'s owner;
@@ -23,7 +24,12 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 - ``end``: ``c``'s session ended on ``n`` (its subscriptions go);
 - ``sync``: ``n`` just started: every replica answers with ``snaps``, the
   snapshots of its sessions that have a live connection;
-- ``tick``: sent every ``TICK_INTERVAL``: ``n``'s last sequence number.
+- ``tick``: sent every ``TICK_INTERVAL``: ``n``'s last sequence number;
+- ``block`` / ``unblock``: a block-list entry ``v`` (broker/blocklist.py) was
+  added / the one of key ``k`` removed: applied at once (every replica also
+  re-reads the whole list from Redis now and then, pub/sub being at most once);
+- ``kick``: an operator disconnects ``c`` (``x``: and ends its session) on the
+  replica ``t`` holding it.
 
 Every message a replica publishes on ``subscriptions``, ``stored`` and
 ``retained`` carries ``b``, a token of the sending process, and ``q``, its
@@ -61,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from broker.blocklist import BadEntry, BlockEntry, entry_from_json
 from broker.message import Delivery
 from broker.outflow import MemoryFeed
 from broker.session import NEVER_EXPIRES, Session
@@ -182,6 +189,9 @@ class ClusterState:
             g=session.generation,
             o=session.owner,
             u=session.username,
+            a=session.address,
+            p=session.protocol_level,
+            t=session.connected_at,
         )
 
     def subscribed(self, session: Session, entry: SubscriptionEntry) -> None:
@@ -250,6 +260,16 @@ class ClusterState:
                 broker.publish_will(will)
         self._install(change)
         return True
+
+    def blocked(self, entry: BlockEntry) -> None:
+        self._send(op="block", v=entry.to_json())
+
+    def unblocked(self, key: str) -> None:
+        self._send(op="unblock", k=key)
+
+    def kick(self, record: RemoteSession, end_session: bool) -> None:
+        """An operator's disconnect of a client connected on ``record.node``."""
+        self._send(op="kick", c=record.client_id, t=record.node, x=end_session)
 
     def stored_elsewhere(self, client_id: str) -> None:
         """Messages were stored for ``client_id``, whose connection is not here. A
@@ -405,11 +425,32 @@ class ClusterState:
             self._remote_end(change)
         elif op == "sync":
             self._answer_sync()
+        elif op == "block":
+            try:
+                entry = entry_from_json(change["v"])
+            except (BadEntry, TypeError, AttributeError) as e:
+                log.warning("a block-list entry from %s was not applied: %s", change["n"], e)
+            else:
+                self.broker.add_block(entry, share=False)
+        elif op == "unblock":
+            self.broker.remove_block(change["k"], share=False)
+        elif op == "kick":
+            local = self.broker.sessions.get(change["c"])
+            if change["t"] == self.node_id and not isinstance(local, RemoteSession):
+                self.broker.kick(change["c"], end_session=bool(change["x"]))
         elif op == "snaps":
             for cid, durable, entries, *rest in change["l"]:
                 if self._unconfirmed:
                     self._unconfirmed.discard(cid)
-                generation, owner, username = [*rest, 0, None, None][:3]
+                generation, owner, username, address, protocol, since = [
+                    *rest,
+                    0,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                ][:6]
                 self._snapshot(
                     {
                         "n": change["n"],
@@ -419,6 +460,9 @@ class ClusterState:
                         "g": generation,
                         "o": owner,
                         "u": username,
+                        "a": address,
+                        "p": protocol,
+                        "t": since,
                     }
                 )
         return []
@@ -504,6 +548,9 @@ class ClusterState:
                 s.generation,
                 s.owner,
                 s.username,
+                s.address,
+                s.protocol_level,
+                s.connected_at,
             ]
             for s in self.broker.sessions.values()
             if not isinstance(s, RemoteSession) and s.connection is not None
@@ -532,6 +579,8 @@ class ClusterState:
         broker.sessions[cid] = record
         broker.bind_owner(record, change.get("o"))
         record.username = change.get("u")
+        record.address, record.protocol_level = change.get("a"), change.get("p")
+        record.connected_at = record.last_seen = change.get("t")
         # The ACL decides for this client as its own replica does (user rules, %u).
         broker.acl.client_connected(cid, record.username)
         for fields in change["s"]:

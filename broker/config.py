@@ -451,6 +451,18 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class FlappingSettings:
+    """Blocking clients that reconnect in a loop (broker/blocklist.py)."""
+
+    enabled: bool = setting(True, "Block a client ID that connects too often")
+    max_connects: int = setting(
+        15, "CONNECTs of one client ID within flapping.window that are tolerated", ge=1
+    )
+    window: float = setting(60.0, "Seconds over which CONNECTs are counted", gt=0)
+    ban_time: float = setting(300.0, "Seconds a flapping client ID stays blocked", gt=0)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSettings:
     """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
 
@@ -493,6 +505,7 @@ class Settings:
     events: EventsSettings = field(default_factory=EventsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    flapping: FlappingSettings = field(default_factory=FlappingSettings)
 
 
 # --------------------------------------------------------------------------

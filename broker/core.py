@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
+from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
+from broker.packets import ReasonCode
 from broker.persistent_path import (
     AcceptedCallback,
     DoneCallback,
@@ -50,6 +52,10 @@ SLOW_CONNACK = 1.0  # seconds: a CONNACK that waited this long for the store is 
 # client id's session belongs to someone else, auth.session_owner).
 SessionOpened = Callable[["Session | None", bool, str], None]
 
+# Where block-list entries the broker makes itself (flapping) are kept, shared
+# with the other replicas (persistence/blocklist_store.py); returns at once.
+KeepBlock = Callable[[BlockEntry], None]
+
 
 def owner_policy(settings: Settings) -> str:
     """auth.session_owner resolved: username, certificate or none."""
@@ -75,6 +81,7 @@ class Broker:
         persistent_path: PersistentPath | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
+        keep_block: KeepBlock | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -115,6 +122,13 @@ class Broker:
         self._owned: dict[str, set[str]] = {}
         # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
         self.sys_topics = SysTopics(self, node_name(settings)) if settings.sys_interval else None
+        # Refused before authentication (broker/blocklist.py); flapping adds to it.
+        self.blocklist = BlockList()
+        flapping = settings.flapping
+        self._flapping = (
+            FlapDetector(flapping.max_connects, flapping.window) if flapping.enabled else None
+        )
+        self._keep_block = keep_block
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -133,6 +147,76 @@ class Broker:
         if bucket is not None and not bucket.take(now):
             return "connection_rate_exceeded"
         return None
+
+    def blocked(self, client_id: str, username: str | None, address: str) -> BlockEntry | None:
+        """The block-list entry refusing this CONNECT, or None; a CONNECT that is
+        one too many for its client ID (flapping) blocks it first."""
+        now = self.wall_clock()
+        entry = self.blocklist.match(client_id, username, address, now)
+        if entry is not None or self._flapping is None:
+            return entry
+        if not client_id or not self._flapping.connected(client_id, now):
+            return None
+        flapping = self.settings.flapping
+        entry = BlockEntry(
+            "client_id",
+            client_id,
+            f"flapping: more than {flapping.max_connects} connects in {flapping.window:g} s",
+            now + flapping.ban_time,
+            now,
+            "flapping",
+        )
+        log.warning("client %s is flapping: blocked for %g s", client_id, flapping.ban_time)
+        self.stats.flapping_blocks += 1
+        self.add_block(entry)
+        if self._keep_block is not None:
+            self._keep_block(entry)
+        return entry
+
+    def add_block(self, entry: BlockEntry, *, share: bool = True) -> int:
+        """Put ``entry`` in force here (and, with ``share``, on every replica): the
+        open connections it matches are closed. Returns how many were."""
+        self.blocklist.add(entry)
+        if share and self.cluster is not None:
+            self.cluster.blocked(entry)
+        now = self.wall_clock()
+        matched = [
+            conn
+            for conn in self.connections
+            if conn.client_id is not None
+            and entry.matches(conn.client_id, conn.username, conn.address)
+            and not entry.expired(now)
+        ]
+        for conn in matched:
+            log.info("client %s disconnected: blocked (%s)", conn.client_id, entry.key)
+            conn.disconnect(ReasonCode.ADMINISTRATIVE_ACTION)
+        return len(matched)
+
+    def remove_block(self, key: str, *, share: bool = True) -> BlockEntry | None:
+        if share and self.cluster is not None:
+            self.cluster.unblocked(key)
+        return self.blocklist.remove(key)
+
+    def kick(self, client_id: str, *, end_session: bool = False) -> bool:
+        """An operator's disconnect (DISCONNECT 0x98 on MQTT 5, a close on 3.1.1),
+        and with ``end_session`` the end of the session and its stored messages,
+        wherever the client is connected. False: no such session here or known
+        on another replica."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return False
+        if isinstance(session, RemoteSession):
+            if self.cluster is not None:
+                self.cluster.kick(session, end_session)
+            return True
+        conn = session.connection
+        if conn is not None:
+            log.info("client %s disconnected by an operator", client_id)
+            conn.disconnect(ReasonCode.ADMINISTRATIVE_ACTION)
+        if end_session and self.sessions.get(client_id) is session:
+            log.info("session %s ended by an operator", client_id)
+            self.end_session(session)
+        return True
 
     def assign_client_id(self) -> str:
         """An ID for a client that sent none: ``devicemq-`` and 32 characters from
@@ -350,6 +434,8 @@ class Broker:
         if session.owner is None:  # an unbound session is bound to its first owner
             self.bind_owner(session, self.owner_of(conn))
         session.username = conn.username
+        session.connected_at = session.last_seen = self.wall_clock()
+        session.address, session.protocol_level = conn.address, conn.protocol_level
         self.connections.add(conn)
         self.stats.connections_total += 1
         if self.sys_topics is not None:
@@ -403,6 +489,7 @@ class Broker:
             return
         conn.session = None
         session.connection = None
+        session.last_seen = self.wall_clock()
         if self.sys_topics is not None:
             self.sys_topics.disconnected(conn, session)
         if self.cluster is not None and self.cluster.handed_over(

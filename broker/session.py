@@ -57,6 +57,14 @@ class Session:
         self.username: str | None = None
         # Retained messages still to be sent after a SUBSCRIBE (broker/retained.py).
         self.retained_sender: RetainedSender | None = None
+        # For operators (app/admin.py), epoch seconds: the last connect, and the
+        # last moment a connection was known to be open (its end, once it ended).
+        self.connected_at: float | None = None
+        self.last_seen: float | None = None
+        # Where the connection is from: its IP address and protocol level (None:
+        # never connected on this replica, and not told by another).
+        self.address: str | None = None
+        self.protocol_level: int | None = None
 
     @property
     def outlives_connection(self) -> bool:

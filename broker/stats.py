@@ -46,6 +46,7 @@ class BrokerStats:
     payload_bytes_received: list[int] = field(default_factory=lambda: [0, 0, 0])  # by QoS
     payload_bytes_sent: list[int] = field(default_factory=lambda: [0, 0, 0])  # by QoS
     input_pauses: int = 0  # reading from a publisher stopped: its acknowledgements owed
+    flapping_blocks: int = 0  # client IDs blocked for connecting too often (broker/blocklist.py)
     # The persistent path's outgoing side (persistence/store_feed.py)
     persisted_delivered: int = 0  # PUBLISH sends of stored messages, re-sends included
     persisted_acked: int = 0  # PUBACK / PUBCOMP removed a stored message

@@ -142,6 +142,7 @@ _ID_U32 = struct.Struct(">BI")
 
 SESSIONS_INDEX = "devicemq:sessions"
 PRODUCERS_KEY = "devicemq:producers"
+BLOCKED_KEY = "devicemq:blocked"  # block-list entries: hash of key -> JSON (blocklist_store.py)
 RETAINED_KEY = "devicemq:retained"
 # A counter written just before WAIT / WAITAOF, on the waiting connection: WAIT
 # covers that connection's writes, and this one comes after every save.

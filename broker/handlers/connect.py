@@ -29,6 +29,7 @@ _V3_RETURN_CODES = {
     ReasonCode.NOT_AUTHORIZED: ConnectReturnCode.NOT_AUTHORIZED,
     ReasonCode.CONNECTION_RATE_EXCEEDED: ConnectReturnCode.SERVER_UNAVAILABLE,
     ReasonCode.QUOTA_EXCEEDED: ConnectReturnCode.SERVER_UNAVAILABLE,
+    ReasonCode.BANNED: ConnectReturnCode.NOT_AUTHORIZED,
 }
 
 
@@ -57,6 +58,12 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
             "its address's connection rate" if over.endswith("per_source") else "connection rate"
         )
         _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, limit, over))
+        return
+    # The block list (and flapping) before any password work: a banned client
+    # costs one lookup, never an argon2 hash.
+    blocked = conn.broker.blocked(packet.client_id, packet.username, conn.address)
+    if blocked is not None:
+        _refuse(conn, ConnectRefused(ReasonCode.BANNED, f"blocked ({blocked.key})", "banned"))
         return
     # Authentication may hash a password in a worker thread: whatever the
     # client sends meanwhile waits in the connection until CONNACK is decided.

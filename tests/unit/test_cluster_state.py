@@ -3,6 +3,7 @@ by hand (what one sends, the other receives), as the Redis pub/sub edge does."""
 
 from __future__ import annotations
 
+from broker.blocklist import make_entry
 from broker.cluster import ClusterState, RemoteSession
 from broker.config import ClusterSettings, Settings
 from broker.connection import ConnectionState, MQTTConnection
@@ -87,3 +88,43 @@ def test_shared_group_members_on_both_replicas_take_turns() -> None:
     pump(b, a)
     picked = [a.broker.resolve(Message("t", b"", 1, False))[0][0].client_id for _ in range(4)]
     assert sorted(picked) == ["m1", "m1", "m2", "m2"]
+
+
+def test_a_block_made_on_one_replica_closes_the_connection_on_the_other() -> None:
+    """The entry travels in the ``block`` message itself (its field must not be one
+    of the envelope's: ``b`` is the sender's boot token)."""
+    a, b = Node("a"), Node("b")
+    conn = b.connect("dev-9")
+    pump(b, a)
+    a.broker.add_block(make_entry("client_id_regex", "dev-[0-9]", reason="r", until=5e9))
+    pump(a, b)
+    assert conn.state is ConnectionState.CLOSED
+    assert conn.data_to_send().endswith(b"\xe0\x01\x98")  # DISCONNECT, Administrative action
+    (entry,) = b.broker.blocklist.entries()
+    assert (entry.key, entry.reason, entry.until) == ("client_id_regex:dev-[0-9]", "r", 5e9)
+    b.broker.remove_block(entry.key)
+    pump(b, a)
+    assert len(a.broker.blocklist) == 0
+
+
+def test_a_kick_reaches_the_replica_holding_the_connection() -> None:
+    a, b = Node("a"), Node("b")
+    conn = b.connect("dev", expiry=600)
+    pump(b, a)
+    assert a.broker.kick("dev", end_session=True)
+    pump(a, b)
+    assert conn.state is ConnectionState.CLOSED
+    assert "dev" not in b.broker.sessions  # ended, not only disconnected
+    pump(b, a)
+    assert "dev" not in a.broker.sessions
+    assert not a.broker.kick("dev")
+
+
+def test_a_remote_record_carries_where_the_client_is_from() -> None:
+    a, b = Node("a"), Node("b")
+    b.connect("dev")
+    pump(b, a)
+    record = a.broker.sessions["dev"]
+    assert isinstance(record, RemoteSession)
+    assert (record.address, record.protocol_level) == ("test", 5)
+    assert record.connected_at == b.broker.sessions["dev"].connected_at is not None
