@@ -203,6 +203,30 @@ def _loadtest(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
+# sessions, blocked, retained (the admin API: app/admin_cli.py)
+# --------------------------------------------------------------------------
+
+
+def _admin_command(name: str) -> Command:
+    """One admin command: its arguments and handler live in app/admin_cli.py."""
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        admin_cli = importlib.import_module("app.admin_cli")
+        getattr(admin_cli, f"add_{name}_arguments")(p)
+
+    def handler(args: argparse.Namespace) -> int:
+        admin_cli = importlib.import_module("app.admin_cli")
+        return int(admin_cli.run(args, getattr(admin_cli, name)))
+
+    helps = {
+        "sessions": "list, show, kick, delete or purge sessions (the admin API)",
+        "blocked": "list, add or remove block-list entries (the admin API)",
+        "retained": "list or delete retained messages (the admin API)",
+    }
+    return Command(helps[name], add_arguments, handler)
+
+
+# --------------------------------------------------------------------------
 # passwd
 # --------------------------------------------------------------------------
 
@@ -322,6 +346,9 @@ COMMANDS: dict[str, Command] = {
     "passwd": Command(
         "add, change or delete a user of a password file", _add_passwd_arguments, _passwd
     ),
+    "sessions": _admin_command("sessions"),
+    "blocked": _admin_command("blocked"),
+    "retained": _admin_command("retained"),
     "services": Command(
         "show or stop the embedded Redis and Kafka of a data dir",
         _add_services_arguments,

@@ -22,6 +22,7 @@ from broker.core import Broker
 from broker.server import BrokerServer
 
 if TYPE_CHECKING:
+    from app.admin import AdminServer
     from app.metrics import MetricsServer
     from broker.sys_topics import SysTopics
     from persistence.blocklist_store import BlockListStore
@@ -74,6 +75,11 @@ async def _serve(
             "brokers sharing a port must form a cluster: enable cluster",
             name="cluster.share_ports",
         )
+    token = None
+    if settings.admin.enabled:
+        from app.admin import admin_token
+
+        token = admin_token(settings)  # a bad token file stops the start here
     blocks: BlockListStore | None = None
     if settings.persistence.enabled:
         produce_latency = metrics.collector.kafka_produce.observe if metrics is not None else None
@@ -88,6 +94,7 @@ async def _serve(
     )
     link = None
     retained = None
+    admin: AdminServer | None = None
     try:
         if persistence is not None:
             # The consumer starts after the cluster link: sessions restored here may be
@@ -112,6 +119,8 @@ async def _serve(
             blocks.start(broker)
         server = BrokerServer(settings, broker)
         await server.start()
+        if settings.admin.enabled:
+            admin = await _open_admin(settings, broker, token, persistence, blocks)
         if metrics is not None:
             retries = persistence.retries() if persistence is not None else []
             if retained is not None:
@@ -137,6 +146,8 @@ async def _serve(
                 metrics.stopping = True  # /ready: 503 while draining
             await server.stop()
     finally:
+        if admin is not None:
+            await admin.stop()
         if blocks is not None:
             await blocks.close()
         if retained is not None:
@@ -145,6 +156,30 @@ async def _serve(
             await link.close()
         if persistence is not None:
             await persistence.close()
+
+
+async def _open_admin(
+    settings: Settings,
+    broker: Broker,
+    token: str | None,
+    persistence: DevicePersistence | None,
+    blocks: BlockListStore | None,
+) -> AdminServer:
+    from app.admin import AdminApi, AdminServer
+    from broker.sys_topics import node_name
+
+    api = AdminApi(
+        settings,
+        broker,
+        node_name(settings),
+        token=token,
+        store=persistence.store if persistence is not None else None,
+        blocks=blocks,
+        events=persistence.events if persistence is not None else None,
+    )
+    admin = AdminServer(settings, api)
+    await admin.start()
+    return admin
 
 
 PersistedNumbers = Callable[[], Awaitable[tuple[int | None, int | None]]]

@@ -12,11 +12,13 @@ from broker.config import ConfigError, Settings
 def startup_error(settings: Settings, error: BaseException) -> str | None:
     """The one line ``devicemq run`` prints for an error that stops a start (a backend
     that does not answer, a port in use), or None for one that is a bug."""
+    from app.admin import AdminUnavailable
     from app.embedded_services import ServiceError
     from app.metrics import MetricsUnavailable
     from persistence.device_persistence import PersistenceUnavailable
 
-    if isinstance(error, PersistenceUnavailable | ServiceError | MetricsUnavailable | ConfigError):
+    known = PersistenceUnavailable | ServiceError | MetricsUnavailable | AdminUnavailable
+    if isinstance(error, known | ConfigError):
         return str(error)
     if isinstance(error, OSError) and error.errno in (
         errno.EADDRINUSE,

@@ -451,6 +451,26 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """The admin HTTP API and web console (app/admin.py, README "Operating devicemq")."""
+
+    enabled: bool = setting(True, "Serve the admin HTTP API and web console")
+    host: str = setting(
+        "127.0.0.1", "Address the admin listener binds; writes need a token off loopback too"
+    )
+    port: int = setting(18083, "TCP port of the admin listener", ge=1, le=65535)
+    token_file: str = setting(
+        "", "File holding the bearer token of the admin API; empty: admin.token"
+    )
+    token: str = setting(
+        "",
+        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN); with none the API is "
+        "read-only and answers loopback only",
+        secret=True,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class FlappingSettings:
     """Blocking clients that reconnect in a loop (broker/blocklist.py)."""
 
@@ -505,6 +525,7 @@ class Settings:
     events: EventsSettings = field(default_factory=EventsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
     flapping: FlappingSettings = field(default_factory=FlappingSettings)
 
 

@@ -22,6 +22,11 @@ one partition and in the order they happened. ``pipeline/`` reads them back
                    session that had ended (an older generation): not stored
 ``duplicate``      (``part``/``off``/``ep``) a record stored before: read
                    again, or produced twice by a retried request
+``purged``         removed by an operator's backlog purge: ``pid``, ``sc``
+``admin``          an operator's write through the admin API: ``action``
+                   (``kick``, ``delete_session``, ``purge``, ``block``,
+                   ``unblock``, ``delete_retained``) and ``detail``; ``cid``
+                   is the client concerned, or empty
 ``connected``, ``disconnected``, ``session_expired``, ``session_ended``
                    session lifecycle of durable sessions
 ``gap``            ``n`` events were dropped (Kafka too slow, buffer full)
@@ -96,6 +101,10 @@ class EventSink(Protocol):
 
     def session(self, client_id: str, kind: str) -> None: ...
 
+    def purged(self, client_id: str, packet_id: int, score: int) -> None: ...
+
+    def admin(self, client_id: str, action: str, detail: Any) -> None: ...
+
 
 class NullEvents:
     """Events turned off: every call does nothing."""
@@ -113,6 +122,12 @@ class NullEvents:
         pass
 
     def session(self, client_id: str, kind: str) -> None:
+        pass
+
+    def purged(self, client_id: str, packet_id: int, score: int) -> None:
+        pass
+
+    def admin(self, client_id: str, action: str, detail: Any) -> None:
         pass
 
 
@@ -193,6 +208,12 @@ class EventLog:
         else:
             self._connected.pop(client_id, None)
         self._add(kind, client_id, None)
+
+    def purged(self, client_id: str, packet_id: int, score: int) -> None:
+        self._add("purged", client_id, (packet_id, score))
+
+    def admin(self, client_id: str, action: str, detail: Any) -> None:
+        self._add("admin", client_id, {"action": action, "detail": detail})
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -285,6 +306,8 @@ class EventLog:
             elif kind == "delivered":
                 pid, score, dup = details
                 out.append({**base, "pid": pid, "sc": score, "dup": dup})
+            elif kind == "admin":
+                out.append({**base, **details})
             elif details is not None:
                 pid, score = details
                 if kind == "expired":

@@ -341,7 +341,8 @@ _MARK_SENT = _load_script("mark_sent")
 _SESSION = _load_script("session")
 _END = _load_script("end_session")
 _OPEN = _load_script("open_session")
-_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _END, _OPEN)
+_PURGE = _load_script("purge")
+_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _END, _OPEN, _PURGE)
 
 
 class RedisMessageStore:
@@ -698,6 +699,34 @@ class RedisMessageStore:
             for i in range(2, len(reply), 3)
         ]
         return Page(records, int(reply[1]))
+
+    async def purge(self, client_id: str) -> list[tuple[int, int]]:
+        """An operator empties the backlog: every message never sent is deleted (those
+        in flight stay until acknowledged); returns their (packet id, score)."""
+        keys = client_keys(client_id)
+        reply = await self._eval(_PURGE, (keys.messages, keys.bytes), ())
+        return [(int(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
+
+    async def backlog_range(self, client_id: str) -> tuple[int, tuple[int, int] | None]:
+        """(refs stored, (lowest score, highest score) or None when empty)."""
+        key = client_keys(client_id).messages
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zcard(key)
+        pipe.zrange(key, 0, 0, withscores=True)
+        pipe.zrange(key, -1, -1, withscores=True)
+        count, first, last = await pipe.execute()
+        if not first or not last:
+            return int(count), None
+        return int(count), (int(first[0][1]), int(last[0][1]))
+
+    async def pending_counts(self, client_ids: Sequence[str]) -> list[int]:
+        """Refs stored for each of ``client_ids``, in one round trip."""
+        if not client_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for cid in client_ids:
+            pipe.zcard(client_keys(cid).messages)
+        return [int(n) for n in await pipe.execute()]
 
     async def pending_count(self, client_id: str) -> int:
         """Refs stored (including expired ones not yet dropped by a load)."""

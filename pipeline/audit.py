@@ -9,6 +9,7 @@ Each record gets exactly one status, first match wins:
                in Redis (not stored any more and its expiry has passed)
 ``dropped``    larger than the client's Maximum Packet Size: never deliverable
 ``trimmed``    removed by the per-client limit
+``purged``     removed by an operator (the admin API's backlog purge)
 ``pending``    still stored in Redis: the ``{cid}_messages`` sorted set holds
                its score and its ``{cid}_messages_<id>`` string exists
 ``discarded``  its session ended (expired or clean start) after it was stored,
@@ -55,6 +56,7 @@ STATUSES = (
     "expired",
     "dropped",
     "trimmed",
+    "purged",
     "pending",
     "discarded",
     "duplicate",
@@ -202,7 +204,9 @@ def audit_frames(
     # Per stored message (client, score): what happened to it.
     delivered = ev == "delivered"
     per_message = (
-        evs.where(ev.isin("acked", "delivered", "expired", "dropped") & F.col("sc").isNotNull())
+        evs.where(
+            ev.isin("acked", "delivered", "expired", "dropped", "purged") & F.col("sc").isNotNull()
+        )
         .select("cid", "sc", "ev", "ts", "at")
         .unionByName(trimmed)
         .groupBy("cid", "sc")
@@ -211,6 +215,7 @@ def audit_frames(
             any_of((ev == "expired") & (F.col("at") == "delivery")).alias("delivery_expired"),
             any_of(ev == "dropped").alias("too_large"),
             any_of(ev == "trimmed").alias("was_trimmed"),
+            any_of(ev == "purged").alias("was_purged"),
             F.sum(F.when(delivered, 1).otherwise(0)).alias("deliveries"),
             first_ts(delivered).alias("delivered_ts"),
         )
@@ -234,6 +239,7 @@ def audit_frames(
         .when(F.col("arrival_expired") | F.col("delivery_expired"), "expired")
         .when(F.col("too_large"), "dropped")
         .when(F.col("was_trimmed") | F.col("arrival_trimmed"), "trimmed")
+        .when(F.col("was_purged"), "purged")
         .when(F.col("has_value"), "pending")
         .when(is_stored & (F.col("ended_ts") >= F.col("stored_ts")), "discarded")
         .when(~is_stored & F.col("arrival_discarded"), "discarded")

@@ -44,9 +44,12 @@ def running_cluster(
     settings: Mapping[str, object] = {},
     shared_port: bool = False,
     metrics: bool = False,
+    admin_token: str | None = None,
 ) -> Iterator[Cluster]:
     """Tansu, redis-server and replicas ``a`` then ``b``; ``shared_port``: both on a's
-    port; ``metrics``: each serves /metrics on a port of its own (``metrics.port``)."""
+    port; ``metrics``: each serves /metrics on a port of its own (``metrics.port``);
+    ``admin_token``: each serves the admin API with that token on a port of its own
+    (``admin.port``)."""
     find_tansu()
     tansu = start_tansu(log=root / "tansu.log")
     redis = RedisProcess(root / "redis")
@@ -67,6 +70,9 @@ def running_cluster(
     if metrics:
         for broker in (a, b):
             broker.settings.update({"metrics.enabled": True, "metrics.port": free_port(HOST)})
+    if admin_token is not None:
+        for broker in (a, b):
+            broker.settings.update({"admin.port": free_port(HOST), "admin.token": admin_token})
     try:
         redis.start()
         a.start()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.test_replicas import Client, every_persistent_subscriber_gets_all
-from tests.conftest import free_port
+from tests.conftest import admin_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -135,6 +135,7 @@ def _wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[n
 def _start(tmp: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     process_env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     process_env["PYTHONPATH"] = str(REPO)
+    process_env.update(admin_env())
     process_env.update(env or {})
     with (tmp / "devicemq.log").open("wb") as log:
         return subprocess.Popen(

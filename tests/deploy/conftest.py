@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import admin_env, free_port
 from tests.integration.redis_servers import RedisServer, find_redis_server
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
@@ -167,6 +167,7 @@ def compose_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose
         env = compose_env_for_test(redis.port, bootstrap_of(tansu), tmp / "data")
         process_env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
         process_env.update(env)
+        process_env.update(admin_env())
         process_env["PYTHONPATH"] = str(REPO)
         log_path = tmp / "devicemq.log"
         with log_path.open("wb") as log:

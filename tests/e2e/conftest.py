@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import admin_env, free_port
 from tests.e2e.clients import V5, Paho, Raw
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,6 +184,7 @@ def start_broker(data_dir: Path, settings: Mapping[str, object] | None = None) -
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env.update(admin_env())
         for name, value in settings.items():
             env[env_var(name)] = str(value).lower() if isinstance(value, bool) else str(value)
     with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the broker

@@ -47,7 +47,7 @@ from broker.packets import (
     Subscription,
 )
 from broker.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
-from tests.conftest import free_port
+from tests.conftest import admin_env, free_port
 from tests.e2e.clients import V311, Paho, Raw
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
@@ -804,6 +804,7 @@ def run_without_host(tmp_path: Path, name: str, env: Mapping[str, str]) -> tuple
     port = free_port("0.0.0.0")
     process_env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     process_env.update(env)
+    process_env.update(admin_env())
     process_env["DEVICEMQ_PERSISTENCE_ENABLED"] = "false"
     process_env["PYTHONPATH"] = str(REPO)
     log = (data / "broker.log").open("wb")

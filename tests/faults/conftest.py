@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from app.embedded_services import find_redis_server, find_tansu, free_port
+from tests.conftest import admin_env
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,6 +150,7 @@ class DeviceMQ:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env["DEVICEMQ_PERSISTENCE_REDIS_URL"] = self.redis.url
         env["DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP"] = self.bootstrap
+        env.update(admin_env())
         for name, value in self.settings.items():
             var = "DEVICEMQ_" + name.replace(".", "_").upper()
             env[var] = str(value).lower() if isinstance(value, bool) else str(value)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import admin_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -47,6 +47,7 @@ def _env(persistence: bool, extra: dict[str, str] | None = None) -> dict[str, st
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["DEVICEMQ_PERSISTENCE_ENABLED"] = "true" if persistence else "false"
+    env.update(admin_env())
     env.update(extra or {})
     return env
 

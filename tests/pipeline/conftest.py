@@ -27,7 +27,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from pipeline.common import Endpoints, make_spark
-from tests.conftest import free_port
+from tests.conftest import admin_env, free_port
 from tests.integration.redis_servers import RedisServer, find_redis_server
 from tests.kafka_fixtures import tansu  # noqa: F401  (pytest fixture)
 
@@ -149,6 +149,7 @@ def _start_broker(port: int, bootstrap: str, redis_url: str, data: Path) -> subp
         DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP=bootstrap,
         DEVICEMQ_PERSISTENCE_PARTITIONS="3",
         DEVICEMQ_PERSISTENCE_MAX_MESSAGES_PER_CLIENT=str(LIMIT),
+        **admin_env(),
     )
     log = (data / "broker.log").open("wb")
     proc = subprocess.Popen(

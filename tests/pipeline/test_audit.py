@@ -145,3 +145,35 @@ def test_records_not_stored_for_a_reason_are_not_lost(spark: Any) -> None:
     messages, _clients = audit_frames(spark, recs, evs, refs, epoch, now, grace=30.0)
     got = {r["off"]: r["status"] for r in messages.collect()}
     assert got == {0: "acked", 1: "duplicate", 2: "discarded", 3: "trimmed", 4: "lost"}
+
+
+def test_messages_an_operator_purged_are_purged_not_lost(spark: Any) -> None:
+    """The admin API's purge writes a ``purged`` event per message (app/admin.py):
+    those are accounted for; a stored message gone without one is still lost."""
+    from pipeline.audit import audit_frames
+    from pipeline.common import EVENT_SCHEMA
+
+    epoch, now = 1, 1000.0
+    recs = spark.createDataFrame(
+        [("c", 0, off, 10.0, "t", 1, 10.0, None) for off in range(3)],
+        "cid string, part int, off long, kts double, topic string, size int, pub double, "
+        "exp double",
+    )
+    names = [f.split()[0] for f in EVENT_SCHEMA.split(", ")]
+
+    def event(i: int, **fields: Any) -> tuple[Any, ...]:
+        row = {"cid": "c", "ts": 20.0, "part": 0, "ep": epoch, **fields}
+        return (*(row.get(n) for n in names), 0, i, 0)
+
+    evs = spark.createDataFrame(
+        [
+            *(event(i, ev="persisted", off=i, pid=i + 1, sc=i + 1, exp=2000.0) for i in range(3)),
+            event(3, ev="purged", pid=1, sc=1),
+            event(4, ev="purged", pid=2, sc=2),
+        ],
+        f"{EVENT_SCHEMA}, epart int, eoff long, idx int",
+    )
+    refs = spark.createDataFrame([], "cid string, sc long, ref_pid int, has_value boolean")
+    messages, _clients = audit_frames(spark, recs, evs, refs, epoch, now, grace=30.0)
+    got = {r["off"]: r["status"] for r in messages.collect()}
+    assert got == {0: "purged", 1: "purged", 2: "lost"}

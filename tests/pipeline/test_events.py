@@ -140,3 +140,25 @@ async def test_a_busy_clients_flush_is_split_under_the_record_limit() -> None:
     assert all(len(value) <= MAX_RECORD_BYTES for _t, _k, value in producer.sent)
     assert [e["sc"] for e in producer.events()] == list(range(1, 20_001))
     assert {k for _t, k, _v in producer.sent} == {b"busy"} and log.dropped == 0
+
+
+async def test_an_operators_purge_and_writes_are_events() -> None:
+    """app/admin.py: one ``purged`` event per message (the audit's ``purged``), and one
+    ``admin`` event per write, with its action and detail."""
+    producer = FakeProducer()
+    log = EventLog(producer, "ev", clock=lambda: 500.0)
+    log.purged("c1", 7, 70)
+    log.admin("c1", "purge", {"purged": 1})
+    log.admin("", "block", {"kind": "address", "value": "10.0.0.0/8"})
+    await log.flush()
+    assert producer.events() == [
+        {"ev": "purged", "cid": "c1", "ts": 500.0, "pid": 7, "sc": 70},
+        {"ev": "admin", "cid": "c1", "ts": 500.0, "action": "purge", "detail": {"purged": 1}},
+        {
+            "ev": "admin",
+            "cid": "",
+            "ts": 500.0,
+            "action": "block",
+            "detail": {"kind": "address", "value": "10.0.0.0/8"},
+        },
+    ]

@@ -1,0 +1,746 @@
+"""The admin HTTP API (``admin.*``): sessions and their backlog, the block list,
+retained messages, and the web console's files (README "Operating devicemq").
+
+It runs in the broker's event loop, beside the metrics server. Any replica
+answers any request: every replica holds the whole cluster's session table
+(broker/cluster.py: a session connected elsewhere is a ``RemoteSession``
+naming its replica), the backlog and the block list are in Redis, and a
+disconnect or a block reaches the replica holding the connection over the
+cluster link.
+
+Authentication: a bearer token (``admin.token_file`` or ``admin.token`` /
+``DEVICEMQ_ADMIN_TOKEN``) on every ``/api`` request. Without one configured
+the API answers loopback clients only, and refuses every write with 403.
+Every write is logged and written to the events topic as an ``admin`` event;
+a purge also as one ``purged`` event per message, so the audit counts those
+messages as purged, never lost.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import ipaddress
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from app.http import HttpError, HttpServer, Request, Response, json_response, segments
+from broker.blocklist import BadEntry, make_entry
+from broker.cluster import RemoteSession
+from broker.config import ConfigError, Settings
+from broker.message import Message
+from broker.packets import ProtocolLevel
+from broker.session import NEVER_EXPIRES, Session
+from broker.topics import is_valid_topic_filter, is_valid_topic_name
+
+if TYPE_CHECKING:
+    from broker.core import Broker
+    from persistence.blocklist_store import BlockListStore
+    from persistence.events import EventSink
+    from persistence.redis_store import RedisMessageStore
+
+log = logging.getLogger("devicemq.admin")
+
+API = "/api/v1"
+MAX_LIMIT = 1000
+DEFAULT_LIMIT = 100
+MAX_PEEK = 1000
+_PROTOCOLS = {ProtocolLevel.MQTT_3_1: "3.1", ProtocolLevel.MQTT_3_1_1: "3.1.1", 5: "5.0"}
+_CONSOLE = "console"  # the web console's files: app/console/
+
+
+class AdminUnavailable(Exception):
+    """The admin listener could not open (the port is taken, the address is wrong)."""
+
+
+def admin_token(settings: Settings) -> str | None:
+    """The configured bearer token, or None; a token file that cannot be read is a
+    start error naming ``admin.token_file``."""
+    admin = settings.admin
+    if admin.token_file:
+        try:
+            token = Path(admin.token_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot read the token file {admin.token_file}: {e.strerror or e}",
+                name="admin.token_file",
+            ) from None
+        if not token:
+            raise ConfigError(
+                f"the token file {admin.token_file} is empty", name="admin.token_file"
+            )
+        return token
+    return admin.token or None
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    method: str
+    pattern: tuple[str, ...]  # path segments after /api/v1; "{name}" captures one
+    summary: str
+    write: bool = False
+    query: tuple[str, ...] = ()
+    body: str = ""  # the JSON body, described
+
+
+ROUTES = (
+    Route(
+        "GET",
+        ("sessions",),
+        "Sessions, filtered, by client ID, one page",
+        query=("connected", "persistent", "client_id", "username", "cursor", "limit"),
+    ),
+    Route("GET", ("sessions", "{client_id}"), "One session, with its subscriptions and backlog"),
+    Route(
+        "GET",
+        ("sessions", "{client_id}", "messages"),
+        "Stored messages of a persistent session, oldest first",
+        query=("limit", "payload"),
+    ),
+    Route(
+        "POST",
+        ("sessions", "{client_id}", "disconnect"),
+        "Disconnect the client (MQTT 5: DISCONNECT 0x98)",
+        write=True,
+    ),
+    Route(
+        "DELETE",
+        ("sessions", "{client_id}"),
+        "End the session and delete its stored messages",
+        write=True,
+    ),
+    Route(
+        "DELETE",
+        ("sessions", "{client_id}", "messages"),
+        "Purge the backlog (messages in flight stay until acknowledged)",
+        write=True,
+    ),
+    Route(
+        "GET",
+        ("subscriptions",),
+        "Subscriptions, by filter and client",
+        query=("filter", "client_id", "limit"),
+    ),
+    Route(
+        "GET",
+        ("retained",),
+        "Retained messages matching a filter",
+        query=("topic", "limit", "payload"),
+    ),
+    Route(
+        "DELETE",
+        ("retained",),
+        "Delete the retained message of a topic",
+        write=True,
+        query=("topic",),
+    ),
+    Route("GET", ("blocked",), "The block list"),
+    Route(
+        "POST",
+        ("blocked",),
+        "Block a client ID, username, address or CIDR, or ID pattern",
+        write=True,
+        body='{"kind": "client_id|username|address|client_id_regex", '
+        '"value": "...", "reason": "...", "ttl": seconds}',
+    ),
+    Route("DELETE", ("blocked",), "Remove a block-list entry", write=True, query=("kind", "value")),
+    Route("GET", ("stats",), "Headline numbers of this replica"),
+    Route("GET", ("openapi.json",), "This API's OpenAPI 3 document"),
+)
+
+
+class AdminApi:
+    """Requests in, responses out; the parts it reads and changes are given at
+    construction (app/serve.py)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        broker: Broker,
+        node_id: str,
+        *,
+        token: str | None,
+        store: RedisMessageStore | None = None,
+        blocks: BlockListStore | None = None,
+        events: EventSink | None = None,
+    ) -> None:
+        self.settings = settings
+        self.broker = broker
+        self.node_id = node_id
+        self.token = token
+        self.store = store
+        self.blocks = blocks
+        self.events = events
+        self._handlers: dict[tuple[str, tuple[str, ...]], Callable[..., Awaitable[Response]]] = {
+            ("GET", ("sessions",)): self.list_sessions,
+            ("GET", ("sessions", "{client_id}")): self.show_session,
+            ("GET", ("sessions", "{client_id}", "messages")): self.peek_messages,
+            ("POST", ("sessions", "{client_id}", "disconnect")): self.disconnect,
+            ("DELETE", ("sessions", "{client_id}")): self.delete_session,
+            ("DELETE", ("sessions", "{client_id}", "messages")): self.purge,
+            ("GET", ("subscriptions",)): self.list_subscriptions,
+            ("GET", ("retained",)): self.list_retained,
+            ("DELETE", ("retained",)): self.delete_retained,
+            ("GET", ("blocked",)): self.list_blocked,
+            ("POST", ("blocked",)): self.block,
+            ("DELETE", ("blocked",)): self.unblock,
+            ("GET", ("stats",)): self.stats,
+            ("GET", ("openapi.json",)): self.openapi,
+        }
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        path = segments(request.path)
+        if path[:2] != ["api", "v1"]:
+            return _console_file(request.path, method)
+        route, args = _route(method, path[2:])
+        self._authorize(request, route.write)
+        handler = self._handlers[(route.method, route.pattern)]
+        return await handler(request, *args)
+
+    def _authorize(self, request: Request, write: bool) -> None:
+        if self.token is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), self.token.encode()
+            ):
+                raise HttpError(401, "send the admin token: Authorization: Bearer <token>")
+            return
+        if not _loopback(request.peer):
+            raise HttpError(403, "without admin.token the admin API answers loopback only")
+        if write:
+            raise HttpError(403, "writes need admin.token_file or DEVICEMQ_ADMIN_TOKEN")
+
+    # -- sessions ----------------------------------------------------------------------
+
+    async def list_sessions(self, request: Request) -> Response:
+        q = request.query
+        limit = _int(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        connected = _bool(q, "connected")
+        persistent = _bool(q, "persistent")
+        prefix = q.get("client_id", "")
+        username = q.get("username")
+        cursor = q.get("cursor", "")
+        chosen: list[Session] = []
+        for cid in sorted(self.broker.sessions):
+            if cid <= cursor or not cid.startswith(prefix):
+                continue
+            session = self.broker.sessions[cid]
+            if connected is not None and _connected(session) != connected:
+                continue
+            if persistent is not None and session.durable != persistent:
+                continue
+            if username is not None and session.username != username:
+                continue
+            chosen.append(session)
+            if len(chosen) > limit:
+                break
+        more = len(chosen) > limit
+        chosen = chosen[:limit]
+        backlogs = await self._backlogs(chosen)
+        items = [self._view(s, b) for s, b in zip(chosen, backlogs, strict=True)]
+        return json_response(
+            200, {"items": items, "next_cursor": chosen[-1].client_id if more else None}
+        )
+
+    async def show_session(self, request: Request, client_id: str) -> Response:
+        session = self._session(client_id)
+        view = self._view(session, (await self._backlogs([session]))[0])
+        view["subscription_list"] = [
+            {
+                "filter": e.topic_filter,
+                "qos": e.qos,
+                "no_local": e.no_local,
+                "retain_as_published": e.retain_as_published,
+                "retain_handling": e.retain_handling,
+                "subscription_identifier": e.subscription_id,
+            }
+            for e in session.subscriptions.values()
+        ]
+        backlog: dict[str, Any] = {"oldest_age": None, "scores": None, "packet_ids": None}
+        in_flight: list[int] | None = None
+        if not isinstance(session, RemoteSession):
+            in_flight = sorted(session.outflow.inflight)
+        if session.durable and self.store is not None:
+            _, scores = await self.store.backlog_range(client_id)
+            if scores is not None:
+                page = await self.store.load_page(client_id, scores[0] - 1, MAX_PEEK)
+                stored = [r for r in page.records if r.message is not None]
+                if stored:
+                    oldest = min(r.message.publish_time for r in stored if r.message)
+                    backlog["oldest_age"] = round(max(0.0, self.broker.wall_clock() - oldest), 3)
+                    backlog["packet_ids"] = [stored[0].packet_id, stored[-1].packet_id]
+                backlog["scores"] = list(scores)
+                in_flight = sorted(
+                    {*(in_flight or ()), *(r.packet_id for r in page.records if r.sent)}
+                )
+        view["backlog_detail"] = backlog
+        view["in_flight_ids"] = in_flight
+        return json_response(200, view)
+
+    async def peek_messages(self, request: Request, client_id: str) -> Response:
+        session = self._session(client_id)
+        limit = _int(request.query, "limit", DEFAULT_LIMIT, 1, MAX_PEEK)
+        with_payload = _bool(request.query, "payload") or False
+        if not session.durable or self.store is None:
+            raise HttpError(
+                409, f"{client_id} has no stored messages: its session is not persistent"
+            )
+        page = await self.store.load_page(client_id, 0, limit)
+        items = []
+        for record in page.records:
+            message = record.message
+            item: dict[str, Any] = {
+                "packet_id": record.packet_id,
+                "score": record.score,
+                "sent": record.sent,
+                "stage": str(record.stage),
+            }
+            if message is not None:
+                item.update(
+                    topic=message.topic,
+                    qos=message.qos,
+                    stored_at=message.publish_time,
+                    expiry=message.expiry,
+                    size=len(message.payload),
+                )
+                if with_payload:
+                    item["payload"] = base64.b64encode(message.payload).decode()
+            items.append(item)
+        return json_response(200, {"items": items})
+
+    async def disconnect(self, request: Request, client_id: str) -> Response:
+        session = self._session(client_id)
+        if not _connected(session):
+            raise HttpError(409, f"{client_id} is not connected")
+        self.broker.kick(client_id)
+        self._audit(client_id, "kick", {"replica": _replica(session, self.node_id)})
+        return json_response(200, {"client_id": client_id, "disconnected": True})
+
+    async def delete_session(self, request: Request, client_id: str) -> Response:
+        session = self.broker.sessions.get(client_id)
+        deleted: int | None = None
+        if session is not None:
+            self.broker.kick(client_id, end_session=True)
+        elif self.store is not None and await self.store.load_session(client_id) is not None:
+            # Known to Redis only (this replica never restored it): end it there.
+            deleted = await self.store.delete_session(client_id)
+        else:
+            raise HttpError(404, f"no session {client_id}")
+        self._audit(client_id, "delete_session", {"messages_deleted": deleted})
+        return json_response(200, {"client_id": client_id, "deleted": True})
+
+    async def purge(self, request: Request, client_id: str) -> Response:
+        session = self._session(client_id)
+        if not session.durable or self.store is None:
+            raise HttpError(
+                409, f"{client_id} has no stored messages: its session is not persistent"
+            )
+        removed = await self.store.purge(client_id)
+        if self.events is not None:
+            for packet_id, score in removed:
+                self.events.purged(client_id, packet_id, score)
+        self._audit(client_id, "purge", {"purged": len(removed)})
+        return json_response(200, {"client_id": client_id, "purged": len(removed)})
+
+    # -- subscriptions and retained ---------------------------------------------------
+
+    async def list_subscriptions(self, request: Request) -> Response:
+        q = request.query
+        limit = _int(q, "limit", MAX_LIMIT, 1, MAX_LIMIT)
+        wanted_filter = q.get("filter")
+        client_id = q.get("client_id")
+        sessions = (
+            ([self.broker.sessions[client_id]] if client_id in self.broker.sessions else [])
+            if client_id is not None
+            else [self.broker.sessions[c] for c in sorted(self.broker.sessions)]
+        )
+        items = []
+        for session in sessions:
+            for entry in session.subscriptions.values():
+                if wanted_filter is not None and entry.topic_filter != wanted_filter:
+                    continue
+                items.append(
+                    {
+                        "client_id": session.client_id,
+                        "filter": entry.topic_filter,
+                        "qos": entry.qos,
+                        "replica": _replica(session, self.node_id),
+                    }
+                )
+                if len(items) >= limit:
+                    return json_response(200, {"items": items, "truncated": True})
+        return json_response(200, {"items": items, "truncated": False})
+
+    async def list_retained(self, request: Request) -> Response:
+        q = request.query
+        topic_filter = q.get("topic") or "#"
+        if not is_valid_topic_filter(topic_filter):
+            raise HttpError(400, "topic: not a valid topic filter", {"field": "topic"})
+        limit = _int(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        with_payload = _bool(q, "payload") or False
+        messages = self.broker.retained.matching(topic_filter, self.broker.clock())
+        messages.sort(key=lambda m: m.topic)
+        items = []
+        for message in messages[:limit]:
+            item: dict[str, Any] = {
+                "topic": message.topic,
+                "qos": message.qos,
+                "size": len(message.payload),
+                "origin": message.origin,
+            }
+            if with_payload:
+                item["payload"] = base64.b64encode(message.payload).decode()
+            items.append(item)
+        return json_response(200, {"items": items, "truncated": len(messages) > limit})
+
+    async def delete_retained(self, request: Request) -> Response:
+        topic = request.query.get("topic", "")
+        if not topic or not is_valid_topic_name(topic):
+            raise HttpError(400, "topic: give one topic name (no wildcards)", {"field": "topic"})
+        retained = self.broker.retained
+        if not retained.matching(topic, self.broker.clock()):
+            raise HttpError(404, f"no retained message on {topic}")
+        # As a client's empty retained PUBLISH deletes it (MQTT-3.3.1-6): stored and
+        # shared with the other replicas the same way.
+        retained.store(Message(topic, b"", 0, True))
+        self._audit("", "delete_retained", {"topic": topic})
+        return json_response(200, {"topic": topic, "deleted": True})
+
+    # -- block list -------------------------------------------------------------------
+
+    async def list_blocked(self, request: Request) -> Response:
+        entries = await self.blocks.load() if self.blocks is not None else None
+        if entries is None:
+            entries = self.broker.blocklist.entries()
+        now = self.broker.wall_clock()
+        return json_response(
+            200,
+            {
+                "items": [
+                    e.to_json() for e in sorted(entries, key=lambda e: e.key) if not e.expired(now)
+                ]
+            },
+        )
+
+    async def block(self, request: Request) -> Response:
+        data = _json_body(request)
+        ttl = data.get("ttl")
+        if ttl is not None and (
+            not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 0 < ttl < math.inf
+        ):
+            raise HttpError(400, "ttl: seconds, a positive number", {"field": "ttl"})
+        unknown = set(data) - {"kind", "value", "reason", "ttl"}
+        if unknown:
+            raise HttpError(
+                400, f"unknown field {sorted(unknown)[0]}", {"field": sorted(unknown)[0]}
+            )
+        now = self.broker.wall_clock()
+        try:
+            entry = make_entry(
+                data.get("kind"),
+                data.get("value"),
+                reason=data.get("reason", ""),
+                until=None if ttl is None else now + ttl,
+                created=now,
+            )
+        except BadEntry as e:
+            raise HttpError(400, f"{e.field}: {e}", {"field": e.field}) from None
+        if self.blocks is not None:
+            await self.blocks.add(entry)
+        closed = self.broker.add_block(entry)
+        self._audit("", "block", {**entry.to_json(), "closed": closed})
+        return json_response(201, {**entry.to_json(), "closed_here": closed})
+
+    async def unblock(self, request: Request) -> Response:
+        q = request.query
+        try:
+            key = make_entry(q.get("kind"), q.get("value")).key
+        except BadEntry as e:
+            raise HttpError(400, f"{e.field}: {e}", {"field": e.field}) from None
+        found = self.broker.blocklist.get(key) is not None
+        if self.blocks is not None:
+            found = await self.blocks.remove(key) or found
+        self.broker.remove_block(key)
+        if not found:
+            raise HttpError(404, f"no block-list entry {key}")
+        self._audit("", "unblock", {"key": key})
+        return json_response(200, {"key": key, "removed": True})
+
+    # -- the rest ----------------------------------------------------------------------
+
+    async def stats(self, request: Request) -> Response:
+        broker = self.broker
+        s = broker.stats
+        local = [x for x in broker.sessions.values() if not isinstance(x, RemoteSession)]
+        return json_response(
+            200,
+            {
+                "node": self.node_id,
+                "connections": len(broker.connections),
+                "sessions": len(broker.sessions),
+                "sessions_here": len(local),
+                "persistent_sessions": sum(1 for x in broker.sessions.values() if x.durable),
+                "retained": len(broker.retained),
+                "blocked": len(broker.blocklist),
+                "messages_received": sum(s.messages_received),
+                "messages_sent": sum(s.messages_sent),
+                "connections_total": s.connections_total,
+            },
+        )
+
+    async def openapi(self, request: Request) -> Response:
+        return json_response(200, openapi_document())
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _session(self, client_id: str) -> Session:
+        session = self.broker.sessions.get(client_id)
+        if session is None:
+            raise HttpError(404, f"no session {client_id}")
+        return session
+
+    async def _backlogs(self, sessions: list[Session]) -> list[int | None]:
+        """Messages waiting for each: stored in Redis (persistent), queued in memory."""
+        out: list[int | None] = [None] * len(sessions)
+        durable = [i for i, s in enumerate(sessions) if s.durable]
+        if durable and self.store is not None:
+            counts = await self.store.pending_counts([sessions[i].client_id for i in durable])
+            for i, n in zip(durable, counts, strict=True):
+                out[i] = n
+        for i, s in enumerate(sessions):
+            if not s.durable and not isinstance(s, RemoteSession):
+                out[i] = s.outflow.feed.queued()
+        return out
+
+    def _view(self, session: Session, backlog: int | None) -> dict[str, Any]:
+        remote = isinstance(session, RemoteSession)
+        return {
+            "client_id": session.client_id,
+            "username": session.username,
+            "connected": _connected(session),
+            "replica": _replica(session, self.node_id),
+            "peer": session.address,
+            "protocol": _PROTOCOLS.get(session.protocol_level or 0),
+            "persistent": session.durable,
+            "session_expiry": None
+            if session.expiry_interval == NEVER_EXPIRES
+            else session.expiry_interval,
+            "subscriptions": len(session.subscriptions),
+            "backlog": backlog,
+            "in_flight": None if remote else len(session.outflow.inflight),
+            "connected_at": session.connected_at,
+            "last_seen": session.connected_at
+            if _connected(session) and remote
+            else (self.broker.wall_clock() if _connected(session) else session.last_seen),
+        }
+
+    def _audit(self, client_id: str, action: str, detail: dict[str, Any]) -> None:
+        log.info("admin: %s %s %s", action, client_id or "-", orjson.dumps(detail).decode())
+        if self.events is not None:
+            self.events.admin(client_id, action, detail)
+
+
+class AdminServer:
+    """The listener of :class:`AdminApi` (``admin.host:admin.port``)."""
+
+    def __init__(self, settings: Settings, api: AdminApi) -> None:
+        admin = settings.admin
+        self.api = api
+        self.http = HttpServer(
+            api.handle, admin.host, admin.port, reuse_port=settings.cluster.share_ports
+        )
+
+    @property
+    def port(self) -> int:
+        return self.http.port
+
+    async def start(self) -> None:
+        try:
+            await self.http.start()
+        except OSError as e:
+            raise AdminUnavailable(
+                f"admin.port: cannot serve the admin API on {self.http.host}:"
+                f"{self.http.requested_port}: {e.strerror or e} (set admin.port, or "
+                "admin.enabled: false)"
+            ) from e
+        where = f"http://{self.http.host}:{self.port}/"
+        auth = "token required" if self.api.token else "no token: read-only, loopback only"
+        log.info("admin API and console on %s (%s)", where, auth)
+
+    async def stop(self) -> None:
+        await self.http.stop()
+
+
+def openapi_document() -> dict[str, Any]:
+    """OpenAPI 3 from :data:`ROUTES`: one description, never out of step."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        path = API + "/" + "/".join(route.pattern)
+        operation: dict[str, Any] = {
+            "summary": route.summary,
+            "parameters": [
+                {"name": p[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
+                for p in route.pattern
+                if p.startswith("{")
+            ]
+            + [
+                {"name": name, "in": "query", "required": False, "schema": {"type": "string"}}
+                for name in route.query
+            ],
+            "responses": {
+                "200": {"description": "OK, JSON"},
+                **{
+                    str(c): {"$ref": "#/components/responses/Error"}
+                    for c in (400, 401, 403, 404, 409)
+                },
+            },
+        }
+        if route.body:
+            operation["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"type": "object"}, "example": route.body}
+                },
+            }
+        if route.write:
+            operation["description"] = "A write: needs the admin token."
+        paths.setdefault(path, {})[route.method.lower()] = operation
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "devicemq admin API", "version": "1"},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "responses": {
+                "Error": {
+                    "description": '{"error": "...", "detail": ...}',
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "properties": {"error": {"type": "string"}, "detail": {}},
+                            }
+                        }
+                    },
+                }
+            },
+        },
+        "security": [{"bearer": []}],
+    }
+
+
+# -- small pure helpers ------------------------------------------------------------------
+
+
+def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
+    allowed = False
+    for route in ROUTES:
+        if len(route.pattern) != len(path):
+            continue
+        args = []
+        for want, got in zip(route.pattern, path, strict=True):
+            if want.startswith("{"):
+                if not got:
+                    break
+                args.append(got)
+            elif want != got:
+                break
+        else:
+            if route.method == method:
+                return route, args
+            allowed = True
+    if allowed:
+        raise HttpError(405, f"{method} is not allowed here")
+    raise HttpError(404, "no such endpoint: see /api/v1/openapi.json")
+
+
+def _connected(session: Session) -> bool:
+    if isinstance(session, RemoteSession):
+        return session.online
+    return session.connection is not None
+
+
+def _replica(session: Session, here: str) -> str:
+    return session.node if isinstance(session, RemoteSession) else here
+
+
+def _loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def _int(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = query.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise HttpError(400, f"{name}: an integer is needed", {"field": name}) from None
+    if not low <= value <= high:
+        raise HttpError(400, f"{name}: within {low}..{high}", {"field": name})
+    return value
+
+
+def _bool(query: dict[str, str], name: str) -> bool | None:
+    text = query.get(name)
+    if text is None or text == "":
+        return None
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise HttpError(400, f"{name}: true or false", {"field": name})
+
+
+def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        data = orjson.loads(request.body or b"null")
+    except orjson.JSONDecodeError:
+        raise HttpError(400, "the body is not JSON") from None
+    if not isinstance(data, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return data
+
+
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
+
+
+def _console_file(path: str, method: str) -> Response:
+    """The web console's static files (no data in them: the page asks the API)."""
+    if method != "GET":
+        raise HttpError(405, f"{method} is not allowed here")
+    name = path.strip("/") or "index.html"
+    if "/" in name or name.startswith(".") or Path(name).suffix not in _TYPES:
+        raise HttpError(404, "not found")
+    try:
+        body = resources.files("app").joinpath(_CONSOLE, name).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise HttpError(404, "not found") from None
+    return Response(
+        200,
+        body,
+        _TYPES[Path(name).suffix],
+        {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:"},
+    )

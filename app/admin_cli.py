@@ -1,0 +1,303 @@
+"""``devicemq sessions|blocked|retained``: the admin API (app/admin.py) from a shell.
+
+    devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
+    devicemq sessions show|messages|kick|delete|purge CLIENT_ID
+    devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
+    devicemq retained list [--topic FILTER] | delete TOPIC
+
+Every command takes ``--url`` (default http://127.0.0.1:18083), the token from
+``--token-file`` or ``DEVICEMQ_ADMIN_TOKEN``, and ``--json`` for scripts
+(the API's answer as it came); without it, tables for people. Exit status: 0,
+1 when the API refused or could not be reached (its error on one line), 2
+for a usage mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import orjson
+
+DEFAULT_URL = "http://127.0.0.1:18083"
+TOKEN_ENV = "DEVICEMQ_ADMIN_TOKEN"
+TIMEOUT = 10.0
+
+
+class ApiError(Exception):
+    """The API answered with an error, or could not be reached (``status`` 0)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class AdminClient:
+    """The admin API over HTTP, JSON in and out (urllib: nothing to install)."""
+
+    def __init__(self, url: str = DEFAULT_URL, token: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        query: dict[str, Any] | None = None,
+        body: object = None,
+    ) -> Any:
+        """The decoded JSON answer of a 2xx; raises :class:`ApiError` otherwise."""
+        target = self.url + "/api/v1/" + path
+        if query:
+            kept = {k: _text(v) for k, v in query.items() if v is not None}
+            if kept:
+                target += "?" + urlencode(kept)
+        data = orjson.dumps(body) if body is not None else None
+        request = urllib.request.Request(target, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+                return orjson.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raise ApiError(e.code, _error_text(e.code, e.read())) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ApiError(0, f"cannot reach the admin API at {self.url}: {reason}") from None
+
+    def session_path(self, client_id: str, *rest: str) -> str:
+        return "/".join(["sessions", quote(client_id, safe=""), *rest])
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        data = orjson.loads(body)
+        message = data["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = body.decode(errors="replace").strip()[:200] or "no detail"
+    return f"{status}: {message}"
+
+
+# -- arguments -------------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help=f"the admin API (default {DEFAULT_URL})")
+    p.add_argument(
+        "--token-file", metavar="FILE", help=f"file holding the admin token (default: ${TOKEN_ENV})"
+    )
+    p.add_argument("--json", action="store_true", help="print the API's JSON answer")
+
+
+def add_sessions_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = sub.add_parser("list", help="sessions, one line each")
+    _common(ls)
+    state = ls.add_mutually_exclusive_group()
+    state.add_argument("--connected", dest="connected", action="store_const", const=True)
+    state.add_argument("--offline", dest="connected", action="store_const", const=False)
+    ls.add_argument("--persistent", action="store_const", const=True, default=None)
+    ls.add_argument("--prefix", metavar="P", help="client IDs starting with P")
+    ls.add_argument("--username", metavar="U")
+    ls.add_argument("--limit", type=int, default=100, help="sessions per page (1..1000)")
+    ls.add_argument("--all", action="store_true", help="follow the pages to the end")
+    for action, text in (
+        ("show", "one session: subscriptions, backlog, in flight"),
+        ("messages", "stored messages of a persistent session, oldest first"),
+        ("kick", "disconnect the client (MQTT 5: DISCONNECT 0x98)"),
+        ("delete", "end the session and delete its stored messages"),
+        ("purge", "delete the backlog (messages in flight stay), keep the session"),
+    ):
+        one = sub.add_parser(action, help=text)
+        _common(one)
+        one.add_argument("client_id", metavar="CLIENT_ID")
+        if action == "messages":
+            one.add_argument("--limit", type=int, default=20)
+            one.add_argument("--payload", action="store_true", help="include payloads (base64)")
+
+
+def add_blocked_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _common(sub.add_parser("list", help="the block list"))
+    kinds = ("client_id", "username", "address", "client_id_regex")
+    add = sub.add_parser("add", help="block a client ID, username, address/CIDR or ID pattern")
+    _common(add)
+    add.add_argument("kind", choices=kinds)
+    add.add_argument("value")
+    add.add_argument("--ttl", type=float, help="seconds until the entry ends (default: never)")
+    add.add_argument("--reason", default="")
+    remove = sub.add_parser("remove", help="remove an entry")
+    _common(remove)
+    remove.add_argument("kind", choices=kinds)
+    remove.add_argument("value")
+
+
+def add_retained_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = sub.add_parser("list", help="retained messages matching a filter")
+    _common(ls)
+    ls.add_argument("--topic", default="#", help="topic filter (default #)")
+    ls.add_argument("--limit", type=int, default=100)
+    delete = sub.add_parser("delete", help="delete the retained message of a topic")
+    _common(delete)
+    delete.add_argument("topic")
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> AdminClient:
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ApiError(0, f"cannot read --token-file {args.token_file}: {e.strerror}") from None
+    return AdminClient(args.url, token)
+
+
+def run(args: argparse.Namespace, command: Callable[[AdminClient, argparse.Namespace], Any]) -> int:
+    """Run one command; errors are one line on stderr, exit status 1."""
+    try:
+        client = _client(args)
+        answer, table = command(client, args)
+    except ApiError as e:
+        print(f"devicemq: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        sys.stdout.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(table)
+    return 0
+
+
+def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    action = args.action
+    if action == "list":
+        query: dict[str, Any] = {
+            "connected": args.connected,
+            "persistent": args.persistent,
+            "client_id": args.prefix,
+            "username": args.username,
+            "limit": args.limit,
+        }
+        items: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            page = client.call("GET", "sessions", {**query, "cursor": cursor})
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None or not args.all:
+                break
+        answer = {"items": items, "next_cursor": cursor}
+        columns = (
+            "client_id",
+            "connected",
+            "persistent",
+            "replica",
+            "peer",
+            "protocol",
+            "subscriptions",
+            "backlog",
+            "in_flight",
+            "last_seen",
+        )
+        table = _table(items, columns)
+        if cursor is not None:
+            table += f"\n(more: --all, or the API with cursor={cursor})"
+        return answer, table
+    cid = args.client_id
+    if action == "show":
+        answer = client.call("GET", client.session_path(cid))
+        rows = [(k, _cell(k, v)) for k, v in answer.items() if k != "subscription_list"]
+        text = "\n".join(f"{k:<16} {v}" for k, v in rows)
+        subs = answer.get("subscription_list") or []
+        if subs:
+            text += "\n\n" + _table(subs, ("filter", "qos", "no_local", "retain_as_published"))
+        return answer, text
+    if action == "messages":
+        answer = client.call(
+            "GET",
+            client.session_path(cid, "messages"),
+            {"limit": args.limit, "payload": args.payload or None},
+        )
+        fields = ["packet_id", "score", "sent", "topic", "qos", "size", "stored_at"]
+        if args.payload:
+            fields.append("payload")
+        return answer, _table(answer["items"], fields)
+    if action == "kick":
+        answer = client.call("POST", client.session_path(cid, "disconnect"))
+        return answer, f"{cid}: disconnected"
+    if action == "delete":
+        answer = client.call("DELETE", client.session_path(cid))
+        return answer, f"{cid}: session ended, its stored messages deleted"
+    answer = client.call("DELETE", client.session_path(cid, "messages"))
+    return answer, f"{cid}: {answer['purged']} stored messages purged"
+
+
+def blocked(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    if args.action == "list":
+        answer = client.call("GET", "blocked")
+        return answer, _table(answer["items"], ("kind", "value", "until", "by", "reason"))
+    if args.action == "add":
+        body: dict[str, Any] = {"kind": args.kind, "value": args.value, "reason": args.reason}
+        if args.ttl is not None:
+            body["ttl"] = args.ttl
+        answer = client.call("POST", "blocked", body=body)
+        return answer, f"blocked {answer['kind']}:{answer['value']}"
+    answer = client.call("DELETE", "blocked", {"kind": args.kind, "value": args.value})
+    return answer, f"removed {answer['key']}"
+
+
+def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    if args.action == "list":
+        answer = client.call("GET", "retained", {"topic": args.topic, "limit": args.limit})
+        table = _table(answer["items"], ("topic", "qos", "size", "origin"))
+        if answer.get("truncated"):
+            table += "\n(more: raise --limit)"
+        return answer, table
+    answer = client.call("DELETE", "retained", {"topic": args.topic})
+    return answer, f"deleted the retained message of {args.topic}"
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if column in ("last_seen", "connected_at", "stored_at", "until", "created") and isinstance(
+        value, int | float
+    ):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value)) + "Z"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | dict):
+        return orjson.dumps(value).decode()
+    return str(value)
+
+
+def _table(items: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    if not items:
+        return "(none)"
+    rows = [[_cell(c, item.get(c)) for c in columns] for item in items]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,154 @@
+"""The admin API on two replicas: any replica answers for a client connected to the
+other, and a disconnect or a block made on one reaches the connection on the
+other (the cluster link), and the block list is Redis's (it survives restarts)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+
+from app.admin_cli import AdminClient, ApiError
+from tests.cluster.conftest import Cluster, running_cluster
+from tests.e2e.clients import V5, V311, Paho, props
+from tests.faults.conftest import DeviceMQ
+
+TOKEN = "cluster-admin-token"
+BANNED = 0x8A
+ADMINISTRATIVE_ACTION = 0x98
+
+
+def _wait_for(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _api(broker: DeviceMQ) -> AdminClient:
+    api = AdminClient(f"http://127.0.0.1:{broker.settings['admin.port']}", TOKEN)
+
+    def up() -> bool:
+        try:
+            api.call("GET", "stats")
+        except ApiError:
+            return False
+        return True
+
+    _wait_for(up, f"the admin API of {broker.data_dir.name}")
+    return api
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("admin-cluster"), admin_token=TOKEN) as c:
+        yield c
+
+
+def _connect_code(broker: DeviceMQ, client_id: str) -> int:
+    client = Paho(broker, client_id, V5)
+    try:
+        return client.connect().reason_code
+    finally:
+        client.close()
+
+
+def _session(api: AdminClient, client_id: str) -> dict[str, Any] | None:
+    try:
+        return api.call("GET", api.session_path(client_id))  # type: ignore[no-any-return]
+    except ApiError as e:
+        assert e.status == 404, e
+        return None
+
+
+def test_either_replica_answers_for_a_client_on_b(cluster: Cluster) -> None:
+    api_a, api_b = _api(cluster.a), _api(cluster.b)
+    cid = cluster.name("seen")
+    client = Paho(cluster.b, cid, V5)
+    assert client.connect().reason_code == 0
+    client.subscribe("adm/seen/#", 1)
+    view = _wait_for(
+        lambda: (s := _session(api_a, cid)) and s["subscriptions"] == 1 and s, "a knows it"
+    )
+    assert (view["replica"], view["connected"], view["protocol"]) == ("b", True, "5.0")
+    assert view["peer"] == "127.0.0.1"
+    assert api_b.call("GET", api_b.session_path(cid))["replica"] == "b"
+    listed = api_a.call("GET", "subscriptions", {"client_id": cid})["items"]
+    assert [(s["filter"], s["replica"]) for s in listed] == [("adm/seen/#", "b")]
+    client.close()
+
+
+def test_a_kick_on_a_disconnects_the_client_on_b(cluster: Cluster) -> None:
+    api_a = _api(cluster.a)
+    cid = cluster.name("kick")
+    client = Paho(cluster.b, cid, V5)
+    client.connect()
+    _wait_for(lambda: (s := _session(api_a, cid)) and s["connected"], "a knows it")
+    api_a.call("POST", api_a.session_path(cid, "disconnect"))
+    gone = client.wait_disconnected()
+    assert gone.from_server and gone.reason_code == ADMINISTRATIVE_ACTION
+
+
+def test_the_backlog_of_a_session_of_b_is_purged_from_a(cluster: Cluster) -> None:
+    api_a = _api(cluster.a)
+    cid, topic = cluster.name("purge"), f"adm/{cluster.tag}/purge"
+    sub = Paho(cluster.b, cid, V311)
+    sub.connect(clean_start=False)
+    sub.subscribe(topic, 1)
+    sub.disconnect()
+    pub = Paho(cluster.a, cluster.name("purge-pub"), V5)
+    pub.connect()
+    for i in range(4):
+        pub.publish(topic, f"p{i}".encode(), qos=1)
+    pub.close()
+    _wait_for(lambda: (s := _session(api_a, cid)) and s["backlog"] == 4, "four stored")
+    assert api_a.call("DELETE", api_a.session_path(cid, "messages"))["purged"] == 4
+    assert sub.connect(clean_start=False).session_present
+    sub.assert_no_message()
+    sub.close()
+
+
+def test_deleting_on_a_ends_the_session_connected_on_b(cluster: Cluster) -> None:
+    api_a, api_b = _api(cluster.a), _api(cluster.b)
+    cid = cluster.name("delete")
+    client = Paho(cluster.b, cid, V5)
+    expiry = props(PacketTypes.CONNECT, SessionExpiryInterval=600)
+    client.connect(clean_start=False, properties=expiry)
+    client.subscribe(f"adm/{cluster.tag}/delete", 1)
+    _wait_for(lambda: _session(api_a, cid), "a knows it")
+    api_a.call("DELETE", api_a.session_path(cid))
+    assert client.wait_disconnected().reason_code == ADMINISTRATIVE_ACTION
+    _wait_for(lambda: _session(api_b, cid) is None, "b ended it")
+    _wait_for(lambda: _session(api_a, cid) is None, "a forgot it")
+    assert not client.connect(clean_start=False, properties=expiry).session_present
+    client.close()
+
+
+def test_a_block_on_a_closes_the_client_on_b_and_outlives_a_restart(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    api_a, api_b = _api(cluster.a), _api(cluster.b)
+    cid = cluster.name("blocked")
+    client = Paho(cluster.b, cid, V5)
+    client.connect()
+    api_a.call("POST", "blocked", body={"kind": "client_id", "value": cid, "reason": "test"})
+    assert client.wait_disconnected().reason_code == ADMINISTRATIVE_ACTION
+    assert client.connect().reason_code == BANNED
+    assert _connect_code(cluster.a, cid) == BANNED
+    assert [e["value"] for e in api_b.call("GET", "blocked")["items"]] == [cid]
+    # kept in Redis: a restarted replica refuses it from its first CONNECT
+    cluster.b.stop()
+    cluster.b.start()
+    assert client.connect().reason_code == BANNED
+    api_b = _api(cluster.b)
+    api_b.call("DELETE", "blocked", {"kind": "client_id", "value": cid})
+    _wait_for(lambda: _connect_code(cluster.a, cid) == 0, "a let it in")
+    assert client.connect().reason_code == 0
+    client.close()

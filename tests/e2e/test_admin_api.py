@@ -1,0 +1,397 @@
+"""The admin API (app/admin.py) and its CLI (app/admin_cli.py) against a real broker
+with its embedded Redis and Tansu, driven by real MQTT clients (paho).
+
+One persistent broker with a token serves the module (tests keep apart by
+client IDs); the read-only rule and flapping get brokers of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from paho.mqtt.packettypes import PacketTypes
+
+from app import cli
+from app.admin_cli import AdminClient, ApiError
+from app.embedded_services import EmbeddedServices
+from tests.conftest import free_port
+from tests.e2e.clients import V5, V311, Paho, props
+from tests.e2e.conftest import BrokerProcess, is_mosquitto, start_broker
+
+pytestmark = pytest.mark.skipif(is_mosquitto(), reason="devicemq's admin API")
+
+TOKEN = "t0ken-for-tests"
+BANNED = 0x8A
+ADMINISTRATIVE_ACTION = 0x98
+
+
+def _wait_for(condition: Callable[[], object], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _admin_up(client: AdminClient) -> bool:
+    try:
+        client.call("GET", "stats")
+    except ApiError as e:
+        return e.status != 0
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, AdminClient]]:
+    port = free_port("127.0.0.1")
+    broker = start_broker(
+        tmp_path_factory.mktemp("admin"),
+        {"persistence.enabled": True, "admin.port": port, "admin.token": TOKEN},
+    )
+    try:
+        api = AdminClient(f"http://127.0.0.1:{port}", TOKEN)
+        _wait_for(lambda: _admin_up(api), "the admin API answers")
+        yield broker, api
+    finally:
+        broker.stop()
+
+
+def _status(api: AdminClient, method: str, path: str, **kw: Any) -> tuple[int, Any]:
+    try:
+        return 200, api.call(method, path, **kw)
+    except ApiError as e:
+        return e.status, str(e)
+
+
+def _persistent_subscriber(broker: BrokerProcess, cid: str, topic: str) -> Paho:
+    sub = Paho(broker, cid, V311)
+    assert sub.connect(clean_start=False).reason_code == 0
+    assert sub.subscribe(topic, 1) == [1]
+    sub.disconnect()
+    return sub
+
+
+def _publish(broker: BrokerProcess, topic: str, n: int, cid: str) -> None:
+    pub = Paho(broker, cid, V5)
+    pub.connect()
+    for i in range(n):
+        pub.publish(topic, f"m{i}".encode(), qos=1)
+    pub.disconnect()
+
+
+def test_a_request_without_the_token_is_refused(server: tuple[BrokerProcess, AdminClient]) -> None:
+    _, api = server
+    assert _status(AdminClient(api.url), "GET", "sessions")[0] == 401
+    assert _status(AdminClient(api.url, "wrong"), "GET", "sessions")[0] == 401
+    assert _status(api, "GET", "sessions")[0] == 200
+    doc = api.call("GET", "openapi.json")
+    assert doc["openapi"].startswith("3.")
+    assert "/api/v1/sessions/{client_id}/messages" in doc["paths"]
+    assert set(doc["paths"]["/api/v1/blocked"]) == {"get", "post", "delete"}
+
+
+def test_a_persistent_session_its_backlog_peeked_then_purged(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    broker, api = server
+    cid, topic = "adm-backlog", "adm/backlog"
+    sub = _persistent_subscriber(broker, cid, topic)
+    _publish(broker, topic, 5, "adm-backlog-pub")
+
+    def listed() -> dict[str, Any] | None:
+        items = api.call("GET", "sessions", {"client_id": "adm-backlog", "persistent": True})
+        found = [s for s in items["items"] if s["client_id"] == cid]
+        return found[0] if found and found[0]["backlog"] == 5 else None
+
+    view = _wait_for(listed, "the five messages stored")
+    assert (view["connected"], view["persistent"], view["protocol"]) == (False, True, "3.1.1")
+    assert view["subscriptions"] == 1 and view["peer"] == "127.0.0.1"
+    assert view["last_seen"] >= view["connected_at"] > 0
+
+    detail = api.call("GET", api.session_path(cid))
+    assert detail["subscription_list"][0]["filter"] == topic
+    assert detail["backlog_detail"]["packet_ids"] == [1, 5]
+    low, high = detail["backlog_detail"]["scores"]
+    assert high - low == 4
+    assert 0 <= detail["backlog_detail"]["oldest_age"] < 60
+
+    peek = api.call("GET", api.session_path(cid, "messages"), {"limit": 2, "payload": True})
+    assert [m["packet_id"] for m in peek["items"]] == [1, 2]
+    assert base64.b64decode(peek["items"][0]["payload"]) == b"m0"
+    assert peek["items"][0]["topic"] == topic and peek["items"][0]["size"] == 2
+    no_payload = api.call("GET", api.session_path(cid, "messages"), {"limit": 1})
+    assert "payload" not in no_payload["items"][0]
+
+    assert api.call("DELETE", api.session_path(cid, "messages"))["purged"] == 5
+    assert api.call("GET", api.session_path(cid))["backlog"] == 0
+    # The session is kept: a message published now is the only one delivered.
+    _publish(broker, topic, 1, "adm-backlog-pub")
+    _wait_for(lambda: api.call("GET", api.session_path(cid))["backlog"] == 1, "the new one stored")
+    assert sub.connect(clean_start=False).session_present
+    (got,) = sub.get_n(1)
+    assert got.payload == b"m0"  # the new one (the publisher counts from m0 again)
+    sub.assert_no_message()
+    sub.close()
+    # every purged message and the write itself are in the events topic
+    events = _events(broker, cid)
+    assert sum(1 for e in events if e["ev"] == "purged") == 5
+    assert any(e["ev"] == "admin" and e["action"] == "purge" for e in events)
+
+
+def test_kick_and_delete_a_connected_client(server: tuple[BrokerProcess, AdminClient]) -> None:
+    broker, api = server
+    v5 = Paho(broker, "adm-kick", V5)
+    expiry = props(PacketTypes.CONNECT, SessionExpiryInterval=300)
+    assert v5.connect(clean_start=False, properties=expiry).reason_code == 0
+    v5.subscribe("adm/kick", 1)
+    api.call("POST", api.session_path("adm-kick", "disconnect"))
+    gone = v5.wait_disconnected()
+    assert gone.from_server and gone.reason_code == ADMINISTRATIVE_ACTION
+    # not connected any more: a second kick is a conflict
+    _wait_for(lambda: not api.call("GET", api.session_path("adm-kick"))["connected"], "offline")
+    assert _status(api, "POST", api.session_path("adm-kick", "disconnect"))[0] == 409
+
+    v3 = Paho(broker, "adm-delete", V311)
+    assert v3.connect(clean_start=False).reason_code == 0
+    v3.subscribe("adm/delete", 1)
+    api.call("DELETE", api.session_path("adm-delete"))
+    v3.wait_disconnected()
+    assert _status(api, "GET", api.session_path("adm-delete"))[0] == 404
+    # ended for good: the next connect finds no session
+    assert not v3.connect(clean_start=False).session_present
+    v3.close()
+
+
+def test_a_blocked_client_is_refused_and_disconnected(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    broker, api = server
+    victim = Paho(broker, "adm-blocked", V5)
+    assert victim.connect().reason_code == 0
+    entry = api.call(
+        "POST", "blocked", body={"kind": "client_id_regex", "value": "adm-bl.*", "reason": "t"}
+    )
+    assert entry["closed_here"] == 1
+    assert victim.wait_disconnected().reason_code == ADMINISTRATIVE_ACTION
+    assert victim.connect().reason_code == BANNED
+    other = Paho(broker, "adm-fine", V5)
+    assert other.connect().reason_code == 0
+    other.close()
+    listed = api.call("GET", "blocked")["items"]
+    assert {"kind": "client_id_regex", "value": "adm-bl.*"}.items() <= listed[0].items()
+    api.call("DELETE", "blocked", {"kind": "client_id_regex", "value": "adm-bl.*"})
+    assert victim.connect().reason_code == 0
+    victim.close()
+    nobody = {"kind": "client_id", "value": "nobody"}
+    assert _status(api, "DELETE", "blocked", query=nobody)[0] == 404
+
+
+def test_a_block_with_a_ttl_ends_by_itself(server: tuple[BrokerProcess, AdminClient]) -> None:
+    broker, api = server
+    api.call("POST", "blocked", body={"kind": "client_id", "value": "adm-ttl", "ttl": 1})
+    client = Paho(broker, "adm-ttl", V5)
+    assert client.connect().reason_code == BANNED
+    _wait_for(lambda: client.connect().reason_code == 0, "the entry ended", timeout=10)
+    client.close()
+    assert all(e["value"] != "adm-ttl" for e in api.call("GET", "blocked")["items"])
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kw", "status", "text"),
+    [
+        ("GET", "sessions", {"query": {"limit": 5000}}, 400, "limit"),
+        ("GET", "sessions", {"query": {"connected": "maybe"}}, 400, "connected"),
+        ("GET", "sessions/nobody-at-all", {}, 404, "no session"),
+        ("POST", "blocked", {"body": {"kind": "ip", "value": "1.2.3.4"}}, 400, "kind"),
+        ("POST", "blocked", {"body": {"kind": "address", "value": "1.2.3.999"}}, 400, "value"),
+        ("POST", "blocked", {"body": {"kind": "client_id", "value": "x", "ttl": -1}}, 400, "ttl"),
+        ("POST", "blocked", {"body": {"kind": "client_id", "value": "x", "tll": 1}}, 400, "tll"),
+        ("POST", "blocked", {"body": [1]}, 400, "object"),
+        ("DELETE", "retained", {"query": {"topic": "a/#"}}, 400, "topic"),
+        ("DELETE", "retained", {"query": {"topic": "adm/none"}}, 404, "no retained"),
+        ("PUT", "sessions", {}, 405, "PUT"),
+        ("GET", "nothing", {}, 404, "openapi"),
+    ],
+)
+def test_bad_input_gets_the_documented_error(
+    server: tuple[BrokerProcess, AdminClient],
+    method: str,
+    path: str,
+    kw: dict[str, Any],
+    status: int,
+    text: str,
+) -> None:
+    _, api = server
+    got, message = _status(api, method, path, **kw)
+    assert got == status and text in message, message
+
+
+def test_a_clean_session_has_no_stored_messages_to_purge(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    broker, api = server
+    client = Paho(broker, "adm-clean", V5)
+    client.connect()
+    assert _status(api, "DELETE", api.session_path("adm-clean", "messages"))[0] == 409
+    view = api.call("GET", api.session_path("adm-clean"))
+    assert (view["connected"], view["persistent"], view["protocol"]) == (True, False, "5.0")
+    client.close()
+
+
+def test_retained_messages_listed_and_deleted(server: tuple[BrokerProcess, AdminClient]) -> None:
+    broker, api = server
+    pub = Paho(broker, "adm-retain", V5)
+    pub.connect()
+    pub.publish("adm/retained/a", b"hello", qos=1, retain=True)
+    pub.close()
+    items = api.call("GET", "retained", {"topic": "adm/retained/#"})["items"]
+    assert [(r["topic"], r["size"]) for r in items] == [("adm/retained/a", 5)]
+    api.call("DELETE", "retained", {"topic": "adm/retained/a"})
+    assert api.call("GET", "retained", {"topic": "adm/retained/#"})["items"] == []
+    late = Paho(broker, "adm-retain-sub", V5)
+    late.connect()
+    late.subscribe("adm/retained/#", 1)
+    late.assert_no_message()
+    late.close()
+
+
+def test_sessions_are_paged_by_cursor(server: tuple[BrokerProcess, AdminClient]) -> None:
+    broker, api = server
+    clients = [Paho(broker, f"adm-page-{i}", V5) for i in range(5)]
+    for c in clients:
+        c.connect()
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = api.call("GET", "sessions", {"client_id": "adm-page-", "limit": 2, "cursor": cursor})
+        assert len(page["items"]) <= 2
+        seen += [s["client_id"] for s in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [f"adm-page-{i}" for i in range(5)]
+    connected = api.call("GET", "sessions", {"client_id": "adm-page-", "connected": False})
+    assert connected["items"] == []
+    for c in clients:
+        c.close()
+
+
+def test_the_cli_lists_kicks_and_blocks(
+    server: tuple[BrokerProcess, AdminClient],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    broker, api = server
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    common = ["--url", api.url, "--token-file", str(token_file)]
+    client = Paho(broker, "adm-cli", V5)
+    client.connect()
+    assert cli.main(["sessions", "list", *common, "--prefix", "adm-cli"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["CLIENT_ID", "CONNECTED", "PERSISTENT"]
+    assert table[1].split()[:2] == ["adm-cli", "yes"]
+    assert cli.main(["sessions", "show", *common, "--json", "adm-cli"]) == 0
+    assert orjson.loads(capsys.readouterr().out)["client_id"] == "adm-cli"
+    assert cli.main(["sessions", "kick", *common, "adm-cli"]) == 0
+    assert client.wait_disconnected().reason_code == ADMINISTRATIVE_ACTION
+    capsys.readouterr()
+    assert cli.main(["blocked", "add", *common, "username", "mallory", "--ttl", "60"]) == 0
+    assert cli.main(["blocked", "list", *common, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"mallory"' in out
+    assert cli.main(["blocked", "remove", *common, "username", "mallory"]) == 0
+    # errors: one line, exit status 1
+    assert cli.main(["sessions", "show", *common, "nobody-here"]) == 1
+    assert capsys.readouterr().err.strip() == "devicemq: error: 404: no session nobody-here"
+    assert cli.main(["sessions", "list", "--url", api.url]) == 1  # no token
+    assert "401" in capsys.readouterr().err
+    client.close()
+
+
+# -- brokers of their own --------------------------------------------------------------------
+
+
+def test_without_a_token_the_api_is_read_only(tmp_path: Path) -> None:
+    port = free_port("127.0.0.1")
+    broker = start_broker(tmp_path / "b", {"persistence.enabled": False, "admin.port": port})
+    try:
+        api = AdminClient(f"http://127.0.0.1:{port}")
+        _wait_for(lambda: _admin_up(api), "the admin API answers")
+        client = Paho(broker, "ro-client", V5)
+        client.connect()
+        assert [s["client_id"] for s in api.call("GET", "sessions")["items"]] == ["ro-client"]
+        status, message = _status(api, "POST", api.session_path("ro-client", "disconnect"))
+        assert status == 403 and "token" in message
+        assert client.connected
+        client.close()
+    finally:
+        broker.stop()
+
+
+def test_a_flapping_client_is_blocked(tmp_path: Path) -> None:
+    port = free_port("127.0.0.1")
+    broker = start_broker(
+        tmp_path / "b",
+        {
+            "persistence.enabled": False,
+            "admin.port": port,
+            "flapping.max_connects": 3,
+            "flapping.ban_time": 600,
+        },
+    )
+    try:
+        api = AdminClient(f"http://127.0.0.1:{port}")
+        _wait_for(lambda: _admin_up(api), "the admin API answers")
+        client = Paho(broker, "flapper", V5)
+        codes = []
+        for _ in range(4):
+            codes.append(client.connect().reason_code)
+            client.close()
+        assert codes == [0, 0, 0, BANNED]
+        (entry,) = api.call("GET", "blocked")["items"]
+        assert (entry["value"], entry["by"]) == ("flapper", "flapping")
+        assert 590 < entry["until"] - entry["created"] <= 600
+        assert "flapping" in broker.log()
+    finally:
+        broker.stop()
+
+
+def _events(broker: BrokerProcess, client_id: str) -> list[dict[str, Any]]:
+    """Every event of ``client_id`` in the embedded Kafka's events topic, in order."""
+    kafka = next(s for s in EmbeddedServices(broker.data_dir).status() if s.name == "kafka")
+
+    async def read() -> list[dict[str, Any]]:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=f"127.0.0.1:{kafka.port}", auto_offset_reset="earliest"
+        )
+        await consumer.start()
+        try:
+            partitions = consumer.partitions_for_topic("devicemq.events") or set()
+            tps = [TopicPartition("devicemq.events", p) for p in partitions]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            found: list[dict[str, Any]] = []
+            while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+                for records in (await consumer.getmany(timeout_ms=2000)).values():
+                    for record in records:
+                        found += [e for e in orjson.loads(record.value) if e["cid"] == client_id]
+            return found
+        finally:
+            await consumer.stop()
+
+    def enough() -> list[dict[str, Any]] | None:
+        events = asyncio.run(read())
+        return events if any(e["ev"] == "admin" for e in events) else None
+
+    return _wait_for(enough, "the admin event written (the event log flushes every second)")  # type: ignore[no-any-return]

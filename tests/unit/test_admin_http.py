@@ -1,0 +1,150 @@
+"""app/http.py and app/admin.py's rules without a broker process: the HTTP edge on a
+real socket, the token and loopback rules, routing and the OpenAPI document."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from app.admin import ROUTES, AdminApi, AdminServer, admin_token, openapi_document
+from app.http import MAX_BODY, Request
+from broker.config import AdminSettings, ConfigError, Settings
+from broker.core import Broker
+from tests.conftest import free_port
+
+
+def _settings(**admin: object) -> Settings:
+    defaults: dict[str, object] = {"port": free_port("127.0.0.1")}
+    return dataclasses.replace(Settings(), admin=AdminSettings(**{**defaults, **admin}))  # type: ignore[arg-type]
+
+
+def _api(token: str | None = None) -> AdminApi:
+    settings = _settings()
+    return AdminApi(settings, Broker(settings), "node-1", token=token)
+
+
+def _request(method: str, path: str, peer: str = "127.0.0.1", **headers: str) -> Request:
+    return Request(method, path, {}, {k.lower(): v for k, v in headers.items()}, b"", peer)
+
+
+async def _status(api: AdminApi, request: Request) -> int:
+    from app.http import HttpError
+
+    try:
+        return (await api.handle(request)).status
+    except HttpError as e:
+        return e.status
+
+
+async def test_without_a_token_reads_answer_loopback_only_and_writes_are_refused() -> None:
+    api = _api()
+    assert await _status(api, _request("GET", "/api/v1/sessions")) == 200
+    assert await _status(api, _request("GET", "/api/v1/sessions", peer="::1")) == 200
+    assert await _status(api, _request("GET", "/api/v1/sessions", peer="::ffff:127.0.0.1")) == 200
+    assert await _status(api, _request("GET", "/api/v1/sessions", peer="10.1.2.3")) == 403
+    assert await _status(api, _request("POST", "/api/v1/blocked")) == 403
+    assert await _status(api, _request("DELETE", "/api/v1/sessions/x")) == 403
+
+
+async def test_with_a_token_every_api_request_needs_it_from_anywhere() -> None:
+    api = _api("s3cret")
+    assert await _status(api, _request("GET", "/api/v1/sessions")) == 401
+    wrong = _request("GET", "/api/v1/sessions", Authorization="Bearer nope")
+    assert await _status(api, wrong) == 401
+    basic = _request("GET", "/api/v1/sessions", Authorization="Basic s3cret")
+    assert await _status(api, basic) == 401
+    right = _request("GET", "/api/v1/sessions", peer="10.1.2.3", Authorization="Bearer s3cret")
+    assert await _status(api, right) == 200
+    # the console's files hold no data: no token needed
+    assert await _status(api, _request("GET", "/does-not-exist.js")) == 404
+
+
+async def test_routing_answers_404_405_and_decodes_client_ids() -> None:
+    api = _api()
+    assert await _status(api, _request("GET", "/api/v1/nope")) == 404
+    assert await _status(api, _request("PATCH", "/api/v1/sessions")) == 405
+    assert await _status(api, _request("GET", "/api/v1/sessions/a%2Fb")) == 404  # no such session
+    assert await _status(api, _request("GET", "/api/v1/sessions/a/b/c/d")) == 404
+    for name in ("../pyproject.toml", "%2e%2e/x.html", ".hidden.js", "x.py"):
+        assert await _status(api, _request("GET", f"/{name}")) == 404, name
+
+
+def test_the_openapi_document_lists_every_route() -> None:
+    doc = openapi_document()
+    listed = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    assert listed == {(r.method, "/api/v1/" + "/".join(r.pattern)) for r in ROUTES}
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+def test_the_token_file_is_read_and_its_problems_named(tmp_path: Path) -> None:
+    good = tmp_path / "token"
+    good.write_text("abc\n")
+    assert admin_token(_settings(token_file=str(good))) == "abc"
+    assert admin_token(_settings(token="from-env")) == "from-env"
+    assert admin_token(_settings()) is None
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for path in (empty, tmp_path / "missing"):
+        with pytest.raises(ConfigError) as caught:
+            admin_token(_settings(token_file=str(path)))
+        assert "admin.token_file" in str(caught.value)
+
+
+# -- the HTTP edge on a socket ------------------------------------------------------------
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[AdminServer]:
+    settings = _settings()
+    admin = AdminServer(settings, AdminApi(settings, Broker(settings), "n", token=None))
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        await admin.stop()
+
+
+async def _exchange(port: int, data: bytes) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    status = int(answer.split(b" ", 2)[1])
+    return status, answer.split(b"\r\n\r\n", 1)[1]
+
+
+async def test_the_edge_answers_malformed_requests_with_4xx(server: AdminServer) -> None:
+    port = server.port
+    assert (await _exchange(port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
+    assert (await _exchange(port, b"NONSENSE\r\n\r\n"))[0] == 400
+    assert (await _exchange(port, b"GET / HTTP/1.1\r\nno colon\r\n\r\n"))[0] == 400
+    chunked = b"POST /api/v1/blocked HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    assert (await _exchange(port, chunked))[0] == 411
+    big = f"POST /api/v1/blocked HTTP/1.1\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode()
+    assert (await _exchange(port, big))[0] == 413
+    status, body = await _exchange(port, b"GET /api/v1/sessions?limit=x HTTP/1.1\r\n\r\n")
+    assert status == 400
+    assert orjson.loads(body) == {
+        "error": "limit: an integer is needed",
+        "detail": {"field": "limit"},
+    }
+    status, body = await _exchange(port, b"HEAD /api/v1/stats HTTP/1.1\r\n\r\n")
+    assert status == 200 and body == b""
+    # the listener keeps serving after all that
+    assert (await _exchange(port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
+
+
+async def test_a_taken_port_is_a_start_error_naming_the_setting(server: AdminServer) -> None:
+    from app.admin import AdminUnavailable
+
+    settings = _settings(port=server.port)
+    second = AdminServer(settings, AdminApi(settings, Broker(settings), "n", token=None))
+    with pytest.raises(AdminUnavailable) as caught:
+        await second.start()
+    assert str(caught.value).startswith("admin.port: cannot serve the admin API on 127.0.0.1:")
