@@ -263,6 +263,11 @@ class BrokerCollector(Collector):
         )
         yield _counter("network_sent_bytes", "Bytes queued to MQTT sockets", stats.bytes_sent)
         yield _counter(
+            "flapping_blocks",
+            "Client IDs blocked for connecting too often (flapping.*)",
+            stats.flapping_blocks,
+        )
+        yield _counter(
             "input_pauses",
             "Times reading from a client stopped until the acknowledgements it is owed went out",
             stats.input_pauses,
