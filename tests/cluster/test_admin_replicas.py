@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
@@ -152,3 +153,21 @@ def test_a_block_on_a_closes_the_client_on_b_and_outlives_a_restart(
     _wait_for(lambda: _connect_code(cluster.a, cid) == 0, "a let it in")
     assert client.connect().reason_code == 0
     client.close()
+
+
+def test_presence_events_of_b_reach_a_subscriber_on_a(cluster: Cluster) -> None:
+    """$SYS presence (broker/sys_topics.py) is routed as any message: across replicas."""
+    watcher = Paho(cluster.a, cluster.name("watcher"), V5)
+    watcher.connect()
+    cid = cluster.name("present")
+    watcher.subscribe(f"$SYS/brokers/+/clients/{cid}/+", 0)
+    device = Paho(cluster.b, cid, V311)
+    device.connect()
+    device.disconnect()
+    events = watcher.get_n(2)
+    assert [m.topic for m in events] == [
+        f"$SYS/brokers/b/clients/{cid}/connected",
+        f"$SYS/brokers/b/clients/{cid}/disconnected",
+    ]
+    assert orjson.loads(events[1].payload)["reason"] == "normal"
+    watcher.close()
