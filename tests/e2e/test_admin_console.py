@@ -1,0 +1,213 @@
+"""The admin API's web console (app/console/) in a real headless Chromium
+(tests/e2e/browser.py), against a real broker with its embedded Redis and Tansu
+and real MQTT clients (paho). What the page did is checked through the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support import expected_conditions as ec
+
+from app.admin_cli import AdminClient
+from tests.conftest import free_port
+from tests.e2e.browser import start_chromium, wait_for
+from tests.e2e.clients import V5, Paho
+from tests.e2e.conftest import BrokerProcess, is_mosquitto, start_broker
+from tests.e2e.test_admin_api import TOKEN, _admin_up, _persistent_subscriber, _publish, _wait_for
+
+pytestmark = pytest.mark.skipif(is_mosquitto(), reason="devicemq's admin console")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, AdminClient]]:
+    port = free_port("127.0.0.1")
+    broker = start_broker(
+        tmp_path_factory.mktemp("console"),
+        {"persistence.enabled": True, "admin.port": port, "admin.token": TOKEN},
+    )
+    try:
+        api = AdminClient(f"http://127.0.0.1:{port}", TOKEN)
+        _wait_for(lambda: _admin_up(api), "the admin API answers")
+        yield broker, api
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
+    driver = start_chromium(tmp_path_factory.mktemp("chromium"))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _open(driver: WebDriver, url: str) -> None:
+    """The console in a fresh state: no token kept from an earlier test."""
+    driver.get(url)
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(url)
+
+
+def _enter_token(driver: WebDriver, token: str) -> None:
+    field = driver.find_element(By.ID, "token")
+    field.clear()
+    field.send_keys(token)
+    driver.find_element(By.ID, "token-save").click()
+
+
+def _error(driver: WebDriver) -> str:
+    element = driver.find_element(By.ID, "error")
+    return str(element.text) if element.is_displayed() else ""
+
+
+def _fact(driver: WebDriver, testid: str) -> str:
+    return str(driver.find_element(By.CSS_SELECTOR, f'[data-testid="{testid}"] dd').text)
+
+
+def _session_row(driver: WebDriver, client_id: str) -> WebElement | None:
+    rows = driver.find_elements(By.CSS_SELECTOR, f'#sessions-body tr[data-client-id="{client_id}"]')
+    return rows[0] if rows else None
+
+
+def _sessions_listed(driver: WebDriver) -> list[str] | None:
+    """The client IDs in the sessions table, once its latest request is answered."""
+    if driver.find_element(By.ID, "sessions-table").get_attribute("aria-busy") != "false":
+        return None
+    rows = driver.find_elements(By.CSS_SELECTOR, "#sessions-body tr")
+    return [r.get_attribute("data-client-id") or "" for r in rows]
+
+
+def _open_session(driver: WebDriver, client_id: str) -> None:
+    """Click the session's row (again, should the table be redrawn meanwhile)."""
+
+    def click(d: WebDriver) -> bool:
+        d.find_element(
+            By.CSS_SELECTOR, f'#sessions-body button[data-client-id="{client_id}"]'
+        ).click()
+        return True
+
+    wait_for(driver, click, f"{client_id}'s row to click")
+
+
+def test_a_backlog_found_in_the_console_and_purged(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    broker, api = server
+    cid, topic = "console-backlog", "console/backlog"
+    sub = _persistent_subscriber(broker, cid, topic)
+    _publish(broker, topic, 3, "console-publisher")
+    _wait_for(lambda: api.call("GET", api.session_path(cid))["backlog"] == 3, "3 messages stored")
+
+    driver = chromium
+    _open(driver, api.url + "/")
+    _enter_token(driver, TOKEN)
+    wait_for(driver, lambda d: _fact(d, "stat-sessions") not in ("", "—"), "the headline numbers")
+    assert _error(driver) == ""
+
+    search = driver.find_element(By.ID, "search-prefix")
+    search.send_keys(cid)
+    driver.find_element(By.ID, "search-button").click()
+    wait_for(driver, lambda d: _sessions_listed(d) == [cid], f"the table narrowed to {cid}")
+    row = _session_row(driver, cid)
+    assert row is not None
+    assert row.find_element(By.CSS_SELECTOR, '[data-testid="backlog"]').text == "3"
+    _open_session(driver, cid)
+
+    wait_for(driver, lambda d: _fact(d, "detail-backlog") == "3", "the detail's backlog of 3")
+    assert driver.find_element(By.ID, "detail-client-id").text == cid
+    assert _fact(driver, "detail-state") == "offline"
+    assert _fact(driver, "detail-packet-ids") == "1 to 3"
+    subscriptions = driver.find_elements(By.CSS_SELECTOR, "#detail-subscriptions tbody tr")
+    assert [r.find_element(By.TAG_NAME, "td").text for r in subscriptions] == [topic]
+    peeked = driver.find_elements(By.CSS_SELECTOR, "#detail-messages tbody tr")
+    assert [r.find_elements(By.TAG_NAME, "td")[-1].text for r in peeked] == ["m0", "m1", "m2"]
+
+    driver.find_element(By.ID, "purge").click()
+    alert = wait_for(driver, ec.alert_is_present(), "the confirm dialog")
+    assert cid in alert.text and "Purge" in alert.text
+    alert.accept()
+
+    wait_for(
+        driver,
+        lambda d: "Purged 3 messages" in d.find_element(By.ID, "status").text,
+        "the purge reported",
+    )
+    # the API says so ...
+    assert api.call("GET", api.session_path(cid))["backlog"] == 0
+    assert api.call("GET", api.session_path(cid, "messages"))["items"] == []
+    # ... and so does the page, in the detail and in the table
+    wait_for(driver, lambda d: _fact(d, "detail-backlog") == "0", "the detail's backlog of 0")
+    assert driver.find_elements(By.CSS_SELECTOR, "#detail-messages tbody tr") == []
+    wait_for(
+        driver,
+        lambda d: (
+            (r := _session_row(d, cid)) is not None
+            and r.find_element(By.CSS_SELECTOR, '[data-testid="backlog"]').text == "0"
+        ),
+        "the table's backlog of 0",
+    )
+    assert _error(driver) == ""
+    # the session itself is kept
+    assert sub.connect(clean_start=False).session_present
+    sub.close()
+
+
+def test_without_the_token_the_page_shows_the_401_not_the_data(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    broker, api = server
+    client = Paho(broker, "console-secret", V5)
+    assert client.connect().reason_code == 0
+    driver = chromium
+    try:
+        _open(driver, api.url + "/")
+        error = wait_for(driver, _error, "the error line")
+        assert error.startswith("401: ") and "enter the admin token" in error, error
+        assert driver.find_elements(By.CSS_SELECTOR, "#sessions-body tr") == []
+        assert driver.find_elements(By.CSS_SELECTOR, "#stats div") == []
+        assert "console-secret" not in driver.page_source
+
+        _enter_token(driver, "not-the-token")
+        wait_for(driver, lambda d: "the token was refused" in _error(d), "the refused token")
+        assert driver.find_elements(By.CSS_SELECTOR, "#sessions-body tr") == []
+
+        _enter_token(driver, TOKEN)
+        wait_for(
+            driver, lambda d: _session_row(d, "console-secret"), "the sessions, with the token"
+        )
+        assert _error(driver) == ""
+        # never in the URL; only in this tab's sessionStorage
+        assert "not-the-token" not in driver.current_url and TOKEN not in driver.current_url
+        assert driver.execute_script("return sessionStorage.length") == 1
+    finally:
+        client.close()
+
+
+def test_without_admin_token_the_console_is_read_only(tmp_path: Path, chromium: WebDriver) -> None:
+    port = free_port("127.0.0.1")
+    broker = start_broker(tmp_path / "b", {"persistence.enabled": False, "admin.port": port})
+    try:
+        api = AdminClient(f"http://127.0.0.1:{port}")
+        _wait_for(lambda: _admin_up(api), "the admin API answers")
+        client = Paho(broker, "console-ro", V5)
+        assert client.connect().reason_code == 0
+        driver = chromium
+        _open(driver, api.url + "/")
+        wait_for(driver, lambda d: _session_row(d, "console-ro"), "the session listed")
+        _open_session(driver, "console-ro")
+        wait_for(driver, lambda d: _fact(d, "detail-state") == "connected", "the detail")
+        driver.find_element(By.ID, "kick").click()
+        wait_for(driver, ec.alert_is_present(), "the confirm dialog").accept()
+        error = wait_for(driver, _error, "the error line")
+        assert error.startswith("403: ") and "token" in error, error
+        assert client.connected
+        client.close()
+    finally:
+        broker.stop()
