@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from app.http import HttpError, HttpServer, Request, Response, json_response, segments
+from broker import __version__
 from broker.blocklist import BadEntry, make_entry
 from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
@@ -52,6 +53,7 @@ API = "/api/v1"
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_PEEK = 1000
+PAYLOAD_MAX = 64 * 1024  # bytes of each payload a peek shows by default (payload_max=)
 _PROTOCOLS = {ProtocolLevel.MQTT_3_1: "3.1", ProtocolLevel.MQTT_3_1_1: "3.1.1", 5: "5.0"}
 _CONSOLE = "console"  # the web console's files: app/console/
 
@@ -102,7 +104,7 @@ ROUTES = (
         "GET",
         ("sessions", "{client_id}", "messages"),
         "Stored messages of a persistent session, oldest first",
-        query=("limit", "payload"),
+        query=("limit", "payload", "payload_max"),
     ),
     Route(
         "POST",
@@ -178,6 +180,7 @@ class AdminApi:
         self.store = store
         self.blocks = blocks
         self.events = events
+        self._started = broker.clock()
         self._handlers: dict[tuple[str, tuple[str, ...]], Callable[..., Awaitable[Response]]] = {
             ("GET", ("sessions",)): self.list_sessions,
             ("GET", ("sessions", "{client_id}")): self.show_session,
@@ -291,6 +294,7 @@ class AdminApi:
         session = self._session(client_id)
         limit = _int(request.query, "limit", DEFAULT_LIMIT, 1, MAX_PEEK)
         with_payload = _bool(request.query, "payload") or False
+        cut = _int(request.query, "payload_max", PAYLOAD_MAX, 0, 16 * 1024 * 1024)
         if not session.durable or self.store is None:
             raise HttpError(
                 409, f"{client_id} has no stored messages: its session is not persistent"
@@ -314,7 +318,8 @@ class AdminApi:
                     size=len(message.payload),
                 )
                 if with_payload:
-                    item["payload"] = base64.b64encode(message.payload).decode()
+                    item["payload"] = base64.b64encode(message.payload[:cut]).decode()
+                    item["payload_truncated"] = len(message.payload) > cut
             items.append(item)
         return json_response(200, {"items": items})
 
@@ -486,6 +491,8 @@ class AdminApi:
             200,
             {
                 "node": self.node_id,
+                "version": __version__,
+                "uptime": round(broker.clock() - self._started, 3),
                 "connections": len(broker.connections),
                 "sessions": len(broker.sessions),
                 "sessions_here": len(local),

@@ -94,6 +94,8 @@ def test_a_request_without_the_token_is_refused(server: tuple[BrokerProcess, Adm
     assert _status(AdminClient(api.url), "GET", "sessions")[0] == 401
     assert _status(AdminClient(api.url, "wrong"), "GET", "sessions")[0] == 401
     assert _status(api, "GET", "sessions")[0] == 200
+    stats = api.call("GET", "stats")
+    assert stats["version"] and stats["uptime"] > 0 and stats["connections"] >= 0
     doc = api.call("GET", "openapi.json")
     assert doc["openapi"].startswith("3.")
     assert "/api/v1/sessions/{client_id}/messages" in doc["paths"]
@@ -131,6 +133,9 @@ def test_a_persistent_session_its_backlog_peeked_then_purged(
     assert peek["items"][0]["topic"] == topic and peek["items"][0]["size"] == 2
     no_payload = api.call("GET", api.session_path(cid, "messages"), {"limit": 1})
     assert "payload" not in no_payload["items"][0]
+    cut = api.call("GET", api.session_path(cid, "messages"), {"payload": True, "payload_max": 1})
+    assert base64.b64decode(cut["items"][0]["payload"]) == b"m"
+    assert cut["items"][0]["payload_truncated"] and not peek["items"][0]["payload_truncated"]
 
     assert api.call("DELETE", api.session_path(cid, "messages"))["purged"] == 5
     assert api.call("GET", api.session_path(cid))["backlog"] == 0
