@@ -474,7 +474,9 @@ class AdminSettings:
 class FlappingSettings:
     """Blocking clients that reconnect in a loop (broker/blocklist.py)."""
 
-    enabled: bool = setting(True, "Block a client ID that connects too often")
+    enabled: bool = setting(
+        False, "Block a client ID that connects too often (off by default, as in EMQX)"
+    )
     max_connects: int = setting(
         15, "CONNECTs of one client ID within flapping.window that are tolerated", ge=1
     )

@@ -351,6 +351,7 @@ def test_a_flapping_client_is_blocked(tmp_path: Path) -> None:
         {
             "persistence.enabled": False,
             "admin.port": port,
+            "flapping.enabled": True,
             "flapping.max_connects": 3,
             "flapping.ban_time": 600,
         },

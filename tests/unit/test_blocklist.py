@@ -127,7 +127,7 @@ def _harness(**auth: Any) -> Harness:
     settings = dataclasses.replace(
         Settings(),
         auth=AuthSettings(**auth),
-        flapping=FlappingSettings(max_connects=2, window=60.0, ban_time=30.0),
+        flapping=FlappingSettings(enabled=True, max_connects=2, window=60.0, ban_time=30.0),
     )
     return Harness(settings)
 
@@ -175,3 +175,10 @@ def test_a_flapping_client_is_blocked_for_ban_time() -> None:
     assert h.broker.stats.flapping_blocks == 1
     h.advance(30)
     h.connected("flap")  # the ban is over
+
+
+def test_flapping_is_off_unless_enabled() -> None:
+    h = Harness(Settings())
+    for _ in range(30):
+        h.connected("often").conn.connection_lost()
+    assert len(h.broker.blocklist) == 0
