@@ -19,13 +19,25 @@ then adds is shared like any other.
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import re2
 
 KINDS = ("client_id", "username", "address", "client_id_regex")
 MAX_REGEX_LENGTH = 512  # a pattern is matched at every CONNECT: keep it small
+MAX_TRACKED = 100_000  # client IDs the flapping detector remembers at most
+
+# Patterns run in RE2, in time linear in the client ID: a Python ``re`` pattern
+# such as ``([a-z0-9]+-?)+`` takes seconds on a 25-character ID made to fail it,
+# and the ID is the client's to choose. RE2 has no back-references or lookaround.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+
+class _Pattern(Protocol):
+    def fullmatch(self, text: str) -> object: ...
 
 
 class BadEntry(ValueError):
@@ -47,7 +59,7 @@ class BlockEntry:
     until: float | None = None  # epoch seconds; None: until removed
     created: float = 0.0
     by: str = "admin"  # "admin" or "flapping"
-    _pattern: re.Pattern[str] | ipaddress.IPv4Network | ipaddress.IPv6Network | None = field(
+    _pattern: _Pattern | ipaddress.IPv4Network | ipaddress.IPv6Network | None = field(
         default=None, compare=False, repr=False
     )
 
@@ -74,11 +86,11 @@ class BlockEntry:
             return client_id == self.value
         if kind == "username":
             return username is not None and username == self.value
-        if kind == "client_id_regex":
-            assert isinstance(self._pattern, re.Pattern)
-            return self._pattern.fullmatch(client_id) is not None
         network = self._pattern
-        assert isinstance(network, ipaddress.IPv4Network | ipaddress.IPv6Network)
+        if kind == "client_id_regex":
+            assert network is not None and not isinstance(network, _NETWORKS)
+            return network.fullmatch(client_id) is not None
+        assert isinstance(network, _NETWORKS)
         try:
             ip = ipaddress.ip_address(address)
         except ValueError:  # a Unix socket or an unknown peer: no address to match
@@ -109,23 +121,33 @@ def make_entry(
         raise BadEntry("reason", "reason must be a string")
     if until is not None and (not isinstance(until, int | float) or isinstance(until, bool)):
         raise BadEntry("until", "until must be epoch seconds or null")
-    pattern: re.Pattern[str] | ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
+    pattern: _Pattern | ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
     if kind == "address":
         try:
-            pattern = ipaddress.ip_network(value, strict=False)
+            network = ipaddress.ip_network(value, strict=False)
         except ValueError:
             raise BadEntry("value", f"{value!r} is not an IP address or CIDR network") from None
-        value = str(pattern.network_address) if pattern.num_addresses == 1 else str(pattern)
+        mapped = network.network_address
+        if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+            # ::ffff:a.b.c.d/n: peers are matched as IPv4, so the entry is kept as IPv4
+            prefix = max(0, network.prefixlen - 96)
+            network = ipaddress.ip_network(f"{mapped.ipv4_mapped}/{prefix}", strict=False)
+        pattern = network
+        value = str(network.network_address) if network.num_addresses == 1 else str(network)
     elif kind == "client_id_regex":
         if len(value) > MAX_REGEX_LENGTH:
             raise BadEntry("value", f"a pattern is at most {MAX_REGEX_LENGTH} characters")
         try:
-            pattern = re.compile(value)
-        except re.error as e:
-            raise BadEntry("value", f"not a regular expression: {e}") from None
+            pattern = re2.compile(value, _RE2_OPTIONS)
+        except re2.error as e:
+            detail = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else e
+            raise BadEntry("value", f"not a regular expression RE2 accepts: {detail}") from None
     return BlockEntry(
         kind, value, reason, None if until is None else float(until), created, by, pattern
     )
+
+
+_NETWORKS = (ipaddress.IPv4Network, ipaddress.IPv6Network)
 
 
 def entry_from_json(data: dict[str, Any]) -> BlockEntry:
@@ -151,6 +173,10 @@ class BlockList:
     def __init__(self) -> None:
         self._exact: dict[str, BlockEntry] = {}  # key -> entry, for the three exact kinds
         self._scanned: dict[str, BlockEntry] = {}  # networks and patterns
+        # Changes made here, counted, and the count at each key's last one: a list
+        # read from elsewhere before a change must not undo it (``changed_since``).
+        self.changes = 0
+        self._changed: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._exact) + len(self._scanned)
@@ -169,15 +195,17 @@ class BlockList:
             self._scanned[entry.key] = entry
 
     def remove(self, key: str) -> BlockEntry | None:
+        self.changes += 1
+        self._changed[key] = self.changes
         return self._exact.pop(key, None) or self._scanned.pop(key, None)
 
-    def replace(self, entries: list[BlockEntry], now: float) -> None:
-        """The whole list, as read from where it is kept."""
-        self._exact.clear()
-        self._scanned.clear()
-        for entry in entries:
-            if not entry.expired(now):
-                self.add(entry)
+    def changed_since(self, key: str, mark: int) -> bool:
+        """Was ``key`` added or removed here after :attr:`changes` was ``mark``?"""
+        return self._changed.get(key, 0) > mark
+
+    def forget_changes(self, mark: int) -> None:
+        """Changes up to ``mark`` are in every list read from now on: forget them."""
+        self._changed = {k: n for k, n in self._changed.items() if n > mark}
 
     def prune(self, now: float) -> None:
         for key in [e.key for e in self.entries() if e.expired(now)]:
@@ -221,7 +249,9 @@ def _normalised(address: str) -> str:
 
 class FlapDetector:
     """More than ``max_connects`` CONNECTs of one client ID within ``window`` seconds
-    is flapping. Memory is bounded by the clients that connected within a window."""
+    is flapping. It is told only CONNECTs that authenticated (a client cannot get
+    another blocked by naming its ID), and remembers at most :data:`MAX_TRACKED`
+    client IDs, those that connected within a window."""
 
     def __init__(self, max_connects: int, window: float) -> None:
         self.max_connects = max_connects
@@ -233,6 +263,10 @@ class FlapDetector:
         """Count a CONNECT; True when it is one too many (the client is flapping)."""
         times = self._seen.get(client_id)
         if times is None:
+            if len(self._seen) >= MAX_TRACKED:
+                self._sweep(now)
+                if len(self._seen) >= MAX_TRACKED:
+                    return False  # too many clients at once to tell: none is blocked
             times = self._seen[client_id] = deque()
         times.append(now)
         while times and times[0] <= now - self.window:

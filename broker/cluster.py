@@ -212,7 +212,9 @@ class ClusterState:
         self._send(op="off", c=session.client_id)
 
     def ended(self, session: Session) -> None:
-        if not isinstance(session, RemoteSession):
+        """A session ended here: held here, or an offline durable record (an
+        operator's delete, Broker.kick), which every replica drops on ``end``."""
+        if not isinstance(session, RemoteSession) or (session.durable and not session.online):
             self._send(op="end", c=session.client_id)
 
     def to_reopen(self, client_id: str, clean_start: bool) -> Session | None:

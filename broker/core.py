@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.broker")
 
 SLOW_CONNACK = 1.0  # seconds: a CONNACK that waited this long for the store is logged
+PRUNE_INTERVAL = 10.0  # seconds between two sweeps of ended block-list entries
 
 
 # (session, session present, why it was refused: "" if it was not). Refusals:
@@ -129,6 +130,7 @@ class Broker:
             FlapDetector(flapping.max_connects, flapping.window) if flapping.enabled else None
         )
         self._keep_block = keep_block
+        self._pruned = clock()
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -149,13 +151,19 @@ class Broker:
         return None
 
     def blocked(self, client_id: str, username: str | None, address: str) -> BlockEntry | None:
-        """The block-list entry refusing this CONNECT, or None; a CONNECT that is
-        one too many for its client ID (flapping) blocks it first."""
+        """The block-list entry refusing this CONNECT, or None. A lookup only: it
+        runs before authentication too, where nothing the client sends may be kept."""
+        if len(client_id) > self.settings.mqtt.max_client_id_length:
+            return None  # refused as too long later; never handed to a pattern
+        return self.blocklist.match(client_id, username, address, self.wall_clock())
+
+    def flapping(self, client_id: str) -> BlockEntry | None:
+        """Count an authenticated CONNECT of ``client_id``; the one too many blocks
+        it for ``flapping.ban_time`` (the entry is shared like any other)."""
+        if self._flapping is None or not client_id:
+            return None
         now = self.wall_clock()
-        entry = self.blocklist.match(client_id, username, address, now)
-        if entry is not None or self._flapping is None:
-            return entry
-        if not client_id or not self._flapping.connected(client_id, now):
+        if not self._flapping.connected(client_id, now):
             return None
         flapping = self.settings.flapping
         entry = BlockEntry(
@@ -206,7 +214,12 @@ class Broker:
         if session is None:
             return False
         if isinstance(session, RemoteSession):
-            if self.cluster is not None:
+            if end_session and not session.online:
+                # Nobody holds a connection: ended from here (the replica that held
+                # it may be gone; the others drop their records on the "end").
+                log.info("session %s ended by an operator", client_id)
+                self.end_session(session)
+            elif self.cluster is not None:
                 self.cluster.kick(session, end_session)
             return True
         conn = session.connection
@@ -626,6 +639,9 @@ class Broker:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
         self.refusal_log.flush(now)
+        if now - self._pruned >= PRUNE_INTERVAL:
+            self._pruned = now
+            self.blocklist.prune(self.wall_clock())
         for client_id, since in list(self._opening_since.items()):
             if now - since >= SLOW_CONNACK * 3:
                 self._opening_since[client_id] = now  # logged again if it goes on

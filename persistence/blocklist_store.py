@@ -28,6 +28,18 @@ log = logging.getLogger("devicemq.blocklist")
 
 REFRESH_INTERVAL = 10.0  # seconds between two reads of the whole list
 
+# Delete ended entries only if they are still the value read: an entry written
+# again meanwhile (a new ban of the same key) stays.
+_DELETE_IF_UNCHANGED = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return n
+"""
+
 
 class BlockListStore:
     """Reads and writes the shared list; :meth:`start` keeps a broker's copy current."""
@@ -45,16 +57,19 @@ class BlockListStore:
         raw = await self.redis.hgetall(BLOCKED_KEY)
         now = self._wall_clock()
         entries: list[BlockEntry] = []
-        stale: list[BlockEntry] = []
+        stale: list[bytes] = []
         for key, value in raw.items():
             try:
                 entry = entry_from_json(orjson.loads(value))
             except (BadEntry, orjson.JSONDecodeError, AttributeError, TypeError) as e:
                 log.warning("block-list entry %r in Redis is unreadable: %s", key, e)
                 continue
-            (stale if entry.expired(now) else entries).append(entry)
+            if entry.expired(now):
+                stale += [key, value]
+            else:
+                entries.append(entry)
         if stale:
-            await self.redis.hdel(BLOCKED_KEY, *[e.key for e in stale])
+            await self.redis.eval(_DELETE_IF_UNCHANGED, 1, BLOCKED_KEY, *stale)
         return entries
 
     async def add(self, entry: BlockEntry) -> None:
@@ -83,16 +98,25 @@ class BlockListStore:
     # -- the broker's copy -------------------------------------------------------------
 
     async def refresh(self, broker: Broker) -> None:
-        """Make ``broker``'s list the one in Redis, enforcing entries it lacked."""
+        """Make ``broker``'s list the one in Redis, enforcing entries it lacked.
+
+        An entry added or removed here while Redis was read (this replica's own
+        write, or one another replica announced) is left as it is now: the list
+        read may be older than that change."""
+        blocks = broker.blocklist
         async with self._lock:
+            mark = blocks.changes
             entries = await self.load()
             fresh = {e.key: e for e in entries}
-            for entry in broker.blocklist.entries():
-                if entry.key not in fresh and entry.key not in self._unwritten:
-                    broker.remove_block(entry.key, share=False)
+            for entry in blocks.entries():
+                key = entry.key
+                kept = key in fresh or key in self._unwritten or blocks.changed_since(key, mark)
+                if not kept:
+                    broker.remove_block(key, share=False)
             for entry in entries:
-                if broker.blocklist.get(entry.key) != entry:
+                if blocks.get(entry.key) != entry and not blocks.changed_since(entry.key, mark):
                     broker.add_block(entry, share=False)
+            blocks.forget_changes(mark)
 
     def start(self, broker: Broker, interval: float = REFRESH_INTERVAL) -> None:
         self._task = asyncio.get_running_loop().create_task(self._refreshing(broker, interval))

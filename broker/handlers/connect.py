@@ -15,6 +15,7 @@ from broker.session import Session
 from broker.topics import is_valid_topic_name
 
 if TYPE_CHECKING:
+    from broker.blocklist import BlockEntry
     from broker.connection import MQTTConnection
 
 log = logging.getLogger("devicemq.connect")
@@ -50,6 +51,13 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         raise MQTTError(ReasonCode.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
     conn.protocol_level = packet.protocol_level
+    # The block list before anything else: a banned client costs one lookup, never
+    # an argon2 hash, and takes nothing from the connection rates below. Asked
+    # again once authentication names the user (_authenticated).
+    blocked = conn.broker.blocked(packet.client_id, packet.username, conn.address)
+    if blocked is not None:
+        _refuse(conn, _banned(blocked))
+        return
     # mqtt.max_connection_rate_per_source, then mqtt.max_connection_rate: before any
     # password work, and one address cannot use up the broker-wide rate.
     over = conn.broker.connect_allowed(conn.source)
@@ -58,12 +66,6 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
             "its address's connection rate" if over.endswith("per_source") else "connection rate"
         )
         _refuse(conn, ConnectRefused(ReasonCode.CONNECTION_RATE_EXCEEDED, limit, over))
-        return
-    # The block list (and flapping) before any password work: a banned client
-    # costs one lookup, never an argon2 hash.
-    blocked = conn.broker.blocked(packet.client_id, packet.username, conn.address)
-    if blocked is not None:
-        _refuse(conn, ConnectRefused(ReasonCode.BANNED, f"blocked ({blocked.key})", "banned"))
         return
     # Authentication may hash a password in a worker thread: whatever the
     # client sends meanwhile waits in the connection until CONNACK is decided.
@@ -96,9 +98,22 @@ def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) ->
         if refusal is not None:
             raise refusal
         conn.username = result.username
+        # Who the client is is known now: a username entry also names a user whose
+        # identity came from its certificate, and only a client that proved who it
+        # is counts for flapping (nobody gets another client blocked by naming it).
+        broker = conn.broker
+        blocked = broker.blocked(packet.client_id, conn.username, conn.address)
+        if blocked is None:
+            blocked = broker.flapping(packet.client_id)
+        if blocked is not None:
+            raise _banned(blocked)
         _accept(conn, packet)
     except ConnectRefused as refusal:
         _refuse(conn, refusal)
+
+
+def _banned(entry: BlockEntry) -> ConnectRefused:
+    return ConnectRefused(ReasonCode.BANNED, f"blocked ({entry.key})", "banned")
 
 
 def _accept(conn: MQTTConnection, packet: Connect) -> None:

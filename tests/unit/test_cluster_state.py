@@ -128,3 +128,19 @@ def test_a_remote_record_carries_where_the_client_is_from() -> None:
     assert isinstance(record, RemoteSession)
     assert (record.address, record.protocol_level) == ("test", 5)
     assert record.connected_at == b.broker.sessions["dev"].connected_at is not None
+
+
+def test_an_offline_session_of_a_gone_replica_is_ended_from_here() -> None:
+    """A kick would wait for a replica that is gone: the session is ended where the
+    operator asked, and the other replicas drop their records."""
+    a, b, c = Node("a"), Node("b"), Node("c")
+    conn = b.connect("dev", expiry=600)
+    b.state.went_offline(b.broker.sessions["dev"])  # as a durable session's disconnect
+    conn.state = ConnectionState.CLOSED
+    pump(b, a, c)
+    record = a.broker.sessions["dev"]
+    assert isinstance(record, RemoteSession) and not record.online
+    assert a.broker.kick("dev", end_session=True)
+    assert "dev" not in a.broker.sessions
+    pump(a, c)  # b is gone: only c hears it
+    assert "dev" not in c.broker.sessions
