@@ -18,9 +18,10 @@ messages as purged, never lost.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import heapq
 import hmac
-import ipaddress
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -36,10 +37,11 @@ from broker import __version__
 from broker.blocklist import BadEntry, make_entry
 from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
+from broker.limits import is_loopback
 from broker.message import Message
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
-from broker.topics import is_valid_topic_filter, is_valid_topic_name
+from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
 
 if TYPE_CHECKING:
     from broker.core import Broker
@@ -53,6 +55,7 @@ API = "/api/v1"
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_PEEK = 1000
+SCAN_CHUNK = 5000  # sessions looked at between two turns of the event loop
 PAYLOAD_MAX = 64 * 1024  # bytes of each payload a peek shows by default (payload_max=)
 _PROTOCOLS = {ProtocolLevel.MQTT_3_1: "3.1", ProtocolLevel.MQTT_3_1_1: "3.1.1", 5: "5.0"}
 _CONSOLE = "console"  # the web console's files: app/console/
@@ -218,8 +221,12 @@ class AdminApi:
             ):
                 raise HttpError(401, "send the admin token: Authorization: Bearer <token>")
             return
-        if not _loopback(request.peer):
+        if not is_loopback(request.peer):
             raise HttpError(403, "without admin.token the admin API answers loopback only")
+        if not _loopback_host(request.headers.get("host", "localhost")):
+            # A page in the operator's browser whose name was rebound to 127.0.0.1
+            # (DNS rebinding) sends its own name: it gets nothing without the token.
+            raise HttpError(403, "without admin.token the Host must name this machine")
         if write:
             raise HttpError(403, "writes need admin.token_file or DEVICEMQ_ADMIN_TOKEN")
 
@@ -233,20 +240,19 @@ class AdminApi:
         prefix = q.get("client_id", "")
         username = q.get("username")
         cursor = q.get("cursor", "")
-        chosen: list[Session] = []
-        for cid in sorted(self.broker.sessions):
-            if cid <= cursor or not cid.startswith(prefix):
-                continue
-            session = self.broker.sessions[cid]
-            if connected is not None and _connected(session) != connected:
-                continue
-            if persistent is not None and session.durable != persistent:
-                continue
-            if username is not None and session.username != username:
-                continue
-            chosen.append(session)
-            if len(chosen) > limit:
-                break
+
+        def wanted(session: Session) -> bool:
+            cid = session.client_id
+            return (
+                cid > cursor
+                and cid.startswith(prefix)
+                and (connected is None or _connected(session) == connected)
+                and (persistent is None or session.durable == persistent)
+                and (username is None or session.username == username)
+            )
+
+        found = await self._scan(wanted)
+        chosen = heapq.nsmallest(limit + 1, found, key=_client_id)
         more = len(chosen) > limit
         chosen = chosen[:limit]
         backlogs = await self._backlogs(chosen)
@@ -274,15 +280,19 @@ class AdminApi:
         if not isinstance(session, RemoteSession):
             in_flight = sorted(session.outflow.inflight)
         if session.durable and self.store is not None:
-            _, scores = await self.store.backlog_range(client_id)
-            if scores is not None:
-                page = await self.store.load_page(client_id, scores[0] - 1, MAX_PEEK)
-                stored = [r for r in page.records if r.message is not None]
-                if stored:
-                    oldest = min(r.message.publish_time for r in stored if r.message)
-                    backlog["oldest_age"] = round(max(0.0, self.broker.wall_clock() - oldest), 3)
-                    backlog["packet_ids"] = [stored[0].packet_id, stored[-1].packet_id]
-                backlog["scores"] = list(scores)
+            _, ends = await self.store.backlog_range(client_id)
+            if ends is not None:
+                (first_id, first_score), (last_id, last_score) = ends
+                backlog["scores"] = [first_score, last_score]
+                backlog["packet_ids"] = [first_id, last_id]
+                # Messages in flight are the oldest (delivery goes in score order), at
+                # most a window of them: one page of that size holds them and the oldest.
+                window = self.settings.mqtt.max_inflight + 1
+                page = await self.store.load_page(client_id, first_score - 1, window)
+                times = [r.message.publish_time for r in page.records if r.message is not None]
+                if times:
+                    age = self.broker.wall_clock() - min(times)
+                    backlog["oldest_age"] = round(max(0.0, age), 3)
                 in_flight = sorted(
                     {*(in_flight or ()), *(r.packet_id for r in page.records if r.sent)}
                 )
@@ -336,9 +346,15 @@ class AdminApi:
         deleted: int | None = None
         if session is not None:
             self.broker.kick(client_id, end_session=True)
-        elif self.store is not None and await self.store.load_session(client_id) is not None:
-            # Known to Redis only (this replica never restored it): end it there.
-            deleted = await self.store.delete_session(client_id)
+        elif self.store is not None and (stored := await self.store.load_session(client_id)):
+            # Known to Redis only (this replica never restored it): ended there, fenced
+            # by the generation read (a client connecting meanwhile keeps its new one).
+            deleted = await self.store.end_session(client_id, stored.generation)
+            if deleted is None:
+                raise HttpError(409, f"{client_id} connected again meanwhile: not deleted")
+            await self.store.unindex_session(client_id)
+            if self.events is not None:
+                self.events.session(client_id, "session_ended")
         else:
             raise HttpError(404, f"no session {client_id}")
         self._audit(client_id, "delete_session", {"messages_deleted": deleted})
@@ -364,11 +380,15 @@ class AdminApi:
         limit = _int(q, "limit", MAX_LIMIT, 1, MAX_LIMIT)
         wanted_filter = q.get("filter")
         client_id = q.get("client_id")
-        sessions = (
-            ([self.broker.sessions[client_id]] if client_id in self.broker.sessions else [])
-            if client_id is not None
-            else [self.broker.sessions[c] for c in sorted(self.broker.sessions)]
-        )
+
+        def wanted(session: Session) -> bool:
+            return (client_id is None or session.client_id == client_id) and any(
+                wanted_filter is None or f == wanted_filter for f in session.subscriptions
+            )
+
+        # Each session found holds one subscription at least: the first ``limit``
+        # sessions by client ID hold the first ``limit`` subscriptions.
+        sessions = heapq.nsmallest(limit, await self._scan(wanted), key=_client_id)
         items = []
         for session in sessions:
             for entry in session.subscriptions.values():
@@ -412,6 +432,8 @@ class AdminApi:
         topic = request.query.get("topic", "")
         if not topic or not is_valid_topic_name(topic):
             raise HttpError(400, "topic: give one topic name (no wildcards)", {"field": "topic"})
+        if is_sys_topic(topic):
+            raise HttpError(400, "topic: $SYS topics are the broker's own", {"field": "topic"})
         retained = self.broker.retained
         if not retained.matching(topic, self.broker.clock()):
             raise HttpError(404, f"no retained message on {topic}")
@@ -509,6 +531,17 @@ class AdminApi:
         return json_response(200, openapi_document())
 
     # -- helpers -----------------------------------------------------------------------
+
+    async def _scan(self, wanted: Callable[[Session], bool]) -> list[Session]:
+        """The sessions ``wanted`` accepts, in chunks with the loop let go between
+        them: a replica holding a million sessions still serves MQTT meanwhile."""
+        snapshot = list(self.broker.sessions.values())
+        found: list[Session] = []
+        for start in range(0, len(snapshot), SCAN_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            found += [s for s in snapshot[start : start + SCAN_CHUNK] if wanted(s)]
+        return found
 
     def _session(self, client_id: str) -> Session:
         session = self.broker.sessions.get(client_id)
@@ -671,6 +704,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
     raise HttpError(404, "no such endpoint: see /api/v1/openapi.json")
 
 
+def _client_id(session: Session) -> str:
+    return session.client_id
+
+
 def _connected(session: Session) -> bool:
     if isinstance(session, RemoteSession):
         return session.online
@@ -681,14 +718,15 @@ def _replica(session: Session, here: str) -> str:
     return session.node if isinstance(session, RemoteSession) else here
 
 
-def _loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
+def _loopback_host(host: str) -> bool:
+    """A Host header naming this machine: localhost or a loopback address, any port."""
+    if host.startswith("["):
+        name = host[1 : host.find("]")] if "]" in host else host
+    else:
+        name, colon, port = host.rpartition(":")
+        if not colon or not port.isdigit():
+            name = host
+    return name.lower() in ("localhost", "localhost.") or is_loopback(name)
 
 
 def _int(query: dict[str, str], name: str, default: int, low: int, high: int) -> int:
@@ -743,7 +781,7 @@ def _console_file(path: str, method: str) -> Response:
         raise HttpError(404, "not found")
     try:
         body = resources.files("app").joinpath(_CONSOLE, name).read_bytes()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except (OSError, ValueError):  # missing, a directory, a NUL in the name
         raise HttpError(404, "not found") from None
     return Response(
         200,

@@ -31,6 +31,9 @@ TOKEN_ENV = "DEVICEMQ_ADMIN_TOKEN"
 TIMEOUT = 10.0
 
 
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class ApiError(Exception):
     """The API answered with an error, or could not be reached (``status`` 0)."""
 
@@ -64,9 +67,11 @@ class AdminClient:
         if data is not None:
             request.add_header("Content-Type", "application/json")
         if self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
+            # Not to a redirect's target, and through no proxy: the token goes to the
+            # admin API it was given for and nowhere else.
+            request.add_unredirected_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            with _OPENER.open(request, timeout=TIMEOUT) as response:
                 return orjson.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
             raise ApiError(e.code, _error_text(e.code, e.read())) from None

@@ -3,8 +3,10 @@
 Enough HTTP for JSON requests from curl, the CLI and a browser: one request
 per connection (``Connection: close``), a body only with ``Content-Length``
 (at most ``MAX_BODY``), the head within ``MAX_HEAD`` bytes and both within
-``REQUEST_TIMEOUT``. Anything else gets a 4xx and the connection closed; a
-handler's bug is a 500 and one log line, never a dead listener.
+``REQUEST_TIMEOUT``; at most ``MAX_CONNECTIONS`` at once (the listener shares
+the broker's file descriptors: idle sockets opened by anyone must not starve
+MQTT). Anything else gets a 4xx or the connection closed; a handler's bug is
+a 500 and one log line, never a dead listener.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ log = logging.getLogger("devicemq.admin")
 
 MAX_HEAD = 16 * 1024
 MAX_BODY = 64 * 1024
-REQUEST_TIMEOUT = 10.0
+REQUEST_TIMEOUT = 5.0  # the whole request, head and body
+WRITE_TIMEOUT = 10.0  # the answer, to a reader that does not read
+MAX_CONNECTIONS = 64  # at once; more are closed unanswered (descriptors are the broker's)
 
 JSON = "application/json"
 REASONS = {
@@ -94,6 +98,7 @@ class HttpServer:
         self.requested_port = port
         self.reuse_port = reuse_port
         self._server: asyncio.Server | None = None
+        self._open = 0
 
     @property
     def port(self) -> int:
@@ -116,6 +121,16 @@ class HttpServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            writer.transport.abort()
+            return
+        self._open += 1
+        try:
+            await self._exchange(reader, writer)
+        finally:
+            self._open -= 1
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head_only = False
         try:
             try:
@@ -134,9 +149,9 @@ class HttpServer:
                     log.exception("admin request %s %s failed", request.method, request.path)
                     response = error_response(HttpError(500, "internal error"))
             writer.write(_encode(response, head_only))
-            await writer.drain()
-        except (ConnectionError, OSError):
-            pass
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+        except (ConnectionError, OSError, TimeoutError):
+            writer.transport.abort()
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
@@ -166,7 +181,7 @@ async def _read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> R
         raise HttpError(411, "send a Content-Length, not chunks")
     length_text = headers.get("content-length")
     if length_text is not None:
-        if not length_text.isdigit():
+        if not (length_text.isascii() and length_text.isdigit()):
             raise HttpError(400, "bad Content-Length")
         length = int(length_text)
         if length > MAX_BODY:

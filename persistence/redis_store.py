@@ -707,8 +707,10 @@ class RedisMessageStore:
         reply = await self._eval(_PURGE, (keys.messages, keys.bytes), ())
         return [(int(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
 
-    async def backlog_range(self, client_id: str) -> tuple[int, tuple[int, int] | None]:
-        """(refs stored, (lowest score, highest score) or None when empty)."""
+    async def backlog_range(
+        self, client_id: str
+    ) -> tuple[int, tuple[tuple[int, int], tuple[int, int]] | None]:
+        """(refs stored, ((packet id, score) of the oldest, of the newest) or None)."""
         key = client_keys(client_id).messages
         pipe = self.redis.pipeline(transaction=False)
         pipe.zcard(key)
@@ -717,7 +719,8 @@ class RedisMessageStore:
         count, first, last = await pipe.execute()
         if not first or not last:
             return int(count), None
-        return int(count), (int(first[0][1]), int(last[0][1]))
+        ends = [(int(ref[0][0]), int(ref[0][1])) for ref in (first, last)]
+        return int(count), (ends[0], ends[1])
 
     async def pending_counts(self, client_ids: Sequence[str]) -> list[int]:
         """Refs stored for each of ``client_ids``, in one round trip."""

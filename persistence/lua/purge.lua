@@ -7,6 +7,8 @@
 -- the client's late PUBACK would then remove (redis_store.py, "In flight until
 -- acknowledged"). A sender holding a purged message in memory finds its string
 -- gone when it marks it (mark_sent.lua) and does not send it.
+-- A ref whose string has expired is dropped as load_page drops it, and not
+-- reported: that message expired, it was not purged (the audit tells them apart).
 -- Returns the (id, score) pairs removed, flattened, in score order.
 
 local set_key = KEYS[1]
@@ -15,7 +17,9 @@ local removed = {}
 local freed = 0
 for j = 1, #refs, 2 do
   local key = set_key .. '_' .. refs[j]
-  if not is_sent(key) then
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('ZREM', set_key, refs[j])
+  elseif not is_sent(key) then
     freed = freed + redis.call('STRLEN', key)
     redis.call('DEL', key)
     redis.call('ZREM', set_key, refs[j])
