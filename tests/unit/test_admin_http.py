@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import orjson
@@ -148,3 +148,37 @@ async def test_a_taken_port_is_a_start_error_naming_the_setting(server: AdminSer
     with pytest.raises(AdminUnavailable) as caught:
         await second.start()
     assert str(caught.value).startswith("admin.port: cannot serve the admin API on 127.0.0.1:")
+
+
+async def test_without_a_token_the_host_must_name_this_machine() -> None:
+    """A page whose name was rebound to 127.0.0.1 sends its own name (DNS rebinding)."""
+    api = _api()
+    for host in ("localhost", "localhost:18083", "127.0.0.1:18083", "[::1]:18083", "[::1]"):
+        assert await _status(api, _request("GET", "/api/v1/stats", Host=host)) == 200, host
+    for host in ("evil.example", "evil.example:18083", "10.0.0.1", "[2001:db8::1]:80"):
+        assert await _status(api, _request("GET", "/api/v1/stats", Host=host)) == 403, host
+    with_token = _api("t")
+    rebound = _request("GET", "/api/v1/stats", Host="evil.example", Authorization="Bearer t")
+    assert await _status(with_token, rebound) == 200  # the token is what counts then
+
+
+async def test_idle_connections_are_capped(server: AdminServer) -> None:
+    """Sockets opened by anyone, before any token is read: at most MAX_CONNECTIONS
+    are held, the next is closed at once, and the listener serves again after."""
+    from app.http import MAX_CONNECTIONS
+
+    idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(MAX_CONNECTIONS)]
+    await _until(lambda: server.http._open == MAX_CONNECTIONS)  # all taken
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, unanswered
+    writer.close()
+    for _, w in idle:
+        w.close()
+    await _until(lambda: server.http._open == 0)
+    assert (await _exchange(server.port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0.01)
