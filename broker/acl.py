@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.config import ConfigError
+from broker.limits import is_loopback
 from broker.topics import is_sys_topic, is_valid_topic_filter, parse_shared, topic_matches
 from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
 
@@ -278,10 +279,20 @@ class Authorizer:
             return True
         return self._decide(client_id, username, topic, WRITE)
 
-    def can_subscribe(self, client_id: str, username: str | None, topic_filter: str) -> bool:
-        if not self.active:
-            return True
+    def can_subscribe(
+        self, client_id: str, username: str | None, topic_filter: str, address: str = ""
+    ) -> bool:
+        """May the client subscribe to ``topic_filter``? ``address``: where it connects
+        from (an IP address).
+
+        Without an ACL file every filter is allowed except those that can take the
+        presence events (``$SYS/brokers/...``: every client's ID, user and address),
+        which only clients on this host get, as EMQX's default rules keep ``$SYS``
+        to 127.0.0.1; an ACL file grants them like any topic (``topic read $SYS/#``).
+        """
         _, inner = parse_shared(topic_filter)
+        if not self.active:
+            return not _takes_presence(inner) or is_loopback(address)
         allowed = False
         for access, rule in self._rules_for(client_id, username):
             if filter_covers(rule, inner):
@@ -327,3 +338,9 @@ class Authorizer:
                 if rule.access & READ:
                     allowed = True
         return allowed
+
+
+def _takes_presence(topic_filter: str) -> bool:
+    """Can ``topic_filter`` match ``$SYS/brokers/{node}/clients/{id}/...``?"""
+    levels = topic_filter.split("/", 2)
+    return levels[0] == "$SYS" and len(levels) > 1 and levels[1] in ("brokers", "+", "#")

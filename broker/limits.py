@@ -53,6 +53,18 @@ def bucket_or_none(rate: float, now: float) -> TokenBucket | None:
     return TokenBucket(rate, now) if rate > 0 else None
 
 
+def is_loopback(address: str) -> bool:
+    """An IP address of this host (127.0.0.0/8, ::1, IPv4-mapped too); False for
+    anything that is not an IP address."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
 def source_key(host: str) -> str:
     """Who a connection comes from, for per-source limits.
 

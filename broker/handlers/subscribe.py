@@ -45,7 +45,7 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     for request in packet.subscriptions:
         refusal = _refusal(conn, request)
         if refusal is None and not broker.acl.can_subscribe(
-            conn.client_id, conn.username, request.topic_filter
+            conn.client_id, conn.username, request.topic_filter, conn.address
         ):
             # 0x87 Not authorized; 3.1.1 knows only 0x80 Failure (spec 3.9.3).
             refusal = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR

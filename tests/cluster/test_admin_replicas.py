@@ -161,6 +161,12 @@ def test_presence_events_of_b_reach_a_subscriber_on_a(cluster: Cluster) -> None:
     watcher.connect()
     cid = cluster.name("present")
     watcher.subscribe(f"$SYS/brokers/+/clients/{cid}/+", 0)
+    # b routes the event: it must have heard of the subscription first
+    api_b = _api(cluster.b)
+    _wait_for(
+        lambda: api_b.call("GET", "subscriptions", {"client_id": watcher.client_id})["items"],
+        "b knows the watcher's subscription",
+    )
     device = Paho(cluster.b, cid, V311)
     device.connect()
     device.disconnect()

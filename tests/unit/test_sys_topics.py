@@ -36,6 +36,13 @@ def sys_harness(**settings: object) -> Harness:
     return h
 
 
+def local_watcher(h: Harness) -> Client:
+    """A client on this host: without an ACL file only those get presence events."""
+    client = h.client(V5, peer="127.0.0.1")
+    client.connect("watcher")
+    return client
+
+
 def by_topic(packets: list[Publish]) -> dict[str, bytes]:
     return {p.topic: p.payload for p in packets}
 
@@ -123,7 +130,7 @@ def test_numbers_reach_subscribers_and_new_subscribers_get_them_retained() -> No
     h = sys_harness()
     gone = h.connected("gone", clean_start=False, session_expiry_interval=600)
     gone.disconnect()
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     assert watcher.subscribe("$SYS/broker/#") == [0]
     assert watcher.pending == []  # nothing published yet
     h.clock.now += 42.5
@@ -169,7 +176,7 @@ def test_own_retained_messages_are_outside_the_limits_and_not_shared() -> None:
     assert pub.publish_acked("t", b"kept", retain=True) == ReasonCode.NO_MATCHING_SUBSCRIBERS
     assert written == ["t"]  # the one retained message allowed
     sys_topics.publish_numbers()
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/broker/retained messages/count")
     assert by_topic(publishes(watcher.pending)) == {"$SYS/broker/retained messages/count": b"1"}
 
@@ -177,7 +184,7 @@ def test_own_retained_messages_are_outside_the_limits_and_not_shared() -> None:
 def test_sys_interval_0_publishes_no_sys_topics() -> None:
     h = sys_harness(sys_interval=0.0)
     assert h.broker.sys_topics is None
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/#")
     h.connected("other").disconnect()
     watcher.expect_nothing()
@@ -192,7 +199,7 @@ def presence(watcher: Client) -> list[tuple[str, dict[str, object]]]:
 
 def test_connected_event() -> None:
     h = sys_harness()
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/brokers/+/clients/+/connected")
     device = h.client(V311, peer="192.0.2.1")
     device.connect("dev-1", keep_alive=30, clean_start=False)
@@ -227,7 +234,7 @@ def reasons(watcher: Client) -> list[tuple[str, object]]:
 
 def test_disconnected_reasons() -> None:
     h = sys_harness()
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/brokers/#")
     h.connected("normal").disconnect()
     lost = h.connected("lost")
@@ -251,7 +258,7 @@ def test_disconnected_reasons() -> None:
 
 def test_disconnected_event_payload() -> None:
     h = sys_harness()
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/brokers/+/clients/+/disconnected")
     h.client(V5, peer="::1").connect("odd/id")
     conn = h.broker.sessions["odd/id"].connection
@@ -282,7 +289,7 @@ def test_publish_to_sys_is_refused_v5(topic: str) -> None:
     """Mosquitto's rule (a topic beginning with "$SYS"), told as 0x87 Not authorized."""
     h = sys_harness()
     pub = h.connected("pub")
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/#", "$SYStem/#", "$SYS")
     assert pub.publish_acked(topic, b"fake", qos=1, retain=True) == ReasonCode.NOT_AUTHORIZED
     packet_id = pub.publish(topic, b"fake", qos=2)
@@ -298,7 +305,7 @@ def test_publish_to_sys_is_acknowledged_and_dropped_v311() -> None:
     """3.1.1 cannot say no: acknowledged as usual and dropped, as Mosquitto does."""
     h = sys_harness()
     pub = h.connected("pub", V311)
-    watcher = h.connected("watcher")
+    watcher = local_watcher(h)
     watcher.subscribe("$SYS/#")
     assert pub.publish_acked("$SYS/broker/uptime", qos=1) == 0
     assert pub.publish_acked("$SYS/broker/uptime", qos=2) == 0
@@ -354,3 +361,20 @@ def test_with_an_acl_only_clients_granted_sys_see_it(tmp_path: Path) -> None:
     assert {p.topic.split("/")[1] for p in publishes(ops.read())} == {"broker", "brokers"}
     dev.expect_nothing()
     assert h.broker.acl.can_publish("ops", "ops", "$SYS/broker/uptime") is False
+
+
+def test_without_an_acl_presence_goes_to_clients_on_this_host_only() -> None:
+    """Presence names every client, its user and address: as EMQX's default rules,
+    only clients on this host get it unless an ACL file grants it."""
+    h = sys_harness()
+    remote = h.client(V5, peer="192.0.2.7")
+    remote.connect("remote")
+    assert remote.subscribe("$SYS/brokers/+/clients/+/+", "$SYS/#", "#", "$SYS/broker/#") == [
+        0x87,
+        0x87,
+        0,
+        0,
+    ]
+    local = h.client(V5, peer="::1")
+    local.connect("local")
+    assert local.subscribe("$SYS/brokers/#", "$share/g/$SYS/#") == [0, 0]
