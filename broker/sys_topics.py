@@ -131,6 +131,19 @@ def presence_topic(node: str, client_id: str, event: str) -> str:
     return f"$SYS/brokers/{node}/clients/{client_id}/{event}"
 
 
+def _who(
+    client_id: str, username: str | None, address: str, protocol_level: int
+) -> dict[str, object]:
+    """The fields both presence events start with."""
+    return {
+        "clientid": client_id,
+        "username": username,
+        "ipaddress": address,
+        "proto_name": _PROTOCOL_NAMES.get(protocol_level, "MQTT"),
+        "proto_ver": protocol_level,
+    }
+
+
 def connected_payload(
     client_id: str,
     username: str | None,
@@ -144,11 +157,7 @@ def connected_payload(
     """EMQX's ``client_connected`` event body (the fields devicemq knows)."""
     return orjson.dumps(
         {
-            "clientid": client_id,
-            "username": username,
-            "ipaddress": address,
-            "proto_name": _PROTOCOL_NAMES.get(protocol_level, "MQTT"),
-            "proto_ver": protocol_level,
+            **_who(client_id, username, address, protocol_level),
             "keepalive": keep_alive,
             "clean_start": clean_start,
             "expiry_interval": expiry_interval,
@@ -166,11 +175,7 @@ def disconnected_payload(
     (``session_taken_over``, ``keep_alive_timeout``, ...), or ``closed``."""
     return orjson.dumps(
         {
-            "clientid": client_id,
-            "username": username,
-            "ipaddress": address,
-            "proto_name": _PROTOCOL_NAMES.get(protocol_level, "MQTT"),
-            "proto_ver": protocol_level,
+            **_who(client_id, username, address, protocol_level),
             "reason": reason,
             "disconnected_at": at_ms,
             "ts": at_ms,

@@ -27,8 +27,5 @@ for j = 1, #refs, 2 do
     removed[#removed + 1] = refs[j + 1]
   end
 end
-if freed > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-  local left = redis.call('DECRBY', KEYS[2], freed)
-  if left < 0 or redis.call('ZCARD', set_key) == 0 then redis.call('SET', KEYS[2], 0, 'KEEPTTL') end
-end
+release_bytes(KEYS[2], set_key, freed)
 return removed

@@ -4,8 +4,7 @@ other (the cluster link), and the block list is Redis's (it survives restarts)."
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,36 +14,13 @@ from paho.mqtt.packettypes import PacketTypes
 
 from app.admin_cli import AdminClient, ApiError
 from tests.cluster.conftest import Cluster, running_cluster
+from tests.e2e.admin import ADMINISTRATIVE_ACTION, BANNED, TOKEN, answering, wait_for
 from tests.e2e.clients import V5, V311, Paho, props
 from tests.faults.conftest import DeviceMQ
 
-TOKEN = "cluster-admin-token"
-BANNED = 0x8A
-ADMINISTRATIVE_ACTION = 0x98
-
-
-def _wait_for(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
 
 def _api(broker: DeviceMQ) -> AdminClient:
-    api = AdminClient(f"http://127.0.0.1:{broker.settings['admin.port']}", TOKEN)
-
-    def up() -> bool:
-        try:
-            api.call("GET", "stats")
-        except ApiError:
-            return False
-        return True
-
-    _wait_for(up, f"the admin API of {broker.data_dir.name}")
-    return api
+    return answering(AdminClient(f"http://127.0.0.1:{broker.settings['admin.port']}", TOKEN))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +51,7 @@ def test_either_replica_answers_for_a_client_on_b(cluster: Cluster) -> None:
     client = Paho(cluster.b, cid, V5)
     assert client.connect().reason_code == 0
     client.subscribe("adm/seen/#", 1)
-    view = _wait_for(
+    view = wait_for(
         lambda: (s := _session(api_a, cid)) and s["subscriptions"] == 1 and s, "a knows it"
     )
     assert (view["replica"], view["connected"], view["protocol"]) == ("b", True, "5.0")
@@ -91,7 +67,7 @@ def test_a_kick_on_a_disconnects_the_client_on_b(cluster: Cluster) -> None:
     cid = cluster.name("kick")
     client = Paho(cluster.b, cid, V5)
     client.connect()
-    _wait_for(lambda: (s := _session(api_a, cid)) and s["connected"], "a knows it")
+    wait_for(lambda: (s := _session(api_a, cid)) and s["connected"], "a knows it")
     api_a.call("POST", api_a.session_path(cid, "disconnect"))
     gone = client.wait_disconnected()
     assert gone.from_server and gone.reason_code == ADMINISTRATIVE_ACTION
@@ -109,7 +85,7 @@ def test_the_backlog_of_a_session_of_b_is_purged_from_a(cluster: Cluster) -> Non
     for i in range(4):
         pub.publish(topic, f"p{i}".encode(), qos=1)
     pub.close()
-    _wait_for(lambda: (s := _session(api_a, cid)) and s["backlog"] == 4, "four stored")
+    wait_for(lambda: (s := _session(api_a, cid)) and s["backlog"] == 4, "four stored")
     assert api_a.call("DELETE", api_a.session_path(cid, "messages"))["purged"] == 4
     assert sub.connect(clean_start=False).session_present
     sub.assert_no_message()
@@ -123,11 +99,11 @@ def test_deleting_on_a_ends_the_session_connected_on_b(cluster: Cluster) -> None
     expiry = props(PacketTypes.CONNECT, SessionExpiryInterval=600)
     client.connect(clean_start=False, properties=expiry)
     client.subscribe(f"adm/{cluster.tag}/delete", 1)
-    _wait_for(lambda: _session(api_a, cid), "a knows it")
+    wait_for(lambda: _session(api_a, cid), "a knows it")
     api_a.call("DELETE", api_a.session_path(cid))
     assert client.wait_disconnected().reason_code == ADMINISTRATIVE_ACTION
-    _wait_for(lambda: _session(api_b, cid) is None, "b ended it")
-    _wait_for(lambda: _session(api_a, cid) is None, "a forgot it")
+    wait_for(lambda: _session(api_b, cid) is None, "b ended it")
+    wait_for(lambda: _session(api_a, cid) is None, "a forgot it")
     assert not client.connect(clean_start=False, properties=expiry).session_present
     client.close()
 
@@ -150,7 +126,7 @@ def test_a_block_on_a_closes_the_client_on_b_and_outlives_a_restart(
     assert client.connect().reason_code == BANNED
     api_b = _api(cluster.b)
     api_b.call("DELETE", "blocked", {"kind": "client_id", "value": cid})
-    _wait_for(lambda: _connect_code(cluster.a, cid) == 0, "a let it in")
+    wait_for(lambda: _connect_code(cluster.a, cid) == 0, "a let it in")
     assert client.connect().reason_code == 0
     client.close()
 
@@ -163,7 +139,7 @@ def test_presence_events_of_b_reach_a_subscriber_on_a(cluster: Cluster) -> None:
     watcher.subscribe(f"$SYS/brokers/+/clients/{cid}/+", 0)
     # b routes the event: it must have heard of the subscription first
     api_b = _api(cluster.b)
-    _wait_for(
+    wait_for(
         lambda: api_b.call("GET", "subscriptions", {"client_id": watcher.client_id})["items"],
         "b knows the watcher's subscription",
     )

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,80 +19,35 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from paho.mqtt.packettypes import PacketTypes
 
 from app import cli
-from app.admin_cli import AdminClient, ApiError
+from app.admin_cli import AdminClient
 from app.embedded_services import EmbeddedServices
-from tests.conftest import free_port
+from tests.e2e.admin import (
+    ADMINISTRATIVE_ACTION,
+    BANNED,
+    TOKEN,
+    admin_broker,
+    persistent_subscriber,
+    publish,
+    status,
+    wait_for,
+)
 from tests.e2e.clients import V5, V311, Paho, props
-from tests.e2e.conftest import BrokerProcess, is_mosquitto, start_broker
+from tests.e2e.conftest import BrokerProcess, is_mosquitto
 
 pytestmark = pytest.mark.skipif(is_mosquitto(), reason="devicemq's admin API")
-
-TOKEN = "t0ken-for-tests"
-BANNED = 0x8A
-ADMINISTRATIVE_ACTION = 0x98
-
-
-def _wait_for(condition: Callable[[], object], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def _admin_up(client: AdminClient) -> bool:
-    try:
-        client.call("GET", "stats")
-    except ApiError as e:
-        return e.status != 0
-    return True
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, AdminClient]]:
-    port = free_port("127.0.0.1")
-    broker = start_broker(
-        tmp_path_factory.mktemp("admin"),
-        {"persistence.enabled": True, "admin.port": port, "admin.token": TOKEN},
-    )
-    try:
-        api = AdminClient(f"http://127.0.0.1:{port}", TOKEN)
-        _wait_for(lambda: _admin_up(api), "the admin API answers")
-        yield broker, api
-    finally:
-        broker.stop()
-
-
-def _status(api: AdminClient, method: str, path: str, **kw: Any) -> tuple[int, Any]:
-    try:
-        return 200, api.call(method, path, **kw)
-    except ApiError as e:
-        return e.status, str(e)
-
-
-def _persistent_subscriber(broker: BrokerProcess, cid: str, topic: str) -> Paho:
-    sub = Paho(broker, cid, V311)
-    assert sub.connect(clean_start=False).reason_code == 0
-    assert sub.subscribe(topic, 1) == [1]
-    sub.disconnect()
-    return sub
-
-
-def _publish(broker: BrokerProcess, topic: str, n: int, cid: str) -> None:
-    pub = Paho(broker, cid, V5)
-    pub.connect()
-    for i in range(n):
-        pub.publish(topic, f"m{i}".encode(), qos=1)
-    pub.disconnect()
+    with admin_broker(tmp_path_factory.mktemp("admin")) as running:
+        yield running
 
 
 def test_a_request_without_the_token_is_refused(server: tuple[BrokerProcess, AdminClient]) -> None:
     _, api = server
-    assert _status(AdminClient(api.url), "GET", "sessions")[0] == 401
-    assert _status(AdminClient(api.url, "wrong"), "GET", "sessions")[0] == 401
-    assert _status(api, "GET", "sessions")[0] == 200
+    assert status(AdminClient(api.url), "GET", "sessions")[0] == 401
+    assert status(AdminClient(api.url, "wrong"), "GET", "sessions")[0] == 401
+    assert status(api, "GET", "sessions")[0] == 200
     stats = api.call("GET", "stats")
     assert stats["version"] and stats["uptime"] > 0 and stats["connections"] >= 0
     doc = api.call("GET", "openapi.json")
@@ -107,15 +61,15 @@ def test_a_persistent_session_its_backlog_peeked_then_purged(
 ) -> None:
     broker, api = server
     cid, topic = "adm-backlog", "adm/backlog"
-    sub = _persistent_subscriber(broker, cid, topic)
-    _publish(broker, topic, 5, "adm-backlog-pub")
+    sub = persistent_subscriber(broker, cid, topic)
+    publish(broker, topic, 5, "adm-backlog-pub")
 
     def listed() -> dict[str, Any] | None:
         items = api.call("GET", "sessions", {"client_id": "adm-backlog", "persistent": True})
         found = [s for s in items["items"] if s["client_id"] == cid]
         return found[0] if found and found[0]["backlog"] == 5 else None
 
-    view = _wait_for(listed, "the five messages stored")
+    view = wait_for(listed, "the five messages stored")
     assert (view["connected"], view["persistent"], view["protocol"]) == (False, True, "3.1.1")
     assert view["subscriptions"] == 1 and view["peer"] == "127.0.0.1"
     assert view["last_seen"] >= view["connected_at"] > 0
@@ -140,8 +94,8 @@ def test_a_persistent_session_its_backlog_peeked_then_purged(
     assert api.call("DELETE", api.session_path(cid, "messages"))["purged"] == 5
     assert api.call("GET", api.session_path(cid))["backlog"] == 0
     # The session is kept: a message published now is the only one delivered.
-    _publish(broker, topic, 1, "adm-backlog-pub")
-    _wait_for(lambda: api.call("GET", api.session_path(cid))["backlog"] == 1, "the new one stored")
+    publish(broker, topic, 1, "adm-backlog-pub")
+    wait_for(lambda: api.call("GET", api.session_path(cid))["backlog"] == 1, "the new one stored")
     assert sub.connect(clean_start=False).session_present
     (got,) = sub.get_n(1)
     assert got.payload == b"m0"  # the new one (the publisher counts from m0 again)
@@ -163,15 +117,15 @@ def test_kick_and_delete_a_connected_client(server: tuple[BrokerProcess, AdminCl
     gone = v5.wait_disconnected()
     assert gone.from_server and gone.reason_code == ADMINISTRATIVE_ACTION
     # not connected any more: a second kick is a conflict
-    _wait_for(lambda: not api.call("GET", api.session_path("adm-kick"))["connected"], "offline")
-    assert _status(api, "POST", api.session_path("adm-kick", "disconnect"))[0] == 409
+    wait_for(lambda: not api.call("GET", api.session_path("adm-kick"))["connected"], "offline")
+    assert status(api, "POST", api.session_path("adm-kick", "disconnect"))[0] == 409
 
     v3 = Paho(broker, "adm-delete", V311)
     assert v3.connect(clean_start=False).reason_code == 0
     v3.subscribe("adm/delete", 1)
     api.call("DELETE", api.session_path("adm-delete"))
     v3.wait_disconnected()
-    assert _status(api, "GET", api.session_path("adm-delete"))[0] == 404
+    assert status(api, "GET", api.session_path("adm-delete"))[0] == 404
     # ended for good: the next connect finds no session
     assert not v3.connect(clean_start=False).session_present
     v3.close()
@@ -198,7 +152,7 @@ def test_a_blocked_client_is_refused_and_disconnected(
     assert victim.connect().reason_code == 0
     victim.close()
     nobody = {"kind": "client_id", "value": "nobody"}
-    assert _status(api, "DELETE", "blocked", query=nobody)[0] == 404
+    assert status(api, "DELETE", "blocked", query=nobody)[0] == 404
 
 
 def test_a_block_with_a_ttl_ends_by_itself(server: tuple[BrokerProcess, AdminClient]) -> None:
@@ -206,13 +160,13 @@ def test_a_block_with_a_ttl_ends_by_itself(server: tuple[BrokerProcess, AdminCli
     api.call("POST", "blocked", body={"kind": "client_id", "value": "adm-ttl", "ttl": 1})
     client = Paho(broker, "adm-ttl", V5)
     assert client.connect().reason_code == BANNED
-    _wait_for(lambda: client.connect().reason_code == 0, "the entry ended", timeout=10)
+    wait_for(lambda: client.connect().reason_code == 0, "the entry ended", timeout=10)
     client.close()
     assert all(e["value"] != "adm-ttl" for e in api.call("GET", "blocked")["items"])
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "kw", "status", "text"),
+    ("method", "path", "kw", "expected", "text"),
     [
         ("GET", "sessions", {"query": {"limit": 5000}}, 400, "limit"),
         ("GET", "sessions", {"query": {"connected": "maybe"}}, 400, "connected"),
@@ -233,12 +187,12 @@ def test_bad_input_gets_the_documented_error(
     method: str,
     path: str,
     kw: dict[str, Any],
-    status: int,
+    expected: int,
     text: str,
 ) -> None:
     _, api = server
-    got, message = _status(api, method, path, **kw)
-    assert got == status and text in message, message
+    got, message = status(api, method, path, **kw)
+    assert got == expected and text in message, message
 
 
 def test_a_clean_session_has_no_stored_messages_to_purge(
@@ -247,7 +201,7 @@ def test_a_clean_session_has_no_stored_messages_to_purge(
     broker, api = server
     client = Paho(broker, "adm-clean", V5)
     client.connect()
-    assert _status(api, "DELETE", api.session_path("adm-clean", "messages"))[0] == 409
+    assert status(api, "DELETE", api.session_path("adm-clean", "messages"))[0] == 409
     view = api.call("GET", api.session_path("adm-clean"))
     assert (view["connected"], view["persistent"], view["protocol"]) == (True, False, "5.0")
     client.close()
@@ -328,37 +282,27 @@ def test_the_cli_lists_kicks_and_blocks(
 
 
 def test_without_a_token_the_api_is_read_only(tmp_path: Path) -> None:
-    port = free_port("127.0.0.1")
-    broker = start_broker(tmp_path / "b", {"persistence.enabled": False, "admin.port": port})
-    try:
-        api = AdminClient(f"http://127.0.0.1:{port}")
-        _wait_for(lambda: _admin_up(api), "the admin API answers")
+    with admin_broker(tmp_path / "b", token=None, **{"persistence.enabled": False}) as (
+        broker,
+        api,
+    ):
         client = Paho(broker, "ro-client", V5)
         client.connect()
         assert [s["client_id"] for s in api.call("GET", "sessions")["items"]] == ["ro-client"]
-        status, message = _status(api, "POST", api.session_path("ro-client", "disconnect"))
-        assert status == 403 and "token" in message
+        code, message = status(api, "POST", api.session_path("ro-client", "disconnect"))
+        assert code == 403 and "token" in message
         assert client.connected
         client.close()
-    finally:
-        broker.stop()
 
 
 def test_a_flapping_client_is_blocked(tmp_path: Path) -> None:
-    port = free_port("127.0.0.1")
-    broker = start_broker(
-        tmp_path / "b",
-        {
-            "persistence.enabled": False,
-            "admin.port": port,
-            "flapping.enabled": True,
-            "flapping.max_connects": 3,
-            "flapping.ban_time": 600,
-        },
-    )
-    try:
-        api = AdminClient(f"http://127.0.0.1:{port}")
-        _wait_for(lambda: _admin_up(api), "the admin API answers")
+    flapping = {
+        "persistence.enabled": False,
+        "flapping.enabled": True,
+        "flapping.max_connects": 3,
+        "flapping.ban_time": 600,
+    }
+    with admin_broker(tmp_path / "b", **flapping) as (broker, api):
         client = Paho(broker, "flapper", V5)
         codes = []
         for _ in range(4):
@@ -369,8 +313,6 @@ def test_a_flapping_client_is_blocked(tmp_path: Path) -> None:
         assert (entry["value"], entry["by"]) == ("flapper", "flapping")
         assert 590 < entry["until"] - entry["created"] <= 600
         assert "flapping" in broker.log()
-    finally:
-        broker.stop()
 
 
 def _events(broker: BrokerProcess, client_id: str) -> list[dict[str, Any]]:
@@ -400,4 +342,4 @@ def _events(broker: BrokerProcess, client_id: str) -> list[dict[str, Any]]:
         events = asyncio.run(read())
         return events if any(e["ev"] == "admin" for e in events) else None
 
-    return _wait_for(enough, "the admin event written (the event log flushes every second)")  # type: ignore[no-any-return]
+    return wait_for(enough, "the admin event written (the event log flushes every second)")  # type: ignore[no-any-return]

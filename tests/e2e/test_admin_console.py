@@ -15,28 +15,19 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support import expected_conditions as ec
 
 from app.admin_cli import AdminClient
-from tests.conftest import free_port
+from tests.e2e import admin
+from tests.e2e.admin import TOKEN, admin_broker, persistent_subscriber, publish
 from tests.e2e.browser import start_chromium, wait_for
 from tests.e2e.clients import V5, Paho
-from tests.e2e.conftest import BrokerProcess, is_mosquitto, start_broker
-from tests.e2e.test_admin_api import TOKEN, _admin_up, _persistent_subscriber, _publish, _wait_for
+from tests.e2e.conftest import BrokerProcess, is_mosquitto
 
 pytestmark = pytest.mark.skipif(is_mosquitto(), reason="devicemq's admin console")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, AdminClient]]:
-    port = free_port("127.0.0.1")
-    broker = start_broker(
-        tmp_path_factory.mktemp("console"),
-        {"persistence.enabled": True, "admin.port": port, "admin.token": TOKEN},
-    )
-    try:
-        api = AdminClient(f"http://127.0.0.1:{port}", TOKEN)
-        _wait_for(lambda: _admin_up(api), "the admin API answers")
-        yield broker, api
-    finally:
-        broker.stop()
+    with admin_broker(tmp_path_factory.mktemp("console")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +92,11 @@ def test_a_backlog_found_in_the_console_and_purged(
 ) -> None:
     broker, api = server
     cid, topic = "console-backlog", "console/backlog"
-    sub = _persistent_subscriber(broker, cid, topic)
-    _publish(broker, topic, 3, "console-publisher")
-    _wait_for(lambda: api.call("GET", api.session_path(cid))["backlog"] == 3, "3 messages stored")
+    sub = persistent_subscriber(broker, cid, topic)
+    publish(broker, topic, 3, "console-publisher")
+    admin.wait_for(
+        lambda: api.call("GET", api.session_path(cid))["backlog"] == 3, "3 messages stored"
+    )
 
     driver = chromium
     _open(driver, api.url + "/")
@@ -191,11 +184,10 @@ def test_without_the_token_the_page_shows_the_401_not_the_data(
 
 
 def test_without_admin_token_the_console_is_read_only(tmp_path: Path, chromium: WebDriver) -> None:
-    port = free_port("127.0.0.1")
-    broker = start_broker(tmp_path / "b", {"persistence.enabled": False, "admin.port": port})
-    try:
-        api = AdminClient(f"http://127.0.0.1:{port}")
-        _wait_for(lambda: _admin_up(api), "the admin API answers")
+    with admin_broker(tmp_path / "b", token=None, **{"persistence.enabled": False}) as (
+        broker,
+        api,
+    ):
         client = Paho(broker, "console-ro", V5)
         assert client.connect().reason_code == 0
         driver = chromium
@@ -209,5 +201,3 @@ def test_without_admin_token_the_console_is_read_only(tmp_path: Path, chromium: 
         assert error.startswith("403: ") and "token" in error, error
         assert client.connected
         client.close()
-    finally:
-        broker.stop()

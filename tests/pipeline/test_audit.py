@@ -112,68 +112,53 @@ def test_a_message_removed_behind_the_brokers_back_is_lost(
     assert [r["pid"] for r in lost_rows.collect()] == [pid]
 
 
-def test_records_not_stored_for_a_reason_are_not_lost(spark: Any) -> None:
-    """A record produced twice, one routed for a session that had ended, one over a
-    limit full of messages in flight: the events say why, none is ``lost``; a record
-    with no event at all is."""
+def _statuses(spark: Any, records: int, events: list[dict[str, Any]]) -> dict[int, str]:
+    """The audit's status of each of ``records`` records of client ``c`` (partition 0,
+    offsets 0..), given ``events`` (epoch 3, in order): offset -> status."""
     from pipeline.audit import audit_frames
     from pipeline.common import EVENT_SCHEMA
 
     epoch, now = 3, 1000.0
     recs = spark.createDataFrame(
-        [("c", 0, off, 10.0, "t", 1, 10.0, None) for off in range(5)],
+        [("c", 0, off, 10.0, "t", 1, 10.0, None) for off in range(records)],
         "cid string, part int, off long, kts double, topic string, size int, pub double, "
         "exp double",
     )
     names = [f.split()[0] for f in EVENT_SCHEMA.split(", ")]
-
-    def event(i: int, **fields: Any) -> tuple[Any, ...]:
+    rows = []
+    for i, fields in enumerate(events):
         row = {"cid": "c", "ts": 20.0, "part": 0, "ep": epoch, **fields}
-        return (*(row.get(n) for n in names), 0, i, 0)
-
-    evs = spark.createDataFrame(
-        [
-            event(0, ev="persisted", off=0, pid=1, sc=1, exp=2000.0),
-            event(1, ev="acked", pid=1, sc=1),
-            event(2, ev="duplicate", off=1),
-            event(3, ev="discarded", at="arrival", off=2),
-            event(4, ev="trimmed", at="arrival", off=3),
-        ],
-        f"{EVENT_SCHEMA}, epart int, eoff long, idx int",
-    )
+        rows.append((*(row.get(n) for n in names), 0, i, 0))
+    evs = spark.createDataFrame(rows, f"{EVENT_SCHEMA}, epart int, eoff long, idx int")
     refs = spark.createDataFrame([], "cid string, sc long, ref_pid int, has_value boolean")
     messages, _clients = audit_frames(spark, recs, evs, refs, epoch, now, grace=30.0)
-    got = {r["off"]: r["status"] for r in messages.collect()}
+    return {r["off"]: r["status"] for r in messages.collect()}
+
+
+def test_records_not_stored_for_a_reason_are_not_lost(spark: Any) -> None:
+    """A record produced twice, one routed for a session that had ended, one over a
+    limit full of messages in flight: the events say why, none is ``lost``; a record
+    with no event at all is."""
+    got = _statuses(
+        spark,
+        5,
+        [
+            {"ev": "persisted", "off": 0, "pid": 1, "sc": 1, "exp": 2000.0},
+            {"ev": "acked", "pid": 1, "sc": 1},
+            {"ev": "duplicate", "off": 1},
+            {"ev": "discarded", "at": "arrival", "off": 2},
+            {"ev": "trimmed", "at": "arrival", "off": 3},
+        ],
+    )
     assert got == {0: "acked", 1: "duplicate", 2: "discarded", 3: "trimmed", 4: "lost"}
 
 
 def test_messages_an_operator_purged_are_purged_not_lost(spark: Any) -> None:
     """The admin API's purge writes a ``purged`` event per message (app/admin.py):
     those are accounted for; a stored message gone without one is still lost."""
-    from pipeline.audit import audit_frames
-    from pipeline.common import EVENT_SCHEMA
-
-    epoch, now = 1, 1000.0
-    recs = spark.createDataFrame(
-        [("c", 0, off, 10.0, "t", 1, 10.0, None) for off in range(3)],
-        "cid string, part int, off long, kts double, topic string, size int, pub double, "
-        "exp double",
-    )
-    names = [f.split()[0] for f in EVENT_SCHEMA.split(", ")]
-
-    def event(i: int, **fields: Any) -> tuple[Any, ...]:
-        row = {"cid": "c", "ts": 20.0, "part": 0, "ep": epoch, **fields}
-        return (*(row.get(n) for n in names), 0, i, 0)
-
-    evs = spark.createDataFrame(
-        [
-            *(event(i, ev="persisted", off=i, pid=i + 1, sc=i + 1, exp=2000.0) for i in range(3)),
-            event(3, ev="purged", pid=1, sc=1),
-            event(4, ev="purged", pid=2, sc=2),
-        ],
-        f"{EVENT_SCHEMA}, epart int, eoff long, idx int",
-    )
-    refs = spark.createDataFrame([], "cid string, sc long, ref_pid int, has_value boolean")
-    messages, _clients = audit_frames(spark, recs, evs, refs, epoch, now, grace=30.0)
-    got = {r["off"]: r["status"] for r in messages.collect()}
+    persisted = [
+        {"ev": "persisted", "off": i, "pid": i + 1, "sc": i + 1, "exp": 2000.0} for i in range(3)
+    ]
+    purged = [{"ev": "purged", "pid": 1, "sc": 1}, {"ev": "purged", "pid": 2, "sc": 2}]
+    got = _statuses(spark, 3, [*persisted, *purged])
     assert got == {0: "purged", 1: "purged", 2: "lost"}
