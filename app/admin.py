@@ -87,8 +87,12 @@ def admin_token(settings: Settings) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Route:
+    """One endpoint: what answers it (an :class:`AdminApi` method, called with the
+    captured segments) and what the OpenAPI document says of it."""
+
     method: str
     pattern: tuple[str, ...]  # path segments after /api/v1; "{name}" captures one
+    handler: str
     summary: str
     write: bool = False
     query: tuple[str, ...] = ()
@@ -99,65 +103,86 @@ ROUTES = (
     Route(
         "GET",
         ("sessions",),
+        "list_sessions",
         "Sessions, filtered, by client ID, one page",
         query=("connected", "persistent", "client_id", "username", "cursor", "limit"),
     ),
-    Route("GET", ("sessions", "{client_id}"), "One session, with its subscriptions and backlog"),
+    Route(
+        "GET",
+        ("sessions", "{client_id}"),
+        "show_session",
+        "One session, with its subscriptions and backlog",
+    ),
     Route(
         "GET",
         ("sessions", "{client_id}", "messages"),
+        "peek_messages",
         "Stored messages of a persistent session, oldest first",
         query=("limit", "payload", "payload_max"),
     ),
     Route(
         "POST",
         ("sessions", "{client_id}", "disconnect"),
+        "disconnect",
         "Disconnect the client (MQTT 5: DISCONNECT 0x98)",
         write=True,
     ),
     Route(
         "DELETE",
         ("sessions", "{client_id}"),
+        "delete_session",
         "End the session and delete its stored messages",
         write=True,
     ),
     Route(
         "DELETE",
         ("sessions", "{client_id}", "messages"),
+        "purge",
         "Purge the backlog (messages in flight stay until acknowledged)",
         write=True,
     ),
     Route(
         "GET",
         ("subscriptions",),
+        "list_subscriptions",
         "Subscriptions, by filter and client",
         query=("filter", "client_id", "limit"),
     ),
     Route(
         "GET",
         ("retained",),
+        "list_retained",
         "Retained messages matching a filter",
         query=("topic", "limit", "payload"),
     ),
     Route(
         "DELETE",
         ("retained",),
+        "delete_retained",
         "Delete the retained message of a topic",
         write=True,
         query=("topic",),
     ),
-    Route("GET", ("blocked",), "The block list"),
+    Route("GET", ("blocked",), "list_blocked", "The block list"),
     Route(
         "POST",
         ("blocked",),
+        "block",
         "Block a client ID, username, address or CIDR, or ID pattern",
         write=True,
         body='{"kind": "client_id|username|address|client_id_regex", '
         '"value": "...", "reason": "...", "ttl": seconds}',
     ),
-    Route("DELETE", ("blocked",), "Remove a block-list entry", write=True, query=("kind", "value")),
-    Route("GET", ("stats",), "Headline numbers of this replica"),
-    Route("GET", ("openapi.json",), "This API's OpenAPI 3 document"),
+    Route(
+        "DELETE",
+        ("blocked",),
+        "unblock",
+        "Remove a block-list entry",
+        write=True,
+        query=("kind", "value"),
+    ),
+    Route("GET", ("stats",), "stats", "Headline numbers of this replica"),
+    Route("GET", ("openapi.json",), "openapi", "This API's OpenAPI 3 document"),
 )
 
 
@@ -184,22 +209,6 @@ class AdminApi:
         self.blocks = blocks
         self.events = events
         self._started = broker.clock()
-        self._handlers: dict[tuple[str, tuple[str, ...]], Callable[..., Awaitable[Response]]] = {
-            ("GET", ("sessions",)): self.list_sessions,
-            ("GET", ("sessions", "{client_id}")): self.show_session,
-            ("GET", ("sessions", "{client_id}", "messages")): self.peek_messages,
-            ("POST", ("sessions", "{client_id}", "disconnect")): self.disconnect,
-            ("DELETE", ("sessions", "{client_id}")): self.delete_session,
-            ("DELETE", ("sessions", "{client_id}", "messages")): self.purge,
-            ("GET", ("subscriptions",)): self.list_subscriptions,
-            ("GET", ("retained",)): self.list_retained,
-            ("DELETE", ("retained",)): self.delete_retained,
-            ("GET", ("blocked",)): self.list_blocked,
-            ("POST", ("blocked",)): self.block,
-            ("DELETE", ("blocked",)): self.unblock,
-            ("GET", ("stats",)): self.stats,
-            ("GET", ("openapi.json",)): self.openapi,
-        }
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -210,7 +219,7 @@ class AdminApi:
             return _console_file(request.path, method)
         route, args = _route(method, path[2:])
         self._authorize(request, route.write)
-        handler = self._handlers[(route.method, route.pattern)]
+        handler: Callable[..., Awaitable[Response]] = getattr(self, route.handler)
         return await handler(request, *args)
 
     def _authorize(self, request: Request, write: bool) -> None:

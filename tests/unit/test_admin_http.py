@@ -182,3 +182,9 @@ async def _until(condition: Callable[[], bool]) -> None:
     async with asyncio.timeout(5):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+def test_every_route_has_its_handler() -> None:
+    api = _api()
+    for route in ROUTES:
+        assert callable(getattr(api, route.handler)), route
