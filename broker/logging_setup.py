@@ -20,7 +20,10 @@ from typing import Any, TextIO
 
 import orjson
 
-__all__ = ["JsonFormatter", "TextFormatter", "setup_logging"]
+__all__ = ["QUIET_LIBRARIES", "JsonFormatter", "TextFormatter", "setup_logging"]
+
+# Libraries whose INFO is noise beside devicemq's own: WARNING and above unless DEBUG.
+QUIET_LIBRARIES = ("aiokafka",)
 
 # Attributes every LogRecord has; anything else on a record came from ``extra``.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
@@ -93,3 +96,8 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None 
     root.addHandler(handler)
     root.setLevel(level.upper())
     logging.captureWarnings(True)
+    # aiokafka's INFO lines (group joins, every partition list at every start and
+    # rebalance) drown the broker's own: they show with --log-level debug only.
+    quiet = max(logging.WARNING, root.level) if root.level > logging.DEBUG else logging.NOTSET
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(quiet)

@@ -264,3 +264,27 @@ def test_json_log_is_one_object_per_line() -> None:
     assert first["msg"] == "hello 1" and first["client_id"] == "c1"
     assert first["ts"].endswith("Z") and "obj" in first
     assert second["level"] == "ERROR" and "ValueError: boom" in second["exc"]
+
+
+@pytest.mark.parametrize(
+    ("level", "shown"),
+    [
+        ("INFO", ["WARNING aiokafka.consumer: lost"]),
+        ("ERROR", []),
+        (
+            "DEBUG",
+            ["INFO aiokafka.consumer: assigned [0, 1, 2]", "WARNING aiokafka.consumer: lost"],
+        ),
+    ],
+)
+def test_aiokafka_says_only_warnings_unless_debug(level: str, shown: list[str]) -> None:
+    stream = io.StringIO()
+    setup_logging(level, "text", stream)
+    try:
+        log = logging.getLogger("aiokafka.consumer")
+        log.info("assigned %s", [0, 1, 2])
+        log.warning("lost")
+        got = [line.split(" ", 1)[1] for line in stream.getvalue().splitlines()]
+        assert got == shown
+    finally:
+        logging.getLogger("aiokafka").setLevel(logging.NOTSET)
