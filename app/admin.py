@@ -260,8 +260,7 @@ class AdminApi:
                 and (username is None or session.username == username)
             )
 
-        found = await self._scan(wanted)
-        chosen = heapq.nsmallest(limit + 1, found, key=_client_id)
+        chosen = await self._first(limit + 1, wanted)
         more = len(chosen) > limit
         chosen = chosen[:limit]
         backlogs = await self._backlogs(chosen)
@@ -397,7 +396,7 @@ class AdminApi:
 
         # Each session found holds one subscription at least: the first ``limit``
         # sessions by client ID hold the first ``limit`` subscriptions.
-        sessions = heapq.nsmallest(limit, await self._scan(wanted), key=_client_id)
+        sessions = await self._first(limit, wanted)
         items = []
         for session in sessions:
             for entry in session.subscriptions.values():
@@ -541,16 +540,19 @@ class AdminApi:
 
     # -- helpers -----------------------------------------------------------------------
 
-    async def _scan(self, wanted: Callable[[Session], bool]) -> list[Session]:
-        """The sessions ``wanted`` accepts, in chunks with the loop let go between
-        them: a replica holding a million sessions still serves MQTT meanwhile."""
+    async def _first(self, count: int, wanted: Callable[[Session], bool]) -> list[Session]:
+        """The first ``count`` sessions by client ID that ``wanted`` accepts, looked
+        for in chunks with the loop let go between them (a replica holding a
+        million sessions serves MQTT meanwhile), never more than ``count`` kept."""
         snapshot = list(self.broker.sessions.values())
-        found: list[Session] = []
+        best: list[Session] = []
         for start in range(0, len(snapshot), SCAN_CHUNK):
             if start:
                 await asyncio.sleep(0)
-            found += [s for s in snapshot[start : start + SCAN_CHUNK] if wanted(s)]
-        return found
+            found = [s for s in snapshot[start : start + SCAN_CHUNK] if wanted(s)]
+            if found:
+                best = heapq.nsmallest(count, [*best, *found], key=_client_id)
+        return best
 
     def _session(self, client_id: str) -> Session:
         session = self.broker.sessions.get(client_id)
