@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.common import Endpoints, Window, _in_window, decode_events, decode_records
+from pipeline.common import (
+    Endpoints,
+    Progress,
+    Window,
+    _in_window,
+    decode_events,
+    decode_records,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -122,6 +129,7 @@ def run_traffic(
     out: Path,
     source: str = "python",
     levels: int = 3,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
@@ -137,6 +145,9 @@ def run_traffic(
         "ts",
         window,
     ).cache()
+    if progress is not None:
+        progress.read(persisted_topic, recs)
+        progress.read(events_topic, evs)
     frames = traffic_frames(recs, evs, levels)
     out.mkdir(parents=True, exist_ok=True)
     for name, frame in frames.items():
@@ -159,13 +170,15 @@ def run_traffic(
         "minutes": rows["minutes"],
         "sizes": rows["sizes"],
     }
+    if progress is not None:
+        progress.say("tables written; drawing the report ...")
     (out / "traffic.json").write_text(json.dumps(summary, indent=2, default=str))
     _html(summary, rows, out / "traffic.html")
     return summary
 
 
 def _html(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    from pipeline.report import Report, figure
+    from pipeline.report import Report, figure, plot_over_time
 
     report = Report("devicemq traffic")
     t = summary["totals"]
@@ -174,9 +187,10 @@ def _html(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: 
     )
     if rows["minutes"]:
         fig, ax = figure()
-        ax.plot([r["minute"] for r in rows["minutes"]], [r["messages"] for r in rows["minutes"]])
+        minutes = rows["minutes"]
+        counts = (None, [r["minute"] for r in minutes], [r["messages"] for r in minutes])
+        plot_over_time(ax, [counts], step=False)
         ax.set_ylabel("messages / minute")
-        fig.autofmt_xdate()
         report.figure(fig, "Messages per minute")
     report.heading("Top talkers (topics)")
     report.table(["topic", "messages", "bytes"], [list(r.values()) for r in rows["topics"][:TOP]])
@@ -202,10 +216,8 @@ def _html(summary: dict[str, Any], rows: dict[str, list[dict[str, Any]]], path: 
     if backlog:
         fig, ax = figure()
         biggest = sorted(backlog, key=lambda c: -max(backlog[c][1]))[:TOP]
-        for cid in biggest:
-            ax.step(backlog[cid][0], backlog[cid][1], where="post", label=cid)
+        plot_over_time(ax, [(cid, *backlog[cid]) for cid in biggest], step=True)
         ax.set_ylabel("stored, not yet settled")
         ax.legend(fontsize="small")
-        fig.autofmt_xdate()
         report.figure(fig, "Backlog per client (largest)")
     report.write(path)
