@@ -42,7 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.common import Endpoints, Window, decode_events, decode_records, read_epoch
+from pipeline.common import (
+    Endpoints,
+    Progress,
+    Window,
+    decode_events,
+    decode_records,
+    read_epoch,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -355,8 +362,10 @@ def run_audit(
     grace: float = 30.0,
     raw_records: DataFrame | None = None,
     raw_events: DataFrame | None = None,
+    progress: Progress | None = None,
 ) -> AuditResult:
-    """The audit over the topics (or over raw Kafka rows given, e.g. by the stream)."""
+    """The audit over the topics (or over raw Kafka rows given, e.g. by the stream);
+    with ``progress``, what it reads and does is said on the way."""
     from pipeline.common import _in_window
     from pipeline.kafka_source import read_topic
 
@@ -367,10 +376,17 @@ def run_audit(
         raw_events = read_topic(spark, endpoints.bootstrap, events_topic, source=source)
     recs = _in_window(decode_records(raw_records), "pub", window).cache()
     evs = decode_events(raw_events).cache()
+    if progress is not None:
+        progress.read(persisted_topic, recs)
+        progress.read(events_topic, evs)
     epoch = read_epoch(endpoints, persisted_topic)
     refs = redis_refs(spark, endpoints, recs.select("cid").distinct())
     messages, clients = audit_frames(spark, recs, evs, refs, epoch, now, grace)
+    if progress is not None:
+        progress.say("accounting for every record (Redis, events) ...")
     summary, sample = summarize(messages, clients, evs, now)
+    if progress is not None:
+        progress.say(f"accounted for: {summary['totals']}")
     summary["window"] = {"since": window.since, "until": window.until}
     summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
     return AuditResult(summary, messages, clients, sample)

@@ -60,7 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from broker.config import load_settings
-    from pipeline.common import PipelineError, Window, make_spark, parse_time, resolve_endpoints
+    from pipeline.common import (
+        PipelineError,
+        Progress,
+        Window,
+        make_spark,
+        parse_time,
+        resolve_endpoints,
+    )
 
     try:
         settings = load_settings(args.config)
@@ -79,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from pyspark.sql import SparkSession
 
     owned = SparkSession.getActiveSession() is None  # else: a caller's session (tests)
+    progress = Progress()
+    progress.say(f"{args.job}: starting Spark ({args.master})")
     spark = make_spark(args.master, f"devicemq-{args.job}")
     try:
         if args.job == "traffic":
@@ -93,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
                 levels=args.levels,
                 persisted_topic=persisted_topic,
                 events_topic=events_topic,
+                progress=progress,
             )
+            progress.say("done")
             print(json.dumps(summary["totals"]))
             print(f"report: {out / 'traffic.html'}")
             return 0
@@ -121,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
                 grace=args.grace,
                 persisted_topic=persisted_topic,
                 events_topic=events_topic,
+                progress=progress,
             )
             write_outputs(result, out)
+            progress.say("done")
             summary = result.summary
             print(json.dumps(summary["totals"]))
         print(f"report: {out / 'audit.html'}")

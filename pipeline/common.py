@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -99,6 +100,24 @@ def parse_time(text: str | None) -> float | None:
         raise PipelineError(f"not a time: {text!r} (ISO 8601 or epoch seconds)") from None
 
 
+class Progress:
+    """The jobs' own progress lines on stderr: what is read, how many records, and
+    the time since the start (``devicemq pipeline: [  12.3 s] ...``)."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._start = time.monotonic()
+
+    def say(self, text: str) -> None:
+        elapsed = time.monotonic() - self._start
+        print(f"devicemq pipeline: [{elapsed:6.1f} s] {text}", file=self._stream, flush=True)
+
+    def read(self, topic: str, frame: DataFrame) -> None:
+        """Count ``frame`` (cached: the count is its read, done once) and say so."""
+        self.say(f"reading {topic} ...")
+        self.say(f"read {topic}: {frame.count():,} records")
+
+
 def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> SparkSession:
     """A Spark session whose Python workers run this interpreter (and see this package)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -113,6 +132,9 @@ def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> Spar
         SparkSession.builder.master(master)
         .appName(app)
         .config("spark.ui.enabled", "false")
+        # Spark's console bars ([Stage 2:=>  (3 + 2) / 12]) go to stderr: only to a
+        # terminal, never into a log; Progress says what happens instead.
+        .config("spark.ui.showConsoleProgress", "true" if sys.stderr.isatty() else "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.shuffle.partitions", os.environ.get("DEVICEMQ_SHUFFLE_PARTITIONS", "8"))
         .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
