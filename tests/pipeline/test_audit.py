@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from redis import Redis
 
 from app import cli
@@ -56,7 +57,9 @@ def test_audit_finds_the_known_counts(spark: Any, workload: Workload, tmp_path: 
     assert spark.read.parquet(str(tmp_path / "clients.parquet")).count() == 6
 
 
-def test_cli_since_window(spark: Any, workload: Workload, tmp_path: Path) -> None:
+def test_cli_since_window(
+    spark: Any, workload: Workload, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # `devicemq pipeline audit`, in-process: it reuses the test's SparkSession.
     # Everything was published before --since: the window is empty, nothing lost.
     argv = ["pipeline", "audit", "--bootstrap", workload.endpoints.bootstrap]
@@ -64,6 +67,11 @@ def test_cli_since_window(spark: Any, workload: Workload, tmp_path: Path) -> Non
     assert cli.main([*argv, "--since", "2999-01-01T00:00:00"]) == 0
     totals = json.loads((tmp_path / "audit.json").read_text())["totals"]
     assert totals["persisted"] == 0 and totals["lost"] == 0
+    # its own progress lines, on stderr: what it read, how many, when
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert "read devicemq.device.persisted: 0 records" in said
+    assert any(line.startswith("read devicemq.events: ") for line in said)
+    assert said[-1] == "done"
 
 
 def test_streaming_audit_rewrites_its_summary(
