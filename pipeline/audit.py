@@ -24,7 +24,8 @@ expiries carry the score; a trim names packet ids, resolved to the last
 message stored under that id before the trim (events of one client are in
 one partition, in order). Duplicate deliveries are deliveries of a message
 after its first; latencies are first delivery and acknowledgement minus the
-publish time.
+publish time, delivery also apart for messages whose client was connected as
+they were published and for those replayed from the backlog (``_live``).
 
 Outputs in ``--out``: ``messages.parquet`` (one row per record, its status
 and times), ``clients.parquet`` (status counts per client), ``audit.json``
@@ -71,6 +72,7 @@ STATUSES = (
     "lost",
 )
 PERCENTILES = (0.5, 0.9, 0.99)
+PERCENTILE_NAMES = ("p50", "p90", "p99", "max")
 LOST_LISTED = 100  # lost messages named in audit.json
 
 
@@ -79,7 +81,8 @@ class AuditResult:
     summary: dict[str, Any]
     messages: DataFrame
     clients: DataFrame
-    latencies: list[tuple[float | None, float | None]] = field(default_factory=list)
+    # (first delivery, ack latency, live): a sample of the delivered messages
+    latencies: list[tuple[float | None, float | None, bool]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------
@@ -279,6 +282,9 @@ def audit_frames(
         (F.col("acked_ts") - F.col("pub")).alias("ack_latency"),
         reason.alias("reason"),
     ).withColumn("reason", F.when(F.col("status") == "lost", F.col("reason")))
+    messages = messages.join(_live(evs, messages), by_score, "left").withColumn(
+        "live", F.coalesce(F.col("live"), F.lit(False))
+    )
     messages = messages.cache()
     counts = [F.sum(F.when(F.col("status") == s, 1).otherwise(0)).alias(s) for s in STATUSES]
     clients = (
@@ -293,9 +299,39 @@ def audit_frames(
     return messages, clients
 
 
+def _live(evs: DataFrame, messages: DataFrame) -> DataFrame:
+    """(cid, sc, live) of the stored messages: live when their client was connected
+    as they were published (its last ``connected``/``disconnected`` event before
+    the publish time was ``connected``), so that their delivery latency is the
+    path's own; the others were replayed from the backlog, and their latency is
+    mostly the time their client was away."""
+    from pyspark.sql import Window as W
+    from pyspark.sql import functions as F
+
+    ev = F.col("ev")
+    life = evs.where(ev.isin("connected", "disconnected")).select(
+        "cid",
+        F.col("ts").alias("t"),
+        (ev == "connected").alias("up"),
+        F.lit(None).cast("long").alias("sc"),
+    )
+    stored = messages.where(F.col("sc").isNotNull()).select(
+        "cid", F.col("pub").alias("t"), F.lit(None).cast("boolean").alias("up"), "sc"
+    )
+    # at one instant, the connection's change comes first
+    order = W.partitionBy("cid").orderBy("t", F.col("sc").isNotNull())
+    before = order.rowsBetween(W.unboundedPreceding, W.currentRow)
+    return (
+        life.unionByName(stored)
+        .withColumn("live", F.last("up", ignorenulls=True).over(before))
+        .where(F.col("sc").isNotNull())
+        .select("cid", "sc", "live")
+    )
+
+
 def summarize(
     messages: DataFrame, clients: DataFrame, evs: DataFrame, now: float
-) -> tuple[dict[str, Any], list[tuple[float | None, float | None]]]:
+) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]]:
     from pyspark.sql import functions as F
 
     per_client = [r.asDict() for r in clients.collect()]
@@ -306,6 +342,16 @@ def summarize(
     agg = messages.agg(
         F.sum(F.when(F.col("deliveries") > 1, 1).otherwise(0)).alias("redelivered"),
         F.percentile_approx("delivery_latency", list(PERCENTILES)).alias("dl"),
+        F.percentile_approx(
+            F.when(F.col("live"), F.col("delivery_latency")), list(PERCENTILES)
+        ).alias("dl_live"),
+        F.percentile_approx(
+            F.when(~F.col("live"), F.col("delivery_latency")), list(PERCENTILES)
+        ).alias("dl_replay"),
+        F.max(F.when(F.col("live"), F.col("delivery_latency"))).alias("dl_live_max"),
+        F.max(F.when(~F.col("live"), F.col("delivery_latency"))).alias("dl_replay_max"),
+        F.sum(F.when(F.col("live") & F.col("delivered_ts").isNotNull(), 1)).alias("n_live"),
+        F.sum(F.when(~F.col("live") & F.col("delivered_ts").isNotNull(), 1)).alias("n_replay"),
         F.percentile_approx("ack_latency", list(PERCENTILES)).alias("al"),
         F.max("delivery_latency").alias("dl_max"),
         F.max("ack_latency").alias("al_max"),
@@ -335,16 +381,20 @@ def summarize(
         "ok": totals["lost"] == 0,
         "latency_seconds": {
             "delivery": percentiles(agg["dl"], agg["dl_max"]),
+            # to clients connected as the message was published / replayed to the others
+            "delivery_live": percentiles(agg["dl_live"], agg["dl_live_max"]),
+            "delivery_replay": percentiles(agg["dl_replay"], agg["dl_replay_max"]),
             "ack": percentiles(agg["al"], agg["al_max"]),
         },
+        "delivered": {"live": int(agg["n_live"] or 0), "replayed": int(agg["n_replay"] or 0)},
         "events_dropped": int(gaps),
         "clients": per_client,
         "lost_messages": lost,
     }
     sample = [
-        (r[0], r[1])
+        (r[0], r[1], bool(r[2]))
         for r in messages.where(F.col("delivery_latency").isNotNull())
-        .select("delivery_latency", "ack_latency")
+        .select("delivery_latency", "ack_latency", "live")
         .limit(200_000)
         .collect()
     ]
@@ -436,17 +486,32 @@ def _html(result: AuditResult, path: Path) -> None:
     report.figure(fig, "Persisted messages by status")
     report.heading("End-to-end latency (seconds after publish)")
     lat = s["latency_seconds"]
+    rows = [
+        ("delivery", "delivery, all"),
+        ("delivery_live", "delivery, client connected"),
+        ("delivery_replay", "delivery, replayed"),
+        ("ack", "acknowledgement"),
+    ]
     report.table(
         ["", "p50", "p90", "p99", "max"],
-        [[k, *(lat[k][p] for p in ("p50", "p90", "p99", "max"))] for k in ("delivery", "ack")],
+        [[name, *(lat[k][p] for p in PERCENTILE_NAMES)] for k, name in rows if k in lat],
     )
-    delivery = [d for d, _a in result.latencies if d is not None]
-    if delivery:
-        fig, ax = figure()
-        ax.hist([d * 1000 for d in delivery], bins=50, color="#55a868")
-        ax.set_xlabel("first delivery latency (ms)")
-        ax.set_ylabel("messages")
-        report.figure(fig, "Publish to first delivery")
+    report.paragraph(
+        "Connected: the client was connected as the message was published, so its "
+        "latency is the persistent path's own. Replayed: it was not, and the message "
+        "waited in its backlog until it came back; that latency is mostly its absence."
+    )
+    for live, caption, color in (
+        (True, "Publish to first delivery, clients connected", "#55a868"),
+        (False, "Publish to first delivery, replayed from the backlog", "#c44e52"),
+    ):
+        delivery = [d for d, _a, on in result.latencies if d is not None and on is live]
+        if delivery:
+            fig, ax = figure()
+            ax.hist([d * 1000 for d in delivery], bins=50, color=color)
+            ax.set_xlabel("first delivery latency (ms)")
+            ax.set_ylabel("messages")
+            report.figure(fig, caption)
     report.heading("Per client")
     cols = ["cid", "persisted", *STATUSES, "duplicates"]
     report.table(cols, [[c.get(k) for k in cols] for c in s["clients"]])

@@ -47,6 +47,9 @@ def test_audit_finds_the_known_counts(spark: Any, workload: Workload, tmp_path: 
     assert clients["dupper"]["duplicates"] == 2 and clients["dupper"]["acked"] == 2
     latency = result.summary["latency_seconds"]
     assert 0 <= latency["delivery"]["p50"] <= latency["ack"]["p99"] < 30
+    # the ackers were connected as their messages were published: live deliveries
+    assert result.summary["delivered"]["live"] >= ACKED_EACH * len(ACKERS)
+    assert latency["delivery_live"]["p50"] is not None
 
     path = write_outputs(result, tmp_path)
     assert json.loads(path.read_text())["totals"]["lost"] == 0
@@ -120,15 +123,19 @@ def test_a_message_removed_behind_the_brokers_back_is_lost(
     assert [r["pid"] for r in lost_rows.collect()] == [pid]
 
 
-def _statuses(spark: Any, records: int, events: list[dict[str, Any]]) -> dict[int, str]:
-    """The audit's status of each of ``records`` records of client ``c`` (partition 0,
-    offsets 0..), given ``events`` (epoch 3, in order): offset -> status."""
+def _messages(
+    spark: Any, records: int, events: list[dict[str, Any]], pubs: list[float] | None = None
+) -> dict[int, Any]:
+    """The audit's row of each of ``records`` records of client ``c`` (partition 0,
+    offsets 0.., published at ``pubs``, else at 10), given ``events`` (epoch 3, in
+    order): offset -> row."""
     from pipeline.audit import audit_frames
     from pipeline.common import EVENT_SCHEMA
 
     epoch, now = 3, 1000.0
+    times = pubs or [10.0] * records
     recs = spark.createDataFrame(
-        [("c", 0, off, 10.0, "t", 1, 10.0, None) for off in range(records)],
+        [("c", 0, off, times[off], "t", 1, times[off], None) for off in range(records)],
         "cid string, part int, off long, kts double, topic string, size int, pub double, "
         "exp double",
     )
@@ -140,7 +147,11 @@ def _statuses(spark: Any, records: int, events: list[dict[str, Any]]) -> dict[in
     evs = spark.createDataFrame(rows, f"{EVENT_SCHEMA}, epart int, eoff long, idx int")
     refs = spark.createDataFrame([], "cid string, sc long, ref_pid int, has_value boolean")
     messages, _clients = audit_frames(spark, recs, evs, refs, epoch, now, grace=30.0)
-    return {r["off"]: r["status"] for r in messages.collect()}
+    return {r["off"]: r for r in messages.collect()}
+
+
+def _statuses(spark: Any, records: int, events: list[dict[str, Any]]) -> dict[int, str]:
+    return {off: row["status"] for off, row in _messages(spark, records, events).items()}
 
 
 def test_records_not_stored_for_a_reason_are_not_lost(spark: Any) -> None:
@@ -170,3 +181,27 @@ def test_messages_an_operator_purged_are_purged_not_lost(spark: Any) -> None:
     purged = [{"ev": "purged", "pid": 1, "sc": 1}, {"ev": "purged", "pid": 2, "sc": 2}]
     got = _statuses(spark, 3, [*persisted, *purged])
     assert got == {0: "purged", 1: "purged", 2: "lost"}
+
+
+def test_deliveries_to_connected_clients_are_told_from_replays(spark: Any) -> None:
+    """A message published while its client was connected is delivered live; one
+    published while it was away is replayed, and its latency is mostly the absence
+    (a run with offline subscribers had its histogram dominated by those)."""
+
+    def stored(i: int, pub: float, delivered: float) -> list[dict[str, Any]]:
+        return [
+            {"ev": "persisted", "off": i, "pid": i + 1, "sc": i + 1, "exp": 2000.0, "ts": pub},
+            {"ev": "delivered", "pid": i + 1, "sc": i + 1, "ts": delivered},
+        ]
+
+    events = [
+        {"ev": "connected", "ts": 5.0},
+        *stored(0, 10.0, 10.0),  # connected: live
+        {"ev": "disconnected", "ts": 20.0},
+        *stored(1, 25.0, 300.0),  # away: replayed when it came back
+        {"ev": "connected", "ts": 300.0},
+        *stored(2, 400.0, 400.0),  # connected again: live
+    ]
+    rows = _messages(spark, 3, events, pubs=[10.0, 25.0, 400.0])
+    assert {off: row["live"] for off, row in rows.items()} == {0: True, 1: False, 2: True}
+    assert rows[1]["delivery_latency"] == 275.0

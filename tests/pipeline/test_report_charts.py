@@ -111,15 +111,16 @@ def test_every_audit_chart_is_drawn(chromium: WebDriver, tmp_path: Path) -> None
         "clients": [],
         "lost_messages": [],
     }
-    latencies: list[tuple[float | None, float | None]]
-    latencies = [(0.001 * i, 0.002 * i) for i in range(100)]
+    latencies: list[tuple[float | None, float | None, bool]]
+    latencies = [(0.001 * i, 0.002 * i, i % 4 != 0) for i in range(100)]
     result = AuditResult(summary, cast(Any, None), cast(Any, None), latencies)
     path = tmp_path / "audit.html"
     audit._html(result, path)
     figures = _figures(chromium, path)
     assert [f["caption"] for f in figures] == [
         "Persisted messages by status",
-        "Publish to first delivery",
+        "Publish to first delivery, clients connected",
+        "Publish to first delivery, replayed from the backlog",
     ]
     for f in figures:
         assert f["points"] > 0 and f["decoded"] > 0, f
