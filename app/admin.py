@@ -331,7 +331,7 @@ class AdminApi:
                 item.update(
                     topic=message.topic,
                     qos=message.qos,
-                    stored_at=message.publish_time,
+                    published_at=message.publish_time,
                     expiry=message.expiry,
                     size=len(message.payload),
                 )

@@ -242,7 +242,7 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
             client.session_path(cid, "messages"),
             {"limit": args.limit, "payload": args.payload or None},
         )
-        fields = ["packet_id", "score", "sent", "topic", "qos", "size", "stored_at"]
+        fields = ["packet_id", "score", "sent", "topic", "qos", "size", "published_at"]
         if args.payload:
             fields.append("payload")
         return answer, _table(answer["items"], fields)
@@ -287,7 +287,7 @@ def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
 def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
-    if column in ("last_seen", "connected_at", "stored_at", "until", "created") and isinstance(
+    if column in ("last_seen", "connected_at", "published_at", "until", "created") and isinstance(
         value, int | float
     ):
         return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value)) + "Z"

@@ -305,7 +305,7 @@ async function peekMessages(clientId, persistent) {
     ...page.items.map((m) =>
       el("tr", {}, el("td", { class: "num" }, m.packet_id), el("td", { class: "mono" }, m.topic),
         el("td", { class: "num" }, m.qos), el("td", { class: "num" }, m.size),
-        el("td", {}, when(m.stored_at)), el("td", {}, m.sent ? "yes" : "no"),
+        el("td", {}, when(m.published_at)), el("td", {}, m.sent ? "yes" : "no"),
         el("td", { class: "mono" }, m.payload === undefined ? "" : payloadText(m.payload))),
     ),
   );

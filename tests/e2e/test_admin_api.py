@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,8 @@ def test_a_persistent_session_its_backlog_peeked_then_purged(
     assert [m["packet_id"] for m in peek["items"]] == [1, 2]
     assert base64.b64decode(peek["items"][0]["payload"]) == b"m0"
     assert peek["items"][0]["topic"] == topic and peek["items"][0]["size"] == 2
+    # the time kept with a stored message is its publish time (the store's is not kept)
+    assert 0 <= time.time() - peek["items"][0]["published_at"] < 60
     no_payload = api.call("GET", api.session_path(cid, "messages"), {"limit": 1})
     assert "payload" not in no_payload["items"][0]
     cut = api.call("GET", api.session_path(cid, "messages"), {"payload": True, "payload_max": 1})
