@@ -17,7 +17,7 @@ from selenium.webdriver.support import expected_conditions as ec
 from app.admin_cli import AdminClient
 from tests.e2e import admin
 from tests.e2e.admin import TOKEN, admin_broker, persistent_subscriber, publish
-from tests.e2e.browser import start_chromium, wait_for
+from tests.e2e.browser import wait_for
 from tests.e2e.clients import V5, Paho
 from tests.e2e.conftest import BrokerProcess, is_mosquitto
 
@@ -28,15 +28,6 @@ pytestmark = pytest.mark.skipif(is_mosquitto(), reason="devicemq's admin console
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, AdminClient]]:
     with admin_broker(tmp_path_factory.mktemp("console")) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
-    driver = start_chromium(tmp_path_factory.mktemp("chromium"))
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def _open(driver: WebDriver, url: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,18 +16,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from pipeline import audit, traffic
 from pipeline.audit import STATUSES, AuditResult
-from tests.e2e.browser import start_chromium
 
 START = 1_795_600_000.0  # epoch seconds, a minute boundary
-
-
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
-    driver = start_chromium(tmp_path_factory.mktemp("chromium"))
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def _minute(i: int) -> dt.datetime:
