@@ -75,6 +75,7 @@ replicated, on disk) and a real Redis, configured by URL and bootstrap.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import errno
 import fcntl
@@ -233,8 +234,16 @@ def find_tansu() -> str:
 # --------------------------------------------------------------------------- probes
 
 
-def free_port(host: str = HOST) -> int:
-    """A TCP port free on every interface right now, below the kernel's ephemeral range.
+# Ports this process handed out lately. A port is bound by its user some time
+# after it was chosen (a broker's MQTT and admin ports, chosen one after the
+# other, bound when it starts): until then it still looks free, and choosing it
+# again would give two listeners one port.
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
+
+
+def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
+    """A TCP port free on every interface right now, below the kernel's ephemeral range,
+    and not handed out lately by this process (``also_free_at``: port + that free too).
 
     A port the kernel picks (bind to port 0) comes from the ephemeral range,
     where every outgoing connection of the machine takes its local port too:
@@ -243,18 +252,30 @@ def free_port(host: str = HOST) -> int:
     range only listeners take ports, chosen at random here.
     """
     low = _ephemeral_low()
-    for _ in range(200):
+    for _ in range(400):
         port = random.randrange(max(1024, low - 12_000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))  # free on every address, so on ``host`` too
-            except OSError:
-                continue
+        if port in _HANDED_OUT or (also_free_at and port + also_free_at in _HANDED_OUT):
+            continue
+        if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
+            _HANDED_OUT.append(port)
+            if also_free_at:
+                _HANDED_OUT.append(port + also_free_at)
             return port
+    if also_free_at:
+        raise ServiceError("no free port found")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         chosen: int = s.getsockname()[1]
         return chosen
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))  # free on every address, so on any one host too
+        except OSError:
+            return False
+    return True
 
 
 def _ephemeral_low() -> int:

@@ -30,6 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from app.embedded_services import free_port
 from broker.codec import PacketDecoder, encode
 from broker.config import MqttSettings, Settings
 from broker.connection import MQTTConnection
@@ -162,12 +163,6 @@ def overlap(filters: int, ids: bool) -> None:
 # ------------------------------------------------------------------ a running broker
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -189,7 +184,7 @@ def flood(mode: str, seconds: float) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="devicemq-flood-"))
     password_file = tmp / "passwd"
     write_password_file(password_file, {"alice": hash_password("alice-pw")})
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env.update(
         DEVICEMQ_PERSISTENCE_ENABLED="false",

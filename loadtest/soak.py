@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.embedded_services import free_port
 from broker.codec import PacketDecoder, encode
 from broker.errors import MQTTError
 from broker.packets import (
@@ -70,12 +71,6 @@ from broker.packets import (
 HOST = "127.0.0.1"
 V5 = 5
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- the broker
@@ -410,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         data_dir = Path(args.data_dir or stack.enter_context(tempfile.TemporaryDirectory()))
         data_dir.mkdir(parents=True, exist_ok=True)
-        broker = BrokerProcess(data_dir, _free_port())
+        broker = BrokerProcess(data_dir, free_port())
         broker.start()
         load = None
         if args.with_loadtest:

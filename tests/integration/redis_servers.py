@@ -8,7 +8,6 @@ Each server listens on 127.0.0.1 only, keeps nothing on disk worth keeping
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import time
 from typing import Any
 
 from app import embedded_services as services
+from app.embedded_services import free_port as embedded_free_port
 
 __all__ = ["RedisCluster3", "RedisServer", "find_redis_server", "free_port"]
 
@@ -29,22 +29,10 @@ def find_redis_server() -> str | None:
         return None
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(*, with_bus: bool = False) -> int:
-    """A free 127.0.0.1 port (``with_bus``: port + 10000 free too, for a cluster bus)."""
-    for _ in range(200):
-        port = random.randint(20000, 29999)
-        if _bindable(port) and (not with_bus or _bindable(port + 10000)):
-            return port
-    raise RuntimeError("no free port found")
+    """A free 127.0.0.1 port (``with_bus``: port + 10000 free too, for a cluster bus),
+    never one this test process handed out lately (app/embedded_services.py)."""
+    return embedded_free_port(also_free_at=10_000 if with_bus else 0)
 
 
 def _ping(port: int) -> bytes:

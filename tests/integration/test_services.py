@@ -498,3 +498,15 @@ async def test_tansu_fixture_topics_keys_acks_all_and_group_commits(
     finally:
         await check.stop()
     assert sum(c or 0 for c in committed) == 120
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound() -> None:
+    """A broker's MQTT and admin ports are chosen one after the other and bound
+    later: the second choice must not be the first (CI saw "address already in
+    use" when both got one port)."""
+    from app.embedded_services import free_port
+
+    chosen = [free_port() for _ in range(1000)]
+    assert len(set(chosen)) == len(chosen)
+    paired = free_port(also_free_at=10_000)
+    assert paired not in chosen and paired + 10_000 not in chosen
