@@ -19,6 +19,14 @@ records progress durably makes two steps wait for its writes (``mark`` and
 ``release``): a message's first send waits for its "may have been seen" mark,
 so a replay after a crash sets DUP; a PUBREL waits for the PUBREL stage, so a
 replay never re-sends a PUBLISH the client already completed.
+
+A session may also have a *side* feed: the exclusive compacted queue its
+client consumes (broker/ecq.py, persistence/queue_feed.py). Its messages
+share the window and get packet identifiers here, at first send (QoS 1
+only, nothing to mark). A message of the session's own feed whose stored
+identifier a side message holds waits, with those after it, until that one
+is acknowledged. A new connection re-reads the side feed rather than
+re-sending its messages: its record is the truth.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class Outgoing:
     sent: bool = False
     marked: bool = False
     ref: object = None
+    side: Feed | None = None  # from the side feed (its identifier given here)
 
 
 @dataclass(slots=True)
@@ -140,6 +149,30 @@ class Outflow:
         self._gone: set[int] = set()  # refused by the mark: never to be sent
         self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
         self.last_progress = 0.0  # broker clock of the last acknowledgement (or resume)
+        self.side: Feed | None = None  # the queue the client consumes ($ECQ), if any
+        self._side_last = 0  # the last identifier given to a side message
+        self._side_turn = False  # take from the side feed first next time
+        # Taken from the feed, waiting for a side message to free their identifier.
+        self._parked: deque[Outgoing] = deque()
+
+    def attach_side(self, feed: Feed) -> None:
+        """The client subscribed to its queue: deliver from it too."""
+        if self.side is feed:
+            return
+        if self.side is not None:
+            self.side.discard()
+        self.side = feed
+        self._side_turn = True  # just subscribed: its first message goes next
+        feed.outflow = self
+        feed.restart()
+        self.pump()
+
+    def detach_side(self) -> None:
+        """The queue's subscription went: what is in flight completes, nothing more is
+        taken."""
+        if self.side is not None:
+            self.side.discard()
+            self.side = None
 
     @property
     def connection(self) -> MQTTConnection | None:
@@ -156,6 +189,7 @@ class Outflow:
         """A connection was attached: re-send what is unacknowledged (MQTT-4.4.0-1)."""
         self._epoch += 1
         self._progress()
+        self._drop_side_inflight()
         if self.feed.durable:
             # The record is the truth (another replica may have served the client
             # meanwhile): forget this process's view and re-read it in order.
@@ -164,11 +198,20 @@ class Outflow:
             self._may_go.clear()
             self._gone.clear()
             self._resend.clear()
+            self._parked.clear()
             self.feed.restart()
         else:
             self._marking.clear()
             self._resend = deque(self.inflight)
+        if self.side is not None:
+            self.side.restart()
         self.pump()
+
+    def _drop_side_inflight(self) -> None:
+        """A new connection re-reads the side feed: its messages in flight on the
+        last one are its record's to send again (with DUP, the feed knows)."""
+        for packet_id in [p for p, e in self.inflight.items() if e.item.side is not None]:
+            del self.inflight[packet_id]
 
     def pump(self) -> None:
         """The window may have opened (an ack, the socket drained, messages arrived)."""
@@ -184,7 +227,7 @@ class Outflow:
             if resend:
                 self._send_again(conn, resend.popleft())
                 continue
-            items = self.feed.take(room)
+            items = self._take(room)
             if not items:
                 break
             for item in items:
@@ -192,6 +235,36 @@ class Outflow:
         if to_mark:
             epoch, batch = self._epoch, [item.packet_id for item in to_mark]
             self.feed.mark(to_mark, lambda ids: self._marked(batch, ids, epoch))
+
+    def _take(self, room: int) -> list[Outgoing]:
+        """The next messages: the session's feed and the side feed take turns."""
+        side, parked, inflight = self.side, self._parked, self.inflight
+        if side is not None and self._side_turn:
+            self._side_turn = False
+            first = self._take_side(side, max(1, room // 2))
+            if first:
+                return first
+        self._side_turn = side is not None
+        items: list[Outgoing] = []
+        while parked and len(items) < room and parked[0].packet_id not in inflight:
+            items.append(parked.popleft())
+        if not parked and len(items) < room:
+            for item in self.feed.take(room - len(items)):
+                if parked or item.packet_id in inflight:
+                    # Its stored identifier is held by a side message: it waits, in order.
+                    parked.append(item)
+                else:
+                    items.append(item)
+        if not items and side is not None:
+            items = self._take_side(side, room)
+        return items
+
+    def _take_side(self, side: Feed, n: int) -> list[Outgoing]:
+        items = side.take(n)
+        for item in items:
+            self._side_last = item.packet_id = self.next_packet_id(self._side_last)
+            item.side = side
+        return items
 
     def acknowledge(self, packet_id: int) -> bool:
         """PUBACK: the QoS 1 flow ends. False if no such message is in flight."""
@@ -216,7 +289,8 @@ class Outflow:
 
     def pending(self) -> int:
         """Messages not yet acknowledged, in flight or waiting."""
-        return len(self.inflight) + self.feed.queued()
+        side = self.side.queued() if self.side is not None else 0
+        return len(self.inflight) + self.feed.queued() + len(self._parked) + side
 
     def room(self) -> int:
         """How many more messages would go out at once now (0 while anything waits)."""
@@ -233,7 +307,9 @@ class Outflow:
         self._marking.clear()
         self._may_go.clear()
         self._gone.clear()
+        self._parked.clear()
         self.feed.discard()
+        self.detach_side()
 
     def next_packet_id(self, last: int) -> int:
         """The identifier after ``last``, wrapping 65535 -> 1, skipping those in flight."""
@@ -266,7 +342,7 @@ class Outflow:
         ):
             # The receiver may not read it (any more): dropped unsent, counted, reported.
             self._session.stats.drop("not_authorized_receive")
-            self.feed.undeliverable(item)
+            (item.side or self.feed).undeliverable(item)
             return
         entry = OutgoingMessage(item, OutgoingState.MARKING)
         self.inflight[item.packet_id] = entry
@@ -318,15 +394,15 @@ class Outflow:
                 OutgoingState.AWAIT_PUBACK if delivery.qos == 1 else OutgoingState.AWAIT_PUBREC
             )
             item.sent = True
-            self.feed.sent(item, resend)
+            (item.side or self.feed).sent(item, resend)
             return
         del self.inflight[item.packet_id]
         if resend:
             # Too large for this connection's Maximum Packet Size: discarded, and the
             # flow behaves as if it completed (MQTT-3.1.2-25).
-            self.feed.finished(item)
+            (item.side or self.feed).finished(item)
         else:
-            self.feed.undeliverable(item)
+            (item.side or self.feed).undeliverable(item)
 
     def _send_again(self, conn: MQTTConnection, packet_id: int) -> None:
         """Re-send on a new connection what was in flight on an earlier one."""
@@ -352,7 +428,7 @@ class Outflow:
             return False
         del self.inflight[packet_id]
         self._progress()
-        self.feed.finished(entry.item)
+        (entry.item.side or self.feed).finished(entry.item)
         self.pump()
         return True
 

@@ -349,7 +349,10 @@ class StoreFeed:
         self._stats.replay_pages.observe(len(records))
         inflight = outflow.inflight if outflow is not None else {}
         for record in records:
-            if record.score > self._cursor and record.packet_id not in inflight:
+            # One in flight as this feed's is being handled; one whose identifier a
+            # queue's message holds is not (broker/outflow.py parks it).
+            held = inflight.get(record.packet_id)
+            if record.score > self._cursor and (held is None or held.item.side is not None):
                 self._buffer.append(record)
                 self._cursor = record.score
         if len(records) < self._page_size and not self._missed:

@@ -1,0 +1,136 @@
+"""A session's side feed, the queue its client consumes ($ECQ, broker/outflow.py).
+
+Side messages get their packet identifiers from the outflow at first send; the
+session's own durable feed brings identifiers stored with its messages. When
+a stored identifier is held by a side message in flight, that message (and
+every one after it) waits, in order, until the side message is acknowledged.
+A new connection re-reads the side feed instead of re-sending its messages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection
+
+from broker.message import Delivery, Message
+from broker.outflow import Outflow, Outgoing
+from broker.packets import PubAck
+from tests.unit.core_harness import payloads, publishes
+from tests.unit.test_outflow import _setup
+
+
+def _item(payload: bytes) -> Outgoing:
+    return Outgoing(0, Delivery(Message("$ECQ/sub/k", payload, 1, False), 1, False), marked=True)
+
+
+class SideFeed:
+    """A queue-like side feed: messages without identifiers, no marks to wait for."""
+
+    durable = True
+
+    def __init__(self) -> None:
+        self.outflow: Outflow | None = None
+        self.queue: deque[Outgoing] = deque()
+        self.finished_ids: list[int] = []
+        self.restarts = 0
+
+    def add(self, payload: bytes) -> None:
+        self.queue.append(_item(payload))
+        assert self.outflow is not None
+        self.outflow.pump()
+
+    def offer(self, delivery: Delivery) -> None:
+        raise AssertionError("a side feed is fed by its store")
+
+    def take(self, n: int) -> list[Outgoing]:
+        items = []
+        while self.queue and len(items) < n:
+            items.append(self.queue.popleft())
+        return items
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        done([item.packet_id for item in items])
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        done()
+
+    def finished(self, item: Outgoing) -> None:
+        self.finished_ids.append(item.packet_id)
+
+    def undeliverable(self, item: Outgoing) -> None:
+        pass
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        pass
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+    def discard(self) -> None:
+        self.queue.clear()
+
+    def queued(self) -> int:
+        return len(self.queue)
+
+
+def test_a_stored_message_whose_id_a_side_message_holds_waits_for_it_in_order() -> None:
+    h, feed, sub, pub = _setup()
+    side = SideFeed()
+    h.broker.sessions["sub"].outflow.attach_side(side)
+    side.add(b"queued")
+    (first,) = publishes(sub.read())
+    assert first.packet_id == 1 and first.payload == b"queued"
+    pub.publish_acked("t", b"a", qos=1)  # stored with id 1: held by the side message
+    pub.publish_acked("t", b"b", qos=1)  # id 2: free, but after "a"
+    assert feed.marks == [] and sub.read() == []
+    sub.send(PubAck(1))
+    assert side.finished_ids == [1]
+    feed.complete_mark()
+    assert payloads(sub.read()) == [b"a", b"b"]
+
+
+def test_side_messages_take_identifiers_no_message_in_flight_has() -> None:
+    h, feed, sub, pub = _setup()
+    pub.publish_acked("t", b"a", qos=1)
+    feed.complete_mark()
+    (stored,) = publishes(sub.read())
+    side = SideFeed()
+    h.broker.sessions["sub"].outflow.attach_side(side)
+    side.add(b"q1")
+    side.add(b"q2")
+    got = publishes(sub.read())
+    assert [p.payload for p in got] == [b"q1", b"q2"]
+    assert stored.packet_id not in {p.packet_id for p in got}
+    assert len({p.packet_id for p in got}) == 2
+
+
+def test_a_new_connection_rereads_the_side_feed_rather_than_resending() -> None:
+    h, _feed, sub, _pub = _setup()
+    side = SideFeed()
+    h.broker.sessions["sub"].outflow.attach_side(side)
+    side.add(b"q")
+    assert payloads(sub.read()) == [b"q"]
+    restarts = side.restarts
+    sub.conn.connection_lost()
+    again = h.connected("sub", session_expiry_interval=3600, clean_start=False)
+    assert side.restarts == restarts + 1
+    assert publishes(again.pending) == []  # the feed's record sends it again, not the outflow
+    assert h.broker.sessions["sub"].outflow.inflight == {}
+
+
+def test_the_queue_and_the_session_take_turns() -> None:
+    h, feed, sub, pub = _setup(max_inflight=1)
+    for n in range(3):
+        pub.publish_acked("t", b"s%d" % n, qos=1)
+    side = SideFeed()
+    h.broker.sessions["sub"].outflow.attach_side(side)
+    for n in range(3):
+        side.queue.append(_item(b"q%d" % n))
+    sent = []
+    for _ in range(6):
+        while feed.marks:
+            feed.complete_mark()
+        (message,) = publishes(sub.read())
+        sent.append(message.payload)
+        sub.send(PubAck(message.packet_id or 0))
+    assert sent == [b"s0", b"q0", b"s1", b"q1", b"s2", b"q2"]  # neither starves the other
