@@ -16,6 +16,8 @@ the topic (UTF-8), the properties, the payload::
     flags      u8   0x01 SENT (may have been seen: DUP on any later send)
                     0x02 PUBREL (QoS 2, PUBREC received: only PUBREL is left)
                     0x04 RETAIN  0x08 HAS_EXPIRY
+                    0x10 QUEUE (routed to an exclusive compacted queue,
+                    broker/ecq.py: its topic is ``$ECQ/{cid}/{key}``)
     qos        u8
     published  f64  publish time, epoch seconds
     expiry     f64  absolute message expiry, epoch seconds (if HAS_EXPIRY)
@@ -66,6 +68,12 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_generation``
     the generation of the client's current session; after the session ends,
     a tombstone one higher, kept for the default message TTL.
+``{cid}_ecq_pending``, ``_log``, ``_values``, ``_times``, ``_seq``, ``_seen``, ``_acked``
+    the exclusive compacted queue ``{cid}`` consumes (:func:`queue_keys`,
+    persistence/queue_store.py): key -> seq not yet acknowledged, key -> seq
+    of the latest value of every key, key -> value, key -> publish time (ms),
+    the last seq handed out, ``<producer>:<partition>`` -> last record seq
+    stored, the highest seq acknowledged.
 ``{cid}_bytes``
     the size of the messages stored (values as stored), for the per-client
     byte limit; messages that expire unread still count until the set empties.
@@ -91,6 +99,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from broker.ecq import PREFIX as ECQ_PREFIX
+
 __all__ = [
     "FLAG_SENT",
     "MAX_PACKET_ID",
@@ -99,6 +109,7 @@ __all__ = [
     "SESSIONS_INDEX",
     "WAIT_FENCE_KEY",
     "ClientKeys",
+    "QueueKeys",
     "RecordId",
     "SessionState",
     "Stage",
@@ -110,8 +121,10 @@ __all__ = [
     "encode_message",
     "epoch_key",
     "header_fields",
+    "is_queue_record",
     "packet_id_of",
     "pubrel_value",
+    "queue_keys",
     "record_id",
     "resets_key",
 ]
@@ -123,6 +136,7 @@ FLAG_SENT = 0x01
 FLAG_PUBREL = 0x02
 FLAG_RETAIN = 0x04
 FLAG_HAS_EXPIRY = 0x08
+FLAG_QUEUE = 0x10
 
 _HEADER = struct.Struct(">BBBddQQQHI")
 _HEADER_V1 = struct.Struct(">BBBddqHI")
@@ -262,6 +276,8 @@ def encode_message(m: StoredMessage, *, sent: bool = False) -> bytes:
         raise ValueError("topic is longer than 65535 bytes")
     props = _encode_properties(m)
     flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
+    if m.topic.startswith(ECQ_PREFIX):
+        flags |= FLAG_QUEUE
     if m.expiry is not None:
         flags |= FLAG_HAS_EXPIRY
     header = _HEADER.pack(
@@ -277,6 +293,11 @@ def encode_message(m: StoredMessage, *, sent: bool = False) -> bytes:
         len(props),
     )
     return b"".join((header, topic, props, m.payload))
+
+
+def is_queue_record(value: bytes) -> bool:
+    """The value is a message for an exclusive compacted queue (FLAG_QUEUE)."""
+    return len(value) > 1 and value[0] == VERSION and bool(value[1] & FLAG_QUEUE)
 
 
 def pubrel_value() -> bytes:
@@ -504,6 +525,26 @@ def _tag(client_id: str) -> str:
     if "%" in client_id or "}" in client_id:
         return client_id.replace("%", "%25").replace("}", "%7D")
     return client_id
+
+
+class QueueKeys(NamedTuple):
+    """An exclusive compacted queue's keys (persistence/lua/queue_*.lua)."""
+
+    pending: str
+    log: str
+    values: str
+    times: str
+    seq: str
+    seen: str
+    acked: str
+
+
+def queue_keys(client_id: str) -> QueueKeys:
+    """The keys of the queue consumed by ``client_id``, in its client's slot."""
+    p = "{" + _tag(client_id) + "}_ecq_"
+    return QueueKeys(
+        p + "pending", p + "log", p + "values", p + "times", p + "seq", p + "seen", p + "acked"
+    )
 
 
 def packet_id_of(score: int) -> int:

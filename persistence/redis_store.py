@@ -334,6 +334,12 @@ def _load_script(name: str) -> _Script:
     return _Script(name, text, hashlib.sha1(text).hexdigest())
 
 
+def lua_script(name: str) -> _Script:
+    """A script of persistence/lua/ for another part of the store (the queues' scripts,
+    persistence/queue_store.py), run with :meth:`RedisMessageStore.run_script`."""
+    return _load_script(name)
+
+
 _SAVE = _load_script("save_batch")
 _LOAD_PAGE = _load_script("load_page")
 _ACK = _load_script("ack")
@@ -429,6 +435,10 @@ class RedisMessageStore:
             raise
         finally:
             self._observe(script.name, time.perf_counter() - started)
+
+    async def run_script(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """:meth:`_eval` for the store's other parts: counted with the rest."""
+        return await self._eval(script, keys, args)
 
     def _observe(self, name: str, seconds: float) -> None:
         latency = self.script_latency.get(name)

@@ -1,0 +1,61 @@
+-- devicemq: store records of one exclusive compacted queue ($ECQ, broker/ecq.py).
+--
+-- KEYS[1] {cid}_ecq_pending  sorted set: key -> seq, not yet acknowledged
+-- KEYS[2] {cid}_ecq_log      sorted set: key -> seq, latest of every key (rewind)
+-- KEYS[3] {cid}_ecq_values   hash: key -> message value (persistence/format.py)
+-- KEYS[4] {cid}_ecq_times    sorted set: key -> publish time, ms (retention)
+-- KEYS[5] {cid}_ecq_seq      the last sequence number handed out
+-- KEYS[6] {cid}_ecq_seen     hash: <producer>:<partition> -> last record seq stored
+-- ARGV[1] now (ms)  ARGV[2] retention (ms)  ARGV[3] most keys kept (0: no limit)
+-- then per record: seen name, record seq (0: unnamed), key, value, publish time (ms).
+--
+-- A newer value of a key replaces the older one (compaction): its sequence
+-- number is returned as replaced when the older was still unacknowledged.
+-- Returns {results, removed}: per record {seq, replaced} ({-1, 0}: a duplicate
+-- of a record stored before); removed = flat {key, seq, pending(0/1), why}
+-- for entries retention (why 1) or the key limit (why 2) took out.
+
+local pending, log, values, times, counter, seen = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local now, retention, max_keys = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local results, removed = {}, {}
+
+local function remove(key, why)
+  local seq = redis.call('ZSCORE', log, key)
+  local was_pending = redis.call('ZREM', pending, key)
+  redis.call('ZREM', log, key)
+  redis.call('ZREM', times, key)
+  redis.call('HDEL', values, key)
+  removed[#removed + 1] = key
+  removed[#removed + 1] = tonumber(seq or '0')
+  removed[#removed + 1] = was_pending
+  removed[#removed + 1] = why
+end
+
+for i = 4, #ARGV, 5 do
+  local name, record_seq, key, value, published = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  local last = tonumber(redis.call('HGET', seen, name) or '0')
+  if record_seq > 0 and record_seq <= last then
+    results[#results + 1] = {-1, 0}
+  else
+    if record_seq > 0 then redis.call('HSET', seen, name, record_seq) end
+    local seq = redis.call('INCR', counter)
+    local older = redis.call('ZSCORE', pending, key)
+    redis.call('ZADD', pending, seq, key)
+    redis.call('ZADD', log, seq, key)
+    redis.call('HSET', values, key, value)
+    redis.call('ZADD', times, published, key)
+    results[#results + 1] = {seq, tonumber(older or '0')}
+  end
+end
+
+if retention > 0 then
+  local old = redis.call('ZRANGEBYSCORE', times, '-inf', '(' .. (now - retention), 'LIMIT', 0, 1000)
+  for _, key in ipairs(old) do remove(key, 1) end
+end
+if max_keys > 0 then
+  local over = redis.call('ZCARD', log) - max_keys
+  if over > 0 then
+    for _, key in ipairs(redis.call('ZRANGE', log, 0, over - 1)) do remove(key, 2) end
+  end
+end
+return {results, removed}

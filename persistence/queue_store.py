@@ -1,0 +1,200 @@
+"""Exclusive compacted queues ($ECQ, broker/ecq.py) in Redis.
+
+One queue per consumer client id, in that client's Cluster slot
+(:func:`persistence.format.queue_keys`). The persistence consumer saves a
+queue's records here (persistence/lua/queue_save.lua) before it commits their
+Kafka offsets, as it does for sessions: a newer value of a key replaces the
+older one atomically in the same script, every stored value gets the queue's
+next sequence number, a record read twice is stored once (named by producer
+and record seq, as sessions' records), and entries older than
+``ecq.retention`` or beyond ``ecq.max_keys`` leave. Delivery reads the
+pending entries in sequence order (persistence/queue_feed.py); an
+acknowledgement removes an entry only if no newer value replaced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from broker.ecq import key_of
+from persistence.format import header_fields, queue_keys, record_id
+from persistence.redis_store import RedisMessageStore, lua_script
+
+_SAVE = lua_script("queue_save")
+_LOAD = lua_script("queue_load")
+_ACK = lua_script("queue_ack")
+_REWIND = lua_script("queue_rewind")
+_INFO = lua_script("queue_info")
+
+DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
+RETENTION, KEY_LIMIT = 1, 2  # why an entry was removed
+REWIND_CHUNK = 1000  # entries made pending again per script call
+
+
+@dataclass(slots=True)
+class QueueBatch:
+    """One queue's records from one Kafka partition, in partition order."""
+
+    client_id: str
+    values: Sequence[bytes]
+    partition: int | str
+    offsets: Sequence[int] = ()
+
+
+class Removed(NamedTuple):
+    key: str
+    seq: int
+    pending: bool  # not acknowledged yet: it will not be delivered
+    why: int  # RETENTION or KEY_LIMIT
+
+
+class QueueEntry(NamedTuple):
+    key: str
+    seq: int
+    value: bytes
+
+
+@dataclass(slots=True)
+class QueueSaveResult:
+    """Per record: its sequence number, or DUPLICATE; and the unacknowledged sequence
+    number it replaced (0: none). ``removed``: what retention and the key limit took."""
+
+    seqs: list[int] = field(default_factory=list)
+    replaced: list[int] = field(default_factory=list)
+    removed: list[Removed] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def saved(self) -> int:
+        return sum(1 for s in self.seqs if s > 0)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(1 for s in self.seqs if s == DUPLICATE)
+
+
+@dataclass(slots=True, frozen=True)
+class QueueInfo:
+    pending: int  # entries not acknowledged
+    keys: int  # keys kept (acknowledged or not): what a rewind can give
+    last_seq: int
+    acked_seq: int  # the highest sequence number acknowledged
+    oldest_pending_seq: int  # 0: nothing pending
+
+
+class QueueStore:
+    def __init__(
+        self,
+        store: RedisMessageStore,
+        *,
+        retention: float,
+        max_keys: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self.retention = retention  # seconds; 0: kept until acknowledged and replaced
+        self.max_keys = max_keys  # per queue; 0: no limit
+        self._clock = clock
+
+    async def save(self, batch: QueueBatch) -> QueueSaveResult:
+        keys = queue_keys(batch.client_id)
+        args: list[str | int | bytes] = [
+            int(self._clock() * 1000),
+            int(self.retention * 1000),
+            self.max_keys,
+        ]
+        entry_keys: list[str] = []
+        for value in batch.values:
+            topic, _size, published, _expiry = header_fields(value)
+            rid = record_id(value)
+            key = key_of(batch.client_id, topic)
+            entry_keys.append(key)
+            name = f"{rid.producer}:{batch.partition}"
+            args += [name, rid.seq if rid.producer else 0, key, value, int(published * 1000)]
+        results, removed = await self._store.run_script(_SAVE, keys, args)
+        out = QueueSaveResult(keys=entry_keys)
+        for seq, replaced in results:
+            out.seqs.append(int(seq))
+            out.replaced.append(int(replaced))
+        for i in range(0, len(removed), 4):
+            key, seq, pending, why = removed[i : i + 4]
+            out.removed.append(Removed(_text(key), int(seq), bool(pending), int(why)))
+        return out
+
+    async def save_many(
+        self, batches: Sequence[QueueBatch]
+    ) -> tuple[list[QueueSaveResult | None], BaseException | None]:
+        """Each queue's batches one after another, in order; queues side by side.
+
+        A queue whose batch failed has that one and its later ones None (saving a
+        later one first would make the failed one look like a record read twice);
+        the first error is returned with them, for the caller to retry the Nones.
+        """
+        by_queue: dict[str, list[int]] = {}
+        for i, batch in enumerate(batches):
+            by_queue.setdefault(batch.client_id, []).append(i)
+        results: list[QueueSaveResult | None] = [None] * len(batches)
+        errors: list[BaseException] = []
+
+        async def one_queue(indexes: list[int]) -> None:
+            for i in indexes:
+                try:
+                    results[i] = await self.save(batches[i])
+                except Exception as error:  # connection errors, cluster errors
+                    errors.append(error)
+                    return
+
+        await asyncio.gather(*(one_queue(ix) for ix in by_queue.values()))
+        return results, errors[0] if errors else None
+
+    async def load(
+        self, client_id: str, after_seq: int, limit: int
+    ) -> tuple[list[QueueEntry], int]:
+        """Up to ``limit`` pending entries after ``after_seq``, in order, and the last
+        sequence number handed out."""
+        keys = queue_keys(client_id)
+        last, flat = await self._store.run_script(
+            _LOAD, (keys.pending, keys.values, keys.seq), (after_seq, limit)
+        )
+        entries = [
+            QueueEntry(_text(flat[i]), int(flat[i + 1]), bytes(flat[i + 2]))
+            for i in range(0, len(flat), 3)
+        ]
+        return entries, int(last)
+
+    async def ack(self, client_id: str, acked: Iterable[tuple[str, int]]) -> int:
+        args: list[str | int] = []
+        for key, seq in acked:
+            args += [key, seq]
+        if not args:
+            return 0
+        keys = queue_keys(client_id)
+        return int(await self._store.run_script(_ACK, (keys.pending, keys.acked), args))
+
+    async def rewind(self, client_id: str, from_seq: int) -> int:
+        """Make the latest value of every kept key with seq >= ``from_seq`` pending
+        again; returns how many were not pending already."""
+        keys, total, start = queue_keys(client_id), 0, from_seq
+        while True:
+            count, last = await self._store.run_script(
+                _REWIND, (keys.pending, keys.log), (start, REWIND_CHUNK)
+            )
+            total += int(count)
+            if not int(last):
+                return total
+            start = int(last) + 1
+
+    async def info(self, client_id: str) -> QueueInfo:
+        keys = queue_keys(client_id)
+        reply = await self._store.run_script(
+            _INFO, (keys.pending, keys.log, keys.seq, keys.acked), ()
+        )
+        return QueueInfo(*(int(v) for v in reply))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
