@@ -37,6 +37,7 @@ from broker import __version__
 from broker.blocklist import BadEntry, make_entry
 from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
+from broker.ecq import valid_client_id
 from broker.limits import is_loopback
 from broker.message import Message
 from broker.packets import ProtocolLevel
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from broker.core import Broker
     from persistence.blocklist_store import BlockListStore
     from persistence.events import EventSink
+    from persistence.queue_store import QueueStore
     from persistence.redis_store import RedisMessageStore
 
 log = logging.getLogger("devicemq.admin")
@@ -181,6 +183,20 @@ ROUTES = (
         write=True,
         query=("kind", "value"),
     ),
+    Route(
+        "GET",
+        ("queues", "{client_id}"),
+        "show_queue",
+        "The exclusive compacted queue ($ECQ) a client consumes: pending, keys, sequence",
+    ),
+    Route(
+        "POST",
+        ("queues", "{client_id}", "rewind"),
+        "rewind_queue",
+        "Deliver the queue again from a sequence number (the latest value of each key)",
+        write=True,
+        body='{"seq": N}',
+    ),
     Route("GET", ("stats",), "stats", "Headline numbers of this replica"),
     Route("GET", ("openapi.json",), "openapi", "This API's OpenAPI 3 document"),
 )
@@ -200,7 +216,13 @@ class AdminApi:
         store: RedisMessageStore | None = None,
         blocks: BlockListStore | None = None,
         events: EventSink | None = None,
+        queues: QueueStore | None = None,
+        rewind: Callable[[str, int], Awaitable[int]] | None = None,
     ) -> None:
+        """``queues``: the $ECQ store (None: no queues); ``rewind(client_id, seq)``
+        makes entries pending again and has them delivered (persistence)."""
+        self.queues = queues
+        self.rewind = rewind
         self.settings = settings
         self.broker = broker
         self.node_id = node_id
@@ -512,6 +534,48 @@ class AdminApi:
         return json_response(200, {"key": key, "removed": True})
 
     # -- the rest ----------------------------------------------------------------------
+
+    # -- queues ------------------------------------------------------------------------
+
+    async def show_queue(self, request: Request, client_id: str) -> Response:
+        queues = self._queues(client_id)
+        info = await queues.info(client_id)
+        return json_response(
+            200,
+            {
+                "client_id": client_id,
+                "pending": info.pending,
+                "keys": info.keys,
+                "last_seq": info.last_seq,
+                "acked_seq": info.acked_seq,
+                "oldest_pending_seq": info.oldest_pending_seq or None,
+                "retention": queues.retention,
+            },
+        )
+
+    async def rewind_queue(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        data = _json_body(request)
+        seq = data.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+            raise HttpError(400, "seq: a sequence number, 1 or more", {"field": "seq"})
+        unknown = set(data) - {"seq"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        assert self.rewind is not None
+        again = await self.rewind(client_id, seq)
+        self._audit(client_id, "rewind_queue", {"seq": seq, "pending_again": again})
+        return json_response(200, {"client_id": client_id, "seq": seq, "pending_again": again})
+
+    def _queues(self, client_id: str) -> QueueStore:
+        if self.queues is None or self.rewind is None:
+            raise HttpError(409, "no $ECQ queues here: ecq.enabled and persistence are needed")
+        if not valid_client_id(client_id):
+            raise HttpError(
+                400, "a client ID with /, + or # names no queue", {"field": "client_id"}
+            )
+        return self.queues
 
     async def stats(self, request: Request) -> Response:
         broker = self.broker

@@ -176,6 +176,8 @@ async def _open_admin(
         store=persistence.store if persistence is not None else None,
         blocks=blocks,
         events=persistence.events if persistence is not None else None,
+        queues=persistence.queues if persistence is not None else None,
+        rewind=persistence.rewind_queue_now if persistence is not None else None,
     )
     admin = AdminServer(settings, api)
     await admin.start()

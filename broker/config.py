@@ -485,6 +485,22 @@ class FlappingSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class EcqSettings:
+    """Exclusive compacted queues, $ECQ (broker/ecq.py); they need persistence."""
+
+    enabled: bool = setting(True, "Serve $ECQ/ topics as exclusive compacted queues")
+    retention: float = setting(
+        7 * 24 * 3600.0,
+        "Seconds a queue entry is kept (acknowledged ones too, for a rewind); 0: until "
+        "acknowledged and replaced",
+        ge=0,
+    )
+    max_keys: int = setting(
+        100_000, "Keys one queue keeps at most (the oldest leave first); 0: no limit", ge=0
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSettings:
     """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
 
@@ -529,6 +545,7 @@ class Settings:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     flapping: FlappingSettings = field(default_factory=FlappingSettings)
+    ecq: EcqSettings = field(default_factory=EcqSettings)
 
 
 # --------------------------------------------------------------------------

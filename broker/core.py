@@ -458,6 +458,17 @@ class Broker:
         if session.durable:
             self.persistent_path.save_session(session, on_saved)
 
+    def consume_queue(self, session: Session) -> bool:
+        """Deliver the client's exclusive compacted queue to ``session`` (broker/ecq.py),
+        once it holds ``$ECQ/{cid}/#``. False: this broker keeps no queues."""
+        if session.outflow.side is not None:
+            return True
+        feed = self.persistent_path.queue_feed(session)
+        if feed is None:
+            return False
+        session.outflow.attach_side(feed)
+        return True
+
     def restore_session(
         self,
         client_id: str,

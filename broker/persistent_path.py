@@ -25,6 +25,18 @@ if TYPE_CHECKING:
     from broker.topics import SubscriptionEntry
 
 DoneCallback = Callable[[bool], None]
+
+
+class Addressee(Protocol):
+    """Whom a record is routed for: a session, or a queue (broker/ecq.py)."""
+
+    @property
+    def client_id(self) -> str: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
 AcceptedCallback = DoneCallback
 
 
@@ -63,6 +75,8 @@ OpenedCallback = Callable[[OpenedSession | None], None]
 
 
 class PersistentPath(Protocol):
+    keeps_queues: bool  # serves exclusive compacted queues (broker/ecq.py)
+
     def submit(
         self,
         deliveries: Sequence[tuple[Session, Delivery]],
@@ -96,6 +110,23 @@ class PersistentPath(Protocol):
         then ``on_ended(ok)`` (False: the store could not be reached; what is
         kept may come back after a restart)."""
 
+    def enqueue(
+        self,
+        queue: str,
+        delivery: Delivery,
+        on_accepted: DoneCallback,
+        on_settled: DoneCallback | None = None,
+    ) -> bool:
+        """Route ``delivery`` to the exclusive compacted queue ``queue`` consumes
+        (broker/ecq.py), as :meth:`submit` does to a session. False: this path keeps
+        no queues, and nothing is called."""
+
+    def queue_feed(self, session: Session) -> Feed | None:
+        """The side feed delivering the queue of ``session``'s client; None: no queues."""
+
+    def rewind_queue(self, client_id: str, from_seq: int) -> None:
+        """Make the queue's entries from ``from_seq`` on pending again and deliver them."""
+
 
 def _ignore(ok: bool) -> None:
     """Nothing waits on this completion."""
@@ -103,6 +134,8 @@ def _ignore(ok: bool) -> None:
 
 class InMemoryPersistentPath:
     """Keeps durable sessions' messages in their in-memory outflow."""
+
+    keeps_queues = False
 
     def submit(
         self,
@@ -126,3 +159,18 @@ class InMemoryPersistentPath:
     def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         if on_ended is not None:
             on_ended(True)
+
+    def enqueue(
+        self,
+        queue: str,
+        delivery: Delivery,
+        on_accepted: DoneCallback,
+        on_settled: DoneCallback | None = None,
+    ) -> bool:
+        return False  # a queue outlives restarts or it is no queue: persistence only
+
+    def queue_feed(self, session: Session) -> Feed | None:
+        return None
+
+    def rewind_queue(self, client_id: str, from_seq: int) -> None:
+        pass

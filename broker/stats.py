@@ -53,6 +53,9 @@ class BrokerStats:
     persisted_undeliverable: int = 0  # expired by send time, or too large for the client
     delivery_latency: Histogram = field(default_factory=Histogram)  # publish -> first send, s
     replay_pages: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS))
+    # Exclusive compacted queues ($ECQ, persistence/queue_feed.py)
+    queue_delivered: int = 0  # PUBLISH sends of queue entries, re-sends included
+    queue_acked: int = 0  # PUBACKs of queue entries
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

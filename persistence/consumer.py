@@ -65,9 +65,11 @@ from persistence.format import (
     StoredRecord,
     decode_record,
     epoch_key,
+    is_queue_record,
     record_id,
     resets_key,
 )
+from persistence.queue_store import QueueBatch, QueueEntry, QueueSaveResult, QueueStore
 from persistence.redis_store import (
     DURABLE,
     LOST,
@@ -88,6 +90,7 @@ COMMITTED_TIMEOUT = 2.0  # seconds to ask a new assignment's committed offset
 COMMITS_DONE_TIMEOUT = 5.0  # seconds a shutdown waits for offset commits still held back
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
+QueueStoredHandler = Callable[[str, list[QueueEntry]], None]  # queue's consumer, entries
 RoomFor = Callable[[str], int]  # client id -> messages it can be sent right now
 
 
@@ -250,7 +253,13 @@ class PersistenceConsumer:
         resets: LogResets | None = None,
         events: EventSink = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
+        queues: QueueStore | None = None,
+        on_queue_stored: QueueStoredHandler | None = None,
     ) -> None:
+        """``queues``: where records for exclusive compacted queues go (their
+        values carry FLAG_QUEUE); None: such records are skipped, counted."""
+        self._queues = queues
+        self._on_queue_stored = on_queue_stored
         self._consumer = consumer
         self._clock = clock
         # Since when a group join has been under way without completing (None: joined).
@@ -381,6 +390,7 @@ class PersistenceConsumer:
     async def process(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         rewinds = self._rewinds
         client_batches: list[ClientBatch] = []
+        queue_batches: list[QueueBatch] = []
         commit: dict[TopicPartition, int] = {}
         went_back: list[int] = []
         for tp, records in batches.items():
@@ -401,11 +411,20 @@ class PersistenceConsumer:
                 continue
             self._position[tp] = records[-1].offset + 1
             by_client: dict[str, tuple[list[bytes], list[int]]] = {}
+            by_queue: dict[str, tuple[list[bytes], list[int]]] = {}
             for record in records:
                 value, client_id = record.value, _client_id(record.key)
                 if client_id is None or not _well_formed(value):
                     self.stats.malformed_records += 1
                     log.warning("skipping a malformed record at %s offset %d", tp, record.offset)
+                    continue
+                if is_queue_record(value):
+                    if self._queues is None:
+                        self.stats.malformed_records += 1
+                        continue
+                    values, offsets = by_queue.setdefault(client_id, ([], []))
+                    values.append(value)
+                    offsets.append(record.offset)
                     continue
                 values, offsets = by_client.setdefault(client_id, ([], []))
                 values.append(value)
@@ -415,6 +434,10 @@ class PersistenceConsumer:
                 # Stored marked sent, as many as go out at once: no mark write for them.
                 ClientBatch(client_id, values, tp.partition, offsets, room_for(client_id))
                 for client_id, (values, offsets) in by_client.items()
+            )
+            queue_batches.extend(
+                QueueBatch(client_id, values, tp.partition, offsets)
+                for client_id, (values, offsets) in by_queue.items()
             )
             commit[tp] = records[-1].offset + 1
             self.stats.records_consumed += len(records)
@@ -427,6 +450,7 @@ class PersistenceConsumer:
             # earliest); other replicas' consumers may be past it: tell them.
             self._resets.announce(went_back, reread=True)
         results = await self._save(client_batches)
+        queue_results = await self._save_queues(queue_batches) if queue_batches else []
         if rewinds == self._rewinds:  # else these records are being read again
             self._commit_soon(commit)
             for tp, offset in commit.items():
@@ -438,6 +462,21 @@ class PersistenceConsumer:
             if result.saved or result.duplicates:
                 # Duplicates too: a save whose reply was lost stored them, unseen.
                 self._on_stored(batch.client_id, _records_of(batch, result))
+        for queue_batch, queue_result in zip(queue_batches, queue_results, strict=True):
+            self.stats.messages_stored += queue_result.saved
+            self.stats.duplicates_skipped += queue_result.duplicates
+            self.events.queue_stored(queue_batch, queue_result)
+            if self._on_queue_stored is not None and (
+                queue_result.saved or queue_result.duplicates
+            ):
+                entries = [
+                    QueueEntry(key, seq, value)
+                    for key, seq, value in zip(
+                        queue_result.keys, queue_result.seqs, queue_batch.values, strict=True
+                    )
+                    if seq > 0
+                ]
+                self._on_queue_stored(queue_batch.client_id, entries)
 
     async def _committed(self, tp: TopicPartition) -> int | None:
         """The group's committed offset of ``tp`` (where a new assignment's first
@@ -643,6 +682,25 @@ class PersistenceConsumer:
                 self.stats.save_errors += 1
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)
                 await self.store_retry.wait()
+
+    async def _save_queues(self, batches: list[QueueBatch]) -> list[QueueSaveResult]:
+        """Store queue batches; what failed is tried again (only that: a result lost
+        to a retry would report its records as duplicates)."""
+        assert self._queues is not None
+        results: list[QueueSaveResult | None] = [None] * len(batches)
+        while True:
+            todo = [i for i, r in enumerate(results) if r is None]
+            if not todo:
+                return [r for r in results if r is not None]
+            saved, error = await self._queues.save_many([batches[i] for i in todo])
+            for i, result in zip(todo, saved, strict=True):
+                results[i] = result
+            if error is None:
+                self.store_retry.succeeded()
+                continue
+            self.stats.save_errors += 1
+            log.warning("storing %d queue batches failed, retrying: %s", len(todo), error)
+            await self.store_retry.wait()
 
     async def commits_done(self, timeout: float = COMMITS_DONE_TIMEOUT) -> None:
         """Wait until every offset handed to Kafka so far is committed (or failed),

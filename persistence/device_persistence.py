@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
+from broker.ecq import QueueAddressee
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
@@ -32,6 +33,8 @@ from persistence.kafka_path import (
     make_producer,
     replace_topic,
 )
+from persistence.queue_feed import QueueAcks, QueueFeed
+from persistence.queue_store import QueueEntry, QueueStore
 from persistence.redis_store import RedisMessageStore
 from persistence.session_store import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
@@ -105,6 +108,16 @@ class DevicePersistence:
         )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
+        # Exclusive compacted queues ($ECQ, broker/ecq.py), None: ecq.enabled false
+        self.queues: QueueStore | None = None
+        if settings.ecq.enabled:
+            self.queues = QueueStore(
+                store, retention=settings.ecq.retention, max_keys=settings.ecq.max_keys
+            )
+            self.queue_acks: QueueAcks | None = QueueAcks(self.queues)
+        else:
+            self.queue_acks = None
+        self.keeps_queues = self.queues is not None
         self.consumer = PersistenceConsumer(
             consumer,
             config.topic,
@@ -114,6 +127,8 @@ class DevicePersistence:
             epoch,
             self._room_for,
             self.resets,
+            queues=self.queues,
+            on_queue_stored=self._queue_stored,
         )
         # Per process: in a cluster each replica counts its own partitions only.
         self.path.push_back(self.consumer.unstored, config.max_unstored_records)
@@ -198,6 +213,52 @@ class DevicePersistence:
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
         self.sessions.open(client_id, request, done)
 
+    def enqueue(
+        self,
+        queue: str,
+        delivery: Delivery,
+        on_accepted: DoneCallback,
+        on_settled: DoneCallback | None = None,
+    ) -> bool:
+        if self.queues is None:
+            return False
+        self.path.submit([(QueueAddressee(queue), delivery)], on_accepted, on_settled)
+        return True
+
+    def queue_feed(self, session: Session) -> QueueFeed | None:
+        if self.queues is None or self.queue_acks is None:
+            return None
+        assert self._broker is not None
+        return QueueFeed(
+            session.client_id,
+            self.queues,
+            self.queue_acks,
+            self._broker.stats,
+            page_size=self.settings.persistence.replay_page_size,
+            with_seq=True,  # a 3.1.1 PUBLISH carries no properties: the codec leaves it out
+            clock=self._clock,
+            events=self.events,
+        )
+
+    def rewind_queue(self, client_id: str, from_seq: int) -> None:
+        if self.queues is not None:
+            asyncio.get_running_loop().create_task(self._rewind_quietly(client_id, from_seq))
+
+    async def rewind_queue_now(self, client_id: str, from_seq: int) -> int:
+        """Make the queue's kept entries from ``from_seq`` on pending again and have
+        them delivered; returns how many were not pending already."""
+        assert self.queues is not None
+        count = await self.queues.rewind(client_id, from_seq)
+        log.info("queue of %s rewound to seq %d: %d entries again", client_id, from_seq, count)
+        self._queue_stored(client_id, [])  # the consumer re-reads, here or on its replica
+        return count
+
+    async def _rewind_quietly(self, client_id: str, from_seq: int) -> None:
+        try:
+            await self.rewind_queue_now(client_id, from_seq)
+        except Exception as error:  # the consumer may ask again; nothing was lost
+            log.warning("rewinding the queue of %s failed: %s", client_id, error)
+
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
         self.events.session(
             session.client_id, "disconnected" if session.connection is None else "connected"
@@ -228,6 +289,7 @@ class DevicePersistence:
             self.sessions.retry,
             self.sessions.open_retry,
             self.path.recreate_retry,
+            *([self.queue_acks.retry] if self.queue_acks is not None else []),
         ]
 
     async def attach(self, broker: Broker, consume: bool = True) -> None:
@@ -266,6 +328,8 @@ class DevicePersistence:
             await _cancel(self._consumer_task)
         await self.consumer.commits_done()
         await self.writer.flush()
+        if self.queue_acks is not None:
+            await self.queue_acks.flush()
         await self.sessions.flush()
         if self.event_log is not None:
             await self.event_log.close()
@@ -309,6 +373,20 @@ class DevicePersistence:
         if isinstance(feed, StoreFeed):
             feed.stored(records())
 
+    def _queue_stored(self, client_id: str, entries: list[QueueEntry]) -> None:
+        """Offer just-stored queue entries to their consumer if it reads them here
+        (empty: re-read, something was stored the feed did not see)."""
+        assert self._broker is not None
+        session = self._broker.sessions.get(client_id)
+        if session is None or session.connection is None:
+            cluster = self._broker.cluster
+            if cluster is not None:  # connected to another replica: tell it to re-read
+                cluster.stored_elsewhere(client_id)
+            return
+        side = session.outflow.side
+        if isinstance(side, QueueFeed):
+            side.stored(entries)
+
     def _room_for(self, client_id: str) -> int:
         """How many just-stored messages the client's outbox would send at once."""
         assert self._broker is not None
@@ -327,6 +405,9 @@ class DevicePersistence:
                 feed = session.outflow.feed
                 if isinstance(feed, StoreFeed):
                     feed.stored([])
+                side = session.outflow.side
+                if isinstance(side, QueueFeed):
+                    side.stored([])
 
 
 def configured_endpoints(settings: Settings) -> tuple[str, str] | None:

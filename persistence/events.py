@@ -30,7 +30,16 @@ one partition and in the order they happened. ``pipeline/`` reads them back
 ``connected``, ``disconnected``, ``session_expired``, ``session_ended``
                    session lifecycle of durable sessions
 ``gap``            ``n`` events were dropped (Kafka too slow, buffer full)
+``compacted``      a queue entry replaced by a newer value of its key before it
+                   was acknowledged (``by``: the newer one's ``sc``)
 =================  ==========================================================
+
+Exclusive compacted queues (broker/ecq.py) report with the same kinds under
+the consumer's ``cid``; their ``sc`` is the entry's sequence number
+*negated* (a session's scores are positive, so one client's messages and
+its queue's never share an ``sc``), ``pid`` is 0 and ``q`` names the key.
+An entry that retention removed unacknowledged is ``expired`` (``at``:
+``retention``), one the key limit removed is ``trimmed`` with an ``sc``.
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
 carries a JSON array of one client's events of one flush, in order (a send
@@ -66,6 +75,7 @@ if TYPE_CHECKING:
     from broker.config import Settings
     from broker.session import Session
     from persistence.format import StoredRecord
+    from persistence.queue_store import QueueBatch, QueueSaveResult
     from persistence.redis_store import ClientBatch, SaveResult
 
 __all__ = [
@@ -105,6 +115,11 @@ class EventSink(Protocol):
 
     def admin(self, client_id: str, action: str, detail: Any) -> None: ...
 
+    def queue_stored(self, batch: QueueBatch, result: QueueSaveResult) -> None: ...
+
+    def queue(self, client_id: str, kind: str, seq: int, key: str, dup: bool = False) -> None:
+        """``delivered``, ``acked`` or ``discarded`` of the queue entry ``seq``."""
+
 
 class NullEvents:
     """Events turned off: every call does nothing."""
@@ -128,6 +143,12 @@ class NullEvents:
         pass
 
     def admin(self, client_id: str, action: str, detail: Any) -> None:
+        pass
+
+    def queue_stored(self, batch: QueueBatch, result: QueueSaveResult) -> None:
+        pass
+
+    def queue(self, client_id: str, kind: str, seq: int, key: str, dup: bool = False) -> None:
         pass
 
 
@@ -214,6 +235,12 @@ class EventLog:
 
     def admin(self, client_id: str, action: str, detail: Any) -> None:
         self._add("admin", client_id, {"action": action, "detail": detail})
+
+    def queue_stored(self, batch: QueueBatch, result: QueueSaveResult) -> None:
+        self._add("queue_stored", batch.client_id, (batch, result))
+
+    def queue(self, client_id: str, kind: str, seq: int, key: str, dup: bool = False) -> None:
+        self._add("queue", client_id, (kind, seq, key, dup))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -303,6 +330,16 @@ class EventLog:
             base: dict[str, Any] = {"ev": kind, "cid": client_id, "ts": ts}
             if kind == "stored":
                 out.extend(self._stored_events(client_id, ts, details))
+            elif kind == "queue_stored":
+                out.extend(self._queue_stored_events(client_id, ts, details))
+            elif kind == "queue":
+                what, seq, key, dup = details
+                event = {**base, "ev": what, "pid": 0, "sc": -seq, "q": key}
+                if what == "delivered":
+                    event["dup"] = dup
+                elif what == "discarded":
+                    event["ev"] = "dropped"  # too large for the client (expired: not asked)
+                out.append(event)
             elif kind == "delivered":
                 pid, score, dup = details
                 out.append({**base, "pid": pid, "sc": score, "dup": dup})
@@ -373,6 +410,55 @@ class EventLog:
                 events.append({"ev": "expired", "at": "arrival", **base, **where})
         if result.trimmed_ids:
             events.append({"ev": "trimmed", "cid": client_id, "ts": ts, "pids": result.trimmed_ids})
+        return events
+
+    def _queue_stored_events(
+        self, client_id: str, ts: float, details: tuple[QueueBatch, QueueSaveResult]
+    ) -> list[dict[str, Any]]:
+        from persistence.queue_store import DUPLICATE, RETENTION
+
+        batch, result = details
+        epoch, offsets = self.epoch_of(), batch.offsets
+        events: list[dict[str, Any]] = []
+        for i, value in enumerate(batch.values):
+            base = {
+                "cid": client_id,
+                "ts": ts,
+                "part": int(batch.partition),
+                "off": offsets[i] if offsets else -1,
+                "ep": epoch,
+            }
+            seq = result.seqs[i]
+            if seq == DUPLICATE:
+                events.append({"ev": "duplicate", **base})
+                continue
+            topic, size, published, _expiry = header_fields(value)
+            events.append(
+                {
+                    "ev": "persisted",
+                    **base,
+                    "pid": 0,
+                    "sc": -seq,
+                    "q": result.keys[i],
+                    "topic": topic,
+                    "size": size,
+                    "pub": published,
+                    "exp": None,
+                }
+            )
+            if result.replaced[i]:
+                events.append(
+                    {"ev": "compacted", "cid": client_id, "ts": ts, "pid": 0,
+                     "sc": -result.replaced[i], "by": -seq, "q": result.keys[i]}
+                )  # fmt: skip
+        for removed in result.removed:
+            if not removed.pending:
+                continue  # acknowledged already: only what a rewind could give went
+            kind = "expired" if removed.why == RETENTION else "trimmed"
+            events.append(
+                {"ev": kind, "at": "retention" if kind == "expired" else "queue", "cid": client_id,
+                 "ts": ts, "pid": 0, "sc": -removed.seq, "q": removed.key}
+            )  # fmt: skip
         return events
 
 

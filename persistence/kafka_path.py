@@ -43,8 +43,7 @@ from persistence.producers import Aiokafka, Confluent, RecordProducer, confluent
 
 if TYPE_CHECKING:
     from broker.message import Delivery
-    from broker.persistent_path import AcceptedCallback
-    from broker.session import Session
+    from broker.persistent_path import AcceptedCallback, Addressee
 
 log = logging.getLogger("devicemq.kafka")
 
@@ -173,7 +172,7 @@ class KafkaPersistentPath:
 
     def submit(
         self,
-        deliveries: Sequence[tuple[Session, Delivery]],
+        deliveries: Sequence[tuple[Addressee, Delivery]],
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None = None,
     ) -> None:

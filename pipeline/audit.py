@@ -10,8 +10,11 @@ Each record gets exactly one status, first match wins:
 ``dropped``    larger than the client's Maximum Packet Size: never deliverable
 ``trimmed``    removed by the per-client limit
 ``purged``     removed by an operator (the admin API's backlog purge)
+``compacted``  a queue entry ($ECQ) replaced by a newer value of its key
+               before it was acknowledged: its consumer gets the newer one
 ``pending``    still stored in Redis: the ``{cid}_messages`` sorted set holds
-               its score and its ``{cid}_messages_<id>`` string exists
+               its score and its ``{cid}_messages_<id>`` string exists (a
+               queue entry: ``{cid}_ecq_pending`` holds its sequence number)
 ``discarded``  its session ended (expired or clean start) after it was stored,
                or before it arrived (routed for a session that had ended)
 ``duplicate``  a second record of a message stored from another (a produce
@@ -19,7 +22,8 @@ Each record gets exactly one status, first match wins:
 ``in_flight``  not stored yet, and younger than ``--grace`` seconds
 ``lost``       none of these
 
-A stored message is identified by (client, score): acks, deliveries and
+A stored message is identified by (client, score) (a queue entry's score
+is its sequence number negated, persistence/events.py): acks, deliveries and
 expiries carry the score; a trim names packet ids, resolved to the last
 message stored under that id before the trim (events of one client are in
 one partition, in order). Duplicate deliveries are deliveries of a message
@@ -65,6 +69,7 @@ STATUSES = (
     "dropped",
     "trimmed",
     "purged",
+    "compacted",
     "pending",
     "discarded",
     "duplicate",
@@ -91,8 +96,9 @@ class AuditResult:
 
 
 def stored_refs(redis_url: str, cluster: bool, cids: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
-    """(cid, score, packet id, value present) for every ref of every client given."""
-    from persistence.format import client_keys
+    """(cid, score, packet id, value present) for every ref of every client given, and
+    (cid, -seq, 0, True) for every pending entry of the queue it consumes."""
+    from persistence.format import client_keys, queue_keys
 
     if cluster:
         from redis.cluster import RedisCluster
@@ -109,7 +115,12 @@ def stored_refs(redis_url: str, cluster: bool, cids: Iterable[Any]) -> Iterator[
             pipe = client.pipeline(transaction=False)
             for cid in chunk:
                 pipe.zrange(client_keys(cid).messages, 0, -1, withscores=True)
-            sets = pipe.execute()
+                pipe.zrange(queue_keys(cid).pending, 0, -1, withscores=True)
+            replies = pipe.execute()
+            sets = replies[0::2]
+            for cid, entries in zip(chunk, replies[1::2], strict=True):
+                for _key, seq in entries:
+                    yield cid, -int(seq), 0, True
             pipe = client.pipeline(transaction=False)
             refs: list[tuple[str, int, int]] = []
             for cid, members in zip(chunk, sets, strict=True):
@@ -215,17 +226,21 @@ def audit_frames(
     delivered = ev == "delivered"
     per_message = (
         evs.where(
-            ev.isin("acked", "delivered", "expired", "dropped", "purged") & F.col("sc").isNotNull()
+            ev.isin("acked", "delivered", "expired", "dropped", "purged", "compacted", "trimmed")
+            & F.col("sc").isNotNull()
         )
         .select("cid", "sc", "ev", "ts", "at")
         .unionByName(trimmed)
         .groupBy("cid", "sc")
         .agg(
             first_ts(ev == "acked").alias("acked_ts"),
-            any_of((ev == "expired") & (F.col("at") == "delivery")).alias("delivery_expired"),
+            any_of((ev == "expired") & F.col("at").isin("delivery", "retention")).alias(
+                "delivery_expired"
+            ),
             any_of(ev == "dropped").alias("too_large"),
             any_of(ev == "trimmed").alias("was_trimmed"),
             any_of(ev == "purged").alias("was_purged"),
+            any_of(ev == "compacted").alias("was_compacted"),
             F.sum(F.when(delivered, 1).otherwise(0)).alias("deliveries"),
             first_ts(delivered).alias("delivered_ts"),
         )
@@ -250,6 +265,7 @@ def audit_frames(
         .when(F.col("too_large"), "dropped")
         .when(F.col("was_trimmed") | F.col("arrival_trimmed"), "trimmed")
         .when(F.col("was_purged"), "purged")
+        .when(F.col("was_compacted"), "compacted")
         .when(F.col("has_value"), "pending")
         .when(is_stored & (F.col("ended_ts") >= F.col("stored_ts")), "discarded")
         .when(~is_stored & F.col("arrival_discarded"), "discarded")

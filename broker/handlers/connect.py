@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from broker.auth import AuthResult
 from broker.connection_state import ConnectionState, WillMessage
+from broker.ecq import consumer_filter
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
@@ -256,6 +257,8 @@ def _opened(
         ", resumed" if present else "",
     )
     session.outflow.resume()
+    if consumer_filter(client_id) in session.subscriptions:
+        conn.broker.consume_queue(session)  # a resumed session consuming its queue
     conn.release_input()
 
 

@@ -8,9 +8,10 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from broker.connection_state import PendingAck
+from broker.ecq import TopicKind, classify, consumer_topic, parse_rewind, valid_client_id
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
-from broker.message import Message, forwarded_properties, is_utf8
+from broker.message import Delivery, Message, forwarded_properties, is_utf8
 from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
 
@@ -73,6 +74,10 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
         properties=forwarded_properties(properties),
         expires_at=now + expiry if expiry is not None else None,
     )
+    kind, queue, key = classify(topic)
+    if kind is not TopicKind.PLAIN:
+        _to_queue(conn, session, packet, message, kind, queue, key)
+        return
     if packet.retain:
         over = broker.retained.over_limit(message)
         if over is not None:
@@ -101,6 +106,70 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     if qos == 2 and not conn.is_v5:
         settled = partial(_settled, session, packet_id)
     broker.dispatch(targets, done, on_settled=settled)
+
+
+def _to_queue(
+    conn: MQTTConnection,
+    session: Session,
+    packet: Publish,
+    message: Message,
+    kind: TopicKind,
+    queue: str,
+    key: str,
+) -> None:
+    """A PUBLISH to an ``$ECQ/`` topic (broker/ecq.py): a write to a queue, or its
+    consumer's rewind. Acknowledged as any persistent delivery: once Kafka has it."""
+    broker = conn.broker
+    if not broker.persistent_path.keeps_queues:
+        # ecq.enabled false, or no persistence: a queue that a restart empties is none.
+        log.warning(
+            "client %s published to %r: no $ECQ queues here (ecq.enabled, persistence.enabled)",
+            conn.client_id,
+            message.topic,
+        )
+        reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+        _denied(conn, session, packet, message.topic, reason, "ecq_unavailable")
+        return
+    if kind is TopicKind.INVALID or not valid_client_id(queue):
+        _denied(conn, session, packet, message.topic, ReasonCode.TOPIC_NAME_INVALID, "ecq_topic")
+        return
+    if kind is TopicKind.REWIND:
+        if conn.client_id != queue:  # only the queue's consumer rewinds it
+            _denied(conn, session, packet, message.topic)
+            return
+        seq = parse_rewind(message.payload.decode("ascii", "replace"))
+        if seq is None:
+            reason = ReasonCode.PAYLOAD_FORMAT_INVALID
+            _denied(conn, session, packet, message.topic, reason, "ecq_rewind")
+            return
+        broker.persistent_path.rewind_queue(queue, seq)
+        if packet.qos and packet.packet_id is not None:
+            if packet.qos == 2:
+                session.incoming_qos2[packet.packet_id] = True
+            conn.ack_ready(conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.SUCCESS), True)
+        return
+    # Stored for the queue's consumer under its own topic, at QoS 1, never retained.
+    stored = Message(
+        consumer_topic(queue, key),
+        message.payload,
+        1,
+        False,
+        origin=message.origin,
+        properties=message.properties,
+        expires_at=message.expires_at,
+    )
+    delivery = Delivery(stored, 1, False, ())
+    qos, packet_id = packet.qos, packet.packet_id
+    if qos == 0 or packet_id is None:
+        broker.persistent_path.enqueue(queue, delivery, _no_ack)
+        return
+    if qos == 2:
+        session.incoming_qos2[packet_id] = False
+    ack = conn.expect_ack(packet_id, qos, ReasonCode.SUCCESS)
+    settled = partial(_settled, session, packet_id) if qos == 2 and not conn.is_v5 else None
+    broker.persistent_path.enqueue(
+        queue, delivery, lambda ok: _accepted(conn, session, ack, ok), settled
+    )
 
 
 def handle_pubrel(conn: MQTTConnection, packet: PubRel) -> None:

@@ -6,9 +6,17 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from broker.ecq import (
+    REWIND_PROPERTY,
+    SubscribeVerdict,
+    consumer_filter,
+    parse_rewind,
+    subscribe_verdict,
+)
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.packets import (
+    Properties,
     ReasonCode,
     SubAck,
     Subscribe,
@@ -42,9 +50,13 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     # Retained messages to send after SUBACK: (filter, granted QoS), each filter once.
     retained: dict[str, int] = {}
     ids = (subscription_id,) if subscription_id else ()
+    queue = _Queue()
     for request in packet.subscriptions:
         refusal = _refusal(conn, request)
-        if refusal is None and not broker.acl.can_subscribe(
+        verdict = subscribe_verdict(conn.client_id, request.topic_filter)
+        if refusal is None and verdict is not SubscribeVerdict.PLAIN:
+            refusal = _queue_refusal(conn, request, verdict, queue, properties)
+        elif refusal is None and not broker.acl.can_subscribe(
             conn.client_id, conn.username, request.topic_filter, conn.address
         ):
             # 0x87 Not authorized; 3.1.1 knows only 0x80 Failure (spec 3.9.3).
@@ -62,6 +74,9 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             reason_codes.append(refusal)
             continue
         qos = min(request.qos, mqtt.maximum_qos)
+        if verdict is SubscribeVerdict.CONSUMER:
+            qos = 1  # its messages go at QoS 1: the acknowledgements move the queue on
+            queue.subscribed = True
         entry = SubscriptionEntry(
             conn.client_id,
             request.topic_filter,
@@ -89,6 +104,10 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         # A durable session's subscriptions are stored before SUBACK promises them.
         codes = reason_codes if ok else [_failed(code) for code in reason_codes]
         conn.send(SubAck(packet.packet_id, codes))
+        if ok and queue.subscribed:
+            broker.consume_queue(session)
+            if queue.rewind is not None:
+                broker.persistent_path.rewind_queue(session.client_id, queue.rewind)
         if ok:
             # Sent a chunk per event-loop iteration, after the SUBACK
             # (broker/retained.py RetainedSender); the ACL is asked per message.
@@ -96,6 +115,53 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
                 broker.send_retained(session, topic_filter, granted, ids)
 
     _after_save(conn, saved)
+
+
+class _Queue:
+    """What a SUBSCRIBE asked of the client's own queue ($ECQ, broker/ecq.py)."""
+
+    __slots__ = ("rewind", "subscribed")
+
+    def __init__(self) -> None:
+        self.subscribed = False
+        self.rewind: int | None = None
+
+
+def _queue_refusal(
+    conn: MQTTConnection,
+    request: Subscription,
+    verdict: SubscribeVerdict,
+    queue: _Queue,
+    properties: Properties | None,
+) -> int | None:
+    """The SUBACK failure code of an ``$ECQ/`` filter, or None: the client's own queue.
+
+    Exclusive, a built-in rule with or without an ACL file: only ``{cid}``
+    subscribes to ``$ECQ/{cid}/#``, at QoS 1 or 2 (granted 1); anything else
+    under ``$ECQ/`` is refused (0x87; 3.1.1 0x80).
+    """
+    broker = conn.broker
+    if verdict is SubscribeVerdict.REFUSED:
+        broker.stats.drop("ecq_subscribe_refused")
+        log.info("client %s may not subscribe to %r", conn.client_id, request.topic_filter)
+        return ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
+    if not broker.persistent_path.keeps_queues:
+        log.warning(
+            "client %s subscribed to %r: no $ECQ queues here (ecq.enabled, persistence.enabled)",
+            conn.client_id,
+            request.topic_filter,
+        )
+        return ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+    if request.qos == 0:
+        log.info("client %s: a queue is consumed at QoS 1, not 0", conn.client_id)
+        return ReasonCode.UNSPECIFIED_ERROR
+    for name, value in properties.user_properties if properties is not None else ():
+        if name == REWIND_PROPERTY:
+            queue.rewind = parse_rewind(value)
+            if queue.rewind is None:
+                log.info("client %s: rewind=%r is no sequence number", conn.client_id, value)
+                return ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+    return None
 
 
 def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
@@ -128,6 +194,8 @@ def handle_unsubscribe(conn: MQTTConnection, packet: Unsubscribe) -> None:
             reason_codes.append(ReasonCode.TOPIC_FILTER_INVALID)
             continue
         session.subscriptions.pop(topic_filter, None)
+        if topic_filter == consumer_filter(conn.client_id):
+            session.outflow.detach_side()  # what is in flight completes
         existed = tree.remove(conn.client_id, topic_filter)
         if existed and conn.broker.cluster is not None:
             conn.broker.cluster.unsubscribed(session, topic_filter)

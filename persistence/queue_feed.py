@@ -1,0 +1,330 @@
+"""Delivering an exclusive compacted queue ($ECQ) to its consumer.
+
+A :class:`QueueFeed` is the side feed of the consumer's outflow
+(broker/outflow.py) while it is subscribed to ``$ECQ/{cid}/#``. It reads the
+queue's pending entries in sequence order (persistence/queue_store.py) and
+follows what the persistence consumer stores for it live; a newer value of a
+key waiting in its buffer replaces the older one (compacted: never sent).
+Acknowledgements are written together for every queue (:class:`QueueAcks`);
+an entry acknowledged leaves the pending set unless a newer value replaced
+it meanwhile, so a reconnect or a new subscription resumes after what was
+acknowledged and never delivers it again. The record is the truth: a new
+connection re-reads it (what may have been seen goes with DUP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
+
+from broker.ecq import SEQ_PROPERTY
+from broker.message import Delivery
+from broker.outflow import Outgoing
+from broker.packets import Properties
+from persistence.coalescing import CoalescingWriter, Retry
+from persistence.delivery_codec import stored_delivery
+from persistence.events import NO_EVENTS, EventSink
+from persistence.format import decode_record
+from persistence.queue_store import QueueEntry, QueueStore
+
+if TYPE_CHECKING:
+    from broker.outflow import Outflow
+    from broker.stats import BrokerStats
+
+log = logging.getLogger("devicemq.persistence")
+
+
+class _AckBatch(dict[str, list[tuple[str, int]]]):
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.values())
+
+
+def _merge(older: _AckBatch, newer: _AckBatch) -> _AckBatch:
+    out = _AckBatch({k: list(v) for k, v in older.items()})
+    for cid, pairs in newer.items():
+        out.setdefault(cid, []).extend(pairs)
+    return out
+
+
+class QueueAcks:
+    """Every queue's acknowledgements, one write per queue per round, retried until
+    they land (an acknowledgement is idempotent); and which entries this process
+    sent and saw no acknowledgement for (:meth:`sent`), so that a new connection
+    or session of the consumer gets them with DUP."""
+
+    def __init__(self, store: QueueStore) -> None:
+        self._store = store
+        self._sent: dict[str, set[tuple[str, int]]] = {}
+        self._writer: CoalescingWriter[_AckBatch] = CoalescingWriter(
+            self._write, _merge, _AckBatch, Retry("queue_acks")
+        )
+
+    @property
+    def retry(self) -> Retry:
+        return self._writer.retry
+
+    def ack(self, client_id: str, key: str, seq: int) -> None:
+        self.forget(client_id, key, seq)
+        self._writer.add(_AckBatch({client_id: [(key, seq)]}))
+
+    def sent(self, client_id: str) -> set[tuple[str, int]]:
+        """(key, seq) of the queue's entries sent and not acknowledged, as far as this
+        process knows (a restart or another replica does not: ``seq`` tells)."""
+        sent = self._sent.get(client_id)
+        if sent is None:
+            sent = self._sent[client_id] = set()
+        return sent
+
+    def forget(self, client_id: str, key: str, seq: int) -> None:
+        sent = self._sent.get(client_id)
+        if sent is not None:
+            sent.discard((key, seq))
+            if not sent:
+                del self._sent[client_id]
+
+    async def flush(self) -> None:
+        await self._writer.drain()
+
+    async def _write(self, batch: _AckBatch) -> _AckBatch:
+        left = _AckBatch()
+        for cid, pairs in batch.items():
+            try:
+                await self._store.ack(cid, pairs)
+            except Exception as error:  # connection errors, cluster errors: retried
+                log.warning(
+                    "acknowledging %d entries of queue %s failed: %s", len(pairs), cid, error
+                )
+                left[cid] = pairs
+        return left
+
+
+class QueueFeed:
+    """:class:`broker.outflow.Feed` of the queue ``client_id`` consumes (as a side feed).
+
+    ``_buffer`` holds entries read or offered live and not yet taken, key ->
+    entry in sequence order; ``_cursor`` is the highest sequence number put
+    in it on this connection; ``_out`` the entries taken and not yet
+    acknowledged (key -> seq).
+    """
+
+    durable = True
+
+    def __init__(
+        self,
+        client_id: str,
+        store: QueueStore,
+        acks: QueueAcks,
+        stats: BrokerStats,
+        *,
+        page_size: int,
+        with_seq: bool,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
+        events: EventSink = NO_EVENTS,
+    ) -> None:
+        self.client_id = client_id
+        self.outflow: Outflow | None = None
+        self._store = store
+        self._acks = acks
+        self._stats = stats
+        self._page_size = page_size
+        self._with_seq = with_seq  # MQTT 5: the user property ``seq``
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._events = events
+        self._buffer: dict[str, QueueEntry] = {}
+        self._cursor = 0
+        self._out: dict[str, int] = {}
+        self._caught_up = False
+        self._loading = False
+        self._missed = False
+        self._epoch = 0
+        self._active = False  # restarted and not discarded: reads and takes
+
+    # -- Feed ----------------------------------------------------------------------------
+
+    def offer(self, delivery: Delivery) -> None:
+        raise RuntimeError("a queue receives messages through the store")
+
+    def take(self, n: int) -> list[Outgoing]:
+        if not self._active:
+            return []
+        buffer, items = self._buffer, list[Outgoing]()
+        while buffer and len(items) < n:
+            key = next(iter(buffer))
+            entry = buffer.pop(key)
+            self._out[key] = entry.seq
+            items.append(
+                Outgoing(
+                    0,
+                    self._delivery(entry),
+                    sent=(key, entry.seq) in self._acks.sent(self.client_id),
+                    marked=True,
+                    ref=entry,
+                )
+            )
+        if not buffer and not self._caught_up and not self._loading:
+            self._load()
+        return items
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        done([item.packet_id for item in items])  # taken marked: never asked
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        done()  # QoS 1 only
+
+    def finished(self, item: Outgoing) -> None:
+        entry = self._entry(item)
+        if self._out.get(entry.key) == entry.seq:
+            del self._out[entry.key]
+        self._acks.ack(self.client_id, entry.key, entry.seq)
+        self._events.queue(self.client_id, "acked", entry.seq, entry.key)
+        self._stats.queue_acked += 1
+
+    def undeliverable(self, item: Outgoing) -> None:
+        # Expired before its first send, or too large for the client: never delivered.
+        entry = self._entry(item)
+        self._out.pop(entry.key, None)
+        self._acks.ack(self.client_id, entry.key, entry.seq)
+        self._events.queue(self.client_id, "discarded", entry.seq, entry.key)
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        entry = self._entry(item)
+        self._acks.sent(self.client_id).add((entry.key, entry.seq))
+        self._events.queue(self.client_id, "delivered", entry.seq, entry.key, dup=dup)
+        self._stats.queue_delivered += 1
+
+    def restart(self) -> None:
+        """A new connection or subscription: re-read the pending entries in order."""
+        self._epoch += 1
+        self._active = True
+        self._buffer.clear()
+        self._out.clear()
+        self._cursor = 0
+        self._caught_up = False
+        self._missed = False
+        self._loading = False
+
+    def discard(self) -> None:
+        self._epoch += 1
+        self._active = False
+        self._buffer.clear()
+
+    def queued(self) -> int:
+        return len(self._buffer)
+
+    # -- fed by the persistence consumer -------------------------------------------------
+
+    def stored(self, entries: list[QueueEntry]) -> None:
+        """Entries just saved for this queue, in sequence order. Followed live only if
+        they continue the cursor; otherwise the reader fetches from the cursor. Empty
+        (saved by another replica, or a rewind): read again from the start."""
+        outflow = self.outflow
+        if not self._active or outflow is None or outflow.connection is None:
+            return
+        if not entries:
+            self.reread()
+            return
+        if (
+            entries
+            and self._caught_up
+            and not self._loading
+            and len(self._buffer) < self._page_size
+            and entries[0].seq == self._cursor + 1
+        ):
+            for entry in entries:
+                self._add(entry)
+        else:
+            self._caught_up = False
+            self._missed = True
+            if not self._buffer and not self._loading:
+                self._load()
+        outflow.pump()
+
+    def reread(self) -> None:
+        """Read the pending entries again from the first: a rewind made entries below
+        the cursor pending again. Cheap: pending holds only what is unacknowledged, and
+        what is in flight is skipped."""
+        if not self._active:
+            return
+        self._epoch += 1
+        self._buffer.clear()
+        self._cursor = 0
+        self._caught_up = False
+        self._load()
+        if self.outflow is not None:
+            self.outflow.pump()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _add(self, entry: QueueEntry) -> None:
+        buffer = self._buffer
+        self._cursor = max(self._cursor, entry.seq)
+        held = buffer.get(entry.key)
+        if held is not None:
+            if held.seq >= entry.seq:
+                return
+            del buffer[entry.key]  # replaced before it was sent: compacted
+        out = self._out.get(entry.key)
+        if out is not None and out < entry.seq:
+            # Replaced while in flight: it completes, and is never sent again.
+            self._acks.forget(self.client_id, entry.key, out)
+        if self._out.get(entry.key, 0) < entry.seq:
+            buffer[entry.key] = entry
+
+    def _delivery(self, entry: QueueEntry) -> Delivery:
+        record = decode_record(0, entry.seq, entry.value)
+        assert record.message is not None
+        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
+        delivery.qos = 1
+        delivery.retain = False
+        if self._with_seq:
+            message = delivery.message
+            properties = message.properties or Properties()
+            properties.user_properties = (
+                *properties.user_properties,
+                (SEQ_PROPERTY, str(entry.seq)),
+            )
+            message.properties = properties
+        return delivery
+
+    @staticmethod
+    def _entry(item: Outgoing) -> QueueEntry:
+        entry = item.ref
+        assert isinstance(entry, QueueEntry)
+        return entry
+
+    def _load(self) -> None:
+        self._loading = True
+        self._missed = False
+        asyncio.get_running_loop().create_task(self._load_page(self._epoch))
+
+    async def _load_page(self, epoch: int) -> None:
+        try:
+            await self._acks.flush()  # acknowledged entries first: not read as pending
+            entries, last_seq = await self._store.load(
+                self.client_id, self._cursor, self._page_size
+            )
+            self._acks.retry.succeeded()
+        except Exception as error:
+            log.warning("queue read for %s failed: %s", self.client_id, error)
+            await self._acks.retry.wait()
+            entries, last_seq = None, 0
+        if epoch != self._epoch:
+            return
+        self._loading = False
+        outflow = self.outflow
+        if entries is None:
+            if outflow is not None:
+                outflow.pump()
+            return
+        for entry in entries:
+            self._add(entry)
+        if len(entries) < self._page_size and not self._missed:
+            self._caught_up = True
+            self._cursor = max(self._cursor, last_seq)
+        if outflow is not None:
+            outflow.pump()
