@@ -25,7 +25,11 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", choices=SCENARIOS, help="p2p, fan-in or fan-out")
+    p.add_argument(
+        "scenario",
+        choices=(*SCENARIOS, "ecq"),
+        help="p2p, fan-in or fan-out; ecq: exclusive compacted queues (loadtest/ecq.py)",
+    )
     g = p.add_argument_group("clients")
     g.add_argument("--pairs", type=int, help="p2p: publisher/subscriber pairs (default 100)")
     g.add_argument("--publishers", type=int, help="fan-in default 100, fan-out default 1")
@@ -54,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("messages")
     g.add_argument("--qos", type=int, choices=(0, 1, 2), default=1)
-    g.add_argument("--payload-size", type=int, default=64, metavar="BYTES", help="min 20")
+    g.add_argument(
+        "--payload-size", type=int, metavar="BYTES", help="min 20; default 64 (ecq: 1024)"
+    )
     g.add_argument(
         "--rate", type=float, default=0.0, help="msg/s per publisher; 0 = unthrottled (default)"
     )
@@ -63,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=10,
         help="unacknowledged PUBLISHes per publisher (default 10)",
+    )
+    g = p.add_argument_group("ecq")
+    g.add_argument("--queues", type=int, default=10, help="queues, one consumer each (10)")
+    g.add_argument(
+        "--keys", type=int, default=1000, help="keys per queue (1000): fewer, more compaction"
     )
     g = p.add_argument_group("timing")
     g.add_argument("--duration", type=float, default=20.0, help="measured seconds (default 20)")
@@ -127,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         publishers=args.publishers,
         subscribers=args.subscribers,
         qos=args.qos,
-        payload_size=args.payload_size,
+        payload_size=args.payload_size or 64,
         rate=args.rate,
         inflight=args.inflight,
         duration=args.duration,
@@ -145,6 +156,10 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.scenario == "ecq":
+        from loadtest.ecq import run_from_args
+
+        return run_from_args(args)
     from loadtest.report import format_report, plot, write_json
     from loadtest.runner import LoadTestError, run_load
 

@@ -126,3 +126,28 @@ def test_p2p_persistent_through_kafka_and_redis(persistent_broker: Broker) -> No
     result = run_load(_config(persistent_broker, "p2p", pairs=5, qos=1), progress=False)
     assert result["config"]["persistent"] is True
     _assert_clean(result)
+
+
+def test_ecq_delivers_the_latest_value_of_every_key_through_the_command_line(
+    persistent_broker: Broker, tmp_path: Path
+) -> None:
+    out_json = tmp_path / "ecq.json"
+    code = main(
+        [
+            "ecq",
+            "--queues=2",
+            "--keys=20",
+            "--publishers=2",
+            "--inflight=5",
+            "--payload-size=256",
+            "--duration=2",
+            f"--port={persistent_broker.port}",
+            f"--json={out_json}",
+        ]
+    )
+    result = json.loads(out_json.read_text())
+    assert code == 0, result
+    assert result["lost"] == 0 and result["writes_refused"] == 0
+    assert result["keys_written"] == 40  # every key of every queue was written
+    assert 0 < result["reads"] <= result["writes_acked"]
+    assert result["writes_acked"] > 40  # keys written more than once: compaction is possible
