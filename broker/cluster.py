@@ -273,13 +273,14 @@ class ClusterState:
         """An operator's disconnect of a client connected on ``record.node``."""
         self._send(op="kick", c=record.client_id, t=record.node, x=end_session)
 
-    def stored_elsewhere(self, client_id: str) -> None:
+    def stored_elsewhere(self, client_id: str, queue: bool = False) -> None:
         """Messages were stored for ``client_id``, whose connection is not here. A
         detached durable copy here may be stale (restored at start before the
         snapshots came, or a ``conn`` was missed): its client may be connected
-        elsewhere, so it is announced too; a replica without it ignores the notice."""
+        elsewhere, so it is announced too; a replica without it ignores the notice.
+        ``queue``: entries of the queue it consumes ($ECQ), for any session."""
         record = self.broker.sessions.get(client_id)
-        if record is not None and record.durable and record.connection is None:
+        if record is not None and (record.durable or queue) and record.connection is None:
             if not self._stored:
                 self._wake()
             self._stored.add(client_id)

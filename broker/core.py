@@ -461,9 +461,10 @@ class Broker:
     def consume_queue(self, session: Session) -> bool:
         """Deliver the client's exclusive compacted queue to ``session`` (broker/ecq.py),
         once it holds ``$ECQ/{cid}/#``. False: this broker keeps no queues."""
-        if session.outflow.side is not None:
+        outflow = session.outflow
+        if outflow.side is not None:
             return True
-        feed = self.persistent_path.queue_feed(session)
+        feed = outflow.detached_side or self.persistent_path.queue_feed(session)
         if feed is None:
             return False
         session.outflow.attach_side(feed)

@@ -25,8 +25,9 @@ client consumes (broker/ecq.py, persistence/queue_feed.py). Its messages
 share the window and get packet identifiers here, at first send (QoS 1
 only, nothing to mark). A message of the session's own feed whose stored
 identifier a side message holds waits, with those after it, until that one
-is acknowledged. A new connection re-reads the side feed rather than
-re-sending its messages: its record is the truth.
+is acknowledged. A resumed session re-sends the side messages in flight
+with their identifiers, as every other (MQTT-4.4.0-1), even when the
+session's own feed re-reads its record.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ class Outflow:
         self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
         self.last_progress = 0.0  # broker clock of the last acknowledgement (or resume)
         self.side: Feed | None = None  # the queue the client consumes ($ECQ), if any
+        self.detached_side: Feed | None = None  # the last one, after an unsubscribe
         self._side_last = 0  # the last identifier given to a side message
         self._side_turn = False  # take from the side feed first next time
         # Taken from the feed, waiting for a side message to free their identifier.
@@ -169,9 +171,11 @@ class Outflow:
 
     def detach_side(self) -> None:
         """The queue's subscription went: what is in flight completes, nothing more is
-        taken."""
+        taken. The feed is kept (:attr:`detached_side`): a new subscription takes it
+        up again, knowing what is still in flight."""
         if self.side is not None:
             self.side.discard()
+            self.detached_side = self.side
             self.side = None
 
     @property
@@ -189,16 +193,19 @@ class Outflow:
         """A connection was attached: re-send what is unacknowledged (MQTT-4.4.0-1)."""
         self._epoch += 1
         self._progress()
-        self._drop_side_inflight()
         if self.feed.durable:
             # The record is the truth (another replica may have served the client
-            # meanwhile): forget this process's view and re-read it in order.
+            # meanwhile): forget this process's view and re-read it in order. Side
+            # messages in flight are this session's own: sent again as they are.
+            side = {p: e for p, e in self.inflight.items() if e.item.side is not None}
             self.inflight.clear()
             self._marking.clear()
             self._may_go.clear()
             self._gone.clear()
             self._resend.clear()
             self._parked.clear()
+            self.inflight.update(side)
+            self._resend.extend(side)
             self.feed.restart()
         else:
             self._marking.clear()
@@ -206,12 +213,6 @@ class Outflow:
         if self.side is not None:
             self.side.restart()
         self.pump()
-
-    def _drop_side_inflight(self) -> None:
-        """A new connection re-reads the side feed: its messages in flight on the
-        last one are its record's to send again (with DUP, the feed knows)."""
-        for packet_id in [p for p, e in self.inflight.items() if e.item.side is not None]:
-            del self.inflight[packet_id]
 
     def pump(self) -> None:
         """The window may have opened (an ack, the socket drained, messages arrived)."""
@@ -239,6 +240,10 @@ class Outflow:
     def _take(self, room: int) -> list[Outgoing]:
         """The next messages: the session's feed and the side feed take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
+        if side is not None and getattr(self.feed, "replaying", False):
+            # A resumed durable session: until its record's first page is read, an
+            # identifier given here could be one the client still holds (QoS 2).
+            side = None
         if side is not None and self._side_turn:
             self._side_turn = False
             first = self._take_side(side, max(1, room // 2))
@@ -310,6 +315,7 @@ class Outflow:
         self._parked.clear()
         self.feed.discard()
         self.detach_side()
+        self.detached_side = None
 
     def next_packet_id(self, last: int) -> int:
         """The identifier after ``last``, wrapping 65535 -> 1, skipping those in flight."""
@@ -338,6 +344,7 @@ class Outflow:
         if (
             not item.sent
             and may_receive is not None
+            and item.side is None  # a queue's entries: its exclusive subscription decided
             and not may_receive(item.delivery.message.topic)
         ):
             # The receiver may not read it (any more): dropped unsent, counted, reported.

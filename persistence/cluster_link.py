@@ -225,7 +225,8 @@ class ClusterLink:
         connected = [
             cid
             for cid, session in self._broker.sessions.items()
-            if session.durable and session.connection is not None
+            if (session.durable or session.outflow.side is not None)
+            and session.connection is not None
         ]
         self._persistence.reread(connected)
 

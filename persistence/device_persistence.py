@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
-from broker.ecq import QueueAddressee
+from broker.ecq import QueueAddressee, consumer_filter
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
@@ -229,6 +229,11 @@ class DevicePersistence:
         if self.queues is None or self.queue_acks is None:
             return None
         assert self._broker is not None
+
+        def subscription_ids() -> tuple[int, ...]:
+            entry = session.subscriptions.get(consumer_filter(session.client_id))
+            return (entry.subscription_id,) if entry and entry.subscription_id else ()
+
         return QueueFeed(
             session.client_id,
             self.queues,
@@ -238,6 +243,7 @@ class DevicePersistence:
             with_seq=True,  # a 3.1.1 PUBLISH carries no properties: the codec leaves it out
             clock=self._clock,
             events=self.events,
+            subscription_ids=subscription_ids,
         )
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
@@ -381,7 +387,7 @@ class DevicePersistence:
         if session is None or session.connection is None:
             cluster = self._broker.cluster
             if cluster is not None:  # connected to another replica: tell it to re-read
-                cluster.stored_elsewhere(client_id)
+                cluster.stored_elsewhere(client_id, queue=True)
             return
         side = session.outflow.side
         if isinstance(side, QueueFeed):

@@ -58,6 +58,7 @@ class QueueAcks:
     def __init__(self, store: QueueStore) -> None:
         self._store = store
         self._sent: dict[str, set[tuple[str, int]]] = {}
+        self._unwritten: dict[str, set[tuple[str, int]]] = {}  # asked, not yet in Redis
         self._writer: CoalescingWriter[_AckBatch] = CoalescingWriter(
             self._write, _merge, _AckBatch, Retry("queue_acks")
         )
@@ -68,7 +69,13 @@ class QueueAcks:
 
     def ack(self, client_id: str, key: str, seq: int) -> None:
         self.forget(client_id, key, seq)
+        self._unwritten.setdefault(client_id, set()).add((key, seq))
         self._writer.add(_AckBatch({client_id: [(key, seq)]}))
+
+    def unwritten(self, client_id: str) -> set[tuple[str, int]]:
+        """The queue's acknowledgements not in Redis yet: a read may still hold them
+        as pending (a page read does not wait for every queue's writes)."""
+        return set(self._unwritten.get(client_id, ()))
 
     def sent(self, client_id: str) -> set[tuple[str, int]]:
         """(key, seq) of the queue's entries sent and not acknowledged, as far as this
@@ -93,6 +100,11 @@ class QueueAcks:
         for cid, pairs in batch.items():
             try:
                 await self._store.ack(cid, pairs)
+                unwritten = self._unwritten.get(cid)
+                if unwritten is not None:
+                    unwritten.difference_update(pairs)
+                    if not unwritten:
+                        del self._unwritten[cid]
             except Exception as error:  # connection errors, cluster errors: retried
                 log.warning(
                     "acknowledging %d entries of queue %s failed: %s", len(pairs), cid, error
@@ -124,7 +136,10 @@ class QueueFeed:
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
         events: EventSink = NO_EVENTS,
+        subscription_ids: Callable[[], tuple[int, ...]] = tuple,
     ) -> None:
+        """``subscription_ids()``: those of the queue's subscription now (MQTT-3.3.4-3)."""
+        self._subscription_ids = subscription_ids
         self.client_id = client_id
         self.outflow: Outflow | None = None
         self._store = store
@@ -138,6 +153,8 @@ class QueueFeed:
         self._buffer: dict[str, QueueEntry] = {}
         self._cursor = 0
         self._out: dict[str, int] = {}
+        # Acknowledged while a page read was under way: that read may still hold them.
+        self._done: set[tuple[str, int]] = set()
         self._caught_up = False
         self._loading = False
         self._missed = False
@@ -180,6 +197,8 @@ class QueueFeed:
         entry = self._entry(item)
         if self._out.get(entry.key) == entry.seq:
             del self._out[entry.key]
+        if self._loading:
+            self._done.add((entry.key, entry.seq))
         self._acks.ack(self.client_id, entry.key, entry.seq)
         self._events.queue(self.client_id, "acked", entry.seq, entry.key)
         self._stats.queue_acked += 1
@@ -198,11 +217,11 @@ class QueueFeed:
         self._stats.queue_delivered += 1
 
     def restart(self) -> None:
-        """A new connection or subscription: re-read the pending entries in order."""
+        """A new connection or subscription: re-read the pending entries in order
+        (those in flight, ``_out``, the outflow sends again itself)."""
         self._epoch += 1
         self._active = True
         self._buffer.clear()
-        self._out.clear()
         self._cursor = 0
         self._caught_up = False
         self._missed = False
@@ -281,6 +300,7 @@ class QueueFeed:
         delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
         delivery.qos = 1
         delivery.retain = False
+        delivery.subscription_ids = self._subscription_ids()
         if self._with_seq:
             message = delivery.message
             properties = message.properties or Properties()
@@ -303,8 +323,10 @@ class QueueFeed:
         asyncio.get_running_loop().create_task(self._load_page(self._epoch))
 
     async def _load_page(self, epoch: int) -> None:
+        self._done.clear()
+        # Acknowledged and not yet written: the read may still find them pending.
+        unwritten = self._acks.unwritten(self.client_id)
         try:
-            await self._acks.flush()  # acknowledged entries first: not read as pending
             entries, last_seq = await self._store.load(
                 self.client_id, self._cursor, self._page_size
             )
@@ -321,8 +343,11 @@ class QueueFeed:
             if outflow is not None:
                 outflow.pump()
             return
+        done, self._done = self._done, set()
+        done |= unwritten | self._acks.unwritten(self.client_id)
         for entry in entries:
-            self._add(entry)
+            if (entry.key, entry.seq) not in done:
+                self._add(entry)
         if len(entries) < self._page_size and not self._missed:
             self._caught_up = True
             self._cursor = max(self._cursor, last_seq)

@@ -157,8 +157,9 @@ class QueueStore:
         """Up to ``limit`` pending entries after ``after_seq``, in order, and the last
         sequence number handed out."""
         keys = queue_keys(client_id)
+        oldest = int((self._clock() - self.retention) * 1000) if self.retention else 0
         last, flat = await self._store.run_script(
-            _LOAD, (keys.pending, keys.values, keys.seq), (after_seq, limit)
+            _LOAD, (keys.pending, keys.values, keys.seq, keys.times), (after_seq, limit, oldest)
         )
         entries = [
             QueueEntry(_text(flat[i]), int(flat[i + 1]), bytes(flat[i + 2]))

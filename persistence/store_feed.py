@@ -195,6 +195,9 @@ class StoreFeed:
         self._missed = False  # something was stored while a page was loading
         self._reserved: dict[int, int] = {}  # packet id -> score, stored marked for us
         self._epoch = 0  # bumped per connection: stale page reads are dropped
+        # A new connection's first page is not read yet: the identifiers the client
+        # may still hold are unknown (the outflow gives a queue none meanwhile).
+        self.replaying = False
 
     # -- Feed ----------------------------------------------------------------------------
 
@@ -248,6 +251,7 @@ class StoreFeed:
         self._caught_up = False
         self._missed = False
         self._loading = False
+        self.replaying = True
 
     def discard(self) -> None:
         self._epoch += 1
@@ -345,6 +349,7 @@ class StoreFeed:
             if outflow is not None:
                 outflow.pump()
             return
+        self.replaying = False
         records = page.records
         self._stats.replay_pages.observe(len(records))
         inflight = outflow.inflight if outflow is not None else {}

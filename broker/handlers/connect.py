@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from broker.auth import AuthResult
 from broker.connection_state import ConnectionState, WillMessage
-from broker.ecq import consumer_filter
+from broker.ecq import consumer_filter, is_queue_topic
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
@@ -269,6 +269,9 @@ def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage 
     mqtt = conn.broker.settings.mqtt
     if not is_valid_topic_name(will.topic):
         raise ConnectRefused(ReasonCode.TOPIC_NAME_INVALID, "invalid will topic")
+    if is_queue_topic(will.topic):
+        # $ECQ topics are queue writes, acknowledged once in Kafka: a will is neither.
+        raise ConnectRefused(ReasonCode.TOPIC_NAME_INVALID, "a will cannot go to an $ECQ/ topic")
     if not topic_within_limits(will.topic, mqtt.max_topic_length, mqtt.max_topic_levels):
         raise ConnectRefused(ReasonCode.TOPIC_NAME_INVALID, "will topic beyond the topic limits")
     if will.qos > mqtt.maximum_qos:

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
 from broker.connection_state import PendingAck
-from broker.ecq import TopicKind, classify, consumer_topic, parse_rewind, valid_client_id
+from broker.ecq import (
+    SEQ_PROPERTY,
+    TopicKind,
+    classify,
+    consumer_topic,
+    parse_rewind,
+    valid_client_id,
+)
 from broker.errors import MQTTError
 from broker.limits import topic_within_limits
 from broker.message import Delivery, Message, forwarded_properties, is_utf8
@@ -127,8 +135,14 @@ def _to_queue(
             conn.client_id,
             message.topic,
         )
-        reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
-        _denied(conn, session, packet, message.topic, reason, "ecq_unavailable")
+        broker.stats.drop("ecq_unavailable")
+        if packet.qos and packet.packet_id is not None:
+            # Never a success for a write nobody keeps: MQTT 5 hears 0x83; 3.1.1 has no
+            # failure code, so its connection is closed (ack_ready), as for a failed store.
+            reason = ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+            if packet.qos == 2:
+                session.incoming_qos2.pop(packet.packet_id, None)
+            conn.ack_ready(conn.expect_ack(packet.packet_id, packet.qos, reason), conn.is_v5)
         return
     if kind is TopicKind.INVALID or not valid_client_id(queue):
         _denied(conn, session, packet, message.topic, ReasonCode.TOPIC_NAME_INVALID, "ecq_topic")
@@ -145,17 +159,25 @@ def _to_queue(
         broker.persistent_path.rewind_queue(queue, seq)
         if packet.qos and packet.packet_id is not None:
             if packet.qos == 2:
-                session.incoming_qos2[packet.packet_id] = True
-            conn.ack_ready(conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.SUCCESS), True)
+                session.incoming_qos2[packet.packet_id] = False
+            ack = conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.SUCCESS)
+            _accepted(conn, session, ack, True)
         return
-    # Stored for the queue's consumer under its own topic, at QoS 1, never retained.
+    # Stored for the queue's consumer under its own topic, at QoS 1, never retained;
+    # ``seq`` is the broker's to give (a producer's own would mislead the consumer).
+    properties = message.properties
+    if properties is not None and any(k == SEQ_PROPERTY for k, _ in properties.user_properties):
+        properties = replace(
+            properties,
+            user_properties=tuple(p for p in properties.user_properties if p[0] != SEQ_PROPERTY),
+        )
     stored = Message(
         consumer_topic(queue, key),
         message.payload,
         1,
         False,
         origin=message.origin,
-        properties=message.properties,
+        properties=properties,
         expires_at=message.expires_at,
     )
     delivery = Delivery(stored, 1, False, ())

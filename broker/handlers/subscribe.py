@@ -95,8 +95,10 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         # and as Retain Handling says (MQTT-3.3.1-9, -10, -11). A filter
         # repeated in this packet replaces its subscription each time, but its
         # retained messages are sent once: repeating it cannot multiply work.
-        if entry.share_group is None and (
-            request.retain_handling == 0 or (request.retain_handling == 1 and is_new)
+        if (
+            entry.share_group is None
+            and verdict is not SubscribeVerdict.CONSUMER  # a queue has no retained messages
+            and (request.retain_handling == 0 or (request.retain_handling == 1 and is_new))
         ):
             retained[request.topic_filter] = qos
 

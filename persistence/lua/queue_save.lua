@@ -48,6 +48,15 @@ for i = 4, #ARGV, 5 do
   end
 end
 
+if redis.call('HLEN', seen) > 64 then
+  -- Bounded: forget the producers that started longest ago (lowest ids), as
+  -- save_batch.lua does for sessions.
+  local fields = redis.call('HKEYS', seen)
+  table.sort(fields, function(a, b)
+    return tonumber(a:match('^(%d+)')) < tonumber(b:match('^(%d+)'))
+  end)
+  for j = 1, #fields - 64 do redis.call('HDEL', seen, fields[j]) end
+end
 if retention > 0 then
   local old = redis.call('ZRANGEBYSCORE', times, '-inf', '(' .. (now - retention), 'LIMIT', 0, 1000)
   for _, key in ipairs(old) do remove(key, 1) end

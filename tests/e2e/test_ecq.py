@@ -11,6 +11,7 @@ sequence number on.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,12 +19,15 @@ from paho.mqtt.packettypes import PacketTypes
 
 from app.admin_cli import AdminClient
 from broker.packets import (
+    ConnAck,
     Properties,
     PubAck,
     Publish,
     SubAck,
     Subscribe,
     Subscription,
+    Unsubscribe,
+    Will,
 )
 from tests.e2e.admin import admin_broker, wait_for
 from tests.e2e.clients import V5, V311, Paho, props
@@ -300,3 +304,112 @@ def test_a_queue_write_is_never_delivered_by_ordinary_routing(
     consumer.subscribe(f"$ECQ/{queue}/#", qos=1)
     assert consumer.get().payload == b"v"
     assert [m for m in watcher.drain() if m.topic.startswith("$ECQ")] == []
+
+
+def test_a_resumed_session_gets_its_unacknowledged_entry_again_under_its_packet_id(
+    broker: BrokerProcess, api: AdminClient, clients: Clients, names: Names
+) -> None:
+    queue = names.client("device")
+    producer = _producer(clients, broker, names)
+    _write(producer, queue, "k", "v")
+    queue_state(api, queue, last_seq=1)
+    expiry = Properties(session_expiry_interval=300)
+    raw = clients.raw(broker)
+    raw.connect(queue, clean_start=True, properties=expiry)
+    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
+    assert isinstance(raw.recv(), SubAck)
+    first = raw.recv()
+    assert isinstance(first, Publish) and not first.dup
+    raw.close()  # not acknowledged
+
+    again = clients.raw(broker)
+    connack = again.connect(queue, clean_start=False, properties=expiry)
+    assert getattr(connack, "session_present", False)
+    resent = again.recv()
+    # MQTT-4.4.0-1: the unacknowledged PUBLISH again, with its packet identifier.
+    assert isinstance(resent, Publish)
+    assert (resent.packet_id, resent.payload, resent.dup) == (first.packet_id, b"v", True)
+    assert first.packet_id is not None
+    again.send(PubAck(first.packet_id))
+    queue_state(api, queue, pending=0)
+    assert again.recv_or_none(0.5) is None
+
+
+def test_an_acl_file_without_queue_rules_still_delivers_a_queue(
+    tmp_path: Path, clients: Clients, names: Names
+) -> None:
+    """A queue's exclusive subscription is its read rule: an ACL whose ``#`` cannot
+    match ``$`` topics must not make its entries undeliverable (and acknowledged)."""
+    acl = tmp_path / "acl"
+    acl.write_text("topic readwrite #\ntopic write $ECQ/w/#\n")
+    with admin_broker(tmp_path / "b", **{"auth.acl_file": str(acl)}) as (broker, api):
+        queue = names.client("device")
+        producer = _producer(clients, broker, names)
+        assert _write(producer, queue, "k", "v") == SUCCESS
+        queue_state(api, queue, last_seq=1)
+        consumer = clients.paho(broker, queue)
+        consumer.connect()
+        assert consumer.subscribe(f"$ECQ/{queue}/#", qos=1) == [1]
+        assert consumer.get().payload == b"v"
+
+
+def test_a_will_cannot_be_a_queue_write(
+    broker: BrokerProcess, clients: Clients, names: Names
+) -> None:
+    raw = clients.raw(broker)
+    for topic in (f"$ECQ/{names.client('victim')}/cmd", f"$ECQ/w/{names.client('v')}/k"):
+        connack = raw.connect(names.client("attacker"), will=Will(topic, b"forged", 1, True))
+        assert isinstance(connack, ConnAck) and connack.reason_code == TOPIC_NAME_INVALID
+        raw.close()
+        raw = clients.raw(broker)
+
+
+def test_a_311_producer_never_hears_success_for_a_write_no_queue_keeps(
+    broker_factory: Callable[[Mapping[str, object] | None], BrokerProcess],
+    clients: Clients,
+    names: Names,
+) -> None:
+    broker = broker_factory(None)  # persistence.enabled false: no queues
+    raw = clients.raw(broker, level=4)
+    raw.connect(names.client("producer"))
+    raw.send(Publish(f"$ECQ/w/{names.client('d')}/k", b"v", 1, packet_id=1))
+    assert not [p for p in raw.expect_close() if isinstance(p, PubAck)]
+
+
+def test_the_consumer_gets_the_brokers_seq_and_its_subscription_identifier(
+    broker: BrokerProcess, api: AdminClient, clients: Clients, names: Names
+) -> None:
+    queue = names.client("device")
+    producer = _producer(clients, broker, names)
+    forged = props(PacketTypes.PUBLISH, UserProperty=[("seq", "999"), ("unit", "C")])
+    assert producer.publish(f"$ECQ/w/{queue}/k", "v", 1, properties=forged) == SUCCESS
+    queue_state(api, queue, last_seq=1)
+    consumer = clients.paho(broker, queue)
+    consumer.connect()
+    subscription = props(PacketTypes.SUBSCRIBE, SubscriptionIdentifier=7)
+    assert consumer.subscribe(f"$ECQ/{queue}/#", 1, subscription) == [1]
+    message = consumer.get()
+    assert message.properties.UserProperty == [("unit", "C"), ("seq", "1")]
+    assert message.properties.SubscriptionIdentifier == [7]
+
+
+def test_a_new_subscription_does_not_send_again_what_is_in_flight(
+    broker: BrokerProcess, api: AdminClient, clients: Clients, names: Names
+) -> None:
+    queue = names.client("device")
+    producer = _producer(clients, broker, names)
+    _write(producer, queue, "k", "v")
+    queue_state(api, queue, last_seq=1)
+    raw = clients.raw(broker)
+    raw.connect(queue)
+    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
+    assert isinstance(raw.recv(), SubAck)
+    first = raw.recv()
+    assert isinstance(first, Publish) and first.packet_id is not None
+    raw.send(Unsubscribe(2, [f"$ECQ/{queue}/#"]))
+    raw.recv()  # UNSUBACK
+    raw.send(Subscribe(3, [Subscription(f"$ECQ/{queue}/#", 1)]))
+    assert isinstance(raw.recv(), SubAck)
+    assert raw.recv_or_none(0.5) is None  # still in flight under its first packet id
+    raw.send(PubAck(first.packet_id))
+    queue_state(api, queue, pending=0)

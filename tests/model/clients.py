@@ -107,6 +107,7 @@ class Held:
     stage: str = "pub"  # pub: no ack yet; rec: PUBREC sent; rel: PUBREL seen
     acked_conn: int = 0  # connection the PUBREC went out on
     expiry: float | None = None  # absolute, from the Message Expiry Interval received
+    queued: bool = False  # an entry of the client's $ECQ queue (tests/model/queues.py)
 
 
 class Subscriber:
@@ -148,9 +149,17 @@ class Subscriber:
         dup: bool,
         sub_ids: tuple[int, ...],
         expiry: int | None,
+        topic: str = "",
     ) -> None:
         with self.lock:
             held = self.held.get(pid) if pid is not None else None
+            if topic.startswith("$ECQ/"):
+                self.model.queues.received(self.cid, conn, topic, payload, dup)
+                if pid is None:
+                    return
+                held = self.held[pid] = Held(payload, qos, conn, None, queued=True)
+                self._apply_policy(pid, held, conn)
+                return
             copy = self.model.received(
                 self.cid,
                 conn,
@@ -215,6 +224,8 @@ class Subscriber:
             return
         if kind == "ack" or kind == "comp":
             del self.held[pid]
+            if held.queued:
+                self.model.queues.acked(self.cid, held.payload, conn)
             self.model.final_ack(held.copy)
         else:
             held.stage = "rec" if held.stage == "pub" else held.stage
@@ -469,7 +480,14 @@ class RawClient(Subscriber):
             expiry = props.message_expiry_interval if props is not None else None
             sub_ids = props.subscription_identifiers if props is not None else ()
             self._on_publish(
-                c.number, packet.packet_id, packet.payload, packet.qos, packet.dup, sub_ids, expiry
+                c.number,
+                packet.packet_id,
+                packet.payload,
+                packet.qos,
+                packet.dup,
+                sub_ids,
+                expiry,
+                packet.topic,
             )
         elif isinstance(packet, PubRel):
             self._on_pubrel(c.number, packet.packet_id)
@@ -513,6 +531,12 @@ class RawClient(Subscriber):
             events.append(event)
         deadline = time.monotonic() + timeout
         return all(e.wait(max(0.0, deadline - time.monotonic())) for e in events)
+
+    def send_control(self, topic: str, payload: bytes) -> bool:
+        """A QoS 0 PUBLISH outside the model's messages (a queue's rewind)."""
+        with self.lock:
+            c = self._c
+        return c is not None and c.send(Publish(topic, payload, 0))
 
     def unsubscribe(self, filters: list[str], timeout: float) -> bool:
         with self.lock:
@@ -677,6 +701,7 @@ class PahoSubscriber(Subscriber):
                 bool(msg.dup),
                 sub_ids,
                 expiry,
+                msg.topic,
             )
 
         def on_subscribe(c: Any, u: Any, mid: int, codes: Any, props: Any) -> None:

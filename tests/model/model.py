@@ -51,6 +51,9 @@ begins a new one), subscriptions, messages and every receipt, and checks:
 ``broker``
     a broker exits by itself, or stops answering.
 
+Exclusive compacted queues have their own promises (``ecq-lost``,
+``ecq-again``, ``ecq-exclusive``): ``tests/model/queues.py``.
+
 Times are ``time.monotonic()``, one clock for every thread of the test.
 """
 
@@ -62,6 +65,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.model.queues import QueueModel
 
 # s a connection must have been open before a PUBLISH for DUP=1 on its first receipt to be
 # wrong: a replica may not have seen the old connection go yet (it stores the message
@@ -299,6 +304,7 @@ class Model:
         self.on_violation: Callable[[Violation], None] | None = None
         self.trace: list[tuple[float, str]] = []  # what happened, for a failing run's trace.log
         self._t0 = clock()
+        self.queues = QueueModel(self, clock)  # $ECQ writes and receipts (tests/model/queues.py)
 
     def log(self, text: str) -> None:
         self.trace.append((self.clock(), text))
@@ -464,6 +470,7 @@ class Model:
     def connection_closed(self, cid: str, conn: int) -> None:
         """The client's connection ``conn`` ended (either side)."""
         with self.lock:
+            self.queues.connection_closed(cid, conn)
             state = self.clients[cid]
             if conn != state.conn or not state.connected:
                 return

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS = ("mixed", "faults", "expiry", "clean", "kafka", "wrap")
+SCENARIOS = ("mixed", "faults", "expiry", "clean", "kafka", "wrap", "queues")
 
 TOPICS = ("m/a", "m/b", "m/c/d", "m/w")
 FILTERS = ("m/a", "m/b", "m/c/d", "m/+", "m/#", "m/c/+")
@@ -104,6 +104,12 @@ _BASE = {
     "settle": 3,
     "held_pubrel": 1,
     "expire_session": 1,
+    # $ECQ queues (tests/model/queues.py): only the "queues" scenario draws them, so the
+    # other scenarios' plans stay what they were for every seed.
+    "ecq_write": 0,
+    "ecq_consume": 0,
+    "ecq_rewind": 0,
+    "ecq_unconsume": 0,
 }
 _BIAS: dict[str, dict[str, int]] = {
     "mixed": {},
@@ -119,6 +125,7 @@ _BIAS: dict[str, dict[str, int]] = {
     "clean": {"connect": 14, "pause_redis": 6, "pause_kafka": 3, "disconnect": 4},
     "kafka": {"restart_kafka": 5, "pause_kafka": 3},
     "wrap": {"kill_broker": 1, "restart_kafka": 0},
+    "queues": {"ecq_write": 16, "ecq_consume": 4, "ecq_rewind": 2, "ecq_unconsume": 1},
 }
 
 
@@ -171,6 +178,8 @@ class _Generator:
         for spec in self.plan.subscribers:
             ops.append(self._connect(spec, initial=True))
             ops.append(self._subscribe(spec))
+            if self.plan.scenario == "queues" and rnd.random() < 0.7:
+                ops.append(op("ecq_consume", client=spec.cid))
         if self.plan.scenario == "wrap":
             ops.extend(self._wrap())
         kinds = list(self.weights)
@@ -276,6 +285,29 @@ class _Generator:
             background=rnd.random() < 0.3,
             broker=self._broker(),
         )
+
+    def _ecq_write(self) -> Op:
+        """Writes to a subscriber's queue; a key belongs to one publisher (its name)."""
+        rnd = self.rnd
+        pub = rnd.choice(self.plan.publishers)
+        return op(
+            "ecq_write",
+            client=pub.cid,
+            queue=self._sub().cid,
+            key=f"{pub.cid}-k{rnd.randrange(3)}",
+            qos=rnd.choice((1, 1, 2)),
+            count=rnd.choice((1, 2, 3, 5, 10)),
+            broker=self._broker(),
+        )
+
+    def _ecq_consume(self) -> Op:
+        return op("ecq_consume", client=self._sub().cid)
+
+    def _ecq_rewind(self) -> Op:
+        return op("ecq_rewind", client=self._sub().cid, seq=self.rnd.choice((1, 1, 5, 20)))
+
+    def _ecq_unconsume(self) -> Op:
+        return op("ecq_unconsume", client=self._sub().cid)
 
     def _settle(self) -> Op:
         return op("settle", client=self._sub().cid)

@@ -28,6 +28,7 @@ from pathlib import Path
 from tests.model.clients import PahoPublisher, PahoSubscriber, RawClient, Scheduler
 from tests.model.model import Config, Model, Msg, Violation
 from tests.model.ops import LONG_EXPIRY, V311_EXPIRY, Op, Plan, op
+from tests.model.queues import write_topic
 from tests.model.system import System
 
 OP_TIMEOUT = 5.0  # s a CONNACK / SUBACK / publish answer is waited for
@@ -285,6 +286,36 @@ class Runner:
         else:
             pub.publish(items, 20, 10.0)
 
+    def _op_ecq_write(self, operation: Op) -> None:
+        pub = self._publisher(operation)
+        if pub is None:
+            return
+        topic = write_topic(operation.get("queue"), operation.get("key"))
+        pub.publish([(topic, operation.get("qos"), None)] * operation.get("count"), 20, 10.0)
+
+    def _subscribe_queue(self, sub: Subscriber) -> None:
+        if not self._ensure_connected(sub):
+            return
+        sub_id = self._next_sub_id(sub.cid) if sub.version == 5 else None
+        if sub.subscribe([(f"$ECQ/{sub.cid}/#", 1, sub_id)], OP_TIMEOUT):
+            self.model.queues.consuming(sub.cid)
+
+    def _op_ecq_consume(self, operation: Op) -> None:
+        self._subscribe_queue(self._sub(operation))
+
+    def _op_ecq_unconsume(self, operation: Op) -> None:
+        sub = self._sub(operation)
+        if sub.connected:
+            sub.unsubscribe([f"$ECQ/{sub.cid}/#"], OP_TIMEOUT)
+
+    def _op_ecq_rewind(self, operation: Op) -> None:
+        sub = self._sub(operation)
+        if not isinstance(sub, RawClient) or not self._ensure_connected(sub):
+            return  # paho subscribers here do not publish
+        topic = f"$ECQ/c/{sub.cid}/rewind"
+        if sub.send_control(topic, str(operation.get("seq", 1)).encode()):
+            self.model.queues.rewound(sub.cid)
+
     def _op_flood(self, operation: Op) -> None:
         """QoS 1 as fast as the broker takes it: ``count`` messages, or (``wrap``) as
         many as take that client's session ``past`` copies beyond packet id 65535."""
@@ -433,12 +464,17 @@ class Runner:
                 continue
             sub.disconnect(abrupt=operation.get("abrupt", False))
             self._ensure_connected(sub)
+        queues = self.model.queues
+        for cid in {*queues.owed(), *queues.consumers}:
+            if cid in self.subs:  # the queue's client comes for it, at the latest now
+                self._subscribe_queue(self.subs[cid])
         deadline = start + DRAIN_TIMEOUT + self.model.stats.published / 5000
         last_receipts, quiet_since, trimmed_at = -1, time.monotonic(), 0.0
         while time.monotonic() < deadline:
             now = time.monotonic()
             open_obs = self.model.open_obligations(start)
-            receipts = self.model.stats.receipts
+            queued = queues.open()
+            receipts = self.model.stats.receipts + sum(len(r) for r in queues.receipts.values())
             if receipts != last_receipts:
                 last_receipts, quiet_since = receipts, now
             quiet = now - quiet_since
@@ -447,10 +483,12 @@ class Runner:
                     trimmed = self.model._trim_excused(open_obs)
                 open_obs = [o for o in open_obs if o not in trimmed]
                 trimmed_at = now
-            if open_obs and quiet > 8.0 and self.system.quiesced():
+            if (open_obs or queued) and quiet > 8.0 and self.system.quiesced():
                 break  # nothing arrives, Kafka holds nothing unstored: it will not come
-            if not open_obs and (
-                not self._pubrels_missing(start, strict=False) or now - start > PUBREL_BOUND
+            if (
+                not open_obs
+                and not queued
+                and (not self._pubrels_missing(start, strict=False) or now - start > PUBREL_BOUND)
             ):
                 break
             time.sleep(0.2)
@@ -461,6 +499,7 @@ class Runner:
         time.sleep(0.3)  # late repeats still get checked
         self.model.kafka_reused_offsets = self.system.tansu.reused_offsets()
         self.model.check_losses(start)
+        queues.check()
         self.model.check_order()
         self._pubrels_missing(start, strict=True)
         for i in range(len(self.system.brokers)):

@@ -4,7 +4,8 @@ Side messages get their packet identifiers from the outflow at first send; the
 session's own durable feed brings identifiers stored with its messages. When
 a stored identifier is held by a side message in flight, that message (and
 every one after it) waits, in order, until the side message is acknowledged.
-A new connection re-reads the side feed instead of re-sending its messages.
+A resumed session re-sends side messages in flight with their identifiers
+(MQTT-4.4.0-1), as it does the messages of its own feed.
 """
 
 from __future__ import annotations
@@ -104,18 +105,20 @@ def test_side_messages_take_identifiers_no_message_in_flight_has() -> None:
     assert len({p.packet_id for p in got}) == 2
 
 
-def test_a_new_connection_rereads_the_side_feed_rather_than_resending() -> None:
+def test_a_resumed_session_resends_side_messages_with_their_ids_and_dup() -> None:
     h, _feed, sub, _pub = _setup()
     side = SideFeed()
     h.broker.sessions["sub"].outflow.attach_side(side)
     side.add(b"q")
-    assert payloads(sub.read()) == [b"q"]
+    (first,) = publishes(sub.read())
     restarts = side.restarts
     sub.conn.connection_lost()
     again = h.connected("sub", session_expiry_interval=3600, clean_start=False)
-    assert side.restarts == restarts + 1
-    assert publishes(again.pending) == []  # the feed's record sends it again, not the outflow
-    assert h.broker.sessions["sub"].outflow.inflight == {}
+    assert side.restarts == restarts + 1  # re-reads what waits; what is in flight is resent
+    (resent,) = publishes(again.pending)
+    assert (resent.packet_id, resent.payload, resent.dup) == (first.packet_id, b"q", True)
+    again.send(PubAck(first.packet_id or 0))
+    assert side.finished_ids == [first.packet_id]
 
 
 def test_the_queue_and_the_session_take_turns() -> None:
