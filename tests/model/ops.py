@@ -125,7 +125,13 @@ _BIAS: dict[str, dict[str, int]] = {
     "clean": {"connect": 14, "pause_redis": 6, "pause_kafka": 3, "disconnect": 4},
     "kafka": {"restart_kafka": 5, "pause_kafka": 3},
     "wrap": {"kill_broker": 1, "restart_kafka": 0},
-    "queues": {"ecq_write": 16, "ecq_consume": 4, "ecq_rewind": 2, "ecq_unconsume": 1},
+    "queues": {
+        "ecq_write": 16,
+        "ecq_consume": 4,
+        "ecq_rewind": 2,
+        "ecq_unconsume": 1,
+        "policy": 10,  # held and delayed acknowledgements: values replaced in flight
+    },
 }
 
 
