@@ -23,8 +23,9 @@ FIXED = [
     (1002, 1, 45, "expiry"),
     (1003, 2, 35, "faults"),
     (1004, 1, 25, "wrap"),  # ~65k copies for one session: packet ids come round
+    (1005, 1, 35, "queues"),  # $ECQ writes, consumers, rewinds (tests/model/queues.py)
 ]
-CHEAP = ("mixed", "faults", "expiry", "clean", "kafka")  # "wrap" floods ~65k messages
+CHEAP = ("mixed", "faults", "expiry", "clean", "kafka", "queues")  # "wrap" floods ~65k
 
 
 def _check(result: Result) -> None:
