@@ -26,6 +26,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from persistence.events import EventSink
     from persistence.queue_store import QueueStore
     from persistence.redis_store import RedisMessageStore
+    from persistence.session_rewind import Rewound
 
 log = logging.getLogger("devicemq.admin")
 
@@ -144,6 +146,15 @@ ROUTES = (
         write=True,
     ),
     Route(
+        "POST",
+        ("sessions", "{client_id}", "rewind"),
+        "rewind_session",
+        "Deliver again (DUP) the persistent session's messages published since a time, "
+        "from the records the persisted Kafka topic still holds",
+        write=True,
+        body='{"since": "2026-11-26T06:00:00Z" or epoch seconds}',
+    ),
+    Route(
         "GET",
         ("subscriptions",),
         "list_subscriptions",
@@ -218,11 +229,13 @@ class AdminApi:
         events: EventSink | None = None,
         queues: QueueStore | None = None,
         rewind: Callable[[str, int], Awaitable[int]] | None = None,
+        rewind_session: Callable[[str, float], Awaitable[Rewound]] | None = None,
     ) -> None:
         """``queues``: the $ECQ store (None: no queues); ``rewind(client_id, seq)``
         makes entries pending again and has them delivered (persistence)."""
         self.queues = queues
         self.rewind = rewind
+        self.rewind_session_to = rewind_session
         self.settings = settings
         self.broker = broker
         self.node_id = node_id
@@ -402,6 +415,30 @@ class AdminApi:
                 self.events.purged(client_id, packet_id, score)
         self._audit(client_id, "purge", {"purged": len(removed)})
         return json_response(200, {"client_id": client_id, "purged": len(removed)})
+
+    async def rewind_session(self, request: Request, client_id: str) -> Response:
+        session = self._session(client_id)
+        if not session.durable or self.rewind_session_to is None:
+            raise HttpError(
+                409, f"{client_id} has no stored messages: its session is not persistent"
+            )
+        data = _json_body(request)
+        unknown = set(data) - {"since"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        since = _instant(data.get("since"))
+        rewound = await self.rewind_session_to(client_id, since)
+        answer = {
+            "client_id": client_id,
+            "since": since,
+            "records_read": rewound.read,
+            "matched": rewound.matched,
+            "rewound": rewound.stored,
+            "oldest_in_kafka": rewound.oldest,
+        }
+        self._audit(client_id, "rewind_session", answer)
+        return json_response(200, answer)
 
     # -- subscriptions and retained ---------------------------------------------------
 
@@ -826,6 +863,24 @@ def _bool(query: dict[str, str], name: str) -> bool | None:
     if text.lower() in ("false", "0", "no"):
         return False
     raise HttpError(400, f"{name}: true or false", {"field": name})
+
+
+def _instant(value: object) -> float:
+    """``since``: epoch seconds, or an ISO 8601 time with its zone (``Z`` for UTC)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            moment = None
+        if moment is not None and moment.tzinfo is not None:
+            return moment.timestamp()
+    raise HttpError(
+        400,
+        "since: epoch seconds, or an ISO 8601 time with its zone (2026-11-26T06:00:00Z)",
+        {"field": "since"},
+    )
 
 
 def _json_body(request: Request) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
+    devicemq sessions rewind CLIENT_ID --since TIME
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
     devicemq retained list [--topic FILTER] | delete TOPIC
 
@@ -15,6 +16,7 @@ for a usage mistake.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -134,6 +136,17 @@ def add_sessions_arguments(p: argparse.ArgumentParser) -> None:
         if action == "messages":
             one.add_argument("--limit", type=int, default=20)
             one.add_argument("--payload", action="store_true", help="include payloads (base64)")
+    rewind = sub.add_parser(
+        "rewind", help="deliver again (DUP) what was published since a time, from Kafka"
+    )
+    _common(rewind)
+    rewind.add_argument("client_id", metavar="CLIENT_ID")
+    rewind.add_argument(
+        "--since",
+        required=True,
+        metavar="TIME",
+        help="ISO 8601 with its zone (2026-11-26T06:00:00Z) or epoch seconds",
+    )
 
 
 def add_blocked_arguments(p: argparse.ArgumentParser) -> None:
@@ -252,6 +265,15 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     if action == "delete":
         answer = client.call("DELETE", client.session_path(cid))
         return answer, f"{cid}: session ended, its stored messages deleted"
+    if action == "rewind":
+        since: object = args.since  # an ISO 8601 time: the API reads it
+        with contextlib.suppress(ValueError):
+            since = float(args.since)
+        answer = client.call("POST", client.session_path(cid, "rewind"), body={"since": since})
+        return answer, (
+            f"{cid}: {answer['rewound']} of {answer['matched']} messages since the time given "
+            f"stored again ({answer['records_read']} records of its partition read)"
+        )
     answer = client.call("DELETE", client.session_path(cid, "messages"))
     return answer, f"{cid}: {answer['purged']} stored messages purged"
 

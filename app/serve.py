@@ -178,6 +178,7 @@ async def _open_admin(
         events=persistence.events if persistence is not None else None,
         queues=persistence.queues if persistence is not None else None,
         rewind=persistence.rewind_queue_now if persistence is not None else None,
+        rewind_session=persistence.rewind_session if persistence is not None else None,
     )
     admin = AdminServer(settings, api)
     await admin.start()

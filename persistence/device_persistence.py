@@ -36,6 +36,7 @@ from persistence.kafka_path import (
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry, QueueStore
 from persistence.redis_store import RedisMessageStore
+from persistence.session_rewind import Rewound, rewind_session
 from persistence.session_store import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
 
@@ -258,6 +259,24 @@ class DevicePersistence:
         log.info("queue of %s rewound to seq %d: %d entries again", client_id, from_seq, count)
         self._queue_stored(client_id, [])  # the consumer re-reads, here or on its replica
         return count
+
+    async def rewind_session(self, client_id: str, since: float) -> Rewound:
+        """Store again, for its session, the client's messages published since
+        ``since`` that the persisted topic still holds (persistence/session_rewind.py),
+        and have them delivered (DUP set)."""
+        rewound = await rewind_session(
+            self.store, self._bootstrap, self.settings.persistence.topic, client_id, since
+        )
+        log.info(
+            "session of %s rewound to %.3f: %d of %d records again (%d read)",
+            client_id,
+            since,
+            rewound.stored,
+            rewound.matched,
+            rewound.read,
+        )
+        self._stored(client_id, list)  # its feed re-reads, here or on its replica
+        return rewound
 
     async def _rewind_quietly(self, client_id: str, from_seq: int) -> None:
         try:
