@@ -13,6 +13,7 @@ import pytest
 from broker.config import PersistenceSettings, Settings
 from broker.core import Broker
 from broker.message import Delivery, Message
+from persistence import device_persistence
 from persistence.device_persistence import DevicePersistence, open_persistence
 from tests.integration.redis_servers import RedisServer, follow
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
@@ -352,7 +353,7 @@ async def test_a_failed_commit_is_tried_again_while_the_partition_stays_assigned
 
 
 async def test_a_commit_refused_before_a_rebalance_is_not_tried_after_it(
-    redis: RedisServer,
+    redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Found reading the consumer while replaying checker seed 112: a Kafka that
     restarted empty makes the consumer rejoin; a commit refused just before, tried
@@ -395,6 +396,8 @@ async def test_a_commit_refused_before_a_rebalance_is_not_tried_after_it(
         assert sent == [], f"a refused commit was sent again after a rebalance: {sent}"
         (tp,) = refused[0]
         assert await kafka.committed(tp) is None
+        # Nothing commits that offset, on purpose: the close need not wait 30 s for it.
+        monkeypatch.setattr(device_persistence, "DRAIN_TIMEOUT", 1.0)
         await persistence.close()
     finally:
         stop_tansu(tansu)
