@@ -3,6 +3,7 @@
     devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
     devicemq sessions rewind CLIENT_ID --since TIME
+    devicemq queues show CLIENT_ID | queues rewind CLIENT_ID --seq N
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
     devicemq retained list [--topic FILTER] | delete TOPIC
 
@@ -176,6 +177,19 @@ def add_retained_arguments(p: argparse.ArgumentParser) -> None:
     delete.add_argument("topic")
 
 
+def add_queues_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = sub.add_parser("show", help="the $ECQ queue a client consumes: pending, keys, seq")
+    _common(show)
+    show.add_argument("client_id", metavar="CLIENT_ID")
+    rewind = sub.add_parser("rewind", help="deliver the latest value of every key again")
+    _common(rewind)
+    rewind.add_argument("client_id", metavar="CLIENT_ID")
+    rewind.add_argument(
+        "--seq", type=int, required=True, help="from this sequence number on (1: every key)"
+    )
+
+
 # -- commands --------------------------------------------------------------------------------
 
 
@@ -301,6 +315,15 @@ def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
         return answer, table
     answer = client.call("DELETE", "retained", {"topic": args.topic})
     return answer, f"deleted the retained message of {args.topic}"
+
+
+def queues(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    path = "queues/" + quote(args.client_id, safe="")
+    if args.action == "show":
+        answer = client.call("GET", path)
+        return answer, "\n".join(f"{k:<20} {_cell(k, v)}" for k, v in answer.items())
+    answer = client.call("POST", f"{path}/rewind", body={"seq": args.seq})
+    return answer, f"{args.client_id}: {answer['pending_again']} entries pending again"
 
 
 # -- tables ----------------------------------------------------------------------------------

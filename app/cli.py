@@ -203,7 +203,7 @@ def _loadtest(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------
-# sessions, blocked, retained (the admin API: app/admin_cli.py)
+# sessions, blocked, retained, queues (the admin API: app/admin_cli.py)
 # --------------------------------------------------------------------------
 
 
@@ -222,6 +222,7 @@ def _admin_command(name: str) -> Command:
         "sessions": "list, show, kick, delete or purge sessions (the admin API)",
         "blocked": "list, add or remove block-list entries (the admin API)",
         "retained": "list or delete retained messages (the admin API)",
+        "queues": "show or rewind a client's $ECQ queue (the admin API)",
     }
     return Command(helps[name], add_arguments, handler)
 
@@ -349,6 +350,7 @@ COMMANDS: dict[str, Command] = {
     "sessions": _admin_command("sessions"),
     "blocked": _admin_command("blocked"),
     "retained": _admin_command("retained"),
+    "queues": _admin_command("queues"),
     "services": Command(
         "show or stop the embedded Redis and Kafka of a data dir",
         _add_services_arguments,

@@ -10,6 +10,7 @@ sequence number on.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 
+from app import cli
 from app.admin_cli import AdminClient
 from broker.packets import (
     ConnAck,
@@ -29,7 +31,7 @@ from broker.packets import (
     Unsubscribe,
     Will,
 )
-from tests.e2e.admin import admin_broker, wait_for
+from tests.e2e.admin import TOKEN, admin_broker, wait_for
 from tests.e2e.clients import V5, V311, Paho, props
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
@@ -413,3 +415,34 @@ def test_a_new_subscription_does_not_send_again_what_is_in_flight(
     assert raw.recv_or_none(0.5) is None  # still in flight under its first packet id
     raw.send(PubAck(first.packet_id))
     queue_state(api, queue, pending=0)
+
+
+def test_the_cli_shows_and_rewinds_a_queue(
+    broker: BrokerProcess,
+    api: AdminClient,
+    clients: Clients,
+    names: Names,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    queue = names.client("device")
+    producer = _producer(clients, broker, names)
+    for key in ("a", "b"):
+        _write(producer, queue, key, key)
+    queue_state(api, queue, last_seq=2)
+    consumer = clients.paho(broker, queue)
+    consumer.connect()
+    consumer.subscribe(f"$ECQ/{queue}/#", qos=1)
+    assert [m.payload for m in consumer.get_n(2)] == [b"a", b"b"]
+    queue_state(api, queue, pending=0)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", api.url, "--token-file", str(token_file)]
+    assert cli.main(["queues", "show", queue, *common, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["pending"], shown["keys"], shown["last_seq"], shown["acked_seq"]) == (0, 2, 2, 2)
+    assert cli.main(["queues", "rewind", queue, "--seq", "2", *common]) == 0
+    assert "1 entries pending again" in capsys.readouterr().out
+    assert consumer.get().payload == b"b"
+    assert cli.main(["queues", "rewind", queue, "--seq", "0", *common]) == 1  # 400: seq >= 1
+    assert "seq" in capsys.readouterr().err

@@ -199,7 +199,10 @@ async def test_kafka_restarted_under_a_running_broker_loses_nothing_new(
     try:
         persistence, broker = await _open(
             # Failed publishes are the point here: each waits out this deadline.
-            redis.url, bootstrap_of(first), kafka_client=client, kafka_request_timeout_ms=3000
+            redis.url,
+            bootstrap_of(first),
+            kafka_client=client,
+            kafka_request_timeout_ms=3000,
         )
         await _durable_session(persistence, broker, "dev")
         await _publish(broker, "dev", [b"old-0"])
