@@ -44,6 +44,7 @@ from broker.message import Message
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
+from persistence.session_rewind import RewindUnderWay
 
 if TYPE_CHECKING:
     from broker.core import Broker
@@ -428,13 +429,17 @@ class AdminApi:
             field = sorted(unknown)[0]
             raise HttpError(400, f"unknown field {field}", {"field": field})
         since = _instant(data.get("since"))
-        rewound = await self.rewind_session_to(client_id, since)
+        try:
+            rewound = await self.rewind_session_to(client_id, since)
+        except RewindUnderWay:
+            raise HttpError(409, f"a rewind of {client_id} is under way") from None
         answer = {
             "client_id": client_id,
             "since": since,
             "records_read": rewound.read,
             "matched": rewound.matched,
             "rewound": rewound.stored,
+            "over_limit": rewound.over_limit,
             "oldest_in_kafka": rewound.oldest,
         }
         self._audit(client_id, "rewind_session", answer)

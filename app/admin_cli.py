@@ -32,6 +32,7 @@ import orjson
 DEFAULT_URL = "http://127.0.0.1:18083"
 TOKEN_ENV = "DEVICEMQ_ADMIN_TOKEN"
 TIMEOUT = 10.0
+REWIND_TIMEOUT = 600.0  # seconds a session rewind may take (it reads a Kafka partition)
 
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -58,6 +59,7 @@ class AdminClient:
         path: str,
         query: dict[str, Any] | None = None,
         body: object = None,
+        timeout: float = TIMEOUT,
     ) -> Any:
         """The decoded JSON answer of a 2xx; raises :class:`ApiError` otherwise."""
         target = self.url + "/api/v1/" + path
@@ -74,7 +76,7 @@ class AdminClient:
             # admin API it was given for and nowhere else.
             request.add_unredirected_header("Authorization", f"Bearer {self.token}")
         try:
-            with _OPENER.open(request, timeout=TIMEOUT) as response:
+            with _OPENER.open(request, timeout=timeout) as response:
                 return orjson.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
             raise ApiError(e.code, _error_text(e.code, e.read())) from None
@@ -283,10 +285,13 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
         since: object = args.since  # an ISO 8601 time: the API reads it
         with contextlib.suppress(ValueError):
             since = float(args.since)
-        answer = client.call("POST", client.session_path(cid, "rewind"), body={"since": since})
+        # It reads the client's Kafka partition from its start: more than a moment.
+        path = client.session_path(cid, "rewind")
+        answer = client.call("POST", path, body={"since": since}, timeout=REWIND_TIMEOUT)
         return answer, (
             f"{cid}: {answer['rewound']} of {answer['matched']} messages since the time given "
-            f"stored again ({answer['records_read']} records of its partition read)"
+            f"stored again, {answer['over_limit']} beyond its limit's room "
+            f"({answer['records_read']} records of its partition read)"
         )
     answer = client.call("DELETE", client.session_path(cid, "messages"))
     return answer, f"{cid}: {answer['purged']} stored messages purged"

@@ -73,6 +73,7 @@ class Outgoing:
     marked: bool = False
     ref: object = None
     side: Feed | None = None  # from the side feed (its identifier given here)
+    replay: bool = False  # seen before this flow (a rewind's copy): DUP on its first send
 
 
 @dataclass(slots=True)
@@ -396,7 +397,7 @@ class Outflow:
         delivery = item.delivery
         assert delivery is not None
         resend = item.sent
-        if conn.send_delivery(delivery, item.packet_id, dup=resend, resend=resend):
+        if conn.send_delivery(delivery, item.packet_id, dup=resend or item.replay, resend=resend):
             entry.state = (
                 OutgoingState.AWAIT_PUBACK if delivery.qos == 1 else OutgoingState.AWAIT_PUBREC
             )

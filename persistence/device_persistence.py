@@ -36,7 +36,7 @@ from persistence.kafka_path import (
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry, QueueStore
 from persistence.redis_store import RedisMessageStore
-from persistence.session_rewind import Rewound, rewind_session
+from persistence.session_rewind import RewindUnderWay, Rewound, rewind_session
 from persistence.session_store import SessionStateStore
 from persistence.store_feed import StoreFeed, StoreWriter
 
@@ -119,6 +119,7 @@ class DevicePersistence:
         else:
             self.queue_acks = None
         self.keeps_queues = self.queues is not None
+        self._rewinding: set[str] = set()  # client IDs whose session rewind is under way
         self.consumer = PersistenceConsumer(
             consumer,
             config.topic,
@@ -263,10 +264,17 @@ class DevicePersistence:
     async def rewind_session(self, client_id: str, since: float) -> Rewound:
         """Store again, for its session, the client's messages published since
         ``since`` that the persisted topic still holds (persistence/session_rewind.py),
-        and have them delivered (DUP set)."""
-        rewound = await rewind_session(
-            self.store, self._bootstrap, self.settings.persistence.topic, client_id, since
-        )
+        and have them delivered (DUP set). One rewind of a client at a time
+        (:class:`RewindUnderWay` otherwise)."""
+        if client_id in self._rewinding:
+            raise RewindUnderWay(client_id)
+        self._rewinding.add(client_id)
+        try:
+            rewound = await rewind_session(
+                self.store, self._bootstrap, self.settings.persistence.topic, client_id, since
+            )
+        finally:
+            self._rewinding.discard(client_id)
         log.info(
             "session of %s rewound to %.3f: %d of %d records again (%d read)",
             client_id,

@@ -18,6 +18,9 @@ the topic (UTF-8), the properties, the payload::
                     0x04 RETAIN  0x08 HAS_EXPIRY
                     0x10 QUEUE (routed to an exclusive compacted queue,
                     broker/ecq.py: its topic is ``$ECQ/{cid}/{key}``)
+                    0x20 REPLAY (stored again by a rewind, persistence/
+                    session_rewind.py: its first send carries DUP, yet it is
+                    not in flight: limits, ACL and expiry apply as to any)
     qos        u8
     published  f64  publish time, epoch seconds
     expiry     f64  absolute message expiry, epoch seconds (if HAS_EXPIRY)
@@ -137,6 +140,7 @@ FLAG_PUBREL = 0x02
 FLAG_RETAIN = 0x04
 FLAG_HAS_EXPIRY = 0x08
 FLAG_QUEUE = 0x10
+FLAG_REPLAY = 0x20
 
 _HEADER = struct.Struct(">BBBddQQQHI")
 _HEADER_V1 = struct.Struct(">BBBddqHI")
@@ -229,6 +233,7 @@ class StoredRecord:
     sent: bool
     message: StoredMessage | None
     marked: bool = False
+    replay: bool = False  # a rewind's copy: DUP on its first send too (FLAG_REPLAY)
 
 
 class RecordId(NamedTuple):
@@ -269,13 +274,15 @@ def _encode_properties(m: StoredMessage) -> bytes:
     return b"".join(parts)
 
 
-def encode_message(m: StoredMessage, *, sent: bool = False) -> bytes:
+def encode_message(m: StoredMessage, *, sent: bool = False, replay: bool = False) -> bytes:
     """The value of ``m`` (see the module docstring for the layout)."""
     topic = m.topic.encode()
     if len(topic) > 0xFFFF:
         raise ValueError("topic is longer than 65535 bytes")
     props = _encode_properties(m)
     flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
+    if replay:
+        flags |= FLAG_REPLAY
     if m.topic.startswith(ECQ_PREFIX):
         flags |= FLAG_QUEUE
     if m.expiry is not None:
@@ -416,7 +423,9 @@ def decode_record(
         generation=generation,
         **props,
     )
-    return StoredRecord(packet_id, score, Stage.PUBLISH, sent, message, marked)
+    return StoredRecord(
+        packet_id, score, Stage.PUBLISH, sent, message, marked, bool(flags & FLAG_REPLAY)
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -238,8 +238,9 @@ class StoreFeed:
         self._events.delivered(self.client_id, record)
         stats = self._stats
         stats.persisted_delivered += 1
-        if not dup and record.message is not None:
-            # End to end: the publisher's PUBLISH -> this first send.
+        if not dup and not record.replay and record.message is not None:
+            # End to end: the publisher's PUBLISH -> this first send (a rewind's copy
+            # is no measure of it).
             stats.delivery_latency.observe(self._wall_clock() - record.message.publish_time)
 
     def restart(self) -> None:
@@ -319,6 +320,7 @@ class StoreFeed:
             sent=record.sent and not reserved,
             marked=record.marked or reserved,
             ref=record,
+            replay=record.replay,
         )
 
     @staticmethod

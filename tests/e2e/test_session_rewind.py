@@ -38,9 +38,12 @@ def api(_rewind_broker: tuple[BrokerProcess, AdminClient]) -> AdminClient:
     return _rewind_broker[1]
 
 
-def _persistent(clients: Clients, broker: BrokerProcess, client_id: str) -> Paho:
+def _persistent(
+    clients: Clients, broker: BrokerProcess, client_id: str, clean: bool = True
+) -> Paho:
     sub = clients.paho(broker, client_id)
-    sub.connect(clean_start=True, properties=props(PacketTypes.CONNECT, SessionExpiryInterval=600))
+    expiry = props(PacketTypes.CONNECT, SessionExpiryInterval=600)
+    sub.connect(clean_start=clean, properties=expiry)
     return sub
 
 
@@ -99,3 +102,52 @@ def test_a_rewind_answers_bad_input_with_the_field_and_a_clean_session_with_409(
     with pytest.raises(ApiError) as missing:
         api.call("POST", f"sessions/{names.client('nobody')}/rewind", body={"since": 0})
     assert missing.value.status == 404
+
+
+def test_a_rewind_never_makes_room_by_dropping_the_backlog(
+    tmp_path: Path, clients: Clients, names: Names
+) -> None:
+    """Found by review: copies marked sent made the store trim what the client had not
+    received yet, then refuse new messages. Now a rewind takes only the room left."""
+    limit = {"persistence.max_messages_per_client": 5}
+    with admin_broker(tmp_path / "b", **limit) as (broker, api):
+        topic, cid = names.topic("t"), names.client("device")
+        sub = _persistent(clients, broker, cid)
+        assert sub.subscribe(topic, qos=1) == [1]
+        pub = clients.paho(broker, names.client("pub"))
+        pub.connect()
+        for i in range(5):
+            pub.publish(topic, f"m{i}", qos=1)
+        assert [m.payload for m in sub.get_n(5)] == [b"m0", b"m1", b"m2", b"m3", b"m4"]
+        wait_for(lambda: api.call("GET", f"sessions/{cid}")["backlog"] == 0, "acks stored")
+        sub.disconnect()
+        for i in range(3):
+            pub.publish(topic, f"u{i}", qos=1)  # the backlog, never delivered yet
+        wait_for(lambda: api.call("GET", f"sessions/{cid}")["backlog"] == 3, "backlog stored")
+
+        answer = api.call("POST", f"sessions/{cid}/rewind", body={"since": 0})
+        assert (answer["matched"], answer["rewound"], answer["over_limit"]) == (8, 2, 6)
+        again = _persistent(clients, broker, cid, clean=False)
+        got = [(m.payload, bool(m.dup)) for m in again.get_n(5)]
+        # The backlog first, untouched; then the newest copies that fit, with DUP.
+        assert got == [(b"u0", False), (b"u1", False), (b"u2", False), (b"u1", True), (b"u2", True)]
+        again.assert_no_message()
+
+
+def test_a_rewind_gives_nothing_of_an_ended_session(
+    broker: BrokerProcess, api: AdminClient, clients: Clients, names: Names
+) -> None:
+    """Found by review: records routed to an earlier session of the client ID (before
+    a clean start) came back into the new one, topics it never subscribed to."""
+    secret, cid = names.topic("old"), names.client("device")
+    sub = _persistent(clients, broker, cid)
+    assert sub.subscribe(secret, qos=1) == [1]
+    pub = clients.paho(broker, names.client("pub"))
+    pub.connect()
+    pub.publish(secret, "from-the-old-session", qos=1)
+    assert sub.get().payload == b"from-the-old-session"
+    sub.disconnect()
+    fresh = _persistent(clients, broker, cid)  # a clean start: a new session
+    answer = api.call("POST", f"sessions/{cid}/rewind", body={"since": 0})
+    assert (answer["matched"], answer["rewound"]) == (0, 0)
+    fresh.assert_no_message()

@@ -106,7 +106,15 @@ class QueueModel:
     def _ack_may_be_lost(self, cid: str, ack: _Ack, now: float) -> bool:
         if any(t >= ack.at - ACK_SLACK for t in self.rewinds.get(cid, ())):
             return True  # a rewind (or one racing the acknowledgement) gives it again
-        if self.model.fault_between(ack.at - ACK_SLACK, now):
+        # The acknowledgement is written within ACK_SLACK, or once Redis resumes if it
+        # was paused then: a fault in that window may have lost it, a later one not.
+        written_by = ack.at + ACK_SLACK
+        for start, end in self.model.redis_paused:
+            if start <= ack.at < end:
+                written_by = max(written_by, end + ACK_SLACK)
+        if self.model._redis_pause_start is not None and self.model._redis_pause_start <= ack.at:
+            written_by = now  # still paused
+        if self.model.fault_between(ack.at - ACK_SLACK, min(now, written_by)):
             return True
         closed = self.closed.get((cid, ack.conn))
         return closed is not None and closed < ack.at + ACK_SLACK
@@ -133,10 +141,12 @@ class QueueModel:
             msg = receipt.msg
             if msg is latest:
                 return True
-            if parse_write(msg.topic) == (queue, key) and (
-                not msg.ok or msg.sent_at > latest.sent_at
+            if (
+                parse_write(msg.topic) == (queue, key)
+                and receipt.at >= latest.sent_at
+                and (not msg.ok or msg.sent_at > latest.sent_at)
             ):
-                return True  # replaced by a write that may have come after it
+                return True  # replaced by a write that may have been stored after it
         return False
 
     def open(self) -> int:
