@@ -170,6 +170,18 @@ class Outflow:
         feed.restart()
         self.pump()
 
+    def restore_side(self, items: list[Outgoing]) -> None:
+        """The side feed's messages in flight before this process (their packet ids
+        from its record): in flight again, sent again under those ids with DUP
+        (MQTT-4.4.0-1), before anything else takes an identifier."""
+        for item in items:
+            item.side = self.side
+            if item.packet_id in self.inflight:
+                continue  # cannot be: nothing was taken while it read its record
+            self.inflight[item.packet_id] = OutgoingMessage(item, OutgoingState.AWAIT_PUBACK)
+            self._resend.append(item.packet_id)
+        self.pump()
+
     def detach_side(self) -> None:
         """The queue's subscription went: what is in flight completes, nothing more is
         taken. The feed is kept (:attr:`detached_side`): a new subscription takes it
@@ -235,12 +247,22 @@ class Outflow:
             for item in items:
                 self._admit(conn, item, to_mark)
         if to_mark:
-            epoch, batch = self._epoch, [item.packet_id for item in to_mark]
-            self.feed.mark(to_mark, lambda ids: self._marked(batch, ids, epoch))
+            epoch = self._epoch
+            own = [item for item in to_mark if item.side is None]
+            if own:
+                batch = [item.packet_id for item in own]
+                self.feed.mark(own, lambda ids: self._marked(batch, ids, epoch))
+            sided = [item for item in to_mark if item.side is not None]
+            side = sided[0].side if sided else None
+            if side is not None:
+                side_batch = [item.packet_id for item in sided]
+                side.mark(sided, lambda ids: self._marked(side_batch, ids, epoch))
 
     def _take(self, room: int) -> list[Outgoing]:
         """The next messages: the session's feed and the side feed take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
+        if side is not None and getattr(side, "restoring", False):
+            return []  # the identifiers it had in flight before a restart come first
         if side is not None and getattr(self.feed, "replaying", False):
             # A resumed durable session: until its record's first page is read, an
             # identifier given here could be one the client still holds (QoS 2).

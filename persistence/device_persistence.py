@@ -246,6 +246,8 @@ class DevicePersistence:
             clock=self._clock,
             events=self.events,
             subscription_ids=subscription_ids,
+            # A persistent session's entries in flight are recorded under their ids.
+            generation=session.generation if session.durable else None,
         )
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:

@@ -76,7 +76,10 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
     persistence/queue_store.py): key -> seq not yet acknowledged, key -> seq
     of the latest value of every key, key -> value, key -> publish time (ms),
     the last seq handed out, ``<producer>:<partition>`` -> last record seq
-    stored, the highest seq acknowledged.
+    stored, the highest seq acknowledged; and, for a persistent session, the
+    entries in flight to it (``_inflight``: packet id -> seq, key and value;
+    ``gen`` -> the session generation they were sent to), so that a broker
+    that restarts re-sends them under their packet identifiers.
 ``{cid}_bytes``
     the size of the messages stored (values as stored), for the per-client
     byte limit; messages that expire unread still count until the set empties.
@@ -546,13 +549,21 @@ class QueueKeys(NamedTuple):
     seq: str
     seen: str
     acked: str
+    inflight: str
 
 
 def queue_keys(client_id: str) -> QueueKeys:
     """The keys of the queue consumed by ``client_id``, in its client's slot."""
     p = "{" + _tag(client_id) + "}_ecq_"
     return QueueKeys(
-        p + "pending", p + "log", p + "values", p + "times", p + "seq", p + "seen", p + "acked"
+        p + "pending",
+        p + "log",
+        p + "values",
+        p + "times",
+        p + "seq",
+        p + "seen",
+        p + "acked",
+        p + "inflight",
     )
 
 

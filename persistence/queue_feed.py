@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.persistence")
 
 
-class _AckBatch(dict[str, list[tuple[str, int]]]):
+class _AckBatch(dict[str, list[tuple[str, int, int]]]):
     def __len__(self) -> int:
         return sum(len(v) for v in self.values())
 
@@ -67,10 +67,40 @@ class QueueAcks:
     def retry(self) -> Retry:
         return self._writer.retry
 
-    def ack(self, client_id: str, key: str, seq: int) -> None:
+    def ack(self, client_id: str, key: str, seq: int, packet_id: int = 0) -> None:
+        """The entry is done with; ``packet_id``: the one it was recorded in flight
+        under (0: none)."""
         self.forget(client_id, key, seq)
         self._unwritten.setdefault(client_id, set()).add((key, seq))
-        self._writer.add(_AckBatch({client_id: [(key, seq)]}))
+        self._writer.add(_AckBatch({client_id: [(key, seq, packet_id)]}))
+
+    def record(
+        self,
+        client_id: str,
+        generation: int,
+        sent: list[tuple[int, QueueEntry]],
+        done: Callable[[], None],
+    ) -> None:
+        """Record entries in flight under their packet ids, then ``done()`` (tried
+        until it lands: they wait for it before they go out)."""
+        asyncio.get_running_loop().create_task(self._record(client_id, generation, sent, done))
+
+    async def _record(
+        self,
+        client_id: str,
+        generation: int,
+        sent: list[tuple[int, QueueEntry]],
+        done: Callable[[], None],
+    ) -> None:
+        while True:
+            try:
+                await self._store.record_inflight(client_id, generation, sent)
+                self.retry.succeeded()
+                break
+            except Exception as error:  # connection errors, cluster errors: again
+                log.warning("recording queue entries of %s failed: %s", client_id, error)
+                await self.retry.wait()
+        done()
 
     def unwritten(self, client_id: str) -> set[tuple[str, int]]:
         """The queue's acknowledgements not in Redis yet: a read may still hold them
@@ -102,7 +132,7 @@ class QueueAcks:
                 await self._store.ack(cid, pairs)
                 unwritten = self._unwritten.get(cid)
                 if unwritten is not None:
-                    unwritten.difference_update(pairs)
+                    unwritten.difference_update((key, seq) for key, seq, _ in pairs)
                     if not unwritten:
                         del self._unwritten[cid]
             except Exception as error:  # connection errors, cluster errors: retried
@@ -137,9 +167,17 @@ class QueueFeed:
         wall_clock: Callable[[], float] = time.time,
         events: EventSink = NO_EVENTS,
         subscription_ids: Callable[[], tuple[int, ...]] = tuple,
+        generation: int | None = None,
     ) -> None:
-        """``subscription_ids()``: those of the queue's subscription now (MQTT-3.3.4-3)."""
+        """``subscription_ids()``: those of the queue's subscription now (MQTT-3.3.4-3).
+        ``generation``: the persistent session's, whose entries in flight are recorded
+        under their packet ids (None: a session that ends with its connection)."""
         self._subscription_ids = subscription_ids
+        self._generation = generation
+        # Until the record of what was in flight is read (a new process resuming the
+        # session), the outflow gives out no packet identifier (Outflow._take).
+        self.restoring = False
+        self._restored = generation is None
         self.client_id = client_id
         self.outflow: Outflow | None = None
         self._store = store
@@ -179,7 +217,8 @@ class QueueFeed:
                     0,
                     self._delivery(entry),
                     sent=(key, entry.seq) in self._acks.sent(self.client_id),
-                    marked=True,
+                    # A persistent session's entries go out once recorded (mark).
+                    marked=self._generation is None,
                     ref=entry,
                 )
             )
@@ -188,7 +227,13 @@ class QueueFeed:
         return items
 
     def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
-        done([item.packet_id for item in items])  # taken marked: never asked
+        """Record them in flight under their packet ids (a persistent session's)."""
+        ids = [item.packet_id for item in items]
+        if self._generation is None:
+            done(ids)
+            return
+        sent = [(item.packet_id, self._entry(item)) for item in items]
+        self._acks.record(self.client_id, self._generation, sent, lambda: done(ids))
 
     def release(self, item: Outgoing, done: Callable[[], None]) -> None:
         done()  # QoS 1 only
@@ -199,7 +244,7 @@ class QueueFeed:
             del self._out[entry.key]
         if self._loading:
             self._done.add((entry.key, entry.seq))
-        self._acks.ack(self.client_id, entry.key, entry.seq)
+        self._acks.ack(self.client_id, entry.key, entry.seq, self._recorded_id(item))
         self._events.queue(self.client_id, "acked", entry.seq, entry.key)
         self._stats.queue_acked += 1
 
@@ -207,7 +252,7 @@ class QueueFeed:
         # Expired before its first send, or too large for the client: never delivered.
         entry = self._entry(item)
         self._out.pop(entry.key, None)
-        self._acks.ack(self.client_id, entry.key, entry.seq)
+        self._acks.ack(self.client_id, entry.key, entry.seq, self._recorded_id(item))
         self._events.queue(self.client_id, "discarded", entry.seq, entry.key)
 
     def sent(self, item: Outgoing, dup: bool) -> None:
@@ -218,7 +263,9 @@ class QueueFeed:
 
     def restart(self) -> None:
         """A new connection or subscription: re-read the pending entries in order
-        (those in flight, ``_out``, the outflow sends again itself)."""
+        (those in flight, ``_out``, the outflow sends again itself). The first time,
+        for a persistent session, what was in flight before (a restart of the
+        broker) is read back first and handed to the outflow to send again."""
         self._epoch += 1
         self._active = True
         self._buffer.clear()
@@ -226,6 +273,10 @@ class QueueFeed:
         self._caught_up = False
         self._missed = False
         self._loading = False
+        if not self._restored:
+            self._restored = True
+            self.restoring = True
+            asyncio.get_running_loop().create_task(self._restore(self._epoch))
 
     def discard(self) -> None:
         self._epoch += 1
@@ -278,6 +329,34 @@ class QueueFeed:
             self.outflow.pump()
 
     # -- internals -----------------------------------------------------------------------
+
+    async def _restore(self, epoch: int) -> None:
+        assert self._generation is not None
+        while True:
+            try:
+                inflight = await self._store.inflight(self.client_id, self._generation)
+                break
+            except Exception as error:  # Redis away: the outflow waits meanwhile
+                log.warning("reading what was in flight to %s failed: %s", self.client_id, error)
+                await self._acks.retry.wait()
+        self.restoring = False
+        outflow = self.outflow
+        if outflow is None or epoch != self._epoch or not self._active:
+            if outflow is not None:
+                outflow.pump()
+            return
+        items = []
+        for packet_id, entry in sorted(inflight.items(), key=lambda p: p[1].seq):
+            self._out[entry.key] = max(self._out.get(entry.key, 0), entry.seq)
+            self._acks.sent(self.client_id).add((entry.key, entry.seq))
+            items.append(
+                Outgoing(packet_id, self._delivery(entry), sent=True, marked=True, ref=entry)
+            )
+        outflow.restore_side(items)
+
+    def _recorded_id(self, item: Outgoing) -> int:
+        """The packet id its in-flight record is under (0: a session not recorded)."""
+        return item.packet_id if self._generation is not None else 0
 
     def _add(self, entry: QueueEntry) -> None:
         buffer = self._buffer

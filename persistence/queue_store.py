@@ -15,10 +15,11 @@ acknowledgement removes an entry only if no newer value replaced it.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from broker.ecq import key_of
 from persistence.format import header_fields, queue_keys, record_id
@@ -29,6 +30,8 @@ _LOAD = lua_script("queue_load")
 _ACK = lua_script("queue_ack")
 _REWIND = lua_script("queue_rewind")
 _INFO = lua_script("queue_info")
+_INFLIGHT = lua_script("queue_inflight")
+_ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
 RETENTION, KEY_LIMIT = 1, 2  # why an entry was removed
@@ -167,14 +170,46 @@ class QueueStore:
         ]
         return entries, int(last)
 
-    async def ack(self, client_id: str, acked: Iterable[tuple[str, int]]) -> int:
+    async def ack(self, client_id: str, acked: Iterable[tuple[str, int, int]]) -> int:
+        """(key, seq, packet id it was in flight under, 0: none recorded) triples."""
         args: list[str | int] = []
-        for key, seq in acked:
-            args += [key, seq]
+        for key, seq, packet_id in acked:
+            args += [key, seq, packet_id]
         if not args:
             return 0
         keys = queue_keys(client_id)
-        return int(await self._store.run_script(_ACK, (keys.pending, keys.acked), args))
+        return int(
+            await self._store.run_script(_ACK, (keys.pending, keys.acked, keys.inflight), args)
+        )
+
+    async def record_inflight(
+        self, client_id: str, generation: int, sent: Iterable[tuple[int, QueueEntry]]
+    ) -> None:
+        """(packet id, entry) about to go to the session of ``generation``."""
+        args: list[int | bytes] = [generation]
+        for packet_id, entry in sent:
+            key = entry.key.encode()
+            args += [packet_id, _ENTRY.pack(entry.seq, len(key)) + key + entry.value]
+        await self._store.run_script(_INFLIGHT, (queue_keys(client_id).inflight,), args)
+
+    async def inflight(self, client_id: str, generation: int) -> dict[int, QueueEntry]:
+        """What was in flight to the session of ``generation`` (nothing if the record
+        is an ended session's: it is deleted then)."""
+        key = queue_keys(client_id).inflight
+        raw = cast(dict[bytes, bytes], await self._store.redis.hgetall(key))
+        if raw.get(b"gen") != str(generation).encode():
+            if raw:
+                await self._store.redis.delete(key)
+            return {}
+        out: dict[int, QueueEntry] = {}
+        for field_name, packed in raw.items():
+            if field_name == b"gen":
+                continue
+            seq, size = _ENTRY.unpack_from(packed)
+            start = _ENTRY.size
+            entry_key = packed[start : start + size].decode()
+            out[int(field_name)] = QueueEntry(entry_key, seq, packed[start + size :])
+        return out
 
     async def rewind(self, client_id: str, from_seq: int) -> int:
         """Make the latest value of every kept key with seq >= ``from_seq`` pending

@@ -1,19 +1,21 @@
 -- devicemq: a queue's consumer acknowledged entries ($ECQ).
 --
 -- KEYS[1] {cid}_ecq_pending  KEYS[2] {cid}_ecq_acked (the highest seq acknowledged)
--- ARGV pairs: key, seq. A key whose pending seq is another one now was replaced
--- by a newer value (compaction): that one is still to be delivered, left alone.
--- Returns how many entries were removed.
+-- KEYS[3] {cid}_ecq_inflight (packet id -> the entry in flight under it)
+-- ARGV triples: key, seq, packet id (0: none recorded). A key whose pending seq is
+-- another one now was replaced by a newer value (compaction): that one is still
+-- to be delivered, left alone. Returns how many entries were removed.
 
 local removed = 0
 local highest = tonumber(redis.call('GET', KEYS[2]) or '0')
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV, 3 do
   local seq = tonumber(ARGV[i + 1])
   local now = redis.call('ZSCORE', KEYS[1], ARGV[i])
   if now and tonumber(now) == seq then
     removed = removed + redis.call('ZREM', KEYS[1], ARGV[i])
   end
   if seq > highest then highest = seq end
+  if ARGV[i + 2] ~= '0' then redis.call('HDEL', KEYS[3], ARGV[i + 2]) end
 end
 redis.call('SET', KEYS[2], highest)
 return removed

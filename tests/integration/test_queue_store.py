@@ -78,10 +78,10 @@ async def test_an_acknowledgement_of_a_replaced_value_leaves_the_newer_one(
     q = queues(store)
     await q.save(batch(cid, [("a", b"old")]))
     await q.save(batch(cid, [("a", b"new")], first_seq=2))  # while "old" was in flight
-    assert await q.ack(cid, [("a", 1)]) == 0  # "old" acknowledged: "new" still pending
+    assert await q.ack(cid, [("a", 1, 0)]) == 0  # "old" acknowledged: "new" still pending
     entries, _ = await q.load(cid, 0, 100)
     assert [(e.key, e.seq, e.value[-3:]) for e in entries] == [("a", 2, b"new")]
-    assert await q.ack(cid, [("a", 2)]) == 1
+    assert await q.ack(cid, [("a", 2, 0)]) == 1
     assert (await q.load(cid, 0, 100))[0] == []
     assert (await q.info(cid)).acked_seq == 2
 
@@ -106,7 +106,7 @@ async def test_a_rewind_makes_the_latest_of_every_kept_key_pending_again(
     await q.save(batch(cid, writes))
     await q.save(batch(cid, [("k0", b"again")], first_seq=2501))  # k0 -> seq 2501
     everything, _ = await q.load(cid, 0, 5000)
-    await q.ack(cid, [(e.key, e.seq) for e in everything])
+    await q.ack(cid, [(e.key, e.seq, 0) for e in everything])
     assert (await q.info(cid)).pending == 0
     assert await q.rewind(cid, 2000) == 502  # k1999..k2499 (seq 2000..2500) and k0 (2501)
     entries, _ = await q.load(cid, 0, 5000)

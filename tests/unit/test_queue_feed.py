@@ -40,10 +40,10 @@ class GatedStore:
             await self.gate.wait()
         return entries[:limit], last
 
-    async def ack(self, cid: str, pairs: Iterable[tuple[str, int]]) -> int:
+    async def ack(self, cid: str, triples: Iterable[tuple[str, int, int]]) -> int:
         if self.ack_delay:
             await asyncio.sleep(self.ack_delay)
-        for key, seq in pairs:
+        for key, seq, _packet_id in triples:
             if self.pending.get(key, (0, b""))[0] == seq:
                 del self.pending[key]
         return 0
