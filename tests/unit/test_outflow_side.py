@@ -137,3 +137,25 @@ def test_the_queue_and_the_session_take_turns() -> None:
         sent.append(message.payload)
         sub.send(PubAck(message.packet_id or 0))
     assert sent == [b"s0", b"q0", b"s1", b"q1", b"s2", b"q2"]  # neither starves the other
+
+
+def test_nothing_takes_an_identifier_until_the_side_feed_has_read_what_it_had_in_flight() -> None:
+    """A broker that restarted: the queue's record of its entries in flight comes
+    first (their identifiers), then the session's own messages may take others."""
+    h, feed, sub, pub = _setup()
+    side = SideFeed()
+    side.restoring = True  # type: ignore[attr-defined]
+    outflow = h.broker.sessions["sub"].outflow
+    outflow.attach_side(side)
+    pub.publish_acked("t", b"stored", qos=1)  # stored with id 1
+    assert feed.marks == [] and sub.read() == []
+    side.restoring = False  # type: ignore[attr-defined]
+    held = _item(b"held")
+    held.packet_id, held.sent = 1, True
+    outflow.restore_side([held])
+    (again,) = publishes(sub.read())
+    assert (again.packet_id, again.payload, again.dup) == (1, b"held", True)
+    assert feed.marks == []  # the stored message waits for id 1
+    sub.send(PubAck(1))
+    feed.complete_mark()
+    assert payloads(sub.read()) == [b"stored"]
