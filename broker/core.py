@@ -467,8 +467,22 @@ class Broker:
         feed = outflow.detached_side or self.persistent_path.queue_feed(session)
         if feed is None:
             return False
+        feed.consuming = True
         session.outflow.attach_side(feed)
         return True
+
+    def restore_queue_inflight(self, session: Session) -> None:
+        """A persistent session resumed without its queue's subscription may still
+        hold queue entries in flight (sent before an unsubscribe, then a restart of
+        the broker): their packet ids are read back before any other goes out, and
+        they complete; nothing more is taken from the queue."""
+        outflow = session.outflow
+        if outflow.side is not None or outflow.detached_side is not None:
+            return  # this process knows what it sent
+        feed = self.persistent_path.queue_feed(session)
+        if feed is not None:
+            feed.consuming = False
+            outflow.attach_side(feed)
 
     def restore_session(
         self,

@@ -125,6 +125,13 @@ class Feed(Protocol):
         """Messages held and not yet taken."""
 
 
+class SideFeed(Feed, Protocol):
+    """A feed beside the session's own: the queue its client consumes ($ECQ)."""
+
+    consuming: bool  # the client holds the queue's subscription (False: in flight only)
+    restoring: bool  # reading what it had in flight before a restart: no ids meanwhile
+
+
 class Outflow:
     """``may_receive(topic)``: the receiver's read rules (ACL), asked of every message
     before its first send, stored ones included, so a rule changed since a message was
@@ -151,14 +158,14 @@ class Outflow:
         self._gone: set[int] = set()  # refused by the mark: never to be sent
         self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
         self.last_progress = 0.0  # broker clock of the last acknowledgement (or resume)
-        self.side: Feed | None = None  # the queue the client consumes ($ECQ), if any
-        self.detached_side: Feed | None = None  # the last one, after an unsubscribe
+        self.side: SideFeed | None = None  # the queue the client consumes ($ECQ), if any
+        self.detached_side: SideFeed | None = None  # the last one, after an unsubscribe
         self._side_last = 0  # the last identifier given to a side message
         self._side_turn = False  # take from the side feed first next time
         # Taken from the feed, waiting for a side message to free their identifier.
         self._parked: deque[Outgoing] = deque()
 
-    def attach_side(self, feed: Feed) -> None:
+    def attach_side(self, feed: SideFeed) -> None:
         """The client subscribed to its queue: deliver from it too."""
         if self.side is feed:
             return
@@ -170,17 +177,21 @@ class Outflow:
         feed.restart()
         self.pump()
 
-    def restore_side(self, items: list[Outgoing]) -> None:
-        """The side feed's messages in flight before this process (their packet ids
-        from its record): in flight again, sent again under those ids with DUP
-        (MQTT-4.4.0-1), before anything else takes an identifier."""
+    def restore_side(self, feed: Feed, items: list[Outgoing]) -> list[Outgoing]:
+        """``feed``'s messages in flight before this process (their packet ids from
+        its record): in flight again, sent again under those ids with DUP
+        (MQTT-4.4.0-1), before anything else takes an identifier (``_take`` waits
+        while the feed reads its record). Returns those taken back."""
+        taken = []
         for item in items:
-            item.side = self.side
             if item.packet_id in self.inflight:
-                continue  # cannot be: nothing was taken while it read its record
+                continue  # not while it read: the record is read before anything goes
+            item.side = feed
             self.inflight[item.packet_id] = OutgoingMessage(item, OutgoingState.AWAIT_PUBACK)
             self._resend.append(item.packet_id)
+            taken.append(item)
         self.pump()
+        return taken
 
     def detach_side(self) -> None:
         """The queue's subscription went: what is in flight completes, nothing more is
@@ -210,7 +221,12 @@ class Outflow:
             # The record is the truth (another replica may have served the client
             # meanwhile): forget this process's view and re-read it in order. Side
             # messages in flight are this session's own: sent again as they are.
-            side = {p: e for p, e in self.inflight.items() if e.item.side is not None}
+            # (One still waiting for its in-flight record went nowhere: taken again.)
+            side = {
+                p: e
+                for p, e in self.inflight.items()
+                if e.item.side is not None and e.state is not OutgoingState.MARKING
+            }
             self.inflight.clear()
             self._marking.clear()
             self._may_go.clear()
@@ -261,7 +277,7 @@ class Outflow:
     def _take(self, room: int) -> list[Outgoing]:
         """The next messages: the session's feed and the side feed take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
-        if side is not None and getattr(side, "restoring", False):
+        if any(f.restoring for f in (side, self.detached_side) if f is not None):
             return []  # the identifiers it had in flight before a restart come first
         if side is not None and getattr(self.feed, "replaying", False):
             # A resumed durable session: until its record's first page is read, an

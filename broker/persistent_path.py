@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from broker.message import Delivery
-    from broker.outflow import Feed
+    from broker.outflow import Feed, SideFeed
     from broker.session import Session
     from broker.topics import SubscriptionEntry
 
@@ -121,7 +121,7 @@ class PersistentPath(Protocol):
         (broker/ecq.py), as :meth:`submit` does to a session. False: this path keeps
         no queues, and nothing is called."""
 
-    def queue_feed(self, session: Session) -> Feed | None:
+    def queue_feed(self, session: Session) -> SideFeed | None:
         """The side feed delivering the queue of ``session``'s client; None: no queues."""
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
@@ -169,7 +169,7 @@ class InMemoryPersistentPath:
     ) -> bool:
         return False  # a queue outlives restarts or it is no queue: persistence only
 
-    def queue_feed(self, session: Session) -> Feed | None:
+    def queue_feed(self, session: Session) -> SideFeed | None:
         return None
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:

@@ -120,6 +120,7 @@ class DevicePersistence:
             self.queue_acks = None
         self.keeps_queues = self.queues is not None
         self._rewinding: set[str] = set()  # client IDs whose session rewind is under way
+        self._background: set[asyncio.Task[None]] = set()  # fire-and-forget writes
         self.consumer = PersistenceConsumer(
             consumer,
             config.topic,
@@ -303,6 +304,21 @@ class DevicePersistence:
     def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         self.events.session(session.client_id, end_kind(session, self._clock()))
         self.sessions.end(session.client_id, session.generation, on_ended)
+        if self.queues is not None and session.durable:
+            task = asyncio.get_running_loop().create_task(
+                self._forget_inflight(session.client_id, session.generation)
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _forget_inflight(self, client_id: str, generation: int) -> None:
+        """Its queue entries in flight are no session's any more (a later session of
+        the client ID drops the record too, by its generation: this only frees it)."""
+        assert self.queues is not None
+        try:
+            await self.queues.forget_inflight(client_id, generation)
+        except Exception as error:  # the next session of the client drops it anyway
+            log.info("forgetting the queue entries in flight to %s failed: %s", client_id, error)
 
     def problem(self) -> str | None:
         """Why the persistent path cannot keep its promise right now (not ready), or None."""

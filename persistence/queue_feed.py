@@ -178,6 +178,9 @@ class QueueFeed:
         # session), the outflow gives out no packet identifier (Outflow._take).
         self.restoring = False
         self._restored = generation is None
+        # The client holds the queue's subscription; False: only what it had in
+        # flight completes (a session resumed without it, Broker.restore_queue_inflight).
+        self.consuming = True
         self.client_id = client_id
         self.outflow: Outflow | None = None
         self._store = store
@@ -205,7 +208,7 @@ class QueueFeed:
         raise RuntimeError("a queue receives messages through the store")
 
     def take(self, n: int) -> list[Outgoing]:
-        if not self._active:
+        if not self._active or not self.consuming or self.restoring:
             return []
         buffer, items = self._buffer, list[Outgoing]()
         while buffer and len(items) < n:
@@ -273,10 +276,19 @@ class QueueFeed:
         self._caught_up = False
         self._missed = False
         self._loading = False
+        outflow = self.outflow
+        if outflow is not None:
+            # In flight: what the outflow holds of this feed's now (an entry that
+            # still waited for its record when the connection went is taken again).
+            self._out = {}
+            for held in outflow.inflight.values():
+                if held.item.side is self:
+                    entry = self._entry(held.item)
+                    self._out[entry.key] = max(self._out.get(entry.key, 0), entry.seq)
         if not self._restored:
             self._restored = True
             self.restoring = True
-            asyncio.get_running_loop().create_task(self._restore(self._epoch))
+            asyncio.get_running_loop().create_task(self._restore())
 
     def discard(self) -> None:
         self._epoch += 1
@@ -298,6 +310,8 @@ class QueueFeed:
         if not entries:
             self.reread()
             return
+        if self.restoring:
+            return  # read once the record of what was in flight is
         if (
             entries
             and self._caught_up
@@ -318,8 +332,8 @@ class QueueFeed:
         """Read the pending entries again from the first: a rewind made entries below
         the cursor pending again. Cheap: pending holds only what is unacknowledged, and
         what is in flight is skipped."""
-        if not self._active:
-            return
+        if not self._active or self.restoring:
+            return  # (restoring: it reads from the start once done)
         self._epoch += 1
         self._buffer.clear()
         self._cursor = 0
@@ -330,7 +344,7 @@ class QueueFeed:
 
     # -- internals -----------------------------------------------------------------------
 
-    async def _restore(self, epoch: int) -> None:
+    async def _restore(self) -> None:
         assert self._generation is not None
         while True:
             try:
@@ -341,18 +355,28 @@ class QueueFeed:
                 await self._acks.retry.wait()
         self.restoring = False
         outflow = self.outflow
-        if outflow is None or epoch != self._epoch or not self._active:
-            if outflow is not None:
-                outflow.pump()
+        if outflow is None:
             return
-        items = []
-        for packet_id, entry in sorted(inflight.items(), key=lambda p: p[1].seq):
+        # Whatever happened meanwhile (a reconnect, a re-read, an unsubscribe): the
+        # client may hold these ids, so they go back in flight under them.
+        items = [
+            Outgoing(packet_id, self._delivery(entry), sent=True, marked=True, ref=entry)
+            for packet_id, entry in sorted(inflight.items(), key=lambda p: p[1].seq)
+        ]
+        for item in outflow.restore_side(self, items):
+            entry = self._entry(item)
             self._out[entry.key] = max(self._out.get(entry.key, 0), entry.seq)
             self._acks.sent(self.client_id).add((entry.key, entry.seq))
-            items.append(
-                Outgoing(packet_id, self._delivery(entry), sent=True, marked=True, ref=entry)
-            )
-        outflow.restore_side(items)
+            held = self._buffer.get(entry.key)
+            if held is not None and held.seq <= entry.seq:
+                del self._buffer[entry.key]
+        if not self.consuming:
+            if outflow.side is self:
+                outflow.detach_side()  # nothing more from the queue: it completes
+        elif self._active and not self._loading:
+            self._caught_up = False
+            self._load()
+        outflow.pump()
 
     def _recorded_id(self, item: Outgoing) -> int:
         """The packet id its in-flight record is under (0: a session not recorded)."""

@@ -192,6 +192,12 @@ class QueueStore:
             args += [packet_id, _ENTRY.pack(entry.seq, len(key)) + key + entry.value]
         await self._store.run_script(_INFLIGHT, (queue_keys(client_id).inflight,), args)
 
+    async def forget_inflight(self, client_id: str, ended_generation: int) -> None:
+        """The session of ``ended_generation`` ended: its record of entries in flight
+        goes (a later session's is left alone)."""
+        keys = (queue_keys(client_id).inflight,)
+        await self._store.run_script(_INFLIGHT, keys, [ended_generation + 1])
+
     async def inflight(self, client_id: str, generation: int) -> dict[int, QueueEntry]:
         """What was in flight to the session of ``generation`` (nothing if the record
         is an ended session's: it is deleted then)."""

@@ -259,6 +259,8 @@ def _opened(
     session.outflow.resume()
     if consumer_filter(client_id) in session.subscriptions:
         conn.broker.consume_queue(session)  # a resumed session consuming its queue
+    elif present and session.durable:
+        conn.broker.restore_queue_inflight(session)  # queue entries it may still hold
     conn.release_input()
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from broker.packets import (
     ConnAck,
     Properties,
@@ -21,6 +23,8 @@ from broker.packets import (
     SubAck,
     Subscribe,
     Subscription,
+    UnsubAck,
+    Unsubscribe,
 )
 from tests.e2e.clients import Raw
 from tests.faults.conftest import Stack
@@ -37,7 +41,13 @@ def _publish(stack: Stack, topic: str, payload: bytes) -> None:
         producer.close()
 
 
-def test_a_queue_entry_in_flight_keeps_its_packet_id_across_a_broker_kill(stack: Stack) -> None:
+@pytest.mark.parametrize("unsubscribed", [False, True], ids=["consuming", "unsubscribed"])
+def test_a_queue_entry_in_flight_keeps_its_packet_id_across_a_broker_kill(
+    stack: Stack, unsubscribed: bool
+) -> None:
+    """``unsubscribed`` (found by review): the queue's subscription went before the
+    kill, with the entry still in flight; the resumed session holds no queue
+    subscription, and its record is read back all the same."""
     queue, topic = stack.client("device"), stack.topic("t")
     expiry = Properties(session_expiry_interval=600)
     consumer = Raw(stack.broker)
@@ -47,6 +57,9 @@ def test_a_queue_entry_in_flight_keeps_its_packet_id_across_a_broker_kill(stack:
     _publish(stack, f"$ECQ/w/{queue}/k", b"queued")
     entry = consumer.recv()
     assert isinstance(entry, Publish) and entry.payload == b"queued" and entry.packet_id
+    if unsubscribed:
+        consumer.send(Unsubscribe(2, [f"$ECQ/{queue}/#"]))
+        assert isinstance(consumer.recv(), UnsubAck)
     # Held, not acknowledged. A message of the session's own is stored meanwhile, its
     # packet identifier counted by the store (the first: the one the entry holds).
     _publish(stack, topic, b"stored")

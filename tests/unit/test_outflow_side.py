@@ -30,6 +30,8 @@ class SideFeed:
     durable = True
 
     def __init__(self) -> None:
+        self.consuming = True
+        self.restoring = False
         self.outflow: Outflow | None = None
         self.queue: deque[Outgoing] = deque()
         self.finished_ids: list[int] = []
@@ -144,15 +146,15 @@ def test_nothing_takes_an_identifier_until_the_side_feed_has_read_what_it_had_in
     first (their identifiers), then the session's own messages may take others."""
     h, feed, sub, pub = _setup()
     side = SideFeed()
-    side.restoring = True  # type: ignore[attr-defined]
+    side.restoring = True
     outflow = h.broker.sessions["sub"].outflow
     outflow.attach_side(side)
     pub.publish_acked("t", b"stored", qos=1)  # stored with id 1
     assert feed.marks == [] and sub.read() == []
-    side.restoring = False  # type: ignore[attr-defined]
+    side.restoring = False
     held = _item(b"held")
     held.packet_id, held.sent = 1, True
-    outflow.restore_side([held])
+    assert outflow.restore_side(side, [held]) == [held]
     (again,) = publishes(sub.read())
     assert (again.packet_id, again.payload, again.dup) == (1, b"held", True)
     assert feed.marks == []  # the stored message waits for id 1

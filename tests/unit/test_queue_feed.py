@@ -11,10 +11,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+import pytest
+
+from broker.packets import PubAck
 from broker.stats import BrokerStats
 from persistence.format import StoredMessage, encode_message
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry
+from tests.unit.core_harness import Client, Harness, publishes
+from tests.unit.test_outflow import DeferredFeed, _setup
 
 
 class GatedStore:
@@ -51,6 +56,7 @@ class GatedStore:
 
 class Outflow:
     connection = object()
+    inflight: dict[int, object] = {}
 
     def pump(self) -> None:
         pass
@@ -123,3 +129,109 @@ async def test_a_page_read_does_not_wait_for_other_queues_acknowledgements() -> 
     finally:
         busy = False
         await task
+
+
+# -- a persistent session's entries in flight, recorded under their packet ids -------------
+
+
+class RecordingStore(GatedStore):
+    """Also the record of entries in flight; its reads wait for ``inflight_gate``, its
+    writes for ``record_gate`` when set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record: dict[int, QueueEntry] = {}
+        self.inflight_gate = asyncio.Event()
+        self.record_gate: asyncio.Event | None = None
+
+    def entry(self, key: str) -> QueueEntry:
+        self.put("sub", key)
+        seq, value = self.pending[key]
+        return QueueEntry(key, seq, value)
+
+    async def ack(self, cid: str, triples: Iterable[tuple[str, int, int]]) -> int:
+        triples = list(triples)
+        for _key, _seq, packet_id in triples:
+            self.record.pop(packet_id, None)
+        return await super().ack(cid, triples)
+
+    async def inflight(self, cid: str, generation: int) -> dict[int, QueueEntry]:
+        await self.inflight_gate.wait()
+        return dict(self.record)
+
+    async def record_inflight(
+        self, cid: str, generation: int, sent: Iterable[tuple[int, QueueEntry]]
+    ) -> None:
+        if self.record_gate is not None:
+            await self.record_gate.wait()
+        for packet_id, entry in sent:
+            self.record[packet_id] = entry
+
+
+def _session_with_a_recorded_entry(
+    store: RecordingStore,
+) -> tuple[Harness, DeferredFeed, Client, Client, QueueFeed]:
+    """A broker that restarted: the record says the client holds id 2 for entry "k"."""
+    h, feed, sub, pub = _setup()
+    store.record[2] = store.entry("k")
+    side = QueueFeed(
+        "sub", store, QueueAcks(store), BrokerStats(), page_size=10,  # type: ignore[arg-type]
+        with_seq=True, clock=lambda: 0.0, wall_clock=lambda: 0.0, generation=1,
+    )  # fmt: skip
+    h.broker.sessions["sub"].outflow.attach_side(side)
+    assert side.restoring
+    return h, feed, sub, pub, side
+
+
+@pytest.mark.parametrize("meanwhile", ["reconnect", "reread", "unsubscribe"])
+async def test_the_record_is_restored_whatever_happens_while_it_is_read(meanwhile: str) -> None:
+    """Found by review: a reconnect, a re-read or an unsubscribe while the record was
+    read dropped it, and a stored message took the id the client held."""
+    store = RecordingStore()
+    h, feed, sub, pub, side = _session_with_a_recorded_entry(store)
+    outflow = h.broker.sessions["sub"].outflow
+    if meanwhile == "reconnect":
+        sub.conn.connection_lost()
+        sub = h.connected("sub", session_expiry_interval=3600, clean_start=False)
+    elif meanwhile == "reread":
+        side.stored([])
+    else:
+        outflow.detach_side()
+    store.inflight_gate.set()
+    await _turns()
+    first = publishes(sub.read())
+    assert [(p.packet_id, p.payload, p.dup) for p in first] == [(2, b"k", True)]
+    pub.publish_acked("t", b"s1", qos=1)  # stored with id 1
+    pub.publish_acked("t", b"s2", qos=1)  # id 2: held by "k"
+    while feed.marks:
+        feed.complete_mark()
+    assert [(p.packet_id, p.payload) for p in publishes(sub.read())] == [(1, b"s1")]
+    sub.send(PubAck(2))  # "k" acknowledged: its id is free
+    await _turns()
+    while feed.marks:
+        feed.complete_mark()
+    assert [(p.packet_id, p.payload) for p in publishes(sub.read())] == [(2, b"s2")]
+
+
+async def test_an_entry_waiting_for_its_record_is_not_sent_by_a_reconnect() -> None:
+    """Found by review: a reconnect re-sent an entry whose record had not landed."""
+    store = RecordingStore()
+    h, _feed, sub, _pub, side = _session_with_a_recorded_entry(store)
+    store.record.clear()  # nothing was in flight after all, nothing pending
+    store.pending.clear()
+    store.inflight_gate.set()
+    await _turns()
+    store.record_gate = asyncio.Event()
+    store.put("sub", "new")
+    side.stored([])
+    await _turns()
+    assert publishes(sub.read()) == []  # "new" waits for its record
+    sub.conn.connection_lost()
+    again = h.connected("sub", session_expiry_interval=3600, clean_start=False)
+    await _turns()
+    assert publishes(again.pending + again.read()) == []  # not sent unrecorded
+    store.record_gate.set()
+    await _turns()
+    sent = publishes(again.read())
+    assert [p.payload for p in sent] == [b"new"]
+    assert sent[0].packet_id in store.record
