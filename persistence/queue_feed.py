@@ -363,7 +363,8 @@ class QueueFeed:
             Outgoing(packet_id, self._delivery(entry), sent=True, marked=True, ref=entry)
             for packet_id, entry in sorted(inflight.items(), key=lambda p: p[1].seq)
         ]
-        for item in outflow.restore_side(self, items):
+        taken = outflow.restore_side(self, items)
+        for item in taken:
             entry = self._entry(item)
             self._out[entry.key] = max(self._out.get(entry.key, 0), entry.seq)
             self._acks.sent(self.client_id).add((entry.key, entry.seq))
@@ -373,6 +374,8 @@ class QueueFeed:
         if not self.consuming:
             if outflow.side is self:
                 outflow.detach_side()  # nothing more from the queue: it completes
+            if not taken and outflow.detached_side is self:
+                outflow.detached_side = None  # nothing in flight: a million sessions keep no feed
         elif self._active and not self._loading:
             self._caught_up = False
             self._load()
