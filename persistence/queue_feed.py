@@ -59,6 +59,7 @@ class QueueAcks:
         self._store = store
         self._sent: dict[str, set[tuple[str, int]]] = {}
         self._unwritten: dict[str, set[tuple[str, int]]] = {}  # asked, not yet in Redis
+        self._tasks: set[asyncio.Task[None]] = set()
         self._writer: CoalescingWriter[_AckBatch] = CoalescingWriter(
             self._write, _merge, _AckBatch, Retry("queue_acks")
         )
@@ -84,6 +85,19 @@ class QueueAcks:
         """Record entries in flight under their packet ids, then ``done()`` (tried
         until it lands: they wait for it before they go out)."""
         asyncio.get_running_loop().create_task(self._record(client_id, generation, sent, done))
+
+    def unrecord(self, client_id: str, never_sent: list[tuple[int, QueueEntry]]) -> None:
+        """Forget records of entries that never went out (best effort: a record left
+        gives the entry again with DUP after a restart, never loses one)."""
+        task = asyncio.get_running_loop().create_task(self._unrecord(client_id, never_sent))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _unrecord(self, client_id: str, never_sent: list[tuple[int, QueueEntry]]) -> None:
+        try:
+            await self._store.unrecord_inflight(client_id, never_sent)
+        except Exception as error:  # left: at worst a DUP after a restart
+            log.info("forgetting queue records of %s failed: %s", client_id, error)
 
     async def _record(
         self,
@@ -236,7 +250,22 @@ class QueueFeed:
             done(ids)
             return
         sent = [(item.packet_id, self._entry(item)) for item in items]
-        self._acks.record(self.client_id, self._generation, sent, lambda: done(ids))
+
+        def landed() -> None:
+            # One whose connection ended meanwhile never went out (the outflow takes
+            # it again under another id): its record must not bring it back later.
+            outflow = self.outflow
+            inflight = outflow.inflight if outflow is not None else {}
+            gone = [
+                (item.packet_id, self._entry(item))
+                for item in items
+                if (held := inflight.get(item.packet_id)) is None or held.item is not item
+            ]
+            if gone:
+                self._acks.unrecord(self.client_id, gone)
+            done(ids)
+
+        self._acks.record(self.client_id, self._generation, sent, landed)
 
     def release(self, item: Outgoing, done: Callable[[], None]) -> None:
         done()  # QoS 1 only

@@ -31,6 +31,7 @@ _ACK = lua_script("queue_ack")
 _REWIND = lua_script("queue_rewind")
 _INFO = lua_script("queue_info")
 _INFLIGHT = lua_script("queue_inflight")
+_UNRECORD = lua_script("queue_unrecord")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
@@ -188,9 +189,19 @@ class QueueStore:
         """(packet id, entry) about to go to the session of ``generation``."""
         args: list[int | bytes] = [generation]
         for packet_id, entry in sent:
-            key = entry.key.encode()
-            args += [packet_id, _ENTRY.pack(entry.seq, len(key)) + key + entry.value]
+            args += [packet_id, _packed(entry)]
         await self._store.run_script(_INFLIGHT, (queue_keys(client_id).inflight,), args)
+
+    async def unrecord_inflight(
+        self, client_id: str, never_sent: Iterable[tuple[int, QueueEntry]]
+    ) -> None:
+        """Forget (packet id, entry) records of entries that never went out, unless the
+        packet id was recorded again for another since."""
+        args: list[int | bytes] = []
+        for packet_id, entry in never_sent:
+            args += [packet_id, _packed(entry)]
+        if args:
+            await self._store.run_script(_UNRECORD, (queue_keys(client_id).inflight,), args)
 
     async def forget_inflight(self, client_id: str, ended_generation: int) -> None:
         """The session of ``ended_generation`` ended: its record of entries in flight
@@ -236,6 +247,11 @@ class QueueStore:
             _INFO, (keys.pending, keys.log, keys.seq, keys.acked), ()
         )
         return QueueInfo(*(int(v) for v in reply))
+
+
+def _packed(entry: QueueEntry) -> bytes:
+    key = entry.key.encode()
+    return _ENTRY.pack(entry.seq, len(key)) + key + entry.value
 
 
 def _text(value: bytes | str) -> str:
