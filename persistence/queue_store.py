@@ -32,6 +32,7 @@ _REWIND = lua_script("queue_rewind")
 _INFO = lua_script("queue_info")
 _INFLIGHT = lua_script("queue_inflight")
 _UNRECORD = lua_script("queue_unrecord")
+_FORGET = lua_script("queue_forget")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
@@ -207,7 +208,7 @@ class QueueStore:
         """The session of ``ended_generation`` ended: its record of entries in flight
         goes (a later session's is left alone)."""
         keys = (queue_keys(client_id).inflight,)
-        await self._store.run_script(_INFLIGHT, keys, [ended_generation + 1])
+        await self._store.run_script(_FORGET, keys, [ended_generation])
 
     async def inflight(self, client_id: str, generation: int) -> dict[int, QueueEntry]:
         """What was in flight to the session of ``generation`` (nothing if the record
