@@ -22,8 +22,9 @@ replay never re-sends a PUBLISH the client already completed.
 
 A session may also have a *side* feed: the exclusive compacted queue its
 client consumes (broker/ecq.py, persistence/queue_feed.py). Its messages
-share the window and get packet identifiers here, at first send (QoS 1
-only, nothing to mark). A message of the session's own feed whose stored
+share the window and get packet identifiers here, at first send (QoS 1;
+a persistent session's are recorded in flight under their identifiers
+before they go, its ``mark``). A message of the session's own feed whose stored
 identifier a side message holds waits, with those after it, until that one
 is acknowledged. A resumed session re-sends the side messages in flight
 with their identifiers, as every other (MQTT-4.4.0-1), even when the
