@@ -32,7 +32,7 @@ from broker.packets import (
     Will,
 )
 from tests.e2e.admin import TOKEN, admin_broker, wait_for
-from tests.e2e.clients import V5, V311, Paho, props
+from tests.e2e.clients import V5, V311, Paho, Raw, props
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
 
 pytestmark = devicemq_only("$ECQ queues are devicemq's")
@@ -59,6 +59,17 @@ def broker(_ecq_broker: tuple[BrokerProcess, AdminClient]) -> BrokerProcess:
 @pytest.fixture
 def api(_ecq_broker: tuple[BrokerProcess, AdminClient]) -> AdminClient:
     return _ecq_broker[1]
+
+
+def _raw_consumer(
+    clients: Clients, broker: BrokerProcess, queue: str, level: int = 5, **connect: Any
+) -> Raw:
+    """A raw-socket client ``queue`` subscribed to its queue (its SUBACK read)."""
+    raw = clients.raw(broker, level=level)
+    raw.connect(queue, **connect)
+    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
+    assert isinstance(raw.recv(), SubAck)
+    return raw
 
 
 def queue_state(api: AdminClient, queue: str, **wanted: int) -> dict[str, Any]:
@@ -189,10 +200,7 @@ def test_an_unacknowledged_entry_comes_again_with_dup_and_a_replaced_one_does_no
     _write(producer, queue, "k", "old")
     _write(producer, queue, "other", "x")
 
-    raw = clients.raw(broker)
-    raw.connect(queue)
-    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
-    assert isinstance(raw.recv(), SubAck)
+    raw = _raw_consumer(clients, broker, queue)
     first = [raw.recv(), raw.recv()]
     assert [p.payload for p in first if isinstance(p, Publish)] == [b"old", b"x"]
     assert all(isinstance(p, Publish) and not p.dup for p in first)
@@ -202,10 +210,7 @@ def test_an_unacknowledged_entry_comes_again_with_dup_and_a_replaced_one_does_no
     assert isinstance(live, Publish) and live.payload == b"new" and not live.dup
     raw.close()
 
-    again = clients.raw(broker)
-    again.connect(queue)
-    again.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
-    assert isinstance(again.recv(), SubAck)
+    again = _raw_consumer(clients, broker, queue)
     resent = [again.recv(), again.recv()]
     # "old" was replaced: not sent again; "x" and "new" may have been seen: DUP.
     assert sorted((p.payload, p.dup) for p in resent if isinstance(p, Publish)) == [
@@ -269,10 +274,7 @@ def test_a_311_consumer_gets_its_queue_without_properties(
     queue = names.client("device")
     producer = _producer(clients, broker, names)
     _write(producer, queue, "k", "v")
-    raw = clients.raw(broker, level=4)
-    raw.connect(queue)
-    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
-    assert isinstance(raw.recv(), SubAck)
+    raw = _raw_consumer(clients, broker, queue, level=4)
     message = raw.recv()
     assert isinstance(message, Publish) and message.payload == b"v" and message.qos == 1
     assert message.properties is None or message.properties == Properties()
@@ -316,10 +318,7 @@ def test_a_resumed_session_gets_its_unacknowledged_entry_again_under_its_packet_
     _write(producer, queue, "k", "v")
     queue_state(api, queue, last_seq=1)
     expiry = Properties(session_expiry_interval=300)
-    raw = clients.raw(broker)
-    raw.connect(queue, clean_start=True, properties=expiry)
-    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
-    assert isinstance(raw.recv(), SubAck)
+    raw = _raw_consumer(clients, broker, queue, clean_start=True, properties=expiry)
     first = raw.recv()
     assert isinstance(first, Publish) and not first.dup
     raw.close()  # not acknowledged
@@ -402,10 +401,7 @@ def test_a_new_subscription_does_not_send_again_what_is_in_flight(
     producer = _producer(clients, broker, names)
     _write(producer, queue, "k", "v")
     queue_state(api, queue, last_seq=1)
-    raw = clients.raw(broker)
-    raw.connect(queue)
-    raw.send(Subscribe(1, [Subscription(f"$ECQ/{queue}/#", 1)]))
-    assert isinstance(raw.recv(), SubAck)
+    raw = _raw_consumer(clients, broker, queue)
     first = raw.recv()
     assert isinstance(first, Publish) and first.packet_id is not None
     raw.send(Unsubscribe(2, [f"$ECQ/{queue}/#"]))
