@@ -74,6 +74,7 @@ from tests.model.queues import QueueModel
 DUP_MARGIN = {False: 0.2, True: 1.0}
 SESSION_EXPIRY_MARGIN = 2.0  # s: the broker's 0.5 s sweep, Redis round trips, our clocks
 ACK_SLACK = 1.0  # s an acknowledged copy may still count as stored (coalesced writes)
+REDIS_RESTART_SLACK = 4.0  # s after a Redis restart until failed writes were tried again
 TTL_MARGIN = 0.5  # s: an expiry counted from our send, the broker counts from its receipt
 # s: with replicas, a connection (Session Expiry 0) the client closed this long before
 # its next CONNECT may not have been seen closed by its replica when another one took
@@ -930,6 +931,10 @@ class Model:
         it was sent) are counted while pending (from their publish until the
         client's final ack, plus slack), at every moment the message itself was
         pending: ``limit - max_inflight`` at some moment excuses it.
+
+        Older copies count too while the client's acknowledgement of them may not
+        be written yet (seed 7508): the store still holds them marked sent, so
+        more than ``max_inflight`` messages are in flight as the limit sees it.
         """
         threshold = self.config.limit - self.config.max_inflight
         if threshold <= 0:
@@ -948,14 +953,24 @@ class Model:
         """One sweep for a session: copies inserted newest-acknowledged first, queried
         newest-sent first, on a segment tree of pending counts over time."""
         now = self.clock()
-        copies: list[tuple[float, float, float]] = []  # (older-than key, start, end)
+        # (older-than key, start, end of the part counted only for newer queries)
+        copies: list[tuple[float, float, float]] = []
+        # [final ack, pending end): counted for every query, older copies included
+        lags: list[tuple[float, float]] = []
         for msg in self.msgs.values():
             potential = msg.potential if msg.answered_at is not None else self._potential(msg, now)
             key = msg.acked_at if msg.ok and msg.acked_at is not None else float("inf")
             for i, route, eff in potential:
                 if i is inc and eff > 0:
-                    copies.append((key, msg.sent_at, self._pending_end(inc, msg, route)))
-        coords = sorted({c[1] for c in copies} | {c[2] for c in copies if c[2] != float("inf")})
+                    end = self._pending_end(inc, msg, route)
+                    acked = self._final_ack(inc, msg, route)
+                    if acked is None:
+                        copies.append((key, msg.sent_at, end))
+                    else:
+                        copies.append((key, msg.sent_at, max(msg.sent_at, acked)))
+                        lags.append((max(msg.sent_at, acked), end))
+        times = [c[1] for c in copies] + [c[2] for c in copies] + [t for lag in lags for t in lag]
+        coords = sorted({t for t in times if t != float("inf")})
         index = {t: k for k, t in enumerate(coords)}
         size = len(coords) + 1  # the last slot stands for "forever"
         tree = _MaxTree(size)
@@ -965,6 +980,10 @@ class Model:
             hi = index[end] if end != float("inf") else size
             return lo, hi  # [lo, hi)
 
+        for start, end in lags:
+            lo, hi = span(start, end)
+            if lo < hi:
+                tree.add(lo, hi, 1)
         copies.sort(key=lambda c: c[0], reverse=True)
         queries = sorted(items, key=lambda it: it[1].sent_at, reverse=True)
         out: set[Ob] = set()
@@ -985,6 +1004,10 @@ class Model:
                 out.add(ob)
         return out
 
+    def _final_ack(self, inc: Inc, msg: Msg, route: Route) -> float | None:
+        copy = self.copies.get((inc, msg.payload, route))
+        return None if copy is None else copy.final_ack
+
     def _pending_end(self, inc: Inc, msg: Msg, route: Route) -> float:
         copy = self.copies.get((inc, msg.payload, route))
         if copy is None or copy.final_ack is None:
@@ -993,6 +1016,11 @@ class Model:
         for start, stop in self.redis_paused:
             if start <= end and stop >= copy.final_ack:
                 end = max(end, stop + ACK_SLACK)
+        # A write that failed on a restarting Redis is tried again after the
+        # writer's back-off (persistence/coalescing.py: 0.5, 1, 2 s).
+        for at, kind in self.fault_log:
+            if kind == "restart_redis" and copy.final_ack - ACK_SLACK <= at <= end:
+                end = max(end, at + REDIS_RESTART_SLACK)
         if self._redis_pause_start is not None and self._redis_pause_start <= end:
             end = float("inf")
         return end
