@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from broker.blocklist import BadEntry, BlockEntry, entry_from_json
+from broker.group_queue import is_group_store
 from broker.message import Delivery
 from broker.outflow import MemoryFeed
 from broker.session import NEVER_EXPIRES, Session
@@ -278,9 +279,12 @@ class ClusterState:
         detached durable copy here may be stale (restored at start before the
         snapshots came, or a ``conn`` was missed): its client may be connected
         elsewhere, so it is announced too; a replica without it ignores the notice.
-        ``queue``: entries of the queue it consumes ($ECQ), for any session."""
+        ``queue``: entries of the queue it consumes ($ECQ), for any session; or of a
+        group queue (``$queue/...``, broker/group_queue.py): every replica is told."""
         record = self.broker.sessions.get(client_id)
-        if record is not None and (record.durable or queue) and record.connection is None:
+        if is_group_store(client_id) or (
+            record is not None and (record.durable or queue) and record.connection is None
+        ):
             if not self._stored:
                 self._wake()
             self._stored.add(client_id)

@@ -501,6 +501,28 @@ class EcqSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupQueueSettings:
+    """Durable group queues, $queue/{group}/{filter} (broker/group_queue.py); they
+    need persistence."""
+
+    enabled: bool = setting(
+        True, "Serve $queue/{group}/{filter} subscriptions as durable group queues"
+    )
+    retention: float = setting(
+        7 * 24 * 3600.0, "Seconds an unacknowledged entry is kept; 0: until acknowledged", ge=0
+    )
+    max_messages: int = setting(
+        100_000, "Entries one group queue keeps at most (the oldest leave first); 0: no limit", ge=0
+    )
+    lease: float = setting(
+        15.0,
+        "Seconds a member's claims on entries hold unless its broker renews them: a "
+        "broker that died gives its members' entries to other members after this",
+        gt=0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSettings:
     """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
 
@@ -546,6 +568,7 @@ class Settings:
     admin: AdminSettings = field(default_factory=AdminSettings)
     flapping: FlappingSettings = field(default_factory=FlappingSettings)
     ecq: EcqSettings = field(default_factory=EcqSettings)
+    group_queues: GroupQueueSettings = field(default_factory=GroupQueueSettings)
 
 
 # --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
+from broker.group_queue import GroupTarget
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
@@ -471,6 +472,15 @@ class Broker:
         session.outflow.attach_side(feed)
         return True
 
+    def join_group(self, session: Session, topic_filter: str) -> None:
+        """``session`` holds ``$queue/{group}/{filter}``: its share of the group queue
+        is delivered to it (broker/group_queue.py); once per connection is enough."""
+        if topic_filter in session.outflow.groups:
+            return
+        feed = self.persistent_path.group_feed(session, topic_filter)
+        if feed is not None:
+            session.outflow.attach_group(topic_filter, feed)
+
     def restore_queue_inflight(self, session: Session) -> None:
         """A persistent session resumed without its queue's subscription may still
         hold queue entries in flight (sent before an unsubscribe, then a restart of
@@ -528,6 +538,7 @@ class Broker:
             return
         conn.session = None
         session.connection = None
+        session.outflow.left()  # what group queues gave it goes to other members
         session.last_seen = self.wall_clock()
         if self.sys_topics is not None:
             self.sys_topics.disconnected(conn, session)
@@ -695,7 +706,7 @@ class Broker:
 
     # -- routing ------------------------------------------------------------------------
 
-    def resolve(self, message: Message) -> list[tuple[Session, Delivery]]:
+    def resolve(self, message: Message) -> list[tuple[Session | GroupTarget, Delivery]]:
         """Who gets ``message``, and on what terms.
 
         A client whose subscriptions overlap gets one copy at the highest
@@ -744,8 +755,21 @@ class Broker:
             def may_receive(client_id: str) -> bool:
                 return can_receive(client_id, topic)
 
-        targets = [(sessions[cid], delivery) for cid, delivery in by_client.items()]
+        targets: list[tuple[Session | GroupTarget, Delivery]] = [
+            (sessions[cid], delivery) for cid, delivery in by_client.items()
+        ]
         for group in match.groups:
+            if group.queue:
+                # A durable group queue keeps it once for the group (broker/group_queue.py),
+                # if some member may read it; at QoS 0 it is not queued.
+                if message.qos and (
+                    may_receive is None or any(may_receive(m.client_id) for m in group.members)
+                ):
+                    target = GroupTarget(f"{group.name}/{group.topic_filter}")
+                    targets.append((target, Delivery(message, 1, False, ())))
+                elif message.qos:
+                    self.stats.drop("not_authorized_receive")
+                continue
             # A shared group picks among the members the ACL lets read the topic.
             member = group.pick(self._is_online, may_receive)
             if member is None:
@@ -774,7 +798,7 @@ class Broker:
 
     def dispatch(
         self,
-        targets: Sequence[tuple[Session, Delivery]],
+        targets: Sequence[tuple[Session | GroupTarget, Delivery]],
         on_accepted: AcceptedCallback,
         retained: bool = False,
         on_settled: AcceptedCallback | None = None,
@@ -790,7 +814,7 @@ class Broker:
         for session, delivery in targets:
             if not retained and session.retained_sender:
                 session.retained_sender.live(delivery.message.topic)
-            if session.durable and delivery.qos > 0:
+            if isinstance(session, GroupTarget) or (session.durable and delivery.qos > 0):
                 persistent.append((session, delivery))
             else:
                 session.deliver(delivery)

@@ -29,6 +29,12 @@ identifier a side message holds waits, with those after it, until that one
 is acknowledged. A resumed session re-sends the side messages in flight
 with their identifiers, as every other (MQTT-4.4.0-1), even when the
 session's own feed re-reads its record.
+
+Group queues the client is a member of (broker/group_queue.py,
+persistence/group_feed.py) are side feeds too, any number of them, taking
+turns with the others. Theirs is the exception to the re-send: a member that
+leaves gives back what it had in flight, for another member to get, so a new
+connection does not send those again (MQTT 5 section 4.8.2).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 from broker.message import Delivery
@@ -165,6 +172,35 @@ class Outflow:
         self._side_turn = False  # take from the side feed first next time
         # Taken from the feed, waiting for a side message to free their identifier.
         self._parked: deque[Outgoing] = deque()
+        self.groups: dict[str, Feed] = {}  # group queues the client is a member of, by filter
+        self._next_side = 0  # which side feed goes first next time (they take turns)
+
+    def attach_group(self, topic_filter: str, feed: Feed) -> None:
+        """The client joined the group queue of ``topic_filter``: deliver from it too."""
+        old = self.groups.get(topic_filter)
+        if old is feed:
+            return
+        if old is not None:
+            old.discard()
+        self.groups[topic_filter] = feed
+        feed.outflow = self
+        if self.connection is not None:
+            feed.restart()
+        self._side_turn = True
+        self.pump()
+
+    def detach_group(self, topic_filter: str) -> None:
+        """The client left the group queue: what it had not acknowledged goes back to
+        the group (the feed's ``discard``); acknowledgements still in flight count."""
+        feed = self.groups.pop(topic_filter, None)
+        if feed is not None:
+            feed.discard()
+
+    def left(self) -> None:
+        """The connection closed: every group queue gets back what it had given this
+        client and it had not acknowledged (another member may take it now)."""
+        for feed in self.groups.values():
+            feed.discard()
 
     def attach_side(self, feed: SideFeed) -> None:
         """The client subscribed to its queue: deliver from it too."""
@@ -226,7 +262,9 @@ class Outflow:
             side = {
                 p: e
                 for p, e in self.inflight.items()
-                if e.item.side is not None and e.state is not OutgoingState.MARKING
+                if e.item.side is not None
+                and e.state is not OutgoingState.MARKING
+                and _keeps_inflight(e.item.side)
             }
             self.inflight.clear()
             self._marking.clear()
@@ -239,9 +277,14 @@ class Outflow:
             self.feed.restart()
         else:
             self._marking.clear()
+            for packet_id, entry in list(self.inflight.items()):
+                if entry.item.side is not None and not _keeps_inflight(entry.item.side):
+                    del self.inflight[packet_id]  # given back to its group when it left
             self._resend = deque(self.inflight)
         if self.side is not None:
             self.side.restart()
+        for feed in self.groups.values():
+            feed.restart()
         self.pump()
 
     def pump(self) -> None:
@@ -268,28 +311,34 @@ class Outflow:
             own = [item for item in to_mark if item.side is None]
             if own:
                 batch = [item.packet_id for item in own]
-                self.feed.mark(own, lambda ids: self._marked(batch, ids, epoch))
-            sided = [item for item in to_mark if item.side is not None]
-            side = sided[0].side if sided else None
-            if side is not None:
+                self.feed.mark(own, partial(self._marked, batch, epoch=epoch))
+            by_side: dict[int, list[Outgoing]] = {}
+            for item in to_mark:
+                if item.side is not None:
+                    by_side.setdefault(id(item.side), []).append(item)
+            for sided in by_side.values():
+                side = sided[0].side
+                assert side is not None
                 side_batch = [item.packet_id for item in sided]
-                side.mark(sided, lambda ids: self._marked(side_batch, ids, epoch))
+                side.mark(sided, partial(self._marked, side_batch, epoch=epoch))
 
     def _take(self, room: int) -> list[Outgoing]:
-        """The next messages: the session's feed and the side feed take turns."""
+        """The next messages: the session's feed and the side feeds take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
         if any(f.restoring for f in (side, self.detached_side) if f is not None):
             return []  # the identifiers it had in flight before a restart come first
-        if side is not None and getattr(self.feed, "replaying", False):
+        sides: list[Feed] = [side] if side is not None else []
+        sides.extend(self.groups.values())
+        if sides and getattr(self.feed, "replaying", False):
             # A resumed durable session: until its record's first page is read, an
             # identifier given here could be one the client still holds (QoS 2).
-            side = None
-        if side is not None and self._side_turn:
+            sides = []
+        if sides and self._side_turn:
             self._side_turn = False
-            first = self._take_side(side, max(1, room // 2))
+            first = self._take_sides(sides, max(1, room // 2))
             if first:
                 return first
-        self._side_turn = side is not None
+        self._side_turn = bool(sides)
         items: list[Outgoing] = []
         while parked and len(items) < room and parked[0].packet_id not in inflight:
             items.append(parked.popleft())
@@ -300,16 +349,24 @@ class Outflow:
                     parked.append(item)
                 else:
                     items.append(item)
-        if not items and side is not None:
-            items = self._take_side(side, room)
+        if not items and sides:
+            items = self._take_sides(sides, room)
         return items
 
-    def _take_side(self, side: Feed, n: int) -> list[Outgoing]:
-        items = side.take(n)
-        for item in items:
-            self._side_last = item.packet_id = self.next_packet_id(self._side_last)
-            item.side = side
-        return items
+    def _take_sides(self, sides: list[Feed], n: int) -> list[Outgoing]:
+        """Up to ``n`` from the first side feed in turn that has any."""
+        count = len(sides)
+        for offset in range(count):
+            index = (self._next_side + offset) % count
+            side = sides[index]
+            items = side.take(n)
+            if items:
+                self._next_side = index + 1
+                for item in items:
+                    self._side_last = item.packet_id = self.next_packet_id(self._side_last)
+                    item.side = side
+                return items
+        return []
 
     def acknowledge(self, packet_id: int) -> bool:
         """PUBACK: the QoS 1 flow ends. False if no such message is in flight."""
@@ -335,6 +392,7 @@ class Outflow:
     def pending(self) -> int:
         """Messages not yet acknowledged, in flight or waiting."""
         side = self.side.queued() if self.side is not None else 0
+        side += sum(feed.queued() for feed in self.groups.values())
         return len(self.inflight) + self.feed.queued() + len(self._parked) + side
 
     def room(self) -> int:
@@ -356,6 +414,8 @@ class Outflow:
         self.feed.discard()
         self.detach_side()
         self.detached_side = None
+        for topic_filter in list(self.groups):
+            self.detach_group(topic_filter)
 
     def next_packet_id(self, last: int) -> int:
         """The identifier after ``last``, wrapping 65535 -> 1, skipping those in flight."""
@@ -402,7 +462,7 @@ class Outflow:
         else:
             to_mark.append(item)
 
-    def _marked(self, batch: list[int], ids: Collection[int], epoch: int) -> None:
+    def _marked(self, batch: list[int], ids: Collection[int], *, epoch: int) -> None:
         """Marks of ``batch`` landed: send, in the order taken, what is now at the head."""
         if epoch != self._epoch:
             return  # that connection is gone; the next one re-reads the record
@@ -491,6 +551,12 @@ class Outflow:
             return False
         window = min(self.max_inflight, conn.client_receive_maximum)
         return len(self.inflight) - len(self._resend) >= window
+
+
+def _keeps_inflight(feed: Feed) -> bool:
+    """A side feed's messages in flight stay with the session across connections
+    (an $ECQ queue's); a group queue's go back to the group when the member leaves."""
+    return getattr(feed, "keeps_inflight", True)
 
 
 class MemoryFeed:

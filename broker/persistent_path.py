@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from broker.group_queue import GroupTarget
+
 if TYPE_CHECKING:
     from broker.message import Delivery
     from broker.outflow import Feed, SideFeed
@@ -79,7 +81,7 @@ class PersistentPath(Protocol):
 
     def submit(
         self,
-        deliveries: Sequence[tuple[Session, Delivery]],
+        deliveries: Sequence[tuple[Session | GroupTarget, Delivery]],
         on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
@@ -127,6 +129,12 @@ class PersistentPath(Protocol):
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
         """Make the queue's entries from ``from_seq`` on pending again and deliver them."""
 
+    keeps_groups: bool  # serves durable group queues (broker/group_queue.py)
+
+    def group_feed(self, session: Session, topic_filter: str) -> Feed | None:
+        """``session``'s share of the group queue ``topic_filter`` names (a side feed
+        of its outflow); None: no group queues here."""
+
 
 def _ignore(ok: bool) -> None:
     """Nothing waits on this completion."""
@@ -139,12 +147,13 @@ class InMemoryPersistentPath:
 
     def submit(
         self,
-        deliveries: Sequence[tuple[Session, Delivery]],
+        deliveries: Sequence[tuple[Session | GroupTarget, Delivery]],
         on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
         for session, delivery in deliveries:
-            session.deliver(delivery)
+            if not isinstance(session, GroupTarget):  # no group queues without persistence
+                session.deliver(delivery)
         on_accepted(True)
 
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
@@ -174,3 +183,8 @@ class InMemoryPersistentPath:
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
         pass
+
+    keeps_groups = False
+
+    def group_feed(self, session: Session, topic_filter: str) -> Feed | None:
+        return None

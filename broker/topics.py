@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SHARE_PREFIX = "$share/"
+QUEUE_PREFIX = "$queue/"  # a durable group queue (broker/group_queue.py)
 
 _MAX_UTF8_BYTES = 65535
 # A code point is at most 4 bytes in UTF-8: shorter strings cannot exceed the limit.
@@ -63,9 +64,10 @@ def is_valid_topic_filter(filter: str) -> bool:
     """
     if not _is_valid_topic_string(filter):
         return False
-    if not filter.startswith(SHARE_PREFIX):
+    prefix = _group_prefix(filter)
+    if prefix is None:
         return _has_valid_wildcards(filter)
-    share_name, slash, inner = filter[len(SHARE_PREFIX) :].partition("/")
+    share_name, slash, inner = filter[len(prefix) :].partition("/")
     if not share_name or "+" in share_name or "#" in share_name or not slash or not inner:
         return False
     return _has_valid_wildcards(inner)
@@ -77,12 +79,27 @@ def is_sys_topic(topic: str) -> bool:
     return topic.startswith("$SYS")
 
 
+def _group_prefix(filter: str) -> str | None:
+    if filter.startswith(SHARE_PREFIX):
+        return SHARE_PREFIX
+    if filter.startswith(QUEUE_PREFIX):
+        return QUEUE_PREFIX
+    return None
+
+
 def parse_shared(filter: str) -> tuple[str | None, str]:
-    """Split a valid filter into (ShareName, inner filter); ShareName is None if not shared."""
-    if not filter.startswith(SHARE_PREFIX):
-        return None, filter
-    share_name, _, inner = filter[len(SHARE_PREFIX) :].partition("/")
-    return share_name, inner
+    """Split a valid filter into (ShareName, inner filter); ShareName is None if not shared.
+
+    A durable group queue, ``$queue/{group}/{filter}`` (broker/group_queue.py), is a
+    shared group too: its name is ``$queue/{group}``, which no ShareName can be.
+    """
+    if filter.startswith(SHARE_PREFIX):
+        share_name, _, inner = filter[len(SHARE_PREFIX) :].partition("/")
+        return share_name, inner
+    if filter.startswith(QUEUE_PREFIX):
+        group, _, inner = filter[len(QUEUE_PREFIX) :].partition("/")
+        return QUEUE_PREFIX + group, inner
+    return None, filter
 
 
 def topic_matches(filter: str, topic: str) -> bool:
@@ -125,6 +142,9 @@ class SharedGroup:
 
     name: str
     topic_filter: str  # without the "$share/{name}/" prefix
+    # A durable group queue ($queue/{group}/{filter}): stored once for the group,
+    # never given to a member when routed (broker/group_queue.py).
+    queue: bool = False
     members: list[SubscriptionEntry] = field(default_factory=list)  # insertion order
     _next: int = field(
         default=0, init=False, repr=False, compare=False
@@ -275,7 +295,8 @@ class SubscriptionTree:
         else:
             group = node.groups.get(share_name)
             if group is None:
-                group = node.groups[share_name] = SharedGroup(share_name, filter)
+                queue = share_name.startswith(QUEUE_PREFIX)
+                group = node.groups[share_name] = SharedGroup(share_name, filter, queue)
             is_new = group._put(entry)
         if is_new:
             self._count += 1

@@ -23,9 +23,10 @@ def encode_delivery(
     producer: int = 0,
     seq: int = 0,
     generation: int = 0,
+    queue: bool = False,
 ) -> bytes:
     """The record value of ``delivery``, named (``producer``, ``seq``), for the session
-    of ``generation``."""
+    of ``generation`` (``queue``: for a queue store)."""
     message = delivery.message
     properties = message.properties or _NO_PROPERTIES
     expiry = None
@@ -48,7 +49,8 @@ def encode_delivery(
             producer=producer,
             seq=seq,
             generation=generation,
-        )
+        ),
+        queue=queue,
     )
 
 

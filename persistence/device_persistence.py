@@ -20,11 +20,13 @@ from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
 from broker.ecq import QueueAddressee, consumer_filter
+from broker.group_queue import GroupTarget, is_group_store
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
 from persistence.format import StoredRecord
+from persistence.group_feed import GroupFeed, GroupQueues
 from persistence.kafka_path import (
     KafkaPersistentPath,
     TopicProbe,
@@ -109,16 +111,27 @@ class DevicePersistence:
         )
         self.writer = StoreWriter(store)
         self.sessions = SessionStateStore(store)
-        # Exclusive compacted queues ($ECQ, broker/ecq.py), None: ecq.enabled false
-        self.queues: QueueStore | None = None
-        if settings.ecq.enabled:
-            self.queues = QueueStore(
-                store, retention=settings.ecq.retention, max_keys=settings.ecq.max_keys
+        # Exclusive compacted queues ($ECQ, broker/ecq.py) and group queues ($queue,
+        # broker/group_queue.py) share one store: the consumer saves both.
+        groups = settings.group_queues
+        queue_store = None
+        if settings.ecq.enabled or groups.enabled:
+            queue_store = QueueStore(
+                store,
+                retention=settings.ecq.retention,
+                max_keys=settings.ecq.max_keys,
+                group_retention=groups.retention,
+                group_max=groups.max_messages,
             )
-            self.queue_acks: QueueAcks | None = QueueAcks(self.queues)
-        else:
-            self.queue_acks = None
+        # None: ecq.enabled false
+        self.queues: QueueStore | None = queue_store if settings.ecq.enabled else None
+        self.queue_acks = QueueAcks(self.queues) if self.queues is not None else None
         self.keeps_queues = self.queues is not None
+        # None: group_queues.enabled false
+        self.groups: GroupQueues | None = None
+        if groups.enabled and queue_store is not None:
+            self.groups = GroupQueues(queue_store, groups.lease, self._announce_group)
+        self.keeps_groups = self.groups is not None
         self._rewinding: set[str] = set()  # client IDs whose session rewind is under way
         self._background: set[asyncio.Task[None]] = set()  # fire-and-forget writes
         self.consumer = PersistenceConsumer(
@@ -130,7 +143,7 @@ class DevicePersistence:
             epoch,
             self._room_for,
             self.resets,
-            queues=self.queues,
+            queues=queue_store,
             on_queue_stored=self._queue_stored,
         )
         # Per process: in a cluster each replica counts its own partitions only.
@@ -195,7 +208,7 @@ class DevicePersistence:
 
     def submit(
         self,
-        deliveries: Sequence[tuple[Session, Delivery]],
+        deliveries: Sequence[tuple[Session | GroupTarget, Delivery]],
         on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
@@ -250,6 +263,33 @@ class DevicePersistence:
             # A persistent session's entries in flight are recorded under their ids.
             generation=session.generation if session.durable else None,
         )
+
+    def group_feed(self, session: Session, topic_filter: str) -> GroupFeed | None:
+        """``session``'s share of the group queue ``topic_filter`` names; None: no group
+        queues here."""
+        if self.groups is None:
+            return None
+        assert self._broker is not None
+
+        def subscription_ids() -> tuple[int, ...]:
+            entry = session.subscriptions.get(topic_filter)
+            return (entry.subscription_id,) if entry and entry.subscription_id else ()
+
+        return GroupFeed(
+            topic_filter,
+            session.client_id,
+            self.groups,
+            self._broker.stats,
+            clock=self._clock,
+            events=self.events,
+            subscription_ids=subscription_ids,
+        )
+
+    def _announce_group(self, store_id: str) -> None:
+        """Tell the other replicas' members of a group queue to claim."""
+        cluster = self._broker.cluster if self._broker is not None else None
+        if cluster is not None:
+            cluster.stored_elsewhere(store_id, queue=True)
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
         if self.queues is not None:
@@ -341,6 +381,7 @@ class DevicePersistence:
             self.sessions.open_retry,
             self.path.recreate_retry,
             *([self.queue_acks.retry] if self.queue_acks is not None else []),
+            *([self.groups.retry] if self.groups is not None else []),
         ]
 
     async def attach(self, broker: Broker, consume: bool = True) -> None:
@@ -381,6 +422,9 @@ class DevicePersistence:
         await self.writer.flush()
         if self.queue_acks is not None:
             await self.queue_acks.flush()
+        if self.groups is not None:
+            await self.groups.flush()
+            await self.groups.close()
         await self.sessions.flush()
         if self.event_log is not None:
             await self.event_log.close()
@@ -426,8 +470,13 @@ class DevicePersistence:
 
     def _queue_stored(self, client_id: str, entries: list[QueueEntry]) -> None:
         """Offer just-stored queue entries to their consumer if it reads them here
-        (empty: re-read, something was stored the feed did not see)."""
+        (empty: re-read, something was stored the feed did not see). A group queue's:
+        its members here claim them, and the other replicas' are told."""
         assert self._broker is not None
+        if is_group_store(client_id):
+            if self.groups is not None:
+                self.groups.stored(client_id)
+            return
         session = self._broker.sessions.get(client_id)
         if session is None or session.connection is None:
             cluster = self._broker.cluster
@@ -451,6 +500,10 @@ class DevicePersistence:
         """Another replica stored messages for these clients: connected ones re-read."""
         assert self._broker is not None
         for client_id in client_ids:
+            if is_group_store(client_id):  # entries to claim in a group queue
+                if self.groups is not None:
+                    self.groups.stored(client_id, elsewhere=False)
+                continue
             session = self._broker.sessions.get(client_id)
             if session is not None and session.connection is not None:
                 feed = session.outflow.feed

@@ -17,7 +17,9 @@ the topic (UTF-8), the properties, the payload::
                     0x02 PUBREL (QoS 2, PUBREC received: only PUBREL is left)
                     0x04 RETAIN  0x08 HAS_EXPIRY
                     0x10 QUEUE (routed to an exclusive compacted queue,
-                    broker/ecq.py: its topic is ``$ECQ/{cid}/{key}``)
+                    broker/ecq.py: its topic is ``$ECQ/{cid}/{key}``; or
+                    to a group queue, broker/group_queue.py: its record
+                    key is ``$queue/{group}/{filter}``)
                     0x20 REPLAY (stored again by a rewind, persistence/
                     session_rewind.py: its first send carries DUP, yet it is
                     not in flight: limits, ACL and expiry apply as to any)
@@ -277,8 +279,11 @@ def _encode_properties(m: StoredMessage) -> bytes:
     return b"".join(parts)
 
 
-def encode_message(m: StoredMessage, *, sent: bool = False, replay: bool = False) -> bytes:
-    """The value of ``m`` (see the module docstring for the layout)."""
+def encode_message(
+    m: StoredMessage, *, sent: bool = False, replay: bool = False, queue: bool = False
+) -> bytes:
+    """The value of ``m`` (see the module docstring for the layout); ``queue``: for a
+    queue store whatever its topic (a group queue's, broker/group_queue.py)."""
     topic = m.topic.encode()
     if len(topic) > 0xFFFF:
         raise ValueError("topic is longer than 65535 bytes")
@@ -286,7 +291,7 @@ def encode_message(m: StoredMessage, *, sent: bool = False, replay: bool = False
     flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
     if replay:
         flags |= FLAG_REPLAY
-    if m.topic.startswith(ECQ_PREFIX):
+    if queue or m.topic.startswith(ECQ_PREFIX):
         flags |= FLAG_QUEUE
     if m.expiry is not None:
         flags |= FLAG_HAS_EXPIRY
@@ -550,10 +555,13 @@ class QueueKeys(NamedTuple):
     seen: str
     acked: str
     inflight: str
+    claims: str  # a group queue's: key -> the member's claim token (persistence/group_feed.py)
+    tokens: str  # a group queue's: claim token -> lease deadline (ms)
 
 
 def queue_keys(client_id: str) -> QueueKeys:
-    """The keys of the queue consumed by ``client_id``, in its client's slot."""
+    """The keys of the queue consumed by ``client_id``, in its client's slot (a group
+    queue's, ``$queue/{group}/{filter}``, in its own)."""
     p = "{" + _tag(client_id) + "}_ecq_"
     return QueueKeys(
         p + "pending",
@@ -564,6 +572,8 @@ def queue_keys(client_id: str) -> QueueKeys:
         p + "seen",
         p + "acked",
         p + "inflight",
+        p + "claims",
+        p + "tokens",
     )
 
 

@@ -186,7 +186,13 @@ class KafkaPersistentPath:
         for session, delivery in deliveries:
             seq += 1
             value = encode_delivery(
-                delivery, wall, now, producer=producer, seq=seq, generation=session.generation
+                delivery,
+                wall,
+                now,
+                producer=producer,
+                seq=seq,
+                generation=session.generation,
+                queue=getattr(session, "queue", False),  # a group queue's (GroupTarget)
             )
             records.append((session.client_id.encode(), value))
         self._seq = seq

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
 from broker.ecq import key_of
+from broker.group_queue import is_group_store
 from persistence.format import header_fields, queue_keys, record_id
 from persistence.redis_store import RedisMessageStore, lua_script
 
@@ -33,6 +34,9 @@ _INFO = lua_script("queue_info")
 _INFLIGHT = lua_script("queue_inflight")
 _UNRECORD = lua_script("queue_unrecord")
 _FORGET = lua_script("queue_forget")
+_CLAIM = lua_script("group_claim")
+_GROUP_ACK = lua_script("group_ack")
+_RELEASE = lua_script("group_release")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
@@ -99,32 +103,42 @@ class QueueStore:
         retention: float,
         max_keys: int,
         clock: Callable[[], float] = time.time,
+        group_retention: float = 0.0,
+        group_max: int = 0,
     ) -> None:
         self._store = store
         self.retention = retention  # seconds; 0: kept until acknowledged and replaced
         self.max_keys = max_keys  # per queue; 0: no limit
+        # Group queues (broker/group_queue.py): the same store, their own limits.
+        self.group_retention = group_retention
+        self.group_max = group_max
         self._clock = clock
+
+    def _limits(self, store_id: str) -> tuple[float, int]:
+        if is_group_store(store_id):
+            return self.group_retention, self.group_max
+        return self.retention, self.max_keys
 
     async def save(self, batch: QueueBatch) -> QueueSaveResult:
         keys = queue_keys(batch.client_id)
-        args: list[str | int | bytes] = [
-            int(self._clock() * 1000),
-            int(self.retention * 1000),
-            self.max_keys,
-        ]
+        group = is_group_store(batch.client_id)
+        retention, max_keys = self._limits(batch.client_id)
+        args: list[str | int | bytes] = [int(self._clock() * 1000), int(retention * 1000), max_keys]
         entry_keys: list[str] = []
         for value in batch.values:
             topic, _size, published, _expiry = header_fields(value)
             rid = record_id(value)
-            key = key_of(batch.client_id, topic)
+            key = "" if group else key_of(batch.client_id, topic)  # a group's: its seq
             entry_keys.append(key)
             name = f"{rid.producer}:{batch.partition}"
             args += [name, rid.seq if rid.producer else 0, key, value, int(published * 1000)]
         results, removed = await self._store.run_script(_SAVE, keys, args)
         out = QueueSaveResult(keys=entry_keys)
-        for seq, replaced in results:
+        for i, (seq, replaced) in enumerate(results):
             out.seqs.append(int(seq))
             out.replaced.append(int(replaced))
+            if group:
+                entry_keys[i] = str(seq)
         for i in range(0, len(removed), 4):
             key, seq, pending, why = removed[i : i + 4]
             out.removed.append(Removed(_text(key), int(seq), bool(pending), int(why)))
@@ -162,7 +176,8 @@ class QueueStore:
         """Up to ``limit`` pending entries after ``after_seq``, in order, and the last
         sequence number handed out."""
         keys = queue_keys(client_id)
-        oldest = int((self._clock() - self.retention) * 1000) if self.retention else 0
+        retention = self._limits(client_id)[0]
+        oldest = int((self._clock() - retention) * 1000) if retention else 0
         last, flat = await self._store.run_script(
             _LOAD, (keys.pending, keys.values, keys.seq, keys.times), (after_seq, limit, oldest)
         )
@@ -241,6 +256,56 @@ class QueueStore:
             if not int(last):
                 return total
             start = int(last) + 1
+
+    # -- group queues (broker/group_queue.py, persistence/group_feed.py) ------------------
+
+    async def claim(
+        self, store_id: str, token: str, n: int, lease: float
+    ) -> list[tuple[QueueEntry, bool]]:
+        """Up to ``n`` entries of the group queue no live claim holds, in sequence order,
+        claimed for ``token`` (whose lease starts again); True: it may have been seen."""
+        keys = queue_keys(store_id)
+        now = self._clock()
+        retention = self.group_retention
+        oldest = int((now - retention) * 1000) if retention else 0
+        flat = await self._store.run_script(
+            _CLAIM,
+            (keys.pending, keys.values, keys.times, keys.claims, keys.tokens),
+            (int(now * 1000), int(lease * 1000), token, n, oldest),
+        )
+        return [
+            (QueueEntry(_text(flat[i]), int(flat[i + 1]), bytes(flat[i + 2])), bool(flat[i + 3]))
+            for i in range(0, len(flat), 4)
+        ]
+
+    async def group_ack(self, store_id: str, acked: Iterable[tuple[str, int]]) -> int:
+        """(key, seq) pairs some member acknowledged: they leave the group queue."""
+        args: list[str | int] = []
+        for key, seq in acked:
+            args += [key, seq]
+        if not args:
+            return 0
+        k = queue_keys(store_id)
+        return int(
+            await self._store.run_script(
+                _GROUP_ACK, (k.pending, k.log, k.values, k.times, k.claims), args
+            )
+        )
+
+    async def release(self, store_id: str, token: str, sent: Iterable[str]) -> int:
+        """Give back the claims of ``token`` (those of ``sent`` keys go with DUP)."""
+        keys = queue_keys(store_id)
+        return int(
+            await self._store.run_script(_RELEASE, (keys.claims, keys.tokens), (token, *sent))
+        )
+
+    async def renew(self, store_id: str, tokens: Iterable[str], lease: float) -> None:
+        """The claims of ``tokens`` are still held: their leases start again (a token
+        whose lease ran out stays gone, its claims may be another member's now)."""
+        deadline = int((self._clock() + lease) * 1000)
+        mapping = {token: deadline for token in tokens}
+        if mapping:
+            await self._store.redis.zadd(queue_keys(store_id).tokens, mapping, xx=True)
 
     async def info(self, client_id: str) -> QueueInfo:
         keys = queue_keys(client_id)

@@ -9,6 +9,7 @@ from broker.auth import AuthResult
 from broker.connection_state import ConnectionState, WillMessage
 from broker.ecq import consumer_filter, is_queue_topic
 from broker.errors import MQTTError
+from broker.group_queue import is_group_filter
 from broker.limits import topic_within_limits
 from broker.message import Message, forwarded_properties, is_utf8
 from broker.packets import ConnAck, Connect, ConnectReturnCode, Properties, ReasonCode
@@ -261,6 +262,9 @@ def _opened(
         conn.broker.consume_queue(session)  # a resumed session consuming its queue
     elif present and session.durable:
         conn.broker.restore_queue_inflight(session)  # queue entries it may still hold
+    for topic_filter in session.subscriptions:
+        if is_group_filter(topic_filter):
+            conn.broker.join_group(session, topic_filter)  # a member of a group queue again
     conn.release_input()
 
 

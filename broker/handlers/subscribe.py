@@ -14,6 +14,7 @@ from broker.ecq import (
     subscribe_verdict,
 )
 from broker.errors import MQTTError
+from broker.group_queue import is_group_filter
 from broker.limits import topic_within_limits
 from broker.packets import (
     Properties,
@@ -51,13 +52,21 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     retained: dict[str, int] = {}
     ids = (subscription_id,) if subscription_id else ()
     queue = _Queue()
+    joined: list[str] = []  # group queues ($queue/...) subscribed to
     for request in packet.subscriptions:
         refusal = _refusal(conn, request)
         verdict = subscribe_verdict(conn.client_id, request.topic_filter)
+        group = is_group_filter(request.topic_filter)
         if refusal is None and verdict is not SubscribeVerdict.PLAIN:
             refusal = _queue_refusal(conn, request, verdict, queue, properties)
-        elif refusal is None and not broker.acl.can_subscribe(
-            conn.client_id, conn.username, request.topic_filter, conn.address
+        elif refusal is None and group:
+            refusal = _group_refusal(conn, request)
+        if (
+            refusal is None
+            and verdict is SubscribeVerdict.PLAIN
+            and not broker.acl.can_subscribe(
+                conn.client_id, conn.username, request.topic_filter, conn.address
+            )
         ):
             # 0x87 Not authorized; 3.1.1 knows only 0x80 Failure (spec 3.9.3).
             refusal = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
@@ -77,6 +86,9 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         if verdict is SubscribeVerdict.CONSUMER:
             qos = 1  # its messages go at QoS 1: the acknowledgements move the queue on
             queue.subscribed = True
+        elif group:
+            qos = 1  # a group queue's entries go at QoS 1: an acknowledgement ends one
+            joined.append(request.topic_filter)
         entry = SubscriptionEntry(
             conn.client_id,
             request.topic_filter,
@@ -106,6 +118,9 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         # A durable session's subscriptions are stored before SUBACK promises them.
         codes = reason_codes if ok else [_failed(code) for code in reason_codes]
         conn.send(SubAck(packet.packet_id, codes))
+        if ok:
+            for topic_filter in joined:
+                broker.join_group(session, topic_filter)
         if ok and queue.subscribed:
             broker.consume_queue(session)
             if queue.rewind is not None:
@@ -166,6 +181,24 @@ def _queue_refusal(
     return None
 
 
+def _group_refusal(conn: MQTTConnection, request: Subscription) -> int | None:
+    """The SUBACK failure code of a ``$queue/{group}/{filter}`` filter (a durable group
+    queue, broker/group_queue.py), or None: accepted, at QoS 1 or 2 (granted 1)."""
+    broker = conn.broker
+    if not broker.persistent_path.keeps_groups:
+        log.warning(
+            "client %s subscribed to %r: no group queues here "
+            "(group_queues.enabled, persistence.enabled)",
+            conn.client_id,
+            request.topic_filter,
+        )
+        return ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR
+    if request.qos == 0:
+        log.info("client %s: a group queue is consumed at QoS 1, not 0", conn.client_id)
+        return ReasonCode.UNSPECIFIED_ERROR
+    return None
+
+
 def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
     """The SUBACK failure code for one topic filter, or None if it is accepted."""
     mqtt = conn.broker.settings.mqtt
@@ -175,7 +208,7 @@ def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
     if not topic_within_limits(topic_filter, mqtt.max_topic_length, mqtt.max_topic_levels):
         conn.broker.stats.drop("subscribe_topic_limit")
         return ReasonCode.TOPIC_FILTER_INVALID
-    shared = topic_filter.startswith(SHARE_PREFIX)
+    shared = topic_filter.startswith(SHARE_PREFIX) or is_group_filter(topic_filter)
     if shared:
         if request.no_local:
             raise MQTTError(ReasonCode.PROTOCOL_ERROR, "no local on a shared subscription")
@@ -198,6 +231,8 @@ def handle_unsubscribe(conn: MQTTConnection, packet: Unsubscribe) -> None:
         session.subscriptions.pop(topic_filter, None)
         if topic_filter == consumer_filter(conn.client_id):
             session.outflow.detach_side()  # what is in flight completes
+        elif is_group_filter(topic_filter):
+            session.outflow.detach_group(topic_filter)  # its unacknowledged go to others
         existed = tree.remove(conn.client_id, topic_filter)
         if existed and conn.broker.cluster is not None:
             conn.broker.cluster.unsubscribed(session, topic_filter)

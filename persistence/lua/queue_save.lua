@@ -8,6 +8,8 @@
 -- KEYS[6] {cid}_ecq_seen     hash: <producer>:<partition> -> last record seq stored
 -- ARGV[1] now (ms)  ARGV[2] retention (ms)  ARGV[3] most keys kept (0: no limit)
 -- then per record: seen name, record seq (0: unnamed), key, value, publish time (ms).
+-- An empty key (a group queue's record, broker/group_queue.py) is the entry's seq:
+-- nothing is compacted there.
 --
 -- A newer value of a key replaces the older one (compaction): its sequence
 -- number is returned as replaced when the older was still unacknowledged.
@@ -39,6 +41,7 @@ for i = 4, #ARGV, 5 do
   else
     if record_seq > 0 then redis.call('HSET', seen, name, record_seq) end
     local seq = redis.call('INCR', counter)
+    if key == '' then key = tostring(seq) end  -- a group queue's entry: named by its seq
     local older = redis.call('ZSCORE', pending, key)
     redis.call('ZADD', pending, seq, key)
     redis.call('ZADD', log, seq, key)

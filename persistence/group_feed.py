@@ -1,0 +1,336 @@
+"""Delivering durable group queues ($queue, broker/group_queue.py) to their members.
+
+A group queue is a queue store named by its filter (persistence/queue_store.py:
+the persistence consumer saves each message once for the group, with the
+next sequence number). A member's :class:`GroupFeed` is a side feed of its
+outflow (broker/outflow.py): it *claims* entries in sequence order, as many
+as the member's window takes, under a token of its own
+(persistence/lua/group_claim.lua), so no other member is given them while
+the claim holds. An acknowledgement from any member removes an entry. A
+member that leaves (its connection closes, it unsubscribes, its session
+ends) gives its claims back, those it had sent marked so that the next member
+gets them with DUP, and the other members are told to claim again.
+
+A broker that dies gives nothing back: its claims hold only while it renews
+their lease (:class:`GroupQueues`, every third of ``group_queues.lease``).
+Once a lease runs out the entries are free again, with DUP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
+
+from broker.message import Delivery
+from broker.outflow import Outgoing
+from persistence.coalescing import CoalescingWriter, Retry
+from persistence.delivery_codec import stored_delivery
+from persistence.events import NO_EVENTS, EventSink
+from persistence.format import decode_record
+from persistence.queue_store import QueueEntry, QueueStore
+
+if TYPE_CHECKING:
+    from broker.outflow import Outflow
+    from broker.stats import BrokerStats
+
+log = logging.getLogger("devicemq.persistence")
+
+_tokens = itertools.count(1)
+
+
+class _Acks(dict[str, list[tuple[str, int]]]):
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.values())
+
+
+def _merge(older: _Acks, newer: _Acks) -> _Acks:
+    out = _Acks({k: list(v) for k, v in older.items()})
+    for store_id, pairs in newer.items():
+        out.setdefault(store_id, []).extend(pairs)
+    return out
+
+
+class GroupQueues:
+    """This process's members of group queues: their acknowledgements (one write per
+    group per round, retried until they land), the leases of their claims, and who
+    is told when a group has entries to give."""
+
+    def __init__(
+        self,
+        store: QueueStore,
+        lease: float,
+        announce: Callable[[str], None] = lambda store_id: None,
+    ) -> None:
+        """``announce(store_id)``: tell the other replicas' members to claim again."""
+        self.store = store
+        self.lease = lease
+        self._announce = announce
+        self.node = f"{os.getpid()}-{time.time_ns() % 10**9}"  # tokens of this process
+        self.feeds: dict[str, set[GroupFeed]] = {}
+        self.retry = Retry("group_acks")
+        self._writer: CoalescingWriter[_Acks] = CoalescingWriter(
+            self._write, _merge, _Acks, self.retry
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+
+    def new_token(self, member: str) -> str:
+        return f"{self.node}:{next(_tokens)}:{member}"
+
+    def joined(self, feed: GroupFeed) -> None:
+        self.feeds.setdefault(feed.store_id, set()).add(feed)
+        if self._renewer is None:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew())
+
+    def left(self, feed: GroupFeed) -> None:
+        feeds = self.feeds.get(feed.store_id)
+        if feeds is not None:
+            feeds.discard(feed)
+            if not feeds:
+                del self.feeds[feed.store_id]
+
+    def ack(self, store_id: str, key: str, seq: int) -> None:
+        self._writer.add(_Acks({store_id: [(key, seq)]}))
+
+    def release(self, store_id: str, token: str, sent: list[str]) -> None:
+        """Give the claims of ``token`` back, then have every member claim again (best
+        effort: claims not given back are free once their lease runs out)."""
+        task = asyncio.get_running_loop().create_task(self._release(store_id, token, sent))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def stored(self, store_id: str, elsewhere: bool = True) -> None:
+        """Entries are there to be claimed (stored, or given back): members here claim,
+        and with ``elsewhere`` the other replicas' are told."""
+        for feed in list(self.feeds.get(store_id, ())):
+            feed.poke()
+        if elsewhere:
+            self._announce(store_id)
+
+    async def flush(self) -> None:
+        await self._writer.drain()
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _release(self, store_id: str, token: str, sent: list[str]) -> None:
+        try:
+            await self.flush()  # acknowledged ones first: they must not come back
+            await self.store.release(store_id, token, sent)
+        except Exception as error:  # Redis away: the lease frees them later
+            log.info("giving back the claims of %s on %s failed: %s", token, store_id, error)
+            return
+        self.stored(store_id)
+
+    async def _renew(self) -> None:
+        """Renew the leases of live claims; and since a lease that ran out (a broker
+        that died) frees entries without anyone saying so, members claim again."""
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            for store_id, feeds in list(self.feeds.items()):
+                tokens = [feed.token for feed in feeds if feed.token]
+                try:
+                    await self.store.renew(store_id, tokens, self.lease)
+                except Exception as error:  # tried again at the next round
+                    log.warning("renewing claims on %s failed: %s", store_id, error)
+                for feed in list(feeds):
+                    feed.poke()
+
+    async def _write(self, batch: _Acks) -> _Acks:
+        left = _Acks()
+        for store_id, pairs in batch.items():
+            try:
+                await self.store.group_ack(store_id, pairs)
+            except Exception as error:  # connection errors, cluster errors: retried
+                log.warning(
+                    "acknowledging %d entries of %s failed: %s", len(pairs), store_id, error
+                )
+                left[store_id] = pairs
+        return left
+
+
+class GroupFeed:
+    """:class:`broker.outflow.Feed` of one member's share of one group queue.
+
+    ``_buffer``: entries claimed and not yet taken; ``_out``: taken and not yet
+    acknowledged (key -> seq); ``_sent``: keys sent under the current token.
+    """
+
+    durable = True
+    keeps_inflight = False  # given back when the member leaves (broker/outflow.py)
+
+    def __init__(
+        self,
+        store_id: str,
+        member: str,
+        groups: GroupQueues,
+        stats: BrokerStats,
+        *,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float] = time.time,
+        events: EventSink = NO_EVENTS,
+        subscription_ids: Callable[[], tuple[int, ...]] = tuple,
+    ) -> None:
+        self.store_id = store_id
+        self.member = member
+        self.outflow: Outflow | None = None
+        self.token = ""  # "" while not a live member (no connection)
+        self._groups = groups
+        self._stats = stats
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._events = events
+        self._subscription_ids = subscription_ids
+        self._buffer: deque[tuple[QueueEntry, bool]] = deque()
+        self._out: dict[str, int] = {}
+        self._sent: set[str] = set()
+        self._loading = False
+        self._more = False  # entries may be there to claim (stored, given back)
+        self._epoch = 0
+
+    # -- Feed ----------------------------------------------------------------------------
+
+    def offer(self, delivery: Delivery) -> None:
+        raise RuntimeError("a group queue receives messages through the store")
+
+    def take(self, n: int) -> list[Outgoing]:
+        if not self.token:
+            return []
+        items: list[Outgoing] = []
+        while self._buffer and len(items) < n:
+            entry, dup = self._buffer.popleft()
+            self._out[entry.key] = entry.seq
+            items.append(Outgoing(0, self._delivery(entry), sent=dup, marked=True, ref=entry))
+        if len(items) < n and not self._loading:
+            self._claim(n - len(items))
+        return items
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        done([item.packet_id for item in items])  # the claim is the record
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        done()  # QoS 1 only
+
+    def finished(self, item: Outgoing) -> None:
+        entry = self._entry(item)
+        if self._out.get(entry.key) == entry.seq:
+            del self._out[entry.key]
+        self._sent.discard(entry.key)
+        self._groups.ack(self.store_id, entry.key, entry.seq)
+        self._events.queue(self.store_id, "acked", entry.seq, entry.key)
+        self._stats.queue_acked += 1
+
+    def undeliverable(self, item: Outgoing) -> None:
+        # Expired before its first send, or too large for this member: never delivered.
+        entry = self._entry(item)
+        self._out.pop(entry.key, None)
+        self._groups.ack(self.store_id, entry.key, entry.seq)
+        self._events.queue(self.store_id, "discarded", entry.seq, entry.key)
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        entry = self._entry(item)
+        self._sent.add(entry.key)
+        self._events.queue(self.store_id, "delivered", entry.seq, entry.key, dup=dup)
+        self._stats.queue_delivered += 1
+
+    def restart(self) -> None:
+        """A (new) connection of the member: claim under a new token."""
+        self._give_back()
+        self._epoch += 1
+        self.token = self._groups.new_token(self.member)
+        self._groups.joined(self)
+        self._more = True
+        self.poke()
+
+    def discard(self) -> None:
+        """The member left (connection closed, unsubscribed, session ended): its claims
+        go back to the group."""
+        self._give_back()
+        self._groups.left(self)
+
+    def queued(self) -> int:
+        return len(self._buffer)
+
+    # -- told by GroupQueues ---------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Entries may be there to claim."""
+        self._more = True
+        outflow = self.outflow
+        if not self.token or outflow is None or outflow.connection is None:
+            return
+        if not self._buffer and not self._loading:
+            room = outflow.room()
+            if room > 0:
+                self._claim(room)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _give_back(self) -> None:
+        token = self.token
+        if not token:
+            return
+        self.token = ""
+        self._epoch += 1
+        self._buffer.clear()
+        self._loading = False
+        sent, self._sent = sorted(self._sent), set()
+        self._out = {}
+        self._groups.release(self.store_id, token, sent)
+
+    def _claim(self, n: int) -> None:
+        if not self._more:
+            return
+        self._loading = True
+        self._more = False
+        asyncio.get_running_loop().create_task(self._claim_now(self._epoch, self.token, n))
+
+    async def _claim_now(self, epoch: int, token: str, n: int) -> None:
+        try:
+            claimed = await self._groups.store.claim(self.store_id, token, n, self._groups.lease)
+            self._groups.retry.succeeded()
+        except Exception as error:
+            log.warning(
+                "claiming entries of %s for %s failed: %s", self.store_id, self.member, error
+            )
+            await self._groups.retry.wait()
+            claimed = None
+        if epoch != self._epoch:
+            if claimed:  # claimed for a token given back meanwhile: give these back too
+                self._groups.release(self.store_id, token, [])
+            return
+        self._loading = False
+        if claimed is None:
+            self._more = True
+        else:
+            self._buffer.extend(claimed)
+            if len(claimed) >= n:
+                self._more = True  # there may be more
+        outflow = self.outflow
+        if outflow is not None:
+            outflow.pump()
+
+    def _delivery(self, entry: QueueEntry) -> Delivery:
+        record = decode_record(0, entry.seq, entry.value)
+        assert record.message is not None
+        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
+        delivery.qos = 1
+        delivery.retain = False
+        delivery.subscription_ids = self._subscription_ids()
+        return delivery
+
+    @staticmethod
+    def _entry(item: Outgoing) -> QueueEntry:
+        entry = item.ref
+        assert isinstance(entry, QueueEntry)
+        return entry

@@ -1,0 +1,104 @@
+"""Durable group queues ($queue, broker/group_queue.py) across two replicas.
+
+A group queue's entries are stored by the replica whose Kafka consumer holds
+the partition of the group's store (keyed by its filter); its members may be
+connected to either replica. The storing replica tells the others over
+Redis pub/sub, and their members claim. A replica that is killed gives back
+nothing: its members' claims lapse with their lease, and a member on the
+other replica gets what was in flight, with DUP.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
+from loadtest.replicas import partition_of, partition_owners
+from tests.cluster.conftest import running_cluster
+from tests.cluster.test_replicas import wait_until
+from tests.e2e.clients import Raw
+from tests.faults.conftest import HOST
+
+pytestmark = pytest.mark.timeout(180)
+
+LEASE = 2.0
+EXPIRY = Properties(session_expiry_interval=600)
+
+
+def _member(broker: object, client_id: str, topic_filter: str) -> Raw:
+    raw = Raw(broker)
+    connack = raw.connect(client_id, clean_start=False, properties=EXPIRY)
+    assert isinstance(connack, ConnAck) and connack.reason_code == 0
+    raw.send(Subscribe(1, [Subscription(topic_filter, 1)]))
+    assert isinstance(raw.recv(), SubAck)
+    return raw
+
+
+def _publish(producer: Raw, topic: str, payload: bytes, packet_id: int) -> None:
+    producer.send(Publish(topic, payload, 1, packet_id=packet_id))
+    ack = producer.recv()
+    assert isinstance(ack, PubAck) and ack.reason_code == 0
+
+
+def test_members_on_both_replicas_share_the_group_and_a_killed_ones_entries_move(
+    tmp_path: Path,
+) -> None:
+    with running_cluster(tmp_path, {"group_queues.lease": LEASE}, metrics=True) as cluster:
+        ports = [int(str(b.settings["metrics.port"])) for b in (cluster.a, cluster.b)]
+        owners: dict[int, int] = {}
+
+        def balanced() -> bool:
+            owners.update(partition_owners(HOST, ports)[0])
+            return set(owners) == {0, 1, 2, 3} and set(owners.values()) == {0, 1}
+
+        wait_until(balanced, 60, "both replicas consuming partitions")
+        topic = cluster.name("t")
+        # A group whose store b keeps; its first member is on a: a hears of every
+        # entry only through b's notice.
+        group = next(
+            f
+            for f in (f"$queue/g{i}/{topic}" for i in range(100))
+            if owners[partition_of(f, 4)] == 1
+        )
+        x = _member(cluster.a, cluster.name("x"), group)
+        producer = Raw(cluster.b)
+        producer.connect(cluster.name("producer"))
+        n = 0
+        deadline = time.monotonic() + 30
+        while True:  # until b routes to the group (a's subscription reached it)
+            n += 1
+            _publish(producer, topic, b"probe", n)
+            packet = x.recv_or_none(0.5)
+            if isinstance(packet, Publish):
+                assert packet.packet_id is not None
+                x.send(PubAck(packet.packet_id))
+                break
+            assert time.monotonic() < deadline, "b never routed to the group"
+        while (packet := x.recv_or_none(0.5)) is not None:  # probes still coming
+            if isinstance(packet, Publish) and packet.packet_id is not None:
+                x.send(PubAck(packet.packet_id))
+
+        for i in range(3):
+            _publish(producer, topic, b"m%d" % i, 100 + i)
+        held = [x.recv() for _ in range(3)]  # in flight to x, on a, not acknowledged
+        assert sorted(p.payload for p in held if isinstance(p, Publish)) == [b"m0", b"m1", b"m2"]
+
+        y = _member(cluster.b, cluster.name("y"), group)
+        assert y.recv_or_none(0.5) is None  # x's claims hold while a renews them
+        cluster.a.kill()
+        got: list[Publish] = []
+        while len(got) < 3:
+            packet = y.recv(timeout=LEASE * 5)
+            assert isinstance(packet, Publish) and packet.packet_id is not None
+            got.append(packet)
+            y.send(PubAck(packet.packet_id))
+        assert sorted(p.payload for p in got) == [b"m0", b"m1", b"m2"]
+        assert all(p.dup for p in got)
+        _publish(producer, topic, b"after", 200)
+        after = y.recv()
+        assert isinstance(after, Publish) and after.payload == b"after" and not after.dup
+        for raw in (x, y, producer):
+            raw.close()
