@@ -161,3 +161,82 @@ def test_nothing_takes_an_identifier_until_the_side_feed_has_read_what_it_had_in
     sub.send(PubAck(1))
     feed.complete_mark()
     assert payloads(sub.read()) == [b"stored"]
+
+
+class GroupFeed(SideFeed):
+    """A group queue's side feed (persistence/group_feed.py): what is in flight when the
+    member leaves goes back to the group, not to the member's next connection."""
+
+    keeps_inflight = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.discards = 0
+
+    def discard(self) -> None:
+        self.discards += 1
+        self.queue.clear()
+
+
+def _sided(payload: bytes) -> Outgoing:
+    return Outgoing(0, Delivery(Message("t", payload, 1, False), 1, False), marked=True)
+
+
+def test_the_session_its_queue_and_its_groups_all_take_turns() -> None:
+    h, feed, sub, pub = _setup(max_inflight=1)
+    outflow = h.broker.sessions["sub"].outflow
+    for n in range(2):
+        pub.publish_acked("t", b"s%d" % n, qos=1)
+    side, g1, g2 = SideFeed(), GroupFeed(), GroupFeed()
+    outflow.attach_side(side)
+    outflow.attach_group("$queue/a/t", g1)
+    outflow.attach_group("$queue/b/t", g2)
+    for n in range(2):
+        side.queue.append(_item(b"q%d" % n))
+        g1.queue.append(_sided(b"a%d" % n))
+        g2.queue.append(_sided(b"b%d" % n))
+    sent = []
+    for _ in range(8):
+        while feed.marks:
+            feed.complete_mark()
+        (message,) = publishes(sub.read())
+        sent.append(message.payload)
+        sub.send(PubAck(message.packet_id or 0))
+    # The session and the side feeds alternate; the side feeds take turns among them.
+    assert sent == [b"s0", b"q0", b"s1", b"a0", b"b0", b"q1", b"a1", b"b1"]
+
+
+def test_a_groups_messages_in_flight_go_back_when_the_member_leaves_its_queues_do_not() -> None:
+    h, _feed, sub, _pub = _setup()
+    outflow = h.broker.sessions["sub"].outflow
+    side, group = SideFeed(), GroupFeed()
+    outflow.attach_side(side)
+    outflow.attach_group("$queue/g/t", group)
+    side.add(b"q")
+    group.add(b"g")
+    first = {p.payload: p for p in publishes(sub.read())}
+    assert set(first) == {b"q", b"g"}
+    sub.conn.connection_lost()
+    assert group.discards == 1  # given back to the group at once
+    again = h.connected("sub", session_expiry_interval=3600, clean_start=False)
+    resent = publishes(again.pending)
+    assert [(p.payload, p.packet_id, p.dup) for p in resent] == [
+        (b"q", first[b"q"].packet_id, True)
+    ]
+    assert group.restarts == 2  # at attach, then a member again: it claims anew
+    group.add(b"g2")  # what the group gives it now goes out as a first send
+    (fresh,) = publishes(again.read())
+    assert fresh.payload == b"g2" and not fresh.dup
+
+
+def test_an_unsubscribed_group_gives_back_and_its_messages_in_flight_complete() -> None:
+    h, _feed, sub, _pub = _setup()
+    outflow = h.broker.sessions["sub"].outflow
+    group = GroupFeed()
+    outflow.attach_group("$queue/g/t", group)
+    group.add(b"g")
+    (message,) = publishes(sub.read())
+    outflow.detach_group("$queue/g/t")
+    assert group.discards == 1 and outflow.groups == {}
+    sub.send(PubAck(message.packet_id or 0))
+    assert group.finished_ids == [message.packet_id]  # its acknowledgement still counts
