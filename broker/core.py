@@ -761,7 +761,10 @@ class Broker:
         for group in match.groups:
             if group.queue:
                 # A durable group queue keeps it once for the group (broker/group_queue.py),
-                # if some member may read it; at QoS 0 it is not queued.
+                # if some member may read it; at QoS 0 it is not queued. Kept nowhere
+                # (group_queues.enabled turned off since members subscribed): not routed.
+                if not self.persistent_path.keeps_groups:
+                    continue
                 if message.qos and (
                     may_receive is None or any(may_receive(m.client_id) for m in group.members)
                 ):

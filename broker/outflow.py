@@ -441,15 +441,20 @@ class Outflow:
             conn.send(PubRel(item.packet_id))
             return
         may_receive = self._may_receive
+        decline = getattr(item.side, "decline", None)  # a group queue's: another member may
         if (
-            not item.sent
+            (not item.sent or decline is not None)
             and may_receive is not None
-            and item.side is None  # a queue's entries: its exclusive subscription decided
+            # An $ECQ queue's entries: its exclusive subscription decided.
+            and (item.side is None or decline is not None)
             and not may_receive(item.delivery.message.topic)
         ):
             # The receiver may not read it (any more): dropped unsent, counted, reported.
             self._session.stats.drop("not_authorized_receive")
-            (item.side or self.feed).undeliverable(item)
+            if decline is not None:
+                decline(item)
+            else:
+                (item.side or self.feed).undeliverable(item)
             return
         entry = OutgoingMessage(item, OutgoingState.MARKING)
         self.inflight[item.packet_id] = entry
@@ -504,7 +509,12 @@ class Outflow:
             (item.side or self.feed).sent(item, resend)
             return
         del self.inflight[item.packet_id]
-        if resend:
+        decline = getattr(item.side, "decline", None)
+        if decline is not None:
+            # A group queue's: another member may take it (MQTT 5 section 3.1.2.24
+            # lets a shared subscription send it to one that can).
+            decline(item)
+        elif resend:
             # Too large for this connection's Maximum Packet Size: discarded, and the
             # flow behaves as if it completed (MQTT-3.1.2-25).
             (item.side or self.feed).finished(item)

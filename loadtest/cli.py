@@ -27,8 +27,9 @@ def _host_port(text: str) -> tuple[str, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "scenario",
-        choices=(*SCENARIOS, "ecq"),
-        help="p2p, fan-in or fan-out; ecq: exclusive compacted queues (loadtest/ecq.py)",
+        choices=(*SCENARIOS, "ecq", "shared-queue"),
+        help="p2p, fan-in or fan-out; ecq: exclusive compacted queues (loadtest/ecq.py); "
+        "shared-queue: durable group queues (loadtest/shared_queue.py)",
     )
     g = p.add_argument_group("clients")
     g.add_argument("--pairs", type=int, help="p2p: publisher/subscriber pairs (default 100)")
@@ -70,8 +71,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10,
         help="unacknowledged PUBLISHes per publisher (default 10)",
     )
-    g = p.add_argument_group("ecq")
-    g.add_argument("--queues", type=int, default=10, help="queues, one consumer each (10)")
+    g = p.add_argument_group("ecq and shared-queue")
+    g.add_argument(
+        "--queues",
+        type=int,
+        help="ecq: queues, one consumer each (10); shared-queue: groups (4)",
+    )
+    g.add_argument("--members", type=int, default=4, help="shared-queue: members per group (4)")
+    g.add_argument(
+        "--churn",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="shared-queue: a member drops its connection every S seconds and comes back",
+    )
     g.add_argument(
         "--keys", type=int, default=1000, help="keys per queue (1000): fewer, more compaction"
     )
@@ -160,6 +173,10 @@ def run_command(args: argparse.Namespace) -> int:
         from loadtest.ecq import run_from_args
 
         return run_from_args(args)
+    if args.scenario == "shared-queue":
+        from loadtest.shared_queue import run_from_args as run_shared_queue
+
+        return run_shared_queue(args)
     from loadtest.report import format_report, plot, write_json
     from loadtest.runner import LoadTestError, run_load
 

@@ -314,7 +314,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     config = EcqConfig(
         host=args.host,
         port=args.port,
-        queues=args.queues,
+        queues=args.queues if args.queues is not None else 10,
         keys=args.keys,
         publishers=args.publishers or 10,
         inflight=args.inflight,

@@ -500,10 +500,9 @@ class DevicePersistence:
         """Another replica stored messages for these clients: connected ones re-read."""
         assert self._broker is not None
         for client_id in client_ids:
-            if is_group_store(client_id):  # entries to claim in a group queue
-                if self.groups is not None:
-                    self.groups.stored(client_id, elsewhere=False)
-                continue
+            if is_group_store(client_id) and self.groups is not None:
+                self.groups.stored(client_id, elsewhere=False)  # entries to claim
+                # (no continue: a client ID may begin with "$queue/" too)
             session = self._broker.sessions.get(client_id)
             if session is not None and session.connection is not None:
                 feed = session.outflow.feed

@@ -8,12 +8,15 @@ as the member's window takes, under a token of its own
 (persistence/lua/group_claim.lua), so no other member is given them while
 the claim holds. An acknowledgement from any member removes an entry. A
 member that leaves (its connection closes, it unsubscribes, its session
-ends) gives its claims back, those it had sent marked so that the next member
-gets them with DUP, and the other members are told to claim again.
+ends) gives its claims back, those it had sent or got with DUP marked so
+that the next member gets them with DUP too, and the other members are told
+to claim again. A member that may not take an entry (larger than its Maximum
+Packet Size, or its ACL keeps it from the topic) gives that one back and
+skips it after.
 
 A broker that dies gives nothing back: its claims hold only while it renews
-their lease (:class:`GroupQueues`, every third of ``group_queues.lease``).
-Once a lease runs out the entries are free again, with DUP.
+their lease (:class:`GroupQueues`, every third of ``group_queues.lease``, on
+Redis's clock). Once a lease runs out the entries are free again, with DUP.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from broker.message import Delivery
 from broker.outflow import Outgoing
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.persistence")
 
 _tokens = itertools.count(1)
+MAX_DECLINED = 1000  # keys one member remembers it may not take
 
 
 class _Acks(dict[str, list[tuple[str, int]]]):
@@ -98,10 +102,17 @@ class GroupQueues:
     def ack(self, store_id: str, key: str, seq: int) -> None:
         self._writer.add(_Acks({store_id: [(key, seq)]}))
 
-    def release(self, store_id: str, token: str, sent: list[str]) -> None:
-        """Give the claims of ``token`` back, then have every member claim again (best
+    def release(
+        self, store_id: str, token: str, dup: dict[str, bool], everything: bool = True
+    ) -> None:
+        """Give the claims of ``token`` back (all, or those on ``dup``'s keys; True: the
+        next member gets it with DUP), then have every member claim again (best
         effort: claims not given back are free once their lease runs out)."""
-        task = asyncio.get_running_loop().create_task(self._release(store_id, token, sent))
+        self.spawn(self._release(store_id, token, dup, everything))
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, referenced until done (awaited at close)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -120,13 +131,15 @@ class GroupQueues:
         if self._renewer is not None:
             self._renewer.cancel()
             self._renewer = None
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def _release(self, store_id: str, token: str, sent: list[str]) -> None:
+    async def _release(
+        self, store_id: str, token: str, dup: dict[str, bool], everything: bool
+    ) -> None:
         try:
             await self.flush()  # acknowledged ones first: they must not come back
-            await self.store.release(store_id, token, sent)
+            await self.store.release(store_id, token, dup, everything=everything)
         except Exception as error:  # Redis away: the lease frees them later
             log.info("giving back the claims of %s on %s failed: %s", token, store_id, error)
             return
@@ -163,7 +176,8 @@ class GroupFeed:
     """:class:`broker.outflow.Feed` of one member's share of one group queue.
 
     ``_buffer``: entries claimed and not yet taken; ``_out``: taken and not yet
-    acknowledged (key -> seq); ``_sent``: keys sent under the current token.
+    acknowledged (key -> seq); ``_sent``: keys sent under the current token;
+    ``_dup``: keys held that were claimed with DUP.
     """
 
     durable = True
@@ -194,6 +208,10 @@ class GroupFeed:
         self._buffer: deque[tuple[QueueEntry, bool]] = deque()
         self._out: dict[str, int] = {}
         self._sent: set[str] = set()
+        self._dup: set[str] = set()
+        # Keys this member may not take (too large for it, or its ACL), newest last:
+        # its claims skip them, for the other members.
+        self._declined: dict[str, None] = {}
         self._loading = False
         self._more = False  # entries may be there to claim (stored, given back)
         self._epoch = 0
@@ -222,20 +240,33 @@ class GroupFeed:
         done()  # QoS 1 only
 
     def finished(self, item: Outgoing) -> None:
-        entry = self._entry(item)
-        if self._out.get(entry.key) == entry.seq:
-            del self._out[entry.key]
-        self._sent.discard(entry.key)
+        entry = self._forget(item)
         self._groups.ack(self.store_id, entry.key, entry.seq)
         self._events.queue(self.store_id, "acked", entry.seq, entry.key)
         self._stats.queue_acked += 1
 
     def undeliverable(self, item: Outgoing) -> None:
-        # Expired before its first send, or too large for this member: never delivered.
-        entry = self._entry(item)
-        self._out.pop(entry.key, None)
+        """Expired before its first send: for every member (the outflow asks
+        :meth:`decline` for the other reasons)."""
+        entry = self._forget(item)
         self._groups.ack(self.store_id, entry.key, entry.seq)
         self._events.queue(self.store_id, "discarded", entry.seq, entry.key)
+
+    def decline(self, item: Outgoing) -> None:
+        """This member may not take it (larger than its Maximum Packet Size, or its ACL
+        keeps it from the topic): another member may. An expired one is dropped."""
+        assert item.delivery is not None
+        if not item.sent and item.delivery.message.expired(self._clock()):
+            self.undeliverable(item)
+            return
+        entry = self._entry(item)
+        dup = item.sent or entry.key in self._dup
+        self._forget(item)
+        self._declined[entry.key] = None
+        while len(self._declined) > MAX_DECLINED:
+            del self._declined[next(iter(self._declined))]
+        if self.token:
+            self._groups.release(self.store_id, self.token, {entry.key: dup}, everything=False)
 
     def sent(self, item: Outgoing, dup: bool) -> None:
         entry = self._entry(item)
@@ -276,7 +307,16 @@ class GroupFeed:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _forget(self, item: Outgoing) -> QueueEntry:
+        entry = self._entry(item)
+        if self._out.get(entry.key) == entry.seq:
+            del self._out[entry.key]
+        self._sent.discard(entry.key)
+        self._dup.discard(entry.key)
+        return entry
+
     def _give_back(self) -> None:
+        """Every claim of the token goes back: with DUP those sent or got with DUP."""
         token = self.token
         if not token:
             return
@@ -284,41 +324,68 @@ class GroupFeed:
         self._epoch += 1
         self._buffer.clear()
         self._loading = False
-        sent, self._sent = sorted(self._sent), set()
-        self._out = {}
-        self._groups.release(self.store_id, token, sent)
+        dup = dict.fromkeys(self._sent | self._dup, True)
+        self._sent, self._dup, self._out = set(), set(), {}
+        self._groups.release(self.store_id, token, dup)
 
     def _claim(self, n: int) -> None:
         if not self._more:
             return
         self._loading = True
         self._more = False
-        asyncio.get_running_loop().create_task(self._claim_now(self._epoch, self.token, n))
+        self._groups.spawn(self._claim_now(self._epoch, self.token, n))
 
     async def _claim_now(self, epoch: int, token: str, n: int) -> None:
+        groups = self._groups
         try:
-            claimed = await self._groups.store.claim(self.store_id, token, n, self._groups.lease)
-            self._groups.retry.succeeded()
+            claimed = await groups.store.claim(
+                self.store_id, token, n, groups.lease, tuple(self._declined)
+            )
+            groups.retry.succeeded()
         except Exception as error:
             log.warning(
                 "claiming entries of %s for %s failed: %s", self.store_id, self.member, error
             )
-            await self._groups.retry.wait()
+            if epoch == self._epoch and self.token == token:
+                # It may have run with its answer lost: what it took would stay held
+                # by this token, sent to no one. A new token; the old one's claims go
+                # back (those sent or got with DUP, with DUP).
+                self._rotate_token()
+            await groups.retry.wait()
             claimed = None
         if epoch != self._epoch:
-            if claimed:  # claimed for a token given back meanwhile: give these back too
-                self._groups.release(self.store_id, token, [])
+            if claimed:  # claimed for a token given back meanwhile: these go back too
+                dup = {entry.key: seen for entry, seen in claimed}
+                groups.release(self.store_id, token, dup, everything=False)
+            if claimed is None and self.token:
+                self._loading = False
+                self._more = True
+                self.poke()
             return
         self._loading = False
         if claimed is None:
             self._more = True
         else:
+            for entry, seen in claimed:
+                if seen:
+                    self._dup.add(entry.key)
             self._buffer.extend(claimed)
             if len(claimed) >= n:
                 self._more = True  # there may be more
         outflow = self.outflow
         if outflow is not None:
             outflow.pump()
+
+    def _rotate_token(self) -> None:
+        """A new token for the same connection; the old one's claims go back. What is
+        in flight stays in flight (its acknowledgement counts whoever holds it)."""
+        old = self.token
+        self.token = self._groups.new_token(self.member)
+        self._epoch += 1
+        self._loading = False
+        self._buffer.clear()
+        dup = dict.fromkeys(self._sent | self._dup, True)
+        self._groups.release(self.store_id, old, dup)
 
     def _delivery(self, entry: QueueEntry) -> Delivery:
         record = decode_record(0, entry.seq, entry.value)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
@@ -37,6 +37,7 @@ _FORGET = lua_script("queue_forget")
 _CLAIM = lua_script("group_claim")
 _GROUP_ACK = lua_script("group_ack")
 _RELEASE = lua_script("group_release")
+_RENEW = lua_script("group_renew")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
@@ -260,18 +261,18 @@ class QueueStore:
     # -- group queues (broker/group_queue.py, persistence/group_feed.py) ------------------
 
     async def claim(
-        self, store_id: str, token: str, n: int, lease: float
+        self, store_id: str, token: str, n: int, lease: float, declined: Iterable[str] = ()
     ) -> list[tuple[QueueEntry, bool]]:
         """Up to ``n`` entries of the group queue no live claim holds, in sequence order,
-        claimed for ``token`` (whose lease starts again); True: it may have been seen."""
+        claimed for ``token`` (whose lease starts again), skipping ``declined`` keys;
+        True: it may have been seen. Leases run on Redis's clock."""
         keys = queue_keys(store_id)
-        now = self._clock()
         retention = self.group_retention
-        oldest = int((now - retention) * 1000) if retention else 0
+        oldest = int((self._clock() - retention) * 1000) if retention else 0
         flat = await self._store.run_script(
             _CLAIM,
             (keys.pending, keys.values, keys.times, keys.claims, keys.tokens),
-            (int(now * 1000), int(lease * 1000), token, n, oldest),
+            (int(lease * 1000), token, n, oldest, *declined),
         )
         return [
             (QueueEntry(_text(flat[i]), int(flat[i + 1]), bytes(flat[i + 2])), bool(flat[i + 3]))
@@ -292,20 +293,25 @@ class QueueStore:
             )
         )
 
-    async def release(self, store_id: str, token: str, sent: Iterable[str]) -> int:
-        """Give back the claims of ``token`` (those of ``sent`` keys go with DUP)."""
+    async def release(
+        self, store_id: str, token: str, dup: Mapping[str, bool], *, everything: bool = True
+    ) -> int:
+        """Give back the claims of ``token``: all of them (``everything``; the token is
+        done with), or only those on the keys of ``dup``. ``dup[key]``: the next member
+        gets it with DUP (it was sent, or claimed with DUP)."""
         keys = queue_keys(store_id)
-        return int(
-            await self._store.run_script(_RELEASE, (keys.claims, keys.tokens), (token, *sent))
-        )
+        args: list[str | int] = [token, 1 if everything else 0]
+        for key, seen in dup.items():
+            args += [key, 1 if seen else 0]
+        return int(await self._store.run_script(_RELEASE, (keys.claims, keys.tokens), args))
 
-    async def renew(self, store_id: str, tokens: Iterable[str], lease: float) -> None:
+    async def renew(self, store_id: str, tokens: Iterable[str], lease: float) -> int:
         """The claims of ``tokens`` are still held: their leases start again (a token
         whose lease ran out stays gone, its claims may be another member's now)."""
-        deadline = int((self._clock() + lease) * 1000)
-        mapping = {token: deadline for token in tokens}
-        if mapping:
-            await self._store.redis.zadd(queue_keys(store_id).tokens, mapping, xx=True)
+        args: list[str | int] = [int(lease * 1000), *tokens]
+        if len(args) == 1:
+            return 0
+        return int(await self._store.run_script(_RENEW, (queue_keys(store_id).tokens,), args))
 
     async def info(self, client_id: str) -> QueueInfo:
         keys = queue_keys(client_id)

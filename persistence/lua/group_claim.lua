@@ -2,45 +2,54 @@
 -- broker/group_queue.py; persistence/group_feed.py).
 --
 -- KEYS[1] _ecq_pending (key -> seq)  KEYS[2] _ecq_values  KEYS[3] _ecq_times
--- KEYS[4] _ecq_claims (key -> claim token; '-': given back after a send)
--- KEYS[5] _ecq_tokens (claim token -> lease deadline, ms)
--- ARGV[1] now (ms)  ARGV[2] lease (ms)  ARGV[3] the member's claim token
--- ARGV[4] at most this many  ARGV[5] entries published before this time (ms) are
--- past retention: not given (the next save removes them)
+-- KEYS[4] _ecq_claims (key -> claim token; '-': free, but it may have been seen)
+-- KEYS[5] _ecq_tokens (claim token -> lease deadline, ms of the Redis clock)
+-- ARGV[1] lease (ms)  ARGV[2] the member's claim token  ARGV[3] at most this many
+-- ARGV[4] entries published before this time (ms) are past retention: not given
+-- (the next save removes them)  ARGV[5..] keys this member declined (it may not
+-- take them: too large for it, or its ACL): skipped
 --
 -- Walks the pending entries in sequence order and claims those no live claim
 -- holds: a claim whose token's lease ran out (its broker died) is free again.
--- An entry claimed before (given back after a send, or by a lapsed lease) may
+-- Leases run on Redis's clock (TIME), so replicas' clocks need not agree. An
+-- entry claimed before (given back after a send, or by a lapsed lease) may
 -- have been seen: its dup flag is 1. The token's lease starts (again) now.
 -- Returns flat {key, seq, value, dup, ...}.
 
 local pending, values, times, claims, tokens = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local now, lease, token = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local n, oldest = tonumber(ARGV[4]), tonumber(ARGV[5])
+local lease, token, n, oldest = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local declined = {}
+for i = 5, #ARGV do declined[ARGV[i]] = true end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 redis.call('ZREMRANGEBYSCORE', tokens, '-inf', '(' .. now)
 redis.call('ZADD', tokens, now + lease, token)
 
-local out, found, start, chunk = {}, 0, 0, 200
-local scanned_most = 5000  -- bounded per call: claims held by others are skipped
+local out, found, start, chunk = {}, 0, 0, 500
+-- Bounded per call: entries held by other members at the head are skipped, and
+-- with tens of thousands held that costs more than it gives.
+local scanned_most = 50000
 while found < n and start < scanned_most do
   local refs = redis.call('ZRANGE', pending, start, start + chunk - 1, 'WITHSCORES')
   if #refs == 0 then break end
   for i = 1, #refs, 2 do
     local key = refs[i]
-    local claim = redis.call('HGET', claims, key)
-    local held = claim and claim ~= '-' and redis.call('ZSCORE', tokens, claim)
-    if not held then
-      local value = redis.call('HGET', values, key)
-      local published = tonumber(redis.call('ZSCORE', times, key) or '0')
-      if value and published >= oldest then
-        redis.call('HSET', claims, key, token)
-        out[#out + 1] = key
-        out[#out + 1] = tonumber(refs[i + 1])
-        out[#out + 1] = value
-        out[#out + 1] = claim and 1 or 0
-        found = found + 1
-        if found >= n then break end
+    if not declined[key] then
+      local claim = redis.call('HGET', claims, key)
+      local held = claim and claim ~= '-' and redis.call('ZSCORE', tokens, claim)
+      if not held then
+        local value = redis.call('HGET', values, key)
+        local published = tonumber(redis.call('ZSCORE', times, key) or '0')
+        if value and published >= oldest then
+          redis.call('HSET', claims, key, token)
+          out[#out + 1] = key
+          out[#out + 1] = tonumber(refs[i + 1])
+          out[#out + 1] = value
+          out[#out + 1] = claim and 1 or 0
+          found = found + 1
+          if found >= n then break end
+        end
       end
     end
   end

@@ -1,24 +1,34 @@
--- devicemq: a member of a group queue leaves: its claims are given back ($queue).
+-- devicemq: a member of a group queue gives its claims back ($queue).
 --
 -- KEYS[1] _ecq_claims  KEYS[2] _ecq_tokens
--- ARGV[1] the member's claim token; then the keys it sent (another member gets
--- those with DUP: '-' marks them). Claims of the token on keys not sent are
--- dropped. Returns how many claims were given back.
+-- ARGV[1] the member's claim token  ARGV[2] 1: every claim of the token (the
+-- member left; the token is done with), 0: only the keys that follow
+-- then the keys, each followed by 1 if another member must get it with DUP
+-- (it was sent, or claimed with DUP) else 0. With ARGV[2] = 1, a claim of the
+-- token on a key not listed is dropped (no DUP): the member never had it.
+-- Returns how many claims were given back.
 
-local token = ARGV[1]
-local sent = {}
-for i = 2, #ARGV do sent[ARGV[i]] = true end
+local token, all_of_it = ARGV[1], ARGV[2] == '1'
+local dup = {}
+for i = 3, #ARGV, 2 do dup[ARGV[i]] = ARGV[i + 1] == '1' end
 local given = 0
-local all = redis.call('HGETALL', KEYS[1])
-for i = 1, #all, 2 do
-  if all[i + 1] == token then
-    if sent[all[i]] then
-      redis.call('HSET', KEYS[1], all[i], '-')
-    else
-      redis.call('HDEL', KEYS[1], all[i])
-    end
-    given = given + 1
+local function give(key)
+  if dup[key] then
+    redis.call('HSET', KEYS[1], key, '-')
+  else
+    redis.call('HDEL', KEYS[1], key)
+  end
+  given = given + 1
+end
+if all_of_it then
+  local claims = redis.call('HGETALL', KEYS[1])
+  for i = 1, #claims, 2 do
+    if claims[i + 1] == token then give(claims[i]) end
+  end
+  redis.call('ZREM', KEYS[2], token)
+else
+  for key, _ in pairs(dup) do
+    if redis.call('HGET', KEYS[1], key) == token then give(key) end
   end
 end
-redis.call('ZREM', KEYS[2], token)
 return given

@@ -6,6 +6,8 @@
 -- KEYS[4] {cid}_ecq_times    sorted set: key -> publish time, ms (retention)
 -- KEYS[5] {cid}_ecq_seq      the last sequence number handed out
 -- KEYS[6] {cid}_ecq_seen     hash: <producer>:<partition> -> last record seq stored
+-- KEYS[7], KEYS[8] _ecq_acked, _ecq_inflight (not used here)
+-- KEYS[9] _ecq_claims        a group queue's claims (persistence/lua/group_claim.lua)
 -- ARGV[1] now (ms)  ARGV[2] retention (ms)  ARGV[3] most keys kept (0: no limit)
 -- then per record: seen name, record seq (0: unnamed), key, value, publish time (ms).
 -- An empty key (a group queue's record, broker/group_queue.py) is the entry's seq:
@@ -27,6 +29,7 @@ local function remove(key, why)
   redis.call('ZREM', log, key)
   redis.call('ZREM', times, key)
   redis.call('HDEL', values, key)
+  redis.call('HDEL', KEYS[9], key)  -- a group queue's claim on it, if any
   removed[#removed + 1] = key
   removed[#removed + 1] = tonumber(seq or '0')
   removed[#removed + 1] = was_pending

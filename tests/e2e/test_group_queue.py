@@ -194,3 +194,27 @@ def test_without_persistence_a_group_queue_is_refused(
         assert isinstance(suback, SubAck) and suback.reason_codes == [IMPLEMENTATION_SPECIFIC]
     finally:
         plain.stop()
+
+
+def test_a_message_too_large_for_one_member_goes_to_another(
+    broker: BrokerProcess, clients: Clients, names: Names
+) -> None:
+    """Found by review: it was discarded for the whole group. MQTT 5 section 3.1.2.24
+    lets a shared subscription send it to a member that can take it."""
+    topic, group = names.topic("t"), f"$queue/g/{names.topic('#')}"
+    small = clients.raw(broker)
+    small.connect(
+        names.client("small"),
+        clean_start=False,
+        properties=Properties(session_expiry_interval=600, maximum_packet_size=200),
+    )
+    small.send(Subscribe(1, [Subscription(group, 1)]))
+    assert isinstance(small.recv(), SubAck)
+    producer = _producer(clients, broker, names)
+    _send(producer, topic, ["x" * 1000, "tiny"])
+    got_small = [p.payload for p in _publishes(small, 1)]
+    assert got_small == [b"tiny"]  # the big one is not for it, nor lost
+    big = _member(clients, broker, names.client("big"), group)
+    (got,) = _publishes(big, 1)
+    assert got.payload == b"x" * 1000
+    assert not [p for p in _quiet(small) if isinstance(p, Publish)]

@@ -2,25 +2,21 @@
 scripts) against a real redis-server, single and in cluster mode.
 
 Claims: one member's claim keeps an entry from the others while its lease
-holds; a lapsed lease frees it, with DUP; a give-back frees it, with DUP only
-if it had been sent; an acknowledgement removes it for everyone.
+holds (on Redis's clock); a lapsed lease frees it, with DUP; a give-back frees
+it, with DUP if it had been sent or got with DUP; an acknowledgement removes
+it for everyone; trimming leaves no claim behind.
 """
 
 from __future__ import annotations
 
-from persistence.format import StoredMessage, encode_message
+import asyncio
+
+from persistence.format import StoredMessage, encode_message, queue_keys
 from persistence.queue_store import QueueBatch, QueueStore
 from persistence.redis_store import RedisMessageStore
 
 NOW = 1_800_000_000.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
+LONG = 60.0  # s: a lease that does not run out during a test
 
 
 def _batch(store_id: str, payloads: list[bytes], first_seq: int = 1) -> QueueBatch:
@@ -34,56 +30,94 @@ def _batch(store_id: str, payloads: list[bytes], first_seq: int = 1) -> QueueBat
     return QueueBatch(store_id, values, 0, list(range(len(values))))
 
 
-async def test_claims_keep_entries_from_other_members_until_given_back_or_lapsed(
+def _queues(store: RedisMessageStore, group_max: int = 0) -> QueueStore:
+    return QueueStore(
+        store, retention=0, max_keys=1, clock=lambda: NOW, group_retention=0, group_max=group_max
+    )
+
+
+def _seqs(claimed: list) -> list[tuple[int, bool]]:  # type: ignore[type-arg]
+    return [(entry.seq, dup) for entry, dup in claimed]
+
+
+async def test_claims_keep_entries_from_other_members_until_given_back(
     store: RedisMessageStore, cid: str
 ) -> None:
-    clock = Clock()
-    q = QueueStore(store, retention=0, max_keys=0, clock=clock, group_retention=3600)
+    q = _queues(store)
     group = f"$queue/g/{cid}/#"
     saved = await q.save(_batch(group, [b"1", b"2", b"3", b"4"]))
     assert saved.seqs == [1, 2, 3, 4] and saved.keys == ["1", "2", "3", "4"]  # no compaction
-    a = await q.claim(group, "a", 2, lease=10)
-    assert [(e.seq, dup) for e, dup in a] == [(1, False), (2, False)]
-    b = await q.claim(group, "b", 10, lease=10)
-    assert [(e.seq, dup) for e, dup in b] == [(3, False), (4, False)]  # a's are held
-    assert await q.claim(group, "c", 10, lease=10) == []
+    assert _seqs(await q.claim(group, "a", 2, LONG)) == [(1, False), (2, False)]
+    assert _seqs(await q.claim(group, "b", 10, LONG)) == [(3, False), (4, False)]  # a's held
+    assert await q.claim(group, "c", 10, LONG) == []
     # a gives back: 1 had been sent (DUP for the next), 2 had not.
-    assert await q.release(group, "a", ["1"]) == 2
-    c = await q.claim(group, "c", 10, lease=10)
-    assert [(e.seq, dup) for e, dup in c] == [(1, True), (2, False)]
-    # b's broker dies: nobody renews b's lease; c's is renewed.
-    clock.now += 8
-    await q.renew(group, ["c"], lease=10)
-    clock.now += 3
-    d = await q.claim(group, "d", 10, lease=10)
-    assert [(e.seq, dup) for e, dup in d] == [(3, True), (4, True)]
+    assert await q.release(group, "a", {"1": True}) == 2
+    assert _seqs(await q.claim(group, "c", 10, LONG)) == [(1, True), (2, False)]
     # An acknowledgement from any member removes the entry, even after a give-back.
     assert await q.group_ack(group, [("1", 1), ("3", 3)]) == 2
-    assert await q.release(group, "c", ["2"]) == 1
-    await q.release(group, "d", [])
-    left = await q.claim(group, "e", 10, lease=10)
-    assert [(e.seq, dup) for e, dup in left] == [(2, True), (4, False)]
+    await q.release(group, "b", {})
+    await q.release(group, "c", {"2": True})
+    assert _seqs(await q.claim(group, "e", 10, LONG)) == [(2, True), (4, False)]
 
 
-async def test_a_renewal_does_not_bring_back_a_lapsed_token(
+async def test_dup_survives_a_second_give_back(store: RedisMessageStore, cid: str) -> None:
+    """Found by review: a sent K went back with DUP; the next member got it with DUP and
+    left before sending it. The one after must still get DUP (the feed passes the keys
+    it got with DUP as well as those it sent)."""
+    q = _queues(store)
+    group = f"$queue/g/{cid}/#"
+    await q.save(_batch(group, [b"k"]))
+    await q.claim(group, "a", 1, LONG)
+    await q.release(group, "a", {"1": True})
+    assert _seqs(await q.claim(group, "b", 1, LONG)) == [(1, True)]
+    await q.release(group, "b", {"1": True})  # got with DUP, never sent: still DUP
+    assert _seqs(await q.claim(group, "c", 1, LONG)) == [(1, True)]
+
+
+async def test_a_lapsed_lease_frees_its_claims_and_a_renewal_keeps_them(
     store: RedisMessageStore, cid: str
 ) -> None:
-    clock = Clock()
-    q = QueueStore(store, retention=0, max_keys=0, clock=clock)
+    q = _queues(store)
     group = f"$queue/g/{cid}/#"
-    await q.save(_batch(group, [b"1"]))
-    assert len(await q.claim(group, "a", 1, lease=5)) == 1
-    clock.now += 6
-    assert len(await q.claim(group, "b", 1, lease=5)) == 1  # a lapsed: b has it
-    await q.renew(group, ["a"], lease=5)  # a's broker was only slow
-    clock.now += 1
-    assert await q.claim(group, "c", 1, lease=5) == []  # still b's, not a's again
+    await q.save(_batch(group, [b"1", b"2"]))
+    assert len(await q.claim(group, "a", 1, 0.3)) == 1
+    assert len(await q.claim(group, "b", 1, 0.3)) == 1
+    assert await q.renew(group, ["a"], LONG) == 1  # a's broker renews; b's died
+    await asyncio.sleep(0.6)  # longer than b's lease, by Redis's clock too
+    assert _seqs(await q.claim(group, "c", 10, LONG)) == [(2, True)]  # b's lapsed: DUP
+    assert await q.renew(group, ["b"], 0.3) == 0  # a lapsed token stays gone
 
 
-async def test_the_group_limit_drops_the_oldest(store: RedisMessageStore, cid: str) -> None:
-    q = QueueStore(store, retention=0, max_keys=1, clock=Clock(), group_max=3)
+async def test_a_declined_entry_is_skipped_by_that_member_only(
+    store: RedisMessageStore, cid: str
+) -> None:
+    q = _queues(store)
     group = f"$queue/g/{cid}/#"
-    saved = await q.save(_batch(group, [b"1", b"2", b"3", b"4", b"5"]))
-    assert [r.seq for r in saved.removed] == [1, 2]
-    claimed = await q.claim(group, "a", 10, lease=5)
-    assert [e.value[-1:] for e, _ in claimed] == [b"3", b"4", b"5"]
+    await q.save(_batch(group, [b"big", b"small"]))
+    assert _seqs(await q.claim(group, "a", 2, LONG)) == [(1, False), (2, False)]
+    assert await q.release(group, "a", {"1": False}, everything=False) == 1
+    assert await q.claim(group, "a", 2, LONG, declined=["1"]) == []  # 2 is a's still
+    assert _seqs(await q.claim(group, "b", 2, LONG)) == [(1, False)]
+
+
+async def test_free_entries_behind_thousands_held_are_claimed(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Found by review: 5,000 entries held at the head stalled every other member."""
+    q = _queues(store)
+    group = f"$queue/g/{cid}/#"
+    for first in range(1, 5501, 500):
+        await q.save(_batch(group, [b"x"] * 500, first_seq=first))
+    assert len(await q.claim(group, "a", 5000, LONG)) == 5000
+    assert len(await q.claim(group, "b", 1000, LONG)) == 500
+
+
+async def test_trimmed_entries_leave_no_claims(store: RedisMessageStore, cid: str) -> None:
+    q = _queues(store, group_max=3)
+    group = f"$queue/g/{cid}/#"
+    await q.save(_batch(group, [b"1", b"2", b"3"]))
+    await q.claim(group, "a", 3, LONG)
+    saved = await q.save(_batch(group, [b"4", b"5"], first_seq=4))
+    assert [r.seq for r in saved.removed] == [1, 2]  # the oldest leave first
+    claims = await store.redis.hkeys(queue_keys(group).claims)
+    assert sorted(k.decode() if isinstance(k, bytes) else k for k in claims) == ["3"]

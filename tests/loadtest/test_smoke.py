@@ -151,3 +151,29 @@ def test_ecq_delivers_the_latest_value_of_every_key_through_the_command_line(
     assert result["keys_written"] == 40  # every key of every queue was written
     assert 0 < result["reads"] <= result["writes_acked"]
     assert result["writes_acked"] > 40  # keys written more than once: compaction is possible
+
+
+def test_shared_queue_delivers_every_message_while_members_drop_their_connections(
+    persistent_broker: Broker, tmp_path: Path
+) -> None:
+    out_json = tmp_path / "shared.json"
+    code = main(
+        [
+            "shared-queue",
+            "--queues=2",
+            "--members=3",
+            "--publishers=2",
+            "--inflight=5",
+            "--payload-size=256",
+            "--duration=3",
+            "--churn=0.5",
+            f"--port={persistent_broker.port}",
+            f"--json={out_json}",
+        ]
+    )
+    result = json.loads(out_json.read_text())
+    assert code == 0, result
+    assert result["lost"] == 0 and result["refused"] == 0
+    assert result["duplicates_without_dup"] == 0
+    assert result["dropped_connections"] >= 3  # members left with messages in flight
+    assert result["reads"] > 0
