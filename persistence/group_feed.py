@@ -329,11 +329,15 @@ class GroupFeed:
         self._groups.release(self.store_id, token, dup)
 
     def _claim(self, n: int) -> None:
+        """Claim at least a window's worth: one claim per acknowledgement would cost a
+        Redis script each (the buffer holds the rest, given back if the member leaves)."""
         if not self._more:
             return
         self._loading = True
         self._more = False
-        self._groups.spawn(self._claim_now(self._epoch, self.token, n))
+        outflow = self.outflow
+        batch = max(n, outflow.max_inflight if outflow is not None else 1)
+        self._groups.spawn(self._claim_now(self._epoch, self.token, batch))
 
     async def _claim_now(self, epoch: int, token: str, n: int) -> None:
         groups = self._groups
