@@ -55,6 +55,7 @@ from broker.packets import (
     UnsubAck,
     Unsubscribe,
 )
+from tests.model.groups import group_of
 from tests.model.model import Copy, Model, Msg, Sub
 
 POLICIES = ("auto", "delay", "hold", "hold_comp")
@@ -158,6 +159,13 @@ class Subscriber:
                 if pid is None:
                     return
                 held = self.held[pid] = Held(payload, qos, conn, None, queued=True)
+                self._apply_policy(pid, held, conn)
+                return
+            if group_of(topic) is not None:
+                self.model.groups.received(self.cid, conn, topic, payload, dup)
+                if pid is None:
+                    return
+                held = self.held[pid] = Held(payload, qos, conn, None)
                 self._apply_policy(pid, held, conn)
                 return
             copy = self.model.received(

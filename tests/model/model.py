@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.model.groups import GroupModel
 from tests.model.queues import QueueModel
 
 # s a connection must have been open before a PUBLISH for DUP=1 on its first receipt to be
@@ -306,6 +307,8 @@ class Model:
         self.trace: list[tuple[float, str]] = []  # what happened, for a failing run's trace.log
         self._t0 = clock()
         self.queues = QueueModel(self, clock)  # $ECQ writes and receipts (tests/model/queues.py)
+        # $queue group writes and receipts (tests/model/groups.py)
+        self.groups = GroupModel(self, clock, cluster=config.cluster)
 
     def log(self, text: str) -> None:
         self.trace.append((self.clock(), text))

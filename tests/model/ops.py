@@ -110,6 +110,10 @@ _BASE = {
     "ecq_consume": 0,
     "ecq_rewind": 0,
     "ecq_unconsume": 0,
+    # $queue group queues (tests/model/groups.py): the "queues" scenario too.
+    "group_write": 0,
+    "group_join": 0,
+    "group_leave": 0,
 }
 _BIAS: dict[str, dict[str, int]] = {
     "mixed": {},
@@ -131,6 +135,10 @@ _BIAS: dict[str, dict[str, int]] = {
         "ecq_rewind": 2,
         "ecq_unconsume": 1,
         "policy": 10,  # held and delayed acknowledgements: values replaced in flight
+        # members that join, leave (unsubscribe, disconnect: the base kinds) mid-flight
+        "group_write": 12,
+        "group_join": 4,
+        "group_leave": 1,
     },
 }
 
@@ -146,6 +154,8 @@ def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None)
         "persistence.max_messages_per_client": max(limit, max_inflight + 4),
         "mqtt.max_inflight": max_inflight,
         "persistence.kafka_request_timeout_ms": 3000,
+        # A killed broker's members' claims lapse within the drain's patience.
+        "group_queues.lease": 3.0,
     }
     if rnd.random() < 0.3:
         settings["persistence.replay_page_size"] = rnd.choice((5, 20, 100))
@@ -305,6 +315,23 @@ class _Generator:
             count=rnd.choice((1, 2, 3, 5, 10)),
             broker=self._broker(),
         )
+
+    def _group_write(self) -> Op:
+        rnd = self.rnd
+        return op(
+            "group_write",
+            client=rnd.choice(self.plan.publishers).cid,
+            group=f"g{rnd.randrange(2)}",
+            qos=rnd.choice((1, 1, 2)),
+            count=rnd.choice((1, 2, 5, 10, 20)),
+            broker=self._broker(),
+        )
+
+    def _group_join(self) -> Op:
+        return op("group_join", client=self._sub().cid, group=f"g{self.rnd.randrange(2)}")
+
+    def _group_leave(self) -> Op:
+        return op("group_leave", client=self._sub().cid, group=f"g{self.rnd.randrange(2)}")
 
     def _ecq_consume(self) -> Op:
         return op("ecq_consume", client=self._sub().cid)

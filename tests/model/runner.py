@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.model.clients import PahoPublisher, PahoSubscriber, RawClient, Scheduler
+from tests.model.groups import group_filter, group_topic
 from tests.model.model import Config, Model, Msg, Violation
 from tests.model.ops import LONG_EXPIRY, V311_EXPIRY, Op, Plan, op
 from tests.model.queues import write_topic
@@ -286,6 +287,33 @@ class Runner:
         else:
             pub.publish(items, 20, 10.0)
 
+    def _op_group_write(self, operation: Op) -> None:
+        pub = self._publisher(operation)
+        if pub is None:
+            return
+        group = operation.get("group")
+        self.model.groups.writing(group)
+        topic = group_topic(group)
+        pub.publish([(topic, operation.get("qos"), None)] * operation.get("count"), 20, 10.0)
+
+    def _join_group(self, sub: Subscriber, group: str) -> None:
+        if not self._ensure_connected(sub):
+            return
+        sub_id = self._next_sub_id(sub.cid) if sub.version == 5 else None
+        self.model.groups.joining(sub.cid, group)
+        if sub.subscribe([(group_filter(group), 1, sub_id)], OP_TIMEOUT):
+            self.model.groups.joined(sub.cid, group)
+
+    def _op_group_join(self, operation: Op) -> None:
+        self._join_group(self._sub(operation), operation.get("group"))
+
+    def _op_group_leave(self, operation: Op) -> None:
+        sub = self._sub(operation)
+        if sub.connected:
+            group = operation.get("group")
+            self.model.groups.left(sub.cid, group)
+            sub.unsubscribe([group_filter(group)], OP_TIMEOUT)
+
     def _op_ecq_write(self, operation: Op) -> None:
         pub = self._publisher(operation)
         if pub is None:
@@ -468,13 +496,22 @@ class Runner:
         for cid in {*queues.owed(), *queues.consumers}:
             if cid in self.subs:  # the queue's client comes for it, at the latest now
                 self._subscribe_queue(self.subs[cid])
+        groups = self.model.groups
+        if groups.written and self.subs:  # a member for every group, at the latest now
+            collector = next(iter(self.subs.values()))
+            for group in sorted(groups.written):
+                self._join_group(collector, group)
         deadline = start + DRAIN_TIMEOUT + self.model.stats.published / 5000
         last_receipts, quiet_since, trimmed_at = -1, time.monotonic(), 0.0
         while time.monotonic() < deadline:
             now = time.monotonic()
             open_obs = self.model.open_obligations(start)
-            queued = queues.open()
-            receipts = self.model.stats.receipts + sum(len(r) for r in queues.receipts.values())
+            queued = queues.open() + groups.open()
+            receipts = (
+                self.model.stats.receipts
+                + sum(len(r) for r in queues.receipts.values())
+                + sum(len(r) for r in groups.receipts.values())
+            )
             if receipts != last_receipts:
                 last_receipts, quiet_since = receipts, now
             quiet = now - quiet_since
@@ -500,6 +537,7 @@ class Runner:
         self.model.kafka_reused_offsets = self.system.tansu.reused_offsets()
         self.model.check_losses(start)
         queues.check()
+        groups.check()
         self.model.check_order()
         self._pubrels_missing(start, strict=True)
         for i in range(len(self.system.brokers)):
