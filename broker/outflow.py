@@ -32,9 +32,11 @@ session's own feed re-reads its record.
 
 Group queues the client is a member of (broker/group_queue.py,
 persistence/group_feed.py) are side feeds too, any number of them, taking
-turns with the others. Theirs is the exception to the re-send: a member that
-leaves gives back what it had in flight, for another member to get, so a new
-connection does not send those again (MQTT 5 section 4.8.2).
+turns with the others. A member that leaves gives back to its group what it
+had not acknowledged, for another member to get (MQTT 5 section 4.8.2 allows
+it as soon as the connection is lost); its resumed session still re-sends
+them under their identifiers, as every message in flight, so an identifier
+the client holds is never given to another message.
 """
 
 from __future__ import annotations
@@ -262,9 +264,7 @@ class Outflow:
             side = {
                 p: e
                 for p, e in self.inflight.items()
-                if e.item.side is not None
-                and e.state is not OutgoingState.MARKING
-                and _keeps_inflight(e.item.side)
+                if e.item.side is not None and e.state is not OutgoingState.MARKING
             }
             self.inflight.clear()
             self._marking.clear()
@@ -277,9 +277,6 @@ class Outflow:
             self.feed.restart()
         else:
             self._marking.clear()
-            for packet_id, entry in list(self.inflight.items()):
-                if entry.item.side is not None and not _keeps_inflight(entry.item.side):
-                    del self.inflight[packet_id]  # given back to its group when it left
             self._resend = deque(self.inflight)
         if self.side is not None:
             self.side.restart()
@@ -561,12 +558,6 @@ class Outflow:
             return False
         window = min(self.max_inflight, conn.client_receive_maximum)
         return len(self.inflight) - len(self._resend) >= window
-
-
-def _keeps_inflight(feed: Feed) -> bool:
-    """A side feed's messages in flight stay with the session across connections
-    (an $ECQ queue's); a group queue's go back to the group when the member leaves."""
-    return getattr(feed, "keeps_inflight", True)
 
 
 class MemoryFeed:

@@ -14,6 +14,10 @@ to claim again. A member that may not take an entry (larger than its Maximum
 Packet Size, or its ACL keeps it from the topic) gives that one back and
 skips it after.
 
+What the member had in flight when it left, its resumed session re-sends
+all the same under the same packet identifiers (MQTT-4.4.0-1): whichever
+member acknowledges first removes the entry; both copies carry DUP.
+
 A broker that dies gives nothing back: its claims hold only while it renews
 their lease (:class:`GroupQueues`, every third of ``group_queues.lease``, on
 Redis's clock). Once a lease runs out the entries are free again, with DUP.
@@ -181,7 +185,6 @@ class GroupFeed:
     """
 
     durable = True
-    keeps_inflight = False  # given back when the member leaves (broker/outflow.py)
 
     def __init__(
         self,

@@ -143,11 +143,18 @@ def test_what_a_member_leaves_unacknowledged_goes_to_another_with_dup(
     again = _publishes(b, 3)
     assert sorted(p.payload.decode() for p in again) == payloads
     assert all(p.dup for p in again)  # they may have been seen
-    # a's session resumes: what went to b is not sent to a again.
+    # a's session resumes: it re-sends what a had not acknowledged, under the same
+    # packet identifiers (MQTT-4.4.0-1), with DUP; b's acknowledgements already removed
+    # them from the group, so a's are no-ops, and nothing else comes.
     a2 = clients.raw(broker)
     connack = a2.connect(names.client("a"), clean_start=False, properties=EXPIRY)
     assert isinstance(connack, ConnAck) and connack.session_present
+    resent = _publishes(a2, 3)
+    assert sorted((p.packet_id, p.payload.decode(), p.dup) for p in resent) == sorted(
+        (p.packet_id, p.payload.decode(), True) for p in held
+    )
     assert not [p for p in _quiet(a2) if isinstance(p, Publish)]
+    assert not [p for p in _quiet(b, 0.5) if isinstance(p, Publish)]  # once each there
 
 
 def test_an_unsubscribed_member_gives_back_what_it_had_not_acknowledged(
