@@ -266,6 +266,11 @@ class Outflow:
                 for p, e in self.inflight.items()
                 if e.item.side is not None and e.state is not OutgoingState.MARKING
             }
+            never_sent = [
+                e.item
+                for e in self.inflight.values()
+                if e.item.side is not None and e.state is OutgoingState.MARKING
+            ]
             self.inflight.clear()
             self._marking.clear()
             self._may_go.clear()
@@ -274,6 +279,12 @@ class Outflow:
             self._parked.clear()
             self.inflight.update(side)
             self._resend.extend(side)
+            for item in never_sent:
+                # Its record may have landed as the connection closed (seed 8112): it
+                # must not bring the message back under this identifier later.
+                forget = getattr(item.side, "never_sent", None)
+                if forget is not None:
+                    forget(item)
             self.feed.restart()
         else:
             self._marking.clear()

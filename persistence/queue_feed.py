@@ -270,6 +270,12 @@ class QueueFeed:
     def release(self, item: Outgoing, done: Callable[[], None]) -> None:
         done()  # QoS 1 only
 
+    def never_sent(self, item: Outgoing) -> None:
+        """Taken and never sent (its connection ended while it waited for its record):
+        the record, if it landed, goes; the entry is taken again under another id."""
+        if self._generation is not None:
+            self._acks.unrecord(self.client_id, [(item.packet_id, self._entry(item))])
+
     def finished(self, item: Outgoing) -> None:
         entry = self._entry(item)
         if self._out.get(entry.key) == entry.seq:

@@ -244,3 +244,40 @@ def test_an_unsubscribed_group_gives_back_and_its_messages_in_flight_complete() 
     assert group.discards == 1 and outflow.groups == {}
     sub.send(PubAck(message.packet_id or 0))
     assert group.finished_ids == [message.packet_id]  # its acknowledgement still counts
+
+
+class RecordingSideFeed(SideFeed):
+    """A queue whose marks (in-flight records) land when the test says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending_marks: list[tuple[list[int], Callable[[Collection[int]], None]]] = []
+        self.forgotten: list[int] = []
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        self.pending_marks.append(([item.packet_id for item in items], done))
+
+    def never_sent(self, item: Outgoing) -> None:
+        self.forgotten.append(item.packet_id)
+
+
+def test_a_queue_entry_whose_record_landed_as_its_connection_closed_is_forgotten() -> None:
+    """Found by the model checker (seed 8112, ``ecq-again``): the entry's in-flight
+    record landed while its connection was closing, so it never went out; the next
+    connection took it again under another identifier, and the record of the first
+    brought it back, acknowledged, after a broker restart. The outflow now tells the
+    feed to forget it when it drops it."""
+    h, _feed, sub, _pub = _setup()
+    outflow = h.broker.sessions["sub"].outflow
+    side = RecordingSideFeed()
+    outflow.attach_side(side)
+    item = _item(b"q")
+    item.marked = False  # a persistent session's entry: recorded before it goes
+    side.queue.append(item)
+    outflow.pump()
+    ((ids, done),) = side.pending_marks
+    sub.conn.connection_lost()
+    done(ids)  # the record lands now: no connection to send on
+    assert side.forgotten == []
+    h.connected("sub", session_expiry_interval=3600, clean_start=False)
+    assert side.forgotten == ids  # dropped unsent: its record must go
