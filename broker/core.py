@@ -464,6 +464,9 @@ class Broker:
         once it holds ``$ECQ/{cid}/#``. False: this broker keeps no queues."""
         outflow = session.outflow
         if outflow.side is not None:
+            # Perhaps one attached by restore_queue_inflight, still reading what was in
+            # flight: it goes on with the queue once done (seed 9101).
+            outflow.side.consuming = True
             return True
         feed = outflow.detached_side or self.persistent_path.queue_feed(session)
         if feed is None:

@@ -245,3 +245,26 @@ async def test_an_entry_waiting_for_its_record_is_not_sent_by_a_reconnect() -> N
     # with is gone (a restart would have sent it again: found by the checker, seed 7505).
     await _turns()
     assert list(store.record) == [sent[0].packet_id]
+
+
+async def test_a_subscription_while_the_record_of_a_resume_is_read_consumes_the_queue() -> None:
+    """Found by the model checker (seed 9101, ``ecq-lost``): a session resumed without
+    its queue's subscription reads back what was in flight (a feed that only
+    completes those); the client subscribed while that read was under way, and
+    ``Broker.consume_queue`` saw a feed attached and left it as it was: once the read
+    was done the feed detached itself, and the queue was not delivered."""
+    store = RecordingStore()
+    h, _feed, sub, _pub = _setup()
+    session = h.broker.sessions["sub"]
+    store.put("sub", "k")
+    side = QueueFeed(
+        "sub", store, QueueAcks(store), BrokerStats(), page_size=10,  # type: ignore[arg-type]
+        with_seq=True, clock=lambda: 0.0, wall_clock=lambda: 0.0, generation=1,
+    )  # fmt: skip
+    side.consuming = False  # as Broker.restore_queue_inflight attaches it
+    session.outflow.attach_side(side)
+    assert side.restoring
+    assert h.broker.consume_queue(session)  # the SUBSCRIBE, while the record is read
+    store.inflight_gate.set()
+    await _turns()
+    assert [p.payload for p in publishes(sub.read())] == [b"k"]
