@@ -21,6 +21,7 @@ import random
 import struct
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,18 +324,36 @@ def run_from_args(args: argparse.Namespace) -> int:
         drain=args.drain,
         seed=args.seed if args.seed is not None else 1,
     )
+    return run_reported(
+        config,
+        run_ecq,
+        format_result,
+        args.json,
+        lambda r: r["lost"] == 0 and r["writes_refused"] == 0,
+    )
+
+
+def run_reported(
+    config: Any,
+    run: Callable[[Any], Coroutine[Any, Any, dict[str, Any]]],
+    fmt: Callable[[dict[str, Any]], str],
+    json_path: str | None,
+    ok: Callable[[dict[str, Any]], bool],
+) -> int:
+    """Check ``config`` (exit 2), run it (exit 1 on a connection error), print the
+    result and write it as JSON; exit 0 if ``ok(result)``."""
     try:
         config.check()
     except ValueError as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 2
     try:
-        result = asyncio.run(run_ecq(config))
+        result = asyncio.run(run(config))
     except (RuntimeError, OSError, TimeoutError) as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 1
-    print(format_result(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    print(fmt(result))
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if result["lost"] == 0 and result["writes_refused"] == 0 else 1
+    return 0 if ok(result) else 1

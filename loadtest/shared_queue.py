@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +35,7 @@ from broker.packets import (
     Subscribe,
     Subscription,
 )
-from loadtest.ecq import _Conn
+from loadtest.ecq import _Conn, run_reported
 
 HEADER = struct.Struct(">IQQ")  # group, message number, send time (ns, monotonic)
 
@@ -314,19 +312,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         churn=args.churn,
         seed=args.seed if args.seed is not None else 1,
     )
-    try:
-        config.check()
-    except ValueError as e:
-        print(f"loadtest: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = asyncio.run(run_shared_queue(config))
-    except (RuntimeError, OSError, TimeoutError) as e:
-        print(f"loadtest: error: {e}", file=sys.stderr)
-        return 1
-    print(format_result(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    ok = not result["lost"] and not result["refused"] and not result["duplicates_without_dup"]
-    return 0 if ok else 1
+    return run_reported(
+        config,
+        run_shared_queue,
+        format_result,
+        args.json,
+        lambda r: not r["lost"] and not r["refused"] and not r["duplicates_without_dup"],
+    )

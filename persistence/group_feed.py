@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING, Any
 from broker.message import Delivery
 from broker.outflow import Outgoing
 from persistence.coalescing import CoalescingWriter, Retry
-from persistence.delivery_codec import stored_delivery
 from persistence.events import NO_EVENTS, EventSink
-from persistence.format import decode_record
+from persistence.queue_feed import AckBatch, entry_delivery, merge_acks
 from persistence.queue_store import QueueEntry, QueueStore
 
 if TYPE_CHECKING:
@@ -52,16 +51,7 @@ _tokens = itertools.count(1)
 MAX_DECLINED = 1000  # keys one member remembers it may not take
 
 
-class _Acks(dict[str, list[tuple[str, int]]]):
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.values())
-
-
-def _merge(older: _Acks, newer: _Acks) -> _Acks:
-    out = _Acks({k: list(v) for k, v in older.items()})
-    for store_id, pairs in newer.items():
-        out.setdefault(store_id, []).extend(pairs)
-    return out
+_Acks = AckBatch[tuple[str, int]]  # key, seq
 
 
 class GroupQueues:
@@ -83,7 +73,7 @@ class GroupQueues:
         self.feeds: dict[str, set[GroupFeed]] = {}
         self.retry = Retry("group_acks")
         self._writer: CoalescingWriter[_Acks] = CoalescingWriter(
-            self._write, _merge, _Acks, self.retry
+            self._write, merge_acks, _Acks, self.retry
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -395,13 +385,7 @@ class GroupFeed:
         self._groups.release(self.store_id, old, dup)
 
     def _delivery(self, entry: QueueEntry) -> Delivery:
-        record = decode_record(0, entry.seq, entry.value)
-        assert record.message is not None
-        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
-        delivery.qos = 1
-        delivery.retain = False
-        delivery.subscription_ids = self._subscription_ids()
-        return delivery
+        return entry_delivery(entry, self._wall_clock(), self._clock(), self._subscription_ids())
 
     @staticmethod
     def _entry(item: Outgoing) -> QueueEntry:

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from broker.ecq import SEQ_PROPERTY
 from broker.message import Delivery
@@ -37,16 +37,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.persistence")
 
 
-class _AckBatch(dict[str, list[tuple[str, int, int]]]):
+T = TypeVar("T")
+
+
+class AckBatch(dict[str, list[T]]):
+    """Acknowledgements per queue (client id or group store), for a CoalescingWriter."""
+
     def __len__(self) -> int:
         return sum(len(v) for v in self.values())
 
 
-def _merge(older: _AckBatch, newer: _AckBatch) -> _AckBatch:
-    out = _AckBatch({k: list(v) for k, v in older.items()})
-    for cid, pairs in newer.items():
-        out.setdefault(cid, []).extend(pairs)
+def merge_acks(older: AckBatch[T], newer: AckBatch[T]) -> AckBatch[T]:
+    out: AckBatch[T] = AckBatch({k: list(v) for k, v in older.items()})
+    for queue, items in newer.items():
+        out.setdefault(queue, []).extend(items)
     return out
+
+
+_AckBatch = AckBatch[tuple[str, int, int]]  # key, seq, packet id recorded (0: none)
+
+
+def entry_delivery(
+    entry: QueueEntry, wall_now: float, clock_now: float, subscription_ids: tuple[int, ...]
+) -> Delivery:
+    """A queue entry as it goes out: QoS 1, never retained, with the subscription's ids."""
+    record = decode_record(0, entry.seq, entry.value)
+    assert record.message is not None
+    delivery = stored_delivery(record.message, wall_now, clock_now)
+    delivery.qos = 1
+    delivery.retain = False
+    delivery.subscription_ids = subscription_ids
+    return delivery
 
 
 class QueueAcks:
@@ -61,7 +82,7 @@ class QueueAcks:
         self._unwritten: dict[str, set[tuple[str, int]]] = {}  # asked, not yet in Redis
         self._tasks: set[asyncio.Task[None]] = set()
         self._writer: CoalescingWriter[_AckBatch] = CoalescingWriter(
-            self._write, _merge, _AckBatch, Retry("queue_acks")
+            self._write, merge_acks, _AckBatch, Retry("queue_acks")
         )
 
     @property
@@ -436,12 +457,9 @@ class QueueFeed:
             buffer[entry.key] = entry
 
     def _delivery(self, entry: QueueEntry) -> Delivery:
-        record = decode_record(0, entry.seq, entry.value)
-        assert record.message is not None
-        delivery = stored_delivery(record.message, self._wall_clock(), self._clock())
-        delivery.qos = 1
-        delivery.retain = False
-        delivery.subscription_ids = self._subscription_ids()
+        delivery = entry_delivery(
+            entry, self._wall_clock(), self._clock(), self._subscription_ids()
+        )
         if self._with_seq:
             message = delivery.message
             properties = message.properties or Properties()
