@@ -39,7 +39,7 @@ from broker.outflow import Outgoing
 from persistence.coalescing import CoalescingWriter, Retry
 from persistence.events import NO_EVENTS, EventSink
 from persistence.queue_feed import AckBatch, entry_delivery, merge_acks
-from persistence.queue_store import QueueEntry, QueueStore
+from persistence.queue_store import LeaseLapsed, QueueEntry, QueueStore
 
 if TYPE_CHECKING:
     from broker.outflow import Outflow
@@ -205,6 +205,8 @@ class GroupFeed:
         # Keys this member may not take (too large for it, or its ACL), newest last:
         # its claims skip them, for the other members.
         self._declined: dict[str, None] = {}
+        self._declined_full = False
+        self._claimed_once = False  # under the current token (a lapsed one is refused)
         self._loading = False
         self._more = False  # entries may be there to claim (stored, given back)
         self._epoch = 0
@@ -247,7 +249,9 @@ class GroupFeed:
 
     def decline(self, item: Outgoing) -> None:
         """This member may not take it (larger than its Maximum Packet Size, or its ACL
-        keeps it from the topic): another member may. An expired one is dropped."""
+        keeps it from the topic): another member may, and this connection skips it.
+        An expired one is dropped. An entry no member can take waits for one that
+        can, until retention removes it."""
         assert item.delivery is not None
         if not item.sent and item.delivery.message.expired(self._clock()):
             self.undeliverable(item)
@@ -256,8 +260,17 @@ class GroupFeed:
         dup = item.sent or entry.key in self._dup
         self._forget(item)
         self._declined[entry.key] = None
-        while len(self._declined) > MAX_DECLINED:
-            del self._declined[next(iter(self._declined))]
+        if len(self._declined) >= MAX_DECLINED and not self._declined_full:
+            # Claiming more would only hand back what it declined before: it takes
+            # nothing more from this group on this connection.
+            self._declined_full = True
+            log.warning(
+                "%s may not take %d entries of %s: it claims no more of them until it "
+                "connects again",
+                self.member,
+                len(self._declined),
+                self.store_id,
+            )
         if self.token:
             self._groups.release(self.store_id, self.token, {entry.key: dup}, everything=False)
 
@@ -268,10 +281,14 @@ class GroupFeed:
         self._stats.queue_delivered += 1
 
     def restart(self) -> None:
-        """A (new) connection of the member: claim under a new token."""
+        """A (new) connection of the member: claim under a new token; what it declined
+        on the last one (its Maximum Packet Size, its ACL) may be different now."""
         self._give_back()
         self._epoch += 1
+        self._declined.clear()
+        self._declined_full = False
         self.token = self._groups.new_token(self.member)
+        self._claimed_once = False
         self._groups.joined(self)
         self._more = True
         self.poke()
@@ -308,8 +325,13 @@ class GroupFeed:
         self._dup.discard(entry.key)
         return entry
 
+    def _held_dup(self) -> dict[str, bool]:
+        """What goes back with DUP: sent, got with DUP, or taken (the outflow may still
+        send it, perhaps on a later connection)."""
+        return dict.fromkeys(self._sent | self._dup | self._out.keys(), True)
+
     def _give_back(self) -> None:
-        """Every claim of the token goes back: with DUP those sent or got with DUP."""
+        """Every claim of the token goes back: with DUP what may be seen."""
         token = self.token
         if not token:
             return
@@ -317,14 +339,26 @@ class GroupFeed:
         self._epoch += 1
         self._buffer.clear()
         self._loading = False
-        dup = dict.fromkeys(self._sent | self._dup, True)
+        dup = self._held_dup()
         self._sent, self._dup, self._out = set(), set(), {}
         self._groups.release(self.store_id, token, dup)
+
+    def _in_flight_keys(self) -> list[str]:
+        """Keys the outflow holds in flight from this feed (re-sent after a reconnect):
+        not claimed again under a new token, so not delivered twice to this client."""
+        outflow = self.outflow
+        if outflow is None:
+            return []
+        return [
+            held.item.ref.key
+            for held in outflow.inflight.values()
+            if held.item.side is self and isinstance(held.item.ref, QueueEntry)
+        ]
 
     def _claim(self, n: int) -> None:
         """Claim at least a window's worth: one claim per acknowledgement would cost a
         Redis script each (the buffer holds the rest, given back if the member leaves)."""
-        if not self._more:
+        if not self._more or self._declined_full:
             return
         self._loading = True
         self._more = False
@@ -334,11 +368,22 @@ class GroupFeed:
 
     async def _claim_now(self, epoch: int, token: str, n: int) -> None:
         groups = self._groups
+        skip = (*self._declined, *self._in_flight_keys())
         try:
             claimed = await groups.store.claim(
-                self.store_id, token, n, groups.lease, tuple(self._declined)
+                self.store_id, token, n, groups.lease, skip, fresh=not self._claimed_once
             )
             groups.retry.succeeded()
+        except LeaseLapsed:
+            # Its broker could not renew it in time: its claims may be other members'
+            # now (with DUP). A new token; what it holds goes back.
+            log.warning("claims of %s on %s lapsed: claiming anew", self.member, self.store_id)
+            if epoch == self._epoch and self.token == token:
+                self._rotate_token()
+                self._loading = False
+                self._more = True
+                self.poke()
+            return
         except Exception as error:
             log.warning(
                 "claiming entries of %s for %s failed: %s", self.store_id, self.member, error
@@ -346,42 +391,43 @@ class GroupFeed:
             if epoch == self._epoch and self.token == token:
                 # It may have run with its answer lost: what it took would stay held
                 # by this token, sent to no one. A new token; the old one's claims go
-                # back (those sent or got with DUP, with DUP).
+                # back (with DUP what may be seen).
                 self._rotate_token()
-            await groups.retry.wait()
-            claimed = None
+                epoch = self._epoch
+                await groups.retry.wait()
+                if epoch == self._epoch:  # nothing else started meanwhile
+                    self._loading = False
+                    self._more = True
+                    self.poke()
+            return
         if epoch != self._epoch:
             if claimed:  # claimed for a token given back meanwhile: these go back too
                 dup = {entry.key: seen for entry, seen in claimed}
                 groups.release(self.store_id, token, dup, everything=False)
-            if claimed is None and self.token:
-                self._loading = False
-                self._more = True
-                self.poke()
             return
+        self._claimed_once = True
         self._loading = False
-        if claimed is None:
-            self._more = True
-        else:
-            for entry, seen in claimed:
-                if seen:
-                    self._dup.add(entry.key)
-            self._buffer.extend(claimed)
-            if len(claimed) >= n:
-                self._more = True  # there may be more
+        for entry, seen in claimed:
+            if seen:
+                self._dup.add(entry.key)
+        self._buffer.extend(claimed)
+        if len(claimed) >= n:
+            self._more = True  # there may be more
         outflow = self.outflow
         if outflow is not None:
             outflow.pump()
 
     def _rotate_token(self) -> None:
-        """A new token for the same connection; the old one's claims go back. What is
-        in flight stays in flight (its acknowledgement counts whoever holds it)."""
+        """A new token for the same connection; the old one's claims go back, with DUP
+        what may be seen. What the outflow holds in flight it still sends."""
         old = self.token
         self.token = self._groups.new_token(self.member)
+        self._claimed_once = False
         self._epoch += 1
         self._loading = False
         self._buffer.clear()
-        dup = dict.fromkeys(self._sent | self._dup, True)
+        dup = self._held_dup()
+        self._dup &= self._out.keys()  # the buffer's went back
         self._groups.release(self.store_id, old, dup)
 
     def _delivery(self, entry: QueueEntry) -> Delivery:

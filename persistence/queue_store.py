@@ -62,6 +62,13 @@ class Removed(NamedTuple):
     why: int  # RETENTION or KEY_LIMIT
 
 
+class LeaseLapsed(Exception):
+    """A group queue member's claims lapsed: its broker did not renew them in time."""
+
+
+LAPSED = b"lapsed"  # group_claim.lua's answer to a token whose lease ran out
+
+
 class QueueEntry(NamedTuple):
     key: str
     seq: int
@@ -261,19 +268,30 @@ class QueueStore:
     # -- group queues (broker/group_queue.py, persistence/group_feed.py) ------------------
 
     async def claim(
-        self, store_id: str, token: str, n: int, lease: float, declined: Iterable[str] = ()
+        self,
+        store_id: str,
+        token: str,
+        n: int,
+        lease: float,
+        skip: Iterable[str] = (),
+        *,
+        fresh: bool = True,
     ) -> list[tuple[QueueEntry, bool]]:
         """Up to ``n`` entries of the group queue no live claim holds, in sequence order,
-        claimed for ``token`` (whose lease starts again), skipping ``declined`` keys;
-        True: it may have been seen. Leases run on Redis's clock."""
+        claimed for ``token`` (whose lease starts again), leaving out the ``skip`` keys;
+        True: it may have been seen. Leases run on Redis's clock. ``fresh`` False: the
+        token claimed before, and if its lease lapsed meanwhile, :class:`LeaseLapsed`
+        (its claims may be other members' now)."""
         keys = queue_keys(store_id)
         retention = self.group_retention
         oldest = int((self._clock() - retention) * 1000) if retention else 0
         flat = await self._store.run_script(
             _CLAIM,
             (keys.pending, keys.values, keys.times, keys.claims, keys.tokens),
-            (int(lease * 1000), token, n, oldest, *declined),
+            (int(lease * 1000), token, n, oldest, 1 if fresh else 0, *skip),
         )
+        if flat and flat[0] in (LAPSED, LAPSED.decode()):
+            raise LeaseLapsed(token)
         return [
             (QueueEntry(_text(flat[i]), int(flat[i + 1]), bytes(flat[i + 2])), bool(flat[i + 3]))
             for i in range(0, len(flat), 4)

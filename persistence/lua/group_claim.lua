@@ -6,23 +6,31 @@
 -- KEYS[5] _ecq_tokens (claim token -> lease deadline, ms of the Redis clock)
 -- ARGV[1] lease (ms)  ARGV[2] the member's claim token  ARGV[3] at most this many
 -- ARGV[4] entries published before this time (ms) are past retention: not given
--- (the next save removes them)  ARGV[5..] keys this member declined (it may not
--- take them: too large for it, or its ACL): skipped
+-- (the next save removes them)  ARGV[5] 1: the token's first claim, 0: it claimed
+-- before  ARGV[6..] keys to leave out (the member may not take them: too large for
+-- it, or its ACL; or it holds them in flight already)
 --
 -- Walks the pending entries in sequence order and claims those no live claim
 -- holds: a claim whose token's lease ran out (its broker died) is free again.
 -- Leases run on Redis's clock (TIME), so replicas' clocks need not agree. An
 -- entry claimed before (given back after a send, or by a lapsed lease) may
 -- have been seen: its dup flag is 1. The token's lease starts (again) now.
--- Returns flat {key, seq, value, dup, ...}.
+-- Returns flat {key, seq, value, dup, ...}, or {'lapsed'}.
 
 local pending, values, times, claims, tokens = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local lease, token, n, oldest = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local fresh = ARGV[5] == '1'
 local declined = {}
-for i = 5, #ARGV do declined[ARGV[i]] = true end
+for i = 6, #ARGV do declined[ARGV[i]] = true end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
+-- A token that claimed before and whose lease ran out is not brought back: its
+-- claims may be other members' now (given with DUP), its member starts anew.
+local deadline = redis.call('ZSCORE', KEYS[5], token)
+if not fresh and (not deadline or tonumber(deadline) < now) then
+  return {'lapsed'}
+end
 redis.call('ZREMRANGEBYSCORE', tokens, '-inf', '(' .. now)
 redis.call('ZADD', tokens, now + lease, token)
 

@@ -96,7 +96,7 @@ async def test_a_declined_entry_is_skipped_by_that_member_only(
     await q.save(_batch(group, [b"big", b"small"]))
     assert _seqs(await q.claim(group, "a", 2, LONG)) == [(1, False), (2, False)]
     assert await q.release(group, "a", {"1": False}, everything=False) == 1
-    assert await q.claim(group, "a", 2, LONG, declined=["1"]) == []  # 2 is a's still
+    assert await q.claim(group, "a", 2, LONG, skip=["1"]) == []  # 2 is a's still
     assert _seqs(await q.claim(group, "b", 2, LONG)) == [(1, False)]
 
 
