@@ -538,6 +538,13 @@ class Runner:
         self.model.check_losses(start)
         queues.check()
         groups.check()
+        if groups.written and operation.get("final"):
+            owed = groups.owed()
+            again = sum(len(r) - 1 for r in groups.receipts.values())
+            self.result.notes.append(
+                f"group writes owed {len(owed)}, received {len(groups.receipts)}, "
+                f"again (with DUP) {again}"
+            )
         self.model.check_order()
         self._pubrels_missing(start, strict=True)
         for i in range(len(self.system.brokers)):
