@@ -240,10 +240,35 @@ def find_tansu() -> str:
 # again would give two listeners one port.
 _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=4096)
 
+# Under pytest-xdist several test processes choose ports at once, and _HANDED_OUT
+# guards one process only: each worker, and every process it starts (they inherit
+# its environment), chooses among its own share of the ports. Shares repeat every
+# _SHARE_PERIOD ports, so a port and the one 10,000 above (a Redis Cluster node's
+# bus port, ``also_free_at``) belong to the same worker.
+_SHARE_PERIOD = 10_000
+
+
+def _port_share() -> tuple[int, int] | None:
+    """(index, count) of this pytest-xdist worker, None outside of one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()):
+        return None
+    index, total = int(worker[2:]), int(count)
+    return (index, total) if 0 <= index < total and total > 1 else None
+
+
+def _in_share(port: int, share: tuple[int, int] | None) -> bool:
+    if share is None:
+        return True
+    index, count = share
+    return (port % _SHARE_PERIOD) * count // _SHARE_PERIOD == index
+
 
 def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
     """A TCP port free on every interface right now, below the kernel's ephemeral range,
-    and not handed out lately by this process (``also_free_at``: port + that free too).
+    and not handed out lately by this process (``also_free_at``: port + that free too);
+    under pytest-xdist, one of this worker's share (_port_share).
 
     A port the kernel picks (bind to port 0) comes from the ephemeral range,
     where every outgoing connection of the machine takes its local port too:
@@ -252,8 +277,11 @@ def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
     range only listeners take ports, chosen at random here.
     """
     low = _ephemeral_low()
+    share = _port_share()
     for _ in range(400):
         port = random.randrange(max(1024, low - 12_000), low)
+        while not _in_share(port, share):
+            port = random.randrange(max(1024, low - 12_000), low)
         if port in _HANDED_OUT or (also_free_at and port + also_free_at in _HANDED_OUT):
             continue
         if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):

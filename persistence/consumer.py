@@ -290,6 +290,10 @@ class PersistenceConsumer:
         # Bumped by every revoke and assign: a commit refused before one is not tried
         # again after it (the partition may now hold another log: a Kafka restarted).
         self._assignments = 0
+        # Partitions whose committed offset stats forgot at a revoke or assign, not
+        # committed since (nor forgotten for a log reset): the group's offset in
+        # Kafka still tells how far they are stored (committed_offset).
+        self._reassigned: set[int] = set()
         # Bumped when Redis lost acknowledged saves and the partitions are read again
         # (_rewind): the offsets of a poll stored before it are not committed.
         self._rewinds = 0
@@ -376,6 +380,7 @@ class PersistenceConsumer:
         self._unplaced.add(tp)
         self._assignments += 1
         self._forget_committed(tp.partition)
+        self._reassigned.add(tp.partition)
         if self._resets is not None:
             self._resets.disown(tp.partition)
 
@@ -383,6 +388,7 @@ class PersistenceConsumer:
         """Offsets of a log that is gone (or of an assignment that ended): neither
         reported nor committed (a retried commit would skip the new log's start)."""
         self.stats.committed.pop(partition, None)
+        self._reassigned.discard(partition)
         pending = self._commits.pending
         for tp in [tp for tp in pending if tp.partition == partition]:
             del pending[tp]
@@ -477,6 +483,17 @@ class PersistenceConsumer:
                     if seq > 0
                 ]
                 self._on_queue_stored(queue_batch.client_id, entries)
+
+    async def committed_offset(self, tp: TopicPartition) -> int | None:
+        """How far ``tp`` is stored and committed, None if not known: this consumer's
+        last commit of it, or, for a partition revoked and assigned again since
+        (a rebalance) and not committed since, the group's offset in Kafka. With no
+        record since, this consumer would never commit it again (the drain waited
+        out its DRAIN_TIMEOUT for that)."""
+        committed = self.stats.committed.get(tp.partition)
+        if committed is None and tp.partition in self._reassigned:
+            committed = await self._committed(tp)
+        return committed
 
     async def _committed(self, tp: TopicPartition) -> int | None:
         """The group's committed offset of ``tp`` (where a new assignment's first
@@ -755,6 +772,7 @@ class PersistenceConsumer:
             return self._still_mine(offsets, assignments)
         for tp, offset in offsets.items():
             self.stats.committed[tp.partition] = offset
+            self._reassigned.discard(tp.partition)
         return {}
 
     async def _rewind(self) -> None:

@@ -443,13 +443,17 @@ class DevicePersistence:
         replica holds is that replica's to store: it is in Kafka, and waiting for
         this consumer to commit it would only wait out DRAIN_TIMEOUT (issue 16)."""
         deadline = time.monotonic() + DRAIN_TIMEOUT
-        committed = self.consumer.stats.committed
 
-        def waiting() -> bool:  # the assignment as it is now: a rebalance may change it
-            held = {tp.partition for tp in self._kafka_consumer.assignment()}
-            return any(committed.get(p, 0) <= o for p, o in self.path.produced.items() if p in held)
+        async def waiting() -> bool:  # the assignment as it is now: a rebalance may change it
+            produced = self.path.produced
+            for tp in self._kafka_consumer.assignment():
+                if tp.partition in produced:
+                    committed = await self.consumer.committed_offset(tp)
+                    if committed is None or committed <= produced[tp.partition]:
+                        return True
+            return False
 
-        while waiting():
+        while await waiting():
             if time.monotonic() > deadline:
                 log.error("shutdown: consumer did not store everything acknowledged in time")
                 return

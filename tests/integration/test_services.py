@@ -510,3 +510,31 @@ def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound() -> None:
     assert len(set(chosen)) == len(chosen)
     paired = free_port(also_free_at=10_000)
     assert paired not in chosen and paired + 10_000 not in chosen
+
+
+def test_xdist_workers_hand_out_ports_of_their_own_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under pytest-xdist every worker (and the brokers it starts, by its environment)
+    chooses ports: _HANDED_OUT guards one process only, so each chooses among its
+    own share, and a Redis Cluster node's bus port (port + 10,000) is of the same
+    share, whatever the number of workers."""
+    from app import embedded_services
+    from app.embedded_services import free_port
+
+    for count in (2, 3, 4):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
+        by_worker: list[set[int]] = []
+        for index in range(count):
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+            share = embedded_services._port_share()
+            assert share == (index, count)
+            ports = {free_port() for _ in range(200)}
+            paired = free_port(also_free_at=10_000)
+            mine = ports | {paired, paired + 10_000}
+            assert all(embedded_services._in_share(port, share) for port in mine)
+            by_worker.append(mine)
+        for i, mine in enumerate(by_worker):
+            others = set().union(*(p for j, p in enumerate(by_worker) if j != i))
+            assert not mine & others, f"workers of {count} share ports"
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    assert embedded_services._port_share() is None
