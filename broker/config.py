@@ -353,6 +353,22 @@ class PersistenceSettings:
         "", "Redis URL, e.g. redis://host:6379/0; empty with kafka_bootstrap empty: embedded"
     )
     redis_cluster: bool = setting(False, "redis_url names a node of a Redis Cluster")
+    redis_username: str = setting(
+        "", "Redis ACL user (a user in redis_url works too); empty: the default user"
+    )
+    redis_password_file: str = setting(
+        "", "File holding the Redis password (a password in redis_url works too)"
+    )
+    redis_tls_ca_file: str = setting(
+        "", "CA certificates to verify Redis with (a rediss:// redis_url); empty: the system's"
+    )
+    redis_tls_cert_file: str = setting(
+        "", "Client certificate for Redis (its tls-auth-clients); with redis_tls_key_file"
+    )
+    redis_tls_key_file: str = setting("", "The client certificate's private key")
+    redis_tls_check_hostname: bool = setting(
+        True, "Check that Redis's certificate names the host of redis_url"
+    )
     kafka_bootstrap: str = setting(
         "", "Kafka bootstrap servers, host:port[,host:port]; empty with redis_url empty: embedded"
     )

@@ -365,10 +365,11 @@ async def open_cluster_link(
     url = persistence.redis_url
     # The connections are named, so an operator (or a test) can find them.
     name = f"devicemq-cluster-{broker.cluster.node_id if broker.cluster else ''}"
-    redis = Redis.from_url(url, decode_responses=False, client_name=name)
+    connect = persistence.redis_connect  # TLS, ACL user (persistence/redis_security.py)
+    redis = Redis.from_url(url, decode_responses=False, client_name=name, **connect)
     keys: Redis | RedisCluster | None = None
     if settings.persistence.redis_cluster:
-        keys = RedisCluster.from_url(url, decode_responses=False)
+        keys = RedisCluster.from_url(url, decode_responses=False, **connect)
     link = ClusterLink(
         redis,
         settings.cluster.channel_prefix,

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiokafka.errors import KafkaError
 
@@ -37,6 +37,7 @@ from persistence.kafka_path import (
 )
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry, QueueStore
+from persistence.redis_security import connect_options, explain
 from persistence.redis_store import RedisMessageStore
 from persistence.session_rewind import RewindUnderWay, Rewound, rewind_session
 from persistence.session_store import SessionStateStore
@@ -150,6 +151,7 @@ class DevicePersistence:
         self.path.push_back(self.consumer.unstored, config.max_unstored_records)
         self._broker: Broker | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
+        self.redis_connect: dict[str, Any] = {}  # and how (persistence/redis_security.py)
         self._consumer_task: asyncio.Task[None] | None = None
         self.compactor: KafkaCompactor | None = None
         if compact_after > 0 or self._probe is not None:
@@ -517,6 +519,15 @@ class DevicePersistence:
                     side.stored([])
 
 
+def _without_password(url: str) -> str:
+    """``url`` fit for a log line: a password in it is left out."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
+
+
 def configured_endpoints(settings: Settings) -> tuple[str, str] | None:
     """(redis_url, kafka_bootstrap) as configured; None when neither is (embedded ones)."""
     config = settings.persistence
@@ -548,9 +559,11 @@ async def open_persistence(
                 name="persistence.redis_url",
             )
     redis_url, bootstrap = endpoints
+    connect = connect_options(config, redis_url)  # TLS, ACL user (ConfigError if wrong)
     store = RedisMessageStore.from_url(
         redis_url,
         cluster=config.redis_cluster,
+        connect=connect,
         limit=config.max_messages_per_client,
         max_bytes=config.max_bytes_per_client,
         default_ttl=config.default_message_ttl,
@@ -562,7 +575,9 @@ async def open_persistence(
         await store.load_scripts()
     except Exception as error:
         await store.aclose()
-        raise PersistenceUnavailable(f"cannot use redis at {redis_url}: {error}") from error
+        raise PersistenceUnavailable(
+            f"cannot use redis at {_without_password(redis_url)}: {explain(error)}"
+        ) from error
     try:
         await store.check_wait()
     except ValueError as error:
@@ -619,6 +634,7 @@ async def open_persistence(
             await consumer.stop()
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
     persistence.redis_url = redis_url
+    persistence.redis_connect = connect
     return persistence
 
 

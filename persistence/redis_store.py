@@ -398,19 +398,32 @@ class RedisMessageStore:
         self.script_errors: dict[str, int] = {}
 
     @classmethod
-    def from_url(cls, url: str, *, cluster: bool = False, **kwargs: Any) -> RedisMessageStore:
-        """A store on ``redis://host:port`` (``cluster``: any node of a cluster).
+    def from_url(
+        cls,
+        url: str,
+        *,
+        cluster: bool = False,
+        connect: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> RedisMessageStore:
+        """A store on ``redis://host:port`` (``cluster``: any node of a cluster);
+        ``connect``: redis-py's connection options (persistence/redis_security.py).
 
         The single-node pool makes callers wait for a free connection instead
         of failing: redis-py's default pool raises "Too many connections"
         past 100, which a reconnect storm of replays reaches easily.
         """
         client: RedisClient
+        options = dict(connect or {})
         if cluster:
-            client = RedisCluster.from_url(url, decode_responses=False)
+            client = RedisCluster.from_url(url, decode_responses=False, **options)
         else:
             pool = BlockingConnectionPool.from_url(
-                url, max_connections=POOL_CONNECTIONS, timeout=None, decode_responses=False
+                url,
+                max_connections=POOL_CONNECTIONS,
+                timeout=None,
+                decode_responses=False,
+                **options,
             )
             client = Redis(connection_pool=pool)
         return cls(client, **kwargs)

@@ -1,0 +1,62 @@
+"""The Redis connection settings (persistence/redis_security.py), checked at start:
+each mistake is one line naming its setting (the real servers are in
+tests/faults/test_redis_security.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from broker.config import ConfigError, PersistenceSettings
+from persistence.redis_security import connect_options
+
+BASE = PersistenceSettings()
+
+
+def _named(config: PersistenceSettings, url: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        connect_options(config, url)
+    assert caught.value.name is not None
+    return caught.value.name
+
+
+def test_nothing_set_gives_no_options() -> None:
+    assert connect_options(BASE, "redis://127.0.0.1:6379/0") == {}
+
+
+def test_tls_files_need_a_rediss_url(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    config = replace(BASE, redis_tls_ca_file=str(ca))
+    assert _named(config, "redis://h:6379/0") == "persistence.redis_tls_ca_file"
+
+
+def test_a_certificate_needs_its_key_and_a_key_its_certificate(tmp_path: Path) -> None:
+    url = "rediss://h:6379/0"
+    assert _named(replace(BASE, redis_tls_cert_file="c"), url) == "persistence.redis_tls_key_file"
+    assert _named(replace(BASE, redis_tls_key_file="k"), url) == "persistence.redis_tls_cert_file"
+
+
+def test_unreadable_or_empty_files_are_named(tmp_path: Path) -> None:
+    url = "rediss://h:6379/0"
+    missing = str(tmp_path / "absent")
+    assert _named(replace(BASE, redis_tls_ca_file=missing), url) == "persistence.redis_tls_ca_file"
+    not_a_ca = tmp_path / "not-a-ca.crt"
+    not_a_ca.write_text("hello")
+    config = replace(BASE, redis_tls_ca_file=str(not_a_ca))
+    assert _named(config, url) == "persistence.redis_tls_ca_file"
+    empty = tmp_path / "password"
+    empty.write_text("\n")
+    config = replace(BASE, redis_password_file=str(empty))
+    assert _named(config, url) == "persistence.redis_password_file"
+
+
+def test_the_user_and_password_file_are_passed_on(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    config = replace(BASE, redis_username="devicemq", redis_password_file=str(secret))
+    options = connect_options(config, "rediss://h:6379/0")
+    assert options["username"] == "devicemq" and options["password"] == "s3cret"
+    assert options["ssl_check_hostname"] is True and options["ssl_cert_reqs"] == "required"
