@@ -37,7 +37,7 @@ from persistence.kafka_path import (
 )
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry, QueueStore
-from persistence.redis_security import connect_options, explain
+from persistence.redis_security import connect_options, explain, for_embedded
 from persistence.redis_store import RedisMessageStore
 from persistence.session_rewind import RewindUnderWay, Rewound, rewind_session
 from persistence.session_store import SessionStateStore
@@ -522,9 +522,14 @@ class DevicePersistence:
 def _without_password(url: str) -> str:
     """``url`` fit for a log line: a password in it is left out."""
     scheme, sep, rest = url.partition("://")
+    rest, question, query = rest.partition("?")
+    if question:
+        rest += "?" + "&".join(
+            "password=***" if p.lower().startswith("password=") else p for p in query.split("&")
+        )
     credentials, at, host = rest.rpartition("@")
     if not sep or not at or ":" not in credentials:
-        return url
+        return f"{scheme}{sep}{rest}"
     return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
 
 
@@ -559,7 +564,11 @@ async def open_persistence(
                 name="persistence.redis_url",
             )
     redis_url, bootstrap = endpoints
-    connect = connect_options(config, redis_url)  # TLS, ACL user (ConfigError if wrong)
+    if config.redis_url:
+        connect = connect_options(config, redis_url)  # TLS, ACL user (ConfigError if wrong)
+    else:
+        for_embedded(config)  # the embedded Redis: no TLS, no users
+        connect = {}
     store = RedisMessageStore.from_url(
         redis_url,
         cluster=config.redis_cluster,
@@ -576,7 +585,7 @@ async def open_persistence(
     except Exception as error:
         await store.aclose()
         raise PersistenceUnavailable(
-            f"cannot use redis at {_without_password(redis_url)}: {explain(error)}"
+            f"cannot use redis at {_without_password(redis_url)}: {explain(error, connect)}"
         ) from error
     try:
         await store.check_wait()

@@ -3,9 +3,13 @@
 One place turns the ``persistence.redis_*`` settings into redis-py's connection
 options, checked at start with a one-line error naming the setting (a missing
 certificate file, a key without its certificate, TLS files for a ``redis://``
-URL). Every Redis client of the broker (the store, the cluster link) is made
-with them. The credentials may also be in the URL
-(``rediss://user:password@host:6379/0``); the settings win.
+URL, a user or password given both in the URL and in the settings). Every
+Redis client of the broker (the store, the cluster link) is made with them.
+
+Trust: redis-py verifies Redis's certificate against ``redis_tls_ca_file``
+*in addition to* the system's CAs, and checks that it names the host of the
+URL unless ``redis_tls_check_hostname`` is false (then any certificate a
+trusted CA signed passes: for private networks only).
 """
 
 from __future__ import annotations
@@ -13,8 +17,17 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from broker.config import ConfigError, PersistenceSettings
+
+SETTINGS = (
+    "redis_username",
+    "redis_password_file",
+    "redis_tls_ca_file",
+    "redis_tls_cert_file",
+    "redis_tls_key_file",
+)
 
 
 def _readable(name: str, path: str) -> Path:
@@ -27,11 +40,29 @@ def _readable(name: str, path: str) -> Path:
     return file
 
 
+def _no_passphrase() -> str:
+    raise ConfigError(
+        "the key is protected by a passphrase: give one without",
+        name="persistence.redis_tls_key_file",
+    )
+
+
 def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:
     """redis-py keyword arguments for ``url`` as the settings say; ConfigError names the
     setting that is wrong."""
     options: dict[str, Any] = {}
-    tls = url.startswith("rediss://")
+    parts = urlsplit(url)
+    tls = parts.scheme.lower() == "rediss"
+    query = parse_qs(parts.query)
+    if config.redis_username and (parts.username or "username" in query):
+        raise ConfigError(
+            "redis_url names a user too: give it in one place", name="persistence.redis_username"
+        )
+    if config.redis_password_file and (parts.password or "password" in query):
+        raise ConfigError(
+            "redis_url holds a password too: give it in one place",
+            name="persistence.redis_password_file",
+        )
     tls_files = {
         "persistence.redis_tls_ca_file": config.redis_tls_ca_file,
         "persistence.redis_tls_cert_file": config.redis_tls_cert_file,
@@ -58,12 +89,17 @@ def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:
                 ) from None
             options["ssl_ca_certs"] = str(ca)
         if config.redis_tls_cert_file:
-            options["ssl_certfile"] = str(
-                _readable("persistence.redis_tls_cert_file", config.redis_tls_cert_file)
-            )
-            options["ssl_keyfile"] = str(
-                _readable("persistence.redis_tls_key_file", config.redis_tls_key_file)
-            )
+            cert = _readable("persistence.redis_tls_cert_file", config.redis_tls_cert_file)
+            key = _readable("persistence.redis_tls_key_file", config.redis_tls_key_file)
+            try:  # a pair that does not match fails here, not at every connect
+                ssl.create_default_context().load_cert_chain(cert, key, password=_no_passphrase)
+            except ssl.SSLError as error:
+                raise ConfigError(
+                    f"{cert} and {key} are not a certificate and its key ({error.reason})",
+                    name="persistence.redis_tls_cert_file",
+                ) from None
+            options["ssl_certfile"] = str(cert)
+            options["ssl_keyfile"] = str(key)
         options["ssl_check_hostname"] = config.redis_tls_check_hostname
         options["ssl_cert_reqs"] = "required"
     if config.redis_username:
@@ -77,25 +113,49 @@ def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:
     return options
 
 
-def explain(error: BaseException) -> str:
-    """What a failed connection to Redis means for the operator, naming the settings."""
-    from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError
+def for_embedded(config: PersistenceSettings) -> None:
+    """The embedded Redis is plain and has no users: these settings are for a Redis of
+    one's own (``redis_url``)."""
+    for key in SETTINGS:
+        if getattr(config, key):
+            raise ConfigError(
+                "applies to a Redis of your own (persistence.redis_url); the embedded "
+                "one is plain, with no users",
+                name=f"persistence.{key}",
+            )
 
-    text = str(error) or type(error).__name__
-    if isinstance(error, AuthenticationError | AuthenticationWrongNumberOfArgsError) or (
-        "NOAUTH" in text or "WRONGPASS" in text or "NOPERM" in text
-    ):
-        return (
-            f"redis refused the credentials ({text}): check persistence.redis_username and "
-            "persistence.redis_password_file (or the user in redis_url)"
-        )
+
+def explain(error: BaseException, options: dict[str, Any] | None = None) -> str:
+    """What a failed connection to Redis means for the operator, naming the settings
+    (``options``: those it was made with, from :func:`connect_options`)."""
+    from redis.exceptions import AuthenticationError, NoPermissionError
+
+    options = options or {}
+    chain: list[BaseException] = []
     cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, ssl.SSLError):
-            return _tls(str(cause.reason or cause))
+    while cause is not None and cause not in chain:
+        chain.append(cause)
         cause = cause.__cause__ or cause.__context__
-    if "SSL" in text or "certificate" in text.lower():
-        return _tls(text)
+    text = str(error) or type(error).__name__
+    for link in chain:
+        if isinstance(link, AuthenticationError):
+            return (
+                f"redis refused the credentials ({link}): check persistence.redis_username "
+                "and persistence.redis_password_file (or the user in redis_url)"
+            )
+        if isinstance(link, NoPermissionError):
+            return (
+                f"the redis user may not run what devicemq needs ({link}): give it "
+                '~* &* +@all (README "Secured Redis")'
+            )
+        if isinstance(link, ssl.SSLError):
+            detail = getattr(link, "verify_message", None) or link.reason or str(link)
+            return _tls(f"{link.reason}: {detail}" if detail != link.reason else str(detail))
+    if "ssl_cert_reqs" in options and "ssl_certfile" not in options and "closed" in text.lower():
+        return (
+            f"redis closed the connection ({text}): if it wants a client certificate, set "
+            "persistence.redis_tls_cert_file and redis_tls_key_file"
+        )
     return text
 
 
@@ -105,7 +165,12 @@ def _tls(reason: str) -> str:
     if "CERTIFICATE_REQUIRED" in upper:
         hint = "redis wants a client certificate: persistence.redis_tls_cert_file and key_file"
     elif "HOSTNAME" in upper or "IP ADDRESS MISMATCH" in upper:
-        hint = "its certificate does not name that host: persistence.redis_tls_check_hostname"
+        hint = (
+            "its certificate does not name the host of redis_url (or give Redis a "
+            "certificate that does; persistence.redis_tls_check_hostname)"
+        )
+    elif "EXPIRED" in upper:
+        hint = "its certificate has expired"
     elif "VERIFY" in upper or "SELF" in upper:
         hint = "its certificate is not signed by persistence.redis_tls_ca_file"
     elif "UNKNOWN_CA" in upper or "BAD_CERTIFICATE" in upper:

@@ -186,6 +186,8 @@ def _start_error(broker: DeviceMQ) -> str:
         ("another CA", "persistence.redis_tls_ca_file"),
         ("no client certificate", "persistence.redis_tls_cert_file"),
         ("missing CA file", "persistence.redis_tls_ca_file"),
+        ("wrong host name", "persistence.redis_tls_check_hostname"),
+        ("key of another certificate", "persistence.redis_tls_cert_file"),
     ],
 )
 def test_what_is_wrong_is_named_in_one_line_at_start(
@@ -202,8 +204,12 @@ def test_what_is_wrong_is_named_in_one_line_at_start(
         settings["persistence.redis_tls_ca_file"] = str(secured.certs["other-ca.crt"])
     elif case == "no client certificate":
         del settings["persistence.redis_tls_cert_file"], settings["persistence.redis_tls_key_file"]
-    else:
+    elif case == "missing CA file":
         settings["persistence.redis_tls_ca_file"] = str(tmp_path / "absent.crt")
+    elif case == "wrong host name":  # its certificate names 127.0.0.1 only
+        settings["persistence.redis_url"] = f"rediss://localhost:{secured.port}/0"
+    else:
+        settings["persistence.redis_tls_key_file"] = str(secured.certs["server.key"])
     line = _start_error(DeviceMQ(tmp_path / "broker", secured, kafka[0], settings))
     assert named in line, line
     assert "Traceback" not in line and PASSWORD not in line

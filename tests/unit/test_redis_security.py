@@ -60,3 +60,35 @@ def test_the_user_and_password_file_are_passed_on(tmp_path: Path) -> None:
     options = connect_options(config, "rediss://h:6379/0")
     assert options["username"] == "devicemq" and options["password"] == "s3cret"
     assert options["ssl_check_hostname"] is True and options["ssl_cert_reqs"] == "required"
+
+
+def test_a_user_or_password_in_the_url_and_in_the_settings_is_refused(tmp_path: Path) -> None:
+    """Found by review: redis-py lets the URL's win, silently (an old password left in
+    the URL would be used while the file holds the new one)."""
+    secret = tmp_path / "password"
+    secret.write_text("new\n")
+    with_file = replace(BASE, redis_password_file=str(secret))
+    assert _named(with_file, "rediss://u:old@h:6379/0") == "persistence.redis_password_file"
+    assert _named(with_file, "redis://h:6379/0?password=old") == "persistence.redis_password_file"
+    with_user = replace(BASE, redis_username="devicemq")
+    assert _named(with_user, "redis://someone@h:6379/0") == "persistence.redis_username"
+
+
+def test_the_scheme_is_case_insensitive(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    config = replace(BASE, redis_tls_ca_file=str(ca))
+    # Found by review: REDISS:// is TLS to redis-py; the CA file is then read (and
+    # found to hold no certificate), not refused for a plain URL.
+    with pytest.raises(ConfigError, match="holds no CA certificate"):
+        connect_options(config, "REDISS://h:6379/0")
+
+
+def test_the_embedded_redis_takes_none_of_them() -> None:
+    """Found by review: they were sent to the embedded Redis, which has no users."""
+    from persistence.redis_security import for_embedded
+
+    for_embedded(BASE)  # nothing set: fine
+    with pytest.raises(ConfigError) as caught:
+        for_embedded(replace(BASE, redis_username="devicemq"))
+    assert caught.value.name == "persistence.redis_username"
