@@ -498,11 +498,20 @@ class PersistenceConsumer:
     async def _committed(self, tp: TopicPartition) -> int | None:
         """The group's committed offset of ``tp`` (where a new assignment's first
         fetch starts), None if there is none or Kafka does not answer in time."""
-        try:
-            committed = await asyncio.wait_for(self._consumer.committed(tp), COMMITTED_TIMEOUT)
-        except Exception as error:  # a timeout, or a Kafka away: the fetch is taken as is
-            log.debug("asking kafka for the committed offset of %s failed: %s", tp, error)
+        # asyncio.wait, not wait_for: during a rebalance aiokafka's answer does not end
+        # at a cancel, and wait_for would wait for it (a shutdown drain hung 60 s with
+        # two workers stopping together); the call is left to end on its own.
+        ask = asyncio.ensure_future(self._consumer.committed(tp))
+        ask.add_done_callback(_quiet)
+        done, _ = await asyncio.wait({ask}, timeout=COMMITTED_TIMEOUT)
+        if not done:
+            ask.cancel()
+            log.debug("kafka did not tell the committed offset of %s in time", tp)
             return None
+        if ask.exception() is not None:  # a Kafka away: the fetch is taken as is
+            log.debug("asking kafka for the committed offset of %s failed: %s", tp, ask.exception())
+            return None
+        committed = ask.result()
         return committed if isinstance(committed, int) and committed >= 0 else None
 
     def _up_to_hole(
@@ -870,3 +879,9 @@ def _newer_wins(
 def _reread_by_both(older: dict[int, bool], newer: dict[int, bool]) -> dict[int, bool]:
     """Announcements merged: a partition is known re-read only if both said so."""
     return {p: older.get(p, True) and newer.get(p, True) for p in older.keys() | newer.keys()}
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    """A call left to end on its own: its outcome is not wanted (no "never retrieved")."""
+    if not task.cancelled():
+        task.exception()

@@ -455,7 +455,15 @@ class DevicePersistence:
                         return True
             return False
 
-        while await waiting():
+        while True:
+            # Bounded by the deadline whatever Kafka does (asyncio.wait does not wait
+            # for a cancelled call to end, as wait_for would).
+            check = asyncio.ensure_future(waiting())
+            done, _ = await asyncio.wait({check}, timeout=max(0.0, deadline - time.monotonic()))
+            if done and not check.result():
+                return
+            if not done:
+                check.cancel()
             if time.monotonic() > deadline:
                 log.error("shutdown: consumer did not store everything acknowledged in time")
                 return
