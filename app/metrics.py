@@ -43,6 +43,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from broker import __version__
 from broker.stats import LATENCY_BUCKETS, Histogram
+from persistence.redis_security import explain
 
 if TYPE_CHECKING:
     from broker.config import MetricsSettings
@@ -671,7 +672,9 @@ class MetricsServer:
             # Reachable, but refusing: e.g. MISCONF after a failed AOF write (disk full).
             return False, {"reason": f"redis refuses commands: {_short(e)}"}
         except Exception as e:
-            return False, {"reason": f"redis unreachable: {_short(e)}"}
+            # A refused login or a failed TLS handshake says so, naming the settings.
+            reason = explain(e, persistence.redis_connect)
+            return False, {"reason": f"redis unreachable: {_short_text(reason)}"}
         try:
             await asyncio.wait_for(persistence.kafka_producer.check(), PROBE_TIMEOUT)
         except Exception as e:
@@ -686,5 +689,8 @@ class MetricsServer:
 
 
 def _short(error: BaseException) -> str:
-    text = str(error) or type(error).__name__
-    return text.splitlines()[0][:200]
+    return _short_text(str(error) or type(error).__name__)
+
+
+def _short_text(text: str) -> str:
+    return text.splitlines()[0][:300]

@@ -213,3 +213,36 @@ def test_what_is_wrong_is_named_in_one_line_at_start(
     line = _start_error(DeviceMQ(tmp_path / "broker", secured, kafka[0], settings))
     assert named in line, line
     assert "Traceback" not in line and PASSWORD not in line
+
+
+def test_ready_names_a_refused_login_while_running(
+    tmp_path: Path, secured: SecuredRedis, kafka: tuple[str, int | None]
+) -> None:
+    """The password is changed in Redis under a running broker and its connections
+    are closed: ``/ready`` turns 503 naming the credentials' settings (issue 18)."""
+    from tests.faults.test_readiness import metrics_settings, wait_ready
+
+    metrics = metrics_settings()
+    settings = _settings(secured, _password(tmp_path), **metrics)
+    broker = DeviceMQ(tmp_path / "broker", secured, kafka[0], settings)
+    broker.start()
+    port = int(str(metrics["metrics.port"]))
+    admin = redis.Redis(
+        host=HOST,
+        port=secured.port,
+        ssl=True,
+        ssl_ca_certs=str(secured.certs["ca.crt"]),
+        ssl_certfile=str(secured.certs["client.crt"]),
+        ssl_keyfile=str(secured.certs["client.key"]),
+        username=USER,
+        password=PASSWORD,
+    )
+    try:
+        wait_ready(port, 200, 60)
+        admin.execute_command("ACL", "SETUSER", USER, "resetpass", ">rotated-elsewhere")
+        admin.execute_command("CLIENT", "KILL", "USER", USER, "SKIPME", "yes")
+        body = wait_ready(port, 503, 30, naming="persistence.redis_password_file")
+        assert PASSWORD not in str(body)
+    finally:
+        admin.close()
+        broker.stop()
