@@ -335,8 +335,10 @@ class Outflow:
         side, parked, inflight = self.side, self._parked, self.inflight
         if any(f.restoring for f in (side, self.detached_side) if f is not None):
             return []  # the identifiers it had in flight before a restart come first
-        sides: list[Feed] = [side] if side is not None else []
-        sides.extend(self.groups.values())
+        groups = self.groups
+        sides: list[Feed] = []  # the common case, no queue at all: nothing more built
+        if side is not None or groups:
+            sides = [side, *groups.values()] if side is not None else list(groups.values())
         if sides and getattr(self.feed, "replaying", False):
             # A resumed durable session: until its record's first page is read, an
             # identifier given here could be one the client still holds (QoS 2).

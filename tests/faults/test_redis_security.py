@@ -91,8 +91,9 @@ class SecuredRedis(RedisProcess):
                 raise RuntimeError(f"redis-server (TLS) did not start on {self.port}")
             time.sleep(0.05)
 
-    def ping(self) -> bool:
-        client = redis.Redis(
+    def client(self, **options: object) -> redis.Redis:
+        """A client of this Redis as the ACL user, with the client certificate."""
+        return redis.Redis(
             host=HOST,
             port=self.port,
             ssl=True,
@@ -101,8 +102,11 @@ class SecuredRedis(RedisProcess):
             ssl_keyfile=str(self.certs["client.key"]),
             username=USER,
             password=PASSWORD,
-            socket_timeout=1,
+            **options,  # type: ignore[arg-type]
         )
+
+    def ping(self) -> bool:
+        client = self.client(socket_timeout=1)
         try:
             return bool(client.ping())
         except (redis.RedisError, OSError):
@@ -227,16 +231,7 @@ def test_ready_names_a_refused_login_while_running(
     broker = DeviceMQ(tmp_path / "broker", secured, kafka[0], settings)
     broker.start()
     port = int(str(metrics["metrics.port"]))
-    admin = redis.Redis(
-        host=HOST,
-        port=secured.port,
-        ssl=True,
-        ssl_ca_certs=str(secured.certs["ca.crt"]),
-        ssl_certfile=str(secured.certs["client.crt"]),
-        ssl_keyfile=str(secured.certs["client.key"]),
-        username=USER,
-        password=PASSWORD,
-    )
+    admin = secured.client()
     try:
         wait_ready(port, 200, 60)
         admin.execute_command("ACL", "SETUSER", USER, "resetpass", ">rotated-elsewhere")

@@ -51,6 +51,17 @@ def _member(q: QueueStore, group: str, member: str) -> tuple[GroupQueues, GroupF
     return groups, GroupFeed(group, member, groups, BrokerStats(), clock=lambda: 0.0)
 
 
+async def _holding_one(q: QueueStore, group: str) -> tuple[GroupQueues, GroupFeed, Any]:
+    """Member "a" of a group holding one entry "k", taken from its feed (not sent)."""
+    await q.save(_batch(group, [b"k"]))
+    groups, feed = _member(q, group, "a")
+    Outflow(feed)
+    feed.restart()
+    assert await _until(lambda: feed.queued() == 1)
+    (item,) = feed.take(1)
+    return groups, feed, item
+
+
 async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
     for _ in range(int(timeout / 0.02)):
         if condition():
@@ -66,12 +77,7 @@ async def test_what_a_member_declined_it_may_take_on_its_next_connection(
     may take it (it stayed skipped for good, and nobody else was there)."""
     q = _queues(store)
     group = f"$queue/g/{cid}/#"
-    await q.save(_batch(group, [b"k"]))
-    groups, feed = _member(q, group, "a")
-    Outflow(feed)
-    feed.restart()
-    assert await _until(lambda: feed.queued() == 1)
-    (item,) = feed.take(1)
+    groups, feed, item = await _holding_one(q, group)
     feed.decline(item)
     feed.discard()  # the connection closes
     await groups.flush()
@@ -91,12 +97,7 @@ async def test_a_failed_claim_gives_back_what_was_taken_with_dup(
     next must get it with DUP."""
     q = _queues(store)
     group = f"$queue/g/{cid}/#"
-    await q.save(_batch(group, [b"k"]))
-    groups, feed = _member(q, group, "a")
-    Outflow(feed)
-    feed.restart()
-    assert await _until(lambda: feed.queued() == 1)
-    (item,) = feed.take(1)
+    groups, feed, item = await _holding_one(q, group)
     real, calls = q.claim, 0
 
     async def failing_once(*args: Any, **kwargs: Any) -> Any:
