@@ -149,10 +149,11 @@ class LogResets:
         self._writer: CoalescingWriter[dict[int, bool]] = CoalescingWriter(
             self._write, _reread_by_both, dict, Retry("log_resets")
         )
-        # partition -> its count right after an announcement of this process whose
-        # consumer had re-read the partition already: hearing it back is no news.
+        # partition -> its counts right after announcements of this process whose
+        # consumer had re-read the partition already: hearing them back is no news.
+        # Several may land between two looks (two compactions within a second).
         # Used once: a count is not unique over time (Redis may lose increments).
-        self._mine: dict[int, int] = {}
+        self._mine: dict[int, set[int]] = {}
         # Partitions reassigned since this process last claimed them: a claim
         # still being written no longer holds (the consumer may not be at 0).
         self._disowned: set[int] = set()
@@ -191,7 +192,7 @@ class LogResets:
             return partitions
         for partition, count in zip(ordered, counts, strict=False):
             if partitions[partition] and partition not in self._disowned:
-                self._mine[partition] = int(count)
+                self._mine.setdefault(partition, set()).add(int(count))
             else:
                 self._mine.pop(partition, None)
         log.warning(
@@ -211,7 +212,7 @@ class LogResets:
 
     def announced_by_others(self, known: dict[int, int], counts: dict[int, int]) -> set[int]:
         """Partitions whose count went from ``known`` to ``counts`` by another's
-        announcement. One step that this process made itself is not news: it had
+        announcement. Steps that this process made itself are not news: it had
         re-read the partition before announcing (a compaction's new log would
         otherwise be read twice, a second of records stored again)."""
         news: set[int] = set()
@@ -219,8 +220,13 @@ class LogResets:
             count, before = counts.get(partition, 0), known.get(partition, 0)
             if count == before:
                 continue  # an own step not visible yet stays remembered
-            mine = self._mine.pop(partition, None)
-            if partition in counts and not (count == mine and before == count - 1):
+            mine = self._mine.pop(partition, set())
+            later = {step for step in mine if step > count}  # landed after this read
+            if later:
+                self._mine[partition] = later
+            steps = count - before
+            own = sum(1 for step in mine if before < step <= count)
+            if partition in counts and own != steps:
                 news.add(partition)
         return news
 
