@@ -74,6 +74,7 @@ from persistence.redis_store import (
     DURABLE,
     LOST,
     ClientBatch,
+    LostWrites,
     PersistedMessageStore,
     SaveResult,
 )
@@ -462,6 +463,8 @@ class PersistenceConsumer:
             # earliest); other replicas' consumers may be past it: tell them.
             self._resets.announce(went_back, reread=True)
         results = await self._save(client_batches)
+        if results is None:  # Redis had lost saves: all of this is read again
+            return
         queue_results = await self._save_queues(queue_batches) if queue_batches else []
         if rewinds == self._rewinds:  # else these records are being read again
             self._commit_soon(commit)
@@ -704,12 +707,19 @@ class PersistenceConsumer:
         self._fetched_from.pop(tp, None)
         self._holes.pop(tp, None)
 
-    async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:
+    async def _save(self, batches: list[ClientBatch]) -> list[SaveResult] | None:
+        """Store, retrying what failed. Should Redis have lost saves it acknowledged,
+        nothing is stored and None is answered: every partition is read again from
+        its committed offset first (these records with it), so no later record
+        lands before a lost one."""
         while True:
             try:
                 saved = await self._store.save_many(batches)
                 self.store_retry.succeeded()
                 return saved
+            except LostWrites:
+                await self._rewind()
+                return None
             except Exception as error:  # BatchSaveError, connection errors, cluster errors
                 self.stats.save_errors += 1
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)

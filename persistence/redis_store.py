@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, NamedTuple, Protocol, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
@@ -95,6 +95,7 @@ from persistence.format import (
     pubrel_value,
     record_id,
 )
+from persistence.redis_security import Sentinels, redis_client
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -107,6 +108,7 @@ __all__ = [
     "Assigned",
     "BatchSaveError",
     "ClientBatch",
+    "LostWrites",
     "Page",
     "PersistedMessageStore",
     "RedisMessageStore",
@@ -228,6 +230,12 @@ def _save_result(reply: Any) -> SaveResult:
 
 class SessionOwned(Exception):
     """The client id's stored session belongs to another owner (auth.session_owner)."""
+
+
+class LostWrites(Exception):
+    """Redis lost saves it had acknowledged (its durability counter went back): no
+    batch of the call was stored; Kafka must be read again from the committed
+    offsets before anything else is saved (see save_batch.lua)."""
 
 
 class BatchSaveError(Exception):
@@ -404,10 +412,12 @@ class RedisMessageStore:
         *,
         cluster: bool = False,
         connect: Mapping[str, Any] | None = None,
+        sentinels: Sentinels | None = None,
         **kwargs: Any,
     ) -> RedisMessageStore:
-        """A store on ``redis://host:port`` (``cluster``: any node of a cluster);
-        ``connect``: redis-py's connection options (persistence/redis_security.py).
+        """A store on ``redis://host:port`` (``cluster``: any node of a cluster;
+        ``sentinels``: the master they name); ``connect``: redis-py's connection
+        options (persistence/redis_security.py).
 
         The single-node pool makes callers wait for a free connection instead
         of failing: redis-py's default pool raises "Too many connections"
@@ -418,14 +428,7 @@ class RedisMessageStore:
         if cluster:
             client = RedisCluster.from_url(url, decode_responses=False, **options)
         else:
-            pool = BlockingConnectionPool.from_url(
-                url,
-                max_connections=POOL_CONNECTIONS,
-                timeout=None,
-                decode_responses=False,
-                **options,
-            )
-            client = Redis(connection_pool=pool)
+            client = redis_client(url, options, sentinels, max_connections=POOL_CONNECTIONS)
         return cls(client, **kwargs)
 
     async def aclose(self) -> None:
@@ -566,23 +569,38 @@ class RedisMessageStore:
                 break
             started = time.perf_counter()
             pipe = self.redis.pipeline(transaction=False)
-            for i in todo:
-                keys, args = calls[i]
-                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
             counting = self.wait != "off"
             floor = self._counted
+            # One Redis (not a cluster, whose scripts see one slot): every save first
+            # checks that Redis still has what it acknowledged (save_batch.lua).
+            guard = (self._counter_key,) if counting and isinstance(self.redis, Redis) else ()
+            for i in todo:
+                keys, args = calls[i]
+                keys_ = (*keys, *guard)
+                args_ = (*args, floor) if guard else args
+                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys_), *keys_, *args_)
             if counting:  # after the saves, on their connection (wait_durable)
                 pipe.incr(self._counter_key)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             finally:
                 self._observe(_SAVE.name, time.perf_counter() - started)
+            counted: Any = None
             if counting:
                 counted = replies.pop()
                 if isinstance(counted, int):
                     if counted <= floor:  # below what Redis acknowledged before: lost
                         self._lost_seen = True
                     self._counted = max(self._counted, counted)
+            lost = [r for r in replies if isinstance(r, list) and r and r[0] == b"lost"]
+            if lost:
+                # Nothing of this wave was stored: count from where Redis is now.
+                self._counted = counted if counting and isinstance(counted, int) else 0
+                self._lost_seen = False
+                self.lost_writes += 1
+                raise LostWrites(
+                    f"redis lost saves it had acknowledged (counter {floor} -> {int(lost[0][1])})"
+                )
             again = []
             for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
