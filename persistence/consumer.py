@@ -466,6 +466,8 @@ class PersistenceConsumer:
         if results is None:  # Redis had lost saves: all of this is read again
             return
         queue_results = await self._save_queues(queue_batches) if queue_batches else []
+        if queue_results is None:  # as above; the clients' saves were fine to make
+            return
         if rewinds == self._rewinds:  # else these records are being read again
             self._commit_soon(commit)
             for tp, offset in commit.items():
@@ -725,9 +727,10 @@ class PersistenceConsumer:
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)
                 await self.store_retry.wait()
 
-    async def _save_queues(self, batches: list[QueueBatch]) -> list[QueueSaveResult]:
+    async def _save_queues(self, batches: list[QueueBatch]) -> list[QueueSaveResult] | None:
         """Store queue batches; what failed is tried again (only that: a result lost
-        to a retry would report its records as duplicates)."""
+        to a retry would report its records as duplicates). None: Redis had lost
+        saves, Kafka is read again (see :meth:`_save`)."""
         assert self._queues is not None
         results: list[QueueSaveResult | None] = [None] * len(batches)
         while True:
@@ -735,6 +738,9 @@ class PersistenceConsumer:
             if not todo:
                 return [r for r in results if r is not None]
             saved, error = await self._queues.save_many([batches[i] for i in todo])
+            if isinstance(error, LostWrites):
+                await self._rewind()
+                return None
             for i, result in zip(todo, saved, strict=True):
                 results[i] = result
             if error is None:

@@ -238,6 +238,11 @@ class LostWrites(Exception):
     offsets before anything else is saved (see save_batch.lua)."""
 
 
+def is_lost(reply: Any) -> bool:
+    """A save script's answer that Redis lost acknowledged saves (see loss_guard)."""
+    return isinstance(reply, list) and len(reply) == 2 and reply[0] == b"lost"
+
+
 class BatchSaveError(Exception):
     """Some batches of :meth:`RedisMessageStore.save_many` failed.
 
@@ -571,13 +576,11 @@ class RedisMessageStore:
             pipe = self.redis.pipeline(transaction=False)
             counting = self.wait != "off"
             floor = self._counted
-            # One Redis (not a cluster, whose scripts see one slot): every save first
-            # checks that Redis still has what it acknowledged (save_batch.lua).
-            guard = (self._counter_key,) if counting and isinstance(self.redis, Redis) else ()
+            guard = self.loss_guard()
             for i in todo:
                 keys, args = calls[i]
-                keys_ = (*keys, *guard)
-                args_ = (*args, floor) if guard else args
+                keys_ = (*keys, guard[0]) if guard else keys
+                args_ = (*args, guard[1]) if guard else args
                 pipe.execute_command("EVALSHA", _SAVE.sha, len(keys_), *keys_, *args_)
             if counting:  # after the saves, on their connection (wait_durable)
                 pipe.incr(self._counter_key)
@@ -590,17 +593,15 @@ class RedisMessageStore:
                 counted = replies.pop()
                 if isinstance(counted, int):
                     if counted <= floor:  # below what Redis acknowledged before: lost
+                        if guard:
+                            # Every script refused (or ran nothing: NOSCRIPT on a new
+                            # master); retrying would count past the loss and hide it.
+                            raise self.lost(counted)
                         self._lost_seen = True
                     self._counted = max(self._counted, counted)
-            lost = [r for r in replies if isinstance(r, list) and r and r[0] == b"lost"]
-            if lost:
-                # Nothing of this wave was stored: count from where Redis is now.
-                self._counted = counted if counting and isinstance(counted, int) else 0
-                self._lost_seen = False
-                self.lost_writes += 1
-                raise LostWrites(
-                    f"redis lost saves it had acknowledged (counter {floor} -> {int(lost[0][1])})"
-                )
+            lost = [r for r in replies if is_lost(r)]
+            if lost:  # nothing of this wave was stored
+                raise self.lost(counted if isinstance(counted, int) else int(lost[0][1]))
             again = []
             for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
@@ -614,6 +615,22 @@ class RedisMessageStore:
                 await self.load_scripts()
             todo = again
         return results
+
+    def loss_guard(self) -> tuple[str, int] | None:
+        """(this store's durability counter, the highest value Redis acknowledged for
+        it), for a save script to check before it stores anything (save_batch.lua,
+        queue_save.lua); None when nothing is counted (``redis_wait: off``) or on a
+        cluster, whose scripts see one slot (there the fence alone sees a loss)."""
+        if self.wait == "off" or not isinstance(self.redis, Redis):
+            return None
+        return self._counter_key, self._counted
+
+    def lost(self, counter: int) -> LostWrites:
+        """A save script found the counter below what Redis acknowledged: count on
+        from ``counter`` (where Redis is now) and tell the caller to re-read Kafka."""
+        floor, self._counted, self._lost_seen = self._counted, counter, False
+        self.lost_writes += 1
+        return LostWrites(f"redis lost saves it had acknowledged (counter {floor} -> {counter})")
 
     async def wait_durable(self) -> str:
         """Is everything saved so far as durable as ``persistence.redis_wait`` asks?

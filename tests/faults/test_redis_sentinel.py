@@ -23,8 +23,8 @@ import redis
 
 from app.embedded_services import find_redis_server, free_port
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
-from tests.e2e.clients import Raw
 from persistence.format import client_keys
+from tests.e2e.clients import Raw
 from tests.faults.conftest import HOST, DeviceMQ, RedisProcess, _stop
 from tests.kafka_fixtures import freeze
 
@@ -205,7 +205,7 @@ def test_a_message_goes_through_the_master_the_sentinel_names(
         assert _receive_all(broker, "sen-sub", {b"via sentinel"}) == {b"via sentinel"}
         # It was stored on the master the Sentinel named.
         with redis.Redis(host=HOST, port=master.port) as direct:
-            assert any(b"sen-sub" in key for key in direct.keys())
+            assert any(b"sen-sub" in key for key in direct)
     finally:
         broker.stop()
 

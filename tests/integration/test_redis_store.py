@@ -784,3 +784,29 @@ async def test_redis_wait_tells_a_loss_from_saves_overlapping_a_fence() -> None:
         await follower.aclose()
         replica.stop()
         primary.stop()
+
+
+async def test_a_new_master_without_the_scripts_still_shows_the_loss(
+    store: RedisMessageStore,
+) -> None:
+    """A replica promoted after a loss has neither the last writes nor the scripts
+    (SCRIPT LOAD is not replicated): the first save runs nothing (NOSCRIPT) but its
+    counter increment lands. Retried once the scripts are loaded, it counted past
+    the loss and stored later records before the lost ones were read again
+    (finding 25, seen in tests/faults/test_redis_sentinel.py). It must say lost."""
+    from redis.asyncio import Redis as AsyncRedis
+
+    if not isinstance(store.redis, AsyncRedis):
+        return  # a cluster's scripts cannot see the counter: the fence alone tells
+    counting = RedisMessageStore(store.redis, wait="replicas", wait_timeout_ms=10)
+    await counting.load_scripts()
+    await counting.save_many([ClientBatch("dev-a", msgs(0, 1), 0)])
+    key, floor = counting.loss_guard()  # type: ignore[misc]
+    assert floor == 1
+    await store.redis.delete(key)
+    await store.redis.execute_command("SCRIPT", "FLUSH")
+    with pytest.raises(LostWrites):
+        await counting.save_many([ClientBatch("dev-b", msgs(0, 1), 0)])
+    assert await store.redis.zcard(client_keys("dev-b").messages) == 0
+    (result,) = await counting.save_many([ClientBatch("dev-b", msgs(0, 1), 0)])
+    assert result.saved == 1
