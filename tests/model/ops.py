@@ -16,7 +16,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS = ("mixed", "faults", "expiry", "clean", "kafka", "wrap", "queues")
+SCENARIOS = ("mixed", "faults", "expiry", "clean", "kafka", "wrap", "queues", "failover")
+# The scenarios a seed picks by itself (seed % len): "failover" is asked for by
+# name (--scenario failover), so every seed keeps the scenario it had.
+ROTATION = SCENARIOS[:7]
 
 TOPICS = ("m/a", "m/b", "m/c/d", "m/w")
 FILTERS = ("m/a", "m/b", "m/c/d", "m/+", "m/#", "m/c/+")
@@ -114,9 +117,16 @@ _BASE = {
     "group_write": 0,
     "group_join": 0,
     "group_leave": 0,
+    # Redis failovers (a replica, a Sentinel, redis_wait: replicas): the "failover"
+    # scenario only. lag_replica cuts the replica off, so a failover loses writes.
+    "lag_replica": 0,
+    "failover": 0,
 }
 _BIAS: dict[str, dict[str, int]] = {
     "mixed": {},
+    # Redis is a master, a replica and a Sentinel here: it restarts and pauses only
+    # by failing over (a paused master would be failed over under the test's feet).
+    "failover": {"lag_replica": 4, "failover": 3, "restart_redis": 0, "pause_redis": 0},
     "faults": {"kill_broker": 6, "restart_redis": 5, "pause_redis": 4, "pause_kafka": 3},
     "expiry": {
         "policy": 10,
@@ -145,7 +155,7 @@ _BIAS: dict[str, dict[str, int]] = {
 
 def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None) -> Plan:
     rnd = random.Random(seed)
-    scenario = scenario or SCENARIOS[seed % len(SCENARIOS)]
+    scenario = scenario or ROTATION[seed % len(ROTATION)]
     max_inflight = rnd.choice((4, 8, 16)) if scenario != "wrap" else 32
     limit = rnd.choice((10, 15, 20, 30, 10_000)) if scenario != "wrap" else rnd.choice((3000, 5000))
     if scenario == "expiry":
@@ -157,6 +167,9 @@ def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None)
         # A killed broker's members' claims lapse within the drain's patience.
         "group_queues.lease": 3.0,
     }
+    if scenario == "failover":
+        settings["persistence.redis_wait"] = "replicas"
+        settings["persistence.redis_wait_timeout_ms"] = 300
     if rnd.random() < 0.3:
         settings["persistence.replay_page_size"] = rnd.choice((5, 20, 100))
     if scenario in ("expiry", "mixed") and rnd.random() < 0.25:
@@ -361,6 +374,12 @@ class _Generator:
 
     def _restart_kafka(self) -> Op:
         return op("restart_kafka")
+
+    def _lag_replica(self) -> Op:
+        return op("lag_replica")
+
+    def _failover(self) -> Op:
+        return op("failover")
 
     def _pause_redis(self) -> list[Op]:
         out = [op("pause_redis", seconds=self.rnd.choice((0.5, 1.5, 3.0)))]

@@ -439,6 +439,17 @@ class Runner:
         self.system.restart_redis(sig)
         self._fault("restart_redis")
 
+    def _op_lag_replica(self, operation: Op) -> None:
+        if self.system.lag_replica():
+            self.model.note_fault("lag_replica")
+
+    def _op_failover(self, operation: Op) -> None:
+        self._resume_all()  # but the replica: it lags on if it was cut off
+        lagged = self.system.failover()
+        self._fault("failover")
+        if lagged:
+            self.model.redis_lost_writes()
+
     def _wait_publishers(self, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
         for cid, thread in list(self.background.items()):
@@ -469,6 +480,7 @@ class Runner:
     def _op_drain(self, operation: Op) -> None:
         """Everything resumed and acknowledged; every owed message must arrive."""
         self._resume_all()
+        self.system.thaw_replica()
         self._wait_publishers()
         for pub in self.pubs.values():
             if isinstance(pub, PahoPublisher):

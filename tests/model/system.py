@@ -35,6 +35,7 @@ from aiokafka.errors import KafkaError
 
 from app.embedded_services import find_tansu, free_port, kafka_ready
 from tests.faults.conftest import HOST, DeviceMQ, RedisProcess
+from tests.faults.sentinel import MASTER_NAME, Found, ReplicaRedis, SentinelProcess, cut_off
 from tests.kafka_fixtures import start_tansu, stop_tansu
 
 PARTITIONS = 4
@@ -135,6 +136,22 @@ class System:
         self.topic, self.group = f"model.{tag}", f"model-{tag}"
         self.redis = RedisProcess(root / "redis")
         self.tansu = Tansu(root / "tansu.log")
+        # redis_wait: replicas (the failover scenario): a replica and a Sentinel, and
+        # the brokers find the master through it (persistence.redis_sentinels).
+        self.replica: ReplicaRedis | None = None
+        self.sentinel: SentinelProcess | None = None
+        self.replica_lagging = False
+        self.failovers = 0
+        given: RedisProcess = self.redis
+        if settings.get("persistence.redis_wait") == "replicas":
+            self.replica = ReplicaRedis(root / "redis-r0", self.redis)
+            self.sentinel = SentinelProcess(root / "sentinel", self.redis)
+            given = Found(root / "found")
+            settings = {
+                **settings,
+                "persistence.redis_sentinels": f"{HOST}:{self.sentinel.port}",
+                "persistence.redis_sentinel_master": MASTER_NAME,
+            }
         common: dict[str, object] = {
             "persistence.topic": self.topic,
             "persistence.consumer_group": self.group,
@@ -154,9 +171,7 @@ class System:
             own = {**common, "metrics.port": port}
             if replicas > 1:
                 own["cluster.node_id"] = "ab"[i] if i < 2 else f"n{i}"
-            self.brokers.append(
-                DeviceMQ(root / f"broker-{i}", self.redis, self.tansu.bootstrap, own)
-            )
+            self.brokers.append(DeviceMQ(root / f"broker-{i}", given, self.tansu.bootstrap, own))
             self.metrics_ports.append(port)
         self.redis_paused = False
         self.kills: list[tuple[float, int]] = []  # (time, broker) of every kill -9
@@ -167,6 +182,10 @@ class System:
     def start(self) -> None:
         self.tansu.start()
         self.redis.start()
+        if self.replica is not None and self.sentinel is not None:
+            self.replica.start()
+            self.sentinel.start()
+            self._until_promotable(self.replica)
         for broker in self.brokers:  # one after the other: one of them creates the topic
             broker.start()
         for i in range(len(self.brokers)):
@@ -178,6 +197,10 @@ class System:
         for broker in reversed(self.brokers):
             with contextlib.suppress(Exception):
                 broker.stop()
+        for other in (self.sentinel, self.replica):
+            if other is not None:
+                with contextlib.suppress(Exception):
+                    other.stop()
         with contextlib.suppress(Exception):
             self.redis.stop()
         with contextlib.suppress(Exception):
@@ -230,6 +253,53 @@ class System:
     def resume_all(self) -> None:
         self.resume_redis()
         self.resume_kafka()
+        self.thaw_replica()
+
+    def lag_replica(self) -> bool:
+        """Cut the replica off (frozen, its link killed): it lags from now on."""
+        if self.replica is None or self.replica_lagging or not self.replica.alive():
+            return False
+        cut_off(self.replica)
+        self.replica_lagging = True
+        return True
+
+    def thaw_replica(self) -> None:
+        """The cut-off replica runs again and catches up with the master."""
+        if self.replica is not None and self.replica_lagging:
+            _signal(self.replica.proc, signal.SIGCONT)
+            self.replica_lagging = False
+
+    def failover(self) -> bool:
+        """Kill the master (-9) and let the Sentinel promote the replica; a fresh replica
+        follows the new master. True when the replica lagged: the new master lacks
+        what the old one alone had (with redis_wait: replicas, nothing acknowledged
+        may be lost for that)."""
+        assert self.replica is not None and self.sentinel is not None
+        lagged = self.replica_lagging
+        old, promoted = self.redis, self.replica
+        old.stop(signal.SIGKILL)
+        self.thaw_replica()
+        deadline = time.monotonic() + 30
+        while self.sentinel.master_port() != promoted.port:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinel did not promote the replica within 30 s")
+            time.sleep(0.05)
+        self.failovers += 1
+        self.redis = promoted
+        self.replica = ReplicaRedis(self.root / f"redis-r{self.failovers}", promoted)
+        self.replica.start()
+        self._until_promotable(self.replica)
+        return lagged
+
+    def _until_promotable(self, replica: ReplicaRedis) -> None:
+        """The Sentinel learns of a new replica from the master's INFO (every 10 s):
+        a failover before that would find none to promote."""
+        assert self.sentinel is not None
+        deadline = time.monotonic() + 30
+        while replica.port not in self.sentinel.ready_replicas():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinel did not see the new replica within 30 s")
+            time.sleep(0.1)
 
     def restart_kafka(self) -> None:
         """Kill Tansu and start an empty one on the same port."""
