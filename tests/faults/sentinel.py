@@ -104,7 +104,9 @@ class SentinelProcess:
             client.close()
         ready = set()
         for entry in answer:
-            fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
+            if not isinstance(entry, dict):  # RESP2: a flat name, value list
+                entry = dict(zip(entry[::2], entry[1::2], strict=True))
+            fields = entry
             if fields.get("flags") == "slave" and fields.get("master-link-status") == "ok":
                 ready.add(int(fields["port"]))
         return ready
