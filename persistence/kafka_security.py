@@ -22,6 +22,7 @@ not an SSL context): it pickles, so the pipeline ships it to Spark's workers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 from collections.abc import Mapping
@@ -80,12 +81,10 @@ class KafkaSecurity:
         return self.protocol in _SASL_PROTOCOLS
 
     def ssl_context(self) -> ssl.SSLContext:
-        """The client side of the TLS handshake (files checked by :func:`from_settings`)."""
-        context = ssl.create_default_context(cafile=self.ca_file or None)
-        context.check_hostname = self.check_hostname
-        if self.cert_file:
-            context.load_cert_chain(self.cert_file, self.key_file)
-        return context
+        """The client side of the TLS handshake (files checked by :func:`from_settings`),
+        one for every client with these files: making one reads the system's CAs,
+        160 ms on the event loop (BENCHMARKS.md "Kafka over TLS")."""
+        return _ssl_context(self.ca_file, self.cert_file, self.key_file, self.check_hostname)
 
     def aiokafka(self) -> dict[str, Any]:
         """Keyword arguments for aiokafka's producer, consumer, admin client and client."""
@@ -133,6 +132,18 @@ class KafkaSecurity:
 
 
 PLAINTEXT = KafkaSecurity()
+
+
+@functools.lru_cache(maxsize=4)
+def _ssl_context(
+    ca_file: str, cert_file: str, key_file: str, check_hostname: bool
+) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca_file or None)
+    context.check_hostname = check_hostname
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file)
+    return context
+
 
 # Option names of :meth:`KafkaSecurity.as_options`, and the setting each stands for.
 _OPTION_SETTINGS = {
