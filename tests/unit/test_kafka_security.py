@@ -246,3 +246,16 @@ def test_failures_are_explained_with_their_settings() -> None:
     unverified.reason = "CERTIFICATE_VERIFY_FAILED"
     assert "persistence.kafka_tls_ca_file" in explain(unverified, sasl)
     assert explain(ConnectionRefusedError("refused"), sasl) == "refused"
+
+
+def test_the_pipeline_names_a_wrong_setting_in_one_line_before_spark_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.cli import main
+
+    monkeypatch.setenv("DEVICEMQ_PERSISTENCE_KAFKA_SECURITY_PROTOCOL", "SSL")
+    monkeypatch.setenv("DEVICEMQ_PERSISTENCE_KAFKA_TLS_CA_FILE", str(tmp_path / "absent.pem"))
+    argv = ["audit", "--bootstrap", "127.0.0.1:1", "--redis", "redis://127.0.0.1:1/0"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "persistence.kafka_tls_ca_file" in lines[0], lines
