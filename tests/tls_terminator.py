@@ -8,7 +8,7 @@ rotated under a running broker)::
     python -m tests.tls_terminator LISTEN_PORT TARGET_PORT CERT KEY [CLIENT_CA]
 
 With CLIENT_CA, clients must show a certificate that CA signed. It prints
-``ready`` once it listens on 127.0.0.1:LISTEN_PORT.
+``ready`` once it listens on 127.0.0.1:LISTEN_PORT and 127.0.0.2:LISTEN_PORT.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 HOST = "127.0.0.1"
+# Also loopback, but named by no certificate of tests/pki.py: a host-name mismatch.
+OTHER_HOST = "127.0.0.2"
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -44,7 +46,7 @@ async def _serve(listen: int, target: int, context: ssl.SSLContext) -> None:
             return
         await asyncio.gather(_pump(client_r, server_w), _pump(server_r, client_w))
 
-    server = await asyncio.start_server(handle, HOST, listen, ssl=context)
+    server = await asyncio.start_server(handle, [HOST, OTHER_HOST], listen, ssl=context)
     print("ready", flush=True)
     async with server:
         await server.serve_forever()

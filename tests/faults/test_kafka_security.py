@@ -145,6 +145,41 @@ def _start_error(broker: DeviceMQ) -> str:
     return lines[-1]
 
 
+def _through_kafka(broker: DeviceMQ, name: str, count: int) -> None:
+    """``count`` messages to an offline persistent session (so through Kafka, then
+    Redis): every one acknowledged to the publisher is delivered, in order."""
+    expiry = Properties(session_expiry_interval=600)
+    topic = f"{name}/t"
+    sub = Raw(broker)
+    assert isinstance(sub.connect(f"{name}-sub", clean_start=True, properties=expiry), ConnAck)
+    sub.send(Subscribe(1, [Subscription(topic, 1)]))
+    assert isinstance(sub.recv(), SubAck)
+    sub.close()  # offline: what is published waits in Kafka, then Redis
+    pub = Raw(broker)
+    pub.connect(f"{name}-pub")
+    acknowledged = []
+    for i in range(count):
+        pub.send(Publish(topic, f"m{i}".encode(), 1, packet_id=i + 1))
+        ack = pub.recv(timeout=20)
+        assert isinstance(ack, PubAck) and ack.packet_id == i + 1
+        if ack.reason_code == 0:
+            acknowledged.append(f"m{i}".encode())
+    assert len(acknowledged) == count
+    again = Raw(broker)
+    connack = again.connect(f"{name}-sub", clean_start=False, properties=expiry)
+    assert isinstance(connack, ConnAck) and connack.session_present
+    got = []
+    while len(got) < count:
+        message = again.recv(timeout=20)
+        assert isinstance(message, Publish), message
+        got.append(message.payload)
+        if message.packet_id is not None:
+            again.send(PubAck(message.packet_id))
+    assert got == acknowledged
+    for each in (pub, again):
+        each.close()
+
+
 @pytest.mark.parametrize("client", ["aiokafka", "confluent"])
 def test_persistent_messages_go_through_a_tls_kafka_none_lost(
     tmp_path: Path, tls_kafka: TlsKafka, redis: RedisProcess, client: str
@@ -155,37 +190,8 @@ def test_persistent_messages_go_through_a_tls_kafka_none_lost(
     settings = _tls(tls_kafka.pki, **{"persistence.kafka_client": client})
     broker = DeviceMQ(tmp_path / "broker", redis, tls_kafka.bootstrap, settings)
     broker.start()
-    count = 50
     try:
-        expiry = Properties(session_expiry_interval=600)
-        sub = Raw(broker)
-        assert isinstance(sub.connect("tls-sub", clean_start=True, properties=expiry), ConnAck)
-        sub.send(Subscribe(1, [Subscription("tls/t", 1)]))
-        assert isinstance(sub.recv(), SubAck)
-        sub.close()  # offline: what is published waits in Kafka, then Redis
-        pub = Raw(broker)
-        pub.connect("tls-pub")
-        acknowledged = []
-        for i in range(count):
-            pub.send(Publish("tls/t", f"m{i}".encode(), 1, packet_id=i + 1))
-            ack = pub.recv(timeout=20)
-            assert isinstance(ack, PubAck) and ack.packet_id == i + 1
-            if ack.reason_code == 0:
-                acknowledged.append(f"m{i}".encode())
-        assert len(acknowledged) == count
-        again = Raw(broker)
-        connack = again.connect("tls-sub", clean_start=False, properties=expiry)
-        assert isinstance(connack, ConnAck) and connack.session_present
-        got = []
-        while len(got) < count:
-            message = again.recv(timeout=20)
-            assert isinstance(message, Publish), message
-            got.append(message.payload)
-            if message.packet_id is not None:
-                again.send(PubAck(message.packet_id))
-        assert got == acknowledged
-        for each in (pub, again):
-            each.close()
+        _through_kafka(broker, "tls", 50)
     finally:
         broker.stop()
     assert "Traceback" not in broker.log()
@@ -198,6 +204,7 @@ def test_persistent_messages_go_through_a_tls_kafka_none_lost(
         ("no client certificate", "persistence.kafka_tls_cert_file"),
         ("plaintext towards TLS", "persistence.kafka_security_protocol"),
         ("a missing key file", "persistence.kafka_tls_key_file"),
+        ("a host its certificate does not name", "persistence.kafka_tls_check_hostname"),
     ],
 )
 def test_what_is_wrong_with_tls_is_named_in_one_line_at_start(
@@ -205,16 +212,19 @@ def test_what_is_wrong_with_tls_is_named_in_one_line_at_start(
 ) -> None:
     pki = tls_kafka.pki
     settings = _tls(pki)
-    if case == "a CA that did not sign it":
+    bootstrap = tls_kafka.bootstrap
+    if case == "a host its certificate does not name":
+        bootstrap = f"{tls_terminator.OTHER_HOST}:{tls_kafka.port}"
+    elif case == "a CA that did not sign it":
         settings["persistence.kafka_tls_ca_file"] = str(pki.stranger_cert)
     elif case == "no client certificate":
         del settings["persistence.kafka_tls_cert_file"]
         del settings["persistence.kafka_tls_key_file"]
     elif case == "plaintext towards TLS":
         settings = _names()
-    else:
+    elif case == "a missing key file":
         settings["persistence.kafka_tls_key_file"] = str(tmp_path / "absent.key")
-    line = _start_error(DeviceMQ(tmp_path / "broker", redis, tls_kafka.bootstrap, settings))
+    line = _start_error(DeviceMQ(tmp_path / "broker", redis, bootstrap, settings))
     assert named in line, line
     assert line.startswith("devicemq: error: cannot use kafka at") or case == "a missing key file"
     assert "Traceback" not in line
@@ -324,3 +334,18 @@ def test_the_pipelines_kafka_reader_reads_through_tls(tls_kafka: TlsKafka) -> No
     reader = source.reader(None)  # type: ignore[arg-type]  # the schema is fixed
     read = [row[1] for part in reader.partitions() for row in reader.read(part)]
     assert sorted(read) == sorted(sent)
+
+
+def test_no_host_name_check_reaches_kafka_by_another_name(
+    tmp_path: Path, tls_kafka: TlsKafka, redis: RedisProcess
+) -> None:
+    """``kafka_tls_check_hostname: false``: a bootstrap address the certificate does not
+    name is accepted (the certificate is still verified against the CA)."""
+    settings = _tls(tls_kafka.pki, **{"persistence.kafka_tls_check_hostname": False})
+    bootstrap = f"{tls_terminator.OTHER_HOST}:{tls_kafka.port}"
+    broker = DeviceMQ(tmp_path / "broker", redis, bootstrap, settings)
+    broker.start()
+    try:
+        _through_kafka(broker, "nocheck", 5)
+    finally:
+        broker.stop()
