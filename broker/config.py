@@ -369,6 +369,14 @@ class PersistenceSettings:
     redis_tls_check_hostname: bool = setting(
         True, "Check that Redis's certificate names the host of redis_url"
     )
+    redis_sentinels: str = setting(
+        "",
+        "Redis Sentinels, host:port[,host:port], that name the master (redis_url then "
+        "names no host: redis:///0 or rediss:///0); empty: no Sentinel",
+    )
+    redis_sentinel_master: str = setting(
+        "", "The master's name the Sentinels monitor (their 'sentinel monitor NAME ...')"
+    )
     kafka_bootstrap: str = setting(
         "", "Kafka bootstrap servers, host:port[,host:port]; empty with redis_url empty: embedded"
     )

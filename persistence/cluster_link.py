@@ -62,6 +62,7 @@ from broker.message import Delivery
 from persistence.coalescing import CoalescingWriter, Retry
 from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import decode_record
+from persistence.redis_security import redis_client
 
 if TYPE_CHECKING:
     from redis.asyncio.client import PubSub
@@ -366,7 +367,7 @@ async def open_cluster_link(
     # The connections are named, so an operator (or a test) can find them.
     name = f"devicemq-cluster-{broker.cluster.node_id if broker.cluster else ''}"
     connect = persistence.redis_connect  # TLS, ACL user (persistence/redis_security.py)
-    redis = Redis.from_url(url, decode_responses=False, client_name=name, **connect)
+    redis = redis_client(url, connect, persistence.redis_sentinels, client_name=name)
     keys: Redis | RedisCluster | None = None
     if settings.persistence.redis_cluster:
         keys = RedisCluster.from_url(url, decode_responses=False, **connect)

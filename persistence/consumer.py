@@ -75,6 +75,7 @@ from persistence.redis_store import (
     DURABLE,
     LOST,
     ClientBatch,
+    LostWrites,
     PersistedMessageStore,
     SaveResult,
 )
@@ -153,10 +154,11 @@ class LogResets:
         self._writer: CoalescingWriter[dict[int, bool]] = CoalescingWriter(
             self._write, _reread_by_both, dict, Retry("log_resets")
         )
-        # partition -> its count right after an announcement of this process whose
-        # consumer had re-read the partition already: hearing it back is no news.
+        # partition -> its counts right after announcements of this process whose
+        # consumer had re-read the partition already: hearing them back is no news.
+        # Several may land between two looks (two compactions within a second).
         # Used once: a count is not unique over time (Redis may lose increments).
-        self._mine: dict[int, int] = {}
+        self._mine: dict[int, set[int]] = {}
         # Partitions reassigned since this process last claimed them: a claim
         # still being written no longer holds (the consumer may not be at 0).
         self._disowned: set[int] = set()
@@ -195,7 +197,7 @@ class LogResets:
             return partitions
         for partition, count in zip(ordered, counts, strict=False):
             if partitions[partition] and partition not in self._disowned:
-                self._mine[partition] = int(count)
+                self._mine.setdefault(partition, set()).add(int(count))
             else:
                 self._mine.pop(partition, None)
         log.warning(
@@ -215,7 +217,7 @@ class LogResets:
 
     def announced_by_others(self, known: dict[int, int], counts: dict[int, int]) -> set[int]:
         """Partitions whose count went from ``known`` to ``counts`` by another's
-        announcement. One step that this process made itself is not news: it had
+        announcement. Steps that this process made itself are not news: it had
         re-read the partition before announcing (a compaction's new log would
         otherwise be read twice, a second of records stored again)."""
         news: set[int] = set()
@@ -223,8 +225,13 @@ class LogResets:
             count, before = counts.get(partition, 0), known.get(partition, 0)
             if count == before:
                 continue  # an own step not visible yet stays remembered
-            mine = self._mine.pop(partition, None)
-            if partition in counts and not (count == mine and before == count - 1):
+            mine = self._mine.pop(partition, set())
+            later = {step for step in mine if step > count}  # landed after this read
+            if later:
+                self._mine[partition] = later
+            steps = count - before
+            own = sum(1 for step in mine if before < step <= count)
+            if partition in counts and own != steps:
                 news.add(partition)
         return news
 
@@ -460,7 +467,11 @@ class PersistenceConsumer:
             # earliest); other replicas' consumers may be past it: tell them.
             self._resets.announce(went_back, reread=True)
         results = await self._save(client_batches)
+        if results is None:  # Redis had lost saves: all of this is read again
+            return
         queue_results = await self._save_queues(queue_batches) if queue_batches else []
+        if queue_results is None:  # as above; the clients' saves were fine to make
+            return
         if rewinds == self._rewinds:  # else these records are being read again
             self._commit_soon(commit)
             for tp, offset in commit.items():
@@ -702,20 +713,28 @@ class PersistenceConsumer:
         self._fetched_from.pop(tp, None)
         self._holes.pop(tp, None)
 
-    async def _save(self, batches: list[ClientBatch]) -> list[SaveResult]:
+    async def _save(self, batches: list[ClientBatch]) -> list[SaveResult] | None:
+        """Store, retrying what failed. Should Redis have lost saves it acknowledged,
+        nothing is stored and None is answered: every partition is read again from
+        its committed offset first (these records with it), so no later record
+        lands before a lost one."""
         while True:
             try:
                 saved = await self._store.save_many(batches)
                 self.store_retry.succeeded()
                 return saved
+            except LostWrites:
+                await self._rewind()
+                return None
             except Exception as error:  # BatchSaveError, connection errors, cluster errors
                 self.stats.save_errors += 1
                 log.warning("storing %d client batches failed, retrying: %s", len(batches), error)
                 await self.store_retry.wait()
 
-    async def _save_queues(self, batches: list[QueueBatch]) -> list[QueueSaveResult]:
+    async def _save_queues(self, batches: list[QueueBatch]) -> list[QueueSaveResult] | None:
         """Store queue batches; what failed is tried again (only that: a result lost
-        to a retry would report its records as duplicates)."""
+        to a retry would report its records as duplicates). None: Redis had lost
+        saves, Kafka is read again (see :meth:`_save`)."""
         assert self._queues is not None
         results: list[QueueSaveResult | None] = [None] * len(batches)
         while True:
@@ -723,6 +742,9 @@ class PersistenceConsumer:
             if not todo:
                 return [r for r in results if r is not None]
             saved, error = await self._queues.save_many([batches[i] for i in todo])
+            if isinstance(error, LostWrites):
+                await self._rewind()
+                return None
             for i, result in zip(todo, saved, strict=True):
                 results[i] = result
             if error is None:

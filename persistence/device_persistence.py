@@ -39,7 +39,13 @@ from persistence.kafka_path import (
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry, QueueStore
-from persistence.redis_security import connect_options, explain, for_embedded
+from persistence.redis_security import (
+    Sentinels,
+    connect_options,
+    explain,
+    for_embedded,
+    sentinels,
+)
 from persistence.redis_store import RedisMessageStore
 from persistence.session_rewind import RewindUnderWay, Rewound, rewind_session
 from persistence.session_store import SessionStateStore
@@ -159,6 +165,7 @@ class DevicePersistence:
         self._broker: Broker | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self.redis_connect: dict[str, Any] = {}  # and how (persistence/redis_security.py)
+        self.redis_sentinels: Sentinels | None = None  # who names the master, if any
         self._consumer_task: asyncio.Task[None] | None = None
         self.compactor: KafkaCompactor | None = None
         if compact_after > 0 or self._probe is not None:
@@ -601,15 +608,18 @@ async def open_persistence(
         if config.kafka_bootstrap
         else kafka_security.for_embedded(config)
     )
+    found_by: Sentinels | None = None
     if config.redis_url:
         connect = connect_options(config, redis_url)  # TLS, ACL user (ConfigError if wrong)
+        found_by = sentinels(config, redis_url)
     else:
-        for_embedded(config)  # the embedded Redis: no TLS, no users
+        for_embedded(config)  # the embedded Redis: no TLS, no users, no Sentinels
         connect = {}
     store = RedisMessageStore.from_url(
         redis_url,
         cluster=config.redis_cluster,
         connect=connect,
+        sentinels=found_by,
         limit=config.max_messages_per_client,
         max_bytes=config.max_bytes_per_client,
         default_ttl=config.default_message_ttl,
@@ -691,6 +701,7 @@ async def open_persistence(
         raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {reason}") from error
     persistence.redis_url = redis_url
     persistence.redis_connect = connect
+    persistence.redis_sentinels = found_by
     return persistence
 
 

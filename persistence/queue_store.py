@@ -24,7 +24,7 @@ from typing import NamedTuple, cast
 from broker.ecq import key_of
 from broker.group_queue import is_group_store
 from persistence.format import header_fields, queue_keys, record_id
-from persistence.redis_store import RedisMessageStore, lua_script
+from persistence.redis_store import RedisMessageStore, is_lost, lua_script
 
 _SAVE = lua_script("queue_save")
 _LOAD = lua_script("queue_load")
@@ -140,7 +140,14 @@ class QueueStore:
             entry_keys.append(key)
             name = f"{rid.producer}:{batch.partition}"
             args += [name, rid.seq if rid.producer else 0, key, value, int(published * 1000)]
-        results, removed = await self._store.run_script(_SAVE, keys, args)
+        script_keys: tuple[str, ...] = tuple(keys)
+        guard = self._store.loss_guard()
+        if guard:  # the store's durability counter first (queue_save.lua)
+            script_keys, args = (*script_keys, guard[0]), [*args, guard[1]]
+        reply = await self._store.run_script(_SAVE, script_keys, args)
+        if is_lost(reply):
+            raise self._store.lost(int(reply[1]))
+        results, removed = reply
         out = QueueSaveResult(keys=entry_keys)
         for i, (seq, replaced) in enumerate(results):
             out.seqs.append(int(seq))

@@ -1,10 +1,16 @@
-"""How devicemq connects to a Redis that wants TLS, an ACL user, a password.
+"""How devicemq connects to a Redis that wants TLS, an ACL user, a password, or
+that Sentinels name.
 
 One place turns the ``persistence.redis_*`` settings into redis-py's connection
 options, checked at start with a one-line error naming the setting (a missing
 certificate file, a key without its certificate, TLS files for a ``redis://``
 URL, a user or password given both in the URL and in the settings). Every
 Redis client of the broker (the store, the cluster link) is made with them.
+
+Sentinel (``redis_sentinels``, ``redis_sentinel_master``): each new connection
+asks the Sentinels where the master is, so after a failover the clients reach
+the promoted replica; ``redis_url`` then gives the scheme, database and
+credentials only (``redis:///0``). TLS settings apply towards the Sentinels too.
 
 Trust: redis-py verifies Redis's certificate against ``redis_tls_ca_file``
 *in addition to* the system's CAs, and checks that it names the host of the
@@ -15,9 +21,13 @@ trusted CA signed passes: for private networks only).
 from __future__ import annotations
 
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, cast
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from broker.config import ConfigError, PersistenceSettings
 
@@ -27,7 +37,112 @@ SETTINGS = (
     "redis_tls_ca_file",
     "redis_tls_cert_file",
     "redis_tls_key_file",
+    "redis_sentinels",
+    "redis_sentinel_master",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Sentinels:
+    """Where to ask for the master (``persistence.redis_sentinels``) and its name."""
+
+    addresses: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+
+
+def sentinels(config: PersistenceSettings, url: str) -> Sentinels | None:
+    """The Sentinels the settings name, checked; None without them."""
+    if not config.redis_sentinels:
+        if config.redis_sentinel_master:
+            raise ConfigError(
+                "a master name needs persistence.redis_sentinels",
+                name="persistence.redis_sentinel_master",
+            )
+        return None
+    if not config.redis_sentinel_master:
+        raise ConfigError(
+            "the Sentinels need the name of the master they monitor",
+            name="persistence.redis_sentinel_master",
+        )
+    if config.redis_cluster:
+        raise ConfigError(
+            "a Redis Cluster fails over on its own; Sentinels watch one master and its "
+            "replicas: set one of redis_cluster and redis_sentinels",
+            name="persistence.redis_sentinels",
+        )
+    addresses = []
+    for entry in config.redis_sentinels.split(","):
+        host, _, port = entry.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"{entry.strip()!r} is not host:port", name="persistence.redis_sentinels"
+            )
+        addresses.append((host.strip("[]"), int(port)))
+    parts = urlsplit(url)
+    if parts.hostname or parts.port:
+        raise ConfigError(
+            f"with redis_sentinels the Sentinels name the master: write "
+            f"{parts.scheme or 'redis'}:///{parts.path.strip('/') or '0'} (no host)",
+            name="persistence.redis_url",
+        )
+    if parts.query:
+        raise ConfigError(
+            "URL options are not read with redis_sentinels: use the persistence.redis_* settings",
+            name="persistence.redis_url",
+        )
+    db = parts.path.strip("/") or "0"
+    if not db.isdigit():
+        raise ConfigError(f"database {db!r} is not a number", name="persistence.redis_url")
+    return Sentinels(tuple(addresses), config.redis_sentinel_master, int(db))
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's master lookup with a pool that makes callers wait for a free
+    connection (the store's; see RedisMessageStore.from_url)."""
+
+
+def redis_client(
+    url: str,
+    connect: dict[str, Any],
+    found_by: Sentinels | None = None,
+    *,
+    max_connections: int | None = None,
+    **extra: Any,
+) -> Redis:
+    """A client of the Redis at ``url``, or of the master ``found_by`` names, with
+    ``connect`` (:func:`connect_options`); ``max_connections``: a pool that waits
+    for a free connection past it instead of failing."""
+    options: dict[str, Any] = {"decode_responses": False, **connect, **extra}
+    if found_by is None:
+        if max_connections is None:
+            return Redis.from_url(url, **options)
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None, **options
+        )
+        return Redis(connection_pool=pool)
+    parts = urlsplit(url)
+    if parts.scheme.lower() == "rediss":
+        options["ssl"] = True
+    if parts.username:
+        options.setdefault("username", unquote(parts.username))
+    if parts.password:
+        options.setdefault("password", unquote(parts.password))
+    options["db"] = found_by.db
+    towards_sentinels = {key: value for key, value in options.items() if key.startswith("ssl")}
+    manager = Sentinel(list(found_by.addresses), sentinel_kwargs=towards_sentinels)  # type: ignore[no-untyped-call]
+    if max_connections is None:
+        return cast(Redis, manager.master_for(found_by.master, **options))
+    return cast(
+        Redis,
+        manager.master_for(
+            found_by.master,
+            connection_pool_class=_BlockingSentinelPool,
+            max_connections=max_connections,
+            timeout=None,
+            **options,
+        ),
+    )
 
 
 def _readable(name: str, path: str) -> Path:

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, NamedTuple, Protocol, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
@@ -95,6 +95,7 @@ from persistence.format import (
     pubrel_value,
     record_id,
 )
+from persistence.redis_security import Sentinels, redis_client
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -107,6 +108,7 @@ __all__ = [
     "Assigned",
     "BatchSaveError",
     "ClientBatch",
+    "LostWrites",
     "Page",
     "PersistedMessageStore",
     "RedisMessageStore",
@@ -228,6 +230,17 @@ def _save_result(reply: Any) -> SaveResult:
 
 class SessionOwned(Exception):
     """The client id's stored session belongs to another owner (auth.session_owner)."""
+
+
+class LostWrites(Exception):
+    """Redis lost saves it had acknowledged (its durability counter went back): no
+    batch of the call was stored; Kafka must be read again from the committed
+    offsets before anything else is saved (see save_batch.lua)."""
+
+
+def is_lost(reply: Any) -> bool:
+    """A save script's answer that Redis lost acknowledged saves (see loss_guard)."""
+    return isinstance(reply, list) and len(reply) == 2 and reply[0] == b"lost"
 
 
 class BatchSaveError(Exception):
@@ -404,10 +417,12 @@ class RedisMessageStore:
         *,
         cluster: bool = False,
         connect: Mapping[str, Any] | None = None,
+        sentinels: Sentinels | None = None,
         **kwargs: Any,
     ) -> RedisMessageStore:
-        """A store on ``redis://host:port`` (``cluster``: any node of a cluster);
-        ``connect``: redis-py's connection options (persistence/redis_security.py).
+        """A store on ``redis://host:port`` (``cluster``: any node of a cluster;
+        ``sentinels``: the master they name); ``connect``: redis-py's connection
+        options (persistence/redis_security.py).
 
         The single-node pool makes callers wait for a free connection instead
         of failing: redis-py's default pool raises "Too many connections"
@@ -418,14 +433,7 @@ class RedisMessageStore:
         if cluster:
             client = RedisCluster.from_url(url, decode_responses=False, **options)
         else:
-            pool = BlockingConnectionPool.from_url(
-                url,
-                max_connections=POOL_CONNECTIONS,
-                timeout=None,
-                decode_responses=False,
-                **options,
-            )
-            client = Redis(connection_pool=pool)
+            client = redis_client(url, options, sentinels, max_connections=POOL_CONNECTIONS)
         return cls(client, **kwargs)
 
     async def aclose(self) -> None:
@@ -566,23 +574,34 @@ class RedisMessageStore:
                 break
             started = time.perf_counter()
             pipe = self.redis.pipeline(transaction=False)
-            for i in todo:
-                keys, args = calls[i]
-                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
             counting = self.wait != "off"
             floor = self._counted
+            guard = self.loss_guard()
+            for i in todo:
+                keys, args = calls[i]
+                keys_ = (*keys, guard[0]) if guard else keys
+                args_ = (*args, guard[1]) if guard else args
+                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys_), *keys_, *args_)
             if counting:  # after the saves, on their connection (wait_durable)
                 pipe.incr(self._counter_key)
             try:
                 replies = await pipe.execute(raise_on_error=False)
             finally:
                 self._observe(_SAVE.name, time.perf_counter() - started)
+            counted: Any = None
             if counting:
                 counted = replies.pop()
                 if isinstance(counted, int):
                     if counted <= floor:  # below what Redis acknowledged before: lost
+                        if guard:
+                            # Every script refused (or ran nothing: NOSCRIPT on a new
+                            # master); retrying would count past the loss and hide it.
+                            raise self.lost(counted)
                         self._lost_seen = True
                     self._counted = max(self._counted, counted)
+            lost = [r for r in replies if is_lost(r)]
+            if lost:  # nothing of this wave was stored
+                raise self.lost(counted if isinstance(counted, int) else int(lost[0][1]))
             again = []
             for i, reply in zip(todo, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
@@ -596,6 +615,22 @@ class RedisMessageStore:
                 await self.load_scripts()
             todo = again
         return results
+
+    def loss_guard(self) -> tuple[str, int] | None:
+        """(this store's durability counter, the highest value Redis acknowledged for
+        it), for a save script to check before it stores anything (save_batch.lua,
+        queue_save.lua); None when nothing is counted (``redis_wait: off``) or on a
+        cluster, whose scripts see one slot (there the fence alone sees a loss)."""
+        if self.wait == "off" or not isinstance(self.redis, Redis):
+            return None
+        return self._counter_key, self._counted
+
+    def lost(self, counter: int) -> LostWrites:
+        """A save script found the counter below what Redis acknowledged: count on
+        from ``counter`` (where Redis is now) and tell the caller to re-read Kafka."""
+        floor, self._counted, self._lost_seen = self._counted, counter, False
+        self.lost_writes += 1
+        return LostWrites(f"redis lost saves it had acknowledged (counter {floor} -> {counter})")
 
     async def wait_durable(self) -> str:
         """Is everything saved so far as durable as ``persistence.redis_wait`` asks?

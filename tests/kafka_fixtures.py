@@ -100,12 +100,51 @@ def start_tansu(
         if opened is not None:
             opened.close()
     deadline = time.monotonic() + timeout
-    while not kafka_ready(port):
+    while not (kafka_ready(port) and listens(proc.pid, port)):
         if proc.poll() is not None or time.monotonic() >= deadline:
             stop_tansu(proc)
             raise RuntimeError(f"Tansu did not become ready on port {port} (exit {proc.poll()})")
         time.sleep(0.01)
     return proc
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself holds the listening socket on ``port`` (Linux;
+    True elsewhere). A Kafka answering on the port is not enough: had another
+    process taken the port first, this one would have failed to bind, and a test
+    freezing or killing it by PID would not touch the Kafka its clients use."""
+    if not sys.platform.startswith("linux"):
+        return True
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+    return False
+
+
+def freeze(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGSTOP by PID and wait until the kernel shows the process stopped: a signal
+    is acted on when the process next returns to user space, not when kill returns."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{proc.pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"process {proc.pid} did not stop within {timeout} s")
+        time.sleep(0.001)
 
 
 def bootstrap_of(proc: subprocess.Popen[bytes]) -> str:

@@ -8,6 +8,10 @@
 -- KEYS[6] {cid}_ecq_seen     hash: <producer>:<partition> -> last record seq stored
 -- KEYS[7], KEYS[8] _ecq_acked, _ecq_inflight (not used here)
 -- KEYS[9] _ecq_claims        a group queue's claims (persistence/lua/group_claim.lua)
+-- KEYS[10] _ecq_tokens (not used here)
+-- KEYS[11] (optional) the store's durability counter, the last ARGV then the
+-- highest value Redis acknowledged for it: below it, Redis lost acknowledged
+-- writes and nothing is stored ({'lost', counter}; see save_batch.lua).
 -- ARGV[1] now (ms)  ARGV[2] retention (ms)  ARGV[3] most keys kept (0: no limit)
 -- then per record: seen name, record seq (0: unnamed), key, value, publish time (ms).
 -- An empty key (a group queue's record, broker/group_queue.py) is the entry's seq:
@@ -18,6 +22,13 @@
 -- Returns {results, removed}: per record {seq, replaced} ({-1, 0}: a duplicate
 -- of a record stored before); removed = flat {key, seq, pending(0/1), why}
 -- for entries retention (why 1) or the key limit (why 2) took out.
+
+local last_arg = #ARGV
+if KEYS[11] then
+  local fence = tonumber(redis.call('GET', KEYS[11]) or '0')
+  if fence < tonumber(ARGV[last_arg]) then return {'lost', tostring(fence)} end
+  last_arg = last_arg - 1
+end
 
 local pending, log, values, times, counter, seen = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local now, retention, max_keys = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -36,7 +47,7 @@ local function remove(key, why)
   removed[#removed + 1] = why
 end
 
-for i = 4, #ARGV, 5 do
+for i = 4, last_arg, 5 do
   local name, record_seq, key, value, published = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local last = tonumber(redis.call('HGET', seen, name) or '0')
   if record_seq > 0 and record_seq <= last then

@@ -38,10 +38,23 @@
 -- stay taken until the client acknowledges it, so it is never trimmed. When
 -- every stored message is in flight, the new message itself is not stored.
 --
+-- KEYS[8] (optional, single Redis or Sentinel's master) this store's durability
+-- counter, ARGV[9] the highest value Redis acknowledged for it: a counter
+-- below that means Redis lost acknowledged writes (a replica without them took
+-- over, a restart from an older file). Nothing is stored then and {'lost',
+-- counter} is returned: a record whose save was lost must be saved again when
+-- Kafka is read again, and a later record stored first would make it look
+-- like a duplicate (its seq below the last one seen).
+--
 -- Returns {scores, trimmed}: scores[i] is message i's score, 0 when it had
 -- already expired, -1 when it was a duplicate, -2 when its session had ended
 -- (older generation), -3 when it did not fit (every stored message in flight).
 -- trimmed lists the packet ids removed, oldest first, to respect limit.
+
+if KEYS[8] then
+  local counter = tonumber(redis.call('GET', KEYS[8]) or '0')
+  if counter < tonumber(ARGV[9]) then return {'lost', tostring(counter)} end
+end
 
 local set_key = KEYS[1]
 local limit = tonumber(ARGV[1])

@@ -15,7 +15,7 @@ from typing import Any
 
 from persistence.kafka_path import ensure_topic, make_producer
 from persistence.producers import Confluent
-from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu, tansu  # noqa: F401
+from tests.kafka_fixtures import bootstrap_of, freeze, start_tansu, stop_tansu, tansu  # noqa: F401
 
 
 def _threads() -> int:
@@ -56,7 +56,7 @@ async def test_a_stop_with_records_out_answers_every_one() -> None:
     server = start_tansu()
     try:
         producer, topic = await _producer(bootstrap_of(server))
-        os.kill(server.pid, signal.SIGSTOP)
+        freeze(server)
         try:
             futures = [await producer.send(topic, b"%d" % i, b"k", 0) for i in range(3)]
             await producer.stop(timeout=1.0)

@@ -95,3 +95,45 @@ async def test_a_claim_made_before_a_reassignment_is_news_after_it(
     await mine._writer.drain()
     counts, _ = await mine.read()
     assert mine.announced_by_others(known, counts) == {0}
+
+
+async def test_two_own_announcements_between_two_looks_are_no_news(
+    store: RedisMessageStore,
+) -> None:
+    """Two compactions within one look's interval (a second): both steps are this
+    consumer's own, made after it re-read the partition; hearing them back together
+    is no reason to read the new log again (CI saw it: 'was reset: reading it from
+    its start' after the third of three compactions a second apart)."""
+    topic = f"resets-{uuid.uuid4().hex}"
+    mine, other = LogResets(store.redis, topic), LogResets(store.redis, topic)
+    known, _ = await mine.read()
+    await _announce(mine, {0, 1})
+    await _announce(mine, {0, 1})
+    counts, _ = await mine.read()
+    assert counts == {0: 2, 1: 2}
+    assert mine.announced_by_others(known, counts) == set()
+    # Two own steps and one of another's between two looks: news.
+    known = counts
+    await _announce(mine, {0})
+    await _announce(other, {0})
+    await _announce(mine, {0})
+    counts, _ = await mine.read()
+    assert counts == {0: 5, 1: 2}
+    assert mine.announced_by_others(known, counts) == {0}
+
+
+async def test_an_own_step_read_back_after_a_later_look_stays_no_news(
+    store: RedisMessageStore,
+) -> None:
+    """A look whose read was answered before this process's write landed (another's
+    step visible, the own one not yet) keeps the own step for the next look."""
+    topic = f"resets-{uuid.uuid4().hex}"
+    mine, other = LogResets(store.redis, topic), LogResets(store.redis, topic)
+    known, _ = await mine.read()
+    await _announce(other, {0})
+    stale, _ = await mine.read()  # {0: 1}: read before the own write below landed
+    await _announce(mine, {0})
+    assert mine.announced_by_others(known, stale) == {0}
+    counts, _ = await mine.read()
+    assert counts == {0: 2}
+    assert mine.announced_by_others(stale, counts) == set()

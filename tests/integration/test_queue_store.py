@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from persistence.format import StoredMessage, encode_message, queue_keys
@@ -20,7 +22,7 @@ from persistence.queue_store import (
     QueueBatch,
     QueueStore,
 )
-from persistence.redis_store import RedisMessageStore
+from persistence.redis_store import ClientBatch, LostWrites, RedisMessageStore
 
 NOW = 1_800_000_000.0
 
@@ -119,3 +121,30 @@ def test_a_queues_keys_share_one_cluster_slot_with_its_clients() -> None:
     keys = queue_keys("device-1")
     assert len({key_slot(k.encode()) for k in keys}) == 1
     assert key_slot(keys.pending.encode()) == key_slot(b"{device-1}_messages")
+
+
+async def test_nothing_is_stored_once_redis_lost_acknowledged_saves(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """With ``persistence.redis_wait`` the store counts what Redis acknowledged; a
+    queue save finding the count gone back stores nothing (a later record stored
+    first would make the lost ones look read twice: finding 25). On a cluster the
+    scripts see one slot: no guard, the fence alone sees a loss."""
+    counting = RedisMessageStore(store.redis, wait="replicas", wait_timeout_ms=10)
+    q = queues(counting)
+    if not isinstance(store.redis, Redis):
+        assert counting.loss_guard() is None
+        return
+    await counting.save_many([ClientBatch(f"{cid}-c", [], 0)])
+    assert counting.loss_guard() is not None
+    await counting.wait_durable()  # the fence: the counter is 1 and acknowledged
+    assert (await q.save(batch(cid, [("a", b"1")]))).seqs == [1]
+    key, floor = counting.loss_guard()  # type: ignore[misc]
+    assert floor >= 1
+    await store.redis.delete(key)  # Redis lost its last writes (a failover, say)
+    with pytest.raises(LostWrites):
+        await q.save(batch(cid, [("b", b"2")], first_seq=2))
+    entries, _ = await q.load(cid, 0, 100)
+    assert [e.key for e in entries] == ["a"]
+    assert counting.lost_writes == 1
+    assert (await q.save(batch(cid, [("b", b"2")], first_seq=2))).seqs == [2]  # counted anew

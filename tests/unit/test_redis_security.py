@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from broker.config import ConfigError, PersistenceSettings
-from persistence.redis_security import connect_options
+from persistence.redis_security import Sentinels, connect_options, for_embedded, sentinels
 
 BASE = PersistenceSettings()
 
@@ -92,3 +92,44 @@ def test_the_embedded_redis_takes_none_of_them() -> None:
     with pytest.raises(ConfigError) as caught:
         for_embedded(replace(BASE, redis_username="devicemq"))
     assert caught.value.name == "persistence.redis_username"
+
+
+# ------------------------------------------------------------------ Sentinel
+
+
+def _sentinel_error(config: PersistenceSettings, url: str = "redis:///0") -> tuple[str, str]:
+    with pytest.raises(ConfigError) as caught:
+        sentinels(config, url)
+    assert caught.value.name is not None
+    return caught.value.name, str(caught.value)
+
+
+SENTINEL = replace(BASE, redis_sentinels="10.0.0.5:26379, [::1]:26380", redis_sentinel_master="m")
+
+
+def test_sentinels_and_the_master_name_are_read() -> None:
+    assert sentinels(BASE, "redis://h:6379/0") is None
+    found = sentinels(SENTINEL, "rediss:///3")
+    assert found == Sentinels((("10.0.0.5", 26379), ("::1", 26380)), "m", 3)
+
+
+def test_sentinel_mistakes_are_named() -> None:
+    no_master = replace(SENTINEL, redis_sentinel_master="")
+    assert _sentinel_error(no_master)[0] == "persistence.redis_sentinel_master"
+    no_sentinels = replace(BASE, redis_sentinel_master="m")
+    assert _sentinel_error(no_sentinels)[0] == "persistence.redis_sentinel_master"
+    for bad in ("10.0.0.5", "10.0.0.5:x", ":26379", "h:0", "h:70000"):
+        named, text = _sentinel_error(replace(SENTINEL, redis_sentinels=bad))
+        assert named == "persistence.redis_sentinels" and "host:port" in text
+    named, text = _sentinel_error(SENTINEL, "redis://10.0.0.9:6379/0")
+    assert named == "persistence.redis_url" and "redis:///0" in text
+    assert _sentinel_error(SENTINEL, "redis:///0?ssl_cert_reqs=none")[0] == "persistence.redis_url"
+    assert _sentinel_error(SENTINEL, "redis:///zero")[0] == "persistence.redis_url"
+    both = replace(SENTINEL, redis_cluster=True)
+    assert _sentinel_error(both)[0] == "persistence.redis_sentinels"
+
+
+def test_the_embedded_redis_takes_no_sentinels() -> None:
+    with pytest.raises(ConfigError) as caught:
+        for_embedded(SENTINEL)
+    assert caught.value.name == "persistence.redis_sentinels"
