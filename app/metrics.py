@@ -43,6 +43,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from broker import __version__
 from broker.stats import LATENCY_BUCKETS, Histogram
+from persistence.kafka_security import diagnose
 from persistence.redis_security import explain
 
 if TYPE_CHECKING:
@@ -678,7 +679,10 @@ class MetricsServer:
         try:
             await asyncio.wait_for(persistence.kafka_producer.check(), PROBE_TIMEOUT)
         except Exception as e:
-            return False, {"reason": f"kafka unreachable: {_short(e)}"}
+            # The producer only says no broker answered: a refused login or a failed
+            # TLS handshake is found by connecting once, and named with its settings.
+            why = await diagnose(persistence.bootstrap, persistence.kafka_security, PROBE_TIMEOUT)
+            return False, {"reason": f"kafka unreachable: {_short_text(why or _short(e))}"}
         problem = persistence.problem()
         if problem is not None:
             return False, {"reason": problem}

@@ -380,6 +380,29 @@ class PersistenceSettings:
     kafka_bootstrap: str = setting(
         "", "Kafka bootstrap servers, host:port[,host:port]; empty with redis_url empty: embedded"
     )
+    kafka_security_protocol: str = setting(
+        "PLAINTEXT",
+        "How clients reach kafka_bootstrap: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT (a login), "
+        "SASL_SSL (a login over TLS)",
+        choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
+    )
+    kafka_sasl_mechanism: str = setting(
+        "SCRAM-SHA-512",
+        "SASL mechanism of the login (SASL_PLAINTEXT, SASL_SSL)",
+        choices=("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
+    )
+    kafka_sasl_username: str = setting("", "SASL user (SASL_PLAINTEXT, SASL_SSL)")
+    kafka_sasl_password_file: str = setting("", "File holding the SASL user's password")
+    kafka_tls_ca_file: str = setting(
+        "", "CA certificates to verify Kafka with (SSL, SASL_SSL); empty: the system's"
+    )
+    kafka_tls_cert_file: str = setting(
+        "", "Client certificate for Kafka (ssl.client.auth); with kafka_tls_key_file"
+    )
+    kafka_tls_key_file: str = setting("", "The Kafka client certificate's private key")
+    kafka_tls_check_hostname: bool = setting(
+        True, "Check that Kafka's certificate names the host it is reached at"
+    )
     topic: str = setting("devicemq.device.persisted", "Kafka topic of persistent deliveries")
     partitions: int = setting(
         12, "Partitions of the topic when devicemq creates it (fixed afterwards)", ge=1, le=10_000

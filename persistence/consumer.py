@@ -69,6 +69,7 @@ from persistence.format import (
     record_id,
     resets_key,
 )
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.queue_store import QueueBatch, QueueEntry, QueueSaveResult, QueueStore
 from persistence.redis_store import (
     DURABLE,
@@ -116,7 +117,9 @@ class ConsumerStats:
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
 
 
-def make_consumer(bootstrap: str, group: str) -> AIOKafkaConsumer:
+def make_consumer(
+    bootstrap: str, group: str, *, security: KafkaSecurity = PLAINTEXT
+) -> AIOKafkaConsumer:
     """A group member with settings for Tansu's slow joins and low latency.
 
     It subscribes when a :class:`PersistenceConsumer` takes it (with its
@@ -131,6 +134,7 @@ def make_consumer(bootstrap: str, group: str) -> AIOKafkaConsumer:
         heartbeat_interval_ms=500,
         fetch_max_wait_ms=20,
         max_poll_interval_ms=3_600_000,  # a stalled Redis must not cost the assignment
+        **security.aiokafka(),
     )
 
 

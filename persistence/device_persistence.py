@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 from broker.config import ConfigError, Settings
 from broker.ecq import QueueAddressee, consumer_filter
 from broker.group_queue import GroupTarget, is_group_store
+from persistence import kafka_security
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
@@ -35,6 +36,7 @@ from persistence.kafka_path import (
     make_producer,
     replace_topic,
 )
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.queue_feed import QueueAcks, QueueFeed
 from persistence.queue_store import QueueEntry, QueueStore
 from persistence.redis_security import (
@@ -80,10 +82,12 @@ class DevicePersistence:
         bootstrap: str = "",
         compact_after: int = 0,
         produce_latency: Callable[[float], None] | None = None,
+        security: KafkaSecurity = PLAINTEXT,
     ) -> None:
         """``compact_after`` > 0: the topic is emptied after that many records, once
         all are stored (only for an embedded Kafka of a single broker);
-        ``produce_latency`` hears the seconds each round of records took Kafka."""
+        ``produce_latency`` hears the seconds each round of records took Kafka;
+        ``security``: how every client of its own reaches Kafka (TLS, SASL)."""
         config = settings.persistence
         self.settings = settings
         self.store = store
@@ -91,6 +95,7 @@ class DevicePersistence:
         self._kafka_consumer = consumer
         self._clock = clock
         self._bootstrap = bootstrap
+        self.kafka_security = security  # /ready explains a failure with it (app/metrics.py)
         self.event_log: EventLog | None = None  # delivery events for the pipeline, None: off
         self.events: EventSink = NO_EVENTS
         self.resets = LogResets(store.redis, config.topic)
@@ -98,7 +103,7 @@ class DevicePersistence:
         # that Kafka lost (persistence/compaction.py); replicas cannot hold the others.
         self._probe: TopicProbe | None = None
         if bootstrap and not settings.cluster.enabled:
-            self._probe = TopicProbe(bootstrap, config.topic)
+            self._probe = TopicProbe(bootstrap, config.topic, security)
         self.path = KafkaPersistentPath(
             producer,
             config.topic,
@@ -111,7 +116,9 @@ class DevicePersistence:
             recreate_topic=(
                 self._restore_topic
                 if bootstrap and not settings.cluster.enabled
-                else lambda: ensure_topic(bootstrap, config.topic, config.partitions)
+                else lambda: ensure_topic(
+                    bootstrap, config.topic, config.partitions, security=security
+                )
             ),
             latency_observer=produce_latency,
             probe=self._probe,
@@ -166,7 +173,9 @@ class DevicePersistence:
                 self.path,
                 self.consumer,
                 config.partitions,
-                lambda: replace_topic(bootstrap, config.topic, config.partitions),
+                lambda: replace_topic(
+                    bootstrap, config.topic, config.partitions, security=security
+                ),
                 compact_after,
                 hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
                 probe=self._probe,
@@ -186,7 +195,9 @@ class DevicePersistence:
             return
         held = events.bytes_in_topic
         topic, partitions = events.topic, self.settings.persistence.partitions
-        await events.rotate(lambda: replace_topic(self._bootstrap, topic, partitions))
+        await events.rotate(
+            lambda: replace_topic(self._bootstrap, topic, partitions, security=self.kafka_security)
+        )
         log.info("embedded kafka events topic %s emptied (%d bytes written to it)", topic, held)
 
     async def _restore_topic(self) -> None:
@@ -195,7 +206,9 @@ class DevicePersistence:
         assert self.compactor is not None  # made whenever the path waits for it
         if not await self.compactor.restore_when_lost():
             config = self.settings.persistence
-            await ensure_topic(self._bootstrap, config.topic, config.partitions)
+            await ensure_topic(
+                self._bootstrap, config.topic, config.partitions, security=self.kafka_security
+            )
 
     def use_events(self, events: EventLog | None) -> None:
         """Report delivery events to ``events`` (before :meth:`attach`; None: off)."""
@@ -203,6 +216,11 @@ class DevicePersistence:
         if events is not None:
             self.events = self.consumer.events = events
             events.epoch_of = lambda: self.consumer.epoch
+
+    @property
+    def bootstrap(self) -> str:
+        """The Kafka it uses (with :attr:`kafka_security`)."""
+        return self._bootstrap
 
     @property
     def kafka_producer(self) -> RecordProducer:
@@ -323,7 +341,12 @@ class DevicePersistence:
         self._rewinding.add(client_id)
         try:
             rewound = await rewind_session(
-                self.store, self._bootstrap, self.settings.persistence.topic, client_id, since
+                self.store,
+                self._bootstrap,
+                self.settings.persistence.topic,
+                client_id,
+                since,
+                self.kafka_security,
             )
         finally:
             self._rewinding.discard(client_id)
@@ -579,6 +602,12 @@ async def open_persistence(
                 name="persistence.redis_url",
             )
     redis_url, bootstrap = endpoints
+    # TLS, SASL (ConfigError if wrong); the embedded Kafka is plaintext on loopback.
+    security = (
+        kafka_security.from_settings(config)
+        if config.kafka_bootstrap
+        else kafka_security.for_embedded(config)
+    )
     found_by: Sentinels | None = None
     if config.redis_url:
         connect = connect_options(config, redis_url)  # TLS, ACL user (ConfigError if wrong)
@@ -613,16 +642,20 @@ async def open_persistence(
             f"redis_wait: {config.redis_wait} {error}", name="persistence.redis_wait"
         ) from None
     producer = make_producer(
-        bootstrap, config.kafka_request_timeout_ms, config.producer_linger_ms, config.kafka_client
+        bootstrap,
+        config.kafka_request_timeout_ms,
+        config.producer_linger_ms,
+        config.kafka_client,
+        security=security,
     )
-    consumer = make_consumer(bootstrap, config.consumer_group)
+    consumer = make_consumer(bootstrap, config.consumer_group, security=security)
     try:
         producer_id = await store.next_producer_id()
         lost = False
         if (
             not settings.cluster.enabled
             and await store.topic_used(config.topic)
-            and await lost_by_tansu(bootstrap, config.topic)
+            and await lost_by_tansu(bootstrap, config.topic, security)
         ):
             # Kafka lost a topic devicemq used (a Tansu restarted empty). What a killed
             # predecessor sent to it since, Tansu keeps unlisted and unread; a topic
@@ -634,8 +667,8 @@ async def open_persistence(
                 "are gone; making it again",
                 config.topic,
             )
-            await replace_topic(bootstrap, config.topic, config.partitions)
-        created = await ensure_topic(bootstrap, config.topic, config.partitions)
+            await replace_topic(bootstrap, config.topic, config.partitions, security=security)
+        created = await ensure_topic(bootstrap, config.topic, config.partitions, security=security)
         epoch = await store.topic_epoch(config.topic, created or lost)
         # Subscribed (with its rebalance listener) before it starts: the group join
         # begins at once, the rest of the start-up runs meanwhile.
@@ -649,17 +682,23 @@ async def open_persistence(
             bootstrap=bootstrap,
             compact_after=compact_after,
             produce_latency=produce_latency,
+            security=security,
         )
         await consumer.start()
         await producer.start()
-        persistence.use_events(await open_event_log(settings, bootstrap, epoch))
-    except KafkaError as error:
+        persistence.use_events(await open_event_log(settings, bootstrap, epoch, security))
+    except (KafkaError, OSError, KeyError, ValueError) as error:
+        # KeyError, ValueError: aiokafka's SCRAM when Kafka refuses the login (it
+        # reads an error reply as the server's signature); OSError: a TLS handshake.
         await store.aclose()
         with contextlib.suppress(KafkaError):
             await producer.stop()
         with contextlib.suppress(KafkaError):
             await consumer.stop()
-        raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {error}") from error
+        # aiokafka logs why it could not connect and raises "unable to bootstrap":
+        # a refused login or a failed TLS handshake is named, with its settings.
+        reason = await kafka_security.diagnose(bootstrap, security) or str(error)
+        raise PersistenceUnavailable(f"cannot use kafka at {bootstrap}: {reason}") from error
     persistence.redis_url = redis_url
     persistence.redis_connect = connect
     persistence.redis_sentinels = found_by

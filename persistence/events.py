@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from persistence.format import header_fields
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -473,7 +474,9 @@ def _records(events: list[dict[str, Any]]) -> list[bytes]:
     return _records(events[:half]) + _records(events[half:])
 
 
-def make_event_producer(bootstrap: str, request_timeout_ms: int) -> AIOKafkaProducer:
+def make_event_producer(
+    bootstrap: str, request_timeout_ms: int, security: KafkaSecurity = PLAINTEXT
+) -> AIOKafkaProducer:
     """The events' own producer: a slow events topic never queues persisted records."""
     from aiokafka import AIOKafkaProducer
 
@@ -484,6 +487,7 @@ def make_event_producer(bootstrap: str, request_timeout_ms: int) -> AIOKafkaProd
         linger_ms=20,
         request_timeout_ms=request_timeout_ms,
         max_batch_size=512 * 1024,
+        **security.aiokafka(),
     )
 
 
@@ -493,15 +497,17 @@ def end_kind(session: Session, now: float) -> str:
     return "session_expired" if expires_at is not None and now >= expires_at else "session_ended"
 
 
-async def open_event_log(settings: Settings, bootstrap: str, epoch: int) -> EventLog | None:
+async def open_event_log(
+    settings: Settings, bootstrap: str, epoch: int, security: KafkaSecurity = PLAINTEXT
+) -> EventLog | None:
     """The configured event log, its topic created and its producer started (None: off)."""
     if not settings.events.enabled:
         return None
     from persistence.kafka_path import ensure_topic
 
     persistence = settings.persistence
-    await ensure_topic(bootstrap, settings.events.topic, persistence.partitions)
-    producer = make_event_producer(bootstrap, persistence.kafka_request_timeout_ms)
+    await ensure_topic(bootstrap, settings.events.topic, persistence.partitions, security=security)
+    producer = make_event_producer(bootstrap, persistence.kafka_request_timeout_ms, security)
     await producer.start()
     return EventLog(
         producer, settings.events.topic, epoch=epoch, default_ttl=persistence.default_message_ttl

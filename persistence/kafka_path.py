@@ -39,6 +39,7 @@ from aiokafka.structs import RecordMetadata
 
 from persistence.coalescing import Retry
 from persistence.delivery_codec import encode_delivery
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.producers import Aiokafka, Confluent, RecordProducer, confluent_settings
 
 if TYPE_CHECKING:
@@ -603,7 +604,12 @@ class KafkaPersistentPath:
 
 
 def make_producer(
-    bootstrap: str, request_timeout_ms: int, linger_ms: int, client: str = "aiokafka"
+    bootstrap: str,
+    request_timeout_ms: int,
+    linger_ms: int,
+    client: str = "aiokafka",
+    *,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> RecordProducer:
     """A producer that waits for every in-sync replica (acks=all), of ``client``
     (``persistence.kafka_client``: aiokafka or confluent, persistence/producers.py).
@@ -623,7 +629,8 @@ def make_producer(
         return Confluent(
             confluent_settings(
                 bootstrap, request_timeout_ms, linger_ms, max(request_timeout_ms, BATCH_TTL_MS)
-            ),
+            )
+            | security.librdkafka(),
             start_timeout=request_timeout_ms / 1000,
         )
     return Aiokafka(
@@ -634,13 +641,16 @@ def make_producer(
             linger_ms=linger_ms,
             request_timeout_ms=max(request_timeout_ms, BATCH_TTL_MS),
             max_batch_size=512 * 1024,
+            **security.aiokafka(),
         )
     )
 
 
-async def ensure_topic(bootstrap: str, topic: str, partitions: int) -> bool:
+async def ensure_topic(
+    bootstrap: str, topic: str, partitions: int, *, security: KafkaSecurity = PLAINTEXT
+) -> bool:
     """Create the topic with its final partition count; True if it was new."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **security.aiokafka())
     await admin.start()
     try:
         response = await admin.create_topics([NewTopic(topic, partitions, 1)])
@@ -672,8 +682,8 @@ class TopicProbe:
     operator.
     """
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self._client = _WatchedClient(bootstrap_servers=bootstrap)
+    def __init__(self, bootstrap: str, topic: str, security: KafkaSecurity = PLAINTEXT) -> None:
+        self._client = _WatchedClient(bootstrap_servers=bootstrap, **security.aiokafka())
         self._topic = topic
         self._started = False
         self.forgets_topics = False  # learnt from the last answer
@@ -726,23 +736,25 @@ class _WatchedClient(AIOKafkaClient):  # type: ignore[misc]  # aiokafka is untyp
         super()._on_connection_closed(conn, reason)
 
 
-async def lost_by_tansu(bootstrap: str, topic: str) -> bool:
+async def lost_by_tansu(bootstrap: str, topic: str, security: KafkaSecurity = PLAINTEXT) -> bool:
     """A Tansu (memory storage) no longer lists ``topic``."""
-    probe = TopicProbe(bootstrap, topic)
+    probe = TopicProbe(bootstrap, topic, security)
     try:
         return await probe.partitions() is None and probe.forgets_topics
     finally:
         await probe.close()
 
 
-async def replace_topic(bootstrap: str, topic: str, partitions: int) -> None:
+async def replace_topic(
+    bootstrap: str, topic: str, partitions: int, *, security: KafkaSecurity = PLAINTEXT
+) -> None:
     """Delete the topic and create it again, empty (persistence/compaction.py).
 
     Described first: a Tansu that lost the topic still keeps the records sent to
     it since, and deletes them only with a topic it lists (a describe makes it
     list the topic); created over them, its new records would find their offsets
     taken (AlreadyExists in its log) and be lost."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **security.aiokafka())
     await admin.start()
     try:
         await admin.describe_topics([topic])
@@ -752,4 +764,4 @@ async def replace_topic(bootstrap: str, topic: str, partitions: int) -> None:
     for _name, code, *_ in response.topic_error_codes:
         if code and for_code(code) is not UnknownTopicOrPartitionError:
             raise for_code(code)(f"cannot delete kafka topic {topic}")
-    await ensure_topic(bootstrap, topic, partitions)
+    await ensure_topic(bootstrap, topic, partitions, security=security)

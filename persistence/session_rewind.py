@@ -42,6 +42,7 @@ from persistence.format import (
     is_queue_record,
     record_id,
 )
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.redis_store import RedisMessageStore
 
 CHUNK = 1000  # messages stored per save script call
@@ -68,7 +69,13 @@ def partition_of(client_id: str, partitions: int) -> int:
 
 
 async def read_client_records(
-    bootstrap: str, topic: str, client_id: str, generation: int, since: float, keep: int
+    bootstrap: str,
+    topic: str,
+    client_id: str,
+    generation: int,
+    since: float,
+    keep: int,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> tuple[list[bytes], int, int, float | None]:
     """The last ``keep`` values of ``client_id``'s records routed to its session of
     ``generation`` and published at or after ``since``, in partition order; how many
@@ -78,6 +85,7 @@ async def read_client_records(
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=50,
+        **security.aiokafka(),
     )
     await consumer.start()
     try:
@@ -134,7 +142,12 @@ def _published(value: bytes) -> float | None:
 
 
 async def rewind_session(
-    store: RedisMessageStore, bootstrap: str, topic: str, client_id: str, since: float
+    store: RedisMessageStore,
+    bootstrap: str,
+    topic: str,
+    client_id: str,
+    since: float,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> Rewound:
     """Store again, flagged REPLAY, the session's records published since ``since``,
     as many as its limit has room for (the newest of them)."""
@@ -142,7 +155,7 @@ async def rewind_session(
     generation = int(await store.redis.get(keys.generation) or 0)
     room = max(0, store.limit - await store.pending_count(client_id))
     values, matched, read, oldest = await read_client_records(
-        bootstrap, topic, client_id, generation, since, room
+        bootstrap, topic, client_id, generation, since, room, security
     )
     if store.max_bytes:  # the byte limit leaves room too: the newest that fit
         free = store.max_bytes - int(await store.redis.get(keys.bytes) or 0)

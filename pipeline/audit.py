@@ -437,9 +437,21 @@ def run_audit(
 
     now = time.time()
     if raw_records is None:
-        raw_records = read_topic(spark, endpoints.bootstrap, persisted_topic, source=source)
+        raw_records = read_topic(
+            spark,
+            endpoints.bootstrap,
+            persisted_topic,
+            source=source,
+            security=endpoints.kafka_security,
+        )
     if raw_events is None:
-        raw_events = read_topic(spark, endpoints.bootstrap, events_topic, source=source)
+        raw_events = read_topic(
+            spark,
+            endpoints.bootstrap,
+            events_topic,
+            source=source,
+            security=endpoints.kafka_security,
+        )
     recs = _in_window(decode_records(raw_records), "pub", window).cache()
     evs = decode_events(raw_events).cache()
     if progress is not None:
@@ -574,6 +586,7 @@ def stream_audit(
             .option("bootstrap", endpoints.bootstrap)
             .option("topic", topic)
             .option("startingOffsets", "earliest")
+            .options(**endpoints.kafka_security.as_options())
             .load()
         )
         query = (

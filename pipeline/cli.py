@@ -59,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from broker.config import load_settings
+    from broker.config import ConfigError, load_settings
+    from persistence import kafka_security
+    from persistence.kafka_security import PLAINTEXT
     from pipeline.common import (
         PipelineError,
         Progress,
@@ -76,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
             args.bootstrap,
             args.redis,
             args.redis_cluster,
+            # --bootstrap is reached as the brokers reach it (persistence.kafka_*)
+            kafka_security.from_settings(settings.persistence) if args.bootstrap else PLAINTEXT,
         )
         window = Window(parse_time(args.since), parse_time(args.until))
-    except PipelineError as error:
+    except (PipelineError, ConfigError) as error:
         print(f"devicemq pipeline: error: {error}", file=sys.stderr)
         return 2
     persisted_topic, events_topic = settings.persistence.topic, settings.events.topic

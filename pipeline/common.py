@@ -25,6 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
+
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
@@ -51,6 +53,7 @@ class Endpoints:
     bootstrap: str
     redis_url: str
     redis_cluster: bool = False
+    kafka_security: KafkaSecurity = PLAINTEXT  # TLS, SASL of --bootstrap
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +69,18 @@ class PipelineError(Exception):
 
 
 def resolve_endpoints(
-    data_dir: str | None, bootstrap: str | None, redis_url: str | None, cluster: bool = False
+    data_dir: str | None,
+    bootstrap: str | None,
+    redis_url: str | None,
+    cluster: bool = False,
+    kafka_security: KafkaSecurity = PLAINTEXT,
 ) -> Endpoints:
-    """``--bootstrap``/``--redis``, else the embedded services of ``--data-dir``."""
+    """``--bootstrap``/``--redis`` (reached with ``kafka_security``), else the embedded
+    services of ``--data-dir`` (plaintext on loopback)."""
     if bootstrap or redis_url:
         if not (bootstrap and redis_url):
             raise PipelineError("give both --bootstrap and --redis, or --data-dir")
-        return Endpoints(bootstrap, redis_url, cluster)
+        return Endpoints(bootstrap, redis_url, cluster, kafka_security)
     from app.embedded_services import HOST, EmbeddedServices
 
     directory = Path(data_dir or "./data")
@@ -223,7 +231,11 @@ def records(
 ) -> DataFrame:
     from pipeline.kafka_source import read_topic
 
-    df = decode_records(read_topic(spark, endpoints.bootstrap, topic, source=source))
+    df = decode_records(
+        read_topic(
+            spark, endpoints.bootstrap, topic, source=source, security=endpoints.kafka_security
+        )
+    )
     return _in_window(df, "pub", window)
 
 
@@ -232,7 +244,11 @@ def events(
 ) -> DataFrame:
     from pipeline.kafka_source import read_topic
 
-    return decode_events(read_topic(spark, endpoints.bootstrap, topic, source=source))
+    return decode_events(
+        read_topic(
+            spark, endpoints.bootstrap, topic, source=source, security=endpoints.kafka_security
+        )
+    )
 
 
 def _in_window(df: DataFrame, column: str, window: Window) -> DataFrame:

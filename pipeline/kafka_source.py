@@ -46,6 +46,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity, from_options
+
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer
     from pyspark.sql import DataFrame, SparkSession
@@ -78,12 +80,15 @@ class OffsetRange(InputPartition):
     partition: int
     start: int
     end: int
+    security: KafkaSecurity = PLAINTEXT  # TLS, SASL (persistence/kafka_security.py)
 
 
-def _consumer(bootstrap: str) -> AIOKafkaConsumer:
+def _consumer(bootstrap: str, security: KafkaSecurity) -> AIOKafkaConsumer:
+    """The one place the source makes a Kafka client."""
     from aiokafka import AIOKafkaConsumer
 
     return AIOKafkaConsumer(
+        **security.aiokafka(),
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
@@ -97,11 +102,13 @@ def _consumer(bootstrap: str) -> AIOKafkaConsumer:
 # ---------------------------------------------------------------------------
 
 
-async def _bounds(bootstrap: str, topic: str) -> dict[int, tuple[int, int]]:
+async def _bounds(
+    bootstrap: str, topic: str, security: KafkaSecurity
+) -> dict[int, tuple[int, int]]:
     """partition -> (earliest, latest) of ``topic``; latest from fetch high watermarks."""
     from aiokafka import TopicPartition
 
-    consumer = _consumer(bootstrap)
+    consumer = _consumer(bootstrap, security)
     await consumer.start()
     try:
         partitions = consumer.partitions_for_topic(topic)
@@ -127,9 +134,11 @@ async def _bounds(bootstrap: str, topic: str) -> dict[int, tuple[int, int]]:
         await consumer.stop()
 
 
-def latest_offsets(bootstrap: str, topic: str) -> dict[int, tuple[int, int]]:
+def latest_offsets(
+    bootstrap: str, topic: str, security: KafkaSecurity = PLAINTEXT
+) -> dict[int, tuple[int, int]]:
     """partition -> (earliest, latest offset + 1) of ``topic``, read from the broker."""
-    return asyncio.run(_bounds(bootstrap, topic))
+    return asyncio.run(_bounds(bootstrap, topic, security))
 
 
 def _parse_spec(spec: str, topic: str, default: int) -> dict[int, int] | int:
@@ -195,7 +204,7 @@ def read_range(part: OffsetRange) -> Iterator[tuple[Any, ...]]:
 async def _fetch(part: OffsetRange) -> AsyncGenerator[list[tuple[Any, ...]], None]:
     from aiokafka import TopicPartition
 
-    consumer = _consumer(part.bootstrap)
+    consumer = _consumer(part.bootstrap, part.security)
     await consumer.start()
     try:
         tp = TopicPartition(part.topic, part.partition)
@@ -255,6 +264,8 @@ class KafkaSource(DataSource):
     ``startingOffsets``, ``endingOffsets``, ``maxOffsetsPerTrigger``.
 
     The connector's names ``kafka.bootstrap.servers`` and ``subscribe`` work too.
+    A secured Kafka's settings come as :meth:`KafkaSecurity.as_options` gives them
+    (``kafka.security.protocol``, ``kafka.sasl.password.file``, ...).
     """
 
     @classmethod
@@ -264,45 +275,50 @@ class KafkaSource(DataSource):
     def schema(self) -> str:
         return SCHEMA
 
-    def _target(self) -> tuple[str, str]:
+    def _target(self) -> tuple[str, str, KafkaSecurity]:
         bootstrap = _option(self.options, "bootstrap", "kafka.bootstrap.servers")
         topic = _option(self.options, "topic", "subscribe")
-        return bootstrap, topic
+        return bootstrap, topic, from_options(self.options)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        bootstrap, topic = self._target()
+        bootstrap, topic, security = self._target()
         return _BatchReader(
             bootstrap,
             topic,
+            security,
             _option(self.options, "startingOffsets", default="earliest"),
             _option(self.options, "endingOffsets", default="latest"),
         )
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        bootstrap, topic = self._target()
+        bootstrap, topic, security = self._target()
         limit = self.options.get("maxOffsetsPerTrigger")
         return _StreamReader(
             bootstrap,
             topic,
+            security,
             _option(self.options, "startingOffsets", default="earliest"),
             int(limit) if limit else None,
         )
 
 
 class _BatchReader(DataSourceReader):
-    def __init__(self, bootstrap: str, topic: str, starting: str, ending: str) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, security: KafkaSecurity, starting: str, ending: str
+    ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
-        bounds = latest_offsets(bootstrap, topic)
+        self.security = security
+        bounds = latest_offsets(bootstrap, topic, security)
         self.start = resolve_offsets(bounds, starting, topic, EARLIEST)
         self.end = resolve_offsets(bounds, ending, topic, LATEST)
 
     def partitions(self) -> Sequence[InputPartition]:
         return [
-            OffsetRange(self.bootstrap, self.topic, p, self.start[p], self.end[p])
+            OffsetRange(self.bootstrap, self.topic, p, self.start[p], self.end[p], self.security)
             for p in sorted(self.start)
             if self.end[p] > self.start[p]
-        ] or [OffsetRange(self.bootstrap, self.topic, 0, 0, 0)]
+        ] or [OffsetRange(self.bootstrap, self.topic, 0, 0, 0, self.security)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, OffsetRange)
@@ -312,14 +328,22 @@ class _BatchReader(DataSourceReader):
 class _StreamReader(DataSourceStreamReader):
     """Offsets are ``{"<partition>": next offset}``; one Spark partition per Kafka one."""
 
-    def __init__(self, bootstrap: str, topic: str, starting: str, max_per_trigger: int | None):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        security: KafkaSecurity,
+        starting: str,
+        max_per_trigger: int | None,
+    ):
         self.bootstrap = bootstrap
         self.topic = topic
+        self.security = security
         self.starting = starting
         self.max_per_trigger = max_per_trigger
 
     def initialOffset(self) -> dict[str, int]:
-        bounds = latest_offsets(self.bootstrap, self.topic)
+        bounds = latest_offsets(self.bootstrap, self.topic, self.security)
         start = resolve_offsets(bounds, self.starting, self.topic, EARLIEST)
         return {str(p): o for p, o in start.items()}
 
@@ -329,7 +353,7 @@ class _StreamReader(DataSourceStreamReader):
         return ReadAllAvailable()
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
-        bounds = latest_offsets(self.bootstrap, self.topic)
+        bounds = latest_offsets(self.bootstrap, self.topic, self.security)
         end = {str(p): high for p, (_low, high) in bounds.items()}
         for p, offset in start.items():
             end.setdefault(p, offset)
@@ -338,12 +362,12 @@ class _StreamReader(DataSourceStreamReader):
         return end
 
     def reportLatestOffset(self) -> dict[str, int] | None:
-        bounds = latest_offsets(self.bootstrap, self.topic)
+        bounds = latest_offsets(self.bootstrap, self.topic, self.security)
         return {str(p): high for p, (_low, high) in bounds.items()}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         return [
-            OffsetRange(self.bootstrap, self.topic, int(p), start.get(p, 0), e)
+            OffsetRange(self.bootstrap, self.topic, int(p), start.get(p, 0), e, self.security)
             for p, e in sorted(end.items(), key=lambda kv: int(kv[0]))
             if e > start.get(p, 0)
         ]
@@ -396,14 +420,21 @@ def read_topic(
     source: str = "python",
     starting: str = "earliest",
     ending: str = "latest",
+    security: KafkaSecurity = PLAINTEXT,
 ) -> DataFrame:
     """A batch DataFrame of :data:`SCHEMA` over ``topic``.
 
     ``source="python"`` uses :class:`KafkaSource`; ``"connector"`` uses the
     official Spark Kafka connector (``spark-sql-kafka`` on the classpath, as on
-    a real cluster) and selects the same columns.
+    a real cluster) and selects the same columns. ``security``: a Kafka with TLS
+    or SASL (the python source only: the connector takes its own JAAS settings).
     """
     if source == "connector":
+        if security != PLAINTEXT:
+            raise ValueError(
+                "the connector source reads a plaintext Kafka only here: use source python "
+                "for persistence.kafka_security_protocol " + security.protocol
+            )
         df = (
             spark.read.format("kafka")
             .option("kafka.bootstrap.servers", bootstrap)
@@ -422,5 +453,6 @@ def read_topic(
         .option("topic", topic)
         .option("startingOffsets", starting)
         .option("endingOffsets", ending)
+        .options(**security.as_options())
         .load()
     )

@@ -136,12 +136,28 @@ def run_traffic(
     from pipeline.kafka_source import read_topic
 
     recs = _in_window(
-        decode_records(read_topic(spark, endpoints.bootstrap, persisted_topic, source=source)),
+        decode_records(
+            read_topic(
+                spark,
+                endpoints.bootstrap,
+                persisted_topic,
+                source=source,
+                security=endpoints.kafka_security,
+            )
+        ),
         "pub",
         window,
     ).cache()
     evs = _in_window(
-        decode_events(read_topic(spark, endpoints.bootstrap, events_topic, source=source)),
+        decode_events(
+            read_topic(
+                spark,
+                endpoints.bootstrap,
+                events_topic,
+                source=source,
+                security=endpoints.kafka_security,
+            )
+        ),
         "ts",
         window,
     ).cache()

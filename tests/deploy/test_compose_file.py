@@ -155,3 +155,23 @@ def test_grafana_provisioning() -> None:
     assert uids == {source["uid"]}
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_the_commented_secured_kafka_example_names_real_settings() -> None:
+    """docker-compose.yml's commented SASL/TLS example (README "Secured Kafka"):
+    uncommented, every variable is a devicemq setting and every value loads."""
+    example: dict[str, str] = {}
+    for line in COMPOSE_FILE.read_text(encoding="utf-8").splitlines():
+        text = line.strip().removeprefix("#").strip()
+        if line.strip().startswith("#") and text.startswith("DEVICEMQ_PERSISTENCE_KAFKA_"):
+            name, _, value = text.partition(":")
+            example[name] = value.strip()
+    assert {
+        "DEVICEMQ_PERSISTENCE_KAFKA_SECURITY_PROTOCOL",
+        "DEVICEMQ_PERSISTENCE_KAFKA_SASL_PASSWORD_FILE",
+        "DEVICEMQ_PERSISTENCE_KAFKA_TLS_CA_FILE",
+    } <= set(example)
+    known = {spec.env_var for spec in setting_specs().values()}
+    assert set(example) <= known, sorted(set(example) - known)
+    settings = load_settings(env=example)
+    assert settings.persistence.kafka_security_protocol in ("SSL", "SASL_SSL")
