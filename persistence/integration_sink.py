@@ -1,0 +1,371 @@
+"""The integration rules' Kafka producer: device data into the user's own topics.
+
+Implements :class:`broker.integrations.IntegrationSink`. The publisher's
+PUBACK/PUBREC waits for it as for the persistent path
+(broker/handlers/publish.py): success once Kafka acknowledged every record of
+the PUBLISH (acks=all), failure when one was refused, its topic does not exist,
+or ``persistence.kafka_request_timeout_ms`` passed. The producer is its own
+(not the persistent path's): a rule whose topic is gone or slow never holds up
+persistent deliveries.
+
+A rule's topic is the user's: devicemq does not create it on a Kafka of the
+user's (it creates it on the embedded one), and never names a missing topic to
+Kafka (a metadata request naming it would make a Kafka with
+``auto.create.topics.enable``, or Tansu, create it with defaults). It asks for
+the list of all topics instead, at start, every :data:`TOPICS_REFRESH` seconds,
+and when a record finds its topic missing (at most every :data:`MISS_REFRESH`
+seconds): a record for a topic not listed fails at once, with a log line
+naming the rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.client import AIOKafkaClient
+from aiokafka.cluster import ClusterMetadata
+from aiokafka.errors import KafkaError
+from aiokafka.protocol.metadata import MetadataRequest
+
+from persistence.kafka_path import BATCH_TTL_MS, ensure_topic
+from persistence.producers import Aiokafka, RecordProducer
+
+if TYPE_CHECKING:
+    from broker.config import IntegrationRule, Settings
+    from broker.integrations import AcceptedCallback, IntegrationRecord
+
+log = logging.getLogger("devicemq.integrations")
+
+TOPICS_REFRESH = 5.0  # seconds between two listings of Kafka's topics
+MISS_REFRESH = 1.0  # at most one listing this often while records find a topic missing
+LOG_INTERVAL = 5.0  # seconds between two failure lines of one rule
+EMBEDDED_PARTITIONS = 1  # a rule's topic devicemq creates on the embedded Kafka
+
+
+def kafka_client_options(settings: Settings, bootstrap: str) -> dict[str, Any]:
+    """aiokafka's connection options for a Kafka client of devicemq's (the integration
+    producer and its topic listing): the one place where the ``persistence.kafka_*``
+    connection settings, the security ones among them, become client options."""
+    return {"bootstrap_servers": bootstrap}
+
+
+def make_integration_producer(settings: Settings, bootstrap: str) -> RecordProducer:
+    """acks=all, no idempotence (Tansu has none), and a batch kept for
+    :data:`~persistence.kafka_path.BATCH_TTL_MS` as the persistent path's producer
+    (persistence/kafka_path.py ``make_producer``): appended in order or not at all."""
+    config = settings.persistence
+    return Aiokafka(
+        AIOKafkaProducer(
+            **kafka_client_options(settings, bootstrap),
+            acks="all",
+            enable_idempotence=False,
+            linger_ms=config.producer_linger_ms,
+            request_timeout_ms=max(config.kafka_request_timeout_ms, BATCH_TTL_MS),
+            max_batch_size=512 * 1024,
+        )
+    )
+
+
+class IntegrationUnavailable(Exception):
+    """The integrations' Kafka could not be reached at start-up (one readable line)."""
+
+
+class _Submission:
+    """One PUBLISH's records: reported once, when all are acknowledged or one failed."""
+
+    __slots__ = ("failed", "on_accepted", "on_settled", "outstanding", "records", "timer", "told")
+
+    def __init__(
+        self,
+        records: Sequence[IntegrationRecord],
+        on_accepted: AcceptedCallback,
+        on_settled: AcceptedCallback | None,
+    ) -> None:
+        self.records = records
+        self.on_accepted: AcceptedCallback | None = on_accepted
+        self.on_settled = on_settled
+        self.outstanding = len(records)  # no answer yet (not handed counts too)
+        self.failed = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.told: bool | None = None  # what on_accepted said
+
+
+class _TopicList:
+    """The names of Kafka's topics, asked without naming any (so none is created)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self._client = AIOKafkaClient(**options)
+        self._started = False
+
+    async def names(self) -> set[str]:
+        if not self._started:
+            await self._client.bootstrap()
+            self._started = True
+        node = next(iter(self._client.cluster.brokers())).nodeId
+        response = await self._client.send(node, MetadataRequest(None))
+        cluster = ClusterMetadata()
+        cluster.update_metadata(response)
+        return set(cluster.topics())
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+class KafkaIntegrationSink:
+    def __init__(
+        self,
+        producer: RecordProducer,
+        rules: Sequence[IntegrationRule],
+        timeout: float,
+        topics: _TopicList | None = None,
+        create_on: str | None = None,
+    ) -> None:
+        """``timeout``: seconds a publisher waits for Kafka before its failure code;
+        ``create_on``: the bootstrap of a Kafka (the embedded one) on which missing
+        topics of rules are created; None: none is."""
+        self._producer = producer
+        self._rules = list(rules)
+        self._timeout = timeout
+        self._topics_list = topics
+        self._create_on = create_on
+        self.listed: set[str] | None = None  # Kafka's topics when last asked
+        self._listed_at = -MISS_REFRESH
+        self._listing: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._pending: list[_Submission] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._open: set[_Submission] = set()  # not every record answered yet
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.produced = {rule.name: 0 for rule in rules}  # records Kafka acknowledged
+        self.failed = {rule.name: 0 for rule in rules}  # records refused or never sent
+        self._logged_at: dict[str, float] = {}
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and list the topics; every rule whose topic is missing is logged
+        (created on the embedded Kafka). :class:`KafkaError` if Kafka is away."""
+        await self._producer.start()
+        if self._topics_list is not None:
+            await self._list()
+            self._watch = asyncio.get_running_loop().create_task(self._watch_topics())
+        for rule in self._rules:
+            if self.listed is not None and rule.kafka_topic not in self.listed:
+                log.warning(
+                    "integration rule %r: kafka topic %r does not exist: publishes to %r get "
+                    "no success code until it is created",
+                    rule.name,
+                    rule.kafka_topic,
+                    rule.topic_filter,
+                )
+
+    async def close(self) -> None:
+        """Wait for what was handed over (bounded by the producer's stop), then close."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.wait({self._watch})
+        if self._listing is not None:
+            await asyncio.wait({self._listing})
+        while self._pending or self._sender is not None:
+            await asyncio.sleep(0.01)  # the sender hands the rest to the producer
+        await self._producer.stop()  # flushes: every handed record gets its answer
+        if self._topics_list is not None:
+            await self._topics_list.close()
+
+    async def check(self) -> None:
+        """Raise unless Kafka answers a metadata request now (the readiness probe)."""
+        await self._producer.check()
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """Per rule: (records produced, records failed)."""
+        return {name: (n, self.failed[name]) for name, n in self.produced.items()}
+
+    # -- records ----------------------------------------------------------------------
+
+    def submit(
+        self,
+        records: Sequence[IntegrationRecord],
+        on_accepted: AcceptedCallback,
+        on_settled: AcceptedCallback | None = None,
+    ) -> None:
+        submission = _Submission(records, on_accepted, on_settled)
+        listed = self.listed
+        missing = [r for r in records if listed is not None and r.topic not in listed]
+        if missing:
+            # Nothing of it is sent: the publisher is told at once, and its re-send
+            # (once the topic exists) adds no copy to the other rules' topics.
+            for record in missing:
+                self._log(record.rule, f"kafka topic {record.topic!r} does not exist")
+            for record in records:
+                self.failed[record.rule] += 1
+            self._refresh_soon()
+            submission.outstanding = 0
+            submission.failed = True
+            self._report(submission, False)
+            return
+        loop = asyncio.get_running_loop()
+        submission.timer = loop.call_later(self._timeout, self._expire, submission)
+        self._open.add(submission)
+        self._idle.clear()
+        self._pending.append(submission)
+        if self._sender is None:
+            self._sender = loop.create_task(self._send_pending())
+
+    async def _send_pending(self) -> None:
+        """Hand every pending record to the producer, oldest first: one sender, so a
+        client's records keep their order in their partition."""
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                for submission in batch:
+                    await self._send(submission)
+        finally:
+            self._sender = None
+
+    async def _send(self, submission: _Submission) -> None:
+        send = self._producer.send
+        for record in submission.records:
+            try:
+                future = await send(record.topic, record.value, record.key, None)
+            except KafkaError as error:
+                self._answered(submission, record, error)
+                continue
+            future.add_done_callback(partial(self._acked, submission, record))
+
+    def _acked(
+        self, submission: _Submission, record: IntegrationRecord, future: asyncio.Future[Any]
+    ) -> None:
+        if future.cancelled():
+            error: BaseException | None = KafkaError("produce cancelled")
+        else:
+            error = future.exception()
+        self._answered(submission, record, error)
+
+    def _answered(
+        self, submission: _Submission, record: IntegrationRecord, error: BaseException | None
+    ) -> None:
+        submission.outstanding -= 1
+        if error is None:
+            self.produced[record.rule] += 1
+        else:
+            self.failed[record.rule] += 1
+            submission.failed = True
+            self._log(record.rule, f"kafka refused a record for {record.topic!r}: {error!r}")
+        if submission.on_accepted is not None and (submission.failed or not submission.outstanding):
+            self._report(submission, not submission.failed)
+        elif not submission.outstanding:
+            self._settle(submission)
+
+    def _expire(self, submission: _Submission) -> None:
+        """The publisher's deadline: told "failed"; what is out may still be taken
+        (counted produced then), and ``on_settled`` says so."""
+        submission.timer = None
+        if submission.on_accepted is None:
+            return
+        rules = sorted({record.rule for record in submission.records})
+        for rule in rules:
+            self._log(rule, f"kafka did not acknowledge within {self._timeout:g} s")
+        self._report(submission, False)
+
+    def _report(self, submission: _Submission, ok: bool) -> None:
+        on_accepted, submission.on_accepted = submission.on_accepted, None
+        assert on_accepted is not None
+        if submission.timer is not None:
+            submission.timer.cancel()
+            submission.timer = None
+        submission.told = ok
+        on_accepted(ok)
+        if not submission.outstanding:
+            self._settle(submission)
+
+    def _settle(self, submission: _Submission) -> None:
+        """Every record answered: a failed publisher hears the final outcome."""
+        self._open.discard(submission)
+        if not self._open:
+            self._idle.set()
+        if submission.on_settled is not None and submission.told is False:
+            on_settled, submission.on_settled = submission.on_settled, None
+            on_settled(not submission.failed)
+
+    async def drain(self) -> None:
+        """Wait until every record submitted so far has Kafka's answer."""
+        await self._idle.wait()
+
+    # -- topics -----------------------------------------------------------------------
+
+    async def _list(self) -> None:
+        assert self._topics_list is not None
+        self._listed_at = time.monotonic()
+        listed = await self._topics_list.names()
+        for rule in self._rules:
+            if rule.kafka_topic not in listed and self._create_on is not None:
+                await ensure_topic(self._create_on, rule.kafka_topic, EMBEDDED_PARTITIONS)
+                log.info("integration rule %r: created kafka topic %r", rule.name, rule.kafka_topic)
+                listed.add(rule.kafka_topic)
+        self.listed = listed
+
+    async def _watch_topics(self) -> None:
+        while True:
+            await asyncio.sleep(TOPICS_REFRESH)
+            await self._list_logged()
+
+    async def _list_logged(self) -> None:
+        try:
+            await self._list()
+        except Exception as error:  # Kafka away: the last listing stands
+            log.debug("listing kafka topics for the integration rules failed: %r", error)
+
+    def _refresh_soon(self) -> None:
+        """A record found its topic missing: ask again (it may have been created)."""
+        if self._topics_list is None or self._listing is not None:
+            return
+        if time.monotonic() - self._listed_at < MISS_REFRESH:
+            return
+        task = asyncio.get_running_loop().create_task(self._list_logged())
+        self._listing = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._listing = None
+
+        task.add_done_callback(done)
+
+    def _log(self, rule: str, problem: str) -> None:
+        """One line per rule per interval (an outage would flood)."""
+        now = time.monotonic()
+        if now - self._logged_at.get(rule, -LOG_INTERVAL) >= LOG_INTERVAL:
+            self._logged_at[rule] = now
+            log.warning(
+                "integration rule %r: %s: its publishers get no success code", rule, problem
+            )
+
+
+async def open_integrations(
+    settings: Settings, bootstrap: str, *, embedded: bool
+) -> KafkaIntegrationSink:
+    """The started sink of the configured rules, on ``bootstrap``; a Kafka that does
+    not answer is :class:`IntegrationUnavailable`, one line."""
+    timeout = settings.persistence.kafka_request_timeout_ms / 1000
+    sink = KafkaIntegrationSink(
+        make_integration_producer(settings, bootstrap),
+        settings.integrations,
+        timeout,
+        _TopicList(kafka_client_options(settings, bootstrap)),
+        bootstrap if embedded else None,
+    )
+    try:
+        await sink.start()
+    except KafkaError as error:
+        with contextlib.suppress(Exception):
+            await sink.close()
+        raise IntegrationUnavailable(
+            f"cannot use kafka at {bootstrap} for the integrations: {error}"
+        ) from error
+    return sink
