@@ -168,15 +168,25 @@ class KafkaIntegrationSink:
                 )
 
     async def close(self) -> None:
-        """Wait for what was handed over (bounded by the producer's stop), then close."""
+        """Wait for what was handed over, within the publishers' deadline, then close.
+        Whatever Kafka has not acknowledged by then was never a success for its
+        publisher (the clients are gone: none was told otherwise)."""
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.wait({self._watch})
         if self._listing is not None:
             await asyncio.wait({self._listing})
-        while self._pending or self._sender is not None:
-            await asyncio.sleep(0.01)  # the sender hands the rest to the producer
-        await self._producer.stop()  # flushes: every handed record gets its answer
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self.drain()
+        except TimeoutError:
+            log.warning("integration records not acknowledged by kafka at the stop")
+        if self._sender is not None:
+            self._sender.cancel()
+            await asyncio.wait({self._sender})
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._timeout):
+                await self._producer.stop()
         if self._topics_list is not None:
             await self._topics_list.close()
 
@@ -231,14 +241,21 @@ class KafkaIntegrationSink:
             self._sender = None
 
     async def _send(self, submission: _Submission) -> None:
+        """Hand one submission's records over, within its publisher's deadline: a send
+        waits for the topic's metadata or for room in a full producer, and a topic
+        deleted under a running broker would hold every rule for aiokafka's
+        request timeout (minutes) otherwise. A record not handed over fails."""
         send = self._producer.send
-        for record in submission.records:
-            try:
-                future = await send(record.topic, record.value, record.key, None)
-            except KafkaError as error:
-                self._answered(submission, record, error)
-                continue
-            future.add_done_callback(partial(self._acked, submission, record))
+        records = iter(submission.records)
+        try:
+            async with asyncio.timeout(self._timeout):
+                for record in records:
+                    future = await send(record.topic, record.value, record.key, None)
+                    future.add_done_callback(partial(self._acked, submission, record))
+        except Exception as error:  # not only KafkaError: every record must be answered
+            self._answered(submission, record, error)
+            for rest in records:
+                self._answered(submission, rest, error)
 
     def _acked(
         self, submission: _Submission, record: IntegrationRecord, future: asyncio.Future[Any]
@@ -362,7 +379,7 @@ async def open_integrations(
     )
     try:
         await sink.start()
-    except KafkaError as error:
+    except Exception as error:  # Kafka away (KafkaError), or no broker in its answer
         with contextlib.suppress(Exception):
             await sink.close()
         raise IntegrationUnavailable(

@@ -77,9 +77,7 @@ def get_json(port: int, path: str) -> Any:
         return json.loads(response.read())
 
 
-def test_records_land_in_the_users_topics_with_keys_and_envelopes(
-    stack_factory, kafka
-) -> None:  # type: ignore[no-untyped-def]
+def test_records_land_in_the_users_topics_with_keys_and_envelopes(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
     """Two rules, a message matching both: one record in each, with its key and value;
     the audit counts say so in /metrics and the admin stats."""
     tag = uuid.uuid4().hex[:8]
@@ -185,6 +183,56 @@ def test_puback_comes_only_once_kafka_has_the_record(stack_factory, kafka) -> No
         wait_until(lambda: pub.acked == {1, 2}, 30, "the PUBACK after SIGCONT")
         records = read_records(bootstrap, topic, 2)
         assert [value for _, value in records] == [f"dev-{tag}:1".encode(), f"dev-{tag}:2".encode()]
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        pub.close()
+
+
+def test_kafka_away_past_the_deadline_is_0x80_and_the_record_may_land_later(
+    stack_factory, kafka
+) -> None:  # type: ignore[no-untyped-def]
+    """Tansu paused past ``persistence.kafka_request_timeout_ms``: the publisher hears
+    0x80 while Kafka is still away; resumed, the producer delivers the record anyway
+    (at least once, never a false success) and counts it produced."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"it.late.{tag}"
+    bootstrap = kafka[0]
+    make_topics(bootstrap, topic)
+    admin_port = free_port()
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "late", "topic_filter": f"late-{tag}/#", "kafka_topic": topic}
+            ),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 1000,
+            "admin.port": admin_port,
+        }
+    )
+    assert stack.tansu_pid is not None
+    pub = Publisher(stack.broker.address, f"dev-{tag}", f"late-{tag}/x", version=V5)
+    paused = False
+    try:
+        pub.publish(1)
+        wait_until(lambda: pub.acked == {1}, 20, "the first PUBACK")
+        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        paused = True
+        pub.publish(1)
+        wait_until(lambda: pub.outcomes.get(2) is not None, 20, "the failure code")
+        assert pub.outcomes[2] == 0x80
+        assert "integration rule 'late': kafka did not acknowledge within 1 s" in stack.broker.log()
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        paused = False
+        records = read_records(bootstrap, topic, 2)
+        assert [value for _, value in records] == [f"dev-{tag}:1".encode(), f"dev-{tag}:2".encode()]
+
+        def counted() -> tuple[int, int]:
+            (late,) = get_json(admin_port, "/api/v1/stats")["integrations"]
+            return late["produced"], late["failed"]
+
+        # Kafka's answer to the producer may follow the record a reader already sees.
+        wait_until(lambda: counted() == (2, 0), 20, f"produced 2, failed 0; got {counted()}")
     finally:
         if paused:
             os.kill(stack.tansu_pid, signal.SIGCONT)
