@@ -112,10 +112,14 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     settled = None
     if qos == 2 and not conn.is_v5:
         settled = partial(_settled, session, packet_id)
+    done: Callable[[bool], None] = lambda ok: _accepted(conn, session, ack, ok)  # noqa: E731
+    if not packet.retain and not records:
+        broker.dispatch(targets, done, on_settled=settled)  # the deliveries alone
+        return
     # Acknowledged once every part has it: the deliveries (Kafka, with persistence),
     # the retained message (Redis, with persistence) and the integration records (the
     # user's Kafka topics); a failure of any fails the PUBLISH.
-    join = _Join(lambda ok: _accepted(conn, session, ack, ok), settled)
+    join = _Join(done, settled)
     if packet.retain:
         broker.retained.store(message, join.part(settles=False)[0])
     if records:
