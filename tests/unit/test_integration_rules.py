@@ -1,7 +1,7 @@
 """Topic-to-Kafka integration rules (broker/integrations.py): the ``integrations``
 settings, key templates, the JSON envelope, and the sans-IO core holding the
 publisher's acknowledgement until the records are produced. The Kafka side, against
-a real Kafka, is tests/integration/test_integrations.py."""
+a real Kafka, is tests/faults/test_integrations.py."""
 
 from __future__ import annotations
 
