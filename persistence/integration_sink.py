@@ -209,10 +209,6 @@ class KafkaIntegrationSink:
             self._timer.cancel()
             self._timer = None
 
-    async def check(self) -> None:
-        """Raise unless Kafka answers a metadata request now (the readiness probe)."""
-        await self._producer.check()
-
     def counts(self) -> dict[str, tuple[int, int]]:
         """Per rule: (records produced, records failed)."""
         return {name: (n, self.failed[name]) for name, n in self.produced.items()}
