@@ -105,11 +105,13 @@ def test_records_land_in_the_users_topics_with_keys_and_envelopes(stack_factory,
         }
     )
     pub = Publisher(stack.broker.address, f"dev-{tag}", f"{prefix}/line4/temp", version=V5)
-    other = Publisher(stack.broker.address, f"dev2-{tag}", f"{prefix}/line4/pressure", version=V5)
+    other = Publisher(
+        stack.broker.address, f"dev2-{tag}", f"{prefix}/line4/pressure", version=V311, qos=2
+    )
     try:
         pub.publish(3)
         other.publish(2)
-        wait_until(lambda: len(pub.acked) == 3 and len(other.acked) == 2, 20, "PUBACKs")
+        wait_until(lambda: len(pub.acked) == 3 and len(other.acked) == 2, 20, "PUBACK/PUBCOMP")
         assert pub.failed == set() and other.failed == set()
         got = read_records(bootstrap, raw, 5)
         assert sorted(got) == sorted(

@@ -39,7 +39,7 @@ from broker.packets import (
     ReasonCode,
     Will,
 )
-from tests.unit.core_harness import V5, V311, Harness, payloads
+from tests.unit.core_harness import V5, V311, DeferredPersistentPath, Harness, payloads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -267,6 +267,24 @@ def test_puback_waits_for_the_subscribers_and_the_records() -> None:
     assert pub.read() == []
     sink.complete()
     assert pub.read() == [PubAck(7)]
+
+
+def test_puback_waits_for_the_persistent_path_and_the_records_either_failing_fails() -> None:
+    path, sink = DeferredPersistentPath(), DeferredSink()
+    settings = dataclasses.replace(Settings(), integrations=RULES)
+    h = Harness(settings, persistent_path=path, integration_sink=sink)
+    durable = h.connected("durable", session_expiry_interval=3600)
+    durable.subscribe("sensors/#", qos=1)
+    pub = h.connected("dev-1")
+    pub.publish("sensors/a", b"1", qos=1, packet_id=1)
+    pub.publish("sensors/a", b"2", qos=1, packet_id=2)
+    sink.complete()
+    assert pub.read() == []  # Kafka has the records, not yet the delivery
+    path.complete()
+    assert pub.read() == [PubAck(1)]
+    path.complete()  # the delivery is in, the records fail
+    sink.complete(ok=False)
+    assert pub.read() == [PubAck(2, ReasonCode.UNSPECIFIED_ERROR)]
 
 
 def test_qos0_is_not_waited_for() -> None:
