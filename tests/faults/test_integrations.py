@@ -339,3 +339,24 @@ def test_a_bad_rule_stops_the_start_with_one_line(tmp_path: Path) -> None:
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1, lines
     assert "env DEVICEMQ_INTEGRATIONS: integrations[0].key: unknown placeholder {id}" in lines[0]
+
+
+def test_a_kafka_that_does_not_answer_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    env.update(
+        {
+            "DEVICEMQ_PERSISTENCE_ENABLED": "false",
+            "DEVICEMQ_ADMIN_ENABLED": "false",
+            "DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP": f"127.0.0.1:{port}",
+            "DEVICEMQ_INTEGRATIONS": rules({"topic_filter": "a/#", "kafka_topic": "k"}),
+        }
+    )
+    argv = [sys.executable, "-m", "app.cli", "run", "--data-dir", str(tmp_path)]
+    argv += ["--port", str(free_port())]
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, timeout=60)
+    assert result.returncode != 0
+    last = result.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith(
+        f"devicemq: error: cannot use kafka at 127.0.0.1:{port} for the integrations: "
+    ), last
