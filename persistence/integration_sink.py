@@ -48,6 +48,10 @@ log = logging.getLogger("devicemq.integrations")
 TOPICS_REFRESH = 5.0  # seconds between two listings of Kafka's topics
 MISS_REFRESH = 1.0  # at most one listing this often while records find a topic missing
 LOG_INTERVAL = 5.0  # seconds between two failure lines of one rule
+# PUBLISHes whose records wait for the producer (Kafka stalled, the producer
+# full): past this, a new one fails at once. QoS 1/2 publishers are bounded by
+# their Receive Maximum; QoS 0 ones by nothing else.
+MAX_WAITING = 100_000
 EMBEDDED_PARTITIONS = 1  # a rule's topic devicemq creates on the embedded Kafka
 
 
@@ -136,6 +140,7 @@ class KafkaIntegrationSink:
         timeout: float,
         topics: _TopicList | None = None,
         create_on: str | None = None,
+        max_waiting: int = MAX_WAITING,
     ) -> None:
         """``timeout``: seconds a publisher waits for Kafka before its failure code;
         ``create_on``: the bootstrap of a Kafka (the embedded one) on which missing
@@ -145,6 +150,7 @@ class KafkaIntegrationSink:
         self._timeout = timeout
         self._topics_list = topics
         self._create_on = create_on
+        self._max_waiting = max_waiting
         self.listed: set[str] | None = None  # Kafka's topics when last asked
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deadlines: deque[_Submission] = deque()  # not reported yet, oldest first
@@ -224,14 +230,18 @@ class KafkaIntegrationSink:
         submission = _Submission(records, on_accepted, on_settled)
         listed = self.listed
         missing = [r for r in records if listed is not None and r.topic not in listed]
-        if missing:
+        if missing or len(self._pending) >= self._max_waiting:
             # Nothing of it is sent: the publisher is told at once, and its re-send
             # (once the topic exists) adds no copy to the other rules' topics.
             for record in missing:
                 self._log(record.rule, f"kafka topic {record.topic!r} does not exist")
+            if missing:
+                self._refresh_soon()
+            else:
+                for record in records:
+                    self._log(record.rule, f"{self._max_waiting} publishes wait for kafka")
             for record in records:
                 self.failed[record.rule] += 1
-            self._refresh_soon()
             submission.outstanding = 0
             submission.failed = True
             self._report(submission, False)
