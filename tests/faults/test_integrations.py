@@ -27,6 +27,7 @@ from app.embedded_services import free_port
 from persistence.kafka_path import ensure_topic
 from tests.faults.checker import Publisher, wait_until
 from tests.faults.conftest import REPO, Stack
+from tests.kafka_fixtures import freeze
 
 V5, V311 = 5, 4
 
@@ -174,7 +175,7 @@ def test_puback_comes_only_once_kafka_has_the_record(stack_factory, kafka) -> No
     try:
         pub.publish(1)
         wait_until(lambda: pub.acked == {1}, 20, "the first PUBACK")
-        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        freeze(stack.tansu_pid)
         paused = True
         pub.publish(1)
         # Nothing can acknowledge it while Kafka is frozen: a PUBACK now would be a lie.
@@ -218,7 +219,7 @@ def test_kafka_away_past_the_deadline_is_0x80_and_the_record_may_land_later(
     try:
         pub.publish(1)
         wait_until(lambda: pub.acked == {1}, 20, "the first PUBACK")
-        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        freeze(stack.tansu_pid)
         paused = True
         pub.publish(1)
         wait_until(lambda: pub.outcomes.get(2) is not None, 20, "the failure code")
