@@ -638,8 +638,24 @@ class AdminApi:
                 "messages_received": sum(s.messages_received),
                 "messages_sent": sum(s.messages_sent),
                 "connections_total": s.connections_total,
+                "integrations": self._integrations(),
             },
         )
+
+    def _integrations(self) -> list[dict[str, Any]]:
+        """Each integration rule with its audit count (records produced, failed)."""
+        sink = self.broker.integration_sink
+        counts = sink.counts() if sink is not None else {}
+        return [
+            {
+                "name": rule.name,
+                "topic_filter": rule.topic_filter,
+                "kafka_topic": rule.kafka_topic,
+                "produced": counts.get(rule.name, (0, 0))[0],
+                "failed": counts.get(rule.name, (0, 0))[1],
+            }
+            for rule in self.settings.integrations
+        ]
 
     async def openapi(self, request: Request) -> Response:
         return json_response(200, openapi_document())

@@ -166,6 +166,8 @@ class BrokerCollector(Collector):
 
     def _broker(self, broker: Broker) -> Iterator[Metric]:
         stats = broker.stats
+        if broker.integration_sink is not None:
+            yield from self._integrations(broker.integration_sink.counts())
         yield _gauge(
             "connections_current",
             "Open MQTT network connections (including those that have not sent CONNECT yet)",
@@ -307,6 +309,17 @@ class BrokerCollector(Collector):
             "Stored messages read per Redis page when a session catches up or replays",
             [((), stats.replay_pages)],
         )
+
+    def _integrations(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:
+        """The audit count per integration rule (README "Topic-to-Kafka integration")."""
+        for index, what, doc in (
+            (0, "produced", "Records an integration rule produced (Kafka acknowledged them)"),
+            (1, "failed", "Records of an integration rule Kafka refused or never got"),
+        ):
+            yield _labelled(
+                CounterMetricFamily(f"{PREFIX}_integration_records_{what}", doc, labels=["rule"]),
+                (((rule,), pair[index]) for rule, pair in counts.items()),
+            )
 
     def _retries(self, retries: list[Retry]) -> Iterator[Metric]:
         yield _labelled(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from broker.sys_topics import SysTopics
     from persistence.blocklist_store import BlockListStore
     from persistence.device_persistence import DevicePersistence
+    from persistence.integration_sink import KafkaIntegrationSink
 
 log = logging.getLogger("devicemq.server")
 
@@ -81,9 +82,15 @@ async def _serve(
 
         token = admin_token(settings)  # a bad token file stops the start here
     blocks: BlockListStore | None = None
+    integrations = await _open_integrations(settings) if settings.integrations else None
     if settings.persistence.enabled:
         produce_latency = metrics.collector.kafka_produce.observe if metrics is not None else None
-        persistence = await _open_persistence(settings, produce_latency)
+        try:
+            persistence = await _open_persistence(settings, produce_latency)
+        except BaseException:
+            if integrations is not None:
+                await integrations.close()
+            raise
         from persistence.blocklist_store import BlockListStore
 
         blocks = BlockListStore(persistence.store.redis)
@@ -91,6 +98,7 @@ async def _serve(
         settings,
         persistent_path=persistence,
         keep_block=blocks.keep if blocks is not None else None,
+        integration_sink=integrations,
     )
     link = None
     retained = None
@@ -154,8 +162,25 @@ async def _serve(
             await retained.close()
         if link is not None:
             await link.close()
+        if integrations is not None:
+            await integrations.close()  # the clients are gone: nothing new comes
         if persistence is not None:
             await persistence.close()
+
+
+async def _open_integrations(settings: Settings) -> KafkaIntegrationSink:
+    """The integration rules' producer, on the configured Kafka
+    (``persistence.kafka_bootstrap``, whether persistence is enabled or not), or
+    on the embedded one when none is configured."""
+    from persistence.integration_sink import open_integrations
+
+    bootstrap = settings.persistence.kafka_bootstrap
+    if bootstrap:
+        return await open_integrations(settings, bootstrap, embedded=False)
+    from app.embedded_services import EmbeddedServices
+
+    running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)
+    return await open_integrations(settings, running.kafka_bootstrap, embedded=True)
 
 
 async def _open_admin(

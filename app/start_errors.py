@@ -16,8 +16,15 @@ def startup_error(settings: Settings, error: BaseException) -> str | None:
     from app.embedded_services import ServiceError
     from app.metrics import MetricsUnavailable
     from persistence.device_persistence import PersistenceUnavailable
+    from persistence.integration_sink import IntegrationUnavailable
 
-    known = PersistenceUnavailable | ServiceError | MetricsUnavailable | AdminUnavailable
+    known = (
+        PersistenceUnavailable
+        | IntegrationUnavailable
+        | ServiceError
+        | MetricsUnavailable
+        | AdminUnavailable
+    )
     if isinstance(error, known | ConfigError):
         return str(error)
     if isinstance(error, OSError) and error.errno in (

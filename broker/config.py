@@ -48,6 +48,7 @@ __all__ = [
     "AuthSettings",
     "ClusterSettings",
     "ConfigError",
+    "IntegrationRule",
     "ListenerSettings",
     "LogSettings",
     "MetricsSettings",
@@ -586,6 +587,27 @@ class ClusterSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class IntegrationRule:
+    """One topic-to-Kafka integration rule (broker/integrations.py), an item of the
+    top-level ``integrations`` list: its fields are checked as a whole at start."""
+
+    name: str = setting("", "Name in metrics, the admin status and logs; empty: kafka_topic")
+    topic_filter: str = setting("", "MQTT topic filter of the messages this rule takes")
+    kafka_topic: str = setting("", "The Kafka topic the records go to (it must exist)")
+    key: str = setting(
+        "{client_id}",
+        "Record key template: {client_id}, {username}, {topic}, {topic[N]} (level N, "
+        "-1 the last); empty: no key",
+    )
+    payload: str = setting(
+        "raw",
+        "Record value: raw (the payload as is) or envelope (JSON with topic, client ID, "
+        "QoS, time and the payload)",
+        choices=("raw", "envelope"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything devicemq can be configured with."""
 
@@ -616,6 +638,8 @@ class Settings:
     flapping: FlappingSettings = field(default_factory=FlappingSettings)
     ecq: EcqSettings = field(default_factory=EcqSettings)
     group_queues: GroupQueueSettings = field(default_factory=GroupQueueSettings)
+    # A list, not a section: loaded by _integration_rules, not by the specs.
+    integrations: tuple[IntegrationRule, ...] = field(default=(), metadata={"rules": True})
 
 
 # --------------------------------------------------------------------------
@@ -684,6 +708,8 @@ def _build_specs() -> dict[str, SettingSpec]:
     def add(owner: type, section: str | None) -> None:
         hints = typing.get_type_hints(owner)
         for f in dataclasses.fields(owner):
+            if "rules" in f.metadata:
+                continue  # the integrations list: _integration_rules
             hint = hints[f.name]
             if dataclasses.is_dataclass(hint) and isinstance(hint, type):
                 if section is not None:
@@ -720,7 +746,9 @@ def _build_specs() -> dict[str, SettingSpec]:
 
 _SPECS = _build_specs()
 _SECTIONS = {s.section for s in _SPECS.values() if s.section is not None}
-_TOP_LEVEL = _SECTIONS | {s.name for s in _SPECS.values() if s.section is None}
+INTEGRATIONS = "integrations"  # the top-level list of IntegrationRule
+_TOP_LEVEL = _SECTIONS | {s.name for s in _SPECS.values() if s.section is None} | {INTEGRATIONS}
+_RULE_FIELDS = {f.name: f for f in dataclasses.fields(IntegrationRule)}
 
 
 def setting_specs() -> Mapping[str, SettingSpec]:
@@ -904,6 +932,8 @@ def _file_values(
         top_name = str(top)
         if top_name not in _TOP_LEVEL:
             raise ConfigError(_unknown_key(top_name), source=shown, name=top_name)
+        if top_name == INTEGRATIONS:
+            continue  # a list of rules: _integration_rules
         if top_name in _SECTIONS:
             if body is None:  # every key commented out
                 continue
@@ -928,6 +958,80 @@ def _file_values(
                     yield spec, _check_value(spec, value)
             except ConfigError as e:
                 raise ConfigError(e.message, source=shown, name=name) from None
+
+
+def _rule_spec(name: str) -> SettingSpec:
+    """A rule field (all are strings) as a setting, for the values' checks."""
+    f = _RULE_FIELDS[name]
+    m = f.metadata
+    return SettingSpec(
+        f"{INTEGRATIONS}.{name}", INTEGRATIONS, name, str, False, f.default,
+        m["doc"], None, None, None, m["choices"],
+    )  # fmt: skip
+
+
+def _integration_rules(raw: object, env: Mapping[str, str]) -> tuple[IntegrationRule, ...]:
+    """The ``integrations`` list, each rule checked whole (broker/integrations.py):
+    a problem is a :class:`ConfigError` naming ``integrations[i].field``."""
+    from broker.integrations import rule_problem
+
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"expected a list of rules, got {_show(raw)}", name=INTEGRATIONS)
+    rules: list[IntegrationRule] = []
+    for i, item in enumerate(raw):
+        where = f"{INTEGRATIONS}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"expected a mapping of rule settings, got {_show(item)}", name=where)
+        values: dict[str, Any] = {}
+        for key, value in item.items():
+            name = f"{where}.{key}"
+            if str(key) not in _RULE_FIELDS:
+                close = difflib.get_close_matches(str(key), list(_RULE_FIELDS), n=1, cutoff=0.6)
+                hint = f" (did you mean '{where}.{close[0]}'?)" if close else ""
+                raise ConfigError(f"unknown setting{hint}", name=name)
+            spec = _rule_spec(str(key))
+            try:
+                value = _interpolate(value, env)
+                if isinstance(value, _Interpolated):
+                    values[str(key)] = _parse_text(spec, str(value))
+                else:
+                    values[str(key)] = _check_value(spec, value)
+            except ConfigError as e:
+                raise ConfigError(e.message, name=name) from None
+        for required in ("topic_filter", "kafka_topic"):
+            if not values.get(required):
+                raise ConfigError("required, and missing or empty", name=f"{where}.{required}")
+        rule = IntegrationRule(**values)
+        if not rule.name:
+            rule = dataclasses.replace(rule, name=rule.kafka_topic)
+        problem = rule_problem(rule)
+        if problem is not None:
+            raise ConfigError(problem[1], name=f"{where}.{problem[0]}")
+        for j, other in enumerate(rules):
+            if other.name == rule.name:
+                raise ConfigError(
+                    f"name {rule.name!r} is {INTEGRATIONS}[{j}]'s too (the name defaults "
+                    "to kafka_topic): give each rule its own",
+                    name=f"{where}.name",
+                )
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _check_integrations(settings: Settings) -> None:
+    """A rule must not write into devicemq's own topics."""
+    own = {
+        settings.persistence.topic: "persistence.topic",
+        settings.events.topic: "events.topic",
+    }
+    for i, rule in enumerate(settings.integrations):
+        if rule.kafka_topic in own:
+            raise ConfigError(
+                f"{rule.kafka_topic!r} is {own[rule.kafka_topic]}, devicemq's own topic",
+                name=f"{INTEGRATIONS}[{i}].kafka_topic",
+            )
 
 
 def _unknown_key(name: str) -> str:
@@ -969,12 +1073,19 @@ def load_settings(
     if env is None:
         env = os.environ
     values: dict[str, object] = {}
+    rules: tuple[IntegrationRule, ...] = ()
+    rules_source: str | None = None  # where the rules came from (the last one given)
 
     if path is not None:
         shown = str(path)
         data = _read_yaml(Path(path), shown)
         for spec, value in _file_values(data, shown, env):
             values[spec.name] = value
+        if isinstance(data, dict) and INTEGRATIONS in data:
+            try:
+                rules, rules_source = _integration_rules(data[INTEGRATIONS], env), shown
+            except ConfigError as e:
+                raise ConfigError(e.message, source=shown, name=e.name) from None
 
     for spec in _SPECS.values():
         text = env.get(spec.env_var)
@@ -985,7 +1096,24 @@ def load_settings(
         except ConfigError as e:
             raise ConfigError(e.message, source=f"env {spec.env_var}", name=spec.name) from None
 
+    rules_var = ENV_PREFIX + INTEGRATIONS.upper()
+    if rules_var in env:  # YAML (or JSON) text: a list of rules
+        source = f"env {rules_var}"
+        try:
+            rules = _integration_rules(_parse_rules_text(env[rules_var]), env)
+            rules_source = source
+        except ConfigError as e:
+            raise ConfigError(e.message, source=source, name=e.name) from None
+
     for name, raw in (overrides or {}).items():
+        if name == INTEGRATIONS:
+            try:
+                given = _parse_rules_text(raw) if isinstance(raw, str) else raw
+                rules = _integration_rules(given, env)
+                rules_source = "command line"
+            except ConfigError as e:
+                raise ConfigError(e.message, source="command line", name=e.name) from None
+            continue
         target = _SPECS.get(name)
         try:
             if target is None:
@@ -997,7 +1125,20 @@ def load_settings(
         except ConfigError as e:
             raise ConfigError(e.message, source="command line", name=name) from None
 
-    return _build(values)
+    settings = dataclasses.replace(_build(values), integrations=rules)
+    try:
+        _check_integrations(settings)
+    except ConfigError as e:
+        raise ConfigError(e.message, source=rules_source, name=e.name) from None
+    return settings
+
+
+def _parse_rules_text(text: str) -> object:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # _StrictLoader is a SafeLoader
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"invalid YAML: {problem}", name=INTEGRATIONS) from None
 
 
 def _build(values: Mapping[str, object]) -> Settings:

@@ -20,6 +20,7 @@ from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.group_queue import GroupTarget
+from broker.integrations import IntegrationRecord, IntegrationRules, IntegrationSink
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
@@ -84,6 +85,7 @@ class Broker:
         *,
         wall_clock: Callable[[], float] = time.time,
         keep_block: KeepBlock | None = None,
+        integration_sink: IntegrationSink | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -132,6 +134,13 @@ class Broker:
         )
         self._keep_block = keep_block
         self._pruned = clock()
+        # Topic-to-Kafka rules (broker/integrations.py); none without a sink to produce to.
+        self.integration_sink = integration_sink
+        self.integration_rules = (
+            IntegrationRules(settings.integrations)
+            if integration_sink is not None and settings.integrations
+            else None
+        )
 
     # -- connections and sessions -------------------------------------------------------
 
@@ -665,6 +674,30 @@ class Broker:
                 self.stats.drop(over)
                 log.info("will of %s on %r not retained: %s", will.client_id, message.topic, over)
         self.dispatch(self.resolve(message), _ignore_stored)
+        records = self.integration_records(message, will.client_id, will.username)
+        if records:
+            self.integrate(records, _ignore_stored)
+
+    def integration_records(
+        self, message: Message, client_id: str, username: str | None
+    ) -> list[IntegrationRecord]:
+        """The records the integration rules make of ``message``, published by
+        ``client_id`` and allowed by the ACL: one per matching rule."""
+        rules = self.integration_rules
+        if rules is None:
+            return []
+        return rules.records(message, client_id, username, self.wall_clock())
+
+    def integrate(
+        self,
+        records: Sequence[IntegrationRecord],
+        on_accepted: AcceptedCallback,
+        on_settled: AcceptedCallback | None = None,
+    ) -> None:
+        """Produce ``records`` to the user's Kafka topics; ``on_accepted(ok)`` and
+        ``on_settled`` as for :meth:`dispatch` (a PUBACK waits for both)."""
+        assert self.integration_sink is not None
+        self.integration_sink.submit(records, on_accepted, on_settled)
 
     def _begin_opening(self, client_id: str) -> None:
         """CONNECTs of ``client_id`` wait until :meth:`_end_opening`."""

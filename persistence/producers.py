@@ -61,7 +61,7 @@ class RecordProducer(Protocol):
         """Deliver what was handed over (or give up on it), then close."""
 
     async def send(
-        self, topic: str, value: bytes, key: bytes, partition: int | None
+        self, topic: str, value: bytes, key: bytes | None, partition: int | None
     ) -> asyncio.Future[Any]:
         """Take a record (waiting while the producer is full); the future is Kafka's
         answer: something with ``partition`` and ``offset``, or an aiokafka error."""
@@ -179,7 +179,7 @@ class Confluent:
             await asyncio.to_thread(producer.close)
 
     async def send(
-        self, topic: str, value: bytes, key: bytes, partition: int | None
+        self, topic: str, value: bytes, key: bytes | None, partition: int | None
     ) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         report = partial(self._delivered, future)

@@ -133,17 +133,19 @@ def listens(pid: int, port: int) -> bool:
     return False
 
 
-def freeze(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """SIGSTOP by PID and wait until the kernel shows the process stopped: a signal
-    is acted on when the process next returns to user space, not when kill returns."""
-    os.kill(proc.pid, signal.SIGSTOP)
+def freeze(proc: subprocess.Popen[bytes] | int, timeout: float = 10.0) -> None:
+    """SIGSTOP by PID (``proc`` or its PID) and wait until the kernel shows the process
+    stopped: a signal is acted on when the process next returns to user space, not
+    when kill returns."""
+    pid = proc if isinstance(proc, int) else proc.pid
+    os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while True:
-        with open(f"/proc/{proc.pid}/stat") as stat:
+        with open(f"/proc/{pid}/stat") as stat:
             if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
                 return
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"process {proc.pid} did not stop within {timeout} s")
+            raise RuntimeError(f"process {pid} did not stop within {timeout} s")
         time.sleep(0.001)
 
 

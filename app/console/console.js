@@ -176,6 +176,11 @@ async function loadStats() {
   const pairs = STATS.map(([key, label]) => ["stat-" + key, label, text(s[key])]);
   pairs.push(["stat-in-rate", "Received / s", rate("messages_received")]);
   pairs.push(["stat-out-rate", "Sent / s", rate("messages_sent")]);
+  for (const rule of s.integrations || []) {
+    // the audit count of a topic-to-Kafka rule (README "Topic-to-Kafka integration")
+    const label = `Rule ${rule.name} → ${rule.kafka_topic}: produced / failed`;
+    pairs.push(["stat-rule-" + rule.name, label, `${rule.produced} / ${rule.failed}`]);
+  }
   facts($("stats"), pairs);
   $("stats-node").textContent = s.node ? "replica " + s.node : "";
   lastStats = { s, at: now };

@@ -94,26 +94,40 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
             _denied(conn, session, packet, topic, ReasonCode.QUOTA_EXCEEDED, over)
             return
     targets = broker.resolve(message)
+    # Only what the ACL let through reaches a rule (the check above).
+    records = broker.integration_records(message, conn.client_id or "", conn.username)
     if qos == 0:
         if packet.retain:
             broker.retained.store(message)
         broker.dispatch(targets, _no_ack)
+        if records:
+            broker.integrate(records, _no_ack)  # best effort, as every QoS 0 delivery
         return
     assert packet_id is not None
-    reason = ReasonCode.SUCCESS if targets else ReasonCode.NO_MATCHING_SUBSCRIBERS
+    matched = targets or records
+    reason = ReasonCode.SUCCESS if matched else ReasonCode.NO_MATCHING_SUBSCRIBERS
     if qos == 2:
         session.incoming_qos2[packet_id] = False
     ack = conn.expect_ack(packet_id, qos, reason if conn.is_v5 else 0)
-    done: Callable[[bool], None] = lambda ok: _accepted(conn, session, ack, ok)  # noqa: E731
-    if packet.retain:
-        # Acknowledged once both are kept: the retained message (in Redis, with
-        # persistence) and the deliveries; a failure of either fails the PUBLISH.
-        done = _both(done)
-        broker.retained.store(message, done)
     settled = None
     if qos == 2 and not conn.is_v5:
         settled = partial(_settled, session, packet_id)
-    broker.dispatch(targets, done, on_settled=settled)
+    done: Callable[[bool], None] = lambda ok: _accepted(conn, session, ack, ok)  # noqa: E731
+    if not packet.retain and not records:
+        broker.dispatch(targets, done, on_settled=settled)  # the deliveries alone
+        return
+    # Acknowledged once every part has it: the deliveries (Kafka, with persistence),
+    # the retained message (Redis, with persistence) and the integration records (the
+    # user's Kafka topics); a failure of any fails the PUBLISH.
+    join = _Join(done, settled)
+    if packet.retain:
+        broker.retained.store(message, join.part(settles=False)[0])
+    if records:
+        on_accepted, on_settled = join.part(settles=True)
+        broker.integrate(records, on_accepted, on_settled)
+    on_accepted, on_settled = join.part(settles=True)
+    broker.dispatch(targets, on_accepted, on_settled=on_settled)
+    join.close()
 
 
 def _to_queue(
@@ -361,16 +375,61 @@ def _denied(
     conn.ack_ready(conn.expect_ack(packet_id, packet.qos, reason), True)
 
 
-def _both(then: Callable[[bool], None]) -> Callable[[bool], None]:
-    """A completion to be called twice: ``then`` runs on the second, ok if both were."""
-    results: list[bool] = []
+class _Join:
+    """The parts a PUBLISH was handed to, each with its completion (``on_accepted``,
+    ``on_settled``: :meth:`broker.persistent_path.PersistentPath.submit`).
 
-    def one(ok: bool) -> None:
-        results.append(ok)
-        if len(results) == 2:
-            then(all(results))
+    ``on_accepted(ok)`` runs once every part answered, ok if all were, and not
+    before :meth:`close` (a part may answer at once). After a failure,
+    ``on_settled(ok)`` runs once every part's outcome is final: a part that
+    failed and ``settles`` says it later; one that does not is final at once.
+    """
 
-    return one
+    __slots__ = ("_accepted", "_closed", "_finals", "_on_accepted", "_on_settled", "_parts")
+
+    def __init__(
+        self, on_accepted: Callable[[bool], None], on_settled: Callable[[bool], None] | None
+    ) -> None:
+        self._on_accepted: Callable[[bool], None] | None = on_accepted
+        self._on_settled = on_settled
+        self._parts = 0
+        self._accepted: list[bool] = []
+        self._finals: list[bool] = []
+        self._closed = False
+
+    def part(
+        self, *, settles: bool
+    ) -> tuple[Callable[[bool], None], Callable[[bool], None] | None]:
+        """(on_accepted, on_settled) of one more part; on_settled None if nobody waits."""
+        self._parts += 1
+
+        def accepted(ok: bool) -> None:
+            self._accepted.append(ok)
+            self._check()
+            if ok or not settles:
+                self._final(ok)
+
+        return accepted, (self._final if settles and self._on_settled is not None else None)
+
+    def close(self) -> None:
+        """Every part was added."""
+        self._closed = True
+        self._check()
+
+    def _final(self, ok: bool) -> None:
+        self._finals.append(ok)
+        self._check()
+
+    def _check(self) -> None:
+        if not self._closed or len(self._accepted) < self._parts:
+            return
+        on_accepted, self._on_accepted = self._on_accepted, None
+        if on_accepted is not None:
+            on_accepted(all(self._accepted))
+        if len(self._finals) == self._parts and not all(self._accepted):
+            on_settled, self._on_settled = self._on_settled, None
+            if on_settled is not None:
+                on_settled(all(self._finals))
 
 
 def _no_ack(ok: bool) -> None:

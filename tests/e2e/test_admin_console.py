@@ -192,3 +192,23 @@ def test_without_admin_token_the_console_is_read_only(tmp_path: Path, chromium: 
         assert error.startswith("403: ") and "token" in error, error
         assert client.connected
         client.close()
+
+
+def test_integration_rules_and_their_counts_in_the_headline(
+    tmp_path: Path, chromium: WebDriver
+) -> None:
+    """The audit count per integration rule is in the admin stats, so in the console."""
+    rules = '[{"name": "all", "topic_filter": "console/#", "kafka_topic": "console.all"}]'
+    with admin_broker(tmp_path / "b", **{"persistence.enabled": False, "integrations": rules}) as (
+        broker,
+        api,
+    ):
+        client = Paho(broker, "console-rules", V5)
+        assert client.connect().reason_code == 0
+        for _ in range(3):
+            assert client.publish("console/x", b"m", qos=1) == 0
+        driver = chromium
+        _open(driver, api.url + "/")
+        _enter_token(driver, TOKEN)
+        wait_for(driver, lambda d: _fact(d, "stat-rule-all") == "3 / 0", "the rule's count")
+        client.close()

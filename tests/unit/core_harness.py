@@ -18,6 +18,7 @@ from broker.codec import PacketDecoder, encode
 from broker.config import MqttSettings, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
+from broker.integrations import IntegrationSink
 from broker.message import Delivery
 from broker.packets import (
     ConnAck,
@@ -258,13 +259,18 @@ class Harness:
         self,
         settings: Settings | None = None,
         persistent_path: PersistentPath | None = None,
+        integration_sink: IntegrationSink | None = None,
         **mqtt: Any,
     ) -> None:
         if settings is None:
             settings = make_settings(**mqtt)
         self.clock = FakeClock()
         self.broker = Broker(
-            settings, clock=self.clock, persistent_path=persistent_path, wall_clock=self.clock
+            settings,
+            clock=self.clock,
+            persistent_path=persistent_path,
+            wall_clock=self.clock,
+            integration_sink=integration_sink,
         )
 
     def client(self, level: int = V5, peer: str = "peer") -> Client:
