@@ -36,7 +36,9 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.protocol.metadata import MetadataRequest
 
+from persistence import kafka_security
 from persistence.kafka_path import BATCH_TTL_MS, PARTITION_CACHE_SIZE, ensure_topic
+from persistence.kafka_security import KafkaSecurity
 from persistence.producers import Aiokafka, RecordProducer
 
 if TYPE_CHECKING:
@@ -58,8 +60,18 @@ EMBEDDED_PARTITIONS = 1  # a rule's topic devicemq creates on the embedded Kafka
 def kafka_client_options(settings: Settings, bootstrap: str) -> dict[str, Any]:
     """aiokafka's connection options for a Kafka client of devicemq's (the integration
     producer and its topic listing): the one place where the ``persistence.kafka_*``
-    connection settings, the security ones among them, become client options."""
-    return {"bootstrap_servers": bootstrap}
+    connection settings, the security ones among them, become client options. The
+    embedded Kafka (no ``persistence.kafka_bootstrap``) is plaintext on loopback."""
+    return {"bootstrap_servers": bootstrap, **_security(settings).aiokafka()}
+
+
+def _security(settings: Settings) -> KafkaSecurity:
+    """As the persistent path's clients reach Kafka (persistence/kafka_security.py);
+    ConfigError naming the setting if wrong."""
+    config = settings.persistence
+    if config.kafka_bootstrap:
+        return kafka_security.from_settings(config)
+    return kafka_security.for_embedded(config)
 
 
 def make_integration_producer(settings: Settings, bootstrap: str) -> RecordProducer:
@@ -467,6 +479,7 @@ async def open_integrations(
         with contextlib.suppress(Exception):
             await sink.close()
         raise IntegrationUnavailable(
-            f"cannot use kafka at {bootstrap} for the integrations: {error}"
+            f"cannot use kafka at {bootstrap} for the integrations: "
+            f"{kafka_security.explain(error, _security(settings))}"
         ) from error
     return sink

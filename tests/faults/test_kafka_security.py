@@ -349,3 +349,62 @@ def test_no_host_name_check_reaches_kafka_by_another_name(
         _through_kafka(broker, "nocheck", 5)
     finally:
         broker.stop()
+
+
+def test_an_integration_rules_records_go_through_a_tls_kafka(
+    tmp_path: Path, tls_kafka: TlsKafka, redis: RedisProcess
+) -> None:
+    """The integration producer (persistence/integration_sink.py) reaches Kafka with the
+    same TLS settings as the persistent path: the PUBACK comes once the rule's record
+    is in the user's topic, read back over TLS."""
+    import asyncio
+    import json
+
+    from aiokafka import AIOKafkaConsumer
+
+    from broker.config import PersistenceSettings
+    from persistence.kafka_path import ensure_topic
+    from persistence.kafka_security import from_settings
+
+    pki = tls_kafka.pki
+    security = from_settings(
+        PersistenceSettings(
+            kafka_security_protocol="SSL",
+            kafka_tls_ca_file=str(pki.ca),
+            kafka_tls_cert_file=str(pki.client_cert),
+            kafka_tls_key_file=str(pki.client_key),
+        )
+    )
+    topic = f"kafkasec-rule.{uuid.uuid4().hex[:8]}"
+    asyncio.run(ensure_topic(tls_kafka.bootstrap, topic, 1, security=security))
+    rule = {"name": "plant", "topic_filter": "plant/#", "kafka_topic": topic}
+    settings = _tls(pki, integrations=json.dumps([rule]))
+    broker = DeviceMQ(tmp_path / "broker", redis, tls_kafka.bootstrap, settings)
+    broker.start()
+    try:
+        pub = Raw(broker)
+        assert isinstance(pub.connect("rule-pub"), ConnAck)
+        pub.send(Publish("plant/line1", b"through TLS", 1, packet_id=1))
+        ack = pub.recv(timeout=30)
+        assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
+        pub.close()
+    finally:
+        broker.stop()
+
+    async def read() -> list[bytes]:
+        consumer = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=tls_kafka.bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            **security.aiokafka(),
+        )
+        await consumer.start()
+        try:
+            batches = await consumer.getmany(timeout_ms=10_000)
+            return [r.value for records in batches.values() for r in records]
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(read()) == [b"through TLS"]
+    assert "Traceback" not in broker.log()
