@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.config import ConfigError, PersistenceSettings
+from persistence import tls_failure
 
 __all__ = [
     "PLAINTEXT",
@@ -351,8 +352,7 @@ def explain(error: BaseException, security: KafkaSecurity = PLAINTEXT) -> str:
                 f"kafka_sasl_mechanism ({security.mechanism})"
             )
         if isinstance(link, ssl.SSLError):
-            detail = getattr(link, "verify_message", None) or link.reason or str(link)
-            return _tls(f"{link.reason}: {detail}" if detail != link.reason else str(detail))
+            return _tls(tls_failure.reason(link))
     closed = "closed" in text.lower()
     if closed and not security.tls and not security.sasl:
         return (
@@ -369,29 +369,30 @@ def explain(error: BaseException, security: KafkaSecurity = PLAINTEXT) -> str:
     return text
 
 
+_TLS_HINTS = {
+    tls_failure.CLIENT_CERT_REQUIRED: (
+        "kafka wants a client certificate: persistence.kafka_tls_cert_file and key_file"
+    ),
+    tls_failure.HOSTNAME: (
+        "its certificate does not name the host it was reached at (the bootstrap's or "
+        "an advertised listener's; persistence.kafka_tls_check_hostname)"
+    ),
+    tls_failure.EXPIRED: "its certificate has expired",
+    tls_failure.UNSIGNED: "its certificate is not signed by persistence.kafka_tls_ca_file",
+    tls_failure.CLIENT_CERT_REFUSED: (
+        "kafka refused the client certificate: persistence.kafka_tls_cert_file"
+    ),
+    tls_failure.NOT_TLS: "kafka does not speak TLS there: persistence.kafka_security_protocol",
+    tls_failure.OTHER: (
+        "check persistence.kafka_tls_ca_file, kafka_tls_cert_file, kafka_tls_key_file "
+        "and kafka_tls_check_hostname"
+    ),
+}
+
+
 def _tls(reason: str) -> str:
     """A failed TLS handshake with Kafka, with the setting most likely to blame."""
-    upper = reason.upper()
-    if "CERTIFICATE_REQUIRED" in upper:
-        hint = "kafka wants a client certificate: persistence.kafka_tls_cert_file and key_file"
-    elif "HOSTNAME" in upper or "IP ADDRESS MISMATCH" in upper:
-        hint = (
-            "its certificate does not name the host it was reached at (the bootstrap's or "
-            "an advertised listener's; persistence.kafka_tls_check_hostname)"
-        )
-    elif "EXPIRED" in upper:
-        hint = "its certificate has expired"
-    elif "VERIFY" in upper or "SELF" in upper:
-        hint = "its certificate is not signed by persistence.kafka_tls_ca_file"
-    elif "UNKNOWN_CA" in upper or "BAD_CERTIFICATE" in upper:
-        hint = "kafka refused the client certificate: persistence.kafka_tls_cert_file"
-    elif "WRONG_VERSION" in upper or "RECORD_LAYER" in upper or "PACKET_LENGTH" in upper:
-        hint = "kafka does not speak TLS there: persistence.kafka_security_protocol"
-    else:
-        hint = (
-            "check persistence.kafka_tls_ca_file, kafka_tls_cert_file, kafka_tls_key_file "
-            "and kafka_tls_check_hostname"
-        )
+    hint = _TLS_HINTS.get(tls_failure.kind(reason), _TLS_HINTS[tls_failure.OTHER])
     return f"TLS with kafka failed ({reason}): {hint}"
 
 

@@ -30,6 +30,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from broker.config import ConfigError, PersistenceSettings
+from persistence import tls_failure
 
 SETTINGS = (
     "redis_username",
@@ -264,8 +265,7 @@ def explain(error: BaseException, options: dict[str, Any] | None = None) -> str:
                 '~* &* +@all (README "Secured Redis")'
             )
         if isinstance(link, ssl.SSLError):
-            detail = getattr(link, "verify_message", None) or link.reason or str(link)
-            return _tls(f"{link.reason}: {detail}" if detail != link.reason else str(detail))
+            return _tls(tls_failure.reason(link))
     if "ssl_cert_reqs" in options and "ssl_certfile" not in options and "closed" in text.lower():
         return (
             f"redis closed the connection ({text}): if it wants a client certificate, set "
@@ -274,25 +274,27 @@ def explain(error: BaseException, options: dict[str, Any] | None = None) -> str:
     return text
 
 
+_TLS_HINTS = {
+    tls_failure.CLIENT_CERT_REQUIRED: (
+        "redis wants a client certificate: persistence.redis_tls_cert_file and key_file"
+    ),
+    tls_failure.HOSTNAME: (
+        "its certificate does not name the host of redis_url (or give Redis a "
+        "certificate that does; persistence.redis_tls_check_hostname)"
+    ),
+    tls_failure.EXPIRED: "its certificate has expired",
+    tls_failure.UNSIGNED: "its certificate is not signed by persistence.redis_tls_ca_file",
+    tls_failure.CLIENT_CERT_REFUSED: (
+        "redis refused the client certificate: persistence.redis_tls_cert_file"
+    ),
+    tls_failure.OTHER: (
+        "check persistence.redis_tls_ca_file, redis_tls_cert_file, redis_tls_key_file "
+        "and redis_tls_check_hostname"
+    ),
+}
+
+
 def _tls(reason: str) -> str:
     """A failed TLS handshake with Redis, with the setting most likely to blame."""
-    upper = reason.upper()
-    if "CERTIFICATE_REQUIRED" in upper:
-        hint = "redis wants a client certificate: persistence.redis_tls_cert_file and key_file"
-    elif "HOSTNAME" in upper or "IP ADDRESS MISMATCH" in upper:
-        hint = (
-            "its certificate does not name the host of redis_url (or give Redis a "
-            "certificate that does; persistence.redis_tls_check_hostname)"
-        )
-    elif "EXPIRED" in upper:
-        hint = "its certificate has expired"
-    elif "VERIFY" in upper or "SELF" in upper:
-        hint = "its certificate is not signed by persistence.redis_tls_ca_file"
-    elif "UNKNOWN_CA" in upper or "BAD_CERTIFICATE" in upper:
-        hint = "redis refused the client certificate: persistence.redis_tls_cert_file"
-    else:
-        hint = (
-            "check persistence.redis_tls_ca_file, redis_tls_cert_file, redis_tls_key_file "
-            "and redis_tls_check_hostname"
-        )
+    hint = _TLS_HINTS.get(tls_failure.kind(reason), _TLS_HINTS[tls_failure.OTHER])
     return f"TLS with redis failed ({reason}): {hint}"
