@@ -27,11 +27,10 @@ import logging
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from broker.config import ConfigError, PersistenceSettings
-from persistence import tls_failure
+from persistence import secret_files, tls_failure
 
 __all__ = [
     "PLAINTEXT",
@@ -43,6 +42,8 @@ __all__ = [
     "from_options",
     "from_settings",
 ]
+
+PREFIX = "persistence.kafka"  # of the settings (persistence/secret_files.py)
 
 log = logging.getLogger("devicemq.persistence")
 
@@ -171,23 +172,6 @@ def from_options(options: Mapping[str, str]) -> KafkaSecurity:
     return from_settings(replace(PersistenceSettings(), **values))
 
 
-def _readable(name: str, path: str) -> Path:
-    file = Path(path).expanduser()
-    try:
-        with file.open("rb"):
-            pass
-    except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror}", name=name) from None
-    return file
-
-
-def _no_passphrase() -> str:
-    raise ConfigError(
-        "the key is protected by a passphrase: give one without",
-        name="persistence.kafka_tls_key_file",
-    )
-
-
 def from_settings(config: PersistenceSettings) -> KafkaSecurity:
     """The security of ``config.kafka_bootstrap``; ConfigError names the setting that
     is wrong."""
@@ -241,24 +225,10 @@ def from_settings(config: PersistenceSettings) -> KafkaSecurity:
 def _with_tls(config: PersistenceSettings, security: KafkaSecurity) -> KafkaSecurity:
     ca = cert = key = ""
     if config.kafka_tls_ca_file:
-        ca = str(_readable("persistence.kafka_tls_ca_file", config.kafka_tls_ca_file))
-        try:
-            ssl.create_default_context(cafile=ca)
-        except ssl.SSLError as error:
-            raise ConfigError(
-                f"{config.kafka_tls_ca_file} holds no CA certificate ({error.reason})",
-                name="persistence.kafka_tls_ca_file",
-            ) from None
+        ca = str(secret_files.ca_file(PREFIX, config.kafka_tls_ca_file))
     if config.kafka_tls_cert_file:
-        cert = str(_readable("persistence.kafka_tls_cert_file", config.kafka_tls_cert_file))
-        key = str(_readable("persistence.kafka_tls_key_file", config.kafka_tls_key_file))
-        try:  # a pair that does not match fails here, not at every connect
-            ssl.create_default_context().load_cert_chain(cert, key, password=_no_passphrase)
-        except ssl.SSLError as error:
-            raise ConfigError(
-                f"{cert} and {key} are not a certificate and its key ({error.reason})",
-                name="persistence.kafka_tls_cert_file",
-            ) from None
+        pair = secret_files.key_pair(PREFIX, config.kafka_tls_cert_file, config.kafka_tls_key_file)
+        cert, key = str(pair[0]), str(pair[1])
     return KafkaSecurity(
         protocol=security.protocol,
         check_hostname=security.check_hostname,
@@ -279,10 +249,9 @@ def _with_sasl(config: PersistenceSettings, security: KafkaSecurity) -> KafkaSec
             f"kafka_security_protocol {security.protocol} needs a password file",
             name="persistence.kafka_sasl_password_file",
         )
-    file = _readable("persistence.kafka_sasl_password_file", config.kafka_sasl_password_file)
-    password = file.read_text().strip()
-    if not password:
-        raise ConfigError(f"{file} is empty", name="persistence.kafka_sasl_password_file")
+    file, password = secret_files.password(
+        "persistence.kafka_sasl_password_file", config.kafka_sasl_password_file
+    )
     mechanism = config.kafka_sasl_mechanism
     if mechanism == "PLAIN" and security.protocol == "SASL_PLAINTEXT":
         log.warning(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -30,7 +29,9 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from broker.config import ConfigError, PersistenceSettings
-from persistence import tls_failure
+from persistence import secret_files, tls_failure
+
+PREFIX = "persistence.redis"  # of the settings (persistence/secret_files.py)
 
 SETTINGS = (
     "redis_username",
@@ -146,23 +147,6 @@ def redis_client(
     )
 
 
-def _readable(name: str, path: str) -> Path:
-    file = Path(path).expanduser()
-    try:
-        with file.open("rb"):
-            pass
-    except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror}", name=name) from None
-    return file
-
-
-def _no_passphrase() -> str:
-    raise ConfigError(
-        "the key is protected by a passphrase: give one without",
-        name="persistence.redis_tls_key_file",
-    )
-
-
 def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:
     """redis-py keyword arguments for ``url`` as the settings say; ConfigError names the
     setting that is wrong."""
@@ -195,25 +179,12 @@ def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:
         )
     if tls:
         if config.redis_tls_ca_file:
-            ca = _readable("persistence.redis_tls_ca_file", config.redis_tls_ca_file)
-            try:
-                ssl.create_default_context(cafile=str(ca))
-            except ssl.SSLError as error:
-                raise ConfigError(
-                    f"{config.redis_tls_ca_file} holds no CA certificate ({error.reason})",
-                    name="persistence.redis_tls_ca_file",
-                ) from None
+            ca = secret_files.ca_file(PREFIX, config.redis_tls_ca_file)
             options["ssl_ca_certs"] = str(ca)
         if config.redis_tls_cert_file:
-            cert = _readable("persistence.redis_tls_cert_file", config.redis_tls_cert_file)
-            key = _readable("persistence.redis_tls_key_file", config.redis_tls_key_file)
-            try:  # a pair that does not match fails here, not at every connect
-                ssl.create_default_context().load_cert_chain(cert, key, password=_no_passphrase)
-            except ssl.SSLError as error:
-                raise ConfigError(
-                    f"{cert} and {key} are not a certificate and its key ({error.reason})",
-                    name="persistence.redis_tls_cert_file",
-                ) from None
+            cert, key = secret_files.key_pair(
+                PREFIX, config.redis_tls_cert_file, config.redis_tls_key_file
+            )
             options["ssl_certfile"] = str(cert)
             options["ssl_keyfile"] = str(key)
         options["ssl_check_hostname"] = config.redis_tls_check_hostname
@@ -221,11 +192,9 @@ def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:
     if config.redis_username:
         options["username"] = config.redis_username
     if config.redis_password_file:
-        file = _readable("persistence.redis_password_file", config.redis_password_file)
-        password = file.read_text().strip()
-        if not password:
-            raise ConfigError(f"{file} is empty", name="persistence.redis_password_file")
-        options["password"] = password
+        _, options["password"] = secret_files.password(
+            "persistence.redis_password_file", config.redis_password_file
+        )
     return options
 
 
