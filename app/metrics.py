@@ -59,6 +59,7 @@ log = logging.getLogger("devicemq.metrics")
 PREFIX = "devicemq"
 REFRESH_INTERVAL = 5.0  # seconds a Redis backlog count / committed offset read is reused
 PROBE_TIMEOUT = 2.0  # seconds a readiness probe or a refresh may take
+MIN_DIAGNOSIS = 0.2  # s left of a Kafka probe worth a connection that explains its failure
 REQUEST_TIMEOUT = 5.0  # seconds a client has to send its request head
 MAX_REQUEST_HEAD = 16 * 1024
 INFLIGHT_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 65535.0)
@@ -166,8 +167,8 @@ class BrokerCollector(Collector):
 
     def _broker(self, broker: Broker) -> Iterator[Metric]:
         stats = broker.stats
-        if broker.integration_sink is not None:
-            yield from self._integrations(broker.integration_sink.counts())
+        sink = broker.integration_sink  # with no rules: the families, with no series
+        yield from self._integrations(sink.counts() if sink is not None else {})
         yield _gauge(
             "connections_current",
             "Open MQTT network connections (including those that have not sent CONNECT yet)",
@@ -689,12 +690,18 @@ class MetricsServer:
             # A refused login or a failed TLS handshake says so, naming the settings.
             reason = explain(e, persistence.redis_connect)
             return False, {"reason": f"redis unreachable: {_short_text(reason)}"}
+        started = time.monotonic()
         try:
             await asyncio.wait_for(persistence.kafka_producer.check(), PROBE_TIMEOUT)
         except Exception as e:
             # The producer only says no broker answered: a refused login or a failed
-            # TLS handshake is found by connecting once, and named with its settings.
-            why = await diagnose(persistence.bootstrap, persistence.kafka_security, PROBE_TIMEOUT)
+            # TLS handshake is found by connecting once, and named with its settings,
+            # within what is left of the probe's time (a Kafka that does not answer at
+            # all used it up: /ready answers within PROBE_TIMEOUT for Kafka).
+            left = PROBE_TIMEOUT - (time.monotonic() - started)
+            why = None
+            if left > MIN_DIAGNOSIS:
+                why = await diagnose(persistence.bootstrap, persistence.kafka_security, left)
             return False, {"reason": f"kafka unreachable: {_short_text(why or _short(e))}"}
         problem = persistence.problem()
         if problem is not None:
