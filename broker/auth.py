@@ -1,11 +1,13 @@
 """Authentication: who may connect (SECURITY.md "Authentication").
 
-Three ways in, decided per CONNECT by :class:`Authenticator`:
+Four ways in, decided per CONNECT by :class:`Authenticator`:
 
 - a TLS client certificate, when ``auth.use_identity_as_username`` is on and
   the listener put the peer's certificate on the connection
   (``MQTTConnection.peer_certificate``): its CN or first SAN is the user name;
 - a user name and password checked against the password file;
+- a user name the password file does not hold, decided by the members of
+  ``auth.chain`` in order (:mod:`broker.external_auth`: an HTTP service, a JWT);
 - no user name at all (anonymous), if ``auth.allow_anonymous`` allows it.
 
 The password file holds one ``username:hash`` per line, ``#`` comments (the
@@ -54,7 +56,9 @@ from typing import Any
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
+from broker.acl import Grant
 from broker.config import AuthSettings, ConfigError
+from broker.external_auth import ChainMember, Credentials, Verdict, build_chain, certificate_subject
 from broker.limits import SourceBuckets
 from broker.packets import ReasonCode
 from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
@@ -235,6 +239,7 @@ class AuthResult:
 
     ``counter`` names the rejected-connections reason a refusal is counted
     under when the reason code alone would not tell (default: the code's name).
+    ``grant``: the client's own ACL rules, from auth.chain.
     """
 
     ok: bool
@@ -242,6 +247,7 @@ class AuthResult:
     reason: ReasonCode = ReasonCode.SUCCESS
     message: str = ""
     counter: str = ""
+    grant: Grant | None = None
 
 
 def _refused(reason: ReasonCode, message: str) -> AuthResult:
@@ -287,9 +293,12 @@ class Authenticator:
         self.run_blocking: BlockingRunner = run_blocking or self._run_in_thread
         self.password_path = Path(settings.password_file) if settings.password_file else None
         self.allow_anonymous = settings.allow_anonymous
+        self.chain: list[ChainMember] = build_chain(settings, clock)
         if self.allow_anonymous is None:  # auto: only while nothing else can log in
             self.allow_anonymous = (
-                self.password_path is None and not settings.use_identity_as_username
+                self.password_path is None
+                and not settings.use_identity_as_username
+                and not self.chain
             )
         self.users: dict[str, str] = {}
         self._watch: FileChangeWatch | None = None
@@ -321,7 +330,10 @@ class Authenticator:
     # -- the password file ---------------------------------------------------------------
 
     def maybe_reload(self, force: bool = False) -> None:
-        """Re-read the password file if it changed (at most one stat a second)."""
+        """Re-read the password file, and auth.chain's key files, if they changed (at
+        most one stat a second each)."""
+        for member in self.chain:
+            member.maybe_reload(force)
         if self._watch is None or not self._watch.changed(force):
             return
         try:
@@ -343,6 +355,8 @@ class Authenticator:
         done: Callable[[AuthResult], None],
         source: str = "",
         alive: Callable[[], bool] | None = None,
+        client_id: str = "",
+        address: str = "",
     ) -> None:
         """Decide a CONNECT; ``done`` is called now or later, exactly once.
 
@@ -350,7 +364,8 @@ class Authenticator:
         ``auth.max_verify_rate_per_source``; ``alive`` tells whether the client
         still waits for the answer: a check whose client is gone before a
         thread takes it up is not computed (``done`` gets a refusal counted as
-        ``auth_abandoned``).
+        ``auth_abandoned``). ``client_id`` and ``address`` (the peer's IP address)
+        are for auth.chain.
         """
         settings = self.settings
         if settings.use_identity_as_username and peer_certificate is not None:
@@ -365,6 +380,13 @@ class Authenticator:
                 done(AuthResult(True, None))
             else:
                 done(_refused(ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"))
+            return
+        if self.chain and username not in self.users:
+            # A user of the password file is the file's alone; any other, the chain's.
+            credentials = Credentials(
+                client_id, username, password, address, certificate_subject(peer_certificate)
+            )
+            self._ask_chain(0, credentials, source, done)
             return
         if self.password_path is None:
             # No password file: nothing vouches for the name, so the client is
@@ -434,6 +456,34 @@ class Authenticator:
                     f"{len(self._waiting)} password checks already waiting",
                 )
             )
+
+    # -- auth.chain ----------------------------------------------------------------------
+
+    def _ask_chain(
+        self, index: int, credentials: Credentials, source: str, done: Callable[[AuthResult], None]
+    ) -> None:
+        """Ask member ``index``; one that does not decide passes to the next."""
+        if index == len(self.chain):
+            done(
+                _refused(
+                    ReasonCode.BAD_USER_NAME_OR_PASSWORD,
+                    f"no auth.chain member vouches for {credentials.username!r}",
+                )
+            )
+            return
+        member = self.chain[index]
+
+        def answered(verdict: Verdict | None) -> None:
+            if verdict is None:
+                self._ask_chain(index + 1, credentials, source, done)
+                return
+            message = f"auth.chain {member.name}: {verdict.message}" if verdict.message else ""
+            if verdict.ok:  # (a fail-open acceptance is logged by its member, rate-limited)
+                done(AuthResult(True, credentials.username, grant=verdict.grant))
+            else:
+                done(AuthResult(False, None, verdict.reason, message, verdict.counter))
+
+        member.check(credentials, source, answered)
 
     # -- the queue of password checks ------------------------------------------------------
 
@@ -523,6 +573,8 @@ class Authenticator:
         future.add_done_callback(finished)
 
     def close(self) -> None:
+        for member in self.chain:
+            member.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

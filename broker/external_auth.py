@@ -1,0 +1,598 @@
+"""External authentication: the members of ``auth.chain`` (SECURITY.md "External
+authentication"), asked in order for a user the password file does not hold.
+
+- ``http``: the CONNECT is POSTed as JSON to ``auth.http_url``; the status
+  decides (2xx allowed, 403 not authorized, other 4xx bad credentials,
+  anything else or no answer: the service is down). A 2xx answer may carry
+  the client's own ACL rules. The request runs in a thread of its own, the
+  decision comes back on the event loop: other clients are served meanwhile.
+- ``jwt``: a password that is a JWT is verified (HS256 with a secret file,
+  RS256/ES256 with a JWKS file, both re-read when they change) and its
+  claims checked; any other password goes on to the next member.
+
+A member answers a :class:`Verdict` through a callback, or ``None``: not its
+to decide, ask the next one. Nothing here logs a password or a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import secrets
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import jwt
+
+from broker.acl import AclError, Grant, parse_granted_rules
+from broker.config import AuthSettings, ConfigError
+from broker.limits import LogLimiter, SourceBuckets
+from broker.packets import ReasonCode
+from broker.watched_file import FileChangeWatch
+
+__all__ = [
+    "CHAIN_MEMBERS",
+    "ChainMember",
+    "Credentials",
+    "HttpMember",
+    "JwtMember",
+    "Verdict",
+    "build_chain",
+    "certificate_subject",
+]
+
+log = logging.getLogger("devicemq.auth")
+
+MAX_ANSWER_BYTES = 64 * 1024  # a longer answer from http_url is not understood
+MIN_SECRET_BYTES = 32  # HS256 keys as long as the hash (RFC 7518 3.2)
+JWKS_ALGORITHMS = ("RS256", "ES256")
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a CONNECT says about who it is, as the chain sees it."""
+
+    client_id: str
+    username: str
+    password: bytes | None
+    address: str  # the peer's IP address
+    certificate_subject: str | None  # "CN=dev1,O=Acme" when it presented a certificate
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A member's decision: allowed (with the client's own rules, if any) or refused with
+    ``reason``; ``counter``: the rejected-connections reason, when the code alone does
+    not tell."""
+
+    ok: bool
+    reason: ReasonCode = ReasonCode.SUCCESS
+    message: str = ""
+    grant: Grant | None = None
+    counter: str = ""
+
+
+Answer = Callable[[Verdict | None], None]
+
+
+class ChainMember(Protocol):
+    name: str
+
+    def check(self, credentials: Credentials, source: str, answer: Answer) -> None:
+        """Call ``answer`` once, now or later: a Verdict, or None for the next member."""
+
+    def maybe_reload(self, force: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _denied(reason: ReasonCode, message: str) -> Verdict:
+    return Verdict(False, reason, message)
+
+
+_SHORT_NAMES = {
+    "commonName": "CN",
+    "organizationName": "O",
+    "organizationalUnitName": "OU",
+    "countryName": "C",
+    "localityName": "L",
+    "stateOrProvinceName": "ST",
+    "domainComponent": "DC",
+}
+
+
+def certificate_subject(cert: Mapping[str, Any] | None) -> str | None:
+    """A certificate's subject as ``CN=dev1,O=Acme`` (its own order), from what
+    ``ssl.SSLSocket.getpeercert()`` returns; None without one."""
+    if not cert:
+        return None
+    parts = []
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            parts.append(f"{_SHORT_NAMES.get(key, key)}={value}")
+    return ",".join(parts) or None
+
+
+# --------------------------------------------------------------------------
+# jwt
+# --------------------------------------------------------------------------
+
+
+def _read_secret(path: str) -> bytes:
+    try:
+        secret = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    secret = secret.rstrip(b"\r\n")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"{path}: the secret has {len(secret)} bytes, HS256 needs at least {MIN_SECRET_BYTES}"
+        )
+    return secret
+
+
+def _read_jwks(path: str) -> dict[str | None, jwt.PyJWK]:
+    """The keys of a JWKS file by ``kid`` (None: a key without one); ValueError says
+    what is wrong with it."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
+    keys = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(keys, list) or not keys:
+        raise ValueError(f'{path}: expected a JWKS, {{"keys": [...]}} with at least one key')
+    found: dict[str | None, jwt.PyJWK] = {}
+    for number, entry in enumerate(keys):
+        kid = entry.get("kid") if isinstance(entry, dict) else None
+        name = f"{path}: key {number}" + (f" ({kid!r})" if kid else "")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{name}: not a JSON object")
+        if "d" in entry:  # a private key: the broker needs only the public half
+            raise ValueError(f"{name}: holds a private key; publish the public keys only")
+        try:
+            key = jwt.PyJWK.from_dict(entry)
+        except jwt.PyJWTError as e:
+            raise ValueError(f"{name}: not a usable key: {e}") from None
+        if key.algorithm_name not in JWKS_ALGORITHMS:
+            raise ValueError(
+                f"{name}: algorithm {key.algorithm_name} (accepted: {', '.join(JWKS_ALGORITHMS)})"
+            )
+        if kid in found:
+            raise ValueError(f"{name}: a second key with this kid" if kid else f"{name}: no kid")
+        found[kid] = key
+    if None in found and len(found) > 1:
+        raise ValueError(f"{path}: with several keys every key needs a kid")
+    return found
+
+
+class JwtMember:
+    """``auth.chain`` jwt: the MQTT password is a JWT; see the module docstring."""
+
+    name = "jwt"
+
+    def __init__(self, settings: AuthSettings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.secret: bytes | None = None
+        self.keys: dict[str | None, jwt.PyJWK] = {}
+        self._secret_watch: FileChangeWatch | None = None
+        self._jwks_watch: FileChangeWatch | None = None
+        if not settings.jwt_secret_file and not settings.jwt_jwks_file:
+            raise ConfigError(
+                "auth.chain has jwt: set it (HS256) or auth.jwt_jwks_file (RS256/ES256)",
+                name="auth.jwt_secret_file",
+            )
+        if settings.jwt_secret_file:
+            try:
+                self.secret = _read_secret(settings.jwt_secret_file)
+            except ValueError as e:
+                raise ConfigError(str(e), name="auth.jwt_secret_file") from None
+            self._secret_watch = FileChangeWatch(Path(settings.jwt_secret_file), clock)
+        if settings.jwt_jwks_file:
+            try:
+                self.keys = _read_jwks(settings.jwt_jwks_file)
+            except ValueError as e:
+                raise ConfigError(str(e), name="auth.jwt_jwks_file") from None
+            self._jwks_watch = FileChangeWatch(Path(settings.jwt_jwks_file), clock)
+            log.info("%d JWT keys in %s", len(self.keys), settings.jwt_jwks_file)
+
+    def maybe_reload(self, force: bool = False) -> None:
+        """Re-read the secret and the JWKS file if they changed; a file that no longer
+        reads keeps the previous keys in force."""
+        if self._secret_watch is not None and self._secret_watch.changed(force):
+            try:
+                self.secret = _read_secret(self.settings.jwt_secret_file)
+                log.info("JWT secret reloaded from %s", self.settings.jwt_secret_file)
+            except ValueError as e:
+                log.error("JWT secret not reloaded, the previous one stays in force: %s", e)
+        if self._jwks_watch is not None and self._jwks_watch.changed(force):
+            try:
+                self.keys = _read_jwks(self.settings.jwt_jwks_file)
+                log.info("JWKS reloaded: %d keys in %s", len(self.keys), self._jwks_watch.path)
+            except ValueError as e:
+                log.error("JWKS not reloaded, the previous keys stay in force: %s", e)
+
+    def close(self) -> None:
+        pass
+
+    def check(self, credentials: Credentials, source: str, answer: Answer) -> None:
+        """A signature check costs tens of microseconds: decided here, on the loop."""
+        password = credentials.password
+        token = None
+        if password is not None and password.count(b".") == 2:
+            try:
+                token = password.decode("ascii")
+            except UnicodeDecodeError:
+                token = None
+        if token is None:
+            answer(None)  # not a JWT: the next member's (or nobody's)
+            return
+        answer(self.verify(token, credentials))
+
+    def _key(self, token: str) -> tuple[Any, str] | str:
+        """(key, algorithm) to verify ``token`` with, or why there is none."""
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError as e:
+            return f"not a JWT: {e}"
+        alg = header.get("alg")
+        if alg == "HS256":
+            if self.secret is None:
+                return "an HS256 token, and auth.jwt_secret_file is not set"
+            return self.secret, alg
+        if alg not in JWKS_ALGORITHMS:
+            return f"algorithm {alg!r} not accepted"
+        kid = header.get("kid")
+        key = self.keys.get(kid) if kid is not None else None
+        if kid is None and len(self.keys) == 1:
+            key = next(iter(self.keys.values()))
+        if key is None:
+            return f"no key for kid {kid!r} in auth.jwt_jwks_file"
+        if key.algorithm_name != alg:
+            return f"key {kid!r} is {key.algorithm_name}, the token says {alg}"
+        return key.key, alg
+
+    def verify(self, token: str, credentials: Credentials) -> Verdict:
+        settings = self.settings
+        found = self._key(token)
+        if isinstance(found, str):
+            return _denied(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"token refused: {found}")
+        key, alg = found
+        try:
+            claims = jwt.decode(
+                token,
+                key,
+                algorithms=[alg],
+                audience=settings.jwt_audience or None,
+                issuer=settings.jwt_issuer or None,
+                leeway=settings.jwt_leeway_seconds,
+                options={"require": ["exp"], "verify_aud": bool(settings.jwt_audience)},
+            )
+        except jwt.PyJWTError as e:  # expired, not yet valid, wrong aud/iss/signature
+            return _denied(ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"token refused: {e}")
+        claim = settings.jwt_username_claim
+        if claim and claims.get(claim) != credentials.username:
+            return _denied(
+                ReasonCode.BAD_USER_NAME_OR_PASSWORD,
+                f"token refused: its {claim!r} is not the user name",
+            )
+        claim = settings.jwt_client_id_claim
+        if claim and claims.get(claim) != credentials.client_id:
+            return _denied(
+                ReasonCode.NOT_AUTHORIZED, f"token refused: its {claim!r} is not the client ID"
+            )
+        grant = None
+        claim = settings.jwt_acl_claim
+        if claim and claim in claims:
+            try:
+                grant = Grant(parse_granted_rules(claims[claim], f"token claim {claim!r}"))
+            except AclError as e:
+                return _denied(ReasonCode.NOT_AUTHORIZED, f"token refused: {e}")
+        return Verdict(True, grant=grant)
+
+
+# --------------------------------------------------------------------------
+# http
+# --------------------------------------------------------------------------
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect answers the POST with a 3xx: the service is misconfigured (down)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _Remembered:
+    expires_at: float
+    grant: Grant | None
+
+
+Outcome = tuple[int, bytes] | str  # (status, body) or what went wrong
+
+
+class HttpMember:
+    """``auth.chain`` http: the service at ``auth.http_url`` decides."""
+
+    name = "http"
+
+    def __init__(self, settings: AuthSettings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.clock = clock
+        url = settings.http_url
+        if not url:
+            raise ConfigError("auth.chain has http: give the service's URL", name="auth.http_url")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"expected an http:// or https:// URL, got {url!r}", name="auth.http_url"
+            )
+        handlers: list[urllib.request.BaseHandler] = [
+            urllib.request.ProxyHandler({}),  # the service is asked directly
+            _NoRedirects(),
+        ]
+        if settings.http_ca_file:
+            if parts.scheme != "https":
+                raise ConfigError(
+                    "set, but auth.http_url is not https://", name="auth.http_ca_file"
+                )
+            try:
+                context = ssl.create_default_context(cafile=settings.http_ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(
+                    f"cannot load {settings.http_ca_file}: {getattr(e, 'strerror', None) or e}",
+                    name="auth.http_ca_file",
+                ) from None
+            handlers.append(urllib.request.HTTPSHandler(context=context))
+        self._opener = urllib.request.build_opener(*handlers)
+        self._cache: OrderedDict[bytes, _Remembered] = OrderedDict()
+        self._cache_key = secrets.token_bytes(32)  # never leaves this process
+        rate = settings.max_verify_rate_per_source
+        self._by_source = SourceBuckets(rate) if rate > 0 else None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pending = 0  # requests in flight (threads busy)
+        self._down_log = LogLimiter(log, "auth service failures")
+        # Tests without an event loop (sans-IO) ask inline.
+        self.run_inline = False
+
+    def maybe_reload(self, force: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def check(self, credentials: Credentials, source: str, answer: Answer) -> None:
+        password = credentials.password
+        try:
+            text = None if password is None else password.decode("utf-8")
+        except UnicodeDecodeError:
+            answer(None)  # cannot go in JSON as text: not this member's to decide
+            return
+        body = json.dumps(
+            {
+                "client_id": credentials.client_id,
+                "username": credentials.username,
+                "password": text,
+                "peer_address": credentials.address,
+                "certificate_subject": credentials.certificate_subject,
+            }
+        ).encode()
+        # Remembered by an HMAC of everything sent, under a key only this process has.
+        digest = hmac.new(self._cache_key, body, hashlib.sha256).digest()
+        remembered = self._cache.get(digest)
+        if remembered is not None:
+            if remembered.expires_at > self.clock():
+                self._cache.move_to_end(digest)
+                answer(Verdict(True, grant=remembered.grant))
+                return
+            del self._cache[digest]
+        settings = self.settings
+        if self._by_source is not None and not self._by_source.take(source, self.clock()):
+            answer(
+                Verdict(
+                    False,
+                    ReasonCode.CONNECTION_RATE_EXCEEDED,
+                    "too many auth service requests from its address",
+                    counter="auth_rate_exceeded_per_source",
+                )
+            )
+            return
+        if self.pending >= settings.http_max_pending:
+            answer(
+                Verdict(
+                    False,
+                    ReasonCode.SERVER_BUSY,
+                    f"{self.pending} auth service requests already waiting",
+                    counter="auth_service_busy",
+                )
+            )
+            return
+
+        def finished(outcome: Outcome) -> None:
+            verdict = self._decide(outcome)
+            allowed = isinstance(outcome, tuple) and 200 <= outcome[0] < 300
+            if allowed and verdict.ok and settings.http_cache_seconds > 0:
+                self._remember(digest, verdict.grant)  # never a fail-open acceptance
+            answer(verdict)
+
+        self._run(body, finished)
+
+    # -- the answer ----------------------------------------------------------------------
+
+    def _decide(self, outcome: Outcome) -> Verdict:
+        if isinstance(outcome, tuple):
+            status, body = outcome
+            if 200 <= status < 300:
+                return self._allowed(body)
+            if status == 403:
+                return _denied(ReasonCode.NOT_AUTHORIZED, "the auth service answered 403")
+            if 400 <= status < 500:
+                return _denied(
+                    ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"the auth service answered {status}"
+                )
+            outcome = f"it answered {status}"
+        return self._down(outcome)
+
+    def _allowed(self, body: bytes) -> Verdict:
+        """2xx: allowed; a JSON object with "acl" gives the client its own rules. Rules
+        that do not parse refuse the client (0x88): the service meant to restrict it."""
+        if len(body) > MAX_ANSWER_BYTES:
+            return self._wrong(f"its answer is over {MAX_ANSWER_BYTES} bytes")
+        try:
+            data = json.loads(body) if body.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            data = None  # not JSON: allowed, no rules of its own
+        if not isinstance(data, dict) or "acl" not in data:
+            return Verdict(True)
+        try:
+            return Verdict(True, grant=Grant(parse_granted_rules(data["acl"], "answer's acl")))
+        except AclError as e:
+            return self._wrong(str(e))
+
+    def _wrong(self, what: str) -> Verdict:
+        self._down_log.log(self.clock(), logging.ERROR, "auth.http_url answered 2xx but: %s", what)
+        return Verdict(
+            False,
+            ReasonCode.SERVER_UNAVAILABLE,
+            f"the auth service's answer is not understood: {what}",
+            counter="auth_service_unavailable",
+        )
+
+    def _down(self, what: str) -> Verdict:
+        if self.settings.http_fail_open:
+            self._down_log.log(
+                self.clock(),
+                logging.WARNING,
+                "auth.http_url is down (%s): a client is accepted unchecked (auth.http_fail_open)",
+                what,
+            )
+            return Verdict(True, message=f"auth service down ({what}), accepted unchecked")
+        return Verdict(
+            False,
+            ReasonCode.SERVER_UNAVAILABLE,
+            f"the auth service is down: {what}",
+            counter="auth_service_unavailable",
+        )
+
+    def _remember(self, digest: bytes, grant: Grant | None) -> None:
+        cache = self._cache
+        cache[digest] = _Remembered(self.clock() + self.settings.http_cache_seconds, grant)
+        cache.move_to_end(digest)
+        while len(cache) > self.settings.http_cache_size:
+            cache.popitem(last=False)
+
+    # -- the request, off the event loop ------------------------------------------------
+
+    def _post(self, body: bytes) -> Outcome:
+        """Runs in a worker thread: one POST, its status and (capped) body."""
+        request = urllib.request.Request(
+            self.settings.http_url,
+            data=body,
+            headers={"Content-Type": "application/json", "User-Agent": "devicemq"},
+            method="POST",
+        )
+        timeout = self.settings.http_timeout_seconds
+        try:
+            with self._opener.open(request, timeout=timeout) as response:
+                return response.status, response.read(MAX_ANSWER_BYTES + 1)
+        except urllib.error.HTTPError as e:  # 3xx (no redirects), 4xx, 5xx
+            try:
+                return e.code, e.read(MAX_ANSWER_BYTES + 1)
+            except (OSError, http.client.HTTPException):
+                return e.code, b""
+            finally:
+                e.close()
+        except urllib.error.URLError as e:
+            return f"{e.reason}"
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+    def _run(self, body: bytes, finished: Callable[[Outcome], None]) -> None:
+        """``finished`` once, on the event loop: the outcome, or "no answer" when
+        http_timeout_seconds pass first (a late answer is dropped)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or self.run_inline:
+            finished(self._post(body))
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.settings.http_max_pending, thread_name_prefix="devicemq-auth-http"
+            )
+        self.pending += 1
+        decided = False
+        timeout = self.settings.http_timeout_seconds
+
+        def decide(outcome: Outcome) -> None:
+            nonlocal decided
+            if not decided:
+                decided = True
+                timer.cancel()
+                finished(outcome)
+
+        def done(future: asyncio.Future[Outcome]) -> None:
+            self.pending -= 1
+            if future.cancelled():
+                decide("the broker is stopping")
+            elif future.exception() is not None:
+                decide(f"{type(future.exception()).__name__}")
+            else:
+                decide(future.result())
+
+        timer = loop.call_later(timeout, decide, f"no answer within {timeout:g} s")
+        future = loop.run_in_executor(self._executor, self._post, body)
+        future.add_done_callback(done)
+
+
+# --------------------------------------------------------------------------
+# The chain
+# --------------------------------------------------------------------------
+
+CHAIN_MEMBERS: dict[str, Callable[[AuthSettings, Callable[[], float]], ChainMember]] = {
+    "http": HttpMember,
+    "jwt": JwtMember,
+}
+
+
+def build_chain(
+    settings: AuthSettings, clock: Callable[[], float] = time.monotonic
+) -> list[ChainMember]:
+    """The members of auth.chain in order; ConfigError names the setting that is wrong
+    (an unknown or repeated member, a member's missing or unreadable file, a member's
+    setting given while the member is not in the chain)."""
+    names = [name.strip().lower() for name in settings.chain.split(",") if name.strip()]
+    for name in names:
+        if name not in CHAIN_MEMBERS:
+            raise ConfigError(
+                f"unknown member {name!r} (known: {', '.join(CHAIN_MEMBERS)})", name="auth.chain"
+            )
+        if names.count(name) > 1:
+            raise ConfigError(f"{name!r} appears twice", name="auth.chain")
+    unused = {
+        "auth.http_url": ("http", settings.http_url),
+        "auth.jwt_secret_file": ("jwt", settings.jwt_secret_file),
+        "auth.jwt_jwks_file": ("jwt", settings.jwt_jwks_file),
+    }
+    for setting_name, (member, value) in unused.items():
+        if value and member not in names:
+            raise ConfigError(f"set, but auth.chain has no {member}", name=setting_name)
+    return [CHAIN_MEMBERS[name](settings, clock) for name in names]
