@@ -483,7 +483,19 @@ class Authenticator:
             else:
                 done(AuthResult(False, None, verdict.reason, message, verdict.counter))
 
-        member.check(credentials, source, answered)
+        try:
+            member.check(credentials, source, answered)
+        except Exception:  # a bug, not the client's doing: refused, never let in
+            log.exception("auth.chain %s failed", member.name)
+            done(
+                AuthResult(
+                    False,
+                    None,
+                    ReasonCode.UNSPECIFIED_ERROR,
+                    f"auth.chain {member.name} failed",
+                    "auth_chain_failed",
+                )
+            )
 
     # -- the queue of password checks ------------------------------------------------------
 

@@ -256,7 +256,7 @@ class JwtMember:
             return self.secret, alg
         if alg not in JWKS_ALGORITHMS:
             return f"algorithm {alg!r} not accepted"
-        kid = header.get("kid")
+        kid = header.get("kid")  # a string: PyJWT refuses any other header
         key = self.keys.get(kid) if kid is not None else None
         if kid is None and len(self.keys) == 1:
             key = next(iter(self.keys.values()))

@@ -20,7 +20,9 @@ import pytest
 
 from broker.acl import READ, WRITE, Authorizer, Grant, Rule
 from broker.auth import Authenticator, AuthResult
-from broker.config import AuthSettings, ConfigError, load_settings
+from broker.config import AuthSettings, ConfigError, Settings, load_settings
+from broker.core import owner_policy
+from broker.listeners import authentication_configured
 from broker.packets import ReasonCode
 from tests.auth_service import (
     SECRET,
@@ -85,6 +87,10 @@ def test_hs256_token_logs_in_with_its_acl_claim(secret_file: Path) -> None:
     assert decide(auth, "dev", hs256(claims("c1", "dev"))).grant is None
 
 
+def b64(data: bytes) -> bytes:
+    return base64.urlsafe_b64encode(data).rstrip(b"=")
+
+
 def now() -> int:
     return int(claims("", "")["iat"])
 
@@ -145,8 +151,10 @@ def test_wrong_signature_and_algorithms(secret_file: Path, tmp_path: Path) -> No
     unsigned = jwt.encode(claims("c1", "dev"), None, algorithm="none")
     refused(decide(auth, "dev", unsigned), BAD, "algorithm 'none' not accepted")
     refused(decide(auth, "dev", "abc.def.ghi"), BAD, "not a JWT")
-    # An RS256 token where only a secret is configured.
+    odd_kid = b64(b'{"alg":"ES256","kid":[1]}') + b"." + b64(b"{}") + b"." + b64(b"sig")
+    refused(decide(auth, "dev", odd_kid), BAD, "token refused: ")
     key = SigningKey.new("k1")
+    # An RS256 token where only a secret is configured.
     refused(decide(auth, "dev", key.sign(claims("c1", "dev"))), BAD, "no key for kid 'k1'")
 
 
@@ -240,6 +248,14 @@ def start_error(tmp_path: Path, env: dict[str, str]) -> str:
     message = str(caught.value)
     assert "\n" not in message
     return message
+
+
+def test_a_chain_counts_as_authentication(secret_file: Path) -> None:
+    """It puts the listeners on every interface and binds sessions to user names, as a
+    password file does (SECURITY.md "Defaults")."""
+    settings = Settings(auth=AuthSettings(chain="jwt", jwt_secret_file=str(secret_file)))
+    assert authentication_configured(settings) and owner_policy(settings) == "username"
+    assert not authentication_configured(Settings()) and owner_policy(Settings()) == "none"
 
 
 def test_bad_settings_are_one_line_naming_the_setting(tmp_path: Path, secret_file: Path) -> None:
