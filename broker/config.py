@@ -315,7 +315,7 @@ class AuthSettings:
     session_owner: str = setting(
         "auto",
         "Who a session belongs to: a client ID held by one owner is refused to another "
-        "(0x87); auto: username with a password file or certificate identities, "
+        "(0x87); auto: username with a password file, auth.chain or certificate identities, "
         "certificate with client certificates (tls.cafile), else none",
         choices=("auto", "username", "certificate", "none"),
     )

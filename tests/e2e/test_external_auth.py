@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from tests.e2e.clients import V5, Paho
 from tests.e2e.conftest import HOST, REPO, BrokerProcess, Clients, Names, devicemq_only
 
 pytestmark = [pytest.mark.e2e, devicemq_only("auth.chain")]
+
+MOSQUITTO_PUB = shutil.which("mosquitto_pub") or "/usr/bin/mosquitto_pub"
 
 Factory = Callable[[Mapping[str, object] | None], BrokerProcess]
 V311 = 4
@@ -208,6 +211,19 @@ def test_jwt_login_claims_and_key_rotation(
     wait_for_log(broker, "JWKS reloaded: 1 keys")
     assert code(token(new)) == 0
     assert code(token(old)) == 0x86
+    # mosquitto_pub logs in with its token as the password (README's example).
+    watcher = paho(clients, broker, "w", "dev", token(new, "w", acl=["read d/#"]))
+    assert watcher.connect().reason_code == 0
+    assert watcher.subscribe("d/#", 1) == [1]
+    login = ["-i", "d3", "-u", "dev", "-P", token(new, "d3")]
+    published = subprocess.run(
+        [MOSQUITTO_PUB, "-h", HOST, "-p", str(broker.port), *login, "-t", "d/d3/temp", "-m", "21"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert published.returncode == 0, published.stderr
+    assert watcher.get().payload == b"21"
     log = broker.log()
     assert "Signature has expired" in log and "no key for kid 'k-old'" in log
     assert token(old).split(".")[2] not in log  # tokens are never logged
