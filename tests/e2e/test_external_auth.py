@@ -120,7 +120,10 @@ def test_a_slow_service_does_not_stall_other_clients(
 ) -> None:
     service.allow("fast")
     release = service.hold("slow")
-    broker = broker_factory({"auth.chain": "http", "auth.http_url": service.url})
+    # A timeout far beyond the test: the answer comes when the test releases it.
+    broker = broker_factory(
+        {"auth.chain": "http", "auth.http_url": service.url, "auth.http_timeout_seconds": 60}
+    )
     watcher = paho(clients, broker, "w", "fast", "pw")
     assert watcher.connect().reason_code == 0
     assert watcher.subscribe(names.topic("#"), 1) == [1]
