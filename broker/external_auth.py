@@ -367,8 +367,6 @@ class HttpMember:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.pending = 0  # requests in flight (threads busy)
         self._down_log = LogLimiter(log, "auth service failures")
-        # Tests without an event loop (sans-IO) ask inline.
-        self.run_inline = False
 
     def maybe_reload(self, force: bool = False) -> None:
         pass
@@ -531,7 +529,7 @@ class HttpMember:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is None or self.run_inline:
+        if loop is None:  # no event loop (sans-IO use): asked inline
             finished(self._post(body))
             return
         if self._executor is None:
