@@ -10,6 +10,7 @@ cryptography and tokens minted with PyJWT, as the user's issuer would.
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -41,10 +42,12 @@ class AuthService:
     waiting: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     server: ThreadingHTTPServer | None = None
 
+    scheme: str = "http"
+
     @property
     def url(self) -> str:
         assert self.server is not None
-        return f"http://{HOST}:{self.server.server_address[1]}/mqtt/auth"
+        return f"{self.scheme}://{HOST}:{self.server.server_address[1]}/mqtt/auth"
 
     def allow(self, username: str, acl: list[str] | None = None, status: int = 200) -> None:
         body = json.dumps({"acl": acl}).encode() if acl is not None else b""
@@ -87,10 +90,14 @@ def _handler(service: AuthService) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def running_service() -> Iterator[AuthService]:
+def running_service(tls: ssl.SSLContext | None = None) -> Iterator[AuthService]:
+    """The service on a free port; with ``tls`` (a server context) over https."""
     service = AuthService()
     server = ThreadingHTTPServer((HOST, 0), _handler(service))
     server.daemon_threads = True
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        service.scheme = "https"
     service.server = server
     thread = threading.Thread(
         target=server.serve_forever, args=(0.05,), name="auth-service", daemon=True

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from tests.auth_service import (
     running_service,
     write_jwks,
 )
+from tests.pki import make_pki
 from tests.unit.test_auth import ALICE_HASH, ALICE_PW, Clock, password_file
 
 BAD = ReasonCode.BAD_USER_NAME_OR_PASSWORD
@@ -373,6 +375,20 @@ def test_http_refusals_map_to_reason_codes(service: AuthService) -> None:
     assert result.counter == "auth_service_unavailable"
     # A password that is not UTF-8 cannot be sent: nobody vouches.
     refused(decide(auth, "dev", b"\xff\xfe"), BAD, "no auth.chain member vouches")
+
+
+def test_https_service_verified_with_http_ca_file(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(pki.server_cert, pki.server_key)
+    with running_service(tls) as service:
+        service.allow("dev")
+        assert service.url.startswith("https://127.0.0.1:")
+        assert decide(http_auth(service.url, http_ca_file=str(pki.ca)), "dev", "pw").ok
+        # Without the CA the service's certificate is not trusted: it counts as down.
+        result = decide(http_auth(service.url), "dev", "pw")
+        refused(result, UNAVAILABLE, "CERTIFICATE_VERIFY_FAILED")
+        assert service.asked("dev") == 1
 
 
 def closed_port() -> str:
