@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from broker.packets import ConnAck, Connect, Will
 from tests.auth_service import AuthService, SigningKey, claims, running_service, write_jwks
 from tests.conftest import free_port
 from tests.e2e.clients import V5, Paho
 from tests.e2e.conftest import HOST, REPO, BrokerProcess, Clients, Names, devicemq_only
+from tests.pki import make_pki
 
 pytestmark = [pytest.mark.e2e, devicemq_only("auth.chain")]
 
@@ -266,3 +272,51 @@ def test_a_bad_chain_stops_the_start_with_one_line(
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("devicemq: error: ") and line in last, done.stderr
+
+
+def test_the_service_sees_the_client_certificate(
+    tmp_path: Path, broker_factory: Factory, clients: Clients
+) -> None:
+    """A TLS listener with client certificates, the user name and password checked by a
+    service over https: the service is sent the certificate's subject."""
+    pki = make_pki(tmp_path)
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(pki.server_cert, pki.server_key)
+    with running_service(server_side) as service:
+        service.allow("dev")
+        tls_port = free_port(HOST)
+        broker_factory(
+            {
+                "tls.enabled": True,
+                "tls.host": HOST,
+                "tls.port": tls_port,
+                "tls.certfile": pki.server_cert,
+                "tls.keyfile": pki.server_key,
+                "tls.cafile": pki.ca,
+                "auth.chain": "http",
+                "auth.http_url": service.url,
+                "auth.http_ca_file": pki.ca,
+            }
+        )
+        deadline = time.monotonic() + 10  # the TLS listener opens next to the plain one
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex((HOST, tls_port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "no TLS listener"
+            time.sleep(0.05)
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        connacks: queue.Queue[Any] = queue.Queue()
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="tls-1", protocol=mqtt.MQTTv5)
+        client.username_pw_set("dev", "pw")
+        client.tls_set_context(context)
+        client.on_connect = lambda c, u, f, rc, p=None: connacks.put(rc)
+        client.connect(HOST, tls_port, keepalive=30)
+        client.loop_start()
+        try:
+            assert int(connacks.get(timeout=10).value) == 0
+        finally:
+            client.loop_stop()
+            client.disconnect()
+        assert service.requests[-1]["certificate_subject"] == "CN=device-1"
