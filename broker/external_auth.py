@@ -457,7 +457,7 @@ class HttpMember:
             data = json.loads(body) if body.strip() else None
         except (UnicodeDecodeError, json.JSONDecodeError):
             data = None  # not JSON: allowed, no rules of its own
-        if not isinstance(data, dict) or "acl" not in data:
+        if not isinstance(data, dict) or data.get("acl") is None:
             return Verdict(True)
         try:
             return Verdict(True, grant=Grant(parse_granted_rules(data["acl"], "answer's acl")))

@@ -356,6 +356,12 @@ def test_http_allow_with_rules_and_what_is_sent(service: AuthService) -> None:
     assert decide(auth, "plain", "pw").grant is None
     service.answer("text", 200, b"OK")
     assert decide(auth, "text", "pw").ok
+    service.answer("null", 200, b'{"acl": null, "note": "no rules"}')
+    assert decide(auth, "null", "pw").grant is None
+    # An empty list: rules of its own, none granting anything.
+    service.allow("nothing", acl=[])
+    empty = decide(auth, "nothing", "pw").grant
+    assert empty is not None and empty.rules == ()
 
 
 def test_http_refusals_map_to_reason_codes(service: AuthService) -> None:
