@@ -87,6 +87,8 @@ def test_hs256_token_logs_in_with_its_acl_claim(secret_file: Path) -> None:
     assert result.grant.rules == (Rule(READ | WRITE, "devices/%c/#"), Rule(0, "devices/%c/fw"))
     # No acl claim: no grant, the ACL file's rules alone.
     assert decide(auth, "dev", hs256(claims("c1", "dev"))).grant is None
+    # allow_anonymous auto: a chain is authentication, anonymous clients are refused.
+    refused(decide(auth, None, None), NOT_AUTHORIZED, "anonymous clients are not allowed")
 
 
 def b64(data: bytes) -> bytes:
