@@ -444,6 +444,17 @@ def test_successes_are_cached_refusals_never(service: AuthService) -> None:
     assert service.asked("dev") == asked + 1
 
 
+def test_requests_per_address_are_bounded_cache_hits_are_not(service: AuthService) -> None:
+    service.allow("dev")
+    auth = http_auth(service.url, Clock(), max_verify_rate_per_source=1)
+    assert decide(auth, "dev", "pw").ok
+    result = decide(auth, "dev", "other")  # a second request from 10.0.0.1 this second
+    refused(result, ReasonCode.CONNECTION_RATE_EXCEEDED, "too many auth service requests")
+    assert result.counter == "auth_rate_exceeded_per_source"
+    assert decide(auth, "dev", "pw").ok  # remembered: no request
+    assert service.asked("dev") == 1
+
+
 def test_a_fail_open_acceptance_is_not_cached(service: AuthService) -> None:
     service.answer("dev", 503)
     auth = http_auth(service.url, http_fail_open=True)
