@@ -95,6 +95,12 @@ def b64(data: bytes) -> bytes:
     return base64.urlsafe_b64encode(data).rstrip(b"=")
 
 
+def hs256_signed(signing_input: bytes) -> bytes:
+    """A token of these parts, signed: its signature is right, the rest need not be."""
+    signature = hmac.new(SECRET, signing_input, hashlib.sha256).digest()
+    return signing_input + b"." + b64(signature)
+
+
 def now() -> int:
     return int(claims("", "")["iat"])
 
@@ -154,9 +160,12 @@ def test_wrong_signature_and_algorithms(secret_file: Path, tmp_path: Path) -> No
     )
     unsigned = jwt.encode(claims("c1", "dev"), None, algorithm="none")
     refused(decide(auth, "dev", unsigned), BAD, "algorithm 'none' not accepted")
-    refused(decide(auth, "dev", "abc.def.ghi"), BAD, "not a JWT")
+    # Not JWTs, for all they have two dots: passed on, here to nobody.
+    refused(decide(auth, "dev", "my.pass.word"), BAD, "no auth.chain member vouches for 'dev'")
     odd_kid = b64(b'{"alg":"ES256","kid":[1]}') + b"." + b64(b"{}") + b"." + b64(b"sig")
-    refused(decide(auth, "dev", odd_kid), BAD, "token refused: ")
+    refused(decide(auth, "dev", odd_kid), BAD, "no auth.chain member vouches")
+    garbled = hs256_signed(b64(b'{"alg":"HS256"}') + b"." + b64(b"not json"))
+    refused(decide(auth, "dev", garbled), BAD, "auth.chain jwt: token refused: ")
     key = SigningKey.new("k1")
     # An RS256 token where only a secret is configured.
     refused(decide(auth, "dev", key.sign(claims("c1", "dev"))), BAD, "no key for kid 'k1'")
