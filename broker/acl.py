@@ -36,9 +36,12 @@ Decisions, once an ACL file is configured (no file: everything else allowed):
 - receiving: every message routed to a client is checked against its read
   rules (``Broker.resolve``); decisions are cached per (client, topic).
 
-A client ID or user name containing ``/``, ``+`` or ``#`` (or empty) never
-matches a rule that substitutes it, so it cannot widen a pattern into another
-client's topics.
+A client ID or user name containing ``/``, ``+`` or ``#`` (or empty) is not
+substituted: a grant rule naming it does not apply, so it cannot widen a
+pattern into another client's topics, and a deny rule naming it denies
+everything from that level on (fail closed), so it cannot evade a deny. A rule
+is a plain topic filter: ``$share/`` and ``$queue/`` rules are refused (a
+shared subscription is checked by its inner filter).
 """
 
 from __future__ import annotations
@@ -90,19 +93,29 @@ class Rule:
     topic: str  # a topic filter, with %c / %u in patterns
 
     def resolve(self, client_id: str, username: str | None) -> str | None:
-        """The rule's topic for this client, or None if it cannot apply."""
+        """The rule's topic for this client, or None if it cannot apply.
+
+        A client ID or user name that is empty or holds ``/``, ``+`` or ``#`` is
+        not substituted: a grant rule then does not apply, and a deny rule fails
+        closed, denying everything from the level of ``%c``/``%u`` on (``deny
+        devices/%c/fw`` becomes ``deny devices/#``), so no choice of client ID
+        evades it. A ``%u`` rule does not apply to a client without a user name.
+        """
         topic = self.topic
         if "%" not in topic:
             return topic
-        if "%c" in topic:
-            if not _safe(client_id):
+        if "%u" in topic and username is None:
+            return None
+        unsafe = ("%c" in topic and not _safe(client_id)) or (
+            "%u" in topic and not _safe(username or "")
+        )
+        if unsafe:
+            if self.access != DENY:
                 return None
-            topic = topic.replace("%c", client_id)
-        if "%u" in topic:
-            if username is None or not _safe(username):
-                return None
-            topic = topic.replace("%u", username)
-        return topic
+            levels = topic.split("/")
+            first = next(i for i, level in enumerate(levels) if "%c" in level or "%u" in level)
+            return "/".join([*levels[:first], "#"])
+        return topic.replace("%c", client_id).replace("%u", username or "")
 
 
 def _safe(value: str) -> bool:
@@ -174,7 +187,7 @@ def parse_rule(text: str, where: str) -> Rule:
     if not topic:
         raise AclError(f"{where}: {text!r} needs a topic")
     check = topic.replace("%c", "c").replace("%u", "u")
-    if check.startswith("$share/") or not is_valid_topic_filter(check):
+    if check.startswith(("$share/", "$queue/")) or not is_valid_topic_filter(check):
         raise AclError(f"{where}: {topic!r} is not a valid topic filter")
     return Rule(access, topic)
 

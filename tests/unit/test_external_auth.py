@@ -121,6 +121,12 @@ REFUSALS = [
         NOT_AUTHORIZED,
         "'a/#/b' is not a valid topic filter",
     ),
+    (
+        "queue acl rule",  # it would match every topic: refused as $share/ rules are
+        {"acl": ["read $queue/jobs/#"]},
+        NOT_AUTHORIZED,
+        "'$queue/jobs/#' is not a valid topic filter",
+    ),
 ]
 
 
