@@ -333,7 +333,10 @@ class Authenticator:
         """Re-read the password file, and auth.chain's key files, if they changed (at
         most one stat a second each)."""
         for member in self.chain:
-            member.maybe_reload(force)
+            try:
+                member.maybe_reload(force)
+            except Exception as e:  # a bug: the member's keys stay, the file still reloads
+                log.error("auth.chain %s: not reloaded: %s: %s", member.name, type(e).__name__, e)
         if self._watch is None or not self._watch.changed(force):
             return
         try:

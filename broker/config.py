@@ -384,6 +384,12 @@ class AuthSettings:
         5.0, "Clock difference allowed when checking exp and nbf", ge=0, le=3600
     )
 
+    @property
+    def chain_members(self) -> tuple[str, ...]:
+        """auth.chain as its member names, in order (``" , "``: none). Every check of
+        whether a chain is set uses this, never the raw text."""
+        return tuple(name.strip().lower() for name in self.chain.split(",") if name.strip())
+
 
 @dataclass(frozen=True, slots=True)
 class PersistenceSettings:

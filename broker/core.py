@@ -64,7 +64,7 @@ def owner_policy(settings: Settings) -> str:
     auth = settings.auth
     if auth.session_owner != "auto":
         return auth.session_owner
-    if auth.password_file or auth.chain.strip() or auth.use_identity_as_username:
+    if auth.password_file or auth.chain_members or auth.use_identity_as_username:
         return "username"
     if settings.tls.cafile:
         return "certificate"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import hmac
 import http.client
@@ -33,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import jwt
 
@@ -153,20 +154,24 @@ def _read_jwks(path: str) -> dict[str | None, jwt.PyJWK]:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not JSON: nested too deeply") from None
     keys = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(keys, list) or not keys:
         raise ValueError(f'{path}: expected a JWKS, {{"keys": [...]}} with at least one key')
     found: dict[str | None, jwt.PyJWK] = {}
     for number, entry in enumerate(keys):
         kid = entry.get("kid") if isinstance(entry, dict) else None
-        name = f"{path}: key {number}" + (f" ({kid!r})" if kid else "")
+        name = f"{path}: key {number}" + (f" ({kid!r})" if isinstance(kid, str) else "")
         if not isinstance(entry, dict):
             raise ValueError(f"{name}: not a JSON object")
+        if kid is not None and not isinstance(kid, str):
+            raise ValueError(f"{name}: its kid is {type(kid).__name__}, not a string")
         if "d" in entry:  # a private key: the broker needs only the public half
             raise ValueError(f"{name}: holds a private key; publish the public keys only")
         try:
             key = jwt.PyJWK.from_dict(entry)
-        except jwt.PyJWTError as e:
+        except Exception as e:  # PyJWTError, and a TypeError/ValueError on odd members
             raise ValueError(f"{name}: not a usable key: {e}") from None
         if key.algorithm_name not in JWKS_ALGORITHMS:
             raise ValueError(
@@ -329,6 +334,27 @@ class _Remembered:
 Outcome = tuple[int, bytes] | str  # (status, body) or what went wrong
 
 
+def _service_url(url: str) -> SplitResult:
+    """auth.http_url taken apart; ConfigError says what is wrong with it, never
+    repeating the URL (it could hold a password)."""
+
+    def wrong(what: str) -> ConfigError:
+        return ConfigError(what, name="auth.http_url")
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number or out of 0-65535
+    except ValueError as e:
+        raise wrong(f"not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise wrong(f"expected an http:// or https:// URL with a host (scheme {parts.scheme!r})")
+    if parts.username is not None or parts.password is not None:
+        raise wrong("holds a user name or password: put credentials in the service, not the URL")
+    if port == 0:
+        raise wrong("port 0 is not a port")
+    return parts
+
+
 class HttpMember:
     """``auth.chain`` http: the service at ``auth.http_url`` decides."""
 
@@ -340,11 +366,7 @@ class HttpMember:
         url = settings.http_url
         if not url:
             raise ConfigError("auth.chain has http: give the service's URL", name="auth.http_url")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(
-                f"expected an http:// or https:// URL, got {url!r}", name="auth.http_url"
-            )
+        parts = _service_url(url)
         handlers: list[urllib.request.BaseHandler] = [
             urllib.request.ProxyHandler({}),  # the service is asked directly
             _NoRedirects(),
@@ -580,7 +602,12 @@ def build_chain(
     """The members of auth.chain in order; ConfigError names the setting that is wrong
     (an unknown or repeated member, a member's missing or unreadable file, a member's
     setting given while the member is not in the chain)."""
-    names = [name.strip().lower() for name in settings.chain.split(",") if name.strip()]
+    names = list(settings.chain_members)
+    if settings.chain.strip() and not names:
+        raise ConfigError(
+            f"{settings.chain!r} names no member (known: {', '.join(CHAIN_MEMBERS)})",
+            name="auth.chain",
+        )
     for name in names:
         if name not in CHAIN_MEMBERS:
             raise ConfigError(
@@ -588,12 +615,9 @@ def build_chain(
             )
         if names.count(name) > 1:
             raise ConfigError(f"{name!r} appears twice", name="auth.chain")
-    unused = {
-        "auth.http_url": ("http", settings.http_url),
-        "auth.jwt_secret_file": ("jwt", settings.jwt_secret_file),
-        "auth.jwt_jwks_file": ("jwt", settings.jwt_jwks_file),
-    }
-    for setting_name, (member, value) in unused.items():
-        if value and member not in names:
-            raise ConfigError(f"set, but auth.chain has no {member}", name=setting_name)
+    for field in dataclasses.fields(AuthSettings):
+        member = field.name.partition("_")[0]
+        unused = member in CHAIN_MEMBERS and member not in names
+        if unused and getattr(settings, field.name) != field.default:
+            raise ConfigError(f"set, but auth.chain has no {member}", name=f"auth.{field.name}")
     return [CHAIN_MEMBERS[name](settings, clock) for name in names]

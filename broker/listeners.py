@@ -128,7 +128,7 @@ def authentication_configured(settings: Settings) -> bool:
     """Whether clients must prove who they are: a password file, certificate identities
     or an external check (auth.chain)."""
     auth = settings.auth
-    return bool(auth.password_file or auth.chain.strip()) or auth.use_identity_as_username
+    return bool(auth.password_file or auth.chain_members) or auth.use_identity_as_username
 
 
 def effective_host(settings: Settings, host: str) -> str:

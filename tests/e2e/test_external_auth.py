@@ -258,6 +258,12 @@ def run_devicemq(env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     [
         ({"DEVICEMQ_AUTH_CHAIN": "ldap"}, "auth.chain: unknown member 'ldap' (known: http, jwt)"),
         ({"DEVICEMQ_AUTH_CHAIN": "jwt", "DEVICEMQ_AUTH_JWT_JWKS_FILE": "JWKS"}, "not JSON"),
+        ({"DEVICEMQ_AUTH_CHAIN": ","}, "auth.chain: ',' names no member"),
+        ({"DEVICEMQ_AUTH_HTTP_FAIL_OPEN": "true"}, "auth.http_fail_open: set, but auth.chain"),
+        (
+            {"DEVICEMQ_AUTH_CHAIN": "http", "DEVICEMQ_AUTH_HTTP_URL": "http://[::1/"},
+            "auth.http_url: not a URL",
+        ),
     ],
 )
 def test_a_bad_chain_stops_the_start_with_one_line(

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import socket
 import ssl
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import jwt
 import pytest
 
 from broker.acl import READ, WRITE, Authorizer, Grant, Rule
-from broker.auth import Authenticator, AuthResult
+from broker.auth import Authenticator, AuthResult, write_password_file
 from broker.config import AuthSettings, ConfigError, Settings, load_settings
 from broker.core import owner_policy
 from broker.listeners import authentication_configured
@@ -288,7 +290,26 @@ def test_bad_settings_are_one_line_naming_the_setting(tmp_path: Path, secret_fil
     private.write_text(json.dumps({"keys": [private_jwk]}))
     hs = tmp_path / "hs.json"
     hs.write_text(json.dumps({"keys": [{"kty": "oct", "k": "c2VjcmV0", "alg": "HS256"}]}))
+    odd_kids = []
+    for kid in (["a"], {"a": 1}, 5):
+        odd = tmp_path / f"kid-{type(kid).__name__}.json"
+        odd.write_text(json.dumps({"keys": [{**SigningKey.new("k").public_jwk(), "kid": kid}]}))
+        message = f"its kid is {type(kid).__name__}, not a string"
+        odd_kids.append(({"CHAIN": "jwt", "JWT_JWKS_FILE": str(odd)}, message))
     cases = [
+        *odd_kids,
+        ({"CHAIN": ","}, "auth.chain: ',' names no member (known: http, jwt)"),
+        ({"CHAIN": "http", "HTTP_URL": "http://[::1/"}, "auth.http_url: not a URL: "),
+        (
+            {"CHAIN": "http", "HTTP_URL": "http://127.0.0.1:99999/"},
+            "auth.http_url: not a URL: Port out of range",
+        ),
+        ({"CHAIN": "http", "HTTP_URL": "http://host:0/"}, "auth.http_url: port 0 is not a port"),
+        (
+            {"CHAIN": "http", "HTTP_URL": "https://u:hunter2@host/auth"},
+            "auth.http_url: holds a user name or password",
+        ),
+        ({"CHAIN": "http", "HTTP_URL": "http://u@host/"}, "auth.http_url: holds a user name"),
         ({"CHAIN": "http,ldap"}, "auth.chain: unknown member 'ldap' (known: http, jwt)"),
         (
             {"CHAIN": "jwt,jwt", "JWT_SECRET_FILE": str(secret_file)},
@@ -325,6 +346,67 @@ def test_bad_settings_are_one_line_naming_the_setting(tmp_path: Path, secret_fil
     for env, words in cases:
         message = start_error(tmp_path, {f"DEVICEMQ_AUTH_{k}": v for k, v in env.items()})
         assert words in message, (env, message)
+        assert "hunter2" not in message
+
+
+def changed(value: object) -> object:
+    """A value other than ``value``, of its type."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    return f"{value}x"
+
+
+def test_every_setting_of_a_member_not_in_the_chain_stops_the_start(secret_file: Path) -> None:
+    members = {"http": {"chain": "jwt", "jwt_secret_file": str(secret_file)}, "jwt": {}}
+    names = [
+        f.name for f in dataclasses.fields(AuthSettings) if f.name.startswith(("http_", "jwt_"))
+    ]
+    assert len(names) == 15
+    for name in names:
+        member = name.partition("_")[0]
+        default = next(f.default for f in dataclasses.fields(AuthSettings) if f.name == name)
+        settings = AuthSettings(**{**members[member], name: changed(default)})  # type: ignore[arg-type]
+        with pytest.raises(ConfigError) as caught:
+            Authenticator(settings)
+        assert str(caught.value) == f"auth.{name}: set, but auth.chain has no {member}"
+    # At its default it is no setting at all.
+    assert Authenticator(AuthSettings(http_timeout_seconds=5.0, jwt_audience=""))
+
+
+def test_an_empty_member_list_is_no_chain_anywhere() -> None:
+    """ " , " names no member: refused at start, and no check takes it for a chain (it
+    put the listeners on every interface while letting anonymous clients in)."""
+    settings = Settings(auth=AuthSettings(chain=" , "))
+    assert settings.auth.chain_members == ()
+    assert not authentication_configured(settings) and owner_policy(settings) == "none"
+    with pytest.raises(ConfigError, match=r"auth\.chain: ' , ' names no member"):
+        Authenticator(settings.auth)
+
+
+def test_a_jwks_reload_that_fails_keeps_its_keys_and_the_other_reloads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = SigningKey.new("k1")
+    jwks = tmp_path / "jwks.json"
+    write_jwks(jwks, key)
+    passwd = password_file(tmp_path, alice=ALICE_HASH)
+    clock = Clock()
+    settings = AuthSettings(password_file=str(passwd), chain="jwt", jwt_jwks_file=str(jwks))
+    auth = Authenticator(settings, clock)
+    # A kid that is a list, and a new user in the password file, in one sweep.
+    jwks.write_text(json.dumps({"keys": [{**key.public_jwk(), "kid": ["k1"]}]}))
+    write_password_file(passwd, {"alice": ALICE_HASH, "bob": ALICE_HASH})
+    clock.now += 1.5
+    with caplog.at_level(logging.INFO, logger="devicemq.auth"):
+        auth.maybe_reload()
+    assert decide(auth, "dev", key.sign(claims("c1", "dev"))).ok  # the old key in force
+    assert decide(auth, "bob", ALICE_PW).ok  # the password file was reloaded
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert "JWKS not reloaded" in errors[0].getMessage()
+    assert "its kid is list, not a string" in errors[0].getMessage()
 
 
 # --------------------------------------------------------------------------
