@@ -115,16 +115,32 @@ _SHORT_NAMES = {
 }
 
 
+def _escape(value: str) -> str:
+    """An attribute value escaped as RFC 4514 2.4 asks: ``, + " \\ < > ;`` anywhere,
+    ``#`` or a space first, a space last, NUL as ``\\00``."""
+    out = []
+    for i, ch in enumerate(value):
+        if ch in ',+"\\<>;' or (i == 0 and ch in "# ") or (i == len(value) - 1 and ch == " "):
+            out.append("\\" + ch)
+        elif ch == "\0":
+            out.append("\\00")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def certificate_subject(cert: Mapping[str, Any] | None) -> str | None:
     """A certificate's subject as ``CN=dev1,O=Acme`` (its own order), from what
-    ``ssl.SSLSocket.getpeercert()`` returns; None without one."""
+    ``ssl.SSLSocket.getpeercert()`` returns; None without one. Values are escaped
+    as RFC 4514 does and the attributes of a multi-valued RDN joined with ``+``, so
+    two different subjects never give the same text."""
     if not cert:
         return None
-    parts = []
-    for rdn in cert.get("subject", ()):
-        for key, value in rdn:
-            parts.append(f"{_SHORT_NAMES.get(key, key)}={value}")
-    return ",".join(parts) or None
+    rdns = [
+        "+".join(f"{_SHORT_NAMES.get(key, key)}={_escape(str(value))}" for key, value in rdn)
+        for rdn in cert.get("subject", ())
+    ]
+    return ",".join(rdns) or None
 
 
 # --------------------------------------------------------------------------

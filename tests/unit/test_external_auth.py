@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import json
@@ -20,11 +21,16 @@ from typing import Any
 
 import jwt
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from broker.acl import READ, WRITE, Authorizer, Grant, Rule
 from broker.auth import Authenticator, AuthResult, write_password_file
 from broker.config import AuthSettings, ConfigError, Settings, load_settings
 from broker.core import owner_policy
+from broker.external_auth import certificate_subject
 from broker.listeners import authentication_configured
 from broker.packets import ReasonCode
 from tests.auth_service import (
@@ -461,6 +467,41 @@ def test_http_allow_with_rules_and_what_is_sent(service: AuthService) -> None:
     service.allow("nothing", acl=[])
     empty = decide(auth, "nothing", "pw").grant
     assert empty is not None and empty.rules == ()
+
+
+def subject_of(tmp_path: Path, *rdns: list[tuple[Any, str]]) -> str | None:
+    """certificate_subject of a real certificate with these RDNs, made with cryptography
+    and decoded by the ssl module as a peer's certificate is."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [x509.RelativeDistinguishedName([x509.NameAttribute(o, v) for o, v in r]) for r in rdns]
+    )
+    moment = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(moment)
+        .not_valid_after(moment + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    path = tmp_path / f"{x509.random_serial_number()}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return certificate_subject(ssl._ssl._test_decode_cert(str(path)))  # type: ignore[attr-defined]
+
+
+def test_certificate_subjects_are_escaped_as_rfc_4514_does(tmp_path: Path) -> None:
+    cn, org = NameOID.COMMON_NAME, NameOID.ORGANIZATION_NAME
+    assert subject_of(tmp_path, [(cn, "dev1")], [(org, "Acme")]) == "CN=dev1,O=Acme"
+    # A CN that spells another subject is not that subject.
+    assert subject_of(tmp_path, [(cn, "dev1,O=Acme")]) == "CN=dev1\\,O=Acme"
+    # A multi-valued RDN joins with '+', its values escaped too.
+    assert subject_of(tmp_path, [(cn, "dev1"), (org, "Acme")]) == "CN=dev1+O=Acme"
+    assert subject_of(tmp_path, [(cn, "dev1+O=Acme")]) == "CN=dev1\\+O=Acme"
+    assert subject_of(tmp_path, [(cn, '#a "b" <c>;\\d ')]) == 'CN=\\#a \\"b\\" \\<c\\>\\;\\\\d\\ '
+    assert subject_of(tmp_path, [(cn, " lead")]) == "CN=\\ lead"
 
 
 def test_http_refusals_map_to_reason_codes(service: AuthService) -> None:
