@@ -465,7 +465,16 @@ class HttpMember:
             return
 
         def finished(outcome: Outcome) -> None:
-            verdict = self._decide(outcome)
+            try:
+                verdict = self._decide(outcome)
+            except Exception as e:  # a bug: refused, never let in, and always answered
+                log.exception("auth.chain http: the answer could not be decided")
+                verdict = Verdict(
+                    False,
+                    ReasonCode.UNSPECIFIED_ERROR,
+                    f"the answer could not be decided: {type(e).__name__}",
+                    counter="auth_chain_failed",
+                )
             allowed = isinstance(outcome, tuple) and 200 <= outcome[0] < 300
             if allowed and verdict.ok and settings.http_cache_seconds > 0:
                 self._remember(digest, verdict.grant)  # never a fail-open acceptance
@@ -494,10 +503,15 @@ class HttpMember:
         that do not parse refuse the client (0x88): the service meant to restrict it."""
         if len(body) > MAX_ANSWER_BYTES:
             return self._wrong(f"its answer is over {MAX_ANSWER_BYTES} bytes")
+        text = body.strip()
         try:
-            data = json.loads(body) if body.strip() else None
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            data = None  # not JSON: allowed, no rules of its own
+            data = json.loads(text) if text else None
+        except RecursionError:
+            return self._wrong("its answer is JSON nested too deeply")
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            if text.startswith(b"{"):  # meant as an object, perhaps with rules
+                return self._wrong(f"its answer is not a JSON object: {e}")
+            data = None  # plain text: allowed, no rules of its own
         if not isinstance(data, dict) or data.get("acl") is None:
             return Verdict(True)
         try:

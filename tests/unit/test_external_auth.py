@@ -178,6 +178,8 @@ def test_wrong_signature_and_algorithms(secret_file: Path, tmp_path: Path) -> No
     refused(decide(auth, "dev", "my.pass.word"), BAD, "no auth.chain member vouches for 'dev'")
     odd_kid = b64(b'{"alg":"ES256","kid":[1]}') + b"." + b64(b"{}") + b"." + b64(b"sig")
     refused(decide(auth, "dev", odd_kid), BAD, "no auth.chain member vouches")
+    nested = b64(b'{"alg":"HS256","x":' + b"[" * 5000 + b"]" * 5000 + b"}") + b".e30.c2ln"
+    refused(decide(auth, "dev", nested), BAD, "no auth.chain member vouches")  # PyJWT: not one
     garbled = hs256_signed(b64(b'{"alg":"HS256"}') + b"." + b64(b"not json"))
     refused(decide(auth, "dev", garbled), BAD, "auth.chain jwt: token refused: ")
     key = SigningKey.new("k1")
@@ -510,6 +512,8 @@ def test_http_refusals_map_to_reason_codes(service: AuthService) -> None:
     service.answer("broken", 500)
     service.answer("moved", 302)
     service.answer("bad-acl", 200, b'{"acl": ["read a/#/b"]}')
+    service.answer("nested", 200, NESTED)
+    service.answer("cut", 200, b'{"acl": ["read a/#"')
     auth = http_auth(service.url)
     refused(decide(auth, "mallory", "pw"), BAD, "auth.chain http: the auth service answered 401")
     refused(decide(auth, "teapot", "pw"), BAD, "answered 418")
@@ -519,6 +523,8 @@ def test_http_refusals_map_to_reason_codes(service: AuthService) -> None:
     result = decide(auth, "bad-acl", "pw")
     refused(result, UNAVAILABLE, "not understood: answer's acl[0]: 'a/#/b' is not a valid")
     assert result.counter == "auth_service_unavailable"
+    refused(decide(auth, "nested", "pw"), UNAVAILABLE, "not understood: its answer is JSON nested")
+    refused(decide(auth, "cut", "pw"), UNAVAILABLE, "not understood: its answer is not a JSON obj")
     # A password that is not UTF-8 cannot be sent: nobody vouches.
     refused(decide(auth, "dev", b"\xff\xfe"), BAD, "no auth.chain member vouches")
 
@@ -621,6 +627,19 @@ async def test_requests_wait_in_threads_bounded(service: AuthService) -> None:
     refused(busy.result(), ReasonCode.SERVER_BUSY, "1 auth service requests already waiting")
     release.set()
     assert (await asyncio.wait_for(slow, 10)).ok
+    auth.close()
+
+
+NESTED = b'{"acl":' + b"[" * 30000 + b"]" * 30000 + b"}"  # deeper than json can go
+
+
+@pytest.mark.asyncio
+async def test_an_answer_nested_too_deeply_is_answered_0x88(service: AuthService) -> None:
+    """Decided on the event loop, as the broker does: the CONNECT gets its answer."""
+    service.answer("nested", 200, NESTED)
+    auth = http_auth(service.url)
+    result = await asyncio.wait_for(await decide_async(auth, "nested"), 10)
+    refused(result, UNAVAILABLE, "its answer is JSON nested too deeply")
     auth.close()
 
 
