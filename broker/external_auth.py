@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -25,10 +26,10 @@ import http.client
 import json
 import logging
 import secrets
+import socket
 import ssl
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -334,11 +335,33 @@ class JwtMember:
 # --------------------------------------------------------------------------
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect answers the POST with a 3xx: the service is misconfigured (down)."""
+_HEADERS = {"Content-Type": "application/json", "User-Agent": "devicemq", "Connection": "close"}
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+
+class _Request:
+    """One POST in flight. Its worker thread's socket timeouts bound each read, not the
+    whole answer: a service that trickles its answer a byte at a time would hold the
+    thread (and a place of http_max_pending) for ever. So the event loop's deadline
+    aborts the request, shutting its socket down, and the thread is free at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connection: http.client.HTTPConnection | None = None
+        self.aborted = False
+
+    def connected(self, connection: http.client.HTTPConnection) -> bool:
+        """The connection is open: False if the request was aborted meanwhile."""
+        with self._lock:
+            self._connection = connection
+            return not self.aborted
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            sock = self._connection.sock if self._connection is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the thread's read ends now
 
 
 @dataclass(slots=True)
@@ -383,24 +406,23 @@ class HttpMember:
         if not url:
             raise ConfigError("auth.chain has http: give the service's URL", name="auth.http_url")
         parts = _service_url(url)
-        handlers: list[urllib.request.BaseHandler] = [
-            urllib.request.ProxyHandler({}),  # the service is asked directly
-            _NoRedirects(),
-        ]
+        self._parts = parts
+        self._tls: ssl.SSLContext | None = None
+        if parts.scheme == "https" and not settings.http_ca_file:
+            self._tls = ssl.create_default_context()
         if settings.http_ca_file:
             if parts.scheme != "https":
                 raise ConfigError(
                     "set, but auth.http_url is not https://", name="auth.http_ca_file"
                 )
             try:
-                context = ssl.create_default_context(cafile=settings.http_ca_file)
+                self._tls = ssl.create_default_context(cafile=settings.http_ca_file)
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(
                     f"cannot load {settings.http_ca_file}: {getattr(e, 'strerror', None) or e}",
                     name="auth.http_ca_file",
                 ) from None
-            handlers.append(urllib.request.HTTPSHandler(context=context))
-        self._opener = urllib.request.build_opener(*handlers)
+        self._in_flight: set[_Request] = set()
         self._cache: OrderedDict[bytes, _Remembered] = OrderedDict()
         self._cache_key = secrets.token_bytes(32)  # never leaves this process
         rate = settings.max_verify_rate_per_source
@@ -413,6 +435,8 @@ class HttpMember:
         pass
 
     def close(self) -> None:
+        for request in list(self._in_flight):
+            request.abort()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -553,29 +577,33 @@ class HttpMember:
 
     # -- the request, off the event loop ------------------------------------------------
 
-    def _post(self, body: bytes) -> Outcome:
-        """Runs in a worker thread: one POST, its status and (capped) body."""
-        request = urllib.request.Request(
-            self.settings.http_url,
-            data=body,
-            headers={"Content-Type": "application/json", "User-Agent": "devicemq"},
-            method="POST",
-        )
+    def _post(self, body: bytes, request: _Request) -> Outcome:
+        """Runs in a worker thread: one POST, its status and (capped) body. Each socket
+        operation waits at most http_timeout_seconds; ``request.abort()`` ends it."""
+        parts = self._parts
         timeout = self.settings.http_timeout_seconds
+        host, port = parts.hostname or "", parts.port
+        connection: http.client.HTTPConnection
+        if self._tls is not None:
+            connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls)
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=timeout)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
-            with self._opener.open(request, timeout=timeout) as response:
-                return response.status, response.read(MAX_ANSWER_BYTES + 1)
-        except urllib.error.HTTPError as e:  # 3xx (no redirects), 4xx, 5xx
-            try:
-                return e.code, e.read(MAX_ANSWER_BYTES + 1)
-            except (OSError, http.client.HTTPException):
-                return e.code, b""
-            finally:
-                e.close()
-        except urllib.error.URLError as e:
-            return f"{e.reason}"
+            connection.connect()
+            if not request.connected(connection):
+                return "aborted"
+            connection.request("POST", path, body, _HEADERS)
+            response = connection.getresponse()
+            return response.status, response.read(MAX_ANSWER_BYTES + 1)
         except (OSError, http.client.HTTPException, ValueError) as e:
+            if request.aborted:
+                return "aborted"
+            if isinstance(e, OSError) and str(e):
+                return str(e)  # "[Errno 111] Connection refused", "timed out", TLS errors
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        finally:
+            connection.close()
 
     def _run(self, body: bytes, finished: Callable[[Outcome], None]) -> None:
         """``finished`` once, on the event loop: the outcome, or "no answer" when
@@ -585,7 +613,7 @@ class HttpMember:
         except RuntimeError:
             loop = None
         if loop is None:  # no event loop (sans-IO use): asked inline
-            finished(self._post(body))
+            finished(self._post(body, _Request()))
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -594,6 +622,8 @@ class HttpMember:
         self.pending += 1
         decided = False
         timeout = self.settings.http_timeout_seconds
+        request = _Request()
+        self._in_flight.add(request)
 
         def decide(outcome: Outcome) -> None:
             nonlocal decided
@@ -604,6 +634,7 @@ class HttpMember:
 
         def done(future: asyncio.Future[Outcome]) -> None:
             self.pending -= 1
+            self._in_flight.discard(request)
             if future.cancelled():
                 decide("the broker is stopping")
             elif future.exception() is not None:
@@ -611,8 +642,12 @@ class HttpMember:
             else:
                 decide(future.result())
 
-        timer = loop.call_later(timeout, decide, f"no answer within {timeout:g} s")
-        future = loop.run_in_executor(self._executor, self._post, body)
+        def expired() -> None:
+            request.abort()  # the thread, and its place in `pending`, are free at once
+            decide(f"no answer within {timeout:g} s")
+
+        timer = loop.call_later(timeout, expired)
+        future = loop.run_in_executor(self._executor, self._post, body, request)
         future.add_done_callback(done)
 
 

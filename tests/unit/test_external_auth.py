@@ -15,7 +15,9 @@ import json
 import logging
 import socket
 import ssl
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from broker.acl import READ, WRITE, Authorizer, Grant, Rule
 from broker.auth import Authenticator, AuthResult, write_password_file
 from broker.config import AuthSettings, ConfigError, Settings, load_settings
 from broker.core import owner_policy
-from broker.external_auth import certificate_subject
+from broker.external_auth import HttpMember, certificate_subject
 from broker.listeners import authentication_configured
 from broker.packets import ReasonCode
 from tests.auth_service import (
@@ -651,6 +653,70 @@ async def test_no_answer_within_the_timeout_is_the_service_down(service: AuthSer
     refused(result, UNAVAILABLE, "the auth service is down: no answer within 0.5 s")
     release.set()
     auth.close()
+
+
+class Trickler:
+    """A real HTTP service that answers a byte at a time, never finishing its headers:
+    each read of the broker's gets a byte, so no socket timeout ever fires."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.closed = threading.Event()  # the broker hung up on it
+        trickler = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                try:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Pad: ")
+                    while not trickler.stop.wait(0.02):
+                        self.wfile.write(b"a")
+                        self.wfile.flush()
+                except OSError:
+                    trickler.closed.set()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,))
+
+    def __enter__(self) -> Trickler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.mark.asyncio
+async def test_a_trickling_service_frees_its_request_at_the_deadline() -> None:
+    """http_timeout_seconds bounds the whole request, not each read: at the deadline
+    the request's socket is closed, so its thread and its place in http_max_pending
+    are free for the next client (before, 0x89 Server busy as long as it trickled)."""
+    with Trickler() as service:
+        auth = http_auth(service.url, http_timeout_seconds=0.5, http_max_pending=1)
+        member = auth.chain[0]
+        assert isinstance(member, HttpMember)
+        first = await asyncio.wait_for(await decide_async(auth, "a"), 10)
+        refused(first, UNAVAILABLE, "no answer within 0.5 s")
+        assert await asyncio.to_thread(service.closed.wait, 10), "the request was never closed"
+
+        async def freed() -> None:
+            while member.pending:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(freed(), 10)
+        service.closed.clear()
+        second = await asyncio.wait_for(await decide_async(auth, "b"), 10)
+        refused(second, UNAVAILABLE, "no answer within 0.5 s")  # asked, not 0x89
+        assert await asyncio.to_thread(service.closed.wait, 10)
+        auth.close()
 
 
 # --------------------------------------------------------------------------
