@@ -29,6 +29,11 @@ loop"): ``auth.max_verify_rate_per_source`` hashes a second per address (over:
 waiting (a full queue: 0x89 Server busy at once); a check whose client is
 gone before a thread takes it is not computed.
 
+With a password file and ``auth.chain``, a name the file does not hold that
+the chain refuses (0x86) costs a dummy hash under the same bounds before the
+answer, so neither the work nor the bounds' answer tells the file's names
+(SECURITY.md "External authentication").
+
 Successful verifications are remembered for ``auth.verify_cache_seconds``
 keyed by user and stored hash, as an HMAC of the password under a key that
 lives only in this process, compared in constant time; a changed password
@@ -389,7 +394,8 @@ class Authenticator:
             credentials = Credentials(
                 client_id, username, password, address, certificate_subject(peer_certificate)
             )
-            self._ask_chain(0, credentials, source, done)
+            costly = self._as_costly(username, password, source, alive, done)
+            self._ask_chain(0, credentials, source, costly)
             return
         if self.password_path is None:
             # No password file: nothing vouches for the name, so the client is
@@ -423,8 +429,20 @@ class Authenticator:
             else:
                 done(bad)
 
-        # Every check from here costs a full hash: bounded per address, then by
-        # the threads and the queue in front of them. Refusals cost no hash.
+        self._hash(verify, verified, username, source, alive, done)
+
+    def _hash(
+        self,
+        work: Callable[[], bool],
+        finished: Callable[[bool], None],
+        username: str,
+        source: str,
+        alive: Callable[[], bool] | None,
+        done: Callable[[AuthResult], None],
+    ) -> None:
+        """Run ``work``, a full hash, in a verify thread; ``finished`` gets its result,
+        or ``done`` the refusal of the bounds in front of it: per address, then the
+        threads and the queue. Refusals by the bounds cost no hash."""
         by_source = self._verify_by_source
         if by_source is not None and not by_source.take(source, self.clock()):
             done(
@@ -449,7 +467,7 @@ class Authenticator:
                 )
             )
 
-        check = _Check(verify, verified, alive or _always, abandoned)
+        check = _Check(work, finished, alive or _always, abandoned)
         if not self._queue(check):
             done(
                 AuthResult(
@@ -459,6 +477,35 @@ class Authenticator:
                     f"{len(self._waiting)} password checks already waiting",
                 )
             )
+
+    def _as_costly(
+        self,
+        username: str,
+        password: bytes | None,
+        source: str,
+        alive: Callable[[], bool] | None,
+        done: Callable[[AuthResult], None],
+    ) -> Callable[[AuthResult], None]:
+        """``done`` for the chain's answer, so that a name the password file does not
+        hold is refused at the cost of a file user's wrong password: with a password
+        file, a 0x86 refusal of a CONNECT with a password is answered only after a
+        hash against the dummy, under the same per-address bound, threads and queue
+        (over the bound: 0x9F, as for a file user). Otherwise neither the time nor
+        the limit's answer would tell a file's user from any other name."""
+        if self.password_path is None or password is None:
+            return done  # no names to tell apart; without a password no hash either
+
+        def answered(result: AuthResult) -> None:
+            if result.ok or result.reason != ReasonCode.BAD_USER_NAME_OR_PASSWORD:
+                done(result)
+                return
+
+            def verify() -> bool:
+                return verify_password(self._dummy(), password)
+
+            self._hash(verify, lambda _: done(result), username, source, alive, done)
+
+        return answered
 
     # -- auth.chain ----------------------------------------------------------------------
 

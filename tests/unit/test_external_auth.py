@@ -267,6 +267,50 @@ def test_the_password_file_comes_first_and_other_passwords_pass_on(
     refused(decide(auth, None, None), NOT_AUTHORIZED, "anonymous")  # auto: off with a chain
 
 
+class CountingHasher:
+    """Authenticator.run_blocking that hashes inline and counts the hashes: the work
+    a CONNECT cost, asserted on instead of its time."""
+
+    def __init__(self) -> None:
+        self.hashes = 0
+
+    def __call__(self, work: Any, done: Any) -> None:
+        self.hashes += 1
+        done(work())
+
+
+@pytest.mark.parametrize("member", ["jwt", "http"])
+def test_a_name_the_file_does_not_hold_costs_what_a_file_user_costs(
+    tmp_path: Path, secret_file: Path, service: AuthService, member: str
+) -> None:
+    """With a password file, a refused name the chain was asked about costs the hash a
+    file user's wrong password costs, under the same per-address bound: neither the
+    work nor the limit's answer tells which names the file holds (SECURITY.md)."""
+    passwd = password_file(tmp_path, alice=ALICE_HASH)
+    chain = {"jwt": {"jwt_secret_file": str(secret_file)}, "http": {"http_url": service.url}}
+
+    def attempts(username: str, password: str, count: int = 3) -> tuple[list[int], int]:
+        hasher = CountingHasher()
+        settings = AuthSettings(
+            password_file=str(passwd), chain=member, max_verify_rate_per_source=1, **chain[member]
+        )
+        auth = Authenticator(settings, Clock(), hasher)
+        codes = [int(decide(auth, username, password).reason) for _ in range(count)]
+        return codes, hasher.hashes
+
+    file_user = attempts("alice", "wrong")
+    assert file_user == ([0x86, 0x9F, 0x9F], 1)  # one hash, then the bound
+    assert attempts("nobody", "wrong") == file_user
+    if member == "jwt":
+        assert attempts("nobody", hs256(claims("c1", "nobody"), b"x" * 40)) == file_user
+    # Allowed through the chain: no hash (a JWT stays ~0.1 ms, a cached answer ~10 us).
+    service.allow("dev")
+    assert attempts("dev", hs256(claims("c1", "dev")) if member == "jwt" else "pw", 1) == (
+        [0],
+        0,
+    )
+
+
 # --------------------------------------------------------------------------
 # settings
 # --------------------------------------------------------------------------
