@@ -36,9 +36,12 @@ Decisions, once an ACL file is configured (no file: everything else allowed):
 - receiving: every message routed to a client is checked against its read
   rules (``Broker.resolve``); decisions are cached per (client, topic).
 
-A client ID or user name containing ``/``, ``+`` or ``#`` (or empty) never
-matches a rule that substitutes it, so it cannot widen a pattern into another
-client's topics.
+A client ID or user name containing ``/``, ``+`` or ``#`` (or empty) is not
+substituted: a grant rule naming it does not apply, so it cannot widen a
+pattern into another client's topics, and a deny rule naming it denies
+everything from that level on (fail closed), so it cannot evade a deny. A rule
+is a plain topic filter: ``$share/`` and ``$queue/`` rules are refused (a
+shared subscription is checked by its inner filter).
 """
 
 from __future__ import annotations
@@ -62,9 +65,12 @@ __all__ = [
     "Acl",
     "AclError",
     "Authorizer",
+    "Grant",
     "Rule",
     "filter_covers",
     "parse_acl",
+    "parse_granted_rules",
+    "parse_rule",
 ]
 
 log = logging.getLogger("devicemq.acl")
@@ -87,19 +93,29 @@ class Rule:
     topic: str  # a topic filter, with %c / %u in patterns
 
     def resolve(self, client_id: str, username: str | None) -> str | None:
-        """The rule's topic for this client, or None if it cannot apply."""
+        """The rule's topic for this client, or None if it cannot apply.
+
+        A client ID or user name that is empty or holds ``/``, ``+`` or ``#`` is
+        not substituted: a grant rule then does not apply, and a deny rule fails
+        closed, denying everything from the level of ``%c``/``%u`` on (``deny
+        devices/%c/fw`` becomes ``deny devices/#``), so no choice of client ID
+        evades it. A ``%u`` rule does not apply to a client without a user name.
+        """
         topic = self.topic
         if "%" not in topic:
             return topic
-        if "%c" in topic:
-            if not _safe(client_id):
+        if "%u" in topic and username is None:
+            return None
+        unsafe = ("%c" in topic and not _safe(client_id)) or (
+            "%u" in topic and not _safe(username or "")
+        )
+        if unsafe:
+            if self.access != DENY:
                 return None
-            topic = topic.replace("%c", client_id)
-        if "%u" in topic:
-            if username is None or not _safe(username):
-                return None
-            topic = topic.replace("%u", username)
-        return topic
+            levels = topic.split("/")
+            first = next(i for i, level in enumerate(levels) if "%c" in level or "%u" in level)
+            return "/".join([*levels[:first], "#"])
+        return topic.replace("%c", client_id).replace("%u", username or "")
 
 
 def _safe(value: str) -> bool:
@@ -146,23 +162,42 @@ def parse_acl(text: str, source: str = "acl file") -> Acl:
         if keyword not in ("topic", "pattern"):
             raise AclError(f"{where}: expected 'user', 'topic' or 'pattern', got {keyword!r}")
         word, _, after = rest.partition(" ")
-        if word in _ACCESS:
-            access, topic = _ACCESS[word], after.strip()
-        else:
-            access, topic = READ | WRITE, rest
-        if not topic:
+        if not rest or (word in _ACCESS and not after.strip()):
             raise AclError(
                 f"{where}: '{keyword}' needs a topic (' # ' starts a comment: "
                 "a rule for the filter '#' keeps its comment on the line above)"
             )
-        check = topic.replace("%c", "c").replace("%u", "u")
-        if check.startswith("$share/") or not is_valid_topic_filter(check):
-            raise AclError(f"{where}: {topic!r} is not a valid topic filter")
+        rule = parse_rule(rest, where)
         if keyword == "pattern":
-            acl.patterns.append(Rule(access, topic))
+            acl.patterns.append(rule)
         else:
-            current.append(Rule(access, topic))
+            current.append(rule)
     return acl
+
+
+def parse_rule(text: str, where: str) -> Rule:
+    """``[read|write|readwrite|deny] TOPIC`` (what follows ``topic`` in the file, and a
+    rule from auth.chain's service or token); AclError names ``where``."""
+    text = text.strip()
+    word, _, after = text.partition(" ")
+    if word in _ACCESS:
+        access, topic = _ACCESS[word], after.strip()
+    else:
+        access, topic = READ | WRITE, text
+    if not topic:
+        raise AclError(f"{where}: {text!r} needs a topic")
+    check = topic.replace("%c", "c").replace("%u", "u")
+    if check.startswith(("$share/", "$queue/")) or not is_valid_topic_filter(check):
+        raise AclError(f"{where}: {topic!r} is not a valid topic filter")
+    return Rule(access, topic)
+
+
+def parse_granted_rules(value: object, source: str) -> tuple[Rule, ...]:
+    """A client's own rules from auth.chain (the service's answer, a token's claim): a
+    list of rule strings as :func:`parse_rule` reads them; AclError names ``source``."""
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise AclError(f"{source}: expected a list of rule strings")
+    return tuple(parse_rule(item, f"{source}[{i}]") for i, item in enumerate(value))
 
 
 def read_acl(path: str | Path) -> Acl:
@@ -192,24 +227,52 @@ def filter_covers(rule: str, topic_filter: str) -> bool:
     return len(rule_levels) == len(filter_levels)
 
 
+@dataclass(eq=False, slots=True)
+class Grant:
+    """The ACL rules auth.chain gave one CONNECT of a client (its service's answer or its
+    token), in force next to the ACL file's while its session lasts.
+
+    Compared by identity: every CONNECT brings a new grant, so decisions cached
+    under the previous one are never reused for the next.
+    """
+
+    rules: tuple[Rule, ...]
+
+
 class Authorizer:
-    """The ACL in force, with reload and the per-(client, topic) receive cache."""
+    """The ACL in force, with reload and the per-(client, topic) receive cache.
+
+    Two sources of rules, combined per client as one list: the ACL file's
+    that apply to it (its user's and the patterns) and its own :class:`Grant`
+    from auth.chain. Any grant in either allows, a deny in either wins; a
+    client holding a grant is held to "anything not granted is denied" even
+    without an ACL file. ``grants``: auth.chain can give grants, so every
+    delivery is checked (``active``) even without an ACL file.
+    """
 
     def __init__(
         self,
         path: str,
         clock: Callable[[], float] = time.monotonic,
         cache_size: int = CACHE_SIZE,
+        grants: bool = False,
     ) -> None:
         self.path = Path(path) if path else None
-        self.active = self.path is not None  # False: everything allowed, nothing checked
+        self.file_active = self.path is not None
+        # False: everything allowed, nothing checked
+        self.active = self.file_active or grants
         self.clock = clock
         self.acl = Acl()
         self.cache_size = cache_size
-        self._receive_cache: OrderedDict[tuple[str, str | None, str], bool] = OrderedDict()
-        self._rules: OrderedDict[tuple[str, str | None], list[tuple[int, str]]] = OrderedDict()
+        self._receive_cache: OrderedDict[tuple[str, str | None, Grant | None, str], bool] = (
+            OrderedDict()
+        )
+        self._rules: OrderedDict[tuple[str, str | None, Grant | None], list[tuple[int, str]]] = (
+            OrderedDict()
+        )
         # Who each connected (or session-holding) client authenticated as.
         self.usernames: dict[str, str | None] = {}
+        self.grants: dict[str, Grant] = {}
         self._watch: FileChangeWatch | None = None
         if self.path is not None:
             try:
@@ -236,18 +299,32 @@ class Authorizer:
 
     # -- clients ----------------------------------------------------------------------
 
-    def client_connected(self, client_id: str, username: str | None) -> None:
+    def client_connected(
+        self, client_id: str, username: str | None, grant: Grant | None = None
+    ) -> None:
         if self.active:
             self.usernames[client_id] = username
+            if grant is None:
+                self.grants.pop(client_id, None)
+            else:
+                self.grants[client_id] = grant
 
     def forget(self, client_id: str) -> None:
         self.usernames.pop(client_id, None)
+        self.grants.pop(client_id, None)
 
-    def _rules_for(self, client_id: str, username: str | None) -> list[tuple[int, str]]:
-        key = (client_id, username)
+    def _rules_for(
+        self, client_id: str, username: str | None, grant: Grant | None
+    ) -> list[tuple[int, str]]:
+        key = (client_id, username, grant)
         rules = self._rules.get(key)
         if rules is None:
-            rules = self.acl.rules_for(client_id, username)
+            rules = self.acl.rules_for(client_id, username) if self.file_active else []
+            if grant is not None:
+                for rule in grant.rules:
+                    topic = rule.resolve(client_id, username)
+                    if topic is not None:
+                        rules.append((rule.access, topic))
             self._rules[key] = rules
             if len(self._rules) > self.cache_size:
                 self._rules.popitem(last=False)
@@ -255,9 +332,11 @@ class Authorizer:
 
     # -- decisions ----------------------------------------------------------------------
 
-    def _decide(self, client_id: str, username: str | None, topic: str, want: int) -> bool:
+    def _decide(
+        self, client_id: str, username: str | None, grant: Grant | None, topic: str, want: int
+    ) -> bool:
         allowed = False
-        for access, rule in self._rules_for(client_id, username):
+        for access, rule in self._rules_for(client_id, username, grant):
             if topic_matches(rule, topic):
                 if access == DENY:
                     return False
@@ -266,18 +345,25 @@ class Authorizer:
         return allowed
 
     def can_publish(self, client_id: str, username: str | None, topic: str) -> bool:
-        """May the client publish on ``topic`` (a PUBLISH, or its will at CONNECT)?
+        """May the client publish on ``topic`` (a PUBLISH)? Under its grant, if any.
 
         ``$SYS`` is read-only for every client, ACL file or not: only the broker
         writes it (broker/sys_topics.py). Mosquitto denies writes to topics that
         begin with ``$SYS`` the same way (``acl__check_dollar``); spec 4.7.2 leaves
         ``$`` topics to the server.
         """
+        return self.may_publish(client_id, username, self.grants.get(client_id), topic)
+
+    def may_publish(
+        self, client_id: str, username: str | None, grant: Grant | None, topic: str
+    ) -> bool:
+        """:meth:`can_publish` under a given grant: a will, checked at CONNECT before the
+        grant is in force and when published after its client's session ended."""
         if is_sys_topic(topic):
             return False
-        if not self.active:
+        if not self.file_active and grant is None:
             return True
-        return self._decide(client_id, username, topic, WRITE)
+        return self._decide(client_id, username, grant, topic, WRITE)
 
     def can_subscribe(
         self, client_id: str, username: str | None, topic_filter: str, address: str = ""
@@ -289,12 +375,14 @@ class Authorizer:
         presence events (``$SYS/brokers/...``: every client's ID, user and address),
         which only clients on this host get, as EMQX's default rules keep ``$SYS``
         to 127.0.0.1; an ACL file grants them like any topic (``topic read $SYS/#``).
+        So does a client's grant.
         """
         _, inner = parse_shared(topic_filter)
-        if not self.active:
+        grant = self.grants.get(client_id)
+        if not self.file_active and grant is None:
             return not _takes_presence(inner) or is_loopback(address)
         allowed = False
-        for access, rule in self._rules_for(client_id, username):
+        for access, rule in self._rules_for(client_id, username, grant):
             if filter_covers(rule, inner):
                 if access == DENY:
                     return False
@@ -307,20 +395,24 @@ class Authorizer:
 
         The user name is the one the client last connected with; for a
         session restored after a restart and not yet reconnected it is not
-        known, and only the ``pattern`` rules without ``%u`` apply.
+        known, and only the ``pattern`` rules without ``%u`` apply (grants
+        live in memory only: none is known either).
         """
         if not self.active:
             return True
+        grant = self.grants.get(client_id)
+        if not self.file_active and grant is None:
+            return True
         known = client_id in self.usernames
         username = self.usernames.get(client_id)
-        key = (client_id, username if known else "\x00unknown", topic)
+        key = (client_id, username if known else "\x00unknown", grant, topic)
         cache = self._receive_cache
         decision = cache.get(key)
         if decision is not None:
             cache.move_to_end(key)
             return decision
         if known:
-            decision = self._decide(client_id, username, topic, READ)
+            decision = self._decide(client_id, username, grant, topic, READ)
         else:
             decision = self._decide_patterns_only(client_id, topic)
         cache[key] = decision

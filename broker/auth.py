@@ -1,11 +1,13 @@
 """Authentication: who may connect (SECURITY.md "Authentication").
 
-Three ways in, decided per CONNECT by :class:`Authenticator`:
+Four ways in, decided per CONNECT by :class:`Authenticator`:
 
 - a TLS client certificate, when ``auth.use_identity_as_username`` is on and
   the listener put the peer's certificate on the connection
   (``MQTTConnection.peer_certificate``): its CN or first SAN is the user name;
 - a user name and password checked against the password file;
+- a user name the password file does not hold, decided by the members of
+  ``auth.chain`` in order (:mod:`broker.external_auth`: an HTTP service, a JWT);
 - no user name at all (anonymous), if ``auth.allow_anonymous`` allows it.
 
 The password file holds one ``username:hash`` per line, ``#`` comments (the
@@ -26,6 +28,11 @@ loop"): ``auth.max_verify_rate_per_source`` hashes a second per address (over:
 0x9F), ``auth.verify_threads`` at once and ``auth.max_pending_verifications``
 waiting (a full queue: 0x89 Server busy at once); a check whose client is
 gone before a thread takes it is not computed.
+
+With a password file and ``auth.chain``, a name the file does not hold that
+the chain refuses (0x86) costs a dummy hash under the same bounds before the
+answer, so neither the work nor the bounds' answer tells the file's names
+(SECURITY.md "External authentication").
 
 Successful verifications are remembered for ``auth.verify_cache_seconds``
 keyed by user and stored hash, as an HMAC of the password under a key that
@@ -54,7 +61,9 @@ from typing import Any
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
+from broker.acl import Grant
 from broker.config import AuthSettings, ConfigError
+from broker.external_auth import ChainMember, Credentials, Verdict, build_chain, certificate_subject
 from broker.limits import SourceBuckets
 from broker.packets import ReasonCode
 from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
@@ -235,6 +244,7 @@ class AuthResult:
 
     ``counter`` names the rejected-connections reason a refusal is counted
     under when the reason code alone would not tell (default: the code's name).
+    ``grant``: the client's own ACL rules, from auth.chain.
     """
 
     ok: bool
@@ -242,6 +252,7 @@ class AuthResult:
     reason: ReasonCode = ReasonCode.SUCCESS
     message: str = ""
     counter: str = ""
+    grant: Grant | None = None
 
 
 def _refused(reason: ReasonCode, message: str) -> AuthResult:
@@ -287,9 +298,12 @@ class Authenticator:
         self.run_blocking: BlockingRunner = run_blocking or self._run_in_thread
         self.password_path = Path(settings.password_file) if settings.password_file else None
         self.allow_anonymous = settings.allow_anonymous
+        self.chain: list[ChainMember] = build_chain(settings, clock)
         if self.allow_anonymous is None:  # auto: only while nothing else can log in
             self.allow_anonymous = (
-                self.password_path is None and not settings.use_identity_as_username
+                self.password_path is None
+                and not settings.use_identity_as_username
+                and not self.chain
             )
         self.users: dict[str, str] = {}
         self._watch: FileChangeWatch | None = None
@@ -321,7 +335,13 @@ class Authenticator:
     # -- the password file ---------------------------------------------------------------
 
     def maybe_reload(self, force: bool = False) -> None:
-        """Re-read the password file if it changed (at most one stat a second)."""
+        """Re-read the password file, and auth.chain's key files, if they changed (at
+        most one stat a second each)."""
+        for member in self.chain:
+            try:
+                member.maybe_reload(force)
+            except Exception as e:  # a bug: the member's keys stay, the file still reloads
+                log.error("auth.chain %s: not reloaded: %s: %s", member.name, type(e).__name__, e)
         if self._watch is None or not self._watch.changed(force):
             return
         try:
@@ -343,6 +363,8 @@ class Authenticator:
         done: Callable[[AuthResult], None],
         source: str = "",
         alive: Callable[[], bool] | None = None,
+        client_id: str = "",
+        address: str = "",
     ) -> None:
         """Decide a CONNECT; ``done`` is called now or later, exactly once.
 
@@ -350,7 +372,8 @@ class Authenticator:
         ``auth.max_verify_rate_per_source``; ``alive`` tells whether the client
         still waits for the answer: a check whose client is gone before a
         thread takes it up is not computed (``done`` gets a refusal counted as
-        ``auth_abandoned``).
+        ``auth_abandoned``). ``client_id`` and ``address`` (the peer's IP address)
+        are for auth.chain.
         """
         settings = self.settings
         if settings.use_identity_as_username and peer_certificate is not None:
@@ -365,6 +388,14 @@ class Authenticator:
                 done(AuthResult(True, None))
             else:
                 done(_refused(ReasonCode.NOT_AUTHORIZED, "anonymous clients are not allowed"))
+            return
+        if self.chain and username not in self.users:
+            # A user of the password file is the file's alone; any other, the chain's.
+            credentials = Credentials(
+                client_id, username, password, address, certificate_subject(peer_certificate)
+            )
+            costly = self._as_costly(username, password, source, alive, done)
+            self._ask_chain(0, credentials, source, costly)
             return
         if self.password_path is None:
             # No password file: nothing vouches for the name, so the client is
@@ -398,8 +429,20 @@ class Authenticator:
             else:
                 done(bad)
 
-        # Every check from here costs a full hash: bounded per address, then by
-        # the threads and the queue in front of them. Refusals cost no hash.
+        self._hash(verify, verified, username, source, alive, done)
+
+    def _hash(
+        self,
+        work: Callable[[], bool],
+        finished: Callable[[bool], None],
+        username: str,
+        source: str,
+        alive: Callable[[], bool] | None,
+        done: Callable[[AuthResult], None],
+    ) -> None:
+        """Run ``work``, a full hash, in a verify thread; ``finished`` gets its result,
+        or ``done`` the refusal of the bounds in front of it: per address, then the
+        threads and the queue. Refusals by the bounds cost no hash."""
         by_source = self._verify_by_source
         if by_source is not None and not by_source.take(source, self.clock()):
             done(
@@ -424,7 +467,7 @@ class Authenticator:
                 )
             )
 
-        check = _Check(verify, verified, alive or _always, abandoned)
+        check = _Check(work, finished, alive or _always, abandoned)
         if not self._queue(check):
             done(
                 AuthResult(
@@ -432,6 +475,75 @@ class Authenticator:
                     None,
                     ReasonCode.SERVER_BUSY,
                     f"{len(self._waiting)} password checks already waiting",
+                )
+            )
+
+    def _as_costly(
+        self,
+        username: str,
+        password: bytes | None,
+        source: str,
+        alive: Callable[[], bool] | None,
+        done: Callable[[AuthResult], None],
+    ) -> Callable[[AuthResult], None]:
+        """``done`` for the chain's answer, so that a name the password file does not
+        hold is refused at the cost of a file user's wrong password: with a password
+        file, a 0x86 refusal of a CONNECT with a password is answered only after a
+        hash against the dummy, under the same per-address bound, threads and queue
+        (over the bound: 0x9F, as for a file user). Otherwise neither the time nor
+        the limit's answer would tell a file's user from any other name."""
+        if self.password_path is None or password is None:
+            return done  # no names to tell apart; without a password no hash either
+
+        def answered(result: AuthResult) -> None:
+            if result.ok or result.reason != ReasonCode.BAD_USER_NAME_OR_PASSWORD:
+                done(result)
+                return
+
+            def verify() -> bool:
+                return verify_password(self._dummy(), password)
+
+            self._hash(verify, lambda _: done(result), username, source, alive, done)
+
+        return answered
+
+    # -- auth.chain ----------------------------------------------------------------------
+
+    def _ask_chain(
+        self, index: int, credentials: Credentials, source: str, done: Callable[[AuthResult], None]
+    ) -> None:
+        """Ask member ``index``; one that does not decide passes to the next."""
+        if index == len(self.chain):
+            done(
+                _refused(
+                    ReasonCode.BAD_USER_NAME_OR_PASSWORD,
+                    f"no auth.chain member vouches for {credentials.username!r}",
+                )
+            )
+            return
+        member = self.chain[index]
+
+        def answered(verdict: Verdict | None) -> None:
+            if verdict is None:
+                self._ask_chain(index + 1, credentials, source, done)
+                return
+            message = f"auth.chain {member.name}: {verdict.message}" if verdict.message else ""
+            if verdict.ok:  # (a fail-open acceptance is logged by its member, rate-limited)
+                done(AuthResult(True, credentials.username, grant=verdict.grant))
+            else:
+                done(AuthResult(False, None, verdict.reason, message, verdict.counter))
+
+        try:
+            member.check(credentials, source, answered)
+        except Exception:  # a bug, not the client's doing: refused, never let in
+            log.exception("auth.chain %s failed", member.name)
+            done(
+                AuthResult(
+                    False,
+                    None,
+                    ReasonCode.UNSPECIFIED_ERROR,
+                    f"auth.chain {member.name} failed",
+                    "auth_chain_failed",
                 )
             )
 
@@ -523,6 +635,8 @@ class Authenticator:
         future.add_done_callback(finished)
 
     def close(self) -> None:
+        for member in self.chain:
+            member.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

@@ -316,7 +316,7 @@ class AuthSettings:
     session_owner: str = setting(
         "auto",
         "Who a session belongs to: a client ID held by one owner is refused to another "
-        "(0x87); auto: username with a password file or certificate identities, "
+        "(0x87); auto: username with a password file, auth.chain or certificate identities, "
         "certificate with client certificates (tls.cafile), else none",
         choices=("auto", "username", "certificate", "none"),
     )
@@ -340,6 +340,56 @@ class AuthSettings:
         "Password hashes per second for one address (IPv6: one /64); over: CONNACK 0x9F; 0 off",
         ge=0,
     )
+    chain: str = setting(
+        "",
+        "External checks asked, in this order, for a user the password file does not hold: "
+        "comma-separated http, jwt; empty: none",
+    )
+    http_url: str = setting("", "auth.chain http: the URL CONNECTs are POSTed to")
+    http_timeout_seconds: float = setting(
+        5.0, "How long an answer from http_url may take; later: the service is down", gt=0, le=60
+    )
+    http_fail_open: bool = setting(
+        False,
+        "With http_url down (no answer, 5xx): accept the client as the user it names; "
+        "false: refuse it with CONNACK 0x88 Server unavailable",
+    )
+    http_cache_seconds: float = setting(
+        60.0, "Seconds an allowed CONNECT is remembered (same client, credentials, address)", ge=0
+    )
+    http_cache_size: int = setting(10_000, "Allowed CONNECTs remembered at most", ge=1)
+    http_max_pending: int = setting(
+        32, "Requests to http_url waiting at once; over: CONNACK 0x89 Server busy", ge=1, le=1024
+    )
+    http_ca_file: str = setting(
+        "", "CA certificates to verify an https:// http_url with; empty: the system's"
+    )
+    jwt_secret_file: str = setting(
+        "", "auth.chain jwt: file holding the HS256 secret (at least 32 bytes)"
+    )
+    jwt_jwks_file: str = setting(
+        "", "auth.chain jwt: JWKS file of RS256/ES256 public keys; re-read when it changes"
+    )
+    jwt_audience: str = setting("", "A token's aud must hold this; empty: aud not checked")
+    jwt_issuer: str = setting("", "A token's iss must be this; empty: iss not checked")
+    jwt_client_id_claim: str = setting(
+        "client_id", "Claim that must equal the CONNECT client ID; empty: not checked"
+    )
+    jwt_username_claim: str = setting(
+        "sub", "Claim that must equal the CONNECT user name; empty: not checked"
+    )
+    jwt_acl_claim: str = setting(
+        "acl", "Claim holding the client's ACL rules (a list), if the token has it"
+    )
+    jwt_leeway_seconds: float = setting(
+        5.0, "Clock difference allowed when checking exp and nbf", ge=0, le=3600
+    )
+
+    @property
+    def chain_members(self) -> tuple[str, ...]:
+        """auth.chain as its member names, in order (``" , "``: none). Every check of
+        whether a chain is set uses this, never the raw text."""
+        return tuple(name.strip().lower() for name in self.chain.split(",") if name.strip())
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from broker.packets import (
 )
 
 if TYPE_CHECKING:
+    from broker.acl import Grant
     from broker.core import Broker
     from broker.session import Session
 
@@ -85,6 +86,8 @@ class MQTTConnection:
         self.client_id: str | None = None
         # Who the client is once authenticated (None: anonymous); see broker/auth.py.
         self.username: str | None = None
+        # Its own ACL rules from auth.chain (broker/acl.py Grant), if any.
+        self.grant: Grant | None = None
         # ssl getpeercert() of a TLS client certificate, set by the listener.
         self.peer_certificate: dict[str, Any] | None = None
         # While CONNECT waits for authentication what follows is kept undecoded

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from broker.message import Message
+
+if TYPE_CHECKING:
+    from broker.acl import Grant
 
 
 class ConnectionState(Enum):
@@ -42,8 +46,9 @@ class WillMessage:
     ``expiry_interval`` is the will's Message Expiry Interval: it starts when
     the will is published, not at CONNECT (spec 3.1.3.2.4), so
     ``message.expires_at`` is only set by :meth:`Broker.publish_will`.
-    ``client_id`` and ``username`` say who published it, for the ACL check
-    at publish time (the ACL may have changed since CONNECT).
+    ``client_id``, ``username`` and ``grant`` (its rules from auth.chain) say
+    who published it, for the ACL check at publish time (the ACL may have
+    changed since CONNECT; the grant is gone from the ACL once the session ends).
     """
 
     message: Message
@@ -51,3 +56,4 @@ class WillMessage:
     expiry_interval: int | None = None
     client_id: str = ""
     username: str | None = None
+    grant: Grant | None = None

@@ -65,7 +65,7 @@ def owner_policy(settings: Settings) -> str:
     auth = settings.auth
     if auth.session_owner != "auto":
         return auth.session_owner
-    if auth.password_file or auth.use_identity_as_username:
+    if auth.password_file or auth.chain_members or auth.use_identity_as_username:
         return "username"
     if settings.tls.cafile:
         return "certificate"
@@ -106,7 +106,7 @@ class Broker:
         self.call_soon: Callable[[Callable[[], None]], object] | None = None
         self.stats = BrokerStats()
         self.auth = Authenticator(settings.auth, clock)
-        self.acl = Authorizer(settings.auth.acl_file, clock)
+        self.acl = Authorizer(settings.auth.acl_file, clock, grants=bool(self.auth.chain))
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         per_source = settings.mqtt.max_connection_rate_per_source
@@ -656,7 +656,9 @@ class Broker:
         """
         message = will.message
         acl = self.acl
-        if acl.active and not acl.can_publish(will.client_id, will.username, message.topic):
+        if acl.active and not acl.may_publish(
+            will.client_id, will.username, will.grant, message.topic
+        ):
             self.stats.drop("will_not_authorized")
             log.info(
                 "will of %s on %r not published: the ACL no longer allows it",

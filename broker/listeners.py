@@ -125,9 +125,10 @@ EVERYWHERE = "0.0.0.0"
 
 
 def authentication_configured(settings: Settings) -> bool:
-    """Whether clients must prove who they are: a password file or certificate identities."""
+    """Whether clients must prove who they are: a password file, certificate identities
+    or an external check (auth.chain)."""
     auth = settings.auth
-    return bool(auth.password_file) or auth.use_identity_as_username
+    return bool(auth.password_file or auth.chain_members) or auth.use_identity_as_username
 
 
 def effective_host(settings: Settings, host: str) -> str:

@@ -241,7 +241,7 @@ class BrokerServer:
             raise
         self._say_where(specs)
         auth = self.settings.auth
-        if auth.password_file or auth.acl_file:
+        if auth.password_file or auth.acl_file or auth.chain_members:
             reload_on_sighup(
                 lambda: self.broker.auth.maybe_reload(force=True),
                 lambda: self.broker.acl.maybe_reload(force=True),

@@ -79,6 +79,8 @@ def handle_connect(conn: MQTTConnection, packet: Connect) -> None:
         lambda result: _authenticated(conn, packet, result),
         conn.source,
         lambda: conn.state is ConnectionState.AWAITING_CONNECT,
+        packet.client_id,
+        conn.address,
     )
 
 
@@ -100,6 +102,7 @@ def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) ->
         if refusal is not None:
             raise refusal
         conn.username = result.username
+        conn.grant = result.grant
         # Who the client is is known now: a username entry also names a user whose
         # identity came from its certificate, and only a client that proved who it
         # is counts for flapping (nobody gets another client blocked by naming it).
@@ -141,7 +144,9 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
 
     will = _will(conn, packet, client_id)
     acl = broker.acl
-    if will is not None and not acl.can_publish(client_id, conn.username, will.message.topic):
+    if will is not None and not acl.may_publish(
+        client_id, conn.username, will.grant, will.message.topic
+    ):
         raise ConnectRefused(ReasonCode.NOT_AUTHORIZED, f"will topic {will.message.topic!r} denied")
 
     if v5:
@@ -230,7 +235,7 @@ def _opened(
     v5 = conn.is_v5
     client_id = session.client_id
     expiry = session.expiry_interval
-    broker.acl.client_connected(client_id, conn.username)
+    broker.acl.client_connected(client_id, conn.username, conn.grant)
     conn.will = will
     conn.state = ConnectionState.CONNECTED
     ack_properties = None
@@ -302,7 +307,7 @@ def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage 
         origin=packet.client_id or None,
         properties=forwarded,
     )
-    return WillMessage(message, delay, expiry_interval, client_id, conn.username)
+    return WillMessage(message, delay, expiry_interval, client_id, conn.username, conn.grant)
 
 
 def _count_refusal(conn: MQTTConnection, refusal: ConnectRefused, note: str = "") -> None:

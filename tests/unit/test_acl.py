@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from broker.acl import DENY, READ, WRITE, Acl, AclError, Authorizer, Rule, filter_covers, parse_acl
+from broker.acl import (
+    DENY,
+    READ,
+    WRITE,
+    Acl,
+    AclError,
+    Authorizer,
+    Grant,
+    Rule,
+    filter_covers,
+    parse_acl,
+)
 from broker.auth import hash_password, write_password_file
 from broker.config import AuthSettings, ConfigError, Settings
 from broker.packets import (
@@ -122,6 +133,8 @@ def test_security_md_example_loads_and_means_what_it_says() -> None:
         ("topic read a/#/b", "not a valid topic filter"),
         ("pattern write a/%c+", "not a valid topic filter"),
         ("topic read $share/g/a", "not a valid topic filter"),
+        ("topic read $queue/jobs/#", "not a valid topic filter"),
+        ("pattern deny $queue/%c/#", "not a valid topic filter"),
     ],
 )
 def test_parse_errors_name_the_line(text: str, message: str) -> None:
@@ -145,6 +158,29 @@ def test_substitution() -> None:
         assert rule.resolve(bad, "alice") is None
         assert rule.resolve("c1", bad) is None
     assert Rule(READ, "plain/topic").resolve("a/b", None) == "plain/topic"
+
+
+def test_a_deny_rule_fails_closed_on_values_it_cannot_substitute() -> None:
+    """A client ID or user name holding '/', '+', '#' (or empty) cannot evade a deny:
+    the rule denies everything from the level it names on."""
+    fw = Rule(DENY, "devices/%c/fw")
+    assert fw.resolve("d1", None) == "devices/d1/fw"
+    for bad in ("d/1", "d+1", "#", ""):
+        assert fw.resolve(bad, None) == "devices/#"
+    assert Rule(DENY, "%u/x/%c").resolve("c1", "a/b") == "#"
+    assert Rule(DENY, "users/%u/#").resolve("c1", None) is None  # no user: not about it
+    acl = Authorizer("", grants=True)
+    grant = Grant((Rule(READ | WRITE, "devices/#"), Rule(DENY, "devices/%c/fw")))
+    for client_id in ("d1", "d+1", "d/1"):
+        acl.client_connected(client_id, "dev", grant)
+        assert not acl.can_publish(client_id, "dev", f"devices/{client_id}/fw"), client_id
+        assert not acl.can_receive(client_id, f"devices/{client_id}/fw"), client_id
+    assert acl.can_publish("d1", "dev", "devices/d1/temp")
+    assert not acl.can_publish("d/1", "dev", "devices/d/1/temp")  # closed: all of devices/#
+    by_user = Grant((Rule(READ | WRITE, "devices/#"), Rule(DENY, "devices/%u/#")))
+    for username in ("bob", "bo+b", "bo/b"):
+        acl.client_connected("x", username, by_user)
+        assert not acl.can_publish("x", username, "devices/bob/x"), username
 
 
 # ------------------------------------------------------------------ coverage
