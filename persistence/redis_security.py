@@ -123,15 +123,7 @@ def redis_client(
             url, max_connections=max_connections, timeout=None, **options
         )
         return Redis(connection_pool=pool)
-    parts = urlsplit(url)
-    if parts.scheme.lower() == "rediss":
-        options["ssl"] = True
-    if parts.username:
-        options.setdefault("username", unquote(parts.username))
-    if parts.password:
-        options.setdefault("password", unquote(parts.password))
-    options["db"] = found_by.db
-    towards_sentinels = {key: value for key, value in options.items() if key.startswith("ssl")}
+    towards_sentinels = _of_master(url, options, found_by)
     manager = Sentinel(list(found_by.addresses), sentinel_kwargs=towards_sentinels)  # type: ignore[no-untyped-call]
     if max_connections is None:
         return cast(Redis, manager.master_for(found_by.master, **options))
@@ -145,6 +137,41 @@ def redis_client(
             **options,
         ),
     )
+
+
+def _of_master(url: str, options: dict[str, Any], found_by: Sentinels) -> dict[str, Any]:
+    """Complete ``options`` for the master the Sentinels name (TLS, credentials and the
+    database from ``url``, which names no host); answers the options towards the
+    Sentinels themselves (TLS only)."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() == "rediss":
+        options["ssl"] = True
+    if parts.username:
+        options.setdefault("username", unquote(parts.username))
+    if parts.password:
+        options.setdefault("password", unquote(parts.password))
+    options["db"] = found_by.db
+    return {key: value for key, value in options.items() if key.startswith("ssl")}
+
+
+def blocking_client(
+    url: str, connect: dict[str, Any], found_by: Sentinels | None = None, *, cluster: bool = False
+) -> Any:
+    """A blocking (not asyncio) client, for code off the event loop: the pipeline's
+    Spark driver and workers. Same settings as :func:`redis_client`."""
+    import redis as blocking
+    from redis.sentinel import Sentinel as BlockingSentinel
+
+    options: dict[str, Any] = dict(connect)
+    if cluster:
+        return blocking.RedisCluster.from_url(url, **options)
+    if found_by is None:
+        return blocking.Redis.from_url(url, **options)
+    towards_sentinels = _of_master(url, options, found_by)
+    manager = BlockingSentinel(  # type: ignore[no-untyped-call]
+        list(found_by.addresses), sentinel_kwargs=towards_sentinels
+    )
+    return manager.master_for(found_by.master, **options)  # type: ignore[no-untyped-call]
 
 
 def connect_options(config: PersistenceSettings, url: str) -> dict[str, Any]:

@@ -95,19 +95,18 @@ class AuditResult:
 # ---------------------------------------------------------------------------
 
 
-def stored_refs(redis_url: str, cluster: bool, cids: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
+def stored_refs(endpoints: Endpoints, cids: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
     """(cid, score, packet id, value present) for every ref of every client given, and
     (cid, -seq, 0, True) for every pending entry of the queue it consumes."""
     from persistence.format import client_keys, queue_keys
+    from persistence.redis_security import blocking_client
 
-    if cluster:
-        from redis.cluster import RedisCluster
-
-        client: Any = RedisCluster.from_url(redis_url)
-    else:
-        from redis import Redis
-
-        client = Redis.from_url(redis_url)
+    client = blocking_client(
+        endpoints.redis_url,
+        endpoints.redis_connect,
+        endpoints.redis_sentinels,
+        cluster=endpoints.redis_cluster,
+    )
     try:
         todo = [row[0] for row in cids]
         for start in range(0, len(todo), 200):
@@ -138,8 +137,7 @@ def stored_refs(redis_url: str, cluster: bool, cids: Iterable[Any]) -> Iterator[
 
 def redis_refs(spark: SparkSession, endpoints: Endpoints, cids: DataFrame) -> DataFrame:
     """The stored refs of ``cids`` (a one-column DataFrame), read by the Spark workers."""
-    url, cluster = endpoints.redis_url, endpoints.redis_cluster
-    rows = cids.rdd.mapPartitions(lambda part: stored_refs(url, cluster, part))
+    rows = cids.rdd.mapPartitions(lambda part: stored_refs(endpoints, part))
     return spark.createDataFrame(rows, "cid string, sc long, ref_pid int, has_value boolean")
 
 

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from broker.config import ConfigError, load_settings
-    from persistence import kafka_security
+    from persistence import kafka_security, redis_security
     from persistence.kafka_security import PLAINTEXT
     from pipeline.common import (
         PipelineError,
@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
             args.redis_cluster,
             # --bootstrap is reached as the brokers reach it (persistence.kafka_*)
             kafka_security.from_settings(settings.persistence) if args.bootstrap else PLAINTEXT,
+            # --redis too (persistence.redis_*: TLS, an ACL user, Sentinels)
+            redis_security.connect_options(settings.persistence, args.redis) if args.redis else {},
+            redis_security.sentinels(settings.persistence, args.redis) if args.redis else None,
         )
         window = Window(parse_time(args.since), parse_time(args.until))
     except (PipelineError, ConfigError) as error:

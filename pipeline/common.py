@@ -20,12 +20,13 @@ import os
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
+from persistence.redis_security import Sentinels
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -54,6 +55,9 @@ class Endpoints:
     redis_url: str
     redis_cluster: bool = False
     kafka_security: KafkaSecurity = PLAINTEXT  # TLS, SASL of --bootstrap
+    # TLS, ACL user, Sentinels of --redis (persistence.redis_*: persistence/redis_security.py)
+    redis_connect: dict[str, Any] = field(default_factory=dict)
+    redis_sentinels: Sentinels | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +78,17 @@ def resolve_endpoints(
     redis_url: str | None,
     cluster: bool = False,
     kafka_security: KafkaSecurity = PLAINTEXT,
+    redis_connect: dict[str, Any] | None = None,
+    redis_sentinels: Sentinels | None = None,
 ) -> Endpoints:
     """``--bootstrap``/``--redis`` (reached with ``kafka_security``), else the embedded
     services of ``--data-dir`` (plaintext on loopback)."""
     if bootstrap or redis_url:
         if not (bootstrap and redis_url):
             raise PipelineError("give both --bootstrap and --redis, or --data-dir")
-        return Endpoints(bootstrap, redis_url, cluster, kafka_security)
+        return Endpoints(
+            bootstrap, redis_url, cluster, kafka_security, redis_connect or {}, redis_sentinels
+        )
     from app.embedded_services import HOST, EmbeddedServices
 
     directory = Path(data_dir or "./data")
@@ -161,13 +169,14 @@ def read_epoch(endpoints: Endpoints, topic: str) -> int:
 
 
 def _redis(endpoints: Endpoints) -> Any:
-    if endpoints.redis_cluster:
-        from redis.cluster import RedisCluster
+    from persistence.redis_security import blocking_client
 
-        return RedisCluster.from_url(endpoints.redis_url)
-    from redis import Redis
-
-    return Redis.from_url(endpoints.redis_url)
+    return blocking_client(
+        endpoints.redis_url,
+        endpoints.redis_connect,
+        endpoints.redis_sentinels,
+        cluster=endpoints.redis_cluster,
+    )
 
 
 def _header(value: bytes | None) -> tuple[str | None, int | None, float | None, float | None]:

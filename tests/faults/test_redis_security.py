@@ -241,3 +241,32 @@ def test_ready_names_a_refused_login_while_running(
     finally:
         admin.close()
         broker.stop()
+
+
+def test_the_pipeline_reads_the_stored_messages_of_a_secured_redis(
+    tmp_path: Path, secured: SecuredRedis
+) -> None:
+    """The audit's Redis reads (pipeline/audit.py ``stored_refs``) use the brokers'
+    TLS files and ACL user (``devicemq pipeline --redis rediss://...``)."""
+    from dataclasses import replace
+
+    from broker.config import PersistenceSettings
+    from persistence.format import client_keys
+    from persistence.redis_security import connect_options
+    from pipeline.audit import stored_refs
+    from pipeline.common import Endpoints
+
+    client = secured.client()
+    try:
+        client.zadd(client_keys("pipe-sub").messages, {"9": 4})
+    finally:
+        client.close()
+    password = _password(tmp_path)
+    config = PersistenceSettings()
+    for key, value in _settings(secured, password).items():
+        if key.startswith("persistence.redis_"):
+            config = replace(config, **{key.removeprefix("persistence."): value})
+    endpoints = Endpoints(
+        "unused:1", secured.url, redis_connect=connect_options(config, secured.url)
+    )
+    assert list(stored_refs(endpoints, [("pipe-sub",)])) == [("pipe-sub", 4, 9, False)]

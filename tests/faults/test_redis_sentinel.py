@@ -214,3 +214,26 @@ def test_saves_only_the_dead_master_had_are_stored_again_with_redis_wait(
             assert acknowledged - got == set(only_master), "the fault did not happen"
     finally:
         broker.stop()
+
+
+def test_the_pipeline_reads_the_stored_messages_from_the_master_the_sentinel_names(
+    tmp_path: Path, sentinel_stack
+) -> None:
+    """The audit's Redis reads (pipeline/audit.py ``stored_refs``, run by Spark's
+    workers) find the master through the Sentinel too; no Spark needed to drive it."""
+    from broker.config import PersistenceSettings
+    from persistence.redis_security import connect_options, sentinels
+    from pipeline.audit import stored_refs
+    from pipeline.common import Endpoints
+
+    master, _, sentinel = sentinel_stack
+    with redis.Redis(host=HOST, port=master.port) as direct:
+        direct.zadd(client_keys("pipe-sub").messages, {"7": 3})
+        direct.set(client_keys("pipe-sub").message(7), b"x")
+    config = PersistenceSettings(
+        redis_sentinels=f"{HOST}:{sentinel.port}", redis_sentinel_master=MASTER_NAME
+    )
+    url = "redis:///0"
+    endpoints = Endpoints("unused:1", url, False, redis_connect=connect_options(config, url),
+                          redis_sentinels=sentinels(config, url))  # fmt: skip
+    assert list(stored_refs(endpoints, [("pipe-sub",)])) == [("pipe-sub", 3, 7, True)]

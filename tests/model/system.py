@@ -259,6 +259,7 @@ class System:
         """Cut the replica off (frozen, its link killed): it lags from now on."""
         if self.replica is None or self.replica_lagging or not self.replica.alive():
             return False
+        self._until_promotable(self.replica)  # else the Sentinel could not fail over
         cut_off(self.replica)
         self.replica_lagging = True
         return True
@@ -275,6 +276,7 @@ class System:
         what the old one alone had (with redis_wait: replicas, nothing acknowledged
         may be lost for that)."""
         assert self.replica is not None and self.sentinel is not None
+        self._until_promotable(self.replica)  # the one started by the last failover
         lagged = self.replica_lagging
         old, promoted = self.redis, self.replica
         old.stop(signal.SIGKILL)
@@ -287,8 +289,7 @@ class System:
         self.failovers += 1
         self.redis = promoted
         self.replica = ReplicaRedis(self.root / f"redis-r{self.failovers}", promoted)
-        self.replica.start()
-        self._until_promotable(self.replica)
+        self.replica.start()  # in sync; the Sentinel learns of it later (see above)
         return lagged
 
     def _until_promotable(self, replica: ReplicaRedis) -> None:

@@ -133,3 +133,23 @@ def test_the_embedded_redis_takes_no_sentinels() -> None:
     with pytest.raises(ConfigError) as caught:
         for_embedded(SENTINEL)
     assert caught.value.name == "persistence.redis_sentinels"
+
+
+def test_the_pipeline_names_a_wrong_redis_setting_in_one_line_before_spark_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``devicemq pipeline --redis`` is reached as the brokers reach Redis (persistence.redis_*)."""
+    from pipeline.cli import main
+
+    monkeypatch.setenv("DEVICEMQ_PERSISTENCE_REDIS_SENTINELS", "127.0.0.1:26379")
+    monkeypatch.setenv("DEVICEMQ_PERSISTENCE_REDIS_SENTINEL_MASTER", "m")
+    argv = ["audit", "--bootstrap", "127.0.0.1:1", "--redis", "redis://127.0.0.1:6379/0"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "persistence.redis_url" in lines[0], lines
+    monkeypatch.delenv("DEVICEMQ_PERSISTENCE_REDIS_SENTINELS")
+    monkeypatch.delenv("DEVICEMQ_PERSISTENCE_REDIS_SENTINEL_MASTER")
+    monkeypatch.setenv("DEVICEMQ_PERSISTENCE_REDIS_PASSWORD_FILE", str(tmp_path / "absent"))
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "persistence.redis_password_file" in lines[0], lines
