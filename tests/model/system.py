@@ -276,8 +276,9 @@ class System:
         what the old one alone had (with redis_wait: replicas, nothing acknowledged
         may be lost for that)."""
         assert self.replica is not None and self.sentinel is not None
-        self._until_promotable(self.replica)  # the one started by the last failover
         lagged = self.replica_lagging
+        if not lagged:  # (a cut-off one was promotable when it was cut: lag_replica)
+            self._until_promotable(self.replica)  # the one started by the last failover
         old, promoted = self.redis, self.replica
         old.stop(signal.SIGKILL)
         self.thaw_replica()
