@@ -169,7 +169,7 @@ def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None)
     }
     if scenario == "failover":
         settings["persistence.redis_wait"] = "replicas"
-        settings["persistence.redis_wait_timeout_ms"] = 300
+        settings["persistence.redis_wait_timeout_ms"] = 1000  # the default
     if rnd.random() < 0.3:
         settings["persistence.replay_page_size"] = rnd.choice((5, 20, 100))
     if scenario in ("expiry", "mixed") and rnd.random() < 0.25:
@@ -375,13 +375,20 @@ class _Generator:
     def _restart_kafka(self) -> Op:
         return op("restart_kafka")
 
-    def _lag_replica(self) -> Op:
-        return op("lag_replica")
+    def _lag_replica(self) -> list[Op]:
+        # A subscriber away meanwhile: what is published for it lives only in Redis (a
+        # connected one gets it from the broker's memory, lost saves or not).
+        return [op("lag_replica"), self._disconnect(), self._publish()]
 
     def _failover(self) -> list[Op]:
-        # Publishes right after: a later record of a producer stored on the new master
-        # before the loss is seen is what hid the lost ones (finding 25).
-        return [op("failover"), self._publish(), self._publish()]
+        # Publishes while the master is down (their saves wait for the new master) and
+        # right after: a later record of a producer stored on the new master before
+        # the loss is seen is what hid the lost ones (finding 25).
+        during = self._publish()
+        during = Op(
+            during.kind, tuple((k, False if k == "background" else v) for k, v in during.args)
+        )
+        return [op("failover", during=during), self._publish()]
 
     def _pause_redis(self) -> list[Op]:
         out = [op("pause_redis", seconds=self.rnd.choice((0.5, 1.5, 3.0)))]

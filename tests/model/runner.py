@@ -449,7 +449,11 @@ class Runner:
             # From the kill on: what the broker does meanwhile already meets the new
             # master, which lacks the last writes.
             self.model.redis_lost_writes()
-        self.system.failover()
+        self.system.kill_master()
+        during = operation.get("during")
+        if during is not None:  # acknowledged by Kafka; stored once there is a master
+            self._op_publish(during)
+        self.system.promote()
         self._fault("failover")
 
     def _wait_publishers(self, timeout: float = 15.0) -> None:

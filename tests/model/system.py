@@ -270,18 +270,22 @@ class System:
             _signal(self.replica.proc, signal.SIGCONT)
             self.replica_lagging = False
 
-    def failover(self) -> bool:
-        """Kill the master (-9) and let the Sentinel promote the replica; a fresh replica
-        follows the new master. True when the replica lagged: the new master lacks
-        what the old one alone had (with redis_wait: replicas, nothing acknowledged
-        may be lost for that)."""
+    def kill_master(self) -> bool:
+        """Kill the master (-9): the Sentinel will promote the replica. True when the
+        replica lagged: the new master lacks what the old one alone had (with
+        redis_wait: replicas, nothing acknowledged may be lost for that)."""
         assert self.replica is not None and self.sentinel is not None
         lagged = self.replica_lagging
         if not lagged:  # (a cut-off one was promotable when it was cut: lag_replica)
             self._until_promotable(self.replica)  # the one started by the last failover
-        old, promoted = self.redis, self.replica
-        old.stop(signal.SIGKILL)
+        self.redis.stop(signal.SIGKILL)
         self.thaw_replica()
+        return lagged
+
+    def promote(self) -> None:
+        """Wait for the Sentinel to promote the replica; a fresh replica follows it."""
+        assert self.replica is not None and self.sentinel is not None
+        promoted = self.replica
         deadline = time.monotonic() + 30
         while self.sentinel.master_port() != promoted.port:
             if time.monotonic() > deadline:
@@ -291,7 +295,6 @@ class System:
         self.redis = promoted
         self.replica = ReplicaRedis(self.root / f"redis-r{self.failovers}", promoted)
         self.replica.start()  # in sync; the Sentinel learns of it later (see above)
-        return lagged
 
     def _until_promotable(self, replica: ReplicaRedis) -> None:
         """The Sentinel learns of a new replica from the master's INFO (every 10 s):
