@@ -887,8 +887,11 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, list | dict | set):  # a YAML complex key (``? [a]``, ``[a]: ``)
+            what = "mapping" if isinstance(key, dict) else "list"
+            raise ConfigError(f"line {line}: a key must be a name, not a {what}")
         if key in seen:
-            line = key_node.start_mark.line + 1
             raise ConfigError(f"line {line}: duplicate key {_show(key)}")
         seen.add(key)
     return loader.construct_mapping(node)
