@@ -455,6 +455,13 @@ class PersistenceSettings:
         ge=100,
         le=600_000,
     )
+    integrations_max_waiting_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of integration records (keys and values) waiting for Kafka, past which "
+        "a new publish matching a rule fails at once (MQTT 5: 0x97 Quota exceeded; "
+        "QoS 0: dropped, counted failed)",
+        ge=1,
+    )
     kafka_client: str = setting(
         "aiokafka",
         "The persistent path's Kafka producer: aiokafka (Python) or confluent "

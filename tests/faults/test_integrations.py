@@ -15,13 +15,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 from aiokafka import AIOKafkaConsumer
+from paho.mqtt.enums import CallbackAPIVersion
 
 from app.embedded_services import free_port
 from persistence.kafka_path import ensure_topic
@@ -361,3 +364,152 @@ def test_a_kafka_that_does_not_answer_stops_the_start_with_one_line(tmp_path: Pa
     assert last.startswith(
         f"devicemq: error: cannot use kafka at 127.0.0.1:{port} for the integrations: "
     ), last
+
+
+class _Client311:
+    """A paho 3.1.1 client (a persistent session: a QoS 2 PUBLISH without its PUBREC is
+    sent again, same packet id, at every reconnect) recording what it receives."""
+
+    def __init__(self, address: tuple[str, int], client_id: str) -> None:
+        self.lock = threading.Lock()
+        self.payloads: list[bytes] = []
+        self.disconnects = 0
+        self.completed: set[int] = set()
+        self.connected = threading.Event()
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=V311, clean_session=False
+        )
+        client.reconnect_delay_set(0.1, 0.3)
+        client.on_message = self._on_message
+        client.on_connect = lambda *args: self.connected.set()
+        client.on_disconnect = self._on_disconnect
+        client.on_publish = lambda c, u, mid, rc, p: self.completed.add(mid)
+        client.connect(*address)
+        client.loop_start()
+        self.client = client
+        assert self.connected.wait(10), f"{client_id} did not connect"
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        with self.lock:
+            self.payloads.append(msg.payload)
+
+    def _on_disconnect(self, *args: Any) -> None:
+        with self.lock:
+            self.disconnects += 1
+
+    def received(self) -> list[bytes]:
+        with self.lock:
+            return list(self.payloads)
+
+    def subscribe(self, topic: str) -> None:
+        done = threading.Event()
+        self.client.on_subscribe = lambda *args: done.set()
+        self.client.subscribe(topic, 2)
+        assert done.wait(10), "no SUBACK"
+
+    def publish(self, topic: str, payload: bytes) -> int:
+        return int(self.client.publish(topic, payload, 2).mid)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def _delivered_once_then_marker(sub: _Client311, pub: _Client311, topic: str) -> None:
+    """A marker after the message, from the same publisher: once the subscriber has it,
+    any copy of the message sent before it has arrived too (one connection, in order)."""
+    mid = pub.publish(topic, b"marker")
+    wait_until(lambda: mid in pub.completed, 30, "the marker's PUBCOMP")
+    wait_until(lambda: b"marker" in sub.received(), 30, "the marker")
+    assert sub.received() == [b"once", b"marker"]
+
+
+def test_a_311_qos2_publish_a_rule_refuses_reaches_no_subscriber_until_it_is_taken(
+    stack_factory, kafka
+) -> None:  # type: ignore[no-untyped-def]
+    """A rule whose topic is missing refuses the records before anything goes to Kafka:
+    nothing of the PUBLISH is taken, not even for its subscribers. 3.1.1 has no failure
+    code: the connection is closed and the client sends again, same packet id; every
+    re-send was routed afresh, and the subscriber got the message at each (issue 18).
+    Now the subscriber gets it once, when the topic exists and the re-send is taken."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"it.refused.{tag}"
+    bootstrap = kafka[0]
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules({"topic_filter": f"ref-{tag}/#", "kafka_topic": topic}),
+            "persistence.enabled": False,
+        }
+    )
+    sub = _Client311(stack.broker.address, f"sub-{tag}")
+    pub = _Client311(stack.broker.address, f"pub-{tag}")
+    try:
+        sub.subscribe(f"ref-{tag}/#")
+        mid = pub.publish(f"ref-{tag}/x", b"once")
+        wait_until(lambda: pub.disconnects >= 3, 30, "the refusals (connection closed)")
+        assert sub.received() == []  # refused: nobody has it
+        make_topics(bootstrap, topic)
+        wait_until(lambda: mid in pub.completed, 30, "the PUBCOMP once the topic exists")
+        _delivered_once_then_marker(sub, pub, f"ref-{tag}/x")
+        assert [v for _, v in read_records(bootstrap, topic, 2)] == [b"once", b"marker"]
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_a_311_qos2_publish_whose_records_fail_after_delivery_is_not_delivered_again(
+    stack_factory, kafka
+) -> None:  # type: ignore[no-untyped-def]
+    """The records fail after the message reached its subscribers (Kafka frozen: the
+    producer cannot learn the rule topic's partitions within the deadline). 3.1.1: the
+    connection is closed, and the client's re-send of that packet id makes the records
+    only; the subscriber has the message once (MQTT-4.3.3: never delivered twice), and
+    the record lands once Kafka is back."""
+    tag = uuid.uuid4().hex[:8]
+    target, probe = f"it.after.{tag}", f"it.probe.{tag}"
+    bootstrap = kafka[0]
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "after", "topic_filter": f"after-{tag}/#", "kafka_topic": target},
+                {"name": "probe", "topic_filter": f"probe-{tag}/#", "kafka_topic": probe},
+            ),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 1000,
+        }
+    )
+    assert stack.tansu_pid is not None
+    # Made after the start (the producer knows neither), the target first: a listing
+    # that has the probe's topic has the target's too.
+    make_topics(bootstrap, target, probe)
+    sub = _Client311(stack.broker.address, f"sub-{tag}")
+    pub = _Client311(stack.broker.address, f"pub-{tag}")
+    prober = Publisher(stack.broker.address, f"probe-{tag}", f"probe-{tag}/x", version=V5)
+    paused = False
+    try:
+
+        def listed() -> bool:
+            prober.publish(1)
+            wait_until(lambda: prober.outcomes[prober.last_seq] is not None, 20, "a PUBACK")
+            return prober.outcomes[prober.last_seq] == 0
+
+        wait_until(listed, 30, "the rules' topics listed")
+        sub.subscribe(f"after-{tag}/#")
+        freeze(stack.tansu_pid)
+        paused = True
+        mid = pub.publish(f"after-{tag}/x", b"once")
+        wait_until(lambda: b"once" in sub.received(), 30, "the delivery")
+        wait_until(lambda: pub.disconnects >= 3, 30, "the failures (connection closed)")
+        assert "integration rule 'after'" in stack.broker.log()
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        paused = False
+        wait_until(lambda: mid in pub.completed, 60, "the PUBCOMP once kafka is back")
+        _delivered_once_then_marker(sub, pub, f"after-{tag}/x")
+        values = [v for _, v in read_records(bootstrap, target, 2)]
+        assert values[0] == b"once" and values[-1] == b"marker", values
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        prober.close()
+        pub.close()
+        sub.close()
