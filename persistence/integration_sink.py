@@ -131,7 +131,11 @@ class _Submission:
 class _TopicList:
     """The names of Kafka's topics, asked without naming any (so none is created)."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], timeout: float | None = None) -> None:
+        """``timeout``: seconds a request may take (the publishers' deadline; else
+        aiokafka's default, 40 s)."""
+        if timeout is not None:
+            options = {**options, "request_timeout_ms": int(timeout * 1000)}
         self._client = AIOKafkaClient(**options)
         self._started = False
 
@@ -217,6 +221,9 @@ class KafkaIntegrationSink:
             self._watch.cancel()
             await asyncio.wait({self._watch})
         if self._listing is not None:
+            # A listing waits for Kafka up to the publishers' deadline: at the stop,
+            # nobody needs its answer.
+            self._listing.cancel()
             await asyncio.wait({self._listing})
         try:
             async with asyncio.timeout(self._timeout):
@@ -473,6 +480,7 @@ class KafkaIntegrationSink:
             return
         if time.monotonic() - self._listed_at < MISS_REFRESH:
             return
+        log.debug("listing kafka topics: a record found its topic missing")
         task = asyncio.get_running_loop().create_task(self._list_logged())
         self._listing = task
 
@@ -501,7 +509,7 @@ async def open_integrations(
         make_integration_producer(settings, bootstrap),
         settings.integrations,
         timeout,
-        _TopicList(kafka_client_options(settings, bootstrap)),
+        _TopicList(kafka_client_options(settings, bootstrap), timeout),
         bootstrap if embedded else None,
         max_waiting_bytes=settings.persistence.integrations_max_waiting_bytes,
     )

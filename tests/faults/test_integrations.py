@@ -513,3 +513,46 @@ def test_a_311_qos2_publish_whose_records_fail_after_delivery_is_not_delivered_a
         prober.close()
         pub.close()
         sub.close()
+
+
+def test_a_stop_during_a_topic_listing_with_kafka_frozen_is_not_held(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
+    """Kafka frozen while a publish to a missing topic has the topics listed again: the
+    listing waited for aiokafka's 40 s request timeout, and SIGTERM's drain waited for
+    it (issue 18). Now a listing is bounded by persistence.kafka_request_timeout_ms and
+    cancelled at the stop: the drain ends in a few seconds (the limit here is generous;
+    only a hang exceeds it)."""
+    tag = uuid.uuid4().hex[:8]
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "gone", "topic_filter": f"gone-{tag}/#", "kafka_topic": f"it.no.{tag}"}
+            ),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 1000,
+            "log.level": "DEBUG",
+        }
+    )
+    assert stack.tansu_pid is not None
+    line = "listing kafka topics: a record found its topic missing"
+    pub = Publisher(stack.broker.address, f"gone-{tag}", f"gone-{tag}/x", version=V5)
+    paused = False
+    try:
+        freeze(stack.tansu_pid)
+        paused = True
+        before = stack.broker.log().count(line)
+
+        def listing_started() -> bool:
+            pub.publish(1)
+            wait_until(lambda: pub.outcomes[pub.last_seq] is not None, 20, "the failure code")
+            return stack.broker.log().count(line) > before
+
+        wait_until(listing_started, 30, "a listing started while kafka is frozen")
+        pub.close()
+        # A listing held the drain for 40 s; the bound now is about twice the 1 s deadline.
+        assert stack.broker.terminate(timeout=25) == 0
+        end = stack.broker.log()
+        assert "exiting without finishing the drain" not in end
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        pub.close()
