@@ -556,3 +556,91 @@ def test_a_stop_during_a_topic_listing_with_kafka_frozen_is_not_held(stack_facto
         if paused:
             os.kill(stack.tansu_pid, signal.SIGCONT)
         pub.close()
+
+
+def test_a_qos0_message_makes_the_records_of_the_rules_that_can(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
+    """QoS 0 matching a healthy rule and a rule whose topic is missing: no re-send will
+    come, so the healthy rule's record is made (none was, issue 18), and only the rule
+    that failed is counted failed."""
+    tag = uuid.uuid4().hex[:8]
+    present = f"it.q0.{tag}"
+    bootstrap = kafka[0]
+    make_topics(bootstrap, present, partitions=1)
+    admin_port = free_port()
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "good", "topic_filter": f"q0-{tag}/#", "kafka_topic": present},
+                {"name": "gone", "topic_filter": f"q0-{tag}/both/#", "kafka_topic": f"no.{tag}"},
+            ),
+            "persistence.enabled": False,
+            "admin.port": admin_port,
+        }
+    )
+    both = Publisher(stack.broker.address, f"q0-{tag}", f"q0-{tag}/both/x", version=V5, qos=0)
+    marker = Publisher(stack.broker.address, f"q1-{tag}", f"q0-{tag}/only", version=V5)
+    try:
+        both.publish(1)
+        wait_until(lambda: both.outcomes.get(1) is not None, 20, "the QoS 0 PUBLISH sent")
+        # After the QoS 0 one, from the sink's one sender: in Kafka after it.
+        marker.publish(1)
+        wait_until(lambda: marker.outcomes.get(1) is not None, 20, "the marker's PUBACK")
+        assert marker.outcomes[1] == 0
+        records = read_records(bootstrap, present, 2)
+        assert sorted(v for _, v in records) == [f"q0-{tag}:1".encode(), f"q1-{tag}:1".encode()]
+        stats = get_json(admin_port, "/api/v1/stats")["integrations"]
+        assert [(s["name"], s["produced"], s["failed"]) for s in stats] == [
+            ("good", 2, 0),
+            ("gone", 0, 1),
+        ]
+        assert f"integration rule 'gone': kafka topic 'no.{tag}' does not exist" in (
+            stack.broker.log()
+        )
+    finally:
+        both.close()
+        marker.close()
+
+
+def test_past_the_byte_budget_an_mqtt5_publish_gets_quota_exceeded(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
+    """Kafka frozen: one publish waits; with persistence.integrations_max_waiting_bytes
+    below two records, the next one is answered 0x97 Quota exceeded at once, and the
+    first is acknowledged once Kafka is back."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"it.quota.{tag}"
+    bootstrap = kafka[0]
+    make_topics(bootstrap, topic)
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules({"topic_filter": f"quota-{tag}/#", "kafka_topic": topic}),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 60_000,
+            "persistence.integrations_max_waiting_bytes": 1,
+        }
+    )
+    assert stack.tansu_pid is not None
+    pub = Publisher(stack.broker.address, f"dev-{tag}", f"quota-{tag}/x", version=V5)
+    other = Publisher(stack.broker.address, f"oth-{tag}", f"quota-{tag}/y", version=V5)
+    paused = False
+    try:
+        pub.publish(1)
+        wait_until(lambda: pub.acked == {1}, 20, "the first PUBACK")
+        freeze(stack.tansu_pid)
+        paused = True
+        # Two connections (a connection's PUBACKs keep their order): whichever comes
+        # second is refused at once, while the first waits for Kafka.
+        pub.publish(1)
+        other.publish(1)
+        outcomes = lambda: (pub.outcomes[2], other.outcomes[1])  # noqa: E731
+        wait_until(lambda: 0x97 in outcomes(), 20, "the refusal")
+        assert sorted(outcomes(), key=str) == sorted([0x97, None], key=str)
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        paused = False
+        wait_until(lambda: None not in outcomes(), 30, "the PUBACK after SIGCONT")
+        assert sorted(outcomes()) == [0, 0x97]
+        values = [v for _, v in read_records(bootstrap, topic, 2)]
+        assert len(values) == 2 and values[0] == f"dev-{tag}:1".encode(), values
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        pub.close()
+        other.close()
