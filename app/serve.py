@@ -36,7 +36,11 @@ SHUTDOWN_TIMEOUT = 60.0
 
 
 async def serve(
-    settings: Settings, stop: asyncio.Event, on_listening: Callable[[], None] | None = None
+    settings: Settings,
+    stop: asyncio.Event,
+    on_listening: Callable[[], None] | None = None,
+    *,
+    embedded_kafka: bool = False,
 ) -> None:
     """Run a broker until ``stop`` is set, then drain and close.
 
@@ -46,7 +50,10 @@ async def serve(
     the persistent path drains into Redis. With ``metrics.enabled`` the
     metrics server answers from the start (/health 200, /ready 503 until the
     listener opens) to the end. ``on_listening`` is called once the listeners
-    are open (app/workers.py tells its supervisor).
+    are open (app/workers.py tells its supervisor). ``embedded_kafka``: the
+    ``persistence.kafka_bootstrap`` given is the embedded Kafka that a supervisor
+    started (app/workers.py), not one of the user's: the integration rules' topics are
+    created on it, as when this process starts the embedded Kafka itself.
     """
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     metrics: MetricsServer | None = None
@@ -56,7 +63,7 @@ async def serve(
         metrics = MetricsServer(settings.metrics)
         await metrics.start()
     try:
-        await _serve(settings, stop, metrics, on_listening)
+        await _serve(settings, stop, metrics, on_listening, embedded_kafka)
     finally:
         if metrics is not None:
             await metrics.stop()
@@ -67,6 +74,7 @@ async def _serve(
     stop: asyncio.Event,
     metrics: MetricsServer | None,
     on_listening: Callable[[], None] | None,
+    embedded_kafka: bool,
 ) -> None:
     persistence = None
     if settings.cluster.enabled and not settings.persistence.enabled:
@@ -82,7 +90,9 @@ async def _serve(
 
         token = admin_token(settings)  # a bad token file stops the start here
     blocks: BlockListStore | None = None
-    integrations = await _open_integrations(settings) if settings.integrations else None
+    integrations = None
+    if settings.integrations:
+        integrations = await _open_integrations(settings, embedded_kafka)
     if settings.persistence.enabled:
         produce_latency = metrics.collector.kafka_produce.observe if metrics is not None else None
         try:
@@ -168,15 +178,16 @@ async def _serve(
             await persistence.close()
 
 
-async def _open_integrations(settings: Settings) -> KafkaIntegrationSink:
+async def _open_integrations(settings: Settings, embedded_kafka: bool) -> KafkaIntegrationSink:
     """The integration rules' producer, on the configured Kafka
     (``persistence.kafka_bootstrap``, whether persistence is enabled or not), or
-    on the embedded one when none is configured."""
+    on the embedded one when none is configured, or when ``embedded_kafka`` says the
+    configured one is the embedded Kafka a supervisor started (a worker's)."""
     from persistence.integration_sink import open_integrations
 
     bootstrap = settings.persistence.kafka_bootstrap
     if bootstrap:
-        return await open_integrations(settings, bootstrap, embedded=False)
+        return await open_integrations(settings, bootstrap, embedded=embedded_kafka)
     from app.embedded_services import EmbeddedServices
 
     running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)
@@ -285,9 +296,11 @@ def run(
     *,
     on_listening: Callable[[], None] | None = None,
     controls: Controls | None = None,
+    embedded_kafka: bool = False,
 ) -> None:
     """Blocking entry point of ``devicemq run``: serve until SIGTERM or SIGINT, or
-    until ``controls`` (a worker's supervisor) asks for the drain."""
+    until ``controls`` (a worker's supervisor) asks for the drain; ``embedded_kafka``
+    as for :func:`serve`."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every platform we ship
@@ -319,7 +332,7 @@ def run(
             loop.add_signal_handler(sig, signalled)
         if controls is not None:
             controls(loop, drain, _exit_now)
-        await serve(settings, stop, on_listening)
+        await serve(settings, stop, on_listening, embedded_kafka=embedded_kafka)
 
     with contextlib.suppress(KeyboardInterrupt):
         runner(main())

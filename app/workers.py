@@ -127,9 +127,10 @@ DRAIN = "drain"
 EXIT = "exit"
 
 
-def _worker_main(settings: Settings, name: str, conn: Connection) -> None:
+def _worker_main(settings: Settings, name: str, conn: Connection, embedded_kafka: bool) -> None:
     """A worker process: serve like ``devicemq run`` until SIGTERM, its supervisor
-    asks, or its supervisor is gone (the pipe's end)."""
+    asks, or its supervisor is gone (the pipe's end). ``embedded_kafka``: its
+    ``persistence.kafka_bootstrap`` is the embedded Kafka the supervisor started."""
     os.setpgrp()  # a terminal's Ctrl-C is the supervisor's to handle
     setup_logging(settings.log.level, settings.log.format)
     tag = _Tag(name)
@@ -159,7 +160,12 @@ def _worker_main(settings: Settings, name: str, conn: Connection) -> None:
         loop.add_reader(fd, readable)
 
     try:
-        run(settings, on_listening=lambda: conn.send((LISTENING, None)), controls=controls)
+        run(
+            settings,
+            on_listening=lambda: conn.send((LISTENING, None)),
+            controls=controls,
+            embedded_kafka=embedded_kafka,
+        )
     except BaseException as e:
         line = startup_error(settings, e)
         if line is None:
@@ -209,10 +215,21 @@ class _Worker:
 class Supervisor:
     """Starts ``count`` workers, keeps them running, and drains them on a signal."""
 
-    def __init__(self, settings: Settings, count: int, endpoints: tuple[str, str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        count: int,
+        endpoints: tuple[str, str],
+        *,
+        embedded: bool = False,
+    ) -> None:
+        """``embedded``: ``endpoints`` are the embedded services, started by this
+        process (the workers are told: app/serve.py creates the integration rules'
+        topics on the embedded Kafka only)."""
         self._context = multiprocessing.get_context("spawn")
         self._settings = settings
         self._endpoints = endpoints
+        self._embedded = embedded
         self.workers = [_Worker(i) for i in range(count)]
         self._signals = 0
         self.failure: str | None = None  # why the first start failed
@@ -242,7 +259,9 @@ class Supervisor:
         worker.incarnation += 1
         settings = worker_settings(self._settings, self._endpoints, worker.index, name)
         process = self._context.Process(
-            target=_worker_main, args=(settings, worker.name, theirs), name=f"devicemq-{name}"
+            target=_worker_main,
+            args=(settings, worker.name, theirs, self._embedded),
+            name=f"devicemq-{name}",
         )
         process.start()
         theirs.close()
@@ -395,8 +414,9 @@ def run_workers(
     from persistence.device_persistence import configured_endpoints
 
     endpoints = configured_endpoints(settings)
+    embedded = endpoints is None
     if endpoints is None:
         endpoints = start_services()
         log.info("embedded services: redis %s, kafka %s", *endpoints)
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
-    return Supervisor(settings, count, endpoints).run()
+    return Supervisor(settings, count, endpoints, embedded=embedded).run()

@@ -505,6 +505,13 @@ class PersistenceSettings:
         ge=100,
         le=600_000,
     )
+    integrations_max_waiting_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of integration records (keys and values) waiting for Kafka, past which "
+        "a new publish matching a rule fails at once (MQTT 5: 0x97 Quota exceeded; "
+        "QoS 0: dropped, counted failed)",
+        ge=1,
+    )
     kafka_client: str = setting(
         "aiokafka",
         "The persistent path's Kafka producer: aiokafka (Python) or confluent "
@@ -937,8 +944,11 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
     seen: set[Any] = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, list | dict | set):  # a YAML complex key (``? [a]``, ``[a]: ``)
+            what = "mapping" if isinstance(key, dict) else "list"
+            raise ConfigError(f"line {line}: a key must be a name, not a {what}")
         if key in seen:
-            line = key_node.start_mark.line + 1
             raise ConfigError(f"line {line}: duplicate key {_show(key)}")
         seen.add(key)
     return loader.construct_mapping(node)

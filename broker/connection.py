@@ -306,7 +306,8 @@ class MQTTConnection:
                     # 3.1.1 has no failure code: close so the client re-sends on reconnect.
                     self.disconnect(ReasonCode.UNSPECIFIED_ERROR)
                     return
-                head.reason = ReasonCode.UNSPECIFIED_ERROR
+                if head.reason < 0x80:  # else the failure's own code (0x97 Quota exceeded)
+                    head.reason = ReasonCode.UNSPECIFIED_ERROR
             ack_type = PubAck if head.qos == 1 else PubRec
             self.send(ack_type(head.packet_id, head.reason))
         if self.input_paused and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2:

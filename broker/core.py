@@ -20,7 +20,7 @@ from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.group_queue import GroupTarget
-from broker.integrations import IntegrationRecord, IntegrationRules, IntegrationSink
+from broker.integrations import IntegrationRecord, IntegrationRules, IntegrationSink, Refusal
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
@@ -678,7 +678,7 @@ class Broker:
         self.dispatch(self.resolve(message), _ignore_stored)
         records = self.integration_records(message, will.client_id, will.username)
         if records:
-            self.integrate(records, _ignore_stored)
+            self.integrate(records, _ignore_stored, best_effort=True)  # nobody sends again
 
     def integration_records(
         self, message: Message, client_id: str, username: str | None
@@ -695,11 +695,17 @@ class Broker:
         records: Sequence[IntegrationRecord],
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None = None,
-    ) -> None:
+        *,
+        best_effort: bool = False,
+    ) -> Refusal | None:
         """Produce ``records`` to the user's Kafka topics; ``on_accepted(ok)`` and
-        ``on_settled`` as for :meth:`dispatch` (a PUBACK waits for both)."""
+        ``on_settled`` as for :meth:`dispatch` (a PUBACK waits for both). A
+        :class:`~broker.integrations.Refusal`: refused at once, nothing produced and
+        no callback runs (:meth:`broker.integrations.IntegrationSink.submit`)."""
         assert self.integration_sink is not None
-        self.integration_sink.submit(records, on_accepted, on_settled)
+        return self.integration_sink.submit(
+            records, on_accepted, on_settled, best_effort=best_effort
+        )
 
     def _begin_opening(self, client_id: str) -> None:
         """CONNECTs of ``client_id`` wait until :meth:`_end_opening`."""

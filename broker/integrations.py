@@ -11,6 +11,7 @@ persistent path (broker/handlers/publish.py).
 from __future__ import annotations
 
 import base64
+import enum
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -41,17 +42,31 @@ class IntegrationRecord:
     value: bytes
 
 
+class Refusal(enum.Enum):
+    """Why a sink refused a PUBLISH's records at once, before any was handed to Kafka."""
+
+    MISSING_TOPIC = "a rule's kafka topic does not exist"
+    FULL = "too much waits for kafka"  # the waiting bound: 0x97 Quota exceeded (MQTT 5)
+
+
 class IntegrationSink(Protocol):
     def submit(
         self,
         records: Sequence[IntegrationRecord],
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None = None,
-    ) -> None:
+        *,
+        best_effort: bool = False,
+    ) -> Refusal | None:
         """Produce ``records`` (acks=all), then ``on_accepted(True)``, or
         ``on_accepted(False)`` if one failed or the deadline passed; after a failure,
         ``on_settled(ok)`` once no record can still be taken (``ok``: all were),
-        as :meth:`broker.persistent_path.PersistentPath.submit`."""
+        as :meth:`broker.persistent_path.PersistentPath.submit`.
+
+        A :class:`Refusal` returned: nothing was handed over, and neither callback
+        runs (the caller answers its publisher). ``best_effort`` (QoS 0, wills: no
+        re-send comes): the records of rules whose topic is missing are dropped and
+        the others produced; refused only when too much waits."""
 
     def counts(self) -> dict[str, tuple[int, int]]:
         """The audit count per rule name: (records Kafka acknowledged, records failed)."""

@@ -41,6 +41,10 @@ class Session:
         # QoS 2 ids received and not yet released: id -> stored by the persistent path
         self.incoming_qos2: dict[int, bool] = {}
         self.qos2_awaiting_pubrec: set[int] = set()  # re-sent while storage was under way
+        # 3.1.1 QoS 2 ids whose message reached its subscribers while its integration
+        # records failed: the client's re-send makes the records only (MQTT-4.3.3-10:
+        # not delivered twice). In memory: a broker crash forgets them.
+        self.qos2_delivered: set[int] = set()
         self.expires_at: float | None = None  # set while no connection is attached
         self.pending_will: WillMessage | None = None  # a will waiting out its delay
         self.will_at: float | None = None

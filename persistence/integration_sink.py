@@ -36,6 +36,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.protocol.metadata import MetadataRequest
 
+from broker.integrations import Refusal
 from persistence import kafka_security
 from persistence.kafka_path import BATCH_TTL_MS, PARTITION_CACHE_SIZE, ensure_topic
 from persistence.kafka_security import KafkaSecurity
@@ -50,10 +51,12 @@ log = logging.getLogger("devicemq.integrations")
 TOPICS_REFRESH = 5.0  # seconds between two listings of Kafka's topics
 MISS_REFRESH = 1.0  # at most one listing this often while records find a topic missing
 LOG_INTERVAL = 5.0  # seconds between two failure lines of one rule
-# PUBLISHes whose records wait for the producer (Kafka stalled, the producer
-# full): past this, a new one fails at once. QoS 1/2 publishers are bounded by
-# their Receive Maximum; QoS 0 ones by nothing else.
+# PUBLISHes whose records wait for Kafka (not handed to the producer yet, or handed
+# and not acknowledged): past this, or past persistence.integrations_max_waiting_bytes
+# of their keys and values, a new one fails at once. QoS 1/2 publishers are bounded
+# by their Receive Maximum too; QoS 0 ones by nothing else.
 MAX_WAITING = 100_000
+MAX_WAITING_BYTES = 64 * 1024 * 1024
 EMBEDDED_PARTITIONS = 1  # a rule's topic devicemq creates on the embedded Kafka
 
 
@@ -105,6 +108,7 @@ class _Submission:
         "on_settled",
         "outstanding",
         "records",
+        "size",
         "told",
     )
 
@@ -121,12 +125,17 @@ class _Submission:
         self.failed = False
         self.deadline = 0.0  # loop time
         self.told: bool | None = None  # what on_accepted said
+        self.size = sum(len(r.value) + len(r.key or b"") for r in records)
 
 
 class _TopicList:
     """The names of Kafka's topics, asked without naming any (so none is created)."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], timeout: float | None = None) -> None:
+        """``timeout``: seconds a request may take (the publishers' deadline; else
+        aiokafka's default, 40 s)."""
+        if timeout is not None:
+            options = {**options, "request_timeout_ms": int(timeout * 1000)}
         self._client = AIOKafkaClient(**options)
         self._started = False
 
@@ -153,6 +162,7 @@ class KafkaIntegrationSink:
         topics: _TopicList | None = None,
         create_on: str | None = None,
         max_waiting: int = MAX_WAITING,
+        max_waiting_bytes: int = MAX_WAITING_BYTES,
     ) -> None:
         """``timeout``: seconds a publisher waits for Kafka before its failure code;
         ``create_on``: the bootstrap of a Kafka (the embedded one) on which missing
@@ -163,6 +173,8 @@ class KafkaIntegrationSink:
         self._topics_list = topics
         self._create_on = create_on
         self._max_waiting = max_waiting
+        self._max_waiting_bytes = max_waiting_bytes
+        self._open_bytes = 0  # of the submissions in _open
         self.listed: set[str] | None = None  # Kafka's topics when last asked
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deadlines: deque[_Submission] = deque()  # not reported yet, oldest first
@@ -209,6 +221,9 @@ class KafkaIntegrationSink:
             self._watch.cancel()
             await asyncio.wait({self._watch})
         if self._listing is not None:
+            # A listing waits for Kafka up to the publishers' deadline: at the stop,
+            # nobody needs its answer.
+            self._listing.cancel()
             await asyncio.wait({self._listing})
         try:
             async with asyncio.timeout(self._timeout):
@@ -238,26 +253,45 @@ class KafkaIntegrationSink:
         records: Sequence[IntegrationRecord],
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None = None,
-    ) -> None:
-        submission = _Submission(records, on_accepted, on_settled)
+        *,
+        best_effort: bool = False,
+    ) -> Refusal | None:
+        """See :meth:`broker.integrations.IntegrationSink.submit`. A refusal is
+        counted failed for the rules it concerns only: a rule whose topic is
+        missing, every rule of it when too much waits."""
         listed = self.listed
-        missing = [r for r in records if listed is not None and r.topic not in listed]
-        if missing or len(self._pending) >= self._max_waiting:
-            # Nothing of it is sent: the publisher is told at once, and its re-send
-            # (once the topic exists) adds no copy to the other rules' topics.
-            for record in missing:
+        if listed is not None and any(r.topic not in listed for r in records):
+            kept = []
+            for record in records:
+                if record.topic in listed:
+                    kept.append(record)
+                    continue
+                self.failed[record.rule] += 1
                 self._log(record.rule, f"kafka topic {record.topic!r} does not exist")
-            if missing:
-                self._refresh_soon()
-            else:
-                for record in records:
-                    self._log(record.rule, f"{self._max_waiting} publishes wait for kafka")
+            self._refresh_soon()
+            if not best_effort:
+                # Nothing of it is sent (the other rules' records are not made and not
+                # counted): the publisher sends again, and its re-send, once the topic
+                # exists, adds no copy to the other rules' topics.
+                return Refusal.MISSING_TOPIC
+            if not kept:
+                return None
+            records = kept
+        submission = _Submission(records, on_accepted, on_settled)
+        open_ = self._open
+        if open_ and (
+            len(open_) >= self._max_waiting
+            or self._open_bytes + submission.size > self._max_waiting_bytes
+        ):
             for record in records:
                 self.failed[record.rule] += 1
-            submission.outstanding = 0
-            submission.failed = True
-            self._report(submission, False)
-            return
+                self._log(
+                    record.rule,
+                    f"{len(open_)} publishes ({self._open_bytes} bytes) wait for kafka "
+                    f"(at most {self._max_waiting}, "
+                    f"persistence.integrations_max_waiting_bytes {self._max_waiting_bytes})",
+                )
+            return Refusal.FULL
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -267,11 +301,13 @@ class KafkaIntegrationSink:
         self._deadlines.append(submission)
         if self._timer is None:
             self._timer = loop.call_at(submission.deadline, self._expire)
-        self._open.add(submission)
+        open_.add(submission)
+        self._open_bytes += submission.size
         self._idle.clear()
         self._pending.append(submission)
         if self._sender is None:
             self._sender = loop.create_task(self._send_pending())
+        return None
 
     async def _send_pending(self) -> None:
         """Hand every pending record to the producer, oldest first: one sender, so a
@@ -401,7 +437,9 @@ class KafkaIntegrationSink:
 
     def _settle(self, submission: _Submission) -> None:
         """Every record answered: a failed publisher hears the final outcome."""
-        self._open.discard(submission)
+        if submission in self._open:
+            self._open.remove(submission)
+            self._open_bytes -= submission.size
         if not self._open:
             self._idle.set()
         if submission.on_settled is not None and submission.told is False:
@@ -442,6 +480,7 @@ class KafkaIntegrationSink:
             return
         if time.monotonic() - self._listed_at < MISS_REFRESH:
             return
+        log.debug("listing kafka topics: a record found its topic missing")
         task = asyncio.get_running_loop().create_task(self._list_logged())
         self._listing = task
 
@@ -470,8 +509,9 @@ async def open_integrations(
         make_integration_producer(settings, bootstrap),
         settings.integrations,
         timeout,
-        _TopicList(kafka_client_options(settings, bootstrap)),
+        _TopicList(kafka_client_options(settings, bootstrap), timeout),
         bootstrap if embedded else None,
+        max_waiting_bytes=settings.persistence.integrations_max_waiting_bytes,
     )
     try:
         await sink.start()

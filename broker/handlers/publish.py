@@ -18,6 +18,7 @@ from broker.ecq import (
     valid_client_id,
 )
 from broker.errors import MQTTError
+from broker.integrations import Refusal
 from broker.limits import topic_within_limits
 from broker.message import Delivery, Message, forwarded_properties, is_utf8
 from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
@@ -101,7 +102,9 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
             broker.retained.store(message)
         broker.dispatch(targets, _no_ack)
         if records:
-            broker.integrate(records, _no_ack)  # best effort, as every QoS 0 delivery
+            # Best effort, as every QoS 0 delivery: no re-send comes, so the records
+            # that can be made are (a rule whose topic is missing loses its own).
+            broker.integrate(records, _no_ack, best_effort=True)
         return
     assert packet_id is not None
     matched = targets or records
@@ -109,25 +112,90 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     if qos == 2:
         session.incoming_qos2[packet_id] = False
     ack = conn.expect_ack(packet_id, qos, reason if conn.is_v5 else 0)
+    delivered: _Delivered | None = None
     settled = None
     if qos == 2 and not conn.is_v5:
-        settled = partial(_settled, session, packet_id)
+        # A re-send of a message its subscribers already have (its records failed):
+        # only the records are made again.
+        delivered = _Delivered(packet_id in session.qos2_delivered)
+        session.qos2_delivered.discard(packet_id)
+        settled = partial(_settled, session, packet_id, delivered)
     done: Callable[[bool], None] = lambda ok: _accepted(conn, session, ack, ok)  # noqa: E731
     if not packet.retain and not records:
-        broker.dispatch(targets, done, on_settled=settled)  # the deliveries alone
+        if delivered is not None and delivered.ok:
+            done(True)  # delivered before; no rule takes it now
+        else:
+            broker.dispatch(targets, done, on_settled=settled)  # the deliveries alone
         return
-    # Acknowledged once every part has it: the deliveries (Kafka, with persistence),
-    # the retained message (Redis, with persistence) and the integration records (the
-    # user's Kafka topics); a failure of any fails the PUBLISH.
+    # Acknowledged once every part has it: the integration records (the user's Kafka
+    # topics), the retained message (Redis, with persistence) and the deliveries
+    # (Kafka, with persistence); a failure of any fails the PUBLISH.
     join = _Join(done, settled)
-    if packet.retain:
-        broker.retained.store(message, join.part(settles=False)[0])
     if records:
         on_accepted, on_settled = join.part(settles=True)
-        broker.integrate(records, on_accepted, on_settled)
+        refused = broker.integrate(records, on_accepted, on_settled)
+        if refused is not None:
+            # Refused before anything was handed to Kafka: nothing of the PUBLISH is
+            # taken (no delivery, no retained message), so the client's re-send is
+            # the first copy anyone gets.
+            _integration_refused(conn, session, ack, refused, delivered)
+            return
+    if packet.retain:
+        broker.retained.store(message, join.part(settles=False)[0])
+    if delivered is not None and delivered.ok:
+        join.close()
+        return
     on_accepted, on_settled = join.part(settles=True)
+    if delivered is not None:
+        on_accepted, on_settled = delivered.watch(on_accepted, on_settled)
     broker.dispatch(targets, on_accepted, on_settled=on_settled)
     join.close()
+
+
+class _Delivered:
+    """Whether a 3.1.1 QoS 2 message reached its subscribers for good (its deliveries'
+    final outcome was a success), whatever became of its other parts."""
+
+    __slots__ = ("ok",)
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def watch(
+        self, on_accepted: Callable[[bool], None], on_settled: Callable[[bool], None] | None
+    ) -> tuple[Callable[[bool], None], Callable[[bool], None] | None]:
+        """The deliveries' completions, noting a final success here first."""
+
+        def accepted(ok: bool) -> None:
+            self.ok = self.ok or ok
+            on_accepted(ok)
+
+        if on_settled is None:
+            return accepted, None
+        settled_part = on_settled
+
+        def settled(ok: bool) -> None:
+            self.ok = self.ok or ok
+            settled_part(ok)
+
+        return accepted, settled
+
+
+def _integration_refused(
+    conn: MQTTConnection,
+    session: Session,
+    ack: PendingAck,
+    refused: Refusal,
+    delivered: _Delivered | None,
+) -> None:
+    """The sink refused the records at once: the publisher hears it (MQTT 5: 0x80, or
+    0x97 when too much waits for Kafka; 3.1.1: the connection is closed and the
+    client sends again)."""
+    if refused is Refusal.FULL and conn.is_v5:
+        ack.reason = ReasonCode.QUOTA_EXCEEDED
+    _accepted(conn, session, ack, False)
+    if delivered is not None:
+        _settled(session, ack.packet_id, delivered, False)  # final: nothing was taken
 
 
 def _to_queue(
@@ -202,7 +270,9 @@ def _to_queue(
     if qos == 2:
         session.incoming_qos2[packet_id] = False
     ack = conn.expect_ack(packet_id, qos, ReasonCode.SUCCESS)
-    settled = partial(_settled, session, packet_id) if qos == 2 and not conn.is_v5 else None
+    settled = None
+    if qos == 2 and not conn.is_v5:
+        settled = partial(_settled, session, packet_id, _Delivered(False))
     broker.persistent_path.enqueue(
         queue, delivery, lambda ok: _accepted(conn, session, ack, ok), settled
     )
@@ -299,13 +369,15 @@ def _received(conn: MQTTConnection, session: Session, ack: PendingAck, ok: bool)
     conn.ack_ready(ack, ok)
 
 
-def _settled(session: Session, packet_id: int, ok: bool) -> None:
+def _settled(session: Session, packet_id: int, delivered: _Delivered, ok: bool) -> None:
     """The final outcome of a 3.1.1 QoS 2 PUBLISH whose storage was reported failed.
 
     Stored after all (Kafka took it past the deadline): the id is held, and a
     re-send gets PUBREC without being routed again, so it is delivered once.
     Not stored: the id is free, and a re-send waiting for this is asked again
-    (the client is disconnected and re-sends, now routed afresh).
+    (the client is disconnected and re-sends, now routed afresh; if its
+    subscribers had it already, and only its integration records failed, the
+    re-send makes the records only: ``session.qos2_delivered``).
     """
     if session.incoming_qos2.get(packet_id) is not False:
         return  # released, or the session moved on
@@ -314,6 +386,8 @@ def _settled(session: Session, packet_id: int, ok: bool) -> None:
     session.qos2_awaiting_pubrec.discard(packet_id)
     if not ok:
         session.incoming_qos2.pop(packet_id, None)
+        if delivered.ok:
+            session.qos2_delivered.add(packet_id)
         if waiting and current is not None:
             current.disconnect(ReasonCode.UNSPECIFIED_ERROR)
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,8 @@ import pytest
 
 from tests.cluster.test_replicas import Client, every_persistent_subscriber_gets_all
 from tests.conftest import admin_env, free_port
+from tests.faults.checker import Publisher
+from tests.faults.test_integrations import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0
@@ -159,7 +162,9 @@ def _stop_services(data_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def running_workers(tmp: Path, count: int = 2) -> Iterator[Workers]:
+def running_workers(
+    tmp: Path, count: int = 2, env: dict[str, str] | None = None
+) -> Iterator[Workers]:
     port, metrics_port = free_port(), _free_ports(count)
     data_dir = tmp / "data"
     proc = _start(
@@ -172,7 +177,7 @@ def running_workers(tmp: Path, count: int = 2) -> Iterator[Workers]:
         str(metrics_port),
         "--data-dir",
         str(data_dir),
-        env={"DEVICEMQ_MQTT_MAX_CONNECTION_RATE_PER_SOURCE": "0"},
+        env={"DEVICEMQ_MQTT_MAX_CONNECTION_RATE_PER_SOURCE": "0", **(env or {})},
     )
     workers = Workers(proc, port, metrics_port, data_dir, tmp / "devicemq.log")
     started: list[int] = []
@@ -246,6 +251,32 @@ def test_a_killed_worker_is_started_again_and_nothing_stored_is_lost(tmp_path: P
         finally:
             back.close()
             pub.close()
+
+
+def test_workers_create_the_rules_topics_on_the_embedded_kafka(tmp_path: Path) -> None:
+    """Each worker is given the embedded Kafka's address as persistence.kafka_bootstrap:
+    it must still know that Kafka is the embedded one and create the rules' topics
+    there, as ``devicemq run`` alone does (it took them for the user's, and every
+    publish matching a rule failed: issue 18)."""
+    topic = f"wk.rule.{uuid.uuid4().hex[:8]}"
+    rule = json.dumps([{"name": "wk", "topic_filter": "wk-rule/#", "kafka_topic": topic}])
+    with running_workers(tmp_path, env={"DEVICEMQ_INTEGRATIONS": rule}) as workers:
+        # Several publishers: the kernel spreads them over the workers.
+        pubs = [
+            Publisher(workers.address, f"wk-rule-{i}", f"wk-rule/{i}", version=5) for i in range(6)
+        ]
+        try:
+            for pub in pubs:
+                pub.publish(1)
+            _wait_until(lambda: all(p.outcomes.get(1) is not None for p in pubs), 30, "no PUBACK")
+            assert [p.outcomes[1] for p in pubs] == [0] * 6, workers.log()
+        finally:
+            for pub in pubs:
+                pub.close()
+        (bootstrap,) = re.findall(r"embedded services: redis \S+, kafka (\S+)", workers.log())
+        values = read_records(bootstrap, topic, 6)
+        assert sorted(v for _, v in values) == sorted(f"wk-rule-{i}:1".encode() for i in range(6))
+        assert "does not exist" not in workers.log()
 
 
 def test_workers_outlive_no_supervisor(tmp_path: Path) -> None:

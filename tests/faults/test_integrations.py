@@ -15,13 +15,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 from aiokafka import AIOKafkaConsumer
+from paho.mqtt.enums import CallbackAPIVersion
 
 from app.embedded_services import free_port
 from persistence.kafka_path import ensure_topic
@@ -361,3 +364,283 @@ def test_a_kafka_that_does_not_answer_stops_the_start_with_one_line(tmp_path: Pa
     assert last.startswith(
         f"devicemq: error: cannot use kafka at 127.0.0.1:{port} for the integrations: "
     ), last
+
+
+class _Client311:
+    """A paho 3.1.1 client (a persistent session: a QoS 2 PUBLISH without its PUBREC is
+    sent again, same packet id, at every reconnect) recording what it receives."""
+
+    def __init__(self, address: tuple[str, int], client_id: str) -> None:
+        self.lock = threading.Lock()
+        self.payloads: list[bytes] = []
+        self.disconnects = 0
+        self.completed: set[int] = set()
+        self.connected = threading.Event()
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=V311, clean_session=False
+        )
+        client.reconnect_delay_set(0.1, 0.3)
+        client.on_message = self._on_message
+        client.on_connect = lambda *args: self.connected.set()
+        client.on_disconnect = self._on_disconnect
+        client.on_publish = lambda c, u, mid, rc, p: self.completed.add(mid)
+        client.connect(*address)
+        client.loop_start()
+        self.client = client
+        assert self.connected.wait(10), f"{client_id} did not connect"
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        with self.lock:
+            self.payloads.append(msg.payload)
+
+    def _on_disconnect(self, *args: Any) -> None:
+        with self.lock:
+            self.disconnects += 1
+
+    def received(self) -> list[bytes]:
+        with self.lock:
+            return list(self.payloads)
+
+    def subscribe(self, topic: str) -> None:
+        done = threading.Event()
+        self.client.on_subscribe = lambda *args: done.set()
+        self.client.subscribe(topic, 2)
+        assert done.wait(10), "no SUBACK"
+
+    def publish(self, topic: str, payload: bytes) -> int:
+        return int(self.client.publish(topic, payload, 2).mid)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def _delivered_once_then_marker(sub: _Client311, pub: _Client311, topic: str) -> None:
+    """A marker after the message, from the same publisher: once the subscriber has it,
+    any copy of the message sent before it has arrived too (one connection, in order)."""
+    mid = pub.publish(topic, b"marker")
+    wait_until(lambda: mid in pub.completed, 30, "the marker's PUBCOMP")
+    wait_until(lambda: b"marker" in sub.received(), 30, "the marker")
+    assert sub.received() == [b"once", b"marker"]
+
+
+def test_a_311_qos2_publish_a_rule_refuses_reaches_no_subscriber_until_it_is_taken(
+    stack_factory, kafka
+) -> None:  # type: ignore[no-untyped-def]
+    """A rule whose topic is missing refuses the records before anything goes to Kafka:
+    nothing of the PUBLISH is taken, not even for its subscribers. 3.1.1 has no failure
+    code: the connection is closed and the client sends again, same packet id; every
+    re-send was routed afresh, and the subscriber got the message at each (issue 18).
+    Now the subscriber gets it once, when the topic exists and the re-send is taken."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"it.refused.{tag}"
+    bootstrap = kafka[0]
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules({"topic_filter": f"ref-{tag}/#", "kafka_topic": topic}),
+            "persistence.enabled": False,
+        }
+    )
+    sub = _Client311(stack.broker.address, f"sub-{tag}")
+    pub = _Client311(stack.broker.address, f"pub-{tag}")
+    try:
+        sub.subscribe(f"ref-{tag}/#")
+        mid = pub.publish(f"ref-{tag}/x", b"once")
+        wait_until(lambda: pub.disconnects >= 3, 30, "the refusals (connection closed)")
+        assert sub.received() == []  # refused: nobody has it
+        make_topics(bootstrap, topic)
+        wait_until(lambda: mid in pub.completed, 30, "the PUBCOMP once the topic exists")
+        _delivered_once_then_marker(sub, pub, f"ref-{tag}/x")
+        assert [v for _, v in read_records(bootstrap, topic, 2)] == [b"once", b"marker"]
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_a_311_qos2_publish_whose_records_fail_after_delivery_is_not_delivered_again(
+    stack_factory, kafka
+) -> None:  # type: ignore[no-untyped-def]
+    """The records fail after the message reached its subscribers (Kafka frozen: the
+    producer cannot learn the rule topic's partitions within the deadline). 3.1.1: the
+    connection is closed, and the client's re-send of that packet id makes the records
+    only; the subscriber has the message once (MQTT-4.3.3: never delivered twice), and
+    the record lands once Kafka is back."""
+    tag = uuid.uuid4().hex[:8]
+    target, probe = f"it.after.{tag}", f"it.probe.{tag}"
+    bootstrap = kafka[0]
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "after", "topic_filter": f"after-{tag}/#", "kafka_topic": target},
+                {"name": "probe", "topic_filter": f"probe-{tag}/#", "kafka_topic": probe},
+            ),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 1000,
+        }
+    )
+    assert stack.tansu_pid is not None
+    # Made after the start (the producer knows neither), the target first: a listing
+    # that has the probe's topic has the target's too.
+    make_topics(bootstrap, target, probe)
+    sub = _Client311(stack.broker.address, f"sub-{tag}")
+    pub = _Client311(stack.broker.address, f"pub-{tag}")
+    prober = Publisher(stack.broker.address, f"probe-{tag}", f"probe-{tag}/x", version=V5)
+    paused = False
+    try:
+
+        def listed() -> bool:
+            prober.publish(1)
+            wait_until(lambda: prober.outcomes[prober.last_seq] is not None, 20, "a PUBACK")
+            return prober.outcomes[prober.last_seq] == 0
+
+        wait_until(listed, 30, "the rules' topics listed")
+        sub.subscribe(f"after-{tag}/#")
+        freeze(stack.tansu_pid)
+        paused = True
+        mid = pub.publish(f"after-{tag}/x", b"once")
+        wait_until(lambda: b"once" in sub.received(), 30, "the delivery")
+        wait_until(lambda: pub.disconnects >= 3, 30, "the failures (connection closed)")
+        assert "integration rule 'after'" in stack.broker.log()
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        paused = False
+        wait_until(lambda: mid in pub.completed, 60, "the PUBCOMP once kafka is back")
+        _delivered_once_then_marker(sub, pub, f"after-{tag}/x")
+        values = [v for _, v in read_records(bootstrap, target, 2)]
+        assert values[0] == b"once" and values[-1] == b"marker", values
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        prober.close()
+        pub.close()
+        sub.close()
+
+
+def test_a_stop_during_a_topic_listing_with_kafka_frozen_is_not_held(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
+    """Kafka frozen while a publish to a missing topic has the topics listed again: the
+    listing waited for aiokafka's 40 s request timeout, and SIGTERM's drain waited for
+    it (issue 18). Now a listing is bounded by persistence.kafka_request_timeout_ms and
+    cancelled at the stop: the drain ends in a few seconds (the limit here is generous;
+    only a hang exceeds it)."""
+    tag = uuid.uuid4().hex[:8]
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "gone", "topic_filter": f"gone-{tag}/#", "kafka_topic": f"it.no.{tag}"}
+            ),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 1000,
+            "log.level": "DEBUG",
+        }
+    )
+    assert stack.tansu_pid is not None
+    line = "listing kafka topics: a record found its topic missing"
+    pub = Publisher(stack.broker.address, f"gone-{tag}", f"gone-{tag}/x", version=V5)
+    paused = False
+    try:
+        freeze(stack.tansu_pid)
+        paused = True
+        before = stack.broker.log().count(line)
+
+        def listing_started() -> bool:
+            pub.publish(1)
+            wait_until(lambda: pub.outcomes[pub.last_seq] is not None, 20, "the failure code")
+            return stack.broker.log().count(line) > before
+
+        wait_until(listing_started, 30, "a listing started while kafka is frozen")
+        pub.close()
+        # A listing held the drain for 40 s; the bound now is about twice the 1 s deadline.
+        assert stack.broker.terminate(timeout=25) == 0
+        end = stack.broker.log()
+        assert "exiting without finishing the drain" not in end
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        pub.close()
+
+
+def test_a_qos0_message_makes_the_records_of_the_rules_that_can(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
+    """QoS 0 matching a healthy rule and a rule whose topic is missing: no re-send will
+    come, so the healthy rule's record is made (none was, issue 18), and only the rule
+    that failed is counted failed."""
+    tag = uuid.uuid4().hex[:8]
+    present = f"it.q0.{tag}"
+    bootstrap = kafka[0]
+    make_topics(bootstrap, present, partitions=1)
+    admin_port = free_port()
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules(
+                {"name": "good", "topic_filter": f"q0-{tag}/#", "kafka_topic": present},
+                {"name": "gone", "topic_filter": f"q0-{tag}/both/#", "kafka_topic": f"no.{tag}"},
+            ),
+            "persistence.enabled": False,
+            "admin.port": admin_port,
+        }
+    )
+    both = Publisher(stack.broker.address, f"q0-{tag}", f"q0-{tag}/both/x", version=V5, qos=0)
+    marker = Publisher(stack.broker.address, f"q1-{tag}", f"q0-{tag}/only", version=V5)
+    try:
+        both.publish(1)
+        wait_until(lambda: both.outcomes.get(1) is not None, 20, "the QoS 0 PUBLISH sent")
+        # After the QoS 0 one, from the sink's one sender: in Kafka after it.
+        marker.publish(1)
+        wait_until(lambda: marker.outcomes.get(1) is not None, 20, "the marker's PUBACK")
+        assert marker.outcomes[1] == 0
+        records = read_records(bootstrap, present, 2)
+        assert sorted(v for _, v in records) == [f"q0-{tag}:1".encode(), f"q1-{tag}:1".encode()]
+        stats = get_json(admin_port, "/api/v1/stats")["integrations"]
+        assert [(s["name"], s["produced"], s["failed"]) for s in stats] == [
+            ("good", 2, 0),
+            ("gone", 0, 1),
+        ]
+        assert f"integration rule 'gone': kafka topic 'no.{tag}' does not exist" in (
+            stack.broker.log()
+        )
+    finally:
+        both.close()
+        marker.close()
+
+
+def test_past_the_byte_budget_an_mqtt5_publish_gets_quota_exceeded(stack_factory, kafka) -> None:  # type: ignore[no-untyped-def]
+    """Kafka frozen: one publish waits; with persistence.integrations_max_waiting_bytes
+    below two records, the next one is answered 0x97 Quota exceeded at once, and the
+    first is acknowledged once Kafka is back."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"it.quota.{tag}"
+    bootstrap = kafka[0]
+    make_topics(bootstrap, topic)
+    stack: Stack = stack_factory(
+        {
+            "integrations": rules({"topic_filter": f"quota-{tag}/#", "kafka_topic": topic}),
+            "persistence.enabled": False,
+            "persistence.kafka_request_timeout_ms": 60_000,
+            "persistence.integrations_max_waiting_bytes": 1,
+        }
+    )
+    assert stack.tansu_pid is not None
+    pub = Publisher(stack.broker.address, f"dev-{tag}", f"quota-{tag}/x", version=V5)
+    other = Publisher(stack.broker.address, f"oth-{tag}", f"quota-{tag}/y", version=V5)
+    paused = False
+    try:
+        pub.publish(1)
+        wait_until(lambda: pub.acked == {1}, 20, "the first PUBACK")
+        freeze(stack.tansu_pid)
+        paused = True
+        # Two connections (a connection's PUBACKs keep their order): whichever comes
+        # second is refused at once, while the first waits for Kafka.
+        pub.publish(1)
+        other.publish(1)
+        outcomes = lambda: (pub.outcomes[2], other.outcomes[1])  # noqa: E731
+        wait_until(lambda: 0x97 in outcomes(), 20, "the refusal")
+        assert sorted(outcomes(), key=str) == sorted([0x97, None], key=str)
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+        paused = False
+        wait_until(lambda: None not in outcomes(), 30, "the PUBACK after SIGCONT")
+        assert sorted(outcomes()) == [0, 0x97]
+        values = [v for _, v in read_records(bootstrap, topic, 2)]
+        assert len(values) == 2 and values[0] == f"dev-{tag}:1".encode(), values
+    finally:
+        if paused:
+            os.kill(stack.tansu_pid, signal.SIGCONT)
+        pub.close()
+        other.close()

@@ -466,3 +466,18 @@ def test_optional_settings_accept_null() -> None:
     required = dataclasses.replace(spec, optional=False)
     with pytest.raises(ConfigError, match="expected a string, got null"):
         _check_value(required, None)
+
+
+def test_a_complex_yaml_key_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    """``? [a] : 1`` makes a list a key: not a name, and unhashable (a TypeError before)."""
+    path = write(tmp_path, "mqtt: {? [a] : 1}\n")
+    assert error_of(path, env={}) == f"{path}: line 1: a key must be a name, not a list"
+    path = write(tmp_path, "mqtt:\n  ? {a: 1}\n  : 1\n")
+    assert error_of(path, env={}) == f"{path}: line 2: a key must be a name, not a mapping"
+
+
+def test_a_complex_yaml_key_in_the_rules_variable_is_one_line_naming_it() -> None:
+    env = {"DEVICEMQ_INTEGRATIONS": '[{"topic_filter":"a","kafka_topic":"b"}]: '}
+    assert error_of(env=env) == (
+        "env DEVICEMQ_INTEGRATIONS: line 1: a key must be a name, not a list"
+    )

@@ -201,6 +201,8 @@ class DeferredSink:
         records: Sequence[IntegrationRecord],
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None = None,
+        *,
+        best_effort: bool = False,
     ) -> None:
         self.pending.append((list(records), on_accepted, on_settled))
 
