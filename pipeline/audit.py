@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -611,36 +612,53 @@ def stream_audit(
 
     register(spark)
     base = out / "stream"
-    queries = []
-    for name, topic in (("records", persisted_topic), ("events", events_topic)):
-        stream = (
-            spark.readStream.format(FORMAT)
-            .option("bootstrap", endpoints.bootstrap)
-            .option("topic", topic)
-            .option("startingOffsets", "earliest")
-            .options(**endpoints.kafka_security.as_options())
-            .load()
-        )
-        query = (
-            stream.writeStream.format("parquet")
-            .option("path", str(base / name))
-            .option("checkpointLocation", str(base / f"{name}.checkpoint"))
-            .trigger(processingTime=f"{max(interval, 0.5)} seconds")
-            .start()
-        )
-        queries.append(query)
-    records_query, events_query = queries
+    queries: list[Any] = []
+
+    def start(epoch: int) -> None:
+        """Both queries, over what ``base`` holds of this topic epoch: a topic
+        devicemq created anew (the embedded Kafka emptied) starts at offset 0
+        again, so what was ingested of the one before is dropped, not mixed in."""
+        for query in queries:
+            query.stop()
+        queries.clear()
+        mark = base / "epoch"
+        if mark.exists() and mark.read_text() != str(epoch):
+            shutil.rmtree(base)
+        base.mkdir(parents=True, exist_ok=True)
+        mark.write_text(str(epoch))
+        for name, topic in (("records", persisted_topic), ("events", events_topic)):
+            stream = (
+                spark.readStream.format(FORMAT)
+                .option("bootstrap", endpoints.bootstrap)
+                .option("topic", topic)
+                .option("startingOffsets", "earliest")
+                .options(**endpoints.kafka_security.as_options())
+                .load()
+            )
+            queries.append(
+                stream.writeStream.format("parquet")
+                .option("path", str(base / name))
+                .option("checkpointLocation", str(base / f"{name}.checkpoint"))
+                .trigger(processingTime=f"{max(interval, 0.5)} seconds")
+                .start()
+            )
 
     def raw_events() -> DataFrame:
-        _catch_up(events_query, endpoints, events_topic)  # after Redis
+        _catch_up(queries[1], endpoints, events_topic)  # after Redis
         return spark.read.parquet(str(base / "events"))
 
+    epoch = read_epoch(endpoints, persisted_topic)
+    start(epoch)
     summary: dict[str, Any] = {}
     iteration = 0
     try:
         while max_iterations is None or iteration < max_iterations:
             started = time.monotonic()
-            _catch_up(records_query, endpoints, persisted_topic)
+            now_epoch = read_epoch(endpoints, persisted_topic)
+            if now_epoch != epoch:
+                epoch = now_epoch
+                start(epoch)
+            _catch_up(queries[0], endpoints, persisted_topic)
             result = run_audit(
                 spark,
                 endpoints,
@@ -651,6 +669,9 @@ def stream_audit(
                 raw_records=spark.read.parquet(str(base / "records")),
                 raw_events=raw_events,
             )
+            if result.summary["topics"]["epoch"] != epoch:
+                result.release()  # the topic was created anew while it was read: again
+                continue
             iteration += 1
             result.summary["stream"] = {"iteration": iteration, "interval": interval}
             write_outputs(result, out, tables=False)
