@@ -19,7 +19,10 @@ Each record gets exactly one status, first match wins:
                or before it arrived (routed for a session that had ended)
 ``duplicate``  a second record of a message stored from another (a produce
                request Kafka took twice): delivered as that one
-``in_flight``  not stored yet, and younger than ``--grace`` seconds
+``in_flight``  not stored yet, and younger than ``--grace`` seconds; or stored
+               less than ``--grace`` seconds before Redis was read and gone
+               from it with no event saying why yet (the event of its
+               acknowledgement may still be on its way to Kafka)
 ``lost``       none of these
 
 A stored message is identified by (client, score) (a queue entry's score
@@ -31,6 +34,13 @@ after its first; latencies are first delivery and acknowledgement minus the
 publish time, delivery also apart for messages whose client was connected as
 they were published and for those replayed from the backlog (``_live``).
 
+The order of the reads matters on a running broker: the records first, then
+Redis, then the events. A message gone from Redis was gone before the events
+were read, so the event saying why (its acknowledgement, written by the broker
+just after) is read too, but for the last moments before the Redis read:
+``--grace`` covers those. Read the other way round, every message
+acknowledged in between would count as lost.
+
 Outputs in ``--out``: ``messages.parquet`` (one row per record, its status
 and times), ``clients.parquet`` (status counts per client), ``audit.json``
 (``totals``, latency percentiles, per-client counts, the lost messages) and
@@ -41,8 +51,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +99,13 @@ class AuditResult:
     clients: DataFrame
     # (first delivery, ack latency, live): a sample of the delivered messages
     latencies: list[tuple[float | None, float | None, bool]] = field(default_factory=list)
+    cached: list[DataFrame] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Let Spark drop the frames this audit cached (the stream audits again and
+        again in one session: kept, they would fill its memory)."""
+        for frame in self.cached:
+            frame.unpersist()
 
 
 # ---------------------------------------------------------------------------
@@ -155,7 +173,8 @@ def audit_frames(
     now: float,
     grace: float,
 ) -> tuple[DataFrame, DataFrame]:
-    """(messages, clients) from decoded records, decoded events and Redis refs.
+    """(messages, clients) from decoded records, decoded events and Redis refs
+    (read at ``now``, after the records and before the events).
 
     Events are folded into one row per Kafka record (stored or expired on
     arrival) and one row per stored message (client, score), so the records
@@ -270,6 +289,7 @@ def audit_frames(
         .when(~is_stored & F.col("duplicate"), "duplicate")
         .when(is_stored & expiry.isNotNull() & (expiry <= now), "expired")
         .when(~is_stored & (F.col("kts") > now - grace), "in_flight")
+        .when(is_stored & (F.col("stored_ts") > now - grace), "in_flight")
         .otherwise("lost")
     )
     reason = (
@@ -405,13 +425,21 @@ def summarize(
         "clients": per_client,
         "lost_messages": lost,
     }
-    sample = [
-        (r[0], r[1], bool(r[2]))
-        for r in messages.where(F.col("delivery_latency").isNotNull())
+    # through Arrow: rows collected one Python object at a time took seconds
+    table = (
+        messages.where(F.col("delivery_latency").isNotNull())
         .select("delivery_latency", "ack_latency", "live")
         .limit(200_000)
-        .collect()
-    ]
+        .toArrow()
+    )
+    sample = list(
+        zip(
+            table.column(0).to_pylist(),
+            table.column(1).to_pylist(),
+            [bool(v) for v in table.column(2).to_pylist()],
+            strict=True,
+        )
+    )
     return summary, sample
 
 
@@ -425,15 +453,16 @@ def run_audit(
     source: str = "python",
     grace: float = 30.0,
     raw_records: DataFrame | None = None,
-    raw_events: DataFrame | None = None,
+    raw_events: Callable[[], DataFrame] | None = None,
     progress: Progress | None = None,
 ) -> AuditResult:
-    """The audit over the topics (or over raw Kafka rows given, e.g. by the stream);
-    with ``progress``, what it reads and does is said on the way."""
+    """The audit over the topics (or over raw Kafka rows given, e.g. by the stream:
+    ``raw_events`` is called after Redis is read); with ``progress``, what it
+    reads and does is said on the way."""
     from pipeline.common import _in_window
     from pipeline.kafka_source import read_topic
 
-    now = time.time()
+    progress = progress or Progress.silent()
     if raw_records is None:
         raw_records = read_topic(
             spark,
@@ -442,30 +471,32 @@ def run_audit(
             source=source,
             security=endpoints.kafka_security,
         )
+    recs = _in_window(decode_records(raw_records), "pub", window).cache()
+    progress.read(persisted_topic, recs)
+    # Redis after the records and before the events (the module's docstring: why)
+    now = time.time()
+    epoch = read_epoch(endpoints, persisted_topic)
+    refs = redis_refs(spark, endpoints, recs.select("cid").distinct()).cache()
+    progress.say(f"read Redis: {refs.count():,} stored messages of the records' clients")
     if raw_events is None:
-        raw_events = read_topic(
+        raw = read_topic(
             spark,
             endpoints.bootstrap,
             events_topic,
             source=source,
             security=endpoints.kafka_security,
         )
-    recs = _in_window(decode_records(raw_records), "pub", window).cache()
-    evs = decode_events(raw_events).cache()
-    if progress is not None:
-        progress.read(persisted_topic, recs)
-        progress.read(events_topic, evs)
-    epoch = read_epoch(endpoints, persisted_topic)
-    refs = redis_refs(spark, endpoints, recs.select("cid").distinct())
+    else:
+        raw = raw_events()
+    evs = decode_events(raw).cache()
+    progress.read(events_topic, evs)
     messages, clients = audit_frames(spark, recs, evs, refs, epoch, now, grace)
-    if progress is not None:
-        progress.say("accounting for every record (Redis, events) ...")
+    progress.say("accounting for every record ...")
     summary, sample = summarize(messages, clients, evs, now)
-    if progress is not None:
-        progress.say(f"accounted for: {summary['totals']}")
+    progress.say(f"accounted for: {summary['totals']}")
     summary["window"] = {"since": window.since, "until": window.until}
     summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
-    return AuditResult(summary, messages, clients, sample)
+    return AuditResult(summary, messages, clients, sample, cached=[recs, refs, evs, messages])
 
 
 def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Path:
@@ -569,41 +600,63 @@ def stream_audit(
     """Ingest both topics with the streaming reader into Parquet under ``out/stream``;
     every ``interval`` seconds reconcile what arrived and rewrite audit.json/html.
 
-    Each iteration waits until both streams have taken in everything available
-    (``processAllAvailable``), so a summary never mixes a newer event table
-    with older records. Stops after ``max_iterations`` (None: runs until killed).
+    Each iteration waits until the records' stream has taken in what Kafka held
+    as it began (:func:`_catch_up`), reads Redis, then waits for the events'
+    stream likewise, the order of :func:`run_audit` (the module's docstring: why);
+    the frames it cached are let go after each. Stops after ``max_iterations``
+    (None: runs until killed).
     """
     from pipeline.kafka_source import FORMAT, register
 
     register(spark)
     base = out / "stream"
-    queries = []
-    for name, topic in (("records", persisted_topic), ("events", events_topic)):
-        stream = (
-            spark.readStream.format(FORMAT)
-            .option("bootstrap", endpoints.bootstrap)
-            .option("topic", topic)
-            .option("startingOffsets", "earliest")
-            .options(**endpoints.kafka_security.as_options())
-            .load()
-        )
-        query = (
-            stream.writeStream.format("parquet")
-            .option("path", str(base / name))
-            .option("checkpointLocation", str(base / f"{name}.checkpoint"))
-            .trigger(processingTime=f"{max(interval, 0.5)} seconds")
-            .start()
-        )
-        queries.append(query)
+    queries: list[Any] = []
+
+    def start(epoch: int) -> None:
+        """Both queries, over what ``base`` holds of this topic epoch: a topic
+        devicemq created anew (the embedded Kafka emptied) starts at offset 0
+        again, so what was ingested of the one before is dropped, not mixed in."""
+        for query in queries:
+            query.stop()
+        queries.clear()
+        mark = base / "epoch"
+        if mark.exists() and mark.read_text() != str(epoch):
+            shutil.rmtree(base)
+        base.mkdir(parents=True, exist_ok=True)
+        mark.write_text(str(epoch))
+        for name, topic in (("records", persisted_topic), ("events", events_topic)):
+            stream = (
+                spark.readStream.format(FORMAT)
+                .option("bootstrap", endpoints.bootstrap)
+                .option("topic", topic)
+                .option("startingOffsets", "earliest")
+                .options(**endpoints.kafka_security.as_options())
+                .load()
+            )
+            queries.append(
+                stream.writeStream.format("parquet")
+                .option("path", str(base / name))
+                .option("checkpointLocation", str(base / f"{name}.checkpoint"))
+                .trigger(processingTime=f"{max(interval, 0.5)} seconds")
+                .start()
+            )
+
+    def raw_events() -> DataFrame:
+        _catch_up(queries[1], endpoints, events_topic)  # after Redis
+        return spark.read.parquet(str(base / "events"))
+
+    epoch = read_epoch(endpoints, persisted_topic)
+    start(epoch)
     summary: dict[str, Any] = {}
     iteration = 0
     try:
         while max_iterations is None or iteration < max_iterations:
             started = time.monotonic()
-            for query in queries:
-                query.processAllAvailable()
-            raw_records = spark.read.parquet(str(base / "records"))
-            raw_events = spark.read.parquet(str(base / "events"))
+            now_epoch = read_epoch(endpoints, persisted_topic)
+            if now_epoch != epoch:
+                epoch = now_epoch
+                start(epoch)
+            _catch_up(queries[0], endpoints, persisted_topic)
             result = run_audit(
                 spark,
                 endpoints,
@@ -611,12 +664,16 @@ def stream_audit(
                 events_topic=events_topic,
                 window=window,
                 grace=grace,
-                raw_records=raw_records,
+                raw_records=spark.read.parquet(str(base / "records")),
                 raw_events=raw_events,
             )
+            if result.summary["topics"]["epoch"] != epoch:
+                result.release()  # the topic was created anew while it was read: again
+                continue
             iteration += 1
             result.summary["stream"] = {"iteration": iteration, "interval": interval}
             write_outputs(result, out, tables=False)
+            result.release()
             summary = result.summary
             if on_summary is not None:
                 on_summary(summary)
@@ -628,3 +685,31 @@ def stream_audit(
         for query in queries:
             query.stop()
     return summary
+
+
+def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> None:
+    """Wait until ``query`` has written every record ``topic`` held when called.
+
+    Not ``processAllAvailable``: that waits until no new record comes, which
+    under load never happens."""
+    from pipeline.kafka_source import latest_offsets
+
+    bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
+    while True:
+        error = query.exception()
+        if error is not None or not query.isActive:
+            raise RuntimeError(f"the stream of {topic} stopped: {error}")
+        done = _offsets_written(query.lastProgress)
+        if all(high <= low or done.get(p, -1) >= high for p, (low, high) in bounds.items()):
+            return
+        time.sleep(0.1)
+
+
+def _offsets_written(progress: Any) -> dict[int, int]:
+    """partition -> next offset, from a streaming query's last progress (None: none yet)."""
+    if not progress or not progress.get("sources"):
+        return {}
+    end = progress["sources"][0].get("endOffset")
+    if isinstance(end, str):
+        end = json.loads(end)
+    return {int(p): int(o) for p, o in (end or {}).items()}

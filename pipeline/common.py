@@ -16,10 +16,12 @@ Tables (Spark DataFrames):
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -120,11 +122,19 @@ class Progress:
     """The jobs' own progress lines on stderr: what is read, how many records, and
     the time since the start (``devicemq pipeline: [  12.3 s] ...``)."""
 
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, stream: Any = None, *, quiet: bool = False) -> None:
         self._stream = stream if stream is not None else sys.stderr
+        self._quiet = quiet
         self._start = time.monotonic()
 
+    @classmethod
+    def silent(cls) -> Progress:
+        """One that says nothing (a job run from code, the stream's updates)."""
+        return cls(quiet=True)
+
     def say(self, text: str) -> None:
+        if self._quiet:
+            return
         elapsed = time.monotonic() - self._start
         print(f"devicemq pipeline: [{elapsed:6.1f} s] {text}", file=self._stream, flush=True)
 
@@ -152,6 +162,9 @@ def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> Spar
         # terminal, never into a log; Progress says what happens instead.
         .config("spark.ui.showConsoleProgress", "true" if sys.stderr.isatty() else "false")
         .config("spark.sql.session.timeZone", "UTC")
+        # C1 only: a job of a few seconds is mostly a cold JVM compiling Spark's
+        # code; the full JIT's later, faster code does not pay for its compiling
+        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
         .config("spark.sql.shuffle.partitions", os.environ.get("DEVICEMQ_SHUFFLE_PARTITIONS", "8"))
         .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
         .getOrCreate()
@@ -185,31 +198,41 @@ def _header(value: bytes | None) -> tuple[str | None, int | None, float | None, 
     if value is None:
         return None, None, None, None
     try:
-        return header_fields(bytes(value))
+        return header_fields(value)
     except (ValueError, struct.error):
         return None, None, None, None
+
+
+def _headers(values: Any) -> Any:
+    """An Arrow batch of stored values -> their (topic, size, pub, exp), a struct each.
+
+    An Arrow UDF: Spark hands the values over a batch at a time, with no
+    per-row pickling (a plain Python UDF cost more than decoding the headers)."""
+    import pyarrow as pa
+
+    fields = [_header(v) for v in values.to_pylist()]
+    topic, size, pub, exp = zip(*fields, strict=True) if fields else ((), (), (), ())
+    return pa.StructArray.from_arrays(
+        [
+            pa.array(topic, pa.string()),
+            pa.array(size, pa.int32()),
+            pa.array(pub, pa.float64()),
+            pa.array(exp, pa.float64()),
+        ],
+        names=["topic", "size", "pub", "exp"],
+    )
 
 
 def decode_records(raw: DataFrame) -> DataFrame:
     """Raw Kafka rows of the persisted topic -> (cid, part, off, ts, topic, size, pub, exp)."""
     from pyspark.sql import functions as F
-    from pyspark.sql.types import (
-        DoubleType,
-        IntegerType,
-        StringType,
-        StructField,
-        StructType,
-    )
+    from pyspark.sql.pandas.functions import ArrowUDFType, arrow_udf
 
-    header_type = StructType(
-        [
-            StructField("topic", StringType()),
-            StructField("size", IntegerType()),
-            StructField("pub", DoubleType()),
-            StructField("exp", DoubleType()),
-        ]
-    )
-    header = F.udf(_header, header_type, useArrow=False)
+    with warnings.catch_warnings():  # "type hints preferred": pyarrow is imported lazily
+        warnings.simplefilter("ignore", UserWarning)
+        header = arrow_udf(
+            _headers, "topic string, size int, pub double, exp double", ArrowUDFType.SCALAR
+        )
     return raw.select(
         F.col("key").cast("string").alias("cid"),
         F.col("partition").alias("part"),
@@ -220,19 +243,69 @@ def decode_records(raw: DataFrame) -> DataFrame:
 
 
 def decode_events(raw: DataFrame) -> DataFrame:
-    """Raw Kafka rows of the events topic -> one column per event field + epart/eoff/idx."""
-    from pyspark.sql import functions as F
+    """Raw Kafka rows of the events topic -> one column per event field + epart/eoff/idx.
 
-    # A record holds a JSON array of one client's events, in order: (epart, eoff, idx)
-    # orders one client's events.
+    A record holds a JSON array of one client's events, in order: (epart, eoff,
+    idx) orders one client's events. The JSON is read by Python's json module
+    in an Arrow UDF (:func:`_event_lists`): Spark's ``from_json`` took more CPU
+    than anything else in the audit."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.functions import ArrowUDFType, arrow_udf
+
+    with warnings.catch_warnings():  # "type hints preferred": pyarrow is imported lazily
+        warnings.simplefilter("ignore", UserWarning)
+        parse = arrow_udf(_event_lists, f"array<struct<{EVENT_SCHEMA}>>", ArrowUDFType.SCALAR)
     events = raw.select(
-        F.from_json(F.col("value").cast("string"), f"array<struct<{EVENT_SCHEMA}>>").alias("a"),
+        parse(F.col("value")).alias("a"),
         F.col("partition").alias("epart"),
         F.col("offset").alias("eoff"),
     )
     return events.select("epart", "eoff", F.posexplode("a").alias("idx", "e")).select(
         "e.*", "epart", "eoff", "idx"
     )
+
+
+_ARROW_TYPES = {
+    "string": "string",
+    "double": "float64",
+    "int": "int32",
+    "long": "int64",
+    "boolean": "bool_",
+}
+
+
+def _event_type() -> Any:
+    """:data:`EVENT_SCHEMA` as an Arrow struct type."""
+    import pyarrow as pa
+
+    fields = []
+    for column in EVENT_SCHEMA.split(", "):
+        name, kind = column.split(" ", 1)
+        if kind == "array<int>":
+            fields.append((name, pa.list_(pa.int32())))
+        else:
+            fields.append((name, getattr(pa, _ARROW_TYPES[kind])()))
+    return pa.struct(fields)
+
+
+def _event_lists(values: Any) -> Any:
+    """An Arrow batch of event records -> a list of events each (null: not a JSON
+    array, as ``from_json`` gives; objects' keys outside the schema are left out,
+    a field of another type fails the job: the broker writes them,
+    persistence/events.py)."""
+    import pyarrow as pa
+
+    lists: list[list[dict[str, Any]] | None] = []
+    for value in values.to_pylist():
+        try:
+            found = json.loads(value) if value is not None else None
+        except ValueError:
+            found = None
+        if isinstance(found, list):
+            lists.append([e for e in found if isinstance(e, dict)])
+        else:
+            lists.append(None)
+    return pa.array(lists, type=pa.list_(_event_type()))
 
 
 def records(

@@ -35,7 +35,6 @@ import json
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import (
@@ -179,29 +178,67 @@ def resolve_offsets(
 # ---------------------------------------------------------------------------
 
 
-def read_range(part: OffsetRange) -> Iterator[tuple[Any, ...]]:
-    """The records of one partition's range, in offset order (rows of :data:`SCHEMA`).
+def arrow_schema() -> Any:
+    """:data:`SCHEMA` as Arrow types, as Spark checks a data source's batches against."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("key", pa.binary()),
+            ("value", pa.binary()),
+            ("topic", pa.string()),
+            ("partition", pa.int32()),
+            ("offset", pa.int64()),
+            ("timestamp", pa.timestamp("us", tz="UTC")),
+        ]
+    )
+
+
+def read_range(part: OffsetRange) -> Iterator[Any]:
+    """The records of one partition's range, in offset order, as Arrow record batches
+    of :data:`SCHEMA`: one per fetch, built column by column (Spark takes them as
+    they are; rows as tuples it would convert one value at a time, which cost more
+    than reading them from Kafka).
 
     aiokafka needs a running loop for every call, so the reading is an async
     generator stepped one fetch at a time by this (synchronous) iterator.
     """
     if part.end <= part.start:
         return
+    import pyarrow as pa
+
+    schema = arrow_schema()
     loop = asyncio.new_event_loop()
     chunks = _fetch(part)
     try:
         while True:
             try:
-                chunk = loop.run_until_complete(anext(chunks))
+                keys, values, offsets, stamps = loop.run_until_complete(anext(chunks))
             except StopAsyncIteration:
                 return
-            yield from chunk
+            n = len(offsets)
+            yield pa.RecordBatch.from_arrays(
+                [
+                    pa.array(keys, pa.binary()),
+                    pa.array(values, pa.binary()),
+                    pa.array([part.topic] * n, pa.string()),
+                    pa.array([part.partition] * n, pa.int32()),
+                    pa.array(offsets, pa.int64()),
+                    # Kafka's milliseconds as Spark's microseconds
+                    pa.array([ms * 1000 for ms in stamps], pa.int64()).cast(schema.field(5).type),
+                ],
+                schema=schema,
+            )
     finally:
         loop.run_until_complete(chunks.aclose())
         loop.close()
 
 
-async def _fetch(part: OffsetRange) -> AsyncGenerator[list[tuple[Any, ...]], None]:
+Chunk = tuple[list[bytes | None], list[bytes | None], list[int], list[int]]
+
+
+async def _fetch(part: OffsetRange) -> AsyncGenerator[Chunk, None]:
+    """(keys, values, offsets, timestamps in ms) of each fetch of ``part``."""
     from aiokafka import TopicPartition
 
     consumer = _consumer(part.bootstrap, part.security)
@@ -223,23 +260,19 @@ async def _fetch(part: OffsetRange) -> AsyncGenerator[list[tuple[Any, ...]], Non
                     )
                 continue
             idle_since = time.monotonic()
-            rows = []
-            for r in records:
-                if r.offset >= part.end:
-                    position = part.end
-                    break
-                position = r.offset + 1
-                rows.append(
-                    (
-                        r.key,
-                        r.value,
-                        part.topic,
-                        part.partition,
-                        r.offset,
-                        datetime.fromtimestamp(r.timestamp / 1000, UTC),
-                    )
+            past_end = records[-1].offset >= part.end
+            if past_end:
+                records = [r for r in records if r.offset < part.end]
+            if records:
+                position = records[-1].offset + 1
+                yield (
+                    [r.key for r in records],
+                    [r.value for r in records],
+                    [r.offset for r in records],
+                    [r.timestamp for r in records],
                 )
-            yield rows
+            if past_end:
+                return
     finally:
         await consumer.stop()
 
@@ -320,7 +353,7 @@ class _BatchReader(DataSourceReader):
             if self.end[p] > self.start[p]
         ] or [OffsetRange(self.bootstrap, self.topic, 0, 0, 0, self.security)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, OffsetRange)
         return read_range(partition)
 
@@ -372,7 +405,7 @@ class _StreamReader(DataSourceStreamReader):
             if e > start.get(p, 0)
         ]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, OffsetRange)
         return read_range(partition)
 

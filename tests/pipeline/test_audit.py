@@ -205,3 +205,21 @@ def test_deliveries_to_connected_clients_are_told_from_replays(spark: Any) -> No
     rows = _messages(spark, 3, events, pubs=[10.0, 25.0, 400.0])
     assert {off: row["live"] for off, row in rows.items()} == {0: True, 1: False, 2: True}
     assert rows[1]["delivery_latency"] == 275.0
+
+
+def test_a_message_gone_from_redis_within_grace_of_being_stored_is_in_flight(
+    spark: Any,
+) -> None:
+    """Redis is read before the events: a message stored, then acknowledged (gone
+    from Redis) just before that read may have its ``acked`` event still on its way
+    to Kafka. Stored within ``--grace`` of the Redis read (now = 1000, grace 30),
+    it is in flight; stored earlier and gone with no event saying why, it is lost."""
+    got = _statuses(
+        spark,
+        2,
+        [
+            {"ev": "persisted", "off": 0, "pid": 1, "sc": 1, "ts": 990.0},
+            {"ev": "persisted", "off": 1, "pid": 2, "sc": 2, "ts": 960.0},
+        ],
+    )
+    assert got == {0: "in_flight", 1: "lost"}
