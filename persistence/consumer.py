@@ -692,6 +692,11 @@ class PersistenceConsumer:
         self._commits_off = False
         if self._resets is not None:
             self._resets.announce((tp.partition for tp in assigned), reread=True)
+            # The announcement counts the epoch up by one in Redis; the new log's first
+            # records' events carry it already, not once the next look has read it
+            # back (the audit took them for another log's: lost). A look reading
+            # more (another's announcement) still raises it.
+            self._epoch += 1
 
     async def _check_resets_now_and_then(self) -> None:
         now = time.monotonic()
