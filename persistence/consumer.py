@@ -162,6 +162,9 @@ class LogResets:
         # Partitions reassigned since this process last claimed them: a claim
         # still being written no longer holds (the consumer may not be at 0).
         self._disowned: set[int] = set()
+        # Announcements not written yet: the epoch goes up by one per announcement,
+        # however many one write carries (the consumer counts its own up at once).
+        self._unwritten = 0
 
     @property
     def retry(self) -> Retry:
@@ -174,8 +177,11 @@ class LogResets:
         their start (it saw the reset itself); the Kafka path's announcements
         are news to it like anyone's."""
         partitions = list(partitions)
+        if not partitions:
+            return  # nothing to announce: no epoch either
         if reread:
             self._disowned.difference_update(partitions)
+        self._unwritten += 1
         self._writer.add(dict.fromkeys(partitions, reread))
 
     def disown(self, partition: int) -> None:
@@ -186,13 +192,15 @@ class LogResets:
 
     async def _write(self, partitions: dict[int, bool]) -> dict[int, bool]:
         ordered = sorted(partitions)
+        announcements, self._unwritten = max(self._unwritten, 1), 0
         try:
             pipe = self._redis.pipeline(transaction=False)
             for partition in ordered:
                 pipe.hincrby(self._key, str(partition), 1)
-            pipe.incr(self._epoch_key)
+            pipe.incrby(self._epoch_key, announcements)
             counts = await pipe.execute()
         except Exception as error:
+            self._unwritten += announcements
             log.warning("announcing a kafka log reset failed, retrying: %s", error)
             return partitions
         for partition, count in zip(ordered, counts, strict=False):
@@ -690,12 +698,12 @@ class PersistenceConsumer:
             self._seek(tp, 0)
         self._commits.abandon()  # an old log's offset must not land in the new one
         self._commits_off = False
-        if self._resets is not None:
+        if self._resets is not None and assigned:
             self._resets.announce((tp.partition for tp in assigned), reread=True)
-            # The announcement counts the epoch up by one in Redis; the new log's first
-            # records' events carry it already, not once the next look has read it
-            # back (the audit took them for another log's: lost). A look reading
-            # more (another's announcement) still raises it.
+            # The announcement counts the epoch up by one in Redis (LogResets._write);
+            # the new log's first records' events carry it already, not once the next
+            # look has read it back (the audit took them for another log's: lost).
+            # A look reading more (another's announcement) still raises it.
             self._epoch += 1
 
     async def _check_resets_now_and_then(self) -> None:

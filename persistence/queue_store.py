@@ -147,7 +147,9 @@ class QueueStore:
         reply = await self._store.run_script(_SAVE, script_keys, args)
         if is_lost(reply):
             raise self._store.lost(int(reply[1]))
-        results, removed = reply
+        if len(reply) == 3:  # guarded: the counter, counted up after the save
+            self._store.counted(int(reply[2]))
+        results, removed = reply[0], reply[1]
         out = QueueSaveResult(keys=entry_keys)
         for i, (seq, replaced) in enumerate(results):
             out.seqs.append(int(seq))

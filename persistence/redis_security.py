@@ -250,6 +250,13 @@ def explain(error: BaseException, options: dict[str, Any] | None = None) -> str:
         cause = cause.__cause__ or cause.__context__
     text = str(error) or type(error).__name__
     for link in chain:
+        if type(link).__name__ == "MasterNotFoundError":  # asyncio's or redis-py's own
+            master = str(link).split(" : ", 1)[0].removeprefix("No master found for ")
+            return (
+                f"no Sentinel of persistence.redis_sentinels names a master {master}: "
+                "check persistence.redis_sentinel_master, and that the Sentinels answer "
+                "(with TLS if redis_url is rediss://)"
+            )
         if isinstance(link, AuthenticationError):
             return (
                 f"redis refused the credentials ({link}): check persistence.redis_username "

@@ -616,6 +616,12 @@ class RedisMessageStore:
             todo = again
         return results
 
+    def counted(self, counter: int) -> None:
+        """A save outside a save wave (a queue's) counted the store's counter up to
+        ``counter`` in Redis (queue_save.lua): acknowledged, so a failover that loses
+        it shows as the counter going back."""
+        self._counted = max(self._counted, counter)
+
     def loss_guard(self) -> tuple[str, int] | None:
         """(this store's durability counter, the highest value Redis acknowledged for
         it), for a save script to check before it stores anything (save_batch.lua,
@@ -627,8 +633,10 @@ class RedisMessageStore:
 
     def lost(self, counter: int) -> LostWrites:
         """A save script found the counter below what Redis acknowledged: count on
-        from ``counter`` (where Redis is now) and tell the caller to re-read Kafka."""
-        floor, self._counted, self._lost_seen = self._counted, counter, False
+        from ``counter`` (where Redis is now) and tell the caller to re-read Kafka.
+        The next fence says LOST too: a commit whose wait began before the re-read
+        took its committed offsets must not commit past the lost records."""
+        floor, self._counted, self._lost_seen = self._counted, counter, True
         self.lost_writes += 1
         return LostWrites(f"redis lost saves it had acknowledged (counter {floor} -> {counter})")
 

@@ -11,7 +11,9 @@
 -- KEYS[10] _ecq_tokens (not used here)
 -- KEYS[11] (optional) the store's durability counter, the last ARGV then the
 -- highest value Redis acknowledged for it: below it, Redis lost acknowledged
--- writes and nothing is stored ({'lost', counter}; see save_batch.lua).
+-- writes and nothing is stored ({'lost', counter}; see save_batch.lua); else
+-- the counter is counted up after the save and returned third, so that losing
+-- this save shows as the counter going back.
 -- ARGV[1] now (ms)  ARGV[2] retention (ms)  ARGV[3] most keys kept (0: no limit)
 -- then per record: seen name, record seq (0: unnamed), key, value, publish time (ms).
 -- An empty key (a group queue's record, broker/group_queue.py) is the entry's seq:
@@ -84,4 +86,5 @@ if max_keys > 0 then
     for _, key in ipairs(redis.call('ZRANGE', log, 0, over - 1)) do remove(key, 2) end
   end
 end
+if KEYS[11] then return {results, removed, redis.call('INCR', KEYS[11])} end
 return {results, removed}

@@ -237,3 +237,15 @@ def test_the_pipeline_reads_the_stored_messages_from_the_master_the_sentinel_nam
     endpoints = Endpoints("unused:1", url, False, redis_connect=connect_options(config, url),
                           redis_sentinels=sentinels(config, url))  # fmt: skip
     assert list(stored_refs(endpoints, [("pipe-sub",)])) == [("pipe-sub", 3, 7, True)]
+
+
+def test_a_master_name_the_sentinels_do_not_know_is_named_in_one_line_at_start(
+    tmp_path: Path, sentinel_stack, kafka: tuple[str, int | None]
+) -> None:
+    _, _, sentinel = sentinel_stack
+    broker = _broker(tmp_path, sentinel, kafka[0], **{"persistence.redis_sentinel_master": "nope"})
+    with pytest.raises(RuntimeError):
+        broker.start()
+    lines = [line for line in broker.log().splitlines() if line.strip()]
+    assert "persistence.redis_sentinel_master" in lines[-1], lines[-1]
+    assert "'nope'" in lines[-1] and "ConnectionPool" not in lines[-1], lines[-1]

@@ -137,3 +137,21 @@ async def test_an_own_step_read_back_after_a_later_look_stays_no_news(
     counts, _ = await mine.read()
     assert counts == {0: 2}
     assert mine.announced_by_others(stale, counts) == set()
+
+
+async def test_the_epoch_counts_every_announcement_even_two_in_one_write(
+    store: RedisMessageStore,
+) -> None:
+    """A consumer counts its own epoch up by one per announcement of an emptied topic
+    (persistence/consumer.py ``log_recreated``); Redis must count the same, also when
+    two announcements go out in one write, and not for an announcement of nothing
+    (a review found the consumer ahead of Redis: after a restart its events would
+    have reused an epoch)."""
+    topic = f"resets-{uuid.uuid4().hex}"
+    mine = LogResets(store.redis, topic)
+    mine.announce({0, 1}, reread=True)
+    mine.announce({0}, reread=True)  # before the first landed: one write
+    mine.announce(set(), reread=True)
+    await mine._writer.drain()
+    _, epoch = await mine.read()
+    assert epoch == 2
