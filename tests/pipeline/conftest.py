@@ -140,15 +140,29 @@ def _wait(check: Any, what: str, timeout: float = 15.0) -> None:
 
 
 def _start_broker(port: int, bootstrap: str, redis_url: str, data: Path) -> subprocess.Popen[bytes]:
+    return start_broker(
+        port,
+        data,
+        {
+            "DEVICEMQ_PERSISTENCE_REDIS_URL": redis_url,
+            "DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP": bootstrap,
+            "DEVICEMQ_PERSISTENCE_PARTITIONS": "3",
+            "DEVICEMQ_PERSISTENCE_MAX_MESSAGES_PER_CLIENT": str(LIMIT),
+        },
+    )
+
+
+def start_broker(
+    port: int, data: Path, settings: dict[str, str], timeout: float = 30.0
+) -> subprocess.Popen[bytes]:
+    """``devicemq run`` on ``port`` with ``data`` as its data dir and ``settings``
+    (DEVICEMQ_* variables), its log in ``data``/broker.log; once it listens."""
     env = dict(
         os.environ,
         DEVICEMQ_LISTENER_HOST="127.0.0.1",
         DEVICEMQ_LISTENER_PORT=str(port),
         DEVICEMQ_DATA_DIR=str(data),
-        DEVICEMQ_PERSISTENCE_REDIS_URL=redis_url,
-        DEVICEMQ_PERSISTENCE_KAFKA_BOOTSTRAP=bootstrap,
-        DEVICEMQ_PERSISTENCE_PARTITIONS="3",
-        DEVICEMQ_PERSISTENCE_MAX_MESSAGES_PER_CLIENT=str(LIMIT),
+        **settings,
         **admin_env(),
     )
     log = (data / "broker.log").open("wb")
@@ -161,7 +175,7 @@ def _start_broker(port: int, bootstrap: str, redis_url: str, data: Path) -> subp
         stderr=subprocess.STDOUT,
     )
     log.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise RuntimeError((data / "broker.log").read_text())

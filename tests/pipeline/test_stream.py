@@ -12,13 +12,8 @@ was released, and the deletion.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import queue
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,10 +29,10 @@ from persistence.format import client_keys
 from pipeline.audit import stream_audit
 from pipeline.common import Endpoints, Window, resolve_endpoints
 from pipeline.kafka_source import latest_offsets
-from tests.conftest import admin_env, free_port
+from tests.conftest import free_port
 from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
-from tests.pipeline.conftest import REPO, Client, _publish, _start_broker, _stop
+from tests.pipeline.conftest import Client, _publish, _start_broker, _stop, start_broker
 
 PERSISTED, EVENTS = "devicemq.device.persisted", "devicemq.events"
 AWAY = 3  # messages stored for the offline client (under the broker's limit of 10)
@@ -214,33 +209,20 @@ def embedded(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     data = tmp_path / "data"
     data.mkdir()
     port = free_port()
-    env = dict(
-        os.environ,
-        DEVICEMQ_LISTENER_HOST="127.0.0.1",
-        DEVICEMQ_LISTENER_PORT=str(port),
-        DEVICEMQ_DATA_DIR=str(data),
-        DEVICEMQ_PERSISTENCE_ENABLED="true",
-        DEVICEMQ_PERSISTENCE_EMBEDDED_KAFKA_COMPACT_AFTER=str(COMPACT_AFTER),
-        **admin_env(),
-    )
-    log = (tmp_path / "broker.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "run"],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "broker.log").read_text()
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            assert time.monotonic() < deadline, "devicemq did not start listening"
-            time.sleep(0.05)
+        proc = start_broker(
+            port,
+            data,
+            {
+                "DEVICEMQ_PERSISTENCE_ENABLED": "true",
+                "DEVICEMQ_PERSISTENCE_EMBEDDED_KAFKA_COMPACT_AFTER": str(COMPACT_AFTER),
+            },
+            timeout=60,
+        )
+    except BaseException:
+        EmbeddedServices(data).stop()  # started by the broker before it failed
+        raise
+    try:
         yield port, data
     finally:
         _stop(proc)
