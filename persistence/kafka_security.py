@@ -361,8 +361,7 @@ _TLS_HINTS = {
 
 def _tls(reason: str) -> str:
     """A failed TLS handshake with Kafka, with the setting most likely to blame."""
-    hint = _TLS_HINTS.get(tls_failure.kind(reason), _TLS_HINTS[tls_failure.OTHER])
-    return f"TLS with kafka failed ({reason}): {hint}"
+    return tls_failure.explain("kafka", reason, _TLS_HINTS)
 
 
 async def diagnose(bootstrap: str, security: KafkaSecurity, timeout: float = 5.0) -> str | None:

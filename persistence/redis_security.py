@@ -299,5 +299,4 @@ _TLS_HINTS = {
 
 def _tls(reason: str) -> str:
     """A failed TLS handshake with Redis, with the setting most likely to blame."""
-    hint = _TLS_HINTS.get(tls_failure.kind(reason), _TLS_HINTS[tls_failure.OTHER])
-    return f"TLS with redis failed ({reason}): {hint}"
+    return tls_failure.explain("redis", reason, _TLS_HINTS)

@@ -39,3 +39,9 @@ def kind(text: str) -> str:
     if "WRONG_VERSION" in upper or "RECORD_LAYER" in upper or "PACKET_LENGTH" in upper:
         return NOT_TLS
     return OTHER
+
+
+def explain(service: str, text: str, hints: dict[str, str]) -> str:
+    """One line for a failed handshake with ``service``: the reason and the hint of its
+    kind (``hints[OTHER]`` for a kind without one of its own)."""
+    return f"TLS with {service} failed ({text}): {hints.get(kind(text), hints[OTHER])}"
