@@ -459,19 +459,14 @@ def run_audit(
     """The audit over the topics (or over raw Kafka rows given, e.g. by the stream:
     ``raw_events`` is called after Redis is read); with ``progress``, what it
     reads and does is said on the way."""
-    from pipeline.common import _in_window
-    from pipeline.kafka_source import read_topic
+    from pipeline.common import _in_window, events, records
 
     progress = progress or Progress.silent()
     if raw_records is None:
-        raw_records = read_topic(
-            spark,
-            endpoints.bootstrap,
-            persisted_topic,
-            source=source,
-            security=endpoints.kafka_security,
-        )
-    recs = _in_window(decode_records(raw_records), "pub", window).cache()
+        recs = records(spark, endpoints, persisted_topic, window, source)
+    else:
+        recs = _in_window(decode_records(raw_records), "pub", window)
+    recs = recs.cache()
     progress.read(persisted_topic, recs)
     # Redis after the records and before the events (the module's docstring: why)
     now = time.time()
@@ -479,16 +474,10 @@ def run_audit(
     refs = redis_refs(spark, endpoints, recs.select("cid").distinct()).cache()
     progress.say(f"read Redis: {refs.count():,} stored messages of the records' clients")
     if raw_events is None:
-        raw = read_topic(
-            spark,
-            endpoints.bootstrap,
-            events_topic,
-            source=source,
-            security=endpoints.kafka_security,
-        )
+        evs = events(spark, endpoints, events_topic, source)
     else:
-        raw = raw_events()
-    evs = decode_events(raw).cache()
+        evs = decode_events(raw_events())
+    evs = evs.cache()
     progress.read(events_topic, evs)
     messages, clients = audit_frames(spark, recs, evs, refs, epoch, now, grace)
     progress.say("accounting for every record ...")

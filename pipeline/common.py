@@ -16,12 +16,9 @@ Tables (Spark DataFrames):
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -29,12 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.redis_security import Sentinels
+from pipeline.decoding import EVENT_COLUMNS, EVENT_SCHEMA, RECORD_SCHEMA
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
+    "EVENT_COLUMNS",
     "EVENT_SCHEMA",
+    "RECORD_SCHEMA",
     "Endpoints",
     "Window",
     "events",
@@ -43,12 +43,6 @@ __all__ = [
     "records",
     "resolve_endpoints",
 ]
-
-EVENT_SCHEMA = (
-    "ev string, cid string, ts double, pid int, sc long, part int, off long, ep int, "
-    "topic string, size int, pub double, exp double, dup boolean, at string, "
-    "pids array<int>, n long"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +138,11 @@ class Progress:
         self.say(f"read {topic}: {frame.count():,} records")
 
 
-def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> SparkSession:
-    """A Spark session whose Python workers run this interpreter (and see this package)."""
+def make_spark(
+    master: str = "local[*]", app: str = "devicemq-pipeline", java_options: str = ""
+) -> SparkSession:
+    """A Spark session whose Python workers run this interpreter (and see this package);
+    ``java_options`` for the driver's JVM (pipeline/class_archive.py)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     root = str(Path(__file__).resolve().parents[1])
@@ -164,7 +161,7 @@ def make_spark(master: str = "local[*]", app: str = "devicemq-pipeline") -> Spar
         .config("spark.sql.session.timeZone", "UTC")
         # C1 only: a job of a few seconds is mostly a cold JVM compiling Spark's
         # code; the full JIT's later, faster code does not pay for its compiling
-        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+        .config("spark.driver.extraJavaOptions", f"-XX:TieredStopAtLevel=1 {java_options}".strip())
         .config("spark.sql.shuffle.partitions", os.environ.get("DEVICEMQ_SHUFFLE_PARTITIONS", "8"))
         .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
         .getOrCreate()
@@ -192,47 +189,14 @@ def _redis(endpoints: Endpoints) -> Any:
     )
 
 
-def _header(value: bytes | None) -> tuple[str | None, int | None, float | None, float | None]:
-    from persistence.format import header_fields
-
-    if value is None:
-        return None, None, None, None
-    try:
-        return header_fields(value)
-    except (ValueError, struct.error):
-        return None, None, None, None
-
-
-def _headers(values: Any) -> Any:
-    """An Arrow batch of stored values -> their (topic, size, pub, exp), a struct each.
-
-    An Arrow UDF: Spark hands the values over a batch at a time, with no
-    per-row pickling (a plain Python UDF cost more than decoding the headers)."""
-    import pyarrow as pa
-
-    fields = [_header(v) for v in values.to_pylist()]
-    topic, size, pub, exp = zip(*fields, strict=True) if fields else ((), (), (), ())
-    return pa.StructArray.from_arrays(
-        [
-            pa.array(topic, pa.string()),
-            pa.array(size, pa.int32()),
-            pa.array(pub, pa.float64()),
-            pa.array(exp, pa.float64()),
-        ],
-        names=["topic", "size", "pub", "exp"],
-    )
-
-
 def decode_records(raw: DataFrame) -> DataFrame:
-    """Raw Kafka rows of the persisted topic -> (cid, part, off, ts, topic, size, pub, exp)."""
+    """Raw Kafka rows of the persisted topic (another source's, or kept in Parquet by
+    the stream) -> :data:`RECORD_SCHEMA`; the Python source decodes as it reads."""
     from pyspark.sql import functions as F
-    from pyspark.sql.pandas.functions import ArrowUDFType, arrow_udf
 
-    with warnings.catch_warnings():  # "type hints preferred": pyarrow is imported lazily
-        warnings.simplefilter("ignore", UserWarning)
-        header = arrow_udf(
-            _headers, "topic string, size int, pub double, exp double", ArrowUDFType.SCALAR
-        )
+    from pipeline.decoding import header_structs
+
+    header = _arrow_udf(header_structs, "topic string, size int, pub double, exp double")
     return raw.select(
         F.col("key").cast("string").alias("cid"),
         F.col("partition").alias("part"),
@@ -243,80 +207,48 @@ def decode_records(raw: DataFrame) -> DataFrame:
 
 
 def decode_events(raw: DataFrame) -> DataFrame:
-    """Raw Kafka rows of the events topic -> one column per event field + epart/eoff/idx.
-
-    A record holds a JSON array of one client's events, in order: (epart, eoff,
-    idx) orders one client's events. The JSON is read by Python's json module
-    in an Arrow UDF (:func:`_event_lists`): Spark's ``from_json`` took more CPU
-    than anything else in the audit."""
+    """Raw Kafka rows of the events topic -> one row per event (:data:`EVENT_COLUMNS`),
+    as :func:`decode_records`: the JSON arrays read by Python's orjson in an
+    Arrow UDF (Spark's ``from_json`` took more CPU than anything else in the
+    audit), exploded in the JVM."""
     from pyspark.sql import functions as F
-    from pyspark.sql.pandas.functions import ArrowUDFType, arrow_udf
 
-    with warnings.catch_warnings():  # "type hints preferred": pyarrow is imported lazily
-        warnings.simplefilter("ignore", UserWarning)
-        parse = arrow_udf(_event_lists, f"array<struct<{EVENT_SCHEMA}>>", ArrowUDFType.SCALAR)
-    events = raw.select(
+    from pipeline.decoding import event_lists
+
+    parse = _arrow_udf(event_lists, f"array<struct<{EVENT_SCHEMA}>>")
+    lists = raw.select(
         parse(F.col("value")).alias("a"),
         F.col("partition").alias("epart"),
         F.col("offset").alias("eoff"),
     )
-    return events.select("epart", "eoff", F.posexplode("a").alias("idx", "e")).select(
+    return lists.select("epart", "eoff", F.posexplode("a").alias("idx", "e")).select(
         "e.*", "epart", "eoff", "idx"
     )
 
 
-_ARROW_TYPES = {
-    "string": "string",
-    "double": "float64",
-    "int": "int32",
-    "long": "int64",
-    "boolean": "bool_",
-}
+def _arrow_udf(function: Any, returns: str) -> Any:
+    import warnings
 
+    from pyspark.sql.pandas.functions import ArrowUDFType, arrow_udf
 
-def _event_type() -> Any:
-    """:data:`EVENT_SCHEMA` as an Arrow struct type."""
-    import pyarrow as pa
-
-    fields = []
-    for column in EVENT_SCHEMA.split(", "):
-        name, kind = column.split(" ", 1)
-        if kind == "array<int>":
-            fields.append((name, pa.list_(pa.int32())))
-        else:
-            fields.append((name, getattr(pa, _ARROW_TYPES[kind])()))
-    return pa.struct(fields)
-
-
-def _event_lists(values: Any) -> Any:
-    """An Arrow batch of event records -> a list of events each (null: not a JSON
-    array, as ``from_json`` gives; objects' keys outside the schema are left out,
-    a field of another type fails the job: the broker writes them,
-    persistence/events.py)."""
-    import pyarrow as pa
-
-    lists: list[list[dict[str, Any]] | None] = []
-    for value in values.to_pylist():
-        try:
-            found = json.loads(value) if value is not None else None
-        except ValueError:
-            found = None
-        if isinstance(found, list):
-            lists.append([e for e in found if isinstance(e, dict)])
-        else:
-            lists.append(None)
-    return pa.array(lists, type=pa.list_(_event_type()))
+    with warnings.catch_warnings():  # "type hints preferred": pyarrow is imported lazily
+        warnings.simplefilter("ignore", UserWarning)
+        return arrow_udf(function, returns, ArrowUDFType.SCALAR)
 
 
 def records(
     spark: SparkSession, endpoints: Endpoints, topic: str, window: Window, source: str = "python"
 ) -> DataFrame:
-    from pipeline.kafka_source import read_topic
+    """The persisted topic's records published in ``window`` (:data:`RECORD_SCHEMA`)."""
+    from pipeline.kafka_source import read_table
 
-    df = decode_records(
-        read_topic(
-            spark, endpoints.bootstrap, topic, source=source, security=endpoints.kafka_security
-        )
+    df = read_table(
+        spark,
+        endpoints.bootstrap,
+        topic,
+        "records",
+        source=source,
+        security=endpoints.kafka_security,
     )
     return _in_window(df, "pub", window)
 
@@ -324,12 +256,16 @@ def records(
 def events(
     spark: SparkSession, endpoints: Endpoints, topic: str, source: str = "python"
 ) -> DataFrame:
-    from pipeline.kafka_source import read_topic
+    """The delivery events (:data:`EVENT_COLUMNS`)."""
+    from pipeline.kafka_source import read_table
 
-    return decode_events(
-        read_topic(
-            spark, endpoints.bootstrap, topic, source=source, security=endpoints.kafka_security
-        )
+    return read_table(
+        spark,
+        endpoints.bootstrap,
+        topic,
+        "events",
+        source=source,
+        security=endpoints.kafka_security,
     )
 
 

@@ -29,8 +29,8 @@ from pipeline.common import (
     Progress,
     Window,
     _in_window,
-    decode_events,
-    decode_records,
+    events,
+    records,
 )
 
 if TYPE_CHECKING:
@@ -133,34 +133,8 @@ def run_traffic(
 ) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
-    from pipeline.kafka_source import read_topic
-
-    recs = _in_window(
-        decode_records(
-            read_topic(
-                spark,
-                endpoints.bootstrap,
-                persisted_topic,
-                source=source,
-                security=endpoints.kafka_security,
-            )
-        ),
-        "pub",
-        window,
-    ).cache()
-    evs = _in_window(
-        decode_events(
-            read_topic(
-                spark,
-                endpoints.bootstrap,
-                events_topic,
-                source=source,
-                security=endpoints.kafka_security,
-            )
-        ),
-        "ts",
-        window,
-    ).cache()
+    recs = records(spark, endpoints, persisted_topic, window, source).cache()
+    evs = _in_window(events(spark, endpoints, events_topic, source), "ts", window).cache()
     if progress is not None:
         progress.read(persisted_topic, recs)
         progress.read(events_topic, evs)

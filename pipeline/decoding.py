@@ -1,0 +1,202 @@
+"""Kafka records of the two topics -> the pipeline's tables, as Arrow batches.
+
+Pure functions (no Spark, no I/O), run inside the Spark workers: by the Python
+Kafka source on the batches it has just fetched (one pass, no second trip
+through the JVM), or as Arrow UDFs over the raw rows of another source
+(pipeline/common.py). Columns are built field by field from plain Python
+lists: Arrow converts lists of numbers and strings fast, lists of dicts or
+structs slowly (the events' decoding cost more than anything else in the audit
+while it built one struct per event).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from persistence.format import header_fields
+
+__all__ = [
+    "EVENT_COLUMNS",
+    "EVENT_SCHEMA",
+    "RECORD_SCHEMA",
+    "event_batch",
+    "event_lists",
+    "header_structs",
+    "record_batch",
+]
+
+RECORD_SCHEMA = (
+    "cid string, part int, off long, kts double, topic string, size int, pub double, exp double"
+)
+# One delivery event (persistence/events.py): the fields the jobs read ...
+EVENT_SCHEMA = (
+    "ev string, cid string, ts double, pid int, sc long, part int, off long, ep int, "
+    "topic string, size int, pub double, exp double, dup boolean, at string, "
+    "pids array<int>, n long"
+)
+# ... and its position: Kafka partition and offset of its record, index in the record
+# (one client's events are in one partition, in order: they order its events).
+EVENT_COLUMNS = f"{EVENT_SCHEMA}, epart int, eoff long, idx int"
+
+_ARROW_TYPES = {
+    "string": "string",
+    "double": "float64",
+    "int": "int32",
+    "long": "int64",
+    "boolean": "bool_",
+}
+
+
+def _arrow_schema(spark_schema: str) -> Any:
+    import pyarrow as pa
+
+    fields = []
+    for column in spark_schema.split(", "):
+        name, kind = column.split(" ", 1)
+        if kind == "array<int>":
+            fields.append(pa.field(name, pa.list_(pa.int32())))
+        else:
+            fields.append(pa.field(name, getattr(pa, _ARROW_TYPES[kind])()))
+    return pa.schema(fields)
+
+
+_schemas: dict[str, Any] = {}
+
+
+def arrow_schema(spark_schema: str) -> Any:
+    """A Spark DDL schema of this module as an Arrow schema (made once per process)."""
+    found = _schemas.get(spark_schema)
+    if found is None:
+        found = _schemas[spark_schema] = _arrow_schema(spark_schema)
+    return found
+
+
+def _header(value: bytes | None) -> tuple[str | None, int | None, float | None, float | None]:
+    if value is None:
+        return None, None, None, None
+    try:
+        return header_fields(value)
+    except (ValueError, struct.error):
+        return None, None, None, None
+
+
+def record_batch(
+    keys: Sequence[bytes | None],
+    values: Sequence[bytes | None],
+    partitions: Sequence[int],
+    offsets: Sequence[int],
+    seconds: Sequence[float | None],
+) -> Any:
+    """Records of the persisted topic -> a batch of :data:`RECORD_SCHEMA`: the
+    subscriber (the record's key), its position, Kafka's timestamp (``kts``) and
+    the stored message's topic, payload size, publish time and expiry, read from
+    its header (persistence/format.py); a value that is no stored message gives
+    nulls there."""
+    import pyarrow as pa
+
+    headers = [_header(v) for v in values]
+    topic, size, pub, exp = zip(*headers, strict=True) if headers else ((), (), (), ())
+    cids = [k.decode("utf-8", "replace") if k is not None else None for k in keys]
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(cids, pa.string()),
+            pa.array(partitions, pa.int32()),
+            pa.array(offsets, pa.int64()),
+            pa.array(seconds, pa.float64()),
+            pa.array(topic, pa.string()),
+            pa.array(size, pa.int32()),
+            pa.array(pub, pa.float64()),
+            pa.array(exp, pa.float64()),
+        ],
+        schema=arrow_schema(RECORD_SCHEMA),
+    )
+
+
+def _event_columns(
+    values: Sequence[bytes | None],
+) -> tuple[list[Any], list[int], list[int]]:
+    """(one Arrow array per :data:`EVENT_SCHEMA` field over all events, which value
+    each event came from, its index in that value).
+
+    A value that is not a JSON array gives no event, an element that is not an
+    object is skipped, keys outside the schema are left out; a field of another
+    type fails the job (the broker writes them, persistence/events.py: a wrong
+    type is a bug to see, not to count around)."""
+    import pyarrow as pa
+
+    found: list[dict[str, Any]] = []
+    source: list[int] = []
+    idx: list[int] = []
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        try:
+            decoded = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(decoded, list):
+            continue
+        events = [e for e in decoded if isinstance(e, dict)]
+        n = len(events)
+        found.extend(events)
+        source.extend([i] * n)
+        idx.extend(range(n))
+    columns = [pa.array([e.get(f.name) for e in found], f.type) for f in arrow_schema(EVENT_SCHEMA)]
+    return columns, source, idx
+
+
+def event_batch(
+    values: Sequence[bytes | None], partitions: Sequence[int], offsets: Sequence[int]
+) -> Any:
+    """Records of the events topic (each a JSON array of one client's events) -> a
+    batch of :data:`EVENT_COLUMNS`, one row per event (:func:`_event_columns`)."""
+    import pyarrow as pa
+
+    columns, source, idx = _event_columns(values)
+    return pa.RecordBatch.from_arrays(
+        [
+            *columns,
+            pa.array([partitions[i] for i in source], pa.int32()),
+            pa.array([offsets[i] for i in source], pa.int64()),
+            pa.array(idx, pa.int32()),
+        ],
+        schema=arrow_schema(EVENT_COLUMNS),
+    )
+
+
+def event_lists(values: Any) -> Any:
+    """An Arrow UDF: the values of event records -> a list of events each (the
+    records of another source, e.g. Spark's Kafka connector, are exploded in the
+    JVM). The list is made from the flat columns, not from one struct per event."""
+    import pyarrow as pa
+
+    columns, source, _idx = _event_columns(values.to_pylist())
+    counts = [0] * len(values)
+    for i in source:
+        counts[i] += 1
+    ends = [0]
+    for n in counts:
+        ends.append(ends[-1] + n)
+    structs = pa.StructArray.from_arrays(columns, fields=list(arrow_schema(EVENT_SCHEMA)))
+    return pa.ListArray.from_arrays(pa.array(ends, pa.int32()), structs)
+
+
+def header_structs(values: Any) -> Any:
+    """An Arrow UDF: stored values -> their (topic, size, pub, exp), a struct each."""
+    import pyarrow as pa
+
+    headers = [_header(v) for v in values.to_pylist()]
+    topic, size, pub, exp = zip(*headers, strict=True) if headers else ((), (), (), ())
+    return pa.StructArray.from_arrays(
+        [
+            pa.array(topic, pa.string()),
+            pa.array(size, pa.int32()),
+            pa.array(pub, pa.float64()),
+            pa.array(exp, pa.float64()),
+        ],
+        names=["topic", "size", "pub", "exp"],
+    )

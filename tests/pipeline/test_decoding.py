@@ -1,0 +1,109 @@
+"""pipeline/decoding.py: the two topics' records as tables, without Spark; and with
+Spark, that the Python source's tables (decoded as it reads) are row for row what
+the Arrow UDFs give over the raw rows of the same topics (the connector's way)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pytest
+
+from persistence.format import StoredMessage, encode_message
+from pipeline.common import decode_events, decode_records
+from pipeline.decoding import EVENT_SCHEMA, event_batch, event_lists, record_batch
+from pipeline.kafka_source import read_table, read_topic
+from tests.pipeline.conftest import Workload
+
+
+def _stored(topic: str, payload: bytes, expiry: float | None = None) -> bytes:
+    return encode_message(
+        StoredMessage(topic=topic, payload=payload, qos=1, publish_time=100.0, expiry=expiry)
+    )
+
+
+def test_a_record_is_its_client_position_and_stored_header() -> None:
+    batch = record_batch(
+        [b"c1", b"c2", None],
+        [_stored("a/b", b"xyz", expiry=160.0), b"\x99 not a stored message", None],
+        [3, 3, 3],
+        [10, 11, 12],
+        [1.5, 2.5, None],
+    ).to_pylist()
+    assert batch[0] == {
+        "cid": "c1",
+        "part": 3,
+        "off": 10,
+        "kts": 1.5,
+        "topic": "a/b",
+        "size": 3,
+        "pub": 100.0,
+        "exp": 160.0,
+    }
+    # not a stored message, no value: the record stays, its header is null
+    assert [(r["cid"], r["off"], r["topic"], r["pub"]) for r in batch[1:]] == [
+        ("c2", 11, None, None),
+        (None, 12, None, None),
+    ]
+
+
+def test_events_are_one_row_each_in_record_order() -> None:
+    first = [
+        {"ev": "persisted", "cid": "c", "ts": 1, "sc": 7, "pid": 1},
+        {"ev": "acked", "cid": "c", "ts": 2.5, "sc": 7},
+    ]
+    second = [{"ev": "trimmed", "cid": "d", "ts": 3.0, "pids": [1, 2], "extra": "left out"}]
+    values = [
+        orjson.dumps(first),
+        b"{not json",
+        orjson.dumps({"ev": "an object, not an array"}),
+        orjson.dumps([1, "two", None]),  # no objects: no events
+        None,
+        orjson.dumps(second),
+    ]
+    rows = event_batch(values, [0, 0, 0, 0, 0, 1], [5, 6, 7, 8, 9, 4]).to_pylist()
+    got = [
+        (r["ev"], r["cid"], r["ts"], r["sc"], r["pids"], r["epart"], r["eoff"], r["idx"])
+        for r in rows
+    ]
+    assert got == [
+        ("persisted", "c", 1.0, 7, None, 0, 5, 0),
+        ("acked", "c", 2.5, 7, None, 0, 5, 1),
+        ("trimmed", "d", 3.0, None, [1, 2], 1, 4, 0),
+    ]
+
+
+def test_a_field_of_another_type_fails_rather_than_counting_around_it() -> None:
+    with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError, TypeError)):
+        event_batch([orjson.dumps([{"ev": "acked", "sc": "seven"}])], [0], [0])
+
+
+def test_the_udf_lists_hold_the_same_events_per_record() -> None:
+    values = [
+        orjson.dumps([{"ev": "a", "ts": 1}, {"ev": "b", "ts": 2}]),
+        b"[]",
+        b"x",
+        orjson.dumps([{"ev": "c"}]),
+    ]
+    lists = event_lists(pa.array(values, pa.binary())).to_pylist()
+    names = [f.split(" ")[0] for f in EVENT_SCHEMA.split(", ")]
+    assert [[e["ev"] for e in events] for events in lists] == [["a", "b"], [], [], ["c"]]
+    assert all(set(e) == set(names) for events in lists for e in events)
+
+
+def test_the_sources_tables_equal_the_udfs_over_the_raw_rows(
+    spark: Any, workload: Workload
+) -> None:
+    endpoints = workload.endpoints
+    for topic, table, decode in (
+        ("devicemq.device.persisted", "records", decode_records),
+        ("devicemq.events", "events", decode_events),
+    ):
+        # a Spark partition per 7 records at most: the split ranges join up exactly
+        read = read_table(spark, endpoints.bootstrap, topic, table, split=7)
+        assert read.rdd.getNumPartitions() > 1, table
+        raw = decode(read_topic(spark, endpoints.bootstrap, topic))
+        assert read.dtypes == raw.dtypes, table
+        assert read.count() == raw.count() > 0, table
+        assert read.exceptAll(raw).count() == 0 and raw.exceptAll(read).count() == 0, table
