@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from broker.config import ConfigError, load_settings
     from persistence import kafka_security, redis_security
     from persistence.kafka_security import PLAINTEXT
+    from pipeline.class_archive import ClassArchive
     from pipeline.common import (
         PipelineError,
         Progress,
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     owned = SparkSession.getActiveSession() is None  # else: a caller's session (tests)
     progress = Progress()
     progress.say(f"{args.job}: starting Spark ({args.master})")
-    spark = make_spark(args.master, f"devicemq-{args.job}")
+    archive = ClassArchive.here() if owned else None
+    spark = make_spark(args.master, f"devicemq-{args.job}", archive.java_options if archive else "")
     try:
         if args.job == "traffic":
             from pipeline.traffic import run_traffic
@@ -150,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if owned:
             spark.stop()
+            if archive is not None:
+                from pyspark import SparkContext
+
+                archive.finish(SparkContext, progress.say)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
