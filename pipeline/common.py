@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 
+# C1 only: a job of a few seconds is mostly a cold JVM compiling Spark's code; the
+# full JIT's later, faster code does not pay for its compiling. C1 alone gets the
+# code cache of a JVM without tiers, 48 MB, which a session of a few hundred
+# queries filled: the JIT stopped, then the JVM died ("Out of space in CodeCache").
+JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=256m"
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoints:
     bootstrap: str
@@ -159,9 +166,7 @@ def make_spark(
         # terminal, never into a log; Progress says what happens instead.
         .config("spark.ui.showConsoleProgress", "true" if sys.stderr.isatty() else "false")
         .config("spark.sql.session.timeZone", "UTC")
-        # C1 only: a job of a few seconds is mostly a cold JVM compiling Spark's
-        # code; the full JIT's later, faster code does not pay for its compiling
-        .config("spark.driver.extraJavaOptions", f"-XX:TieredStopAtLevel=1 {java_options}".strip())
+        .config("spark.driver.extraJavaOptions", f"{JIT} {java_options}".strip())
         .config("spark.sql.shuffle.partitions", os.environ.get("DEVICEMQ_SHUFFLE_PARTITIONS", "8"))
         .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
         .getOrCreate()

@@ -33,6 +33,17 @@ def _check_totals(totals: dict[str, int], **changes: int) -> None:
     assert {k: totals[k] for k in want} == want
 
 
+def test_the_jvm_keeps_room_for_a_long_sessions_code(spark: Any) -> None:
+    # C1 only (pipeline/common.py JIT) got the 48 MB code cache of a JVM without
+    # tiers: a test session filled it and the JVM died mid-query.
+    jvm = spark.sparkContext._jvm
+    bean = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean")
+    )
+    assert bean.getVMOption("TieredStopAtLevel").getValue() == "1"
+    assert int(bean.getVMOption("ReservedCodeCacheSize").getValue()) >= 256 * 1024 * 1024
+
+
 def test_workload_ran(workload: Workload) -> None:
     assert workload.received == dict.fromkeys(ACKERS, ACKED_EACH)
 
