@@ -234,3 +234,19 @@ def test_a_message_gone_from_redis_within_grace_of_being_stored_is_in_flight(
         ],
     )
     assert got == {0: "in_flight", 1: "lost"}
+
+
+def test_a_large_backlog_read_by_the_workers_is_the_drivers_read(
+    spark: Any, workload: Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline import audit
+
+    cids = spark.createDataFrame(
+        [(c,) for c in ("sleeper", "hoarder", "expirer", "nobody")], "cid string"
+    )
+    by_driver = audit.redis_refs(spark, workload.endpoints, cids)
+    monkeypatch.setattr(audit, "DRIVER_REFS", 0)  # every backlog counts as large
+    by_workers = audit.redis_refs(spark, workload.endpoints, cids)
+    assert by_driver.dtypes == by_workers.dtypes
+    assert by_driver.count() == by_workers.count() >= 10  # hoarder's 10 at least
+    assert by_driver.exceptAll(by_workers).count() == 0 == by_workers.exceptAll(by_driver).count()
