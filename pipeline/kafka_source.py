@@ -16,10 +16,10 @@ options (``endingOffsets`` ignored; ``maxOffsetsPerTrigger`` caps a micro-batch)
 
 The schema is the connector's core: ``key`` and ``value`` (binary),
 ``topic``, ``partition``, ``offset``, ``timestamp``; with option ``table``
-(``records`` or ``events``) the batch reader decodes each fetch into that
-pipeline table instead (pipeline/decoding.py), and ``recordsPerPartition``
-cuts a Kafka partition into Spark partitions of that many records at most. Offsets are given like
-the connector's: ``earliest``, ``latest``, or JSON
+(``records`` or ``events``) each fetch is decoded into that pipeline table
+instead (pipeline/decoding.py); ``recordsPerPartition`` cuts a Kafka partition
+into Spark partitions of that many records at most (a batch read). Offsets
+are given like the connector's: ``earliest``, ``latest``, or JSON
 ``{"<topic>": {"0": 23, "1": -2}}`` (-2 earliest, -1 latest; partitions left
 out start at earliest, or end at latest).
 
@@ -366,6 +366,7 @@ class KafkaSource(DataSource):
             security,
             _option(self.options, "startingOffsets", default="earliest"),
             int(limit) if limit else None,
+            self.options.get("table"),
         )
 
 
@@ -426,12 +427,15 @@ class _StreamReader(DataSourceStreamReader):
         security: KafkaSecurity,
         starting: str,
         max_per_trigger: int | None,
+        table: str | None = None,
     ):
         self.bootstrap = bootstrap
         self.topic = topic
         self.security = security
         self.starting = starting
         self.max_per_trigger = max_per_trigger
+        _table_schema(table)  # an unknown table fails here, once
+        self.table = table
 
     def initialOffset(self) -> dict[str, int]:
         bounds = latest_offsets(self.bootstrap, self.topic, self.security)
@@ -465,7 +469,7 @@ class _StreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, OffsetRange)
-        return read_range(partition)
+        return read_range(partition) if self.table is None else read_decoded(partition, self.table)
 
     def commit(self, end: dict[str, int]) -> None:
         pass  # Spark's checkpoint holds the offsets; nothing to tell Kafka

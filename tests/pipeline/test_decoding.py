@@ -5,6 +5,7 @@ the Arrow UDFs give over the raw rows of the same topics (the connector's way)."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -117,3 +118,30 @@ def test_the_sources_tables_equal_the_udfs_over_the_raw_rows(
         assert read.dtypes == raw.dtypes, table
         assert read.count() == raw.count() > 0, table
         assert read.exceptAll(raw).count() == 0 and raw.exceptAll(read).count() == 0, table
+
+
+def test_a_stream_decodes_as_it_reads_too(spark: Any, workload: Workload, tmp_path: Path) -> None:
+    from pipeline.kafka_source import FORMAT, register
+
+    register(spark)
+    topic = "devicemq.device.persisted"
+    stream = (
+        spark.readStream.format(FORMAT)
+        .option("bootstrap", workload.endpoints.bootstrap)
+        .option("topic", topic)
+        .option("table", "records")
+        .load()
+    )
+    query = (
+        stream.writeStream.format("parquet")
+        .option("path", str(tmp_path / "records"))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    streamed = spark.read.parquet(str(tmp_path / "records"))
+    read = read_table(spark, workload.endpoints.bootstrap, topic, "records")  # after: holds it all
+    assert streamed.dtypes == read.dtypes
+    assert streamed.count() > 0 and streamed.exceptAll(read).count() == 0
