@@ -516,8 +516,10 @@ def read_topic(
     starting: str = "earliest",
     ending: str = "latest",
     security: KafkaSecurity = PLAINTEXT,
+    options: dict[str, str] | None = None,
 ) -> DataFrame:
-    """A batch DataFrame of :data:`SCHEMA` over ``topic``.
+    """A batch DataFrame of :data:`SCHEMA` over ``topic`` (the python source: more
+    ``options`` of :class:`KafkaSource`, e.g. ``table``).
 
     ``source="python"`` uses :class:`KafkaSource`; ``"connector"`` uses the
     official Spark Kafka connector (``spark-sql-kafka`` on the classpath, as on
@@ -549,6 +551,7 @@ def read_topic(
         .option("startingOffsets", starting)
         .option("endingOffsets", ending)
         .options(**security.as_options())
+        .options(**(options or {}))
         .load()
     )
 
@@ -575,28 +578,19 @@ def read_table(
     """
     if table not in TABLES:
         raise ValueError(f"unknown table {table!r}: {' or '.join(TABLES)}")
-    if source != "python":
-        from pipeline.common import decode_events, decode_records
-
-        raw = read_topic(
-            spark,
-            bootstrap,
-            topic,
-            source=source,
-            starting=starting,
-            ending=ending,
-            security=security,
-        )
-        return decode_records(raw) if table == "records" else decode_events(raw)
-    register(spark)
-    return (
-        spark.read.format(FORMAT)
-        .option("bootstrap", bootstrap)
-        .option("topic", topic)
-        .option("startingOffsets", starting)
-        .option("endingOffsets", ending)
-        .option("table", table)
-        .option("recordsPerPartition", split)
-        .options(**security.as_options())
-        .load()
+    decoded = {"table": table, "recordsPerPartition": str(split)} if source == "python" else {}
+    df = read_topic(
+        spark,
+        bootstrap,
+        topic,
+        source=source,
+        starting=starting,
+        ending=ending,
+        security=security,
+        options=decoded,
     )
+    if decoded:
+        return df
+    from pipeline.common import decode_events, decode_records
+
+    return decode_records(df) if table == "records" else decode_events(df)
