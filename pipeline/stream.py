@@ -1,0 +1,670 @@
+"""``devicemq pipeline audit --stream``: the audit kept current, incrementally.
+
+Ingestion is Structured Streaming: one query per topic, whose ``foreachBatch``
+writes each micro-batch's raw Kafka rows into a directory of its own
+(``OUT/stream/records/<batch id>``, likewise ``events``). An update reads only
+the directories written since the last one, and deletes them once done.
+
+An update runs :func:`pipeline.audit.audit_frames` (the batch audit's own
+reconciliation, unchanged) over the NEW records plus the records still OPEN,
+and over the NEW events plus the events KEPT for what is still open. A record
+whose status is final (acked, expired, dropped, trimmed, purged, compacted,
+discarded, duplicate) is counted into running per-client totals and latency
+histograms and never looked at again; an open one (pending, in_flight, lost)
+is written to ``OUT/stream/state`` with the events it can still need:
+
+- the events naming its Kafka record (``part``, ``off``: its ``persisted``
+  event gives its score, packet id, stored time and expiry), and those naming
+  a record not read yet (a ``persisted`` event can reach the events' stream
+  before its record reaches the records' one: the events are read last);
+- the events naming its stored message (``cid``, ``sc``): its deliveries
+  (their count and first time), and whatever else comes later;
+- per (cid, packet id) the last ``persisted`` event: a trim names packet ids,
+  and resolves to the last message stored under that id before the trim.
+  New trims are resolved here, against the kept and the new ``persisted``
+  events, into ``trimmed`` events naming the score (what ``audit_frames``
+  makes of them): resolved once, a trim never needs the older events again;
+- per client the last ``session_expired``/``session_ended`` event (only
+  the latest end time is compared with a stored time);
+- per client the connection events (``connected``/``disconnected``) from
+  :data:`CONNECTION_HORIZON` seconds back or from the oldest open record's
+  publish time, whichever is earlier, and the last one before that:
+  ``_live`` looks for the last change before a publish time. A record that
+  reaches Kafka more than that after its publish may get the wrong live
+  flag (only the split of delivery latencies, never a status).
+
+That is every input ``audit_frames`` reads for a record, so an open record
+gets the status the batch audit would give it, and a final one's never
+changes. Two statuses are decided without an event saying so (a stored
+message gone from Redis after its expiry, or after its session ended): such a
+record stays open while it was stored less than ``--grace`` ago, as its
+acknowledgement's event may still come (an acknowledgement wins in the batch
+audit).
+
+The work of an update thus depends on what arrived since the last one and on
+what is open, and so does the state, except what grows with the clients and
+their packet ids (at most 65,535 ``persisted`` events per client, one session
+end and a few connection events per client). Latency percentiles come from
+log-bucket histograms (:class:`LogHistogram`) merged in the driver.
+
+A new process, or a new topic epoch (the embedded Kafka's topic created
+anew), starts over from the topics' earliest offsets: the running totals live
+in this process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.audit import (
+    LOST_LISTED,
+    PERCENTILES,
+    STATUSES,
+    AuditResult,
+    audit_frames,
+    redis_refs,
+    write_outputs,
+)
+from pipeline.common import (
+    EVENT_SCHEMA,
+    Endpoints,
+    Window,
+    _in_window,
+    decode_events,
+    decode_records,
+    read_epoch,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["FINAL", "OPEN", "IncrementalAudit", "LogHistogram", "stream_audit"]
+
+log = logging.getLogger("devicemq.pipeline.stream")
+
+FINAL = ("acked", "expired", "dropped", "trimmed", "purged", "compacted", "discarded", "duplicate")
+OPEN = ("pending", "in_flight", "lost")
+CONNECTION_HORIZON = 600.0  # seconds of connection events kept (see the module docstring)
+LATENCIES = ("delivery", "delivery_live", "delivery_replay", "ack")
+EVENT_COLUMNS = [c.split(" ", 1)[0] for c in EVENT_SCHEMA.split(", ")] + ["epart", "eoff", "idx"]
+SAMPLE = 20_000  # latencies handed to the report's histograms
+
+
+class LogHistogram:
+    """Counts of values in buckets ``[RATIO**i, RATIO**(i+1))``: a quantile is
+    given as its bucket's geometric middle, within 1 % of a value of that rank
+    (``sqrt(1.02) - 1``). Values at or below :data:`FLOOR` (1 µs, zero,
+    negative: clocks) share the lowest bucket. Merging is adding counts; a
+    run of an hour needs a few thousand buckets at most."""
+
+    RATIO = 1.02
+    FLOOR = 1e-6
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    @classmethod
+    def bucket_of(cls, value: float) -> int:
+        return math.floor(math.log(max(value, cls.FLOOR)) / math.log(cls.RATIO))
+
+    @classmethod
+    def bucket_column(cls, column: Any) -> Any:
+        """The same as :meth:`bucket_of`, as a Spark column."""
+        from pyspark.sql import functions as F
+
+        return F.floor(
+            F.log(F.greatest(column, F.lit(cls.FLOOR))) / F.lit(math.log(cls.RATIO))
+        ).cast("int")
+
+    def add(self, bucket: int, count: int = 1) -> None:
+        self.counts[bucket] = self.counts.get(bucket, 0) + count
+
+    def merged(self, other: LogHistogram) -> LogHistogram:
+        out = LogHistogram()
+        for source in (self, other):
+            for b, n in source.counts.items():
+                out.add(b, n)
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def value(self, bucket: int) -> float:
+        return float(self.RATIO ** (bucket + 0.5))
+
+    def quantile(self, q: float) -> float | None:
+        """The value of rank ``ceil(q * n)`` (the smallest value with at least a
+        fraction q of the values at or below it), to its bucket's precision."""
+        n = self.total
+        if not n:
+            return None
+        rank = max(1, math.ceil(q * n))
+        seen = 0
+        for b in sorted(self.counts):
+            seen += self.counts[b]
+            if seen >= rank:
+                return self.value(b)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+@dataclass
+class _Client:
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, row: dict[str, Any]) -> None:
+        for key in ("persisted", *STATUSES, "duplicates"):
+            self.counts[key] = self.counts.get(key, 0) + int(row[key] or 0)
+
+
+@dataclass
+class _Tally:
+    """Totals over a set of records: per client, and what the summary adds up."""
+
+    clients: dict[str, _Client] = field(default_factory=dict)
+    redelivered: int = 0
+    live: int = 0
+    replayed: int = 0
+    maxima: dict[str, float] = field(default_factory=dict)
+    hists: dict[str, LogHistogram] = field(
+        default_factory=lambda: {k: LogHistogram() for k in LATENCIES}
+    )
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        self.clients.setdefault(row["cid"], _Client()).add(row)
+        self.redelivered += int(row["redelivered"] or 0)
+        self.live += int(row["n_live"] or 0)
+        self.replayed += int(row["n_replay"] or 0)
+        for key in LATENCIES:
+            top = row[f"{key}_max"]
+            if top is not None:
+                self.maxima[key] = max(self.maxima.get(key, top), top)
+
+    def merged(self, other: _Tally) -> _Tally:
+        out = _Tally()
+        for tally in (self, other):
+            for cid, client in tally.clients.items():
+                out.clients.setdefault(cid, _Client()).add(
+                    {k: client.counts.get(k, 0) for k in ("persisted", *STATUSES, "duplicates")}
+                )
+            out.redelivered += tally.redelivered
+            out.live += tally.live
+            out.replayed += tally.replayed
+            for key, top in tally.maxima.items():
+                out.maxima[key] = max(out.maxima.get(key, top), top)
+        for key in LATENCIES:
+            out.hists[key] = self.hists[key].merged(other.hists[key])
+        return out
+
+
+class IncrementalAudit:
+    """The state of a stream's audit between updates (one topic epoch): the
+    running totals of final records in the driver, the open records and the
+    events kept for them in Parquet under ``state`` (one generation per update,
+    the one before deleted: no lineage grows from one update to the next)."""
+
+    def __init__(self, spark: SparkSession, endpoints: Endpoints, state: Path, epoch: int):
+        self.spark = spark
+        self.endpoints = endpoints
+        self.state = state
+        self.epoch = epoch
+        self.final = _Tally()
+        self.gaps = 0
+        self.high: dict[int, int] = {}  # records' partition -> highest offset read
+        self.generation = 0
+        self.open_records = 0
+        self.kept_events = 0
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(parents=True)
+
+    def _generation(self, n: int) -> Path:
+        return self.state / f"gen-{n:08d}"
+
+    def _kept(self, name: str, schema: str) -> DataFrame:
+        path = self._generation(self.generation) / name
+        if self.generation == 0 or not path.exists():
+            return self.spark.createDataFrame([], schema)
+        return self.spark.read.schema(schema).parquet(str(path))
+
+    def update(
+        self,
+        new_records: DataFrame,
+        new_events: Any,
+        *,
+        window: Window,
+        grace: float,
+        persisted_topic: str,
+    ) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]] | None:
+        """One update: the new raw records (read), Redis, then ``new_events()``
+        (raw rows, read only then). None: the topic's epoch changed meanwhile."""
+        from pyspark.sql import functions as F
+
+        spark = self.spark
+        recs_schema = (
+            "cid string, part int, off bigint, kts double, topic string, size int, "
+            "pub double, exp double"
+        )
+        raw = new_records.cache()
+        for row in raw.groupBy("partition").agg(F.max("offset").alias("high")).collect():
+            self.high[int(row["partition"])] = max(
+                self.high.get(int(row["partition"]), -1), int(row["high"])
+            )
+        fresh = _in_window(decode_records(raw), "pub", window)
+        recs = fresh.unionByName(self._kept("records", recs_schema)).cache()
+        recs.count()
+        raw.unpersist()
+        # Redis after the records and before the events (pipeline/audit.py: why)
+        now = time.time()
+        if read_epoch(self.endpoints, persisted_topic) != self.epoch:
+            recs.unpersist()
+            return None
+        refs = redis_refs(spark, self.endpoints, recs.select("cid").distinct()).cache()
+        refs.count()
+        decoded = decode_events(new_events()).cache()
+        evs = self._events(decoded).cache()
+        self.gaps += int(decoded.where(F.col("ev") == "gap").agg(F.sum("n")).collect()[0][0] or 0)
+        messages, _clients = audit_frames(spark, recs, evs, refs, self.epoch, now, grace)
+        status, stored = F.col("status"), F.col("stored_ts")
+        final = status.isin(*FINAL) & ~(
+            status.isin("expired", "discarded") & stored.isNotNull() & (stored > now - grace)
+        )
+        m = messages.withColumn("final", final)
+        tallies = self._tally(m)
+        self.final = self.final.merged(tallies[True])
+        report = self.final.merged(tallies[False])
+        lost: list[dict[str, Any]] = []
+        if any(c.counts.get("lost") for c in tallies[False].clients.values()):
+            lost = [
+                {k: row[k] for k in ("cid", "pid", "sc", "part", "off", "topic", "pub", "reason")}
+                for row in m.where(F.col("status") == "lost")
+                .orderBy("cid", "part", "off")
+                .limit(LOST_LISTED)
+                .collect()
+            ]
+        self._keep(recs, evs, m, now)
+        for frame in (recs, refs, decoded, evs, messages):
+            frame.unpersist()
+        return self._summary(report, lost, now), _sample(report)
+
+    def _events(self, decoded: DataFrame) -> DataFrame:
+        """The kept events and the new ones, the new trims resolved to the
+        message they name (``trimmed`` with its score; see the module docstring)."""
+        from pyspark.sql import Window as W
+        from pyspark.sql import functions as F
+
+        schema = f"{EVENT_SCHEMA}, epart int, eoff bigint, idx int"
+        kept = self._kept("events", schema)
+        new = decoded.select(*EVENT_COLUMNS)
+        ev = F.col("ev")
+        by_pids = (ev == "trimmed") & F.col("pids").isNotNull()
+        placed = (
+            kept.unionByName(new)
+            .where(ev == "persisted")
+            .select(
+                "cid",
+                "pid",
+                "epart",
+                "eoff",
+                "idx",
+                "sc",
+                F.lit(None).cast("double").alias("ts"),
+                F.lit(None).cast("string").alias("at"),
+                F.lit(False).alias("is_trim"),
+            )
+        )
+        trims = new.where(by_pids).select(
+            "cid",
+            F.explode("pids").alias("pid"),
+            "epart",
+            "eoff",
+            "idx",
+            F.lit(None).cast("long").alias("sc"),
+            "ts",
+            "at",
+            F.lit(True).alias("is_trim"),
+        )
+        before = (
+            W.partitionBy("cid", "pid")
+            .orderBy("epart", "eoff", "idx")
+            .rowsBetween(W.unboundedPreceding, W.currentRow)
+        )
+        resolved = (
+            placed.unionByName(trims)
+            .withColumn("owner", F.last("sc", ignorenulls=True).over(before))
+            .where(F.col("is_trim") & F.col("owner").isNotNull())
+            .select(
+                F.lit("trimmed").alias("ev"),
+                "cid",
+                "ts",
+                "pid",
+                F.col("owner").alias("sc"),
+                "at",
+                "epart",
+                "eoff",
+                "idx",
+            )
+        )
+        return kept.unionByName(new.where(~by_pids)).unionByName(resolved, allowMissingColumns=True)
+
+    def _tally(self, m: DataFrame) -> dict[bool, _Tally]:
+        """Per-client counts and latency histograms of the final and the open records."""
+        from pyspark.sql import functions as F
+
+        col = F.col
+        delivered = col("delivered_ts").isNotNull()
+        rows = (
+            m.groupBy("final", "cid")
+            .agg(
+                F.count("*").alias("persisted"),
+                *[F.sum(F.when(col("status") == s, 1).otherwise(0)).alias(s) for s in STATUSES],
+                F.sum(F.greatest(col("deliveries") - 1, F.lit(0))).alias("duplicates"),
+                F.sum(F.when(col("deliveries") > 1, 1).otherwise(0)).alias("redelivered"),
+                F.sum(F.when(col("live") & delivered, 1).otherwise(0)).alias("n_live"),
+                F.sum(F.when(~col("live") & delivered, 1).otherwise(0)).alias("n_replay"),
+                F.max("delivery_latency").alias("delivery_max"),
+                F.max(F.when(col("live"), col("delivery_latency"))).alias("delivery_live_max"),
+                F.max(F.when(~col("live"), col("delivery_latency"))).alias("delivery_replay_max"),
+                F.max("ack_latency").alias("ack_max"),
+            )
+            .collect()
+        )
+        tallies = {True: _Tally(), False: _Tally()}
+        for row in rows:
+            tallies[bool(row["final"])].add_row(row.asDict())
+        split = F.when(col("live"), F.lit("delivery_live")).otherwise(F.lit("delivery_replay"))
+        latencies = (
+            m.select(
+                "final",
+                F.explode(
+                    F.array(
+                        F.struct(F.lit("delivery").alias("k"), col("delivery_latency").alias("v")),
+                        F.struct(split.alias("k"), col("delivery_latency").alias("v")),
+                        F.struct(F.lit("ack").alias("k"), col("ack_latency").alias("v")),
+                    )
+                ).alias("x"),
+            )
+            .where(col("x.v").isNotNull())
+            .groupBy(
+                "final", col("x.k").alias("k"), LogHistogram.bucket_column(col("x.v")).alias("b")
+            )
+            .count()
+            .collect()
+        )
+        for row in latencies:
+            tallies[bool(row["final"])].hists[row["k"]].add(int(row["b"]), int(row["count"]))
+        return tallies
+
+    def _keep(self, recs: DataFrame, evs: DataFrame, m: DataFrame, now: float) -> None:
+        """Write the open records and the events they can still need (the module
+        docstring: which, and why that is enough) as the next generation."""
+        from pyspark.sql import Window as W
+        from pyspark.sql import functions as F
+
+        col, ev = F.col, F.col("ev")
+        spark = self.spark
+        opened = m.where(~col("final"))
+        target = self._generation(self.generation + 1)
+        open_recs = recs.join(opened.select("part", "off"), ["part", "off"], "left_semi")
+        open_recs.write.mode("overwrite").parquet(str(target / "records"))
+        oldest = opened.agg(F.min("pub")).collect()[0][0]
+        cutoff = now - CONNECTION_HORIZON
+        if oldest is not None:
+            cutoff = min(cutoff, float(oldest))
+        high = spark.createDataFrame(
+            [(p, o) for p, o in self.high.items()] or [(-1, -1)], "part int, high bigint"
+        )
+        open_keys = opened.select("part", "off").distinct().withColumn("is_open", F.lit(True))
+        named = (
+            evs.where(col("part").isNotNull() & col("off").isNotNull() & (col("ep") == self.epoch))
+            .join(open_keys, ["part", "off"], "left")
+            .join(high, ["part"], "left")
+            .where(col("is_open").isNotNull() | col("high").isNull() | (col("off") > col("high")))
+            .select(*EVENT_COLUMNS)
+        )
+        scores = (
+            named.where(ev == "persisted")
+            .select("cid", "sc")
+            .unionByName(opened.select("cid", "sc"))
+            .where(col("sc").isNotNull())
+            .distinct()
+        )
+        of_message = evs.where(col("sc").isNotNull()).join(scores, ["cid", "sc"], "left_semi")
+        position = [col("epart").desc(), col("eoff").desc(), col("idx").desc()]
+        last_placed = (
+            evs.where(ev == "persisted")
+            .withColumn("n", F.row_number().over(W.partitionBy("cid", "pid").orderBy(*position)))
+            .where(col("n") == 1)
+            .select(*EVENT_COLUMNS)
+        )
+        ended = (
+            evs.where(ev.isin("session_expired", "session_ended"))
+            .withColumn(
+                "n", F.row_number().over(W.partitionBy("cid").orderBy(col("ts").desc(), *position))
+            )
+            .where(col("n") == 1)
+            .select(*EVENT_COLUMNS)
+        )
+        life = evs.where(ev.isin("connected", "disconnected"))
+        recent = life.where(col("ts") >= cutoff)
+        before = (
+            life.where(col("ts") < cutoff)
+            .withColumn(
+                "n", F.row_number().over(W.partitionBy("cid").orderBy(col("ts").desc(), *position))
+            )
+            .where(col("n") == 1)
+            .select(*EVENT_COLUMNS)
+        )
+        kept = (
+            named.unionByName(of_message.select(*EVENT_COLUMNS))
+            .unionByName(last_placed)
+            .unionByName(ended)
+            .unionByName(recent.select(*EVENT_COLUMNS))
+            .unionByName(before)
+            .dropDuplicates(["epart", "eoff", "idx", "ev", "sc", "pid"])
+        )
+        kept.write.mode("overwrite").parquet(str(target / "events"))
+        previous = self._generation(self.generation)
+        self.generation += 1
+        shutil.rmtree(previous, ignore_errors=True)
+        state = spark.read.parquet(str(target / "records")).count()
+        self.open_records = state
+        self.kept_events = spark.read.parquet(str(target / "events")).count()
+
+    def _summary(self, tally: _Tally, lost: list[dict[str, Any]], now: float) -> dict[str, Any]:
+        """The batch audit's summary (pipeline/audit.py ``summarize``), from tallies."""
+        clients: list[dict[str, Any]] = [
+            {"cid": cid, **{k: c.counts.get(k, 0) for k in ("persisted", *STATUSES, "duplicates")}}
+            for cid, c in sorted(tally.clients.items())
+        ]
+        totals: dict[str, int] = {"persisted": sum(c["persisted"] for c in clients)}
+        for status in STATUSES:
+            totals[status] = sum(c[status] for c in clients)
+        totals["duplicates"] = sum(c["duplicates"] for c in clients)
+        totals["redelivered_messages"] = tally.redelivered
+
+        def percentiles(key: str) -> dict[str, float | None]:
+            hist = tally.hists[key]
+            top = tally.maxima.get(key)
+            out: dict[str, float | None] = {}
+            for q in PERCENTILES:
+                value = hist.quantile(q)
+                out[f"p{int(q * 100)}"] = (
+                    min(value, top) if value is not None and top is not None else value
+                )
+            out["max"] = top
+            return out
+
+        return {
+            "generated_at": now,
+            "totals": totals,
+            "ok": totals["lost"] == 0,
+            "latency_seconds": {key: percentiles(key) for key in LATENCIES},
+            "latency_precision": "log buckets of ratio 1.02: percentiles within 1 %",
+            "delivered": {"live": tally.live, "replayed": tally.replayed},
+            "events_dropped": self.gaps,
+            "clients": clients,
+            "lost_messages": lost,
+        }
+
+
+def _sample(tally: _Tally) -> list[tuple[float | None, float | None, bool]]:
+    """At most :data:`SAMPLE` delivery latencies, drawn from the histograms in
+    proportion (the report's charts)."""
+    out: list[tuple[float | None, float | None, bool]] = []
+    total = tally.hists["delivery"].total
+    if not total:
+        return out
+    scale = min(1.0, SAMPLE / total)
+    for key, live in (("delivery_live", True), ("delivery_replay", False)):
+        hist = tally.hists[key]
+        for b, n in sorted(hist.counts.items()):
+            out.extend([(hist.value(b), None, live)] * max(1, round(n * scale)))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Ingestion and the loop
+# ---------------------------------------------------------------------------
+
+
+def _batches(directory: Path) -> list[Path]:
+    """The micro-batches written completely (``_SUCCESS``) under ``directory``."""
+    if not directory.exists():
+        return []
+    return sorted(d for d in directory.iterdir() if (d / "_SUCCESS").exists())
+
+
+def _read(spark: SparkSession, paths: Iterable[Path]) -> DataFrame:
+    from pipeline.kafka_source import SCHEMA
+
+    names = [str(p) for p in paths]
+    if not names:
+        return spark.createDataFrame([], SCHEMA)
+    return spark.read.schema(SCHEMA).parquet(*names)
+
+
+def _sink(directory: Path) -> Any:
+    def write(batch: DataFrame, batch_id: int) -> None:
+        batch.write.mode("overwrite").parquet(str(directory / f"{batch_id:012d}"))
+
+    return write
+
+
+def stream_audit(
+    spark: SparkSession,
+    endpoints: Endpoints,
+    *,
+    persisted_topic: str,
+    events_topic: str,
+    window: Window,
+    out: Path,
+    interval: float,
+    max_iterations: int | None,
+    grace: float = 30.0,
+    on_summary: Any = None,
+) -> dict[str, Any]:
+    """Ingest both topics with Structured Streaming into per-batch Parquet under
+    ``out/stream``; every ``interval`` seconds account for what is new and still
+    open (:class:`IncrementalAudit`) and rewrite audit.json/html.
+
+    Each update waits until the records' stream has taken in what Kafka held as
+    it began (:func:`pipeline.audit._catch_up`), reads Redis, then waits for the
+    events' stream likewise: the order of the batch audit. Stops after
+    ``max_iterations`` (None: runs until killed)."""
+    from pipeline.audit import _catch_up
+    from pipeline.kafka_source import FORMAT, register
+
+    register(spark)
+    base = out / "stream"
+    queries: list[Any] = []
+
+    def start(epoch: int) -> IncrementalAudit:
+        """Both queries from the topics' earliest offsets, and a new state."""
+        for query in queries:
+            query.stop()
+        queries.clear()
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        for name, topic in (("records", persisted_topic), ("events", events_topic)):
+            stream = (
+                spark.readStream.format(FORMAT)
+                .option("bootstrap", endpoints.bootstrap)
+                .option("topic", topic)
+                .option("startingOffsets", "earliest")
+                .options(**endpoints.kafka_security.as_options())
+                .load()
+            )
+            queries.append(
+                stream.writeStream.foreachBatch(_sink(base / name))
+                .option("checkpointLocation", str(base / f"{name}.checkpoint"))
+                .trigger(processingTime=f"{max(interval, 0.5)} seconds")
+                .start()
+            )
+        return IncrementalAudit(spark, endpoints, base / "state", epoch)
+
+    epoch = read_epoch(endpoints, persisted_topic)
+    audit = start(epoch)
+    summary: dict[str, Any] = {}
+    iteration = 0
+    try:
+        while max_iterations is None or iteration < max_iterations:
+            started = time.monotonic()
+            now_epoch = read_epoch(endpoints, persisted_topic)
+            if now_epoch != epoch:
+                epoch = now_epoch
+                audit = start(epoch)
+            _catch_up(queries[0], endpoints, persisted_topic)
+            record_batches = _batches(base / "records")
+            event_batches: list[Path] = []
+
+            def new_events(batches: list[Path] = event_batches) -> DataFrame:
+                _catch_up(queries[1], endpoints, events_topic)  # after Redis
+                batches.extend(_batches(base / "events"))
+                return _read(spark, batches)
+
+            done = audit.update(
+                _read(spark, record_batches),
+                new_events,
+                window=window,
+                grace=grace,
+                persisted_topic=persisted_topic,
+            )
+            if done is None:
+                continue  # the topic was created anew while it was read: start over
+            for batch in (*record_batches, *event_batches):
+                shutil.rmtree(batch, ignore_errors=True)
+            summary, sample = done
+            iteration += 1
+            summary["window"] = {"since": window.since, "until": window.until}
+            summary["topics"] = {
+                "persisted": persisted_topic,
+                "events": events_topic,
+                "epoch": epoch,
+            }
+            summary["stream"] = {
+                "iteration": iteration,
+                "interval": interval,
+                "seconds": round(time.monotonic() - started, 3),
+                "new_record_batches": len(record_batches),
+                "new_event_batches": len(event_batches),
+                "open_records": audit.open_records,
+                "kept_events": audit.kept_events,
+            }
+            write_outputs(AuditResult(summary, None, None, sample), out, tables=False)  # type: ignore[arg-type]
+            if on_summary is not None:
+                on_summary(summary)
+            log.info("audit iteration %d: %s", iteration, summary["totals"])
+            if max_iterations is not None and iteration >= max_iterations:
+                break
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        for query in queries:
+            query.stop()
+    return summary
