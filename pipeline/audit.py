@@ -611,31 +611,3 @@ def stream_audit(
         grace=grace,
         on_summary=on_summary,
     )
-
-
-def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> None:
-    """Wait until ``query`` has written every record ``topic`` held when called.
-
-    Not ``processAllAvailable``: that waits until no new record comes, which
-    under load never happens."""
-    from pipeline.kafka_source import latest_offsets
-
-    bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
-    while True:
-        error = query.exception()
-        if error is not None or not query.isActive:
-            raise RuntimeError(f"the stream of {topic} stopped: {error}")
-        done = _offsets_written(query.lastProgress)
-        if all(high <= low or done.get(p, -1) >= high for p, (low, high) in bounds.items()):
-            return
-        time.sleep(0.1)
-
-
-def _offsets_written(progress: Any) -> dict[int, int]:
-    """partition -> next offset, from a streaming query's last progress (None: none yet)."""
-    if not progress or not progress.get("sources"):
-        return {}
-    end = progress["sources"][0].get("endOffset")
-    if isinstance(end, str):
-        end = json.loads(end)
-    return {int(p): int(o) for p, o in (end or {}).items()}

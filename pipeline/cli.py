@@ -93,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
     from pyspark.sql import SparkSession
 
     owned = SparkSession.getActiveSession() is None  # else: a caller's session (tests)
+    if owned and args.stream and args.job == "audit":
+        import os
+
+        from pipeline.stream import SUBMIT_ARGS
+
+        os.environ.setdefault("PYSPARK_SUBMIT_ARGS", SUBMIT_ARGS)
     progress = Progress()
     progress.say(f"{args.job}: starting Spark ({args.master})")
     spark = make_spark(args.master, f"devicemq-{args.job}")

@@ -19,11 +19,14 @@ is written to ``OUT/stream/state`` with the events it can still need:
   before its record reaches the records' one: the events are read last);
 - the events naming its stored message (``cid``, ``sc``): its deliveries
   (their count and first time), and whatever else comes later;
-- per (cid, packet id) the last ``persisted`` event: a trim names packet ids,
-  and resolves to the last message stored under that id before the trim.
-  New trims are resolved here, against the kept and the new ``persisted``
-  events, into ``trimmed`` events naming the score (what ``audit_frames``
-  makes of them): resolved once, a trim never needs the older events again;
+- per (cid, packet id) of a kept ``persisted`` event, the last ``persisted``
+  event of that id: a trim names packet ids, and resolves to the last message
+  stored under that id before the trim, which may be a final one with the id
+  of an open one. New trims are resolved here, against the kept and the new
+  ``persisted`` events, into ``trimmed`` events naming the score (what
+  ``audit_frames`` makes of them): resolved once, a trim never needs the
+  older events again. An id no open message has is not kept: a trim naming
+  it can only fall on a message whose status is final already;
 - per client the last ``session_expired``/``session_ended`` event (only
   the latest end time is compared with a stored time);
 - per client the connection events (``connected``/``disconnected``) from
@@ -54,6 +57,7 @@ in this process only.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -69,7 +73,7 @@ from pipeline.audit import (
     STATUSES,
     AuditResult,
     audit_frames,
-    redis_refs,
+    stored_refs,
     write_outputs,
 )
 from pipeline.common import (
@@ -95,6 +99,21 @@ CONNECTION_HORIZON = 600.0  # seconds of connection events kept (see the module 
 LATENCIES = ("delivery", "delivery_live", "delivery_replay", "ack")
 EVENT_COLUMNS = [c.split(" ", 1)[0] for c in EVENT_SCHEMA.split(", ")] + ["epart", "eoff", "idx"]
 SAMPLE = 20_000  # latencies handed to the report's histograms
+# Spark settings for a process that runs the stream (read as the JVM starts:
+# ``PYSPARK_SUBMIT_ARGS``, set by pipeline/cli.py). Idle Python workers are not
+# pooled past two per kind (each ~100-130 MB: a trial run held 14 of them), the
+# status store keeps fewer finished jobs and queries (it keeps 1,000 of each
+# by default: thousands of small jobs an hour), and the cleaner's GC, which
+# lets Spark drop the shuffle and cache blocks of finished updates, runs every
+# 2 minutes instead of 30.
+SUBMIT_ARGS = (
+    "--driver-memory 1g "
+    "--conf spark.python.factory.idleWorkerMaxPoolSize=2 "
+    "--conf spark.ui.retainedJobs=100 --conf spark.ui.retainedStages=100 "
+    "--conf spark.ui.retainedTasks=2000 --conf spark.sql.ui.retainedExecutions=50 "
+    "--conf spark.cleaner.periodicGC.interval=2min "
+    "pyspark-shell"
+)
 
 
 class LogHistogram:
@@ -221,6 +240,8 @@ class IncrementalAudit:
         self.generation = 0
         self.open_records = 0
         self.kept_events = 0
+        self.phases: dict[str, float] = {}  # seconds of the last update's steps
+        self._oldest_open: float | None = None  # publish time of the oldest open record
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
 
@@ -244,6 +265,22 @@ class IncrementalAudit:
     ) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]] | None:
         """One update: the new raw records (read), Redis, then ``new_events()``
         (raw rows, read only then). None: the topic's epoch changed meanwhile."""
+        cached: list[DataFrame] = []  # let go at the end, or when an update fails
+        try:
+            return self._update(new_records, new_events, window, grace, persisted_topic, cached)
+        finally:
+            for frame in cached:
+                frame.unpersist()
+
+    def _update(
+        self,
+        new_records: DataFrame,
+        new_events: Any,
+        window: Window,
+        grace: float,
+        persisted_topic: str,
+        cached: list[DataFrame],
+    ) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]] | None:
         from pyspark.sql import functions as F
 
         spark = self.spark
@@ -251,34 +288,47 @@ class IncrementalAudit:
             "cid string, part int, off bigint, kts double, topic string, size int, "
             "pub double, exp double"
         )
+        clock = time.monotonic()
+        phases: dict[str, float] = {}
+
+        def phase(name: str) -> None:
+            nonlocal clock
+            phases[name] = round(time.monotonic() - clock, 3)
+            clock = time.monotonic()
+
         raw = new_records.cache()
+        cached.append(raw)
         for row in raw.groupBy("partition").agg(F.max("offset").alias("high")).collect():
             self.high[int(row["partition"])] = max(
                 self.high.get(int(row["partition"]), -1), int(row["high"])
             )
         fresh = _in_window(decode_records(raw), "pub", window)
         recs = fresh.unionByName(self._kept("records", recs_schema)).cache()
+        cached.append(recs)
         recs.count()
-        raw.unpersist()
+        phase("records")
         # Redis after the records and before the events (pipeline/audit.py: why)
         now = time.time()
         if read_epoch(self.endpoints, persisted_topic) != self.epoch:
-            recs.unpersist()
             return None
-        refs = redis_refs(spark, self.endpoints, recs.select("cid").distinct()).cache()
-        refs.count()
+        refs = self._refs(recs)
+        cached.append(refs)
+        phase("redis")
         decoded = decode_events(new_events()).cache()
         evs = self._events(decoded).cache()
+        cached.extend((decoded, evs))
         self.gaps += int(decoded.where(F.col("ev") == "gap").agg(F.sum("n")).collect()[0][0] or 0)
+        phase("events")
         messages, _clients = audit_frames(spark, recs, evs, refs, self.epoch, now, grace)
+        cached.append(messages)
         status, stored = F.col("status"), F.col("stored_ts")
         final = status.isin(*FINAL) & ~(
             status.isin("expired", "discarded") & stored.isNotNull() & (stored > now - grace)
         )
         m = messages.withColumn("final", final)
         tallies = self._tally(m)
-        self.final = self.final.merged(tallies[True])
-        report = self.final.merged(tallies[False])
+        final_now = self.final.merged(tallies[True])
+        report = final_now.merged(tallies[False])
         lost: list[dict[str, Any]] = []
         if any(c.counts.get("lost") for c in tallies[False].clients.values()):
             lost = [
@@ -288,10 +338,21 @@ class IncrementalAudit:
                 .limit(LOST_LISTED)
                 .collect()
             ]
+        phase("accounting")
         self._keep(recs, evs, m, now)
-        for frame in (recs, refs, decoded, evs, messages):
-            frame.unpersist()
+        self.final = final_now  # counted once the open ones are kept: a failure counts none
+        phase("keeping")
+        self.phases = phases
         return self._summary(report, lost, now), _sample(report)
+
+    def _refs(self, recs: DataFrame) -> DataFrame:
+        """What Redis holds of the records' clients, read in the driver: an update's
+        clients are few next to its records, and a Python worker's job to read
+        them cost more than the reading itself."""
+        cids = [tuple(row) for row in recs.select("cid").distinct().collect()]
+        rows = list(stored_refs(self.endpoints, cids))
+        schema = "cid string, sc long, ref_pid int, has_value boolean"
+        return self.spark.createDataFrame(rows, schema).cache()
 
     def _events(self, decoded: DataFrame) -> DataFrame:
         """The kept events and the new ones, the new trims resolved to the
@@ -372,12 +433,16 @@ class IncrementalAudit:
                 F.max(F.when(col("live"), col("delivery_latency"))).alias("delivery_live_max"),
                 F.max(F.when(~col("live"), col("delivery_latency"))).alias("delivery_replay_max"),
                 F.max("ack_latency").alias("ack_max"),
+                F.min("pub").alias("oldest"),
             )
             .collect()
         )
         tallies = {True: _Tally(), False: _Tally()}
+        self._oldest_open = None
         for row in rows:
             tallies[bool(row["final"])].add_row(row.asDict())
+            if not row["final"] and row["oldest"] is not None:
+                self._oldest_open = min(self._oldest_open or row["oldest"], row["oldest"])
         split = F.when(col("live"), F.lit("delivery_live")).otherwise(F.lit("delivery_replay"))
         latencies = (
             m.select(
@@ -413,10 +478,9 @@ class IncrementalAudit:
         target = self._generation(self.generation + 1)
         open_recs = recs.join(opened.select("part", "off"), ["part", "off"], "left_semi")
         open_recs.write.mode("overwrite").parquet(str(target / "records"))
-        oldest = opened.agg(F.min("pub")).collect()[0][0]
         cutoff = now - CONNECTION_HORIZON
-        if oldest is not None:
-            cutoff = min(cutoff, float(oldest))
+        if self._oldest_open is not None:
+            cutoff = min(cutoff, float(self._oldest_open))
         high = spark.createDataFrame(
             [(p, o) for p, o in self.high.items()] or [(-1, -1)], "part int, high bigint"
         )
@@ -441,6 +505,7 @@ class IncrementalAudit:
             evs.where(ev == "persisted")
             .withColumn("n", F.row_number().over(W.partitionBy("cid", "pid").orderBy(*position)))
             .where(col("n") == 1)
+            .join(named.where(ev == "persisted").select("cid", "pid"), ["cid", "pid"], "left_semi")
             .select(*EVENT_COLUMNS)
         )
         ended = (
@@ -473,9 +538,8 @@ class IncrementalAudit:
         previous = self._generation(self.generation)
         self.generation += 1
         shutil.rmtree(previous, ignore_errors=True)
-        state = spark.read.parquet(str(target / "records")).count()
-        self.open_records = state
-        self.kept_events = spark.read.parquet(str(target / "events")).count()
+        self.open_records = _rows(target / "records")
+        self.kept_events = _rows(target / "events")
 
     def _summary(self, tally: _Tally, lost: list[dict[str, Any]], now: float) -> dict[str, Any]:
         """The batch audit's summary (pipeline/audit.py ``summarize``), from tallies."""
@@ -514,6 +578,13 @@ class IncrementalAudit:
         }
 
 
+def _rows(directory: Path) -> int:
+    """Rows of the Parquet files under ``directory``, from their footers (no Spark job)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in directory.glob("*.parquet"))
+
+
 def _sample(tally: _Tally) -> list[tuple[float | None, float | None, bool]]:
     """At most :data:`SAMPLE` delivery latencies, drawn from the histograms in
     proportion (the report's charts)."""
@@ -532,6 +603,15 @@ def _sample(tally: _Tally) -> list[tuple[float | None, float | None, bool]]:
 # ---------------------------------------------------------------------------
 # Ingestion and the loop
 # ---------------------------------------------------------------------------
+
+
+def _trigger(interval: float) -> float:
+    """Seconds between the ingesting queries' micro-batches: a third of the
+    update interval, at most 10 s (an update waits for the next micro-batch
+    twice, for the records and for the events: at the update's own interval
+    that wait was up to two intervals; more often, the micro-batches' own
+    cost, a planning and a job each, took a share of the cores)."""
+    return max(0.5, min(interval / 3, 10.0))
 
 
 def _batches(directory: Path) -> list[Path]:
@@ -557,6 +637,41 @@ def _sink(directory: Path) -> Any:
     return write
 
 
+class StreamStopped(RuntimeError):
+    """An ingesting query stopped (e.g. its topic was emptied under it)."""
+
+
+RESTARTS = 3  # times in a row a stopped query is restarted before the stream gives up
+
+
+def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> None:
+    """Wait until ``query`` has written every record ``topic`` held when called.
+
+    Not ``processAllAvailable``: that waits until no new record comes, which
+    under load never happens."""
+    from pipeline.kafka_source import latest_offsets
+
+    bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
+    while True:
+        error = query.exception()
+        if error is not None or not query.isActive:
+            raise StreamStopped(f"the stream of {topic} stopped: {error}")
+        done = _offsets_written(query.lastProgress)
+        if all(high <= low or done.get(p, -1) >= high for p, (low, high) in bounds.items()):
+            return
+        time.sleep(0.1)
+
+
+def _offsets_written(progress: Any) -> dict[int, int]:
+    """partition -> next offset, from a streaming query's last progress (None: none yet)."""
+    if not progress or not progress.get("sources"):
+        return {}
+    end = progress["sources"][0].get("endOffset")
+    if isinstance(end, str):
+        end = json.loads(end)
+    return {int(p): int(o) for p, o in (end or {}).items()}
+
+
 def stream_audit(
     spark: SparkSession,
     endpoints: Endpoints,
@@ -575,23 +690,22 @@ def stream_audit(
     open (:class:`IncrementalAudit`) and rewrite audit.json/html.
 
     Each update waits until the records' stream has taken in what Kafka held as
-    it began (:func:`pipeline.audit._catch_up`), reads Redis, then waits for the
-    events' stream likewise: the order of the batch audit. Stops after
+    it began (:func:`_catch_up`), reads Redis, then waits for the events' stream
+    likewise: the order of the batch audit. A query that stopped is started
+    again from its checkpoint (its failed micro-batch is read again), or, when
+    the topic's epoch changed, everything starts over. Stops after
     ``max_iterations`` (None: runs until killed)."""
-    from pipeline.audit import _catch_up
     from pipeline.kafka_source import FORMAT, register
 
     register(spark)
     base = out / "stream"
     queries: list[Any] = []
 
-    def start(epoch: int) -> IncrementalAudit:
-        """Both queries from the topics' earliest offsets, and a new state."""
+    def launch() -> None:
+        """Both queries, from their checkpoints (none yet: the earliest offsets)."""
         for query in queries:
             query.stop()
         queries.clear()
-        shutil.rmtree(base, ignore_errors=True)
-        base.mkdir(parents=True)
         for name, topic in (("records", persisted_topic), ("events", events_topic)):
             stream = (
                 spark.readStream.format(FORMAT)
@@ -604,15 +718,24 @@ def stream_audit(
             queries.append(
                 stream.writeStream.foreachBatch(_sink(base / name))
                 .option("checkpointLocation", str(base / f"{name}.checkpoint"))
-                .trigger(processingTime=f"{max(interval, 0.5)} seconds")
+                .trigger(processingTime=f"{_trigger(interval)} seconds")
                 .start()
             )
+
+    def start(epoch: int) -> IncrementalAudit:
+        """Both queries from the topics' earliest offsets, and a new state."""
+        for query in queries:
+            query.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        launch()
         return IncrementalAudit(spark, endpoints, base / "state", epoch)
 
     epoch = read_epoch(endpoints, persisted_topic)
     audit = start(epoch)
     summary: dict[str, Any] = {}
     iteration = 0
+    stopped = 0
     try:
         while max_iterations is None or iteration < max_iterations:
             started = time.monotonic()
@@ -620,8 +743,7 @@ def stream_audit(
             if now_epoch != epoch:
                 epoch = now_epoch
                 audit = start(epoch)
-            _catch_up(queries[0], endpoints, persisted_topic)
-            record_batches = _batches(base / "records")
+            record_batches: list[Path] = []
             event_batches: list[Path] = []
 
             def new_events(batches: list[Path] = event_batches) -> DataFrame:
@@ -629,13 +751,25 @@ def stream_audit(
                 batches.extend(_batches(base / "events"))
                 return _read(spark, batches)
 
-            done = audit.update(
-                _read(spark, record_batches),
-                new_events,
-                window=window,
-                grace=grace,
-                persisted_topic=persisted_topic,
-            )
+            try:
+                _catch_up(queries[0], endpoints, persisted_topic)
+                record_batches.extend(_batches(base / "records"))
+                done = audit.update(
+                    _read(spark, record_batches),
+                    new_events,
+                    window=window,
+                    grace=grace,
+                    persisted_topic=persisted_topic,
+                )
+            except StreamStopped as error:
+                stopped += 1
+                if stopped > RESTARTS:
+                    raise
+                log.warning("%s: starting it again", error)
+                if read_epoch(endpoints, persisted_topic) == epoch:
+                    launch()  # else the loop starts over with the new epoch
+                continue
+            stopped = 0
             if done is None:
                 continue  # the topic was created anew while it was read: start over
             for batch in (*record_batches, *event_batches):
@@ -656,11 +790,19 @@ def stream_audit(
                 "new_event_batches": len(event_batches),
                 "open_records": audit.open_records,
                 "kept_events": audit.kept_events,
+                "phases": audit.phases,
             }
             write_outputs(AuditResult(summary, None, None, sample), out, tables=False)  # type: ignore[arg-type]
             if on_summary is not None:
                 on_summary(summary)
-            log.info("audit iteration %d: %s", iteration, summary["totals"])
+            log.info(
+                "audit iteration %d: %.1f s, %d open records, %d kept events: %s",
+                iteration,
+                summary["stream"]["seconds"],
+                audit.open_records,
+                audit.kept_events,
+                summary["totals"],
+            )
             if max_iterations is not None and iteration >= max_iterations:
                 break
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
