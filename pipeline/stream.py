@@ -242,6 +242,7 @@ class IncrementalAudit:
         self.kept_events = 0
         self.phases: dict[str, float] = {}  # seconds of the last update's steps
         self._oldest_open: float | None = None  # publish time of the oldest open record
+        self._open_cids: set[str] = set()  # clients of the open records
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
 
@@ -296,28 +297,40 @@ class IncrementalAudit:
             phases[name] = round(time.monotonic() - clock, 3)
             clock = time.monotonic()
 
-        raw = new_records.cache()
-        cached.append(raw)
-        for row in raw.groupBy("partition").agg(F.max("offset").alias("high")).collect():
-            self.high[int(row["partition"])] = max(
-                self.high.get(int(row["partition"]), -1), int(row["high"])
-            )
-        fresh = _in_window(decode_records(raw), "pub", window)
-        recs = fresh.unionByName(self._kept("records", recs_schema)).cache()
+        # one job reads and decodes the new records: their highest offsets (also
+        # of those outside the window) and clients
+        fresh = decode_records(new_records).cache()
+        cached.append(fresh)
+        cids = set(self._open_cids)
+        for row in (
+            fresh.groupBy("part")
+            .agg(F.max("off").alias("high"), F.collect_set("cid").alias("cids"))
+            .collect()
+        ):
+            self.high[int(row["part"])] = max(self.high.get(int(row["part"]), -1), row["high"])
+            cids.update(row["cids"])
+        recs = (
+            _in_window(fresh, "pub", window).unionByName(self._kept("records", recs_schema)).cache()
+        )
         cached.append(recs)
-        recs.count()
         phase("records")
         # Redis after the records and before the events (pipeline/audit.py: why)
         now = time.time()
         if read_epoch(self.endpoints, persisted_topic) != self.epoch:
             return None
-        refs = self._refs(recs)
+        refs = self._refs(sorted(c for c in cids if c is not None))
         cached.append(refs)
         phase("redis")
         decoded = decode_events(new_events()).cache()
-        evs = self._events(decoded).cache()
-        cached.extend((decoded, evs))
-        self.gaps += int(decoded.where(F.col("ev") == "gap").agg(F.sum("n")).collect()[0][0] or 0)
+        cached.append(decoded)
+        ev = F.col("ev")
+        seen = decoded.agg(
+            F.sum(F.when(ev == "gap", F.col("n"))).alias("gaps"),
+            F.count(F.when((ev == "trimmed") & F.col("pids").isNotNull(), 1)).alias("trims"),
+        ).collect()[0]
+        self.gaps += int(seen["gaps"] or 0)
+        evs = self._events(decoded, trims=bool(seen["trims"])).cache()
+        cached.append(evs)
         phase("events")
         messages, _clients = audit_frames(spark, recs, evs, refs, self.epoch, now, grace)
         cached.append(messages)
@@ -341,28 +354,31 @@ class IncrementalAudit:
         phase("accounting")
         self._keep(recs, evs, m, now)
         self.final = final_now  # counted once the open ones are kept: a failure counts none
+        self._open_cids = set(tallies[False].clients)
         phase("keeping")
         self.phases = phases
         return self._summary(report, lost, now), _sample(report)
 
-    def _refs(self, recs: DataFrame) -> DataFrame:
-        """What Redis holds of the records' clients, read in the driver: an update's
-        clients are few next to its records, and a Python worker's job to read
-        them cost more than the reading itself."""
-        cids = [tuple(row) for row in recs.select("cid").distinct().collect()]
-        rows = list(stored_refs(self.endpoints, cids))
+    def _refs(self, cids: list[str]) -> DataFrame:
+        """What Redis holds of ``cids``, read in the driver: an update's clients
+        are few next to its records, and a Python worker's job to read them cost
+        more than the reading itself."""
+        rows = list(stored_refs(self.endpoints, [(c,) for c in cids]))
         schema = "cid string, sc long, ref_pid int, has_value boolean"
         return self.spark.createDataFrame(rows, schema).cache()
 
-    def _events(self, decoded: DataFrame) -> DataFrame:
+    def _events(self, decoded: DataFrame, *, trims: bool) -> DataFrame:
         """The kept events and the new ones, the new trims resolved to the
-        message they name (``trimmed`` with its score; see the module docstring)."""
+        message they name (``trimmed`` with its score; see the module docstring);
+        ``trims``: whether there are new trims naming packet ids at all."""
         from pyspark.sql import Window as W
         from pyspark.sql import functions as F
 
         schema = f"{EVENT_SCHEMA}, epart int, eoff bigint, idx int"
         kept = self._kept("events", schema)
         new = decoded.select(*EVENT_COLUMNS)
+        if not trims:
+            return kept.unionByName(new)
         ev = F.col("ev")
         by_pids = (ev == "trimmed") & F.col("pids").isNotNull()
         placed = (
@@ -380,7 +396,7 @@ class IncrementalAudit:
                 F.lit(False).alias("is_trim"),
             )
         )
-        trims = new.where(by_pids).select(
+        named = new.where(by_pids).select(
             "cid",
             F.explode("pids").alias("pid"),
             "epart",
@@ -397,7 +413,7 @@ class IncrementalAudit:
             .rowsBetween(W.unboundedPreceding, W.currentRow)
         )
         resolved = (
-            placed.unionByName(trims)
+            placed.unionByName(named)
             .withColumn("owner", F.last("sc", ignorenulls=True).over(before))
             .where(F.col("is_trim") & F.col("owner").isNotNull())
             .select(
@@ -484,11 +500,12 @@ class IncrementalAudit:
         high = spark.createDataFrame(
             [(p, o) for p, o in self.high.items()] or [(-1, -1)], "part int, high bigint"
         )
+        # open records are few: their keys go to every task (no shuffle of the events)
         open_keys = opened.select("part", "off").distinct().withColumn("is_open", F.lit(True))
         named = (
             evs.where(col("part").isNotNull() & col("off").isNotNull() & (col("ep") == self.epoch))
-            .join(open_keys, ["part", "off"], "left")
-            .join(high, ["part"], "left")
+            .join(F.broadcast(open_keys), ["part", "off"], "left")
+            .join(F.broadcast(high), ["part"], "left")
             .where(col("is_open").isNotNull() | col("high").isNull() | (col("off") > col("high")))
             .select(*EVENT_COLUMNS)
         )

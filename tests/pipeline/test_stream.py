@@ -514,7 +514,9 @@ def test_the_streams_totals_equal_the_batch_audits_on_the_workload(
     spark: Any, workload: Workload, tmp_path: Path
 ) -> None:
     """The session's workload (tests/pipeline/conftest.py: exact counts known) through
-    the stream over three updates, then through the batch audit: the same summary."""
+    the stream over three updates, each summary written to audit.json, then
+    through the batch audit: the same summary. (The second and third updates
+    have nothing new: the open records carried over must count as before.)"""
     from pipeline.audit import run_audit
 
     seen: list[dict[str, Any]] = []
@@ -531,6 +533,9 @@ def test_the_streams_totals_equal_the_batch_audits_on_the_workload(
     )
     assert [s["stream"]["iteration"] for s in seen] == [1, 2, 3]
     assert {k: summary["totals"][k] for k in EXPECTED} == EXPECTED
+    assert json.loads((tmp_path / "out" / "audit.json").read_text()) == json.loads(
+        json.dumps(summary)
+    )
     # once counted, final records are not read again: what is left is the pending
     assert seen[-1]["stream"]["open_records"] == EXPECTED["pending"]
     batch = run_audit(
