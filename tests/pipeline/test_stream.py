@@ -42,6 +42,10 @@ from tests.pipeline.conftest import (
     start_broker,
 )
 
+# Several Spark jobs per update, several updates per test: the default 120 s is a
+# hang's limit for most tests, and these took 60-140 s on a shared 2-core machine.
+pytestmark = pytest.mark.timeout(300)
+
 PERSISTED, EVENTS = "devicemq.device.persisted", "devicemq.events"
 AWAY = 3  # messages stored for the offline client (under the broker's limit of 10)
 UPDATES = 3
