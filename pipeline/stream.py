@@ -16,7 +16,11 @@ is written to ``OUT/stream/state`` with the events it can still need:
 - the events naming its Kafka record (``part``, ``off``: its ``persisted``
   event gives its score, packet id, stored time and expiry), and those naming
   a record not read yet (a ``persisted`` event can reach the events' stream
-  before its record reaches the records' one: the events are read last);
+  before its record reaches the records' one: the events are read last),
+  unless it names a partition the records' topic does not have (an hour's run
+  kept 29,016 ``persisted`` events of the current epoch naming partitions its
+  re-created topic did not have, update after update; the batch audit
+  ignores them too);
 - the events naming its stored message (``cid``, ``sc``): its deliveries
   (their count and first time), and whatever else comes later;
 - per (cid, packet id) of a kept ``persisted`` event, the last ``persisted``
@@ -243,6 +247,8 @@ class IncrementalAudit:
         self.phases: dict[str, float] = {}  # seconds of the last update's steps
         self._oldest_open: float | None = None  # publish time of the oldest open record
         self._open_cids: set[str] = set()  # clients of the open records
+        # the records' topic's partitions, as the stream last saw them (None: any)
+        self.partitions: set[int] | None = None
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
 
@@ -500,13 +506,22 @@ class IncrementalAudit:
         high = spark.createDataFrame(
             [(p, o) for p, o in self.high.items()] or [(-1, -1)], "part int, high bigint"
         )
+        unread_partition = (
+            col("part").isin(*sorted(self.partitions))
+            if self.partitions is not None
+            else F.lit(True)
+        )
         # open records are few: their keys go to every task (no shuffle of the events)
         open_keys = opened.select("part", "off").distinct().withColumn("is_open", F.lit(True))
         named = (
             evs.where(col("part").isNotNull() & col("off").isNotNull() & (col("ep") == self.epoch))
             .join(F.broadcast(open_keys), ["part", "off"], "left")
             .join(F.broadcast(high), ["part"], "left")
-            .where(col("is_open").isNotNull() | col("high").isNull() | (col("off") > col("high")))
+            .where(
+                col("is_open").isNotNull()
+                | (col("off") > col("high"))
+                | (col("high").isNull() & unread_partition)
+            )
             .select(*EVENT_COLUMNS)
         )
         scores = (
@@ -661,8 +676,9 @@ class StreamStopped(RuntimeError):
 RESTARTS = 3  # times in a row a stopped query is restarted before the stream gives up
 
 
-def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> None:
-    """Wait until ``query`` has written every record ``topic`` held when called.
+def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> dict[int, tuple[int, int]]:
+    """Wait until ``query`` has written every record ``topic`` held when called;
+    returns what it held (partition -> (low, high)).
 
     Not ``processAllAvailable``: that waits until no new record comes, which
     under load never happens."""
@@ -675,7 +691,7 @@ def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> None:
             raise StreamStopped(f"the stream of {topic} stopped: {error}")
         done = _offsets_written(query.lastProgress)
         if all(high <= low or done.get(p, -1) >= high for p, (low, high) in bounds.items()):
-            return
+            return bounds
         time.sleep(0.1)
 
 
@@ -769,7 +785,7 @@ def stream_audit(
                 return _read(spark, batches)
 
             try:
-                _catch_up(queries[0], endpoints, persisted_topic)
+                audit.partitions = set(_catch_up(queries[0], endpoints, persisted_topic))
                 record_batches.extend(_batches(base / "records"))
                 done = audit.update(
                     _read(spark, record_batches),
