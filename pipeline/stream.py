@@ -41,17 +41,18 @@ is written to ``OUT/stream/state`` with the events it can still need:
   flag (only the split of delivery latencies, never a status).
 
 That is every input ``audit_frames`` reads for a record, so an open record
-gets the status the batch audit would give it, and a final one's never
-changes. Two statuses are decided without an event saying so (a stored
+gets the status the batch audit would give it. A final one's is not looked at
+again: an event that comes after it (an acknowledgement racing a trim, a
+trim racing a purge) changes it no more, where the batch audit's order of
+statuses could. Two statuses are decided without an event saying so (a stored
 message gone from Redis after its expiry, or after its session ended): such a
 record stays open while it was stored less than ``--grace`` ago, as its
 acknowledgement's event may still come (an acknowledgement wins in the batch
 audit).
 
 The work of an update thus depends on what arrived since the last one and on
-what is open, and so does the state, except what grows with the clients and
-their packet ids (at most 65,535 ``persisted`` events per client, one session
-end and a few connection events per client). Latency percentiles come from
+what is open, and so does the state, except what grows with the clients (a
+session end and a few connection events each). Latency percentiles come from
 log-bucket histograms (:class:`LogHistogram`) merged in the driver.
 
 A new process, or a new topic epoch (the embedded Kafka's topic created
