@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -642,119 +641,18 @@ def stream_audit(
     grace: float = 30.0,
     on_summary: Any = None,
 ) -> dict[str, Any]:
-    """Ingest both topics with the streaming reader into Parquet under ``out/stream``;
-    every ``interval`` seconds reconcile what arrived and rewrite audit.json/html.
+    """The incremental stream audit of :mod:`pipeline.stream` (its docstring: how)."""
+    from pipeline.stream import stream_audit as incremental
 
-    Each iteration waits until the records' stream has taken in what Kafka held
-    as it began (:func:`_catch_up`), reads Redis, then waits for the events'
-    stream likewise, the order of :func:`run_audit` (the module's docstring: why);
-    the frames it cached are let go after each. Stops after ``max_iterations``
-    (None: runs until killed).
-    """
-    from pipeline.kafka_source import FORMAT, register
-
-    register(spark)
-    base = out / "stream"
-    queries: list[Any] = []
-
-    def start(epoch: int) -> None:
-        """Both queries, over what ``base`` holds of this topic epoch: a topic
-        devicemq created anew (the embedded Kafka emptied) starts at offset 0
-        again, so what was ingested of the one before is dropped, not mixed in."""
-        for query in queries:
-            query.stop()
-        queries.clear()
-        mark = base / "epoch"
-        if mark.exists() and mark.read_text() != str(epoch):
-            shutil.rmtree(base)
-        base.mkdir(parents=True, exist_ok=True)
-        mark.write_text(str(epoch))
-        for name, topic in (("records", persisted_topic), ("events", events_topic)):
-            stream = (
-                spark.readStream.format(FORMAT)
-                .option("bootstrap", endpoints.bootstrap)
-                .option("topic", topic)
-                .option("startingOffsets", "earliest")
-                .options(**endpoints.kafka_security.as_options())
-                .load()
-            )
-            queries.append(
-                stream.writeStream.format("parquet")
-                .option("path", str(base / name))
-                .option("checkpointLocation", str(base / f"{name}.checkpoint"))
-                .trigger(processingTime=f"{max(interval, 0.5)} seconds")
-                .start()
-            )
-
-    def raw_events() -> DataFrame:
-        _catch_up(queries[1], endpoints, events_topic)  # after Redis
-        return spark.read.parquet(str(base / "events"))
-
-    epoch = read_epoch(endpoints, persisted_topic)
-    start(epoch)
-    summary: dict[str, Any] = {}
-    iteration = 0
-    try:
-        while max_iterations is None or iteration < max_iterations:
-            started = time.monotonic()
-            now_epoch = read_epoch(endpoints, persisted_topic)
-            if now_epoch != epoch:
-                epoch = now_epoch
-                start(epoch)
-            _catch_up(queries[0], endpoints, persisted_topic)
-            result = run_audit(
-                spark,
-                endpoints,
-                persisted_topic=persisted_topic,
-                events_topic=events_topic,
-                window=window,
-                grace=grace,
-                raw_records=spark.read.parquet(str(base / "records")),
-                raw_events=raw_events,
-            )
-            if result.summary["topics"]["epoch"] != epoch:
-                result.release()  # the topic was created anew while it was read: again
-                continue
-            iteration += 1
-            result.summary["stream"] = {"iteration": iteration, "interval": interval}
-            write_outputs(result, out, tables=False)
-            result.release()
-            summary = result.summary
-            if on_summary is not None:
-                on_summary(summary)
-            log.info("audit iteration %d: %s", iteration, summary["totals"])
-            if max_iterations is not None and iteration >= max_iterations:
-                break
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
-    finally:
-        for query in queries:
-            query.stop()
-    return summary
-
-
-def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> None:
-    """Wait until ``query`` has written every record ``topic`` held when called.
-
-    Not ``processAllAvailable``: that waits until no new record comes, which
-    under load never happens."""
-    from pipeline.kafka_source import latest_offsets
-
-    bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
-    while True:
-        error = query.exception()
-        if error is not None or not query.isActive:
-            raise RuntimeError(f"the stream of {topic} stopped: {error}")
-        done = _offsets_written(query.lastProgress)
-        if all(high <= low or done.get(p, -1) >= high for p, (low, high) in bounds.items()):
-            return
-        time.sleep(0.1)
-
-
-def _offsets_written(progress: Any) -> dict[int, int]:
-    """partition -> next offset, from a streaming query's last progress (None: none yet)."""
-    if not progress or not progress.get("sources"):
-        return {}
-    end = progress["sources"][0].get("endOffset")
-    if isinstance(end, str):
-        end = json.loads(end)
-    return {int(p): int(o) for p, o in (end or {}).items()}
+    return incremental(
+        spark,
+        endpoints,
+        persisted_topic=persisted_topic,
+        events_topic=events_topic,
+        window=window,
+        out=out,
+        interval=interval,
+        max_iterations=max_iterations,
+        grace=grace,
+        on_summary=on_summary,
+    )

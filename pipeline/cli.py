@@ -94,10 +94,15 @@ def run(args: argparse.Namespace) -> int:
     from pyspark.sql import SparkSession
 
     owned = SparkSession.getActiveSession() is None  # else: a caller's session (tests)
+    conf: dict[str, str] = {}
+    if args.stream and args.job == "audit":
+        from pipeline.stream import SPARK_CONF as conf
     progress = Progress()
     progress.say(f"{args.job}: starting Spark ({args.master})")
     archive = ClassArchive.here() if owned else None
-    spark = make_spark(args.master, f"devicemq-{args.job}", archive.java_options if archive else "")
+    spark = make_spark(
+        args.master, f"devicemq-{args.job}", archive.java_options if archive else "", conf
+    )
     try:
         if args.job == "traffic":
             from pipeline.traffic import run_traffic

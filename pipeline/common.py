@@ -146,10 +146,14 @@ class Progress:
 
 
 def make_spark(
-    master: str = "local[*]", app: str = "devicemq-pipeline", java_options: str = ""
+    master: str = "local[*]",
+    app: str = "devicemq-pipeline",
+    java_options: str = "",
+    conf: dict[str, str] | None = None,
 ) -> SparkSession:
     """A Spark session whose Python workers run this interpreter (and see this package);
-    ``java_options`` for the driver's JVM (pipeline/class_archive.py)."""
+    ``java_options`` for the driver's JVM (pipeline/class_archive.py), ``conf`` more
+    Spark settings (the stream's, pipeline/stream.py)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     root = str(Path(__file__).resolve().parents[1])
@@ -158,8 +162,11 @@ def make_spark(
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
     from pyspark.sql import SparkSession
 
+    builder = SparkSession.builder
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
     return (
-        SparkSession.builder.master(master)
+        builder.master(master)
         .appName(app)
         .config("spark.ui.enabled", "false")
         # Spark's console bars ([Stage 2:=>  (3 + 2) / 12]) go to stderr: only to a

@@ -11,7 +11,7 @@ from redis import Redis
 
 from app import cli
 from persistence.format import client_keys
-from pipeline.audit import run_audit, stream_audit, write_outputs
+from pipeline.audit import run_audit, write_outputs
 from pipeline.common import Window
 from tests.pipeline.conftest import ACKED_EACH, ACKERS, EXPECTED, Workload
 
@@ -86,27 +86,6 @@ def test_cli_since_window(
     assert "read devicemq.device.persisted: 0 records" in said
     assert any(line.startswith("read devicemq.events: ") for line in said)
     assert said[-1] == "done"
-
-
-def test_streaming_audit_rewrites_its_summary(
-    spark: Any, workload: Workload, tmp_path: Path
-) -> None:
-    seen: list[dict[str, Any]] = []
-    summary = stream_audit(
-        spark,
-        workload.endpoints,
-        persisted_topic=PERSISTED,
-        events_topic=EVENTS,
-        window=Window(),
-        out=tmp_path,
-        interval=0.5,
-        max_iterations=2,
-        on_summary=seen.append,
-    )
-    assert [s["stream"]["iteration"] for s in seen] == [1, 2]
-    _check_totals(summary["totals"])
-    on_disk = json.loads((tmp_path / "audit.json").read_text())
-    assert on_disk["stream"]["iteration"] == 2
 
 
 def test_a_message_removed_behind_the_brokers_back_is_lost(

@@ -32,7 +32,19 @@ from pipeline.kafka_source import latest_offsets
 from tests.conftest import free_port
 from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
-from tests.pipeline.conftest import Client, _publish, _start_broker, _stop, start_broker
+from tests.pipeline.conftest import (
+    EXPECTED,
+    Client,
+    Workload,
+    _publish,
+    _start_broker,
+    _stop,
+    start_broker,
+)
+
+# Several Spark jobs per update, several updates per test: the default 120 s is a
+# hang's limit for most tests, and these took 60-140 s on a shared 2-core machine.
+pytestmark = pytest.mark.timeout(300)
 
 PERSISTED, EVENTS = "devicemq.device.persisted", "devicemq.events"
 AWAY = 3  # messages stored for the offline client (under the broker's limit of 10)
@@ -318,3 +330,224 @@ def test_stream_follows_the_embedded_topic_created_anew(
         publisher.loop_stop()
         reader.close()
     assert not thread.is_alive()
+
+
+# ---------------------------------------------------------------------------
+# The incremental state against the batch audit
+# ---------------------------------------------------------------------------
+
+SYN = "syn"  # a client of the session's Redis that nothing else uses
+SYN_TOPIC = "syn.persisted"  # no epoch in Redis: 0
+
+
+def _raw_records(spark: Any, t0: float, offsets: range) -> Any:
+    """Raw Kafka rows of the persisted topic: client SYN's records at ``offsets``
+    (partition 0), record i published and produced at t0 + i."""
+    from datetime import UTC, datetime
+
+    from persistence.format import StoredMessage, encode_message
+    from pipeline.kafka_source import SCHEMA
+
+    rows = [
+        (
+            SYN.encode(),
+            encode_message(StoredMessage("syn/t", b"p", 1, publish_time=t0 + i)),
+            SYN_TOPIC,
+            0,
+            i,
+            datetime.fromtimestamp(t0 + i, UTC),
+        )
+        for i in offsets
+    ]
+    return spark.createDataFrame(rows, SCHEMA)
+
+
+def _raw_events(spark: Any, first: int, events: list[dict[str, Any]]) -> Any:
+    """Raw Kafka rows of the events topic: one record per event, from offset ``first``."""
+    from pipeline.kafka_source import SCHEMA
+
+    rows = [
+        (SYN.encode(), json.dumps([{"cid": SYN, "ep": 0, **e}]).encode(), "e", 0, first + i, None)
+        for i, e in enumerate(events)
+    ]
+    return spark.createDataFrame(rows, SCHEMA)
+
+
+def test_updates_account_as_the_batch_audit_does_across_updates(
+    spark: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Three updates, each given only its new records and events (as the streams
+    hand them over), Redis changed between them as the broker would: a message
+    pending at one update trimmed (by packet id) or acknowledged at the next, a
+    packet id reused, a ``persisted`` event read before its record, a duplicate
+    delivery across updates, a record never stored. Each update's totals are
+    the known ones, and the last equal the batch audit's over everything."""
+    from pipeline.audit import run_audit
+    from pipeline.stream import IncrementalAudit
+
+    t0 = time.time() - 1000  # all long past --grace: nothing is in flight
+    keys = client_keys(SYN)
+    redis = Redis.from_url(redis_url)
+    endpoints = Endpoints("127.0.0.1:9", redis_url)  # no Kafka read: rows are given
+
+    def store(pid: int, score: int) -> None:
+        redis.zadd(keys.messages, {str(pid): score})
+        redis.set(keys.message(pid), b"v")
+
+    def unstore(pid: int) -> None:
+        redis.zrem(keys.messages, str(pid))
+        redis.delete(keys.message(pid))
+
+    def stored(off: int, sc: int, pid: int) -> dict[str, Any]:
+        return {
+            "ev": "persisted",
+            "part": 0,
+            "off": off,
+            "sc": sc,
+            "pid": pid,
+            "ts": t0 + off + 0.5,
+        }
+
+    def ev(kind: str, sc: int, pid: int, after: float, **more: Any) -> dict[str, Any]:
+        return {"ev": kind, "sc": sc, "pid": pid, "ts": t0 + after, **more}
+
+    batches = [
+        (
+            range(0, 4),
+            [
+                {"ev": "connected", "ts": t0 - 10},
+                stored(0, 1, 1),
+                ev("delivered", 1, 1, 0.1),
+                ev("acked", 1, 1, 0.2),
+                stored(1, 2, 2),
+                ev("delivered", 2, 2, 1.35),
+                stored(2, 3, 3),
+                ev("delivered", 3, 3, 2.6),
+                stored(3, 4, 1),  # packet id 1 again
+                {"ev": "disconnected", "ts": t0 + 4.2},
+                stored(5, 6, 6),  # its record (offset 5) comes with the next update
+                ev("delivered", 6, 6, 7.0),
+            ],
+        ),
+        (
+            range(4, 6),
+            [
+                stored(4, 5, 5),
+                ev("expired", 5, 5, 4.6, at="delivery"),
+                ev("acked", 6, 6, 7.1),
+                {"ev": "trimmed", "ts": t0 + 7.2, "pids": [2]},
+                ev("delivered", 3, 3, 7.3, dup=True),
+                ev("acked", 3, 3, 7.4),
+            ],
+        ),
+        (
+            range(6, 8),  # offset 7: never stored, no event: lost
+            [
+                {"ev": "trimmed", "ts": t0 + 8.1, "pids": [1]},  # the second message of id 1
+                stored(6, 7, 7),
+            ],
+        ),
+    ]
+    redis_before = [
+        lambda: [store(2, 2), store(3, 3), store(1, 4), store(6, 6)],
+        lambda: [unstore(2), unstore(3), unstore(6)],
+        lambda: [unstore(1), store(7, 7)],
+    ]
+    want = [
+        {"persisted": 4, "acked": 1, "pending": 3, "duplicates": 0, "lost": 0},
+        {"persisted": 6, "acked": 3, "trimmed": 1, "expired": 1, "pending": 1, "duplicates": 1},
+        {"persisted": 8, "acked": 3, "trimmed": 2, "expired": 1, "pending": 1, "lost": 1},
+    ]
+    audit = IncrementalAudit(spark, endpoints, tmp_path / "state", epoch=0)
+    first = 0
+    try:
+        redis.delete(keys.messages)
+        for (offsets, events), change, expected in zip(batches, redis_before, want, strict=True):
+            change()
+            raw_events = _raw_events(spark, first, events)
+            first += len(events)
+            done = audit.update(
+                _raw_records(spark, t0, offsets),
+                lambda raw=raw_events: raw,
+                window=Window(),
+                grace=GRACE,
+                persisted_topic=SYN_TOPIC,
+            )
+            assert done is not None
+            summary, _sample = done
+            assert {k: summary["totals"][k] for k in expected} == expected
+        assert audit.open_records == 2  # the pending message and the lost record
+        everything = [e for _o, events in batches for e in events]
+        batch = run_audit(
+            spark,
+            endpoints,
+            persisted_topic=SYN_TOPIC,
+            events_topic="e",
+            window=Window(),
+            grace=GRACE,
+            raw_records=_raw_records(spark, t0, range(8)),
+            raw_events=lambda: _raw_events(spark, 0, everything),
+        )
+        batch.release()
+    finally:
+        redis.delete(keys.messages, *(keys.message(p) for p in range(8)))
+        redis.close()
+    _same_as_batch(summary, batch.summary)
+    [lost] = summary["lost_messages"]
+    assert (lost["off"], lost["reason"]) == (7, "never stored in redis")
+
+
+def _same_as_batch(stream: dict[str, Any], batch: dict[str, Any]) -> None:
+    """Counts equal; latency percentiles within the histograms' 1 %; maxima equal."""
+    assert stream["totals"] == batch["totals"]
+    assert stream["clients"] == batch["clients"]
+    assert stream["delivered"] == batch["delivered"]
+    assert stream["lost_messages"] == batch["lost_messages"]
+    assert stream["latency_seconds"].keys() == batch["latency_seconds"].keys()
+    for kind, want in batch["latency_seconds"].items():
+        got = stream["latency_seconds"][kind]
+        assert got["max"] == want["max"], kind
+        for p in ("p50", "p90", "p99"):
+            if want[p] is None:
+                assert got[p] is None, (kind, p)
+            else:
+                assert got[p] == pytest.approx(want[p], rel=0.01), (kind, p, got, want)
+
+
+def test_the_streams_totals_equal_the_batch_audits_on_the_workload(
+    spark: Any, workload: Workload, tmp_path: Path
+) -> None:
+    """The session's workload (tests/pipeline/conftest.py: exact counts known) through
+    the stream over three updates, each summary written to audit.json, then
+    through the batch audit: the same summary. (The second and third updates
+    have nothing new: the open records carried over must count as before.)"""
+    from pipeline.audit import run_audit
+
+    seen: list[dict[str, Any]] = []
+    summary = stream_audit(
+        spark,
+        workload.endpoints,
+        persisted_topic=PERSISTED,
+        events_topic=EVENTS,
+        window=Window(),
+        out=tmp_path / "out",
+        interval=0.5,
+        max_iterations=3,
+        on_summary=seen.append,
+    )
+    assert [s["stream"]["iteration"] for s in seen] == [1, 2, 3]
+    assert {k: summary["totals"][k] for k in EXPECTED} == EXPECTED
+    assert json.loads((tmp_path / "out" / "audit.json").read_text()) == json.loads(
+        json.dumps(summary)
+    )
+    # once counted, final records are not read again: what is left is the pending
+    assert seen[-1]["stream"]["open_records"] == EXPECTED["pending"]
+    batch = run_audit(
+        spark,
+        workload.endpoints,
+        persisted_topic=PERSISTED,
+        events_topic=EVENTS,
+        window=Window(),
+    )
+    batch.release()
+    _same_as_batch(summary, batch.summary)
