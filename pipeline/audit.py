@@ -621,38 +621,3 @@ def _html(result: AuditResult, path: Path) -> None:
         lost_cols = ["cid", "pid", "sc", "part", "off", "topic", "reason"]
         report.table(lost_cols, [[m[k] for k in lost_cols] for m in s["lost_messages"]])
     report.write(path)
-
-
-# ---------------------------------------------------------------------------
-# Streaming: keep the summary current
-# ---------------------------------------------------------------------------
-
-
-def stream_audit(
-    spark: SparkSession,
-    endpoints: Endpoints,
-    *,
-    persisted_topic: str,
-    events_topic: str,
-    window: Window,
-    out: Path,
-    interval: float,
-    max_iterations: int | None,
-    grace: float = 30.0,
-    on_summary: Any = None,
-) -> dict[str, Any]:
-    """The incremental stream audit of :mod:`pipeline.stream` (its docstring: how)."""
-    from pipeline.stream import stream_audit as incremental
-
-    return incremental(
-        spark,
-        endpoints,
-        persisted_topic=persisted_topic,
-        events_topic=events_topic,
-        window=window,
-        out=out,
-        interval=interval,
-        max_iterations=max_iterations,
-        grace=grace,
-        on_summary=on_summary,
-    )

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(summary["totals"]))
             print(f"report: {out / 'traffic.html'}")
             return 0
-        from pipeline.audit import run_audit, stream_audit, write_outputs
+        from pipeline.audit import run_audit, write_outputs
+        from pipeline.stream import stream_audit
 
         if args.stream:
             summary = stream_audit(

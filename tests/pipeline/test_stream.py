@@ -26,9 +26,9 @@ from redis import Redis
 
 from app.embedded_services import EmbeddedServices
 from persistence.format import client_keys
-from pipeline.audit import stream_audit
 from pipeline.common import Endpoints, Window, resolve_endpoints
 from pipeline.kafka_source import latest_offsets
+from pipeline.stream import stream_audit
 from tests.conftest import free_port
 from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
