@@ -125,8 +125,9 @@ class KafkaCompactor:
                 self._next_try = self._clock() + RETRY_AFTER
 
     async def topic_lost(self) -> bool:
-        """A Kafka that forgets topics (Tansu) answers and does not list the topic. A
-        topic listed with another partition count than configured is an
+        """A Kafka that forgets topics (Tansu) answers and does not list the topic, or
+        lists one it made itself at another size (:class:`TopicProbe`). On any other
+        Kafka a topic listed with another partition count than configured is an
         operator's (the setting applies when devicemq creates it): kept."""
         try:
             return await self._ask() is None
@@ -141,6 +142,8 @@ class KafkaCompactor:
             return self._listed
         listed = await self._probe.partitions()
         if listed is None and self._probe.forgets_topics:
+            if self._probe.misshapen:  # what the consumer reads until it is made again
+                self._listed = self._probe.misshapen
             return None
         if listed is not None:
             self._listed = listed
@@ -177,11 +180,22 @@ class KafkaCompactor:
         path, consumer = self._path, self._consumer
         if self._lost_since is None:
             self._lost_since = self._clock()
-            log.warning(
-                "kafka no longer lists topic %s (restarted empty, or deleted): storing "
-                "every record it still serves, then creating it again",
-                path.topic,
-            )
+            misshapen = self._probe.misshapen if self._probe is not None else None
+            if misshapen:
+                log.warning(
+                    "kafka lists topic %s with %d partitions, not %d: a client that named "
+                    "it made it (Tansu creates a topic it does not have at its default "
+                    "size); storing every record in it, then making it again",
+                    path.topic,
+                    misshapen,
+                    self._partitions,
+                )
+            else:
+                log.warning(
+                    "kafka no longer lists topic %s (restarted empty, or deleted): "
+                    "storing every record it still serves, then creating it again",
+                    path.topic,
+                )
             consumer.read_from_start()
         lost_since = self._lost_since
         path.hold()

@@ -103,7 +103,7 @@ class DevicePersistence:
         # that Kafka lost (persistence/compaction.py); replicas cannot hold the others.
         self._probe: TopicProbe | None = None
         if bootstrap and not settings.cluster.enabled:
-            self._probe = TopicProbe(bootstrap, config.topic, security)
+            self._probe = TopicProbe(bootstrap, config.topic, security, config.partitions)
         self.path = KafkaPersistentPath(
             producer,
             config.topic,
@@ -655,7 +655,7 @@ async def open_persistence(
         if (
             not settings.cluster.enabled
             and await store.topic_used(config.topic)
-            and await lost_by_tansu(bootstrap, config.topic, security)
+            and await lost_by_tansu(bootstrap, config.topic, config.partitions, security)
         ):
             # Kafka lost a topic devicemq used (a Tansu restarted empty). What a killed
             # predecessor sent to it since, Tansu keeps unlisted and unread; a topic

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from aiokafka import AIOKafkaClient
+from aiokafka.cluster import ClusterMetadata
+from aiokafka.protocol.metadata import MetadataRequest
 
 from app.embedded_services import find_tansu, free_port, kafka_ready
 
@@ -66,12 +69,15 @@ def start_tansu(
     *,
     log: IO[bytes] | Path | None = None,
     timeout: float = 10.0,
+    advertise: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start Tansu on 127.0.0.1:``port`` (a free one if None) and wait until it answers.
 
     :func:`bootstrap_of` gives its bootstrap string. Output goes to ``log`` (a
-    path or binary file), else is discarded. On Linux the broker dies with the starting thread, so a
-    killed pytest leaves no broker behind.
+    path or binary file), else is discarded. ``advertise``: the port its metadata
+    names instead (a proxy in front of it, tests/kafka_proxy.py). On Linux the
+    broker dies with the starting thread, so a killed pytest leaves no broker
+    behind.
     """
     port = free_port() if port is None else port
     url = f"tcp://127.0.0.1:{port}"
@@ -79,7 +85,7 @@ def start_tansu(
         find_tansu(),
         "broker",
         "--listener-url", url,
-        "--advertised-listener-url", url,
+        "--advertised-listener-url", url if advertise is None else f"tcp://127.0.0.1:{advertise}",
         "--storage-engine", "memory://tansu/",
     ]  # fmt: skip
     out: IO[bytes] | int
@@ -100,7 +106,8 @@ def start_tansu(
         if opened is not None:
             opened.close()
     deadline = time.monotonic() + timeout
-    while not (kafka_ready(port) and listens(proc.pid, port)):
+    # Advertising another port, its metadata fails kafka_ready's check: listening it is.
+    while not ((advertise is not None or kafka_ready(port)) and listens(proc.pid, port)):
         if proc.poll() is not None or time.monotonic() >= deadline:
             stop_tansu(proc)
             raise RuntimeError(f"Tansu did not become ready on port {port} (exit {proc.poll()})")
@@ -181,3 +188,30 @@ def tansu() -> Iterator[str]:
         yield bootstrap_of(proc)
     finally:
         stop_tansu(proc)
+
+
+async def name_topic(bootstrap: str, topic: str) -> None:
+    """A metadata request naming ``topic``, as any Kafka client sends (a consumer whose
+    fetch failed, a producer refreshing its metadata, a reader): Tansu then creates
+    a topic it does not have, at its default size (4 partitions)."""
+    client = AIOKafkaClient(bootstrap_servers=bootstrap)
+    await client.bootstrap()
+    try:
+        node = next(iter(client.cluster.brokers())).nodeId
+        await client.send(node, MetadataRequest([topic]))
+    finally:
+        await client.close()
+
+
+async def listed_partitions(bootstrap: str, topic: str) -> int | None:
+    """Partitions Kafka lists for ``topic`` (None: not listed), asked without naming it."""
+    client = AIOKafkaClient(bootstrap_servers=bootstrap)
+    await client.bootstrap()
+    try:
+        node = next(iter(client.cluster.brokers())).nodeId
+        cluster = ClusterMetadata()
+        cluster.update_metadata(await client.send(node, MetadataRequest(None)))
+        found = cluster.partitions_for_topic(topic)
+        return len(found) if found else None
+    finally:
+        await client.close()

@@ -8,7 +8,8 @@ failure each one shows on the code before the fixes.
 1. a packet id still in flight to a client (unacknowledged) is never given
    to another message, even after the message was trimmed;
 2. after Kafka restarts empty under a running broker, acknowledged messages
-   are still delivered;
+   are still delivered, also when a client names the topic before the broker
+   makes it again (Tansu then makes it at its own size);
 3. a session that ended (clean start) gets nothing published for it into
    the next one;
 4. after a resume, a PUBREL the client has not completed is re-sent, even
@@ -278,6 +279,43 @@ def test_a_topic_kafka_lost_is_made_again_before_a_crash_can_lose_its_records(
         system.resume_redis()
         system.start_broker(0)
         sub.wait_all([pub, pub2], 20)
+    finally:
+        for client in (sub, pub, pub2):
+            if client is not None:
+                client.close()
+        system.stop()
+
+
+def test_a_topic_a_client_names_after_kafka_restarts_empty_is_made_at_its_size(
+    tmp_path: Path,
+) -> None:
+    """Finding 26: Tansu creates a topic that a metadata request names, at its own
+    default size (4 partitions). Named after a restart empty, before the broker
+    looks (any Kafka client may: a reader, a consumer whose fetch failed), the
+    topic came back with 4 partitions while the broker's producer, which knew
+    12, went on writing to partitions 4-11: Tansu acknowledged those records and
+    no consumer ever reads them. ``sub`` is keyed to partition 10 of 12.
+    """
+    system = System(tmp_path / "system", 1, {"persistence.partitions": 12})
+    sub = pub = pub2 = None
+    try:
+        system.start()
+        address = system.address(0)
+        sub = RawSubscriber(address, "sub", level=5)
+        sub.connect(subscribe=[(TOPIC, 1)], reconnect=True)
+        pub = Publisher(address, "pub", TOPIC)
+        pub.publish(10)
+        pub.stop()
+        sub.wait_all([pub], 15)
+        wait_until(system.quiesced, 20, "consumer lag 0")
+        system.restart_kafka()
+        system.name_topic()
+        pub2 = Publisher(address, "pub2", TOPIC)
+        pub2.publish(20)
+        pub2.stop(30)
+        assert pub2.acked, pub2.outcomes
+        sub.wait_all([pub, pub2], 30)
+        assert system.listed_partitions() == 12
     finally:
         for client in (sub, pub, pub2):
             if client is not None:

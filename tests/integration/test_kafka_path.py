@@ -139,3 +139,66 @@ async def test_records_acknowledged_into_a_topic_kafka_lost_are_sent_again() -> 
         stop_tansu(first)
         if second is not None:
             stop_tansu(second)
+
+
+async def test_a_topic_named_between_its_delete_and_create_is_made_at_its_size() -> None:
+    """Finding 26 (tests/model/FINDINGS.md): Tansu creates a topic that a metadata
+    request names, at its default size (4 partitions). Named in the moment between
+    the delete and the create of ``replace_topic`` (the compaction's; the broker's
+    own consumer names it when its fetch fails), the topic stayed at 4
+    partitions; the producer, which knew 12, wrote to partitions 4-11, which Tansu
+    acknowledged and no consumer read. The proxy names the topic every time it
+    passes a delete's answer on, twice: the topic must still end at 12."""
+    from app.embedded_services import free_port
+    from persistence.kafka_path import replace_topic
+    from tests.kafka_fixtures import listed_partitions, name_topic, start_tansu, stop_tansu
+    from tests.kafka_proxy import DELETE_TOPICS, KafkaProxy
+
+    kafka_port, proxy_port = free_port(), free_port()
+    proxy = KafkaProxy(kafka_port)
+    await proxy.start(proxy_port)  # first: Tansu is ready once its advertised address answers
+    kafka = start_tansu(kafka_port, advertise=proxy_port)
+    bootstrap, topic = f"127.0.0.1:{proxy_port}", f"named-{uuid.uuid4().hex[:8]}"
+    named = 0
+
+    async def name_it(api_key: int) -> None:
+        nonlocal named
+        if api_key == DELETE_TOPICS and named < 2:
+            named += 1
+            await name_topic(bootstrap, topic)
+            assert await listed_partitions(bootstrap, topic) == 4  # Tansu's default size
+
+    try:
+        assert await ensure_topic(bootstrap, topic, 12)
+        proxy.before_answer = name_it
+        await replace_topic(bootstrap, topic, 12)
+        assert await listed_partitions(bootstrap, topic) == 12
+        assert named == 2
+    finally:
+        await proxy.close()
+        stop_tansu(kafka)
+
+
+async def test_the_probe_reports_a_topic_tansu_made_by_itself_as_not_listed(
+    tansu: str,  # noqa: F811
+) -> None:
+    """Finding 26: a topic a client's metadata request made Tansu create has Tansu's
+    size (4), not devicemq's; the probe reports it as not listed (so it is made
+    again, and nothing acknowledged after a broken connection is vouched for in
+    it), and says what it has. The right size is listed as it is."""
+    from persistence.kafka_path import TopicProbe
+    from tests.kafka_fixtures import name_topic
+
+    named, made = f"named-{uuid.uuid4().hex[:8]}", f"made-{uuid.uuid4().hex[:8]}"
+    await name_topic(tansu, named)
+    assert await ensure_topic(tansu, made, 12)
+    wrong, right = TopicProbe(tansu, named, partitions=12), TopicProbe(tansu, made, partitions=12)
+    try:
+        listed = await wrong.partitions()
+        if not wrong.forgets_topics:
+            pytest.skip("not a Tansu (DEVICEMQ_TEST_KAFKA_BOOTSTRAP): its topics are kept")
+        assert listed is None and wrong.misshapen == 4 and not wrong.vouches()
+        assert await right.partitions() == 12 and right.misshapen is None and right.vouches()
+    finally:
+        await wrong.close()
+        await right.close()

@@ -36,9 +36,9 @@ from aiokafka.errors import KafkaError
 from app.embedded_services import find_tansu, free_port, kafka_ready
 from tests.faults.conftest import HOST, DeviceMQ, RedisProcess
 from tests.faults.sentinel import MASTER_NAME, Found, ReplicaRedis, SentinelProcess, cut_off
-from tests.kafka_fixtures import start_tansu, stop_tansu
+from tests.kafka_fixtures import listed_partitions, name_topic, start_tansu, stop_tansu
 
-PARTITIONS = 4
+PARTITIONS = 4  # the default; a plan or test may set persistence.partitions
 
 
 class Tansu:
@@ -152,6 +152,7 @@ class System:
                 "persistence.redis_sentinels": f"{HOST}:{self.sentinel.port}",
                 "persistence.redis_sentinel_master": MASTER_NAME,
             }
+        self.partitions = int(str(settings.get("persistence.partitions", PARTITIONS)))
         common: dict[str, object] = {
             "persistence.topic": self.topic,
             "persistence.consumer_group": self.group,
@@ -311,6 +312,18 @@ class System:
         self.tansu.kill()
         self.tansu.start()
 
+    def name_topic(self) -> None:
+        """Ask Tansu for the topic by name, as any Kafka client may (a reader such as
+        the stream audit, a producer refreshing its metadata): Tansu creates a topic a
+        metadata request names, at its default size (4 partitions), if it has none."""
+        asyncio.run(asyncio.wait_for(name_topic(self.tansu.bootstrap, self.topic), 10.0))
+
+    def listed_partitions(self) -> int | None:
+        """Partitions Tansu lists for the topic now (asked without naming it)."""
+        return asyncio.run(
+            asyncio.wait_for(listed_partitions(self.tansu.bootstrap, self.topic), 10.0)
+        )
+
     # -- observation ---------------------------------------------------------------------
 
     def check_alive(self) -> list[str]:
@@ -386,7 +399,7 @@ class System:
         )
         await consumer.start()
         try:
-            partitions = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
+            partitions = [TopicPartition(self.topic, p) for p in range(self.partitions)]
             ends = await consumer.end_offsets(partitions)
             for tp in partitions:
                 if ends.get(tp, 0) > 0 and (await consumer.committed(tp) or 0) < ends[tp]:
@@ -411,7 +424,7 @@ class System:
                 return False  # a partition without a known highwater or commit yet
             if any(v > 0 for v in lags):
                 return False
-        return assigned == PARTITIONS and self.kafka_settled()
+        return assigned == self.partitions and self.kafka_settled()
 
     def counter(self, name: str) -> float:
         """Sum of a metric over the live brokers."""

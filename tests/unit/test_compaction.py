@@ -127,6 +127,7 @@ def _restorer(
 
     class Probe:
         forgets_topics = True  # a Tansu
+        misshapen: int | None = None  # what the real one sets for a topic Tansu made
 
         async def partitions(self) -> int | None:
             return listed[0]
@@ -140,13 +141,27 @@ def _restorer(
 
 
 def test_only_a_topic_kafka_does_not_list_is_lost() -> None:
-    """Listed with another partition count than configured: an operator's topic, kept."""
+    """Listed with another partition count than configured: kept (an operator's, on
+    a Kafka that keeps topics; the probe itself reports a Tansu's own as not listed,
+    tests/integration/test_kafka_path.py); not listed: lost."""
     path, consumer, replaced = Path(), LostTopicConsumer(0.0), []
     listed: list[int | None] = [6]
     compactor = _restorer(path, consumer, replaced, listed)
     assert not asyncio.run(compactor.topic_lost())
     listed[0] = None
     assert asyncio.run(compactor.topic_lost())
+
+
+def test_a_topic_tansu_made_at_its_own_size_is_restored_reading_what_it_lists() -> None:
+    """Finding 26: the probe reports a topic a Tansu made at its default size as not
+    listed (``misshapen``); the restore waits until the consumer stored every
+    partition that topic has (4 here, not the configured 1), then makes it again."""
+    path, consumer, replaced = Path(), LostTopicConsumer(0.0), []
+    listed: list[int | None] = [None]
+    compactor = _restorer(path, consumer, replaced, listed)
+    compactor._probe.misshapen = 4  # type: ignore[union-attr]
+    assert asyncio.run(compactor.topic_lost())
+    assert compactor._listed == 4
 
 
 def test_a_lost_topic_is_made_again_once_everything_is_stored() -> None:
