@@ -101,6 +101,9 @@ _BASE = {
     "kill_broker": 2,
     "restart_redis": 2,
     "restart_kafka": 1,
+    # A Kafka client that names the topic (a reader, the stream audit): Tansu makes a
+    # topic it does not have at its own size (finding 26). The "kafka" scenario only.
+    "name_topic": 0,
     "pause_redis": 2,
     "pause_kafka": 1,
     "drain": 2,
@@ -137,7 +140,7 @@ _BIAS: dict[str, dict[str, int]] = {
         "expire_session": 3,
     },
     "clean": {"connect": 14, "pause_redis": 6, "pause_kafka": 3, "disconnect": 4},
-    "kafka": {"restart_kafka": 5, "pause_kafka": 3},
+    "kafka": {"restart_kafka": 5, "pause_kafka": 3, "name_topic": 2},
     "wrap": {"kill_broker": 1, "restart_kafka": 0},
     "queues": {
         "ecq_write": 16,
@@ -167,6 +170,9 @@ def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None)
         # A killed broker's members' claims lapse within the drain's patience.
         "group_queues.lease": 3.0,
     }
+    if scenario == "kafka":
+        # Not Tansu's default size (4): a topic it makes by itself is another one.
+        settings["persistence.partitions"] = 12
     if scenario == "failover":
         settings["persistence.redis_wait"] = "replicas"
         settings["persistence.redis_wait_timeout_ms"] = 1000  # the default
@@ -372,8 +378,14 @@ class _Generator:
     def _restart_redis(self) -> Op:
         return op("restart_redis", signal=self.rnd.choice(("TERM", "KILL")))
 
-    def _restart_kafka(self) -> Op:
+    def _restart_kafka(self) -> Op | list[Op]:
+        if self.plan.scenario == "kafka" and self.rnd.random() < 0.5:
+            # named before the broker has made it again (finding 26)
+            return [op("restart_kafka"), op("name_topic")]
         return op("restart_kafka")
+
+    def _name_topic(self) -> Op:
+        return op("name_topic")
 
     def _lag_replica(self) -> list[Op]:
         # A subscriber away meanwhile: what is published for it lives only in Redis (a

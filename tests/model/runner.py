@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
+
 from tests.model.clients import PahoPublisher, PahoSubscriber, RawClient, Scheduler
 from tests.model.groups import group_filter, group_topic
 from tests.model.model import Config, Model, Msg, Violation
@@ -480,6 +482,15 @@ class Runner:
             time.sleep(0.1)
         self.system.restart_kafka()
         self._fault("restart_kafka")
+
+    def _op_name_topic(self, operation: Op) -> None:
+        """A Kafka client asks for the topic by name (finding 26)."""
+        if self.system.tansu.paused or not self.system.tansu.alive():
+            return
+        try:
+            self.system.name_topic()
+        except (KafkaError, OSError, TimeoutError) as error:
+            self.result.notes.append(f"naming the topic failed: {error!r}")
 
     # -- the drain ---------------------------------------------------------------------
 

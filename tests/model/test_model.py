@@ -30,6 +30,10 @@ FIXED = [
     # a replica cut off while 10 publishes are stored, then the master killed and the
     # replica promoted by the Sentinel: redis_wait: replicas loses nothing (finding 25)
     (1338, 1, 30, "failover"),
+    # Tansu restarted empty, then a client names the topic: Tansu makes it at its own
+    # size, 4 of 12 partitions, and a message acknowledged into partition 4-11 was
+    # never read (finding 26)
+    (1264, 1, 14, "kafka"),
 ]
 CHEAP = ("mixed", "faults", "expiry", "clean", "kafka", "queues")  # "wrap" floods ~65k
 
