@@ -64,6 +64,17 @@ __all__ = [
 ]
 
 ENV_PREFIX = "DEVICEMQ_"
+# DEVICEMQ_* variables that are not settings, each read where it says. Any other
+# DEVICEMQ_* variable is refused like an unknown key in the file: a misspelt
+# setting must not be ignored.
+OTHER_ENV = {
+    "DEVICEMQ_CONFIG": "the YAML file, when --config is not given (app/cli.py)",
+    "DEVICEMQ_USER": "docker-compose.yml: the first MQTT user it makes",
+    "DEVICEMQ_PASSWORD": "docker-compose.yml: that user's password",
+    "DEVICEMQ_SHUFFLE_PARTITIONS": "the pipeline's Spark shuffle partitions (pipeline/common.py)",
+}
+# The test suite's and CI's own variables (tests/, .ci/run).
+OTHER_ENV_PREFIXES = ("DEVICEMQ_TEST_", "DEVICEMQ_CI_", "DEVICEMQ_FUZZ_")
 
 T = TypeVar("T")
 
@@ -1111,6 +1122,14 @@ def _unknown_key(name: str) -> str:
     return "unknown setting"
 
 
+def _unknown_variable(var: str, known: set[str]) -> str:
+    """'not a devicemq setting', with the closest known variable when there is one."""
+    close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
+    if close:
+        return f"not a devicemq setting (did you mean {close[0]}?)"
+    return "not a devicemq setting (README.md, Configuration; unset it)"
+
+
 # --------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------
@@ -1124,8 +1143,9 @@ def load_settings(
     """Build :class:`Settings` from defaults, a YAML file, the environment and overrides.
 
     ``env`` defaults to ``os.environ``; it feeds both ``${VAR}`` interpolation
-    and the ``DEVICEMQ_*`` variables. Unknown ``DEVICEMQ_*`` variables are
-    ignored (other tools share the prefix); unknown keys in the file are not.
+    and the ``DEVICEMQ_*`` variables. An unknown ``DEVICEMQ_*`` variable is an
+    error, as an unknown key in the file is (:data:`OTHER_ENV` names those that
+    are not settings).
     ``overrides`` maps dotted names to values; a ``str`` value is parsed like
     an environment value (command-line flags are text), anything else must
     already have the field's type. Raises :class:`ConfigError`.
@@ -1157,6 +1177,12 @@ def load_settings(
             raise ConfigError(e.message, source=f"env {spec.env_var}", name=spec.name) from None
 
     rules_var = ENV_PREFIX + INTEGRATIONS.upper()
+    known = {spec.env_var for spec in _SPECS.values()} | {rules_var} | set(OTHER_ENV)
+    for var in sorted(env):
+        if var in known or var.startswith(OTHER_ENV_PREFIXES):
+            continue
+        if var.startswith(ENV_PREFIX):
+            raise ConfigError(_unknown_variable(var, known), source=f"env {var}")
     if rules_var in env:  # YAML (or JSON) text: a list of rules
         source = f"env {rules_var}"
         try:

@@ -259,8 +259,36 @@ def test_every_setting_has_a_working_env_var() -> None:
         assert load_settings(env={spec.env_var: text}) == Settings(), spec.name
 
 
-def test_unknown_devicemq_env_vars_are_ignored() -> None:
-    env = {"DEVICEMQ_LISTENER_PROT": "1", "DEVICEMQ_SOMETHING_ELSE": "x", "DEVICEMQ_CONFIG": "y"}
+@pytest.mark.parametrize(
+    ("var", "message"),
+    [
+        (
+            "DEVICEMQ_LISTENER_PROT",
+            "env DEVICEMQ_LISTENER_PROT: not a devicemq setting "
+            "(did you mean DEVICEMQ_LISTENER_PORT?)",
+        ),
+        (
+            "DEVICEMQ_SOMETHING_ELSE",
+            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting "
+            "(README.md, Configuration; unset it)",
+        ),
+    ],
+)
+def test_an_unknown_devicemq_env_var_is_refused_like_an_unknown_key(var: str, message: str) -> None:
+    """A misspelt setting in the environment was ignored: the broker ran with the
+    default the operator meant to change."""
+    with pytest.raises(ConfigError) as caught:
+        load_settings(env={var: "1"})
+    assert str(caught.value) == message
+
+
+def test_devicemq_env_vars_that_are_not_settings_are_let_be() -> None:
+    env = {
+        "DEVICEMQ_CONFIG": "y",  # the CLI's
+        "DEVICEMQ_PASSWORD": "p",  # docker-compose's
+        "DEVICEMQ_TEST_KAFKA_BOOTSTRAP": "127.0.0.1:9",  # the test suite's
+        "DEVICEMQ_CI_PYTEST_PROCESSES": "2",  # CI's
+    }
     assert load_settings(env=env) == Settings()
 
 
