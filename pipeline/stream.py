@@ -67,7 +67,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -675,18 +675,32 @@ class StreamStopped(RuntimeError):
     """An ingesting query stopped (e.g. its topic was emptied under it)."""
 
 
+class TopicRecreated(RuntimeError):
+    """The persisted topic was created anew (a new epoch) while an update waited."""
+
+
 RESTARTS = 3  # times in a row a stopped query is restarted before the stream gives up
+EPOCH_LOOK = 1.0  # seconds between two looks at the epoch while catching up
 
 
-def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> dict[int, tuple[int, int]]:
+def _catch_up(
+    query: Any,
+    endpoints: Endpoints,
+    topic: str,
+    recreated: Callable[[], bool] = lambda: False,
+) -> dict[int, tuple[int, int]]:
     """Wait until ``query`` has written every record ``topic`` held when called;
     returns what it held (partition -> (low, high)).
 
     Not ``processAllAvailable``: that waits until no new record comes, which
-    under load never happens."""
+    under load never happens. Raises :class:`TopicRecreated` once ``recreated``
+    says so: the ends it waits for were the old topic's, which the new one's
+    offsets may never reach (an hour's run stalled so at the first emptying of
+    the embedded topic that came during a wait)."""
     from pipeline.kafka_source import latest_offsets
 
     bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
+    looked = time.monotonic()
     while True:
         error = query.exception()
         if error is not None or not query.isActive:
@@ -694,6 +708,10 @@ def _catch_up(query: Any, endpoints: Endpoints, topic: str) -> dict[int, tuple[i
         done = _offsets_written(query.lastProgress)
         if all(high <= low or done.get(p, -1) >= high for p, (low, high) in bounds.items()):
             return bounds
+        if time.monotonic() - looked >= EPOCH_LOOK:
+            looked = time.monotonic()
+            if recreated():
+                raise TopicRecreated(f"{topic}: the persisted topic was created anew")
         time.sleep(0.1)
 
 
@@ -781,13 +799,16 @@ def stream_audit(
             record_batches: list[Path] = []
             event_batches: list[Path] = []
 
+            def recreated(epoch: int = epoch) -> bool:
+                return read_epoch(endpoints, persisted_topic) != epoch
+
             def new_events(batches: list[Path] = event_batches) -> DataFrame:
-                _catch_up(queries[1], endpoints, events_topic)  # after Redis
+                _catch_up(queries[1], endpoints, events_topic, recreated)  # after Redis
                 batches.extend(_batches(base / "events"))
                 return _read(spark, batches)
 
             try:
-                audit.partitions = set(_catch_up(queries[0], endpoints, persisted_topic))
+                audit.partitions = set(_catch_up(queries[0], endpoints, persisted_topic, recreated))
                 record_batches.extend(_batches(base / "records"))
                 done = audit.update(
                     _read(spark, record_batches),
@@ -796,6 +817,8 @@ def stream_audit(
                     grace=grace,
                     persisted_topic=persisted_topic,
                 )
+            except TopicRecreated:
+                continue  # the loop starts over with the new epoch
             except StreamStopped as error:
                 stopped += 1
                 if stopped > RESTARTS:

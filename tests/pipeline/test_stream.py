@@ -28,7 +28,7 @@ from app.embedded_services import EmbeddedServices
 from persistence.format import client_keys
 from pipeline.common import Endpoints, Window, resolve_endpoints
 from pipeline.kafka_source import latest_offsets
-from pipeline.stream import stream_audit
+from pipeline.stream import EPOCH_LOOK, stream_audit
 from tests.conftest import free_port
 from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
@@ -330,6 +330,88 @@ def test_stream_follows_the_embedded_topic_created_anew(
         publisher.loop_stop()
         reader.close()
     assert not thread.is_alive()
+
+
+def test_a_wait_for_the_stream_ends_when_the_topic_is_created_anew(
+    spark: Any, embedded: tuple[int, Path], tmp_path: Path
+) -> None:
+    """An update waits until the records' stream has taken in what the topic held
+    as it began. The embedded topic emptied during that wait: the ends it waited
+    for were the old topic's, the stream's offsets in the new one never reached
+    them, and the audit stopped updating for good (an hour's run, at the first
+    emptying that came during a wait). Here the stream cannot move at all (a
+    trigger an hour apart), so only noticing the new epoch ends the wait."""
+    from pipeline.kafka_source import FORMAT, register
+
+    port, data = embedded
+    endpoints = resolve_endpoints(str(data), None, None)
+    reader = Client(port, "reader")
+    reader.subscribe("live/#")
+    publisher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, "pub", protocol=mqtt.MQTTv5)
+    publisher.connect("127.0.0.1", port)
+    publisher.loop_start()
+    register(spark)
+    query = (
+        spark.readStream.format(FORMAT)
+        .option("bootstrap", endpoints.bootstrap)
+        .option("topic", PERSISTED)
+        .option("startingOffsets", "earliest")
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="1 hour")
+        .start()
+    )
+    redis = Redis.from_url(endpoints.redis_url)
+    outcome: list[object] = []
+    waiting = threading.Thread(
+        target=lambda: outcome.append(_wait_for_stream(query, endpoints, redis)), daemon=True
+    )
+    try:
+        for i in range(5):
+            _publish(publisher, f"live/{i}", b"before")
+        reader.wait_for(5)
+        deadline = time.monotonic() + 120
+        while query.lastProgress is None:  # its first micro-batch; the next in an hour
+            assert time.monotonic() < deadline, "the query never ran"
+            time.sleep(0.2)
+        for i in range(5):
+            _publish(publisher, f"live/{i}", b"beyond what the stream took in")
+        before = int(redis.get(f"devicemq:epoch:{PERSISTED}") or 0)
+        waiting.start()
+        time.sleep(2 * EPOCH_LOOK)
+        assert waiting.is_alive(), outcome  # waits: the stream is behind the topic
+        sent = 10
+        while int(redis.get(f"devicemq:epoch:{PERSISTED}") or 0) == before:
+            _publish(publisher, "live/more", b"more")
+            sent += 1
+            assert sent < 50 * COMPACT_AFTER, "the embedded topic was never emptied"
+        waiting.join(30)
+        assert not waiting.is_alive(), "still waiting for the old topic's ends"
+        assert outcome == ["recreated"]
+    finally:
+        query.stop()
+        redis.close()
+        publisher.disconnect()
+        publisher.loop_stop()
+        reader.close()
+
+
+def _wait_for_stream(query: Any, endpoints: Endpoints, redis: Redis) -> str:
+    """How ``_catch_up`` ends: ``recreated`` once the epoch moved, else ``caught up``."""
+    from pipeline.stream import TopicRecreated, _catch_up
+
+    epoch = int(redis.get(f"devicemq:epoch:{PERSISTED}") or 0)
+    try:
+        _catch_up(
+            query,
+            endpoints,
+            PERSISTED,
+            lambda: int(redis.get(f"devicemq:epoch:{PERSISTED}") or 0) != epoch,
+        )
+    except TopicRecreated:
+        return "recreated"
+    return "caught up"
 
 
 # ---------------------------------------------------------------------------
