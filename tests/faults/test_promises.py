@@ -238,6 +238,21 @@ def test_messages_after_a_kafka_restart_are_delivered(tmp_path: Path) -> None:
         system.stop()
 
 
+def _settled_subscriber(system: System) -> tuple[RawSubscriber, Publisher]:
+    """The system started; a persistent subscriber ("sub") got 10 messages of "pub",
+    and Kafka holds nothing that is not stored."""
+    system.start()
+    address = system.address(0)
+    sub = RawSubscriber(address, "sub", level=5)
+    sub.connect(subscribe=[(TOPIC, 1)], reconnect=True)
+    pub = Publisher(address, "pub", TOPIC)
+    pub.publish(10)
+    pub.stop()
+    sub.wait_all([pub], 15)
+    wait_until(system.quiesced, 20, "consumer lag 0")
+    return sub, pub
+
+
 def test_a_topic_kafka_lost_is_made_again_before_a_crash_can_lose_its_records(
     tmp_path: Path,
 ) -> None:
@@ -252,15 +267,8 @@ def test_a_topic_kafka_lost_is_made_again_before_a_crash_can_lose_its_records(
     system = System(tmp_path / "system", 1, {})
     sub = pub = pub2 = None
     try:
-        system.start()
+        sub, pub = _settled_subscriber(system)
         address = system.address(0)
-        sub = RawSubscriber(address, "sub", level=5)
-        sub.connect(subscribe=[(TOPIC, 1)], reconnect=True)
-        pub = Publisher(address, "pub", TOPIC)
-        pub.publish(10)
-        pub.stop()
-        sub.wait_all([pub], 15)
-        wait_until(system.quiesced, 20, "consumer lag 0")
         system.kill_broker(0)  # the next process has produced nothing before the restart
         system.start_broker(0)
         system.restart_kafka()
@@ -299,15 +307,8 @@ def test_a_topic_a_client_names_after_kafka_restarts_empty_is_made_at_its_size(
     system = System(tmp_path / "system", 1, {"persistence.partitions": 12})
     sub = pub = pub2 = None
     try:
-        system.start()
+        sub, pub = _settled_subscriber(system)
         address = system.address(0)
-        sub = RawSubscriber(address, "sub", level=5)
-        sub.connect(subscribe=[(TOPIC, 1)], reconnect=True)
-        pub = Publisher(address, "pub", TOPIC)
-        pub.publish(10)
-        pub.stop()
-        sub.wait_all([pub], 15)
-        wait_until(system.quiesced, 20, "consumer lag 0")
         system.restart_kafka()
         system.name_topic()
         pub2 = Publisher(address, "pub2", TOPIC)
