@@ -655,7 +655,7 @@ async def open_persistence(
         if (
             not settings.cluster.enabled
             and await store.topic_used(config.topic)
-            and await lost_by_tansu(bootstrap, config.topic, config.partitions, security)
+            and await lost_by_tansu(bootstrap, config.topic, security)
         ):
             # Kafka lost a topic devicemq used (a Tansu restarted empty). What a killed
             # predecessor sent to it since, Tansu keeps unlisted and unread; a topic

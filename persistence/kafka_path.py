@@ -766,12 +766,12 @@ class _WatchedClient(AIOKafkaClient):  # type: ignore[misc]  # aiokafka is untyp
         super()._on_connection_closed(conn, reason)
 
 
-async def lost_by_tansu(
-    bootstrap: str, topic: str, partitions: int, security: KafkaSecurity = PLAINTEXT
-) -> bool:
-    """A Tansu (memory storage) no longer lists ``topic`` (or lists one of another
-    size than ``partitions``: :class:`TopicProbe`)."""
-    probe = TopicProbe(bootstrap, topic, security, partitions)
+async def lost_by_tansu(bootstrap: str, topic: str, security: KafkaSecurity = PLAINTEXT) -> bool:
+    """A Tansu (memory storage) no longer lists ``topic``. One listed at another size
+    is not lost here: what it holds may be unstored (a broker restarted with another
+    ``persistence.partitions``); the compactor's restore reads it all before it
+    makes it again (:class:`TopicProbe`)."""
+    probe = TopicProbe(bootstrap, topic, security)
     try:
         return await probe.partitions() is None and probe.forgets_topics
     finally:

@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
@@ -309,6 +310,8 @@ def test_a_topic_a_client_names_after_kafka_restarts_empty_is_made_at_its_size(
     try:
         sub, pub = _settled_subscriber(system)
         address = system.address(0)
+        # Named at once, before the broker's next look (a second) as a rule: what
+        # must hold holds either way (the next test makes the order certain).
         system.restart_kafka()
         system.name_topic()
         pub2 = Publisher(address, "pub2", TOPIC)
@@ -319,6 +322,80 @@ def test_a_topic_a_client_names_after_kafka_restarts_empty_is_made_at_its_size(
         assert system.listed_partitions() == 12
     finally:
         for client in (sub, pub, pub2):
+            if client is not None:
+                client.close()
+        system.stop()
+
+
+@pytest.mark.xfail(
+    reason="tests/model/FINDINGS.md finding 27, OPEN: 1 of 20 acknowledged (the first) "
+    "sometimes never delivered (4 of 5 runs after other tests of this file, 0 of 4 alone)",
+    strict=False,
+)
+def test_a_topic_tansu_made_at_its_own_size_while_the_broker_was_stopped_is_made_again(
+    tmp_path: Path,
+) -> None:
+    """Finding 26, the order made certain: the broker is stopped (SIGSTOP) while
+    Tansu restarts empty and a client names the topic, so Tansu lists it at its
+    own 4 partitions first. The broker must make it again at 12 (on the old code
+    it kept the 4) and deliver what it acknowledges afterwards."""
+    system = System(tmp_path / "system", 1, {"persistence.partitions": 12})
+    sub = pub = pub2 = None
+    try:
+        sub, pub = _settled_subscriber(system)
+        broker = system.brokers[0].proc
+        assert broker is not None
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            system.restart_kafka()
+            system.name_topic()
+            assert system.listed_partitions() == 4  # Tansu's own size
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        pub2 = Publisher(system.address(0), "pub2", TOPIC)
+        pub2.publish(20)
+        pub2.stop(30)
+        assert pub2.acked, pub2.outcomes
+        sub.wait_all([pub, pub2], 30)
+        wait_until(lambda: system.listed_partitions() == 12, 30, "the topic made at 12")
+    finally:
+        for client in (sub, pub, pub2):
+            if client is not None:
+                client.close()
+        system.stop()
+
+
+def test_a_broker_restarted_with_more_partitions_stores_what_kafka_held_first(
+    tmp_path: Path,
+) -> None:
+    """A review of finding 26's fix: a topic listed at another size than
+    ``persistence.partitions`` was taken at start-up for one Tansu had lost, and
+    replaced at once. A broker restarted with more partitions (12 -> 16) then
+    deleted a topic holding 20 acknowledged messages not stored yet (Redis
+    paused while they were published, the broker killed). They must be stored
+    before the topic is made at its new size."""
+    system = System(tmp_path / "system", 1, {"persistence.partitions": 12})
+    sub = pub = None
+    try:
+        system.start()
+        address = system.address(0)
+        sub = RawSubscriber(address, "sub", level=5)
+        sub.connect(subscribe=[(TOPIC, 1)])
+        sub.close()  # offline: what follows is stored for it
+        system.pause_redis()
+        pub = Publisher(address, "pub", TOPIC)
+        pub.publish(20)
+        pub.stop(20)
+        assert pub.acked == set(range(1, 21)), pub.outcomes
+        system.kill_broker(0)
+        system.resume_redis()
+        system.brokers[0].settings["persistence.partitions"] = 16
+        system.start_broker(0)
+        sub.connect(subscribe=None, reconnect=True)
+        sub.wait_all([pub], 30)
+        wait_until(lambda: system.listed_partitions() == 16, 30, "the topic made at 16")
+    finally:
+        for client in (sub, pub):
             if client is not None:
                 client.close()
         system.stop()
