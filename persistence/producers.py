@@ -72,6 +72,9 @@ class RecordProducer(Protocol):
     async def check(self) -> None:
         """Raise unless Kafka answers a metadata request now (the readiness probe)."""
 
+    async def refresh(self, topic: str) -> None:
+        """Read ``topic``'s partitions from Kafka now (:meth:`partitions_for_topic`)."""
+
 
 class Aiokafka:
     """aiokafka's producer as a :class:`RecordProducer` (its own calls, unwrapped)."""
@@ -88,6 +91,11 @@ class Aiokafka:
 
     async def check(self) -> None:
         await self.producer.client.fetch_all_metadata()
+
+    async def refresh(self, topic: str) -> None:
+        client = self.producer.client
+        await client.add_topic(topic)  # its metadata requests name the topics it has
+        await client.force_metadata_update()
 
 
 def aiokafka_error(error: Any) -> KafkaError:
@@ -216,6 +224,9 @@ class Confluent:
             await asyncio.shield(self._checking)
         except KafkaException as error:
             raise aiokafka_error(error.args[0]) from None
+
+    async def refresh(self, topic: str) -> None:
+        await self._read_metadata()
 
     def _delivered(self, future: asyncio.Future[Any], error: Any, message: Any) -> None:
         self._outstanding -= 1

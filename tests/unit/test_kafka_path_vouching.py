@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
 from broker.message import Delivery, Message
@@ -49,6 +50,9 @@ class Probe:
 
     forgets_topics = True
     closed = False
+    answered = True
+    expected: int | None = None  # any size is devicemq's: the size guard stays out
+    misshapen: int | None = None
 
     def __init__(self) -> None:
         self.vouching = False
@@ -146,3 +150,52 @@ async def test_success_is_reported_once_the_probe_sees_the_topic() -> None:
     a.question.set_result(1)
     await _until(lambda: a.accepted == [True])
     assert len(a.producer.sent) == 1
+
+
+class Resized(Producer):
+    """A producer that knows the topic at ``known`` partitions until it reads
+    the topic again (:meth:`refresh`), and then knows what Kafka lists."""
+
+    def __init__(self, known: int) -> None:
+        super().__init__()
+        self.known = set(range(known))
+        self.listed = known  # what Kafka lists: the test changes it
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return self.known
+
+    async def refresh(self, topic: str) -> None:
+        self.known = set(range(self.listed))
+
+
+async def test_nothing_is_sent_while_the_producer_knows_a_tansu_topic_at_another_size() -> None:
+    """Finding 27: a record sent by a 4-partition mapping, then sent again by the
+    12-partition one, came in behind its producer's later records and was skipped
+    as stored. So nothing goes to a Tansu's topic the producer knows at another
+    size than devicemq makes it with: the path asks, has it made again, reads it
+    again, and sends by devicemq's count."""
+    producer, probe = Resized(4), Probe()
+    probe.expected = 12
+    made: list[bool] = []
+
+    async def recreate() -> None:  # the compactor's restore: the topic made at 12
+        made.append(True)
+        producer.listed = 12
+
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=5.0,
+        probe=probe,  # type: ignore[arg-type]
+        recreate_topic=recreate,
+    )
+    delivery = Delivery(Message("t", b"x", 1, False), 1, False)
+    path.submit([(_session("c"), delivery)], [].append)
+    question = await asyncio.wait_for(probe.questions.get(), 1.0)
+    assert producer.sent == []
+    probe.misshapen = 4
+    question.set_result(None)  # Tansu's own topic: reported as not listed
+    await _until(lambda: len(producer.sent) == 1)
+    assert made == [True]
+    expected = DefaultPartitioner()(b"c", list(range(12)), list(range(12)))
+    assert producer.sent[0][1] == expected
