@@ -55,6 +55,7 @@ log = logging.getLogger("devicemq.kafka")
 CHECK_INTERVAL = 1.0  # seconds between two looks at the record count and the topic
 RETRY_AFTER = 1.0  # seconds before a compaction that could not finish is tried again
 GIVE_UP_AFTER = 10.0  # seconds a lost topic's records are waited for before it is made
+READ_PARTITIONS_TIMEOUT = 5.0  # seconds the consumer may take to read the partitions anew
 # A fetch answered this long after the last acknowledgement was asked after it too
 # (fetch.max.wait is 20 ms): its end covers every acknowledged record.
 FETCH_MARGIN = 0.25
@@ -197,6 +198,8 @@ class KafkaCompactor:
                     path.topic,
                 )
             consumer.read_from_start()
+            if misshapen:
+                await self._read_partitions(misshapen)  # to be assigned what it lists
         lost_since = self._lost_since
         path.hold()
         held_at = self._clock()
@@ -235,6 +238,9 @@ class KafkaCompactor:
             await self._replace_topic()
             new_log = True
             consumer.log_recreated()
+            if self._listed != self._partitions:
+                await self._read_partitions(self._partitions)
+                self._listed = self._partitions
             self._lost_since = None
             self.stats.topics_restored += 1
             log.warning(
@@ -247,6 +253,15 @@ class KafkaCompactor:
         finally:
             self.stats.held_seconds += self._clock() - held_at
             path.release(new_log)
+
+    async def _read_partitions(self, partitions: int) -> None:
+        """The consumer reads the topic's partitions now: its size changed."""
+        try:
+            await asyncio.wait_for(
+                self._consumer.read_partitions(partitions), READ_PARTITIONS_TIMEOUT
+            )
+        except Exception as error:  # Kafka away: aiokafka refreshes by itself later
+            log.warning("reading kafka topic %s's partitions failed: %r", self._path.topic, error)
 
     async def compact(self) -> bool:
         """Empty the topic now if everything in it is stored; False if it was not."""

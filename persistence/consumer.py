@@ -90,6 +90,7 @@ STUCK_JOIN_AFTER = 15.0
 HOLE_WAIT = 5.0
 COMMITTED_TIMEOUT = 2.0  # seconds to ask a new assignment's committed offset
 COMMITS_DONE_TIMEOUT = 5.0  # seconds a shutdown waits for offset commits still held back
+READ_PARTITIONS_RETRY = 0.05  # seconds between two metadata requests while the topic changes size
 
 StoredHandler = Callable[[str, Callable[[], list[StoredRecord]]], None]
 QueueStoredHandler = Callable[[str, list[QueueEntry]], None]  # queue's consumer, entries
@@ -323,6 +324,7 @@ class PersistenceConsumer:
         # committed offset, asked of Kafka to see whether it skipped offsets.
         self._unplaced: set[TopicPartition] = set()
         self._resets_checked = 0.0
+        self._topic = topic
         consumer.subscribe([topic], listener=_Rebalance(self))
 
     @property
@@ -381,13 +383,16 @@ class PersistenceConsumer:
         self.failure = self._stuck
         log.warning("%s as a new member", self._stuck)
         self._joining_since = self._clock()  # the new join gets its own time
+        self._join_as_new_member()
+        return True
+
+    def _join_as_new_member(self) -> None:
         coordinator = getattr(self._consumer, "_coordinator", None)  # None before start()
         if coordinator is not None:
             # aiokafka keeps no public call for it: forgetting the member id and
             # generation makes the next JoinGroup that of a new member.
             coordinator.reset_generation()
             coordinator.request_rejoin()
-        return True
 
     def forget_position(self, tp: TopicPartition) -> None:
         """The partition was (re)assigned or revoked: its next fetch may start anywhere,
@@ -656,6 +661,24 @@ class PersistenceConsumer:
         for tp in self._consumer.assignment():
             self._forget_committed(tp.partition)
             self._seek(tp, 0)
+
+    async def read_partitions(self, partitions: int) -> None:
+        """Read the topic's partitions from Kafka until it lists ``partitions``, then
+        join the group anew to be assigned them.
+
+        A topic made again at another size (persistence/compaction.py) keeps its
+        name: aiokafka would learn the new count only at its next metadata refresh
+        (5 minutes). A refresh already under way may have been asked before the
+        topic was made: asked again until it lists them. The join is a new
+        member's: Tansu (0.6) answers the rejoin a metadata change starts with the
+        assignment its member had before (its generation stays 0), and the
+        partitions the topic gained would never be read (tests/model/FINDINGS.md,
+        finding 27); any Kafka assigns a new member afresh."""
+        while len(self._consumer.partitions_for_topic(self._topic) or ()) != partitions:
+            await self._consumer._client.force_metadata_update()
+            if len(self._consumer.partitions_for_topic(self._topic) or ()) != partitions:
+                await asyncio.sleep(READ_PARTITIONS_RETRY)
+        self._join_as_new_member()
 
     def commit_again(self) -> None:
         """Kafka lists the topic again by itself (not made again): commits resume."""

@@ -98,6 +98,11 @@ class LostTopicConsumer(Consumer):
         super().__init__(catches_up_after=None)
         self.stores_after = stores_after  # seconds after reading from the start; None: never
         self.read_again: list[float] = []
+        self.listed = 1  # the partitions of the topic it reads
+        self.partitions_read: list[int] = []  # asked to read the topic's partitions
+
+    async def read_partitions(self, partitions: int) -> None:
+        self.partitions_read.append(partitions)
 
     def read_from_start(self) -> None:
         self.read_again.append(asyncio.get_running_loop().time())
@@ -106,7 +111,7 @@ class LostTopicConsumer(Consumer):
         self.commits_again = True
 
     def stored_to_end(self, since: float, partitions: int) -> bool:
-        assert partitions == 1
+        assert partitions == self.listed
         now = asyncio.get_running_loop().time()
         return self.stores_after is not None and now - self.read_again[0] >= self.stores_after
 
@@ -162,6 +167,21 @@ def test_a_topic_tansu_made_at_its_own_size_is_restored_reading_what_it_lists() 
     compactor._probe.misshapen = 4  # type: ignore[union-attr]
     assert asyncio.run(compactor.topic_lost())
     assert compactor._listed == 4
+
+
+def test_the_consumer_reads_the_partitions_of_a_topic_made_again_at_another_size() -> None:
+    """Finding 27: a topic Tansu made at 4 partitions, made again at the configured
+    count, keeps its name; aiokafka's consumer learns the new count only at its
+    next metadata refresh (5 minutes) and reads none of the partitions it does not
+    know meanwhile. It is told to read them when the restore begins (to be assigned
+    what the misshapen topic has) and once the topic is made."""
+    path, consumer, replaced = Path(), LostTopicConsumer(0.0), []
+    consumer.listed = 4
+    compactor = _restorer(path, consumer, replaced, [None])
+    compactor._probe.misshapen = 4  # type: ignore[union-attr]
+    assert asyncio.run(compactor.restore_when_lost())
+    assert replaced == [1] and consumer.partitions_read == [4, 1]
+    assert compactor._listed == 1
 
 
 def test_a_lost_topic_is_made_again_once_everything_is_stored() -> None:
