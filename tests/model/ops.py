@@ -379,9 +379,15 @@ class _Generator:
         return op("restart_redis", signal=self.rnd.choice(("TERM", "KILL")))
 
     def _restart_kafka(self) -> Op | list[Op]:
-        if self.plan.scenario == "kafka" and self.rnd.random() < 0.5:
-            # named before the broker has made it again (finding 26)
-            return [op("restart_kafka"), op("name_topic")]
+        if self.plan.scenario == "kafka":
+            roll = self.rnd.random()
+            if roll < 0.35:
+                # named before the broker has made it again (finding 26)
+                return [op("restart_kafka"), op("name_topic")]
+            if roll < 0.5:
+                # the brokers stopped across the restart and the naming: Tansu's own
+                # topic is what they find, for certain (finding 27)
+                return op("restart_kafka", frozen=True)
         return op("restart_kafka")
 
     def _name_topic(self) -> Op:

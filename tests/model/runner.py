@@ -480,7 +480,13 @@ class Runner:
                 self.result.notes.append("kafka restart skipped: consumer lag not 0")
                 return
             time.sleep(0.1)
-        self.system.restart_kafka()
+        if operation.get("frozen"):
+            try:
+                self.system.restart_kafka_frozen()
+            except (KafkaError, OSError, TimeoutError) as error:
+                self.result.notes.append(f"naming the topic failed: {error!r}")
+        else:
+            self.system.restart_kafka()
         self._fault("restart_kafka")
 
     def _op_name_topic(self, operation: Op) -> None:

@@ -312,6 +312,17 @@ class System:
         self.tansu.kill()
         self.tansu.start()
 
+    def restart_kafka_frozen(self) -> None:
+        """Restart Kafka and name the topic while every broker is stopped (SIGSTOP):
+        the brokers find Tansu's own topic, at its size, whatever their timing."""
+        frozen = [b.proc for b in self.brokers if _signal(b.proc, signal.SIGSTOP)]
+        try:
+            self.restart_kafka()
+            self.name_topic()
+        finally:
+            for proc in frozen:
+                _signal(proc, signal.SIGCONT)
+
     def name_topic(self) -> None:
         """Ask Tansu for the topic by name, as any Kafka client may (a reader such as
         the stream audit, a producer refreshing its metadata): Tansu creates a topic a
