@@ -679,6 +679,66 @@ class TopicRecreated(RuntimeError):
     """The persisted topic was created anew (a new epoch) while an update waited."""
 
 
+# The Python process Spark runs a streaming query's Python data source in.
+STREAM_RUNNER = "pyspark.sql.streaming.python_streaming_source_runner"
+
+
+class _Quiet:
+    """A Java ``Thread.UncaughtExceptionHandler`` (through the Py4J callback server
+    that ``foreachBatch`` runs): an ended monitor thread prints no stack trace."""
+
+    def uncaughtException(self, thread: Any, error: Any) -> None:  # Java names it
+        pass
+
+    class Java:
+        implements = ["java.lang.Thread$UncaughtExceptionHandler"]
+
+
+def runner_monitors(spark: SparkSession) -> list[Any]:
+    """The JVM threads watching the idle workers of a streaming Python source's runner.
+
+    Spark (4.x) makes a worker factory for each streaming query's Python source
+    as the query starts, and the factory starts a thread ("Idle Worker Monitor
+    for <python>") that loops forever: the query's stop stops the factory's
+    worker and leaves the thread. The stream starts its queries again at each
+    new epoch (every few minutes on the embedded Kafka, whose topic is emptied):
+    the JVM's threads grew by two each time (BENCHMARKS.md, "`--stream` for an
+    hour, again"). The factory is found by reflection (Scala's ``$outer``)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    found = []
+    for thread in jvm.java.lang.Thread.getAllStackTraces().keySet().toArray():
+        if not str(thread.getName()).startswith("Idle Worker Monitor for "):
+            continue
+        try:
+            outer = thread.getClass().getDeclaredField("$outer")
+            outer.setAccessible(True)
+            factory = outer.get(thread)
+            module = factory.getClass().getDeclaredField("workerModule")
+            module.setAccessible(True)
+            if module.get(factory) == STREAM_RUNNER:
+                found.append(thread)
+        except Exception as error:  # another Spark's insides: that thread is left alone
+            log.debug("cannot tell what a python worker monitor watches: %s", error)
+    return found
+
+
+def end_runner_monitors(spark: SparkSession) -> int:
+    """End every streaming source runner's monitor thread; only while no streaming
+    query runs (each is then a stopped query's). It sleeps between its looks:
+    interrupted, it ends. Returns how many were ended."""
+    from pyspark.java_gateway import ensure_callback_server_started
+
+    threads = runner_monitors(spark)
+    if threads:
+        ensure_callback_server_started(spark.sparkContext._gateway)  # type: ignore[no-untyped-call]
+    quiet = _Quiet()
+    for thread in threads:
+        thread.setUncaughtExceptionHandler(quiet)
+        thread.interrupt()
+    return len(threads)
+
+
 RESTARTS = 3  # times in a row a stopped query is restarted before the stream gives up
 EPOCH_LOOK = 1.0  # seconds between two looks at the epoch while catching up
 
@@ -759,6 +819,7 @@ def stream_audit(
         for query in queries:
             query.stop()
         queries.clear()
+        end_runner_monitors(spark)
         for name, topic in (("records", persisted_topic), ("events", events_topic)):
             stream = (
                 spark.readStream.format(FORMAT)
@@ -867,4 +928,5 @@ def stream_audit(
     finally:
         for query in queries:
             query.stop()
+        end_runner_monitors(spark)
     return summary
