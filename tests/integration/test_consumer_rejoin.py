@@ -1,13 +1,22 @@
-"""A group join that never completes is given up and started again as a new member.
+"""The persistence consumer joins its group again as a new member, on a real Tansu.
 
-Issue 16, 5: replicas restarted against a Tansu whose old members were still
-leaving rejoined every 3 s at the same generation and never got their
+A group join that never completes is given up and started again as a new
+member. Issue 16, 5: replicas restarted against a Tansu whose old members were
+still leaving rejoined every 3 s at the same generation and never got their
 partitions. The fault itself (a coordinator that never completes a SyncGroup)
 cannot be made to happen on demand with a real Tansu; what is driven here,
 deterministically, is the consumer's side: a join under way (the rebalance
 listener's revoke, no assignment after it) with a clock moved past
 STUCK_JOIN_AFTER. The consumer then says why it is not ready and rejoins as a
 new member of the real group on Tansu, which assigns it its partitions again.
+
+A topic made again at another size is read whole (tests/model/FINDINGS.md,
+finding 27): the consumer holds the 4 partitions of a topic, which is then
+deleted and made again at 12 (as the compactor restores a topic Tansu made at
+its own size). Told to read the topic's partitions, the consumer must be
+assigned all 12. Tansu answers the rejoin that aiokafka starts on the metadata
+change with the member's old assignment (its group generation stays 0):
+without a new member's join, partitions 4-11 would never be read.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import uuid
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from persistence.consumer import STUCK_JOIN_AFTER, PersistenceConsumer, make_consumer
+from persistence.kafka_path import replace_topic
 from tests.kafka_fixtures import tansu  # noqa: F401  (pytest fixture)
 
 
@@ -28,16 +38,22 @@ async def _until(condition: object, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _topic(bootstrap: str, name: str, partitions: int) -> tuple[str, str]:
+    """A new topic of ``partitions`` and a group name for it."""
+    topic, group = f"{name}.{uuid.uuid4().hex[:8]}", f"{name}-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        await admin.close()
+    return topic, group
+
+
 async def test_a_stuck_join_rejoins_as_a_new_member_and_is_not_ready_meanwhile(
     tansu: str,  # noqa: F811
 ) -> None:
-    topic, group = f"stuck.{uuid.uuid4().hex[:8]}", f"stuck-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=tansu)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, 2, 1)])
-    finally:
-        await admin.close()
+    topic, group = await _topic(tansu, "stuck", 2)
     now = [0.0]
     kafka = make_consumer(tansu, group)
     consumer = PersistenceConsumer(
@@ -66,5 +82,21 @@ async def test_a_stuck_join_rejoins_as_a_new_member_and_is_not_ready_meanwhile(
         assert kafka.assignment()
         assert kafka._coordinator.member_id != first_member
         assert not consumer.check_join()
+    finally:
+        await kafka.stop()
+
+
+async def test_a_consumer_is_assigned_every_partition_of_a_topic_made_again_larger(
+    tansu: str,  # noqa: F811
+) -> None:
+    topic, group = await _topic(tansu, "resized", 4)
+    kafka = make_consumer(tansu, group)
+    consumer = PersistenceConsumer(kafka, topic, None, lambda c, r: None, 100)  # type: ignore[arg-type]
+    await kafka.start()
+    try:
+        await _until(lambda: len(kafka.assignment()) == 4, 30, "first assignment")
+        await replace_topic(tansu, topic, 12)
+        await asyncio.wait_for(consumer.read_partitions(12), 10)
+        await _until(lambda: len(kafka.assignment()) == 12, 30, "assignment of all 12")
     finally:
         await kafka.stop()
