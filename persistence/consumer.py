@@ -257,7 +257,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self._owner.joined()
         for tp in assigned:
-            self._owner.forget_position(tp)
+            self._owner.placed(tp)
 
 
 class PersistenceConsumer:
@@ -407,6 +407,16 @@ class PersistenceConsumer:
         self._reassigned.add(tp.partition)
         if self._resets is not None:
             self._resets.disown(tp.partition)
+
+    def placed(self, tp: TopicPartition) -> None:
+        """The partition was assigned. While the topic is lost (:meth:`read_from_start`
+        until the restore ends) it is read from 0 again: aiokafka would start at the
+        group's committed offset, which may be the lost log's, and skip what lies
+        below it in the log Kafka serves now (a rejoin during the restore did:
+        tests/model/FINDINGS.md, finding 27)."""
+        self.forget_position(tp)
+        if self._commits_off:
+            self._seek(tp, 0)
 
     def _forget_committed(self, partition: int) -> None:
         """Offsets of a log that is gone (or of an assignment that ended): neither

@@ -88,12 +88,18 @@ class _Submission:
         "records",
         "remaining",
         "round",
+        "submitted",
     )
 
     def __init__(
-        self, records: Records, on_accepted: AcceptedCallback, on_settled: AcceptedCallback | None
+        self,
+        records: Records,
+        on_accepted: AcceptedCallback,
+        on_settled: AcceptedCallback | None,
+        submitted: float = 0.0,
     ) -> None:
         self.records = records
+        self.submitted = submitted  # the path's clock when submitted
         self.on_accepted: AcceptedCallback | None = on_accepted
         self.on_settled = on_settled
         self.attempt = 0
@@ -161,6 +167,7 @@ class KafkaPersistentPath:
         self._open_rounds = 0
         self._idle: asyncio.Event | None = None  # set when nothing is pending or open
         self._partitioner = DefaultPartitioner()
+        self._size_retry = VOUCH_RETRY  # seconds before _size_topic looks again (doubling)
         self._partitions: tuple[list[int], dict[bytes, int]] = ([], {})
         self.produce_errors = 0
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
@@ -199,7 +206,7 @@ class KafkaPersistentPath:
             )
             records.append((session.client_id.encode(), value))
         self._seq = seq
-        self._pending.append(_Submission(records, on_accepted, on_settled))
+        self._pending.append(_Submission(records, on_accepted, on_settled, now))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
@@ -260,6 +267,7 @@ class KafkaPersistentPath:
                 if partition_of is None:
                     await self._size_topic()
                     continue
+                self._size_retry = VOUCH_RETRY
                 batch, self._pending = self._pending, []
                 self._handing = True
                 try:
@@ -304,8 +312,10 @@ class KafkaPersistentPath:
                     submission.handed += 1
                     future.add_done_callback(partial(self._acked, submission, attempt))
             except (KafkaError, AssertionError) as error:
-                # AssertionError: aiokafka's "Unrecognized partition", the chosen
-                # partition left the producer's metadata during the round.
+                if isinstance(error, AssertionError) and "Unrecognized partition" not in str(error):
+                    raise
+                # aiokafka's "Unrecognized partition": the chosen partition left the
+                # producer's metadata during the round.
                 self._failed(error)
                 if submission.attempt == attempt:
                     submission.failed = True
@@ -374,11 +384,12 @@ class KafkaPersistentPath:
         """
         probe = self._probe
         assert probe is not None
+        self._fail_held()
         try:
             listed = await asyncio.wait_for(probe.partitions(), VOUCH_TIMEOUT)
-        except Exception as error:  # Kafka away or slow: asked again shortly
+        except Exception as error:  # Kafka away or slow: asked again, less and less often
             log.debug("asking kafka for the topic failed: %s", error)
-            await asyncio.sleep(VOUCH_RETRY)
+            await self._size_later()
             return
         if not probe.forgets_topics:
             return  # any size is the operator's
@@ -400,7 +411,30 @@ class KafkaPersistentPath:
             log.debug("reading kafka topic %s's partitions failed: %s", self._topic, error)
         known = self._producer.partitions_for_topic(self._topic)
         if len(known or ()) != probe.expected:
-            await asyncio.sleep(VOUCH_RETRY)  # Kafka is changing it: asked again
+            await self._size_later()  # Kafka is changing it: asked again
+
+    async def _size_later(self) -> None:
+        await asyncio.sleep(self._size_retry)
+        self._size_retry = min(self._size_retry * 2, VOUCH_TIMEOUT)
+
+    def _fail_held(self) -> None:
+        """Publishes held by :meth:`_size_topic` past their deadline (Kafka away for
+        longer, say) are reported failed and never sent: none of their records
+        was handed to the producer. One sent before (a log reset sends it again)
+        may be in Kafka already, and waits to be sent again."""
+        deadline = self._clock() - self._timeout
+        kept = []
+        for submission in self._pending:
+            on_accepted = submission.on_accepted
+            if on_accepted is None or submission.attempt or submission.submitted > deadline:
+                kept.append(submission)
+                continue
+            submission.on_accepted = None
+            self._failed(TimeoutError(f"kafka topic {self._topic} not usable within the deadline"))
+            on_accepted(False)
+            if submission.on_settled is not None:
+                submission.on_settled(False)  # nothing of it can be taken
+        self._pending = kept
 
     def _acked(
         self, submission: _Submission, attempt: int, future: asyncio.Future[RecordMetadata]

@@ -724,19 +724,26 @@ def runner_monitors(spark: SparkSession) -> list[Any]:
 
 
 def end_runner_monitors(spark: SparkSession) -> int:
-    """End every streaming source runner's monitor thread; only while no streaming
-    query runs (each is then a stopped query's). It sleeps between its looks:
-    interrupted, it ends. Returns how many were ended."""
+    """End every streaming source runner's monitor thread while no streaming query
+    of the session runs (each is then a stopped query's). It sleeps between its
+    looks: interrupted, it ends. Returns how many were ended; never raises (a
+    thread left is a leak, not a reason to stop the stream)."""
     from pyspark.java_gateway import ensure_callback_server_started
 
-    threads = runner_monitors(spark)
-    if threads:
-        ensure_callback_server_started(spark.sparkContext._gateway)  # type: ignore[no-untyped-call]
-    quiet = _Quiet()
-    for thread in threads:
-        thread.setUncaughtExceptionHandler(quiet)
-        thread.interrupt()
-    return len(threads)
+    try:
+        if spark.streams.active:
+            return 0
+        threads = runner_monitors(spark)
+        if threads:
+            ensure_callback_server_started(spark.sparkContext._gateway)  # type: ignore[no-untyped-call]
+        quiet = _Quiet()
+        for thread in threads:
+            thread.setUncaughtExceptionHandler(quiet)
+            thread.interrupt()
+        return len(threads)
+    except Exception as error:  # the JVM gone, say: what stopped the stream says why
+        log.warning("ending the stopped queries' monitor threads failed: %s", error)
+        return 0
 
 
 RESTARTS = 3  # times in a row a stopped query is restarted before the stream gives up

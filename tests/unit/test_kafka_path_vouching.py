@@ -199,3 +199,43 @@ async def test_nothing_is_sent_while_the_producer_knows_a_tansu_topic_at_another
     assert made == [True]
     expected = DefaultPartitioner()(b"c", list(range(12)), list(range(12)))
     assert producer.sent[0][1] == expected
+
+
+class AwayProbe(Probe):
+    """A Tansu's probe whose questions fail (Kafka away), counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    async def partitions(self) -> int | None:
+        self.asked += 1
+        raise ConnectionError("kafka away")
+
+
+async def test_a_publish_held_by_the_size_check_fails_at_its_deadline_unsent() -> None:
+    """The size check holds what the producer would send by a size not devicemq's;
+    Kafka away, it holds on: the publisher hears failure at its deadline (it waited
+    for no answer at all), nothing of it is ever sent, and Kafka is asked less and
+    less often meanwhile (0.05 s doubling to 1 s: 7 looks in 2 s, 40 at a fixed
+    0.05 s)."""
+    producer, probe = Resized(4), AwayProbe()
+    probe.expected = 12
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=2.0,
+        probe=probe,  # type: ignore[arg-type]
+        recreate_topic=lambda: asyncio.sleep(0),
+    )
+    accepted: list[bool] = []
+    settled: list[bool] = []
+    delivery = Delivery(Message("t", b"x", 1, False), 1, False)
+    path.submit([(_session("c"), delivery)], accepted.append, settled.append)
+    for _ in range(200):
+        if accepted:
+            break
+        await asyncio.sleep(0.025)
+    assert accepted == [False] and settled == [False]
+    assert producer.sent == []
+    assert probe.asked <= 10
