@@ -168,6 +168,20 @@ class Resized(Producer):
         self.known = set(range(self.listed))
 
 
+def _made_at_12(
+    producer: Resized, probe: Probe, timeout: float, recreate: Callable[[], Any]
+) -> KafkaPersistentPath:
+    """A path on a Tansu (``probe``) whose topic devicemq makes with 12 partitions."""
+    probe.expected = 12
+    return KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=timeout,
+        probe=probe,  # type: ignore[arg-type]
+        recreate_topic=recreate,
+    )
+
+
 async def test_nothing_is_sent_while_the_producer_knows_a_tansu_topic_at_another_size() -> None:
     """Finding 27: a record sent by a 4-partition mapping, then sent again by the
     12-partition one, came in behind its producer's later records and was skipped
@@ -175,20 +189,13 @@ async def test_nothing_is_sent_while_the_producer_knows_a_tansu_topic_at_another
     size than devicemq makes it with: the path asks, has it made again, reads it
     again, and sends by devicemq's count."""
     producer, probe = Resized(4), Probe()
-    probe.expected = 12
     made: list[bool] = []
 
     async def recreate() -> None:  # the compactor's restore: the topic made at 12
         made.append(True)
         producer.listed = 12
 
-    path = KafkaPersistentPath(
-        producer,  # type: ignore[arg-type]
-        "t",
-        timeout=5.0,
-        probe=probe,  # type: ignore[arg-type]
-        recreate_topic=recreate,
-    )
+    path = _made_at_12(producer, probe, 5.0, recreate)
     delivery = Delivery(Message("t", b"x", 1, False), 1, False)
     path.submit([(_session("c"), delivery)], [].append)
     question = await asyncio.wait_for(probe.questions.get(), 1.0)
@@ -220,14 +227,7 @@ async def test_a_publish_held_by_the_size_check_fails_at_its_deadline_unsent() -
     less often meanwhile (0.05 s doubling to 1 s: 7 looks in 2 s, 40 at a fixed
     0.05 s)."""
     producer, probe = Resized(4), AwayProbe()
-    probe.expected = 12
-    path = KafkaPersistentPath(
-        producer,  # type: ignore[arg-type]
-        "t",
-        timeout=2.0,
-        probe=probe,  # type: ignore[arg-type]
-        recreate_topic=lambda: asyncio.sleep(0),
-    )
+    path = _made_at_12(producer, probe, 2.0, lambda: asyncio.sleep(0))
     accepted: list[bool] = []
     settled: list[bool] = []
     delivery = Delivery(Message("t", b"x", 1, False), 1, False)
