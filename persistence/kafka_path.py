@@ -423,8 +423,9 @@ class KafkaPersistentPath:
         was handed to the producer. One sent before (a log reset sends it again)
         may be in Kafka already, and waits to be sent again."""
         deadline = self._clock() - self._timeout
-        kept = []
-        for submission in self._pending:
+        kept: list[_Submission] = []
+        held, self._pending = self._pending, []  # a callback below may submit more
+        for submission in held:
             on_accepted = submission.on_accepted
             if on_accepted is None or submission.attempt or submission.submitted > deadline:
                 kept.append(submission)
@@ -434,7 +435,7 @@ class KafkaPersistentPath:
             on_accepted(False)
             if submission.on_settled is not None:
                 submission.on_settled(False)  # nothing of it can be taken
-        self._pending = kept
+        self._pending[:0] = kept
 
     def _acked(
         self, submission: _Submission, attempt: int, future: asyncio.Future[RecordMetadata]
