@@ -684,10 +684,11 @@ class PersistenceConsumer:
         assignment its member had before (its generation stays 0), and the
         partitions the topic gained would never be read (tests/model/FINDINGS.md,
         finding 27); any Kafka assigns a new member afresh."""
-        while len(self._consumer.partitions_for_topic(self._topic) or ()) != partitions:
+        while True:
             await self._consumer._client.force_metadata_update()
-            if len(self._consumer.partitions_for_topic(self._topic) or ()) != partitions:
-                await asyncio.sleep(READ_PARTITIONS_RETRY)
+            if len(self._consumer.partitions_for_topic(self._topic) or ()) == partitions:
+                break
+            await asyncio.sleep(READ_PARTITIONS_RETRY)
         self._join_as_new_member()
 
     def commit_again(self) -> None:
