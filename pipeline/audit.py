@@ -90,6 +90,7 @@ STATUSES = (
 PERCENTILES = (0.5, 0.9, 0.99)
 PERCENTILE_NAMES = ("p50", "p90", "p99", "max")
 LOST_LISTED = 100  # lost messages named in audit.json
+ROWS_PER_TASK = 250_000  # records, events and refs accounted for by one task at most
 # fields of an event the audit does not read (the traffic job does): not cached
 UNREAD_EVENT_FIELDS = ("topic", "size", "pub", "dup")
 
@@ -225,153 +226,46 @@ def audit_frames(
     """(messages, clients) from decoded records, decoded events and Redis refs
     (read at ``now``, after the records and before the events).
 
-    Events are folded into one row per Kafka record (stored or expired on
-    arrival) and one row per stored message (client, score), so the records
-    need four joins in all.
+    Every join of the audit is within one client, so the three go together
+    into one table, are shuffled once by client, and each partition's clients
+    are accounted for in Python (pipeline/accounting.py): a plan of Spark SQL
+    joins, groupings and windows shuffled the records and the events six times
+    and took two thirds of the audit's time per message (BENCHMARKS.md).
     """
-    from pyspark.sql import Window as W
     from pyspark.sql import functions as F
 
-    ev = F.col("ev")
+    from pipeline.accounting import (
+        EVENT,
+        INPUT_COLUMNS,
+        MESSAGE_SCHEMA,
+        READ_EVENTS,
+        RECORD,
+        REF,
+        account_batches,
+    )
 
-    def first_ts(kind: Any) -> Any:
-        return F.min(F.when(kind, F.col("ts")))
+    def kind(value: int, frame: DataFrame) -> DataFrame:
+        have = set(frame.columns)
+        return frame.select(
+            F.lit(value).alias("kind"), *(c for c in INPUT_COLUMNS[1:] if c in have)
+        )
 
-    def any_of(kind: Any) -> Any:
-        return F.max(F.when(kind, F.lit(True)).otherwise(F.lit(False)))
-
-    # Per Kafka record of this topic epoch: stored (which score), or why not.
-    persisted = ev == "persisted"
-    on_arrival = F.col("at") == "arrival"
-    arrival = (ev == "expired") & on_arrival
-    arrival_trim = (ev == "trimmed") & on_arrival
-    arrival_end = (ev == "discarded") & on_arrival
-    twice = ev == "duplicate"
-    per_record = (
-        evs.where(
-            (persisted | arrival | arrival_trim | arrival_end | twice) & (F.col("ep") == epoch)
+    inputs = (
+        kind(RECORD, recs)
+        .unionByName(
+            kind(EVENT, evs.where(F.col("ev").isin(*READ_EVENTS))), allowMissingColumns=True
         )
-        .groupBy("part", "off")
-        .agg(
-            F.min(F.when(persisted, F.col("sc"))).alias("sc"),
-            F.min(F.when(persisted, F.col("pid"))).alias("pid"),
-            first_ts(persisted).alias("stored_ts"),
-            F.min(F.when(persisted, F.col("exp"))).alias("stored_exp"),
-            any_of(arrival).alias("arrival_expired"),
-            any_of(arrival_trim).alias("arrival_trimmed"),
-            any_of(arrival_end).alias("arrival_discarded"),
-            any_of(twice).alias("duplicate"),
-        )
+        .unionByName(kind(REF, refs.drop("ref_pid")), allowMissingColumns=True)
+        .select(*INPUT_COLUMNS)
     )
-    # A trim names packet ids: the message is the last one stored under that id before it.
-    trims = evs.where((ev == "trimmed") & F.col("pids").isNotNull()).select(
-        "cid",
-        F.explode("pids").alias("pid"),
-        "epart",
-        "eoff",
-        "idx",
-        "ts",
-        "at",
-        F.lit(True).alias("is_trim"),
+    # at most ~ROWS_PER_TASK rows per task: a task holds its clients' rows in Python
+    rows = recs.count() + evs.count() + refs.count()
+    tasks = max(spark.sparkContext.defaultParallelism * 2, -(-rows // ROWS_PER_TASK))
+    messages = (
+        inputs.repartition(tasks, "cid")
+        .mapInArrow(lambda batches: account_batches(batches, epoch, now, grace), MESSAGE_SCHEMA)
+        .cache()
     )
-    # only the packet ids some trim names: without trims, no sort of every stored message
-    placed = (
-        evs.where(persisted)
-        .select("cid", "pid", "epart", "eoff", "idx", "sc", F.lit(False).alias("is_trim"))
-        .join(trims.select("cid", "pid").distinct(), ["cid", "pid"], "left_semi")
-    )
-    before = (
-        W.partitionBy("cid", "pid")
-        .orderBy("epart", "eoff", "idx")
-        .rowsBetween(W.unboundedPreceding, W.currentRow)
-    )
-    trimmed = (
-        placed.unionByName(trims, allowMissingColumns=True)
-        .withColumn("owner", F.last("sc", ignorenulls=True).over(before))
-        .where(F.col("is_trim") & F.col("owner").isNotNull())
-        .select("cid", F.col("owner").alias("sc"), F.lit("trimmed").alias("ev"), "ts", "at")
-    )
-    # Per stored message (client, score): what happened to it.
-    delivered = ev == "delivered"
-    per_message = (
-        evs.where(
-            ev.isin("acked", "delivered", "expired", "dropped", "purged", "compacted", "trimmed")
-            & F.col("sc").isNotNull()
-        )
-        .select("cid", "sc", "ev", "ts", "at")
-        .unionByName(trimmed)
-        .groupBy("cid", "sc")
-        .agg(
-            first_ts(ev == "acked").alias("acked_ts"),
-            any_of((ev == "expired") & F.col("at").isin("delivery", "retention")).alias(
-                "delivery_expired"
-            ),
-            any_of(ev == "dropped").alias("too_large"),
-            any_of(ev == "trimmed").alias("was_trimmed"),
-            any_of(ev == "purged").alias("was_purged"),
-            any_of(ev == "compacted").alias("was_compacted"),
-            F.sum(F.when(delivered, 1).otherwise(0)).alias("deliveries"),
-            first_ts(delivered).alias("delivered_ts"),
-        )
-    )
-    ended = (
-        evs.where(ev.isin("session_expired", "session_ended"))
-        .groupBy("cid")
-        .agg(F.max("ts").alias("ended_ts"))
-    )
-    by_score = ["cid", "sc"]
-    placed_recs = recs.join(per_record, ["part", "off"], "left")
-    m = (
-        placed_recs.join(per_message, by_score, "left")
-        .join(refs.select(*by_score, "has_value"), by_score, "left")
-        .join(ended, ["cid"], "left")
-    )
-    expiry = F.coalesce(F.col("stored_exp"), F.col("exp"))
-    is_stored = F.col("sc").isNotNull()
-    status = (
-        F.when(F.col("acked_ts").isNotNull(), "acked")
-        .when(F.col("arrival_expired") | F.col("delivery_expired"), "expired")
-        .when(F.col("too_large"), "dropped")
-        .when(F.col("was_trimmed") | F.col("arrival_trimmed"), "trimmed")
-        .when(F.col("was_purged"), "purged")
-        .when(F.col("was_compacted"), "compacted")
-        .when(F.col("has_value"), "pending")
-        .when(is_stored & (F.col("ended_ts") >= F.col("stored_ts")), "discarded")
-        .when(~is_stored & F.col("arrival_discarded"), "discarded")
-        .when(~is_stored & F.col("duplicate"), "duplicate")
-        .when(is_stored & expiry.isNotNull() & (expiry <= now), "expired")
-        .when(~is_stored & (F.col("kts") > now - grace), "in_flight")
-        .when(is_stored & (F.col("stored_ts") > now - grace), "in_flight")
-        .otherwise("lost")
-    )
-    reason = (
-        F.when(~is_stored, "never stored in redis")
-        .when(F.col("has_value").isNotNull(), "ref without its message string in redis")
-        .otherwise("missing from redis")
-    )
-    messages = m.select(
-        "cid",
-        "part",
-        "off",
-        "topic",
-        "size",
-        "pub",
-        "exp",
-        "sc",
-        "pid",
-        "stored_ts",
-        "delivered_ts",
-        "acked_ts",
-        F.coalesce(F.col("deliveries"), F.lit(0)).alias("deliveries"),
-        status.alias("status"),
-        (F.col("delivered_ts") - F.col("pub")).alias("delivery_latency"),
-        (F.col("acked_ts") - F.col("pub")).alias("ack_latency"),
-        reason.alias("reason"),
-    ).withColumn("reason", F.when(F.col("status") == "lost", F.col("reason")))
-    messages = messages.join(_live(evs, placed_recs), by_score, "left").withColumn(
-        "live", F.coalesce(F.col("live"), F.lit(False))
-    )
-    messages = messages.cache()
     counts = [F.sum(F.when(F.col("status") == s, 1).otherwise(0)).alias(s) for s in STATUSES]
     clients = (
         messages.groupBy("cid")
@@ -383,36 +277,6 @@ def audit_frames(
         .orderBy("cid")
     )
     return messages, clients
-
-
-def _live(evs: DataFrame, placed: DataFrame) -> DataFrame:
-    """(cid, sc, live) of the stored messages: live when their client was connected
-    as they were published (its last ``connected``/``disconnected`` event before
-    the publish time was ``connected``), so that their delivery latency is the
-    path's own; the others were replayed from the backlog, and their latency is
-    mostly the time their client was away."""
-    from pyspark.sql import Window as W
-    from pyspark.sql import functions as F
-
-    ev = F.col("ev")
-    life = evs.where(ev.isin("connected", "disconnected")).select(
-        "cid",
-        F.col("ts").alias("t"),
-        (ev == "connected").alias("up"),
-        F.lit(None).cast("long").alias("sc"),
-    )
-    stored = placed.where(F.col("sc").isNotNull()).select(
-        "cid", F.col("pub").alias("t"), F.lit(None).cast("boolean").alias("up"), "sc"
-    )
-    # at one instant, the connection's change comes first
-    order = W.partitionBy("cid").orderBy("t", F.col("sc").isNotNull())
-    before = order.rowsBetween(W.unboundedPreceding, W.currentRow)
-    return (
-        life.unionByName(stored)
-        .withColumn("live", F.last("up", ignorenulls=True).over(before))
-        .where(F.col("sc").isNotNull())
-        .select("cid", "sc", "live")
-    )
 
 
 def summarize(
