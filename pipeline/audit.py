@@ -250,11 +250,12 @@ def audit_frames(
             F.lit(value).alias("kind"), *(c for c in INPUT_COLUMNS[1:] if c in have)
         )
 
+    # a trim naming packet ids as one event per id (pipeline/accounting.py: why)
+    each_pid = F.explode(F.coalesce(F.col("pids"), F.array(F.col("pid"))))
+    events = evs.where(F.col("ev").isin(*READ_EVENTS)).withColumn("pid", each_pid)
     inputs = (
         kind(RECORD, recs)
-        .unionByName(
-            kind(EVENT, evs.where(F.col("ev").isin(*READ_EVENTS))), allowMissingColumns=True
-        )
+        .unionByName(kind(EVENT, events), allowMissingColumns=True)
         .unionByName(kind(REF, refs.drop("ref_pid")), allowMissingColumns=True)
         .select(*INPUT_COLUMNS)
     )

@@ -35,8 +35,9 @@ is written to ``OUT/stream/state`` with the events it can still need:
   the latest end time is compared with a stored time);
 - per client the connection events (``connected``/``disconnected``) from
   :data:`CONNECTION_HORIZON` seconds back or from the oldest open record's
-  publish time, whichever is earlier, and the last one before that:
-  ``_live`` looks for the last change before a publish time. A record that
+  publish time, whichever is earlier, and the last one before that: the
+  accounting (pipeline/accounting.py) looks for the last change before a
+  publish time. A record that
   reaches Kafka more than that after its publish may get the wrong live
   flag (only the split of delivery latencies, never a status).
 
