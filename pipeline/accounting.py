@@ -19,6 +19,8 @@ from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from pipeline.decoding import MARKS, least
+
 __all__ = [
     "EVENT",
     "INPUT_SCHEMA",
@@ -39,9 +41,12 @@ RECORD, EVENT, REF = 0, 1, 2
 # comes as one ``trimmed`` event per id, in ``pid`` with no ``sc``: a list column
 # costs Spark's Arrow writer time quadratic in a batch's rows (it sizes the batch
 # after every row, walking each list's offsets; 31 s for 1M rows, Spark 4.3).
+# ``acked`` ... ``marks``: a message's events folded as they were read (pipeline/
+# decoding.py FACTS_SCHEMA), on its ``persisted`` event or a ``message`` row.
 INPUT_SCHEMA = (
     "kind int, cid string, part int, off long, kts double, topic string, size int, "
     "pub double, exp double, ev string, ts double, pid int, sc long, ep int, at string, "
+    "acked double, delivered double, deliveries int, marks int, "
     "epart int, eoff long, idx int, has_value boolean"
 )
 INPUT_COLUMNS = [c.split(" ", 1)[0] for c in INPUT_SCHEMA.split(", ")]
@@ -58,6 +63,7 @@ MESSAGE_COLUMNS = [c.split(" ", 1)[0] for c in MESSAGE_SCHEMA.split(", ")]
 # the kinds of event the accounting reads (the others are left in Spark)
 READ_EVENTS = (
     "persisted",
+    "message",
     "acked",
     "delivered",
     "expired",
@@ -115,17 +121,8 @@ class _Message:
         self.expired = self.dropped = self.trimmed = self.purged = self.compacted = False
 
 
-def _least(a: Any, b: Any) -> Any:
-    """min ignoring None, as SQL's ``min``."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a if a <= b else b
-
-
 def _position(event: tuple[Any, ...]) -> tuple[int, int, int]:
-    return (event[9] or 0, event[10] or 0, event[11] or 0)
+    return (event[-3] or 0, event[-2] or 0, event[-1] or 0)
 
 
 def _account_client(
@@ -139,7 +136,8 @@ def _account_client(
     """The rows of :data:`MESSAGE_SCHEMA` (less ``cid``) of one client's records.
 
     ``records``: (part, off, kts, topic, size, pub, exp); ``events``: (ev, ts, pid,
-    sc, part, off, ep, exp, at, epart, eoff, idx); ``refs``: score -> whether
+    sc, part, off, ep, exp, at, acked, delivered, deliveries, marks, epart, eoff,
+    idx); ``refs``: score -> whether
     its message string exists."""
     events.sort(key=_position)  # one client's events are in one partition, in order
     placed: dict[tuple[int, int], _Record] = {}
@@ -147,7 +145,7 @@ def _account_client(
     last_stored: dict[int, int] = {}  # packet id -> score of the last message stored under it
     ended: float | None = None
     life: list[tuple[float, bool]] = []
-    for ev, ts, pid, sc, part, off, ep, exp, at, *_where in events:
+    for ev, ts, pid, sc, part, off, ep, exp, at, *facts in events:
         if ev == "persisted":
             if pid is not None and sc is not None:
                 last_stored[pid] = sc
@@ -155,10 +153,10 @@ def _account_client(
                 r = placed.get((part, off))
                 if r is None:
                     r = placed[(part, off)] = _Record()
-                r.sc = _least(r.sc, sc)
-                r.pid = _least(r.pid, pid)
-                r.ts = _least(r.ts, ts)
-                r.exp = _least(r.exp, exp)
+                r.sc = least(r.sc, sc)
+                r.pid = least(r.pid, pid)
+                r.ts = least(r.ts, ts)
+                r.exp = least(r.exp, exp)
         elif ep == epoch and (ev == "duplicate" or (ev in _ARRIVAL and at == "arrival")):
             r = placed.get((part, off))
             if r is None:
@@ -181,10 +179,10 @@ def _account_client(
                 if m is None:
                     m = stored[owner] = _Message()
                 if ev == "acked":
-                    m.acked = _least(m.acked, ts)
+                    m.acked = least(m.acked, ts)
                 elif ev == "delivered":
                     m.deliveries += 1
-                    m.delivered = _least(m.delivered, ts)
+                    m.delivered = least(m.delivered, ts)
                 elif ev == "expired":
                     m.expired = m.expired or at in ("delivery", "retention")
                 elif ev == "dropped":
@@ -199,6 +197,8 @@ def _account_client(
             ended = ts if ended is None or (ts is not None and ts > ended) else ended
         elif ev in _LIFE:
             life.append((ts if ts is not None else float("-inf"), ev == "connected"))
+        if facts[2] is not None and sc is not None:
+            _add_facts(stored, sc, *facts[:4])
     # live: the client's last connect or disconnect at or before the publish was a connect
     life.sort(key=lambda change: change[0])
     times = [t for t, _up in life]
@@ -268,6 +268,29 @@ def _account_client(
         )
 
 
+def _add_facts(
+    stored: dict[int, _Message],
+    sc: int,
+    acked: float | None,
+    delivered: float | None,
+    deliveries: int,
+    marks: int | None,
+) -> None:
+    """A message's events folded as they were read: the same as each in turn."""
+    m = stored.get(sc)
+    if m is None:
+        m = stored[sc] = _Message()
+    m.acked = least(m.acked, acked)
+    m.delivered = least(m.delivered, delivered)
+    m.deliveries += deliveries
+    if marks:
+        m.expired = m.expired or bool(marks & MARKS["expired"])
+        m.dropped = m.dropped or bool(marks & MARKS["dropped"])
+        m.trimmed = m.trimmed or bool(marks & MARKS["trimmed"])
+        m.purged = m.purged or bool(marks & MARKS["purged"])
+        m.compacted = m.compacted or bool(marks & MARKS["compacted"])
+
+
 def _discarded(
     r: _Record | None, sc: int | None, stored_ts: float | None, ended: float | None
 ) -> bool:
@@ -307,7 +330,7 @@ def account_batches(batches: Iterable[Any], epoch: int, now: float, grace: float
                 EVENT,
                 (
                     *("ev", "ts", "pid", "sc", "part", "off", "ep", "exp", "at"),
-                    *("epart", "eoff", "idx"),
+                    *("acked", "delivered", "deliveries", "marks", "epart", "eoff", "idx"),
                 ),
             ),
             (REF, ("sc", "has_value")),

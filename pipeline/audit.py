@@ -391,11 +391,11 @@ def run_audit(
     refs = redis_refs(spark, endpoints, recs.select("cid").distinct()).cache()
     progress.say(f"read Redis: {refs.count():,} stored messages of the records' clients")
     if raw_events is None:
-        evs = events(spark, endpoints, events_topic, source)
+        evs = events(spark, endpoints, events_topic, source, folded=True)
     else:
         evs = decode_events(raw_events())
     evs = evs.drop(*UNREAD_EVENT_FIELDS).cache()
-    progress.read(events_topic, evs)
+    progress.read(events_topic, evs, "rows (a message's events folded into one)")
     messages, clients = audit_frames(spark, recs, evs, refs, epoch, now, grace)
     progress.say("accounting for every record ...")
     summary, sample = summarize(messages, clients, evs, now)

@@ -152,10 +152,11 @@ class Progress:
         elapsed = time.monotonic() - self._start
         print(f"devicemq pipeline: [{elapsed:6.1f} s] {text}", file=self._stream, flush=True)
 
-    def read(self, topic: str, frame: DataFrame) -> None:
-        """Count ``frame`` (cached: the count is its read, done once) and say so."""
+    def read(self, topic: str, frame: DataFrame, rows: str = "records") -> None:
+        """Count ``frame`` (cached: the count is its read, done once) and say so,
+        its rows called ``rows``."""
         self.say(f"reading {topic} ...")
-        self.say(f"read {topic}: {frame.count():,} records")
+        self.say(f"read {topic}: {frame.count():,} {rows}")
 
 
 def make_spark(
@@ -281,16 +282,23 @@ def records(
 
 
 def events(
-    spark: SparkSession, endpoints: Endpoints, topic: str, source: str = "python"
+    spark: SparkSession,
+    endpoints: Endpoints,
+    topic: str,
+    source: str = "python",
+    *,
+    folded: bool = False,
 ) -> DataFrame:
-    """The delivery events (:data:`EVENT_COLUMNS`)."""
+    """The delivery events (:data:`EVENT_COLUMNS`); ``folded``: with the events of a
+    message folded into one row where the source can (pipeline/decoding.py
+    ``folded_batch``)."""
     from pipeline.kafka_source import read_table
 
     return read_table(
         spark,
         endpoints.bootstrap,
         topic,
-        "events",
+        "folded" if folded else "events",
         source=source,
         security=endpoints.kafka_security,
     )

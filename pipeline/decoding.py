@@ -22,10 +22,14 @@ from persistence.format import header_fields
 __all__ = [
     "EVENT_COLUMNS",
     "EVENT_SCHEMA",
+    "FACTS_SCHEMA",
+    "FOLDED_COLUMNS",
     "RECORD_SCHEMA",
     "event_batch",
     "event_lists",
+    "folded_batch",
     "header_structs",
+    "least",
     "record_batch",
 ]
 
@@ -41,6 +45,14 @@ EVENT_SCHEMA = (
 # ... and its position: Kafka partition and offset of its record, index in the record
 # (one client's events are in one partition, in order: they order its events).
 EVENT_COLUMNS = f"{EVENT_SCHEMA}, epart int, eoff long, idx int"
+# What a fetch's events say of one stored message (client, score), folded into one
+# row for the audit (:func:`folded_batch`): first acknowledgement and delivery, the
+# number of deliveries, and :data:`MARKS` of the events that remove a message.
+FACTS_SCHEMA = "acked double, delivered double, deliveries int, marks int"
+FOLDED_COLUMNS = f"{EVENT_SCHEMA}, {FACTS_SCHEMA}, epart int, eoff long, idx int"
+MARKS = {"expired": 1, "dropped": 2, "trimmed": 4, "purged": 8, "compacted": 16}
+# events about a stored message whose order does not matter: folded per message
+FOLDED = {"acked", "delivered", *MARKS}
 
 _ARROW_TYPES = {
     "string": "string",
@@ -118,14 +130,26 @@ def record_batch(
 
 def _event_structs(values: Sequence[bytes | None]) -> tuple[Any, list[int], list[int]]:
     """(an Arrow struct array of :data:`EVENT_SCHEMA`, one per event, which value each
-    event came from, its index in that value).
+    event came from, its index in that value) (:func:`_event_dicts`)."""
+    import pyarrow as pa
+
+    found, source, idx = _event_dicts(values)
+    # Arrow reads the dicts itself: a third of the time of a Python list per field
+    # made with dict.get, which was most of an event read's CPU (761k events)
+    structs = pa.array(found, pa.struct(list(arrow_schema(EVENT_SCHEMA))))
+    return structs, source, idx
+
+
+def _event_dicts(
+    values: Sequence[bytes | None],
+) -> tuple[list[dict[str, Any]], list[int], list[int]]:
+    """(the events of ``values`` as dicts, which value each event came from, its
+    index in that value).
 
     A value that is not a JSON array gives no event, an element that is not an
     object is skipped, keys outside the schema are left out; a field of another
     type fails the job (the broker writes them, persistence/events.py: a wrong
     type is a bug to see, not to count around)."""
-    import pyarrow as pa
-
     found: list[dict[str, Any]] = []
     source: list[int] = []
     idx: list[int] = []
@@ -143,10 +167,7 @@ def _event_structs(values: Sequence[bytes | None]) -> tuple[Any, list[int], list
         found.extend(events)
         source.extend([i] * n)
         idx.extend(range(n))
-    # Arrow reads the dicts itself: a third of the time of a Python list per field
-    # made with dict.get, which was most of an event read's CPU (761k events)
-    structs = pa.array(found, pa.struct(list(arrow_schema(EVENT_SCHEMA))))
-    return structs, source, idx
+    return found, source, idx
 
 
 def event_batch(
@@ -166,6 +187,75 @@ def event_batch(
         ],
         schema=arrow_schema(EVENT_COLUMNS),
     )
+
+
+def folded_batch(
+    values: Sequence[bytes | None], partitions: Sequence[int], offsets: Sequence[int]
+) -> Any:
+    """As :func:`event_batch`, :data:`FOLDED_COLUMNS`, with the events of :data:`FOLDED`
+    that name a score folded per (client, score) into the facts of its
+    ``persisted`` event of this fetch, or into one ``message`` row when the
+    fetch has none: a message's three events (persisted, delivered, acked)
+    become one row, a third of the rows for Spark to take in and shuffle.
+    Folding is a sum, a minimum and an or, so folded rows of several fetches,
+    and unfolded events, add up to the same (pipeline/accounting.py)."""
+    import pyarrow as pa
+
+    found, source, idx = _event_dicts(values)
+    kept: list[dict[str, Any]] = []
+    where: list[int] = []
+    facts: dict[tuple[Any, Any], dict[str, Any]] = {}
+    stored: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for event, i, n in zip(found, source, idx, strict=True):
+        ev, sc = event.get("ev"), event.get("sc")
+        if ev in FOLDED and sc is not None:
+            if ev == "expired" and event.get("at") not in ("delivery", "retention"):
+                continue  # says nothing of the message (the accounting's rule)
+            key = (event.get("cid"), sc)
+            fact = facts.get(key)
+            if fact is None:
+                fact = facts[key] = {"deliveries": 0, "marks": 0, "_at": (i, n)}
+            ts = event.get("ts")
+            if ev == "acked":
+                fact["acked"] = least(fact.get("acked"), ts)
+            elif ev == "delivered":
+                fact["deliveries"] += 1
+                fact["delivered"] = least(fact.get("delivered"), ts)
+            else:
+                fact["marks"] |= MARKS[ev]
+            continue
+        if ev == "persisted" and sc is not None:
+            stored.setdefault((event.get("cid"), sc), event)
+        kept.append(event)
+        where.extend((i, n))
+    for key, fact in facts.items():
+        i, n = fact.pop("_at")
+        home = stored.get(key)
+        if home is not None:
+            home.update(fact)
+        else:
+            kept.append({"ev": "message", "cid": key[0], "sc": key[1], **fact})
+            where.extend((i, n))
+    structs = pa.array(kept, pa.struct(list(arrow_schema(f"{EVENT_SCHEMA}, {FACTS_SCHEMA}"))))
+    at_value, at_index = where[0::2], where[1::2]
+    return pa.RecordBatch.from_arrays(
+        [
+            *structs.flatten(),
+            pa.array([partitions[i] for i in at_value], pa.int32()),
+            pa.array([offsets[i] for i in at_value], pa.int64()),
+            pa.array(at_index, pa.int32()),
+        ],
+        schema=arrow_schema(FOLDED_COLUMNS),
+    )
+
+
+def least(a: Any, b: Any) -> Any:
+    """min ignoring None, as SQL's ``min`` (here and in pipeline/accounting.py)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a <= b else b
 
 
 def event_lists(values: Any) -> Any:

@@ -71,7 +71,9 @@ SCHEMA = "key binary, value binary, topic string, partition int, offset bigint, 
 EARLIEST, LATEST = -2, -1
 FETCH_RECORDS = 5000  # records per fetch inside a worker
 SPLIT = 50_000  # records per Spark partition at most (a batch read)
-TABLES = ("records", "events")  # option table: decoded as read (pipeline/decoding.py)
+# option table: decoded as read (pipeline/decoding.py); "folded": the events with a
+# message's folded into one row (the audit's)
+TABLES = ("records", "events", "folded")
 PROBE_TIMEOUT = 5.0  # seconds to learn a partition's high watermark
 
 
@@ -227,12 +229,14 @@ def read_decoded(part: OffsetRange, table: str) -> Iterator[Any]:
     """The records of one partition's range decoded into a pipeline table as they are
     fetched (``table``: ``records`` or ``events``, pipeline/decoding.py), in one
     pass: no raw batch goes to the JVM and back to Python to be decoded."""
-    from pipeline.decoding import event_batch, record_batch
+    from pipeline.decoding import event_batch, folded_batch, record_batch
 
     for keys, values, offsets, stamps in _chunks(part):
         partitions = [part.partition] * len(offsets)
         if table == "records":
             yield record_batch(keys, values, partitions, offsets, [ms / 1000 for ms in stamps])
+        elif table == "folded":
+            yield folded_batch(values, partitions, offsets)
         else:
             yield event_batch(values, partitions, offsets)
 
@@ -305,13 +309,13 @@ async def _fetch(part: OffsetRange) -> AsyncGenerator[Chunk, None]:
 
 def _table_schema(table: str | None) -> str:
     """The schema of option ``table``: none, the raw rows (:data:`SCHEMA`)."""
-    from pipeline.decoding import EVENT_COLUMNS, RECORD_SCHEMA
+    from pipeline.decoding import EVENT_COLUMNS, FOLDED_COLUMNS, RECORD_SCHEMA
 
     if table is None:
         return SCHEMA
     if table not in TABLES:
         raise ValueError(f"option table must be {' or '.join(TABLES)}, not {table!r}")
-    return RECORD_SCHEMA if table == "records" else EVENT_COLUMNS
+    return {"records": RECORD_SCHEMA, "folded": FOLDED_COLUMNS}.get(table, EVENT_COLUMNS)
 
 
 def _option(options: Any, *names: str, default: str | None = None) -> str:
@@ -568,13 +572,15 @@ def read_table(
     security: KafkaSecurity = PLAINTEXT,
     split: int = SPLIT,
 ) -> DataFrame:
-    """``topic`` decoded into a pipeline table, ``records`` or ``events``
+    """``topic`` decoded into a pipeline table, ``records``, ``events`` or ``folded``
     (pipeline/decoding.py), as a batch DataFrame; a Spark partition reads ``split``
     records at most.
 
     The python source decodes each fetch as it comes, in the task that fetched
     it: no raw row goes to the JVM and back to a Python worker to be decoded.
-    The connector's rows are decoded by Arrow UDFs (pipeline/common.py).
+    The connector's rows are decoded by Arrow UDFs (pipeline/common.py); its
+    ``folded`` is the ``events`` table, nothing folded (the audit's accounting
+    takes either).
     """
     if table not in TABLES:
         raise ValueError(f"unknown table {table!r}: {' or '.join(TABLES)}")
