@@ -204,43 +204,51 @@ def folded_batch(
     found, source, idx = _event_dicts(values)
     kept: list[dict[str, Any]] = []
     where: list[int] = []
-    facts: dict[tuple[Any, Any], dict[str, Any]] = {}
-    stored: dict[tuple[Any, Any], dict[str, Any]] = {}
+    # (client, score) -> [acked, delivered, deliveries, marks, value, index of its first]
+    facts: dict[tuple[Any, Any], list[Any]] = {}
+    stored: dict[tuple[Any, Any], int] = {}  # -> its persisted event's row in kept
     for event, i, n in zip(found, source, idx, strict=True):
         ev, sc = event.get("ev"), event.get("sc")
-        if ev in FOLDED and sc is not None:
+        if sc is not None and ev in FOLDED:
             if ev == "expired" and event.get("at") not in ("delivery", "retention"):
                 continue  # says nothing of the message (the accounting's rule)
             key = (event.get("cid"), sc)
             fact = facts.get(key)
             if fact is None:
-                fact = facts[key] = {"deliveries": 0, "marks": 0, "_at": (i, n)}
+                fact = facts[key] = [None, None, 0, 0, i, n]
             ts = event.get("ts")
             if ev == "acked":
-                fact["acked"] = least(fact.get("acked"), ts)
+                fact[0] = least(fact[0], ts)
             elif ev == "delivered":
-                fact["deliveries"] += 1
-                fact["delivered"] = least(fact.get("delivered"), ts)
+                fact[1] = least(fact[1], ts)
+                fact[2] += 1
             else:
-                fact["marks"] |= MARKS[ev]
+                fact[3] |= MARKS[ev]
             continue
         if ev == "persisted" and sc is not None:
-            stored.setdefault((event.get("cid"), sc), event)
+            stored.setdefault((event.get("cid"), sc), len(kept))
         kept.append(event)
         where.extend((i, n))
+    columns: list[list[Any]] = [[None] * len(kept) for _ in range(4)]
     for key, fact in facts.items():
-        i, n = fact.pop("_at")
-        home = stored.get(key)
-        if home is not None:
-            home.update(fact)
-        else:
-            kept.append({"ev": "message", "cid": key[0], "sc": key[1], **fact})
-            where.extend((i, n))
-    structs = pa.array(kept, pa.struct(list(arrow_schema(f"{EVENT_SCHEMA}, {FACTS_SCHEMA}"))))
+        row = stored.get(key)
+        if row is None:
+            row = len(kept)
+            kept.append({"ev": "message", "cid": key[0], "sc": key[1]})
+            where.extend(fact[4:])
+            for column in columns:
+                column.append(None)
+        for column, value in zip(columns, fact[:4], strict=False):
+            column[row] = value
+    structs = pa.array(kept, pa.struct(list(arrow_schema(EVENT_SCHEMA))))
     at_value, at_index = where[0::2], where[1::2]
     return pa.RecordBatch.from_arrays(
         [
             *structs.flatten(),
+            *(
+                pa.array(column, f.type)
+                for column, f in zip(columns, arrow_schema(FACTS_SCHEMA), strict=True)
+            ),
             pa.array([partitions[i] for i in at_value], pa.int32()),
             pa.array([offsets[i] for i in at_value], pa.int64()),
             pa.array(at_index, pa.int32()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,25 @@ def test_audit_finds_the_known_counts(spark: Any, workload: Workload, tmp_path: 
     messages = spark.read.parquet(str(tmp_path / "messages.parquet"))
     assert messages.count() == EXPECTED["persisted"]
     assert spark.read.parquet(str(tmp_path / "clients.parquet")).count() == 6
+
+
+def test_events_folded_as_read_account_as_the_events_one_by_one(
+    spark: Any, workload: Workload
+) -> None:
+    # run_audit reads the events folded per message (pipeline/decoding.py
+    # folded_batch); the stream and the connector give them one by one
+    from pipeline.audit import audit_frames, redis_refs
+    from pipeline.common import events, read_epoch, records
+
+    recs = records(spark, workload.endpoints, PERSISTED, Window()).cache()
+    refs = redis_refs(spark, workload.endpoints, recs.select("cid").distinct()).cache()
+    folded = events(spark, workload.endpoints, EVENTS, folded=True).cache()
+    one_by_one = events(spark, workload.endpoints, EVENTS).cache()
+    assert folded.count() < one_by_one.count()
+    now, epoch = time.time(), read_epoch(workload.endpoints, PERSISTED)
+    got = [audit_frames(spark, recs, e, refs, epoch, now, 30.0)[0] for e in (folded, one_by_one)]
+    assert got[0].count() == got[1].count() == EXPECTED["persisted"]
+    assert got[0].exceptAll(got[1]).count() == 0 and got[1].exceptAll(got[0]).count() == 0
 
 
 def test_cli_since_window(

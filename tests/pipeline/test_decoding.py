@@ -14,7 +14,13 @@ import pytest
 
 from persistence.format import StoredMessage, encode_message
 from pipeline.common import decode_events, decode_records
-from pipeline.decoding import EVENT_SCHEMA, event_batch, event_lists, record_batch
+from pipeline.decoding import (
+    EVENT_SCHEMA,
+    event_batch,
+    event_lists,
+    folded_batch,
+    record_batch,
+)
 from pipeline.kafka_source import latest_offsets, read_table, read_topic
 from tests.pipeline.conftest import Workload
 
@@ -79,6 +85,41 @@ def test_events_are_one_row_each_in_record_order() -> None:
 def test_a_field_of_another_type_fails_rather_than_counting_around_it() -> None:
     with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError, TypeError)):
         event_batch([orjson.dumps([{"ev": "acked", "sc": "seven"}])], [0], [0])
+
+
+def test_a_fetchs_events_of_one_message_fold_into_its_persisted_row() -> None:
+    first = [
+        {"ev": "persisted", "cid": "c", "ts": 1.0, "sc": 7, "pid": 1, "part": 0, "off": 3},
+        {"ev": "delivered", "cid": "c", "ts": 2.0, "sc": 7, "pid": 1},
+        {"ev": "acked", "cid": "c", "ts": 3.0, "sc": 7},
+        {"ev": "delivered", "cid": "c", "ts": 1.5, "sc": 9},  # stored in an earlier fetch
+    ]
+    second = [
+        {"ev": "delivered", "cid": "c", "ts": 4.0, "sc": 7},  # a duplicate delivery
+        {"ev": "trimmed", "cid": "c", "ts": 5.0, "pids": [1]},  # by packet id: as it is
+        {"ev": "expired", "cid": "c", "ts": 6.0, "part": 0, "off": 4, "at": "arrival"},
+        {"ev": "expired", "cid": "c", "ts": 6.5, "sc": 9, "at": "delivery"},
+        {"ev": "trimmed", "cid": "d", "ts": 7.0, "sc": -3},  # a queue's key limit
+        {"ev": "connected", "cid": "c", "ts": 8.0},
+    ]
+    rows = folded_batch([orjson.dumps(first), orjson.dumps(second)], [0, 0], [10, 11]).to_pylist()
+    got = {(r["ev"], r["cid"], r["sc"]): r for r in rows}
+    assert len(rows) == len(got) == 6
+    stored = got[("persisted", "c", 7)]
+    assert (stored["acked"], stored["delivered"], stored["deliveries"], stored["marks"]) == (
+        3.0,
+        2.0,
+        2,
+        0,
+    )
+    assert (stored["pid"], stored["off"], stored["eoff"], stored["idx"]) == (1, 3, 10, 0)
+    earlier = got[("message", "c", 9)]
+    assert (earlier["delivered"], earlier["deliveries"], earlier["marks"]) == (1.5, 1, 1)
+    assert (earlier["eoff"], earlier["idx"]) == (10, 3)  # where its first event was
+    assert got[("message", "d", -3)]["marks"] == 4
+    assert got[("trimmed", "c", None)]["pids"] == [1]
+    assert got[("expired", "c", None)]["at"] == "arrival"
+    assert got[("connected", "c", None)]["deliveries"] is None  # no facts: not a message
 
 
 def test_the_udf_lists_hold_the_same_events_per_record() -> None:
