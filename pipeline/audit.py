@@ -228,9 +228,11 @@ def audit_frames(
 
     Every join of the audit is within one client, so the three go together
     into one table, are shuffled once by client, and each partition's clients
-    are accounted for in Python (pipeline/accounting.py): a plan of Spark SQL
-    joins, groupings and windows shuffled the records and the events six times
-    and took two thirds of the audit's time per message (BENCHMARKS.md).
+    are accounted for in Python (pipeline/accounting.py). The plan of Spark
+    SQL joins, groupings and windows before it shuffled a row per message nine
+    times (BENCHMARKS.md "The audit, accounted per client"). ``evs`` may
+    hold the events one by one or folded per message (pipeline/decoding.py
+    ``folded_batch``): the accounting adds up either.
     """
     from pyspark.sql import functions as F
 

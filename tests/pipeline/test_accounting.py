@@ -190,3 +190,32 @@ def test_clients_are_apart_and_a_client_split_across_batches_is_one() -> None:
     # b's score 1 is not a's: b's message is still unaccounted for
     assert got[("b", 1)]["status"] == "lost"
     assert got[("b", 1)]["reason"] == "missing from redis"
+
+
+def test_a_messages_events_folded_as_read_count_as_the_events_one_by_one() -> None:
+    # pipeline/decoding.py folded_batch: facts on the persisted event's row, or on a
+    # "message" row when the fetch had none; several fetches' facts add up
+    def facts(acked: float | None, delivered: float | None, n: int, marks: int) -> dict[str, Any]:
+        return {"acked": acked, "delivered": delivered, "deliveries": n, "marks": marks}
+
+    one_by_one = [
+        record("c", 0, pub=10.0),
+        stored("c", 0, sc=7, pid=1, at_offset=0, ts=10.5),
+        event("c", "delivered", 1, ts=12.0, sc=7),
+        event("c", "delivered", 2, ts=11.0, sc=7),
+        event("c", "acked", 3, ts=12.5, sc=7),
+        record("c", 1),
+        stored("c", 1, sc=8, pid=2, at_offset=4),
+        event("c", "dropped", 5, sc=8),
+    ]
+    folded = [
+        record("c", 0, pub=10.0),
+        {**stored("c", 0, sc=7, pid=1, at_offset=0, ts=10.5), **facts(None, 12.0, 1, 0)},
+        {**event("c", "message", 2, sc=7), **facts(12.5, 11.0, 1, 0)},
+        record("c", 1),
+        {**stored("c", 1, sc=8, pid=2, at_offset=4), **facts(None, None, 0, 2)},
+    ]
+    assert account(folded) == account(one_by_one)
+    got = account(folded)
+    assert (got[("c", 0)]["status"], got[("c", 1)]["status"]) == ("acked", "dropped")
+    assert (got[("c", 0)]["delivered_ts"], got[("c", 0)]["deliveries"]) == (11.0, 2)
