@@ -18,10 +18,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipeline.common import Endpoints
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -68,11 +64,9 @@ def run(args: argparse.Namespace) -> int:
     from persistence.kafka_security import PLAINTEXT
     from pipeline.class_archive import ClassArchive
     from pipeline.common import (
-        JIT,
         PipelineError,
         Progress,
         Window,
-        audit_jit,
         make_spark,
         parse_time,
         resolve_endpoints,
@@ -104,20 +98,10 @@ def run(args: argparse.Namespace) -> int:
     if args.stream and args.job == "audit":
         from pipeline.stream import SPARK_CONF as conf
     progress = Progress()
-    jit, jit_name = JIT, "C1 JIT"
-    if args.job == "audit" and not args.stream:
-        records = _records(endpoints, persisted_topic)
-        jit = audit_jit(records)
-        if jit != JIT:
-            jit_name = f"full JIT for {records:,} records"
-    progress.say(f"{args.job}: starting Spark ({args.master}, {jit_name})")
+    progress.say(f"{args.job}: starting Spark ({args.master})")
     archive = ClassArchive.here() if owned else None
     spark = make_spark(
-        args.master,
-        f"devicemq-{args.job}",
-        archive.java_options if archive else "",
-        conf,
-        jit,
+        args.master, f"devicemq-{args.job}", archive.java_options if archive else "", conf
     )
     try:
         if args.job == "traffic":
@@ -178,19 +162,6 @@ def run(args: argparse.Namespace) -> int:
                 from pyspark import SparkContext
 
                 archive.finish(SparkContext, progress.say)
-
-
-def _records(endpoints: Endpoints, topic: str) -> int | None:
-    """How many records ``topic`` holds (its offsets, asked of Kafka before Spark
-    starts: the JIT is chosen by it); None when Kafka does not say (the job then
-    reports why itself)."""
-    from pipeline.kafka_source import latest_offsets
-
-    try:
-        bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
-    except Exception:  # any failure: the small job's JIT, and the job says why
-        return None
-    return sum(high - low for low, high in bounds.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

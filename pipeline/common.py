@@ -37,7 +37,6 @@ __all__ = [
     "RECORD_SCHEMA",
     "Endpoints",
     "Window",
-    "audit_jit",
     "events",
     "make_spark",
     "read_epoch",
@@ -51,18 +50,6 @@ __all__ = [
 # code cache of a JVM without tiers, 48 MB, which a session of a few hundred
 # queries filled: the JIT stopped, then the JVM died ("Out of space in CodeCache").
 JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=256m"
-# A large audit is the other way round: its per-row work runs long enough for the
-# full JIT's code to pay for its compiling. Measured on 2 cores (BENCHMARKS.md "The
-# audit, accounted per client"): C1 only, 17.7 s + 8 s per 186k records; the full
-# JIT, 22.6 s + 5.1 s per 186k: the same time at about 380k records.
-FULL_JIT = "-XX:ReservedCodeCacheSize=256m"
-FULL_JIT_RECORDS = 400_000  # persisted records from which an audit runs the full JIT
-
-
-def audit_jit(records: int | None) -> str:
-    """The JIT options of a batch audit of ``records`` persisted records (None: not
-    known, the topic unread: C1 only, the small job's choice)."""
-    return FULL_JIT if records is not None and records >= FULL_JIT_RECORDS else JIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +151,10 @@ def make_spark(
     app: str = "devicemq-pipeline",
     java_options: str = "",
     conf: dict[str, str] | None = None,
-    jit: str = JIT,
 ) -> SparkSession:
     """A Spark session whose Python workers run this interpreter (and see this package);
     ``java_options`` for the driver's JVM (pipeline/class_archive.py), ``conf`` more
-    Spark settings (the stream's, pipeline/stream.py), ``jit`` the JIT's options
-    (:func:`audit_jit`)."""
+    Spark settings (the stream's, pipeline/stream.py)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     root = str(Path(__file__).resolve().parents[1])
@@ -189,7 +174,7 @@ def make_spark(
         # terminal, never into a log; Progress says what happens instead.
         .config("spark.ui.showConsoleProgress", "true" if sys.stderr.isatty() else "false")
         .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.extraJavaOptions", f"{jit} {java_options}".strip())
+        .config("spark.driver.extraJavaOptions", f"{JIT} {java_options}".strip())
         .config("spark.sql.shuffle.partitions", os.environ.get("DEVICEMQ_SHUFFLE_PARTITIONS", "8"))
         .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
         .getOrCreate()
