@@ -261,9 +261,11 @@ def audit_frames(
         .unionByName(kind(REF, refs.drop("ref_pid")), allowMissingColumns=True)
         .select(*INPUT_COLUMNS)
     )
-    # at most ~ROWS_PER_TASK rows per task: a task holds its clients' rows in Python
+    # at most ~ROWS_PER_TASK rows per task (a task holds its clients' rows in Python),
+    # in rounds that keep every core busy (5 tasks on 2 cores: the last round on one)
     rows = recs.count() + evs.count() + refs.count()
-    tasks = max(spark.sparkContext.defaultParallelism * 2, -(-rows // ROWS_PER_TASK))
+    cores = spark.sparkContext.defaultParallelism
+    tasks = cores * max(2, -(-rows // (ROWS_PER_TASK * cores)))
     messages = (
         inputs.repartition(tasks, "cid")
         .mapInArrow(lambda batches: account_batches(batches, epoch, now, grace), MESSAGE_SCHEMA)
