@@ -238,7 +238,7 @@ def audit_frames(
 
     from pipeline.accounting import (
         EVENT,
-        INPUT_COLUMNS,
+        INPUT_SCHEMA,
         MESSAGE_SCHEMA,
         READ_EVENTS,
         RECORD,
@@ -247,20 +247,23 @@ def audit_frames(
     )
 
     def kind(value: int, frame: DataFrame) -> DataFrame:
+        """``frame`` as rows of INPUT_SCHEMA: its fields, the others null (events
+        given one by one have no folded facts, records no event fields)."""
         have = set(frame.columns)
         return frame.select(
-            F.lit(value).alias("kind"), *(c for c in INPUT_COLUMNS[1:] if c in have)
+            F.lit(value).alias("kind"),
+            *(
+                F.col(name) if name in have else F.lit(None).cast(ddl).alias(name)
+                for name, ddl in input_types[1:]
+            ),
         )
+
+    input_types = [tuple(c.split(" ", 1)) for c in INPUT_SCHEMA.split(", ")]
 
     # a trim naming packet ids as one event per id (pipeline/accounting.py: why)
     each_pid = F.explode(F.coalesce(F.col("pids"), F.array(F.col("pid"))))
     events = evs.where(F.col("ev").isin(*READ_EVENTS)).withColumn("pid", each_pid)
-    inputs = (
-        kind(RECORD, recs)
-        .unionByName(kind(EVENT, events), allowMissingColumns=True)
-        .unionByName(kind(REF, refs.drop("ref_pid")), allowMissingColumns=True)
-        .select(*INPUT_COLUMNS)
-    )
+    inputs = kind(RECORD, recs).unionByName(kind(EVENT, events)).unionByName(kind(REF, refs))
     # at most ~ROWS_PER_TASK rows per task (a task holds its clients' rows in Python),
     # in rounds that keep every core busy (5 tasks on 2 cores: the last round on one)
     rows = recs.count() + evs.count() + refs.count()
