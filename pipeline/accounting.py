@@ -58,7 +58,6 @@ MESSAGE_SCHEMA = (
     "deliveries long, status string, delivery_latency double, ack_latency double, "
     "reason string, live boolean"
 )
-MESSAGE_COLUMNS = [c.split(" ", 1)[0] for c in MESSAGE_SCHEMA.split(", ")]
 
 # the kinds of event the accounting reads (the others are left in Spark)
 READ_EVENTS = (

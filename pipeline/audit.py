@@ -261,7 +261,9 @@ def audit_frames(
     input_types = [tuple(c.split(" ", 1)) for c in INPUT_SCHEMA.split(", ")]
 
     # a trim naming packet ids as one event per id (pipeline/accounting.py: why)
-    each_pid = F.explode(F.coalesce(F.col("pids"), F.array(F.col("pid"))))
+    # (an event with an empty list stays one event: explode([]) would drop it)
+    by_pids = (F.col("ev") == "trimmed") & (F.size(F.col("pids")) > 0)
+    each_pid = F.explode(F.when(by_pids, F.col("pids")).otherwise(F.array(F.col("pid"))))
     events = evs.where(F.col("ev").isin(*READ_EVENTS)).withColumn("pid", each_pid)
     inputs = kind(RECORD, recs).unionByName(kind(EVENT, events)).unionByName(kind(REF, refs))
     # at most ~ROWS_PER_TASK rows per task (a task holds its clients' rows in Python),

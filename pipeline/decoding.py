@@ -209,9 +209,12 @@ def folded_batch(
     stored: dict[tuple[Any, Any], int] = {}  # -> its persisted event's row in kept
     for event, i, n in zip(found, source, idx, strict=True):
         ev, sc = event.get("ev"), event.get("sc")
-        if sc is not None and ev in FOLDED:
-            if ev == "expired" and event.get("at") not in ("delivery", "retention"):
-                continue  # says nothing of the message (the accounting's rule)
+        # an expiry at arrival is the record's, not the stored message's: kept as it is
+        if (
+            sc is not None
+            and ev in FOLDED
+            and (ev != "expired" or event.get("at") in ("delivery", "retention"))
+        ):
             key = (event.get("cid"), sc)
             fact = facts.get(key)
             if fact is None:

@@ -183,7 +183,7 @@ def test_records_not_stored_for_a_reason_are_not_lost(spark: Any) -> None:
         5,
         [
             {"ev": "persisted", "off": 0, "pid": 1, "sc": 1, "exp": 2000.0},
-            {"ev": "acked", "pid": 1, "sc": 1},
+            {"ev": "acked", "pid": 1, "sc": 1, "pids": []},  # an empty list: still an event
             {"ev": "duplicate", "off": 1},
             {"ev": "discarded", "at": "arrival", "off": 2},
             {"ev": "trimmed", "at": "arrival", "off": 3},

@@ -99,12 +99,13 @@ def test_a_fetchs_events_of_one_message_fold_into_its_persisted_row() -> None:
         {"ev": "trimmed", "cid": "c", "ts": 5.0, "pids": [1]},  # by packet id: as it is
         {"ev": "expired", "cid": "c", "ts": 6.0, "part": 0, "off": 4, "at": "arrival"},
         {"ev": "expired", "cid": "c", "ts": 6.5, "sc": 9, "at": "delivery"},
+        {"ev": "expired", "cid": "c", "ts": 6.6, "sc": 9, "at": "arrival", "off": 5},  # as is
         {"ev": "trimmed", "cid": "d", "ts": 7.0, "sc": -3},  # a queue's key limit
         {"ev": "connected", "cid": "c", "ts": 8.0},
     ]
     rows = folded_batch([orjson.dumps(first), orjson.dumps(second)], [0, 0], [10, 11]).to_pylist()
     got = {(r["ev"], r["cid"], r["sc"]): r for r in rows}
-    assert len(rows) == len(got) == 6
+    assert len(rows) == len(got) == 7
     stored = got[("persisted", "c", 7)]
     assert (stored["acked"], stored["delivered"], stored["deliveries"], stored["marks"]) == (
         3.0,
@@ -119,6 +120,7 @@ def test_a_fetchs_events_of_one_message_fold_into_its_persisted_row() -> None:
     assert got[("message", "d", -3)]["marks"] == 4
     assert got[("trimmed", "c", None)]["pids"] == [1]
     assert got[("expired", "c", None)]["at"] == "arrival"
+    assert (got[("expired", "c", 9)]["off"], got[("expired", "c", 9)]["deliveries"]) == (5, None)
     assert got[("connected", "c", None)]["deliveries"] is None  # no facts: not a message
 
 
