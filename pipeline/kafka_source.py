@@ -16,8 +16,9 @@ options (``endingOffsets`` ignored; ``maxOffsetsPerTrigger`` caps a micro-batch)
 
 The schema is the connector's core: ``key`` and ``value`` (binary),
 ``topic``, ``partition``, ``offset``, ``timestamp``; with option ``table``
-(``records`` or ``events``) each fetch is decoded into that pipeline table
-instead (pipeline/decoding.py); ``recordsPerPartition`` cuts a Kafka partition
+(``records``, ``events`` or ``folded``: the events with a message's folded into
+one row, the audit's) each fetch is decoded into that pipeline table instead
+(pipeline/decoding.py); ``recordsPerPartition`` cuts a Kafka partition
 into Spark partitions of that many records at most (a batch read). Offsets
 are given like the connector's: ``earliest``, ``latest``, or JSON
 ``{"<topic>": {"0": 23, "1": -2}}`` (-2 earliest, -1 latest; partitions left
