@@ -125,6 +125,7 @@ def _position(event: tuple[Any, ...]) -> tuple[int, int, int]:
 
 
 def _account_client(
+    cid: Any,
     records: list[tuple[Any, ...]],
     events: list[tuple[Any, ...]],
     refs: dict[int, bool],
@@ -132,7 +133,7 @@ def _account_client(
     now: float,
     grace: float,
 ) -> Iterator[tuple[Any, ...]]:
-    """The rows of :data:`MESSAGE_SCHEMA` (less ``cid``) of one client's records.
+    """The rows of :data:`MESSAGE_SCHEMA` of one client's records.
 
     ``records``: (part, off, kts, topic, size, pub, exp); ``events``: (ev, ts, pid,
     sc, part, off, ep, exp, at, acked, delivered, deliveries, marks, epart, eoff,
@@ -144,7 +145,9 @@ def _account_client(
     last_stored: dict[int, int] = {}  # packet id -> score of the last message stored under it
     ended: float | None = None
     life: list[tuple[float, bool]] = []
-    for ev, ts, pid, sc, part, off, ep, exp, at, *facts in events:
+    # every field named: a starred target made a list per event (a fifth of the time)
+    for event in events:
+        ev, ts, pid, sc, part, off, ep, exp, at, acked, delivered, count, marks, _p, _o, _i = event
         if ev == "persisted":
             if pid is not None and sc is not None:
                 last_stored[pid] = sc
@@ -196,8 +199,8 @@ def _account_client(
             ended = ts if ended is None or (ts is not None and ts > ended) else ended
         elif ev in _LIFE:
             life.append((ts if ts is not None else float("-inf"), ev == "connected"))
-        if facts[2] is not None and sc is not None:
-            _add_facts(stored, sc, *facts[:4])
+        if count is not None and sc is not None:
+            _add_facts(stored, sc, acked, delivered, count, marks)
     # live: the client's last connect or disconnect at or before the publish was a connect
     life.sort(key=lambda change: change[0])
     times = [t for t, _up in life]
@@ -247,6 +250,7 @@ def _account_client(
             at = bisect_right(times, pub)
             live = at > 0 and life[at - 1][1]
         yield (
+            cid,
             sc,
             part,
             off,
@@ -353,8 +357,7 @@ def account_batches(batches: Iterable[Any], epoch: int, now: float, grace: float
     schema = arrow_schema(MESSAGE_SCHEMA)
     out: list[tuple[Any, ...]] = []
     for cid, (records, events, refs) in clients.items():
-        for row in _account_client(records, events, refs, epoch, now, grace):
-            out.append((cid, *row))
+        out.extend(_account_client(cid, records, events, refs, epoch, now, grace))
         if len(out) >= _OUT_ROWS:
             yield _batch(out, schema, pa)
             out = []
@@ -363,8 +366,5 @@ def account_batches(batches: Iterable[Any], epoch: int, now: float, grace: float
 
 
 def _batch(rows: list[tuple[Any, ...]], schema: Any, pa: Any) -> Any:
-    columns = list(zip(*rows, strict=True))
-    return pa.RecordBatch.from_arrays(
-        [pa.array(col, field.type) for col, field in zip(columns, schema, strict=True)],
-        schema=schema,
-    )
+    # Arrow reads the tuples as structs itself: an eighth of the time of a list per column
+    return pa.RecordBatch.from_struct_array(pa.array(rows, pa.struct(list(schema))))
