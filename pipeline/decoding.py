@@ -51,6 +51,7 @@ EVENT_COLUMNS = f"{EVENT_SCHEMA}, epart int, eoff long, idx int"
 FACTS_SCHEMA = "acked double, delivered double, deliveries int, marks int"
 FOLDED_COLUMNS = f"{EVENT_SCHEMA}, {FACTS_SCHEMA}, epart int, eoff long, idx int"
 MARKS = {"expired": 1, "dropped": 2, "trimmed": 4, "purged": 8, "compacted": 16}
+_FACTS = frozenset(("acked", "delivered", "deliveries", "marks", "epart", "eoff", "idx"))
 # events about a stored message whose order does not matter: folded per message
 FOLDED = {"acked", "delivered", *MARKS}
 
@@ -203,10 +204,10 @@ def folded_batch(
 
     found, source, idx = _event_dicts(values)
     kept: list[dict[str, Any]] = []
-    where: list[int] = []
-    # (client, score) -> [acked, delivered, deliveries, marks, value, index of its first]
-    facts: dict[tuple[Any, Any], list[Any]] = {}
-    stored: dict[tuple[Any, Any], int] = {}  # -> its persisted event's row in kept
+    # (client, score) -> the row its facts are folded into: its persisted event, or
+    # a message row made where the first of them was. The facts and the position
+    # are written into the dicts, and Arrow reads them all at once.
+    owner: dict[tuple[Any, Any], dict[str, Any]] = {}
     for event, i, n in zip(found, source, idx, strict=True):
         ev, sc = event.get("ev"), event.get("sc")
         # an expiry at arrival is the record's, not the stored message's: kept as it is
@@ -216,48 +217,30 @@ def folded_batch(
             and (ev != "expired" or event.get("at") in ("delivery", "retention"))
         ):
             key = (event.get("cid"), sc)
-            fact = facts.get(key)
-            if fact is None:
-                fact = facts[key] = [None, None, 0, 0, i, n]
-            ts = event.get("ts")
+            row = owner.get(key)
+            if row is None:
+                row = owner[key] = {"ev": "message", "cid": key[0], "sc": sc}
+                row.update(epart=partitions[i], eoff=offsets[i], idx=n, deliveries=0, marks=0)
+                kept.append(row)
+            elif row.get("deliveries") is None:  # a persisted event's first fact
+                row["deliveries"], row["marks"] = 0, 0
             if ev == "acked":
-                fact[0] = least(fact[0], ts)
+                row["acked"] = least(row.get("acked"), event.get("ts"))
             elif ev == "delivered":
-                fact[1] = least(fact[1], ts)
-                fact[2] += 1
+                row["delivered"] = least(row.get("delivered"), event.get("ts"))
+                row["deliveries"] += 1
             else:
-                fact[3] |= MARKS[ev]
+                row["marks"] |= MARKS[ev]
             continue
+        if not _FACTS.isdisjoint(event):  # facts come from the fold only
+            for name in _FACTS:
+                event.pop(name, None)
+        event["epart"], event["eoff"], event["idx"] = partitions[i], offsets[i], n
         if ev == "persisted" and sc is not None:
-            stored.setdefault((event.get("cid"), sc), len(kept))
+            owner.setdefault((event.get("cid"), sc), event)
         kept.append(event)
-        where.extend((i, n))
-    columns: list[list[Any]] = [[None] * len(kept) for _ in range(4)]
-    for key, fact in facts.items():
-        row = stored.get(key)
-        if row is None:
-            row = len(kept)
-            kept.append({"ev": "message", "cid": key[0], "sc": key[1]})
-            where.extend(fact[4:])
-            for column in columns:
-                column.append(None)
-        for column, value in zip(columns, fact[:4], strict=False):
-            column[row] = value
-    structs = pa.array(kept, pa.struct(list(arrow_schema(EVENT_SCHEMA))))
-    at_value, at_index = where[0::2], where[1::2]
-    return pa.RecordBatch.from_arrays(
-        [
-            *structs.flatten(),
-            *(
-                pa.array(column, f.type)
-                for column, f in zip(columns, arrow_schema(FACTS_SCHEMA), strict=True)
-            ),
-            pa.array([partitions[i] for i in at_value], pa.int32()),
-            pa.array([offsets[i] for i in at_value], pa.int64()),
-            pa.array(at_index, pa.int32()),
-        ],
-        schema=arrow_schema(FOLDED_COLUMNS),
-    )
+    folded = pa.array(kept, pa.struct(list(arrow_schema(FOLDED_COLUMNS))))
+    return pa.RecordBatch.from_struct_array(folded)
 
 
 def least(a: Any, b: Any) -> Any:

@@ -124,6 +124,24 @@ def test_a_fetchs_events_of_one_message_fold_into_its_persisted_row() -> None:
     assert got[("connected", "c", None)]["deliveries"] is None  # no facts: not a message
 
 
+def test_an_events_own_fields_named_as_facts_are_not_taken_for_them() -> None:
+    # the fold writes facts and positions into the events' dicts: what an event
+    # brings under those names is not a fact (the broker writes none of them)
+    events = [
+        {"ev": "persisted", "cid": "c", "ts": 1.0, "sc": 7, "pid": 1, "off": 3, "acked": 0.5},
+        {"ev": "acked", "cid": "c", "ts": 3.0, "sc": 7},  # only acked: no delivery
+        {"ev": "persisted", "cid": "c", "ts": 1.0, "sc": 8, "pid": 2, "off": 4, "marks": 1},
+        {"ev": "connected", "cid": "c", "ts": 2.0, "deliveries": 9, "eoff": 99},
+    ]
+    rows = folded_batch([orjson.dumps(events)], [2], [10]).to_pylist()
+    facts = ("sc", "acked", "deliveries", "marks", "epart", "eoff", "idx")
+    assert [tuple(r[k] for k in facts) for r in rows] == [
+        (7, 3.0, 0, 0, 2, 10, 0),
+        (8, None, None, None, 2, 10, 2),
+        (None, None, None, None, 2, 10, 3),
+    ]
+
+
 def test_the_udf_lists_hold_the_same_events_per_record() -> None:
     values = [
         orjson.dumps([{"ev": "a", "ts": 1}, {"ev": "b", "ts": 2}]),
