@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -98,17 +100,24 @@ UNREAD_EVENT_FIELDS = ("topic", "size", "pub", "dup")
 @dataclass
 class AuditResult:
     summary: dict[str, Any]
+    # read from messages_dir (:func:`account_into`)
     messages: DataFrame
-    clients: DataFrame
+    # an Arrow table of CLIENT_SCHEMA
+    clients: Any
     # (first delivery, ack latency, live): a sample of the delivered messages
     latencies: list[tuple[float | None, float | None, bool]] = field(default_factory=list)
     cached: list[DataFrame] = field(default_factory=list)
+    messages_dir: Path | None = None
+    # the directory of messages_dir when the caller gave none: removed with it
+    scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def release(self) -> None:
         """Let Spark drop the frames this audit cached (the stream audits again and
         again in one session: kept, they would fill its memory)."""
         for frame in self.cached:
             frame.unpersist()
+        if self.scratch is not None:
+            self.scratch.cleanup()
 
 
 # ---------------------------------------------------------------------------
@@ -214,17 +223,11 @@ def _backlog(endpoints: Endpoints, cids: list[str]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def audit_frames(
-    spark: SparkSession,
-    recs: DataFrame,
-    evs: DataFrame,
-    refs: DataFrame,
-    epoch: int,
-    now: float,
-    grace: float,
-) -> tuple[DataFrame, DataFrame]:
-    """(messages, clients) from decoded records, decoded events and Redis refs
-    (read at ``now``, after the records and before the events).
+def _accounting_input(
+    spark: SparkSession, recs: DataFrame, evs: DataFrame, refs: DataFrame
+) -> DataFrame:
+    """Records, events and Redis refs as one table of :data:`INPUT_SCHEMA`
+    (pipeline/accounting.py), shuffled once by client.
 
     Every join of the audit is within one client, so the three go together
     into one table, are shuffled once by client, and each partition's clients
@@ -236,15 +239,7 @@ def audit_frames(
     """
     from pyspark.sql import functions as F
 
-    from pipeline.accounting import (
-        EVENT,
-        INPUT_SCHEMA,
-        MESSAGE_SCHEMA,
-        READ_EVENTS,
-        RECORD,
-        REF,
-        account_batches,
-    )
+    from pipeline.accounting import EVENT, INPUT_SCHEMA, READ_EVENTS, RECORD, REF
 
     def kind(value: int, frame: DataFrame) -> DataFrame:
         """``frame`` as rows of INPUT_SCHEMA: its fields, the others null (events
@@ -271,8 +266,28 @@ def audit_frames(
     rows = recs.count() + evs.count() + refs.count()
     cores = spark.sparkContext.defaultParallelism
     tasks = cores * max(2, -(-rows // (ROWS_PER_TASK * cores)))
+    return inputs.repartition(tasks, "cid")
+
+
+def audit_frames(
+    spark: SparkSession,
+    recs: DataFrame,
+    evs: DataFrame,
+    refs: DataFrame,
+    epoch: int,
+    now: float,
+    grace: float,
+) -> tuple[DataFrame, DataFrame]:
+    """(messages, clients) from decoded records, decoded events and Redis refs
+    (read at ``now``, after the records and before the events), as cached
+    DataFrames (the stream's form; the batch audit writes its messages as it
+    accounts for them, :func:`account_into`)."""
+    from pyspark.sql import functions as F
+
+    from pipeline.accounting import MESSAGE_SCHEMA, account_batches
+
     messages = (
-        inputs.repartition(tasks, "cid")
+        _accounting_input(spark, recs, evs, refs)
         .mapInArrow(lambda batches: account_batches(batches, epoch, now, grace), MESSAGE_SCHEMA)
         .cache()
     )
@@ -289,12 +304,100 @@ def audit_frames(
     return messages, clients
 
 
+# clients.parquet: status counts per client
+CLIENT_COLUMNS = ("persisted", *STATUSES, "duplicates")
+CLIENT_SCHEMA = ", ".join(["cid string", *(f"{name} long" for name in CLIENT_COLUMNS)])
+
+
+def account_into(
+    spark: SparkSession,
+    recs: DataFrame,
+    evs: DataFrame,
+    refs: DataFrame,
+    epoch: int,
+    now: float,
+    grace: float,
+    directory: Path,
+) -> Any:
+    """As :func:`audit_frames`, the messages written to ``directory`` as Parquet by
+    the tasks that account for them (one file per partition, by pyarrow), and
+    their clients' counts returned (an Arrow table of :data:`CLIENT_SCHEMA`, by
+    cid).
+
+    Handed back to Spark, the messages cost more than their accounting: Arrow
+    to rows, rows to the cache, the cache to Spark's Parquet writer
+    (BENCHMARKS.md "The audit's messages written by the tasks"). A file is named
+    by its partition and renamed into place whole, so a task run again writes
+    the same file again and a reader never sees half of one (Spark skips names
+    starting with a dot). Like Spark's own writer, the tasks need ``directory``
+    on a file system every worker shares.
+    """
+    import pyarrow.compute as pc
+
+    from pipeline.accounting import account_batches
+
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    target = str(directory)
+
+    def account(batches: Iterator[Any]) -> Iterator[Any]:
+        import os
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        from pyspark import TaskContext
+
+        from pipeline.accounting import MESSAGE_SCHEMA
+        from pipeline.decoding import arrow_schema
+
+        name = f"part-{TaskContext.get().partitionId():05d}.parquet"  # type: ignore[union-attr]
+        partial = os.path.join(target, f".{name}.partial")
+        counts: dict[str, list[int]] = {}
+        with pq.ParquetWriter(partial, arrow_schema(MESSAGE_SCHEMA)) as writer:
+            for batch in account_batches(batches, epoch, now, grace):
+                writer.write_batch(batch)
+                _count_clients(batch, counts)
+        os.replace(partial, os.path.join(target, name))
+        cids = sorted(counts)
+        columns = [[counts[c][i] for c in cids] for i in range(len(CLIENT_COLUMNS))]
+        yield pa.RecordBatch.from_arrays(
+            [pa.array(cids, pa.string()), *(pa.array(c, pa.int64()) for c in columns)],
+            schema=arrow_schema(CLIENT_SCHEMA),
+        )
+
+    table = _accounting_input(spark, recs, evs, refs).mapInArrow(account, CLIENT_SCHEMA).toArrow()
+    return table.take(pc.sort_indices(table, [("cid", "ascending")]))
+
+
+def _count_clients(batch: Any, counts: dict[str, list[int]]) -> None:
+    """Add a batch of messages to ``counts`` (cid -> :data:`CLIENT_COLUMNS`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    extra = pc.max_element_wise(pc.subtract(batch.column("deliveries"), 1), 0)
+    table = pa.table({"cid": batch.column("cid"), "status": batch.column("status"), "dup": extra})
+    grouped = table.group_by(["cid", "status"]).aggregate([([], "count_all"), ("dup", "sum")])
+    at = {name: i for i, name in enumerate(CLIENT_COLUMNS)}
+    for cid, status, n, dup in zip(
+        *(grouped.column(c).to_pylist() for c in ("cid", "status", "count_all", "dup_sum")),
+        strict=True,
+    ):
+        row = counts.get(cid)
+        if row is None:
+            row = counts[cid] = [0] * len(CLIENT_COLUMNS)
+        row[0] += n
+        row[at[status]] += n
+        row[-1] += dup
+
+
 def summarize(
-    messages: DataFrame, clients: DataFrame, evs: DataFrame, now: float
+    messages: DataFrame, clients: Any, evs: DataFrame, now: float
 ) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]]:
+    """(audit.json's summary, a latency sample) of ``messages`` and ``clients``
+    (an Arrow table of :data:`CLIENT_SCHEMA`)."""
     from pyspark.sql import functions as F
 
-    per_client = [r.asDict() for r in clients.collect()]
+    per_client = clients.to_pylist()
     totals: dict[str, int] = {"persisted": sum(c["persisted"] for c in per_client)}
     for status in STATUSES:
         totals[status] = sum(c[status] for c in per_client)
@@ -381,10 +484,14 @@ def run_audit(
     raw_records: DataFrame | None = None,
     raw_events: Callable[[], DataFrame] | None = None,
     progress: Progress | None = None,
+    messages_dir: Path | None = None,
 ) -> AuditResult:
     """The audit over the topics (or over raw Kafka rows given, e.g. by the stream:
     ``raw_events`` is called after Redis is read); with ``progress``, what it
-    reads and does is said on the way."""
+    reads and does is said on the way. Its messages are written to
+    ``messages_dir`` (Parquet), else to a directory of its own, removed by
+    :meth:`AuditResult.release` or when the result is collected."""
+    from pipeline.accounting import MESSAGE_SCHEMA
     from pipeline.common import _in_window, events, records
 
     progress = progress or Progress.silent()
@@ -405,13 +512,26 @@ def run_audit(
         evs = decode_events(raw_events())
     evs = evs.drop(*UNREAD_EVENT_FIELDS).cache()
     progress.read(events_topic, evs, "rows (a message's events folded into one)")
-    messages, clients = audit_frames(spark, recs, evs, refs, epoch, now, grace)
+    scratch = None
+    if messages_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="devicemq-audit-")
+        messages_dir = Path(scratch.name) / "messages.parquet"
     progress.say("accounting for every record ...")
+    clients = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir)
+    messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
     summary, sample = summarize(messages, clients, evs, now)
     progress.say(f"accounted for: {summary['totals']}")
     summary["window"] = {"since": window.since, "until": window.until}
     summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
-    return AuditResult(summary, messages, clients, sample, cached=[recs, refs, evs, messages])
+    return AuditResult(
+        summary,
+        messages,
+        clients,
+        sample,
+        cached=[recs, refs, evs],
+        messages_dir=messages_dir,
+        scratch=scratch,
+    )
 
 
 def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Path:
@@ -421,14 +541,28 @@ def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Pat
     with ThreadPoolExecutor(1) as drawing:
         html = drawing.submit(_html, result, out / "audit.html")
         if tables:
-            result.messages.write.mode("overwrite").parquet(str(out / "messages.parquet"))
-            result.clients.write.mode("overwrite").parquet(str(out / "clients.parquet"))
+            _write_tables(result, out)
         html.result()
     path = out / "audit.json"
     tmp = out / "audit.json.tmp"
     tmp.write_text(json.dumps(result.summary, indent=2, default=str))
     tmp.replace(path)  # readers never see half a summary
     return path
+
+
+def _write_tables(result: AuditResult, out: Path) -> None:
+    """messages.parquet (copied, unless the audit wrote it there) and clients.parquet,
+    each a directory as Spark writes them."""
+    import pyarrow.parquet as pq
+
+    messages = out / "messages.parquet"
+    if result.messages_dir is not None and result.messages_dir.resolve() != messages.resolve():
+        shutil.rmtree(messages, ignore_errors=True)
+        shutil.copytree(result.messages_dir, messages)
+    clients = out / "clients.parquet"
+    shutil.rmtree(clients, ignore_errors=True)
+    clients.mkdir()
+    pq.write_table(result.clients, clients / "part-00000.parquet")
 
 
 def _html(result: AuditResult, path: Path) -> None:

@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 persisted_topic=persisted_topic,
                 events_topic=events_topic,
                 progress=progress,
+                messages_dir=out / "messages.parquet",
             )
             write_outputs(result, out)
             progress.say("done")

@@ -91,6 +91,32 @@ def test_events_folded_as_read_account_as_the_events_one_by_one(
     assert got[0].exceptAll(got[1]).count() == 0 and got[1].exceptAll(got[0]).count() == 0
 
 
+def test_the_messages_written_by_the_tasks_are_the_ones_kept_in_spark(
+    spark: Any, workload: Workload, tmp_path: Path
+) -> None:
+    # run_audit's tasks write messages.parquet as they account (account_into); the
+    # stream keeps them in Spark (audit_frames): the same rows, the same counts
+    from pipeline.audit import account_into, audit_frames, redis_refs
+    from pipeline.common import events, read_epoch, records
+
+    recs = records(spark, workload.endpoints, PERSISTED, Window()).cache()
+    refs = redis_refs(spark, workload.endpoints, recs.select("cid").distinct()).cache()
+    evs = events(spark, workload.endpoints, EVENTS, folded=True).cache()
+    now, epoch = time.time(), read_epoch(workload.endpoints, PERSISTED)
+    written = tmp_path / "messages.parquet"
+    written.mkdir()
+    (written / "part-00099.parquet").write_bytes(b"an earlier audit's")  # replaced whole
+    clients = account_into(spark, recs, evs, refs, epoch, now, 30.0, written)
+    kept, kept_clients = audit_frames(spark, recs, evs, refs, epoch, now, 30.0)
+    messages = spark.read.parquet(str(written))
+    assert messages.count() == kept.count() == EXPECTED["persisted"]
+    assert messages.exceptAll(kept).count() == 0 and kept.exceptAll(messages).count() == 0
+    assert clients.to_pylist() == [row.asDict() for row in kept_clients.collect()]
+    # a file per task, named by its partition (a task run again writes the same one)
+    names = sorted(path.name for path in written.iterdir())
+    assert names == [f"part-{i:05d}.parquet" for i in range(len(names))]
+
+
 def test_cli_since_window(
     spark: Any, workload: Workload, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
