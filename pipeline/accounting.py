@@ -28,6 +28,7 @@ __all__ = [
     "READ_EVENTS",
     "RECORD",
     "REF",
+    "TALLY",
     "account_batches",
 ]
 
@@ -42,12 +43,13 @@ RECORD, EVENT, REF = 0, 1, 2
 # costs Spark's Arrow writer time quadratic in a batch's rows (it sizes the batch
 # after every row, walking each list's offsets; 31 s for 1M rows, Spark 4.3).
 # ``acked`` ... ``marks``: a message's events folded as they were read (pipeline/
-# decoding.py FACTS_SCHEMA), on its ``persisted`` event or a ``message`` row.
+# decoding.py FACTS_SCHEMA), on its ``persisted`` event or a ``message`` row. ``n``:
+# how many events a ``gap`` event stands for (the broker dropped them).
 INPUT_SCHEMA = (
     "kind int, cid string, part int, off long, kts double, topic string, size int, "
     "pub double, exp double, ev string, ts double, pid int, sc long, ep int, at string, "
     "acked double, delivered double, deliveries int, marks int, "
-    "epart int, eoff long, idx int, has_value boolean"
+    "epart int, eoff long, idx int, has_value boolean, n long"
 )
 INPUT_COLUMNS = [c.split(" ", 1)[0] for c in INPUT_SCHEMA.split(", ")]
 
@@ -76,6 +78,7 @@ READ_EVENTS = (
     "session_ended",
     "connected",
     "disconnected",
+    "gap",  # counted, not accounted (:data:`TALLY`)
 )
 # events that place a record of this epoch: stored, or why not
 _ARRIVAL = {"expired", "trimmed", "discarded"}
@@ -84,6 +87,8 @@ _OF_MESSAGE = {"acked", "delivered", "expired", "dropped", "purged", "compacted"
 _ENDS = {"session_expired", "session_ended"}
 _LIFE = {"connected", "disconnected"}
 _OUT_ROWS = 65_536  # rows per output batch
+# what account_batches took in: rows of each kind, and the events the broker dropped
+TALLY = ("records", "events", "refs", "gaps")
 
 
 class _Record:
@@ -314,16 +319,25 @@ def _expired(r: _Record | None, exp: float | None, now: float) -> bool:
     return expiry is not None and expiry <= now
 
 
-def account_batches(batches: Iterable[Any], epoch: int, now: float, grace: float) -> Iterator[Any]:
+def account_batches(
+    batches: Iterable[Any],
+    epoch: int,
+    now: float,
+    grace: float,
+    tally: dict[str, int] | None = None,
+) -> Iterator[Any]:
     """Arrow batches of :data:`INPUT_SCHEMA` (whole clients) -> Arrow batches of
     :data:`MESSAGE_SCHEMA`: a ``mapInArrow`` function. Each input is read a
     kind at a time, a column at a time (Arrow's ``to_pylist`` of a column is
-    fast; of a row, slow)."""
+    fast; of a row, slow). ``tally`` (:data:`TALLY`) gets what was taken in."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from pipeline.decoding import arrow_schema
 
+    tally = tally if tally is not None else {}
+    for name in TALLY:
+        tally.setdefault(name, 0)
     clients: dict[Any, tuple[list[Any], list[Any], dict[int, bool]]] = {}
     for batch in batches:
         kinds = batch.column(0)
@@ -341,6 +355,10 @@ def account_batches(batches: Iterable[Any], epoch: int, now: float, grace: float
             some = batch.filter(pc.equal(kinds, kind))
             if not some.num_rows:
                 continue
+            tally[TALLY[kind]] += some.num_rows  # RECORD, EVENT, REF: 0, 1, 2
+            if kind == EVENT:
+                gaps = some.filter(pc.equal(some.column("ev"), "gap")).column("n")
+                tally["gaps"] += pc.sum(gaps).as_py() or 0
             cids = some.column(1).to_pylist()
             columns = [some.column(INPUT_COLUMNS.index(f)).to_pylist() for f in fields]
             for cid, values in zip(cids, zip(*columns, strict=True), strict=True):

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.accounting import TALLY
 from pipeline.common import (
     Endpoints,
     Progress,
@@ -224,10 +225,11 @@ def _backlog(endpoints: Endpoints, cids: list[str]) -> int:
 
 
 def _accounting_input(
-    spark: SparkSession, recs: DataFrame, evs: DataFrame, refs: DataFrame
+    spark: SparkSession, recs: DataFrame, evs: DataFrame, refs: DataFrame, rows: int
 ) -> DataFrame:
     """Records, events and Redis refs as one table of :data:`INPUT_SCHEMA`
-    (pipeline/accounting.py), shuffled once by client.
+    (pipeline/accounting.py), shuffled once by client into tasks sized for
+    ``rows`` rows in all.
 
     Every join of the audit is within one client, so the three go together
     into one table, are shuffled once by client, and each partition's clients
@@ -263,7 +265,6 @@ def _accounting_input(
     inputs = kind(RECORD, recs).unionByName(kind(EVENT, events)).unionByName(kind(REF, refs))
     # at most ~ROWS_PER_TASK rows per task (a task holds its clients' rows in Python),
     # in rounds that keep every core busy (5 tasks on 2 cores: the last round on one)
-    rows = recs.count() + evs.count() + refs.count()
     cores = spark.sparkContext.defaultParallelism
     tasks = cores * max(2, -(-rows // (ROWS_PER_TASK * cores)))
     return inputs.repartition(tasks, "cid")
@@ -286,8 +287,9 @@ def audit_frames(
 
     from pipeline.accounting import MESSAGE_SCHEMA, account_batches
 
+    rows = recs.count() + evs.count() + refs.count()
     messages = (
-        _accounting_input(spark, recs, evs, refs)
+        _accounting_input(spark, recs, evs, refs, rows)
         .mapInArrow(lambda batches: account_batches(batches, epoch, now, grace), MESSAGE_SCHEMA)
         .cache()
     )
@@ -307,6 +309,9 @@ def audit_frames(
 # clients.parquet: status counts per client
 CLIENT_COLUMNS = ("persisted", *STATUSES, "duplicates")
 CLIENT_SCHEMA = ", ".join(["cid string", *(f"{name} long" for name in CLIENT_COLUMNS)])
+# what an accounting task returns: a row per client (``taken`` null), and one row of
+# what it took in (``taken`` true, pipeline/accounting.py TALLY; the rest null)
+_TASK_SCHEMA = ", ".join([CLIENT_SCHEMA, "taken boolean", *(f"{name} long" for name in TALLY)])
 
 
 def account_into(
@@ -318,11 +323,18 @@ def account_into(
     now: float,
     grace: float,
     directory: Path,
-) -> Any:
+    rows: int,
+) -> tuple[Any, dict[str, int]]:
     """As :func:`audit_frames`, the messages written to ``directory`` as Parquet by
-    the tasks that account for them (one file per partition, by pyarrow), and
-    their clients' counts returned (an Arrow table of :data:`CLIENT_SCHEMA`, by
-    cid).
+    the tasks that account for them (one file per partition, by pyarrow); returns
+    their clients' counts (an Arrow table of :data:`CLIENT_SCHEMA`, by cid) and
+    what the tasks took in (pipeline/accounting.py ``TALLY``). ``rows``: about
+    how many rows the three inputs have (the tasks' size).
+
+    ``evs`` is read once, by this job, so it need not be cached: what would be
+    counted of it (its rows, the events the broker dropped) is counted by the
+    tasks, and returned with the task's result, not in an accumulator (a task
+    run again would add twice).
 
     Handed back to Spark, the messages cost more than their accounting: Arrow
     to rows, rows to the cache, the cache to Spark's Parquet writer
@@ -332,6 +344,7 @@ def account_into(
     starting with a dot). Like Spark's own writer, the tasks need ``directory``
     on a file system every worker shares.
     """
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     from pipeline.accounting import account_batches
@@ -353,20 +366,25 @@ def account_into(
         name = f"part-{TaskContext.get().partitionId():05d}.parquet"  # type: ignore[union-attr]
         partial = os.path.join(target, f".{name}.partial")
         counts: dict[str, list[int]] = {}
+        tally: dict[str, int] = {}
         with pq.ParquetWriter(partial, arrow_schema(MESSAGE_SCHEMA)) as writer:
-            for batch in account_batches(batches, epoch, now, grace):
+            for batch in account_batches(batches, epoch, now, grace, tally):
                 writer.write_batch(batch)
                 _count_clients(batch, counts)
         os.replace(partial, os.path.join(target, name))
-        cids = sorted(counts)
-        columns = [[counts[c][i] for c in cids] for i in range(len(CLIENT_COLUMNS))]
-        yield pa.RecordBatch.from_arrays(
-            [pa.array(cids, pa.string()), *(pa.array(c, pa.int64()) for c in columns)],
-            schema=arrow_schema(CLIENT_SCHEMA),
-        )
+        rows = [(cid, *row, None, *(None for _ in TALLY)) for cid, row in counts.items()]
+        rows.append((None, *(None for _ in CLIENT_COLUMNS), True, *(tally[n] for n in TALLY)))
+        schema = pa.struct(list(arrow_schema(_TASK_SCHEMA)))
+        yield pa.RecordBatch.from_struct_array(pa.array(rows, schema))
 
-    table = _accounting_input(spark, recs, evs, refs).mapInArrow(account, CLIENT_SCHEMA).toArrow()
-    return table.take(pc.sort_indices(table, [("cid", "ascending")]))
+    inputs = _accounting_input(spark, recs, evs, refs, rows)
+    table = inputs.mapInArrow(account, _TASK_SCHEMA).toArrow()
+    taken = table.filter(pc.is_valid(table.column("taken")))
+    clients = table.filter(pc.is_null(table.column("taken"))).select(["cid", *CLIENT_COLUMNS])
+    tally = {name: pc.sum(taken.column(name)).as_py() or 0 for name in TALLY}
+    cids = clients.column("cid").to_pylist()  # one per client: sorted here, a null first
+    by_cid = sorted(range(len(cids)), key=lambda i: (cids[i] is not None, cids[i] or ""))
+    return clients.take(pa.array(by_cid, pa.int64())), tally
 
 
 def _count_clients(batch: Any, counts: dict[str, list[int]]) -> None:
@@ -391,10 +409,11 @@ def _count_clients(batch: Any, counts: dict[str, list[int]]) -> None:
 
 
 def summarize(
-    messages: DataFrame, clients: Any, evs: DataFrame, now: float
+    messages: DataFrame, clients: Any, gaps: int, now: float
 ) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]]:
     """(audit.json's summary, a latency sample) of ``messages`` and ``clients``
-    (an Arrow table of :data:`CLIENT_SCHEMA`)."""
+    (an Arrow table of :data:`CLIENT_SCHEMA`); ``gaps``: how many events the
+    broker dropped."""
     from pyspark.sql import functions as F
 
     per_client = clients.to_pylist()
@@ -420,7 +439,6 @@ def summarize(
         F.max("ack_latency").alias("al_max"),
     ).collect()[0]
     totals["redelivered_messages"] = int(agg["redelivered"] or 0)
-    gaps = evs.where(F.col("ev") == "gap").agg(F.sum("n")).collect()[0][0] or 0
 
     def percentiles(values: list[float] | None, top: float | None) -> dict[str, float | None]:
         out: dict[str, float | None] = {f"p{int(q * 100)}": None for q in PERCENTILES}
@@ -500,26 +518,34 @@ def run_audit(
     else:
         recs = _in_window(decode_records(raw_records), "pub", window)
     recs = recs.cache()
-    progress.read(persisted_topic, recs)
+    read = progress.read(persisted_topic, recs)
     # Redis after the records and before the events (the module's docstring: why)
     now = time.time()
     epoch = read_epoch(endpoints, persisted_topic)
     refs = redis_refs(spark, endpoints, recs.select("cid").distinct()).cache()
-    progress.say(f"read Redis: {refs.count():,} stored messages of the records' clients")
+    stored = refs.count()
+    progress.say(f"read Redis: {stored:,} stored messages of the records' clients")
     if raw_events is None:
         evs = events(spark, endpoints, events_topic, source, folded=True)
     else:
         evs = decode_events(raw_events())
-    evs = evs.drop(*UNREAD_EVENT_FIELDS).cache()
-    progress.read(events_topic, evs, "rows (a message's events folded into one)")
+    # read once, as the accounting takes them in (account_into: not cached)
+    evs = evs.drop(*UNREAD_EVENT_FIELDS)
     scratch = None
     if messages_dir is None:
         scratch = tempfile.TemporaryDirectory(prefix="devicemq-audit-")
         messages_dir = Path(scratch.name) / "messages.parquet"
-    progress.say("accounting for every record ...")
-    clients = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir)
+    progress.say(f"reading {events_topic} and accounting for every record ...")
+    # about a folded event row per record: a message's events are one row
+    clients, taken = account_into(
+        spark, recs, evs, refs, epoch, now, grace, messages_dir, rows=2 * read + stored
+    )
+    progress.say(
+        f"read {events_topic}: {taken['events']:,} rows of the events the audit reads "
+        "(a message's events folded into one)"
+    )
     messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
-    summary, sample = summarize(messages, clients, evs, now)
+    summary, sample = summarize(messages, clients, taken["gaps"], now)
     progress.say(f"accounted for: {summary['totals']}")
     summary["window"] = {"since": window.since, "until": window.until}
     summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
@@ -528,7 +554,7 @@ def run_audit(
         messages,
         clients,
         sample,
-        cached=[recs, refs, evs],
+        cached=[recs, refs],
         messages_dir=messages_dir,
         scratch=scratch,
     )

@@ -139,11 +139,13 @@ class Progress:
         elapsed = time.monotonic() - self._start
         print(f"devicemq pipeline: [{elapsed:6.1f} s] {text}", file=self._stream, flush=True)
 
-    def read(self, topic: str, frame: DataFrame, rows: str = "records") -> None:
+    def read(self, topic: str, frame: DataFrame, rows: str = "records") -> int:
         """Count ``frame`` (cached: the count is its read, done once) and say so,
-        its rows called ``rows``."""
+        its rows called ``rows``; returns the count."""
         self.say(f"reading {topic} ...")
-        self.say(f"read {topic}: {frame.count():,} {rows}")
+        count = frame.count()
+        self.say(f"read {topic}: {count:,} {rows}")
+        return count
 
 
 def make_spark(

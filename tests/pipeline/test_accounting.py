@@ -219,3 +219,20 @@ def test_a_messages_events_folded_as_read_count_as_the_events_one_by_one() -> No
     got = account(folded)
     assert (got[("c", 0)]["status"], got[("c", 1)]["status"]) == ("acked", "dropped")
     assert (got[("c", 0)]["delivered_ts"], got[("c", 0)]["deliveries"]) == (11.0, 2)
+
+
+def test_what_was_taken_in_is_tallied_and_a_gap_counts_the_events_it_stands_for() -> None:
+    schema = arrow_schema(INPUT_SCHEMA)
+    rows = [
+        record("c", 0),
+        stored("c", 0, sc=7, pid=1, at_offset=0),
+        event("c", "gap", 1, n=5),
+        ref("c", 7),
+        event("d", "gap", 2, n=2),
+    ]
+    tally: dict[str, int] = {}
+    batches = [pa.RecordBatch.from_pylist(rows[:3], schema=schema)]
+    batches.append(pa.RecordBatch.from_pylist(rows[3:], schema=schema))
+    out = [row for b in account_batches(batches, EPOCH, NOW, GRACE, tally) for row in b.to_pylist()]
+    assert tally == {"records": 1, "events": 3, "refs": 1, "gaps": 7}
+    assert [(row["cid"], row["status"]) for row in out] == [("c", "pending")]  # a gap is no message

@@ -96,7 +96,7 @@ def test_the_messages_written_by_the_tasks_are_the_ones_kept_in_spark(
 ) -> None:
     # run_audit's tasks write messages.parquet as they account (account_into); the
     # stream keeps them in Spark (audit_frames): the same rows, the same counts
-    from pipeline.audit import account_into, audit_frames, redis_refs
+    from pipeline.audit import _accounting_input, account_into, audit_frames, redis_refs
     from pipeline.common import events, read_epoch, records
 
     recs = records(spark, workload.endpoints, PERSISTED, Window()).cache()
@@ -106,12 +106,17 @@ def test_the_messages_written_by_the_tasks_are_the_ones_kept_in_spark(
     written = tmp_path / "messages.parquet"
     written.mkdir()
     (written / "part-00099.parquet").write_bytes(b"an earlier audit's")  # replaced whole
-    clients = account_into(spark, recs, evs, refs, epoch, now, 30.0, written)
+    rows = recs.count() + evs.count() + refs.count()
+    clients, taken = account_into(spark, recs, evs, refs, epoch, now, 30.0, written, rows)
     kept, kept_clients = audit_frames(spark, recs, evs, refs, epoch, now, 30.0)
     messages = spark.read.parquet(str(written))
     assert messages.count() == kept.count() == EXPECTED["persisted"]
     assert messages.exceptAll(kept).count() == 0 and kept.exceptAll(messages).count() == 0
     assert clients.to_pylist() == [row.asDict() for row in kept_clients.collect()]
+    # what the tasks took in, counted by them (the events are read once, not cached)
+    inputs = _accounting_input(spark, recs, evs, refs, rows).groupBy("kind").count().collect()
+    kinds = {row["kind"]: row["count"] for row in inputs}
+    assert taken == {"records": kinds[0], "events": kinds[1], "refs": kinds.get(2, 0), "gaps": 0}
     # a file per task, named by its partition (a task run again writes the same one)
     names = sorted(path.name for path in written.iterdir())
     assert names == [f"part-{i:05d}.parquet" for i in range(len(names))]
