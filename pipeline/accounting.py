@@ -28,12 +28,28 @@ __all__ = [
     "READ_EVENTS",
     "RECORD",
     "REF",
+    "STATUSES",
     "TALLY",
     "account_batches",
 ]
 
 # ``kind`` of an input row
 RECORD, EVENT, REF = 0, 1, 2
+
+# a record's status, first match wins (pipeline/audit.py's docstring: what each means)
+STATUSES = (
+    "acked",
+    "expired",
+    "dropped",
+    "trimmed",
+    "purged",
+    "compacted",
+    "pending",
+    "discarded",
+    "duplicate",
+    "in_flight",
+    "lost",
+)
 
 # The three inputs as one table (absent fields null): records (pipeline/decoding.py
 # RECORD_SCHEMA), the events the audit reads (EVENT_COLUMNS less topic, size, pub,

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.accounting import TALLY
+from pipeline.accounting import STATUSES, TALLY
 from pipeline.common import (
     Endpoints,
     Progress,
@@ -69,6 +69,7 @@ from pipeline.common import (
     decode_records,
     read_epoch,
 )
+from pipeline.tally import CLIENT_COLUMNS, Tally, latency_sample, summarize
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -77,20 +78,6 @@ __all__ = ["STATUSES", "AuditResult", "audit_frames", "run_audit", "write_output
 
 log = logging.getLogger("devicemq.pipeline.audit")
 
-STATUSES = (
-    "acked",
-    "expired",
-    "dropped",
-    "trimmed",
-    "purged",
-    "compacted",
-    "pending",
-    "discarded",
-    "duplicate",
-    "in_flight",
-    "lost",
-)
-PERCENTILES = (0.5, 0.9, 0.99)
 PERCENTILE_NAMES = ("p50", "p90", "p99", "max")
 LOST_LISTED = 100  # lost messages named in audit.json
 ROWS_PER_TASK = 250_000  # records, events and refs accounted for by one task at most
@@ -307,11 +294,10 @@ def audit_frames(
 
 
 # clients.parquet: status counts per client
-CLIENT_COLUMNS = ("persisted", *STATUSES, "duplicates")
 CLIENT_SCHEMA = ", ".join(["cid string", *(f"{name} long" for name in CLIENT_COLUMNS)])
-# what an accounting task returns: a row per client (``taken`` null), and one row of
-# what it took in (``taken`` true, pipeline/accounting.py TALLY; the rest null)
-_TASK_SCHEMA = ", ".join([CLIENT_SCHEMA, "taken boolean", *(f"{name} long" for name in TALLY)])
+# what an accounting task returns: one row, its tally (pipeline/tally.py, JSON) and
+# what it took in (pipeline/accounting.py TALLY)
+_TASK_SCHEMA = ", ".join(["tally binary", *(f"{name} long" for name in TALLY)])
 
 
 def account_into(
@@ -324,17 +310,20 @@ def account_into(
     grace: float,
     directory: Path,
     rows: int,
-) -> tuple[Any, dict[str, int]]:
+) -> tuple[Tally, dict[str, int]]:
     """As :func:`audit_frames`, the messages written to ``directory`` as Parquet by
     the tasks that account for them (one file per partition, by pyarrow); returns
-    their clients' counts (an Arrow table of :data:`CLIENT_SCHEMA`, by cid) and
-    what the tasks took in (pipeline/accounting.py ``TALLY``). ``rows``: about
-    how many rows the three inputs have (the tasks' size).
+    what the tasks tallied of them (pipeline/tally.py: counts per client,
+    latency histograms) and what they took in (pipeline/accounting.py
+    ``TALLY``). ``rows``: about how many rows the three inputs have (the
+    tasks' size).
 
-    ``evs`` is read once, by this job, so it need not be cached: what would be
-    counted of it (its rows, the events the broker dropped) is counted by the
-    tasks, and returned with the task's result, not in an accumulator (a task
-    run again would add twice).
+    The summary needs no Spark job over the messages after this one: each task
+    tallies the messages it writes and returns its tally in the row of its
+    result (exact once per task, unlike an accumulator: a task run again would
+    add twice), and the driver adds them up. ``evs`` is read once, by this job,
+    so it need not be cached: its rows and the events the broker dropped are
+    counted by the tasks too.
 
     Handed back to Spark, the messages cost more than their accounting: Arrow
     to rows, rows to the cache, the cache to Spark's Parquet writer
@@ -344,9 +333,6 @@ def account_into(
     starting with a dot). Like Spark's own writer, the tasks need ``directory``
     on a file system every worker shares.
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     from pipeline.accounting import account_batches
 
     shutil.rmtree(directory, ignore_errors=True)
@@ -365,129 +351,38 @@ def account_into(
 
         name = f"part-{TaskContext.get().partitionId():05d}.parquet"  # type: ignore[union-attr]
         partial = os.path.join(target, f".{name}.partial")
-        counts: dict[str, list[int]] = {}
-        tally: dict[str, int] = {}
+        mine = Tally()
+        taken: dict[str, int] = {}
         with pq.ParquetWriter(partial, arrow_schema(MESSAGE_SCHEMA)) as writer:
-            for batch in account_batches(batches, epoch, now, grace, tally):
+            for batch in account_batches(batches, epoch, now, grace, taken):
                 writer.write_batch(batch)
-                _count_clients(batch, counts)
+                mine.add_messages(batch)
         os.replace(partial, os.path.join(target, name))
-        rows = [(cid, *row, None, *(None for _ in TALLY)) for cid, row in counts.items()]
-        rows.append((None, *(None for _ in CLIENT_COLUMNS), True, *(tally[n] for n in TALLY)))
-        schema = pa.struct(list(arrow_schema(_TASK_SCHEMA)))
-        yield pa.RecordBatch.from_struct_array(pa.array(rows, schema))
+        row = (mine.to_json(), *(taken[n] for n in TALLY))
+        yield pa.RecordBatch.from_struct_array(
+            pa.array([row], pa.struct(list(arrow_schema(_TASK_SCHEMA))))
+        )
 
     inputs = _accounting_input(spark, recs, evs, refs, rows)
-    table = inputs.mapInArrow(account, _TASK_SCHEMA).toArrow()
-    taken = table.filter(pc.is_valid(table.column("taken")))
-    clients = table.filter(pc.is_null(table.column("taken"))).select(["cid", *CLIENT_COLUMNS])
-    tally = {name: pc.sum(taken.column(name)).as_py() or 0 for name in TALLY}
-    cids = clients.column("cid").to_pylist()  # one per client: sorted here, a null first
-    by_cid = sorted(range(len(cids)), key=lambda i: (cids[i] is not None, cids[i] or ""))
-    return clients.take(pa.array(by_cid, pa.int64())), tally
+    tally, taken = Tally(), dict.fromkeys(TALLY, 0)
+    for row in inputs.mapInArrow(account, _TASK_SCHEMA).toArrow().to_pylist():
+        tally = tally.merged(Tally.from_json(row["tally"]))
+        for name in TALLY:
+            taken[name] += row[name]
+    return tally, taken
 
 
-def _count_clients(batch: Any, counts: dict[str, list[int]]) -> None:
-    """Add a batch of messages to ``counts`` (cid -> :data:`CLIENT_COLUMNS`)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    extra = pc.max_element_wise(pc.subtract(batch.column("deliveries"), 1), 0)
-    table = pa.table({"cid": batch.column("cid"), "status": batch.column("status"), "dup": extra})
-    grouped = table.group_by(["cid", "status"]).aggregate([([], "count_all"), ("dup", "sum")])
-    at = {name: i for i, name in enumerate(CLIENT_COLUMNS)}
-    for cid, status, n, dup in zip(
-        *(grouped.column(c).to_pylist() for c in ("cid", "status", "count_all", "dup_sum")),
-        strict=True,
-    ):
-        row = counts.get(cid)
-        if row is None:
-            row = counts[cid] = [0] * len(CLIENT_COLUMNS)
-        row[0] += n
-        row[at[status]] += n
-        row[-1] += dup
-
-
-def summarize(
-    messages: DataFrame, clients: Any, gaps: int, now: float
-) -> tuple[dict[str, Any], list[tuple[float | None, float | None, bool]]]:
-    """(audit.json's summary, a latency sample) of ``messages`` and ``clients``
-    (an Arrow table of :data:`CLIENT_SCHEMA`); ``gaps``: how many events the
-    broker dropped."""
+def _lost(messages: DataFrame) -> list[dict[str, Any]]:
+    """The first :data:`LOST_LISTED` lost messages (audit.json's ``lost_messages``)."""
     from pyspark.sql import functions as F
 
-    per_client = clients.to_pylist()
-    totals: dict[str, int] = {"persisted": sum(c["persisted"] for c in per_client)}
-    for status in STATUSES:
-        totals[status] = sum(c[status] for c in per_client)
-    totals["duplicates"] = sum(c["duplicates"] for c in per_client)
-    agg = messages.agg(
-        F.sum(F.when(F.col("deliveries") > 1, 1).otherwise(0)).alias("redelivered"),
-        F.percentile_approx("delivery_latency", list(PERCENTILES)).alias("dl"),
-        F.percentile_approx(
-            F.when(F.col("live"), F.col("delivery_latency")), list(PERCENTILES)
-        ).alias("dl_live"),
-        F.percentile_approx(
-            F.when(~F.col("live"), F.col("delivery_latency")), list(PERCENTILES)
-        ).alias("dl_replay"),
-        F.max(F.when(F.col("live"), F.col("delivery_latency"))).alias("dl_live_max"),
-        F.max(F.when(~F.col("live"), F.col("delivery_latency"))).alias("dl_replay_max"),
-        F.sum(F.when(F.col("live") & F.col("delivered_ts").isNotNull(), 1)).alias("n_live"),
-        F.sum(F.when(~F.col("live") & F.col("delivered_ts").isNotNull(), 1)).alias("n_replay"),
-        F.percentile_approx("ack_latency", list(PERCENTILES)).alias("al"),
-        F.max("delivery_latency").alias("dl_max"),
-        F.max("ack_latency").alias("al_max"),
-    ).collect()[0]
-    totals["redelivered_messages"] = int(agg["redelivered"] or 0)
-
-    def percentiles(values: list[float] | None, top: float | None) -> dict[str, float | None]:
-        out: dict[str, float | None] = {f"p{int(q * 100)}": None for q in PERCENTILES}
-        for q, v in zip(PERCENTILES, values or [], strict=False):
-            out[f"p{int(q * 100)}"] = v
-        out["max"] = top
-        return out
-
-    lost = []
-    if totals["lost"]:
-        lost = [
-            {k: row[k] for k in ("cid", "pid", "sc", "part", "off", "topic", "pub", "reason")}
-            for row in messages.where(F.col("status") == "lost")
-            .orderBy("cid", "part", "off")
-            .limit(LOST_LISTED)
-            .collect()
-        ]
-    summary = {
-        "generated_at": now,
-        "totals": totals,
-        "ok": totals["lost"] == 0,
-        "latency_seconds": {
-            "delivery": percentiles(agg["dl"], agg["dl_max"]),
-            # to clients connected as the message was published / replayed to the others
-            "delivery_live": percentiles(agg["dl_live"], agg["dl_live_max"]),
-            "delivery_replay": percentiles(agg["dl_replay"], agg["dl_replay_max"]),
-            "ack": percentiles(agg["al"], agg["al_max"]),
-        },
-        "delivered": {"live": int(agg["n_live"] or 0), "replayed": int(agg["n_replay"] or 0)},
-        "events_dropped": int(gaps),
-        "clients": per_client,
-        "lost_messages": lost,
-    }
-    # through Arrow: rows collected one Python object at a time took seconds
-    table = (
-        messages.where(F.col("delivery_latency").isNotNull())
-        .select("delivery_latency", "ack_latency", "live")
-        .limit(200_000)
-        .toArrow()
-    )
-    sample = list(
-        zip(
-            table.column(0).to_pylist(),
-            table.column(1).to_pylist(),
-            [bool(v) for v in table.column(2).to_pylist()],
-            strict=True,
-        )
-    )
-    return summary, sample
+    return [
+        {k: row[k] for k in ("cid", "pid", "sc", "part", "off", "topic", "pub", "reason")}
+        for row in messages.where(F.col("status") == "lost")
+        .orderBy("cid", "part", "off")
+        .limit(LOST_LISTED)
+        .collect()
+    ]
 
 
 def run_audit(
@@ -509,8 +404,11 @@ def run_audit(
     reads and does is said on the way. Its messages are written to
     ``messages_dir`` (Parquet), else to a directory of its own, removed by
     :meth:`AuditResult.release` or when the result is collected."""
+    import pyarrow as pa
+
     from pipeline.accounting import MESSAGE_SCHEMA
     from pipeline.common import _in_window, events, records
+    from pipeline.decoding import arrow_schema
 
     progress = progress or Progress.silent()
     if raw_records is None:
@@ -537,7 +435,7 @@ def run_audit(
         messages_dir = Path(scratch.name) / "messages.parquet"
     progress.say(f"reading {events_topic} and accounting for every record ...")
     # about a folded event row per record: a message's events are one row
-    clients, taken = account_into(
+    tally, taken = account_into(
         spark, recs, evs, refs, epoch, now, grace, messages_dir, rows=2 * read + stored
     )
     progress.say(
@@ -545,15 +443,17 @@ def run_audit(
         "(a message's events folded into one)"
     )
     messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
-    summary, sample = summarize(messages, clients, taken["gaps"], now)
+    lost = _lost(messages) if any(c["lost"] for c in tally.clients.values()) else []
+    summary = summarize(tally, lost, taken["gaps"], now)
     progress.say(f"accounted for: {summary['totals']}")
     summary["window"] = {"since": window.since, "until": window.until}
     summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
+    clients = pa.Table.from_pylist(tally.client_rows(), schema=arrow_schema(CLIENT_SCHEMA))
     return AuditResult(
         summary,
         messages,
         clients,
-        sample,
+        latency_sample(tally),
         cached=[recs, refs],
         messages_dir=messages_dir,
         scratch=scratch,

@@ -61,6 +61,7 @@ _ARROW_TYPES = {
     "int": "int32",
     "long": "int64",
     "boolean": "bool_",
+    "binary": "binary",
 }
 
 

@@ -54,7 +54,7 @@ audit).
 The work of an update thus depends on what arrived since the last one and on
 what is open, and so does the state, except what grows with the clients (a
 session end and a few connection events each). Latency percentiles come from
-log-bucket histograms (:class:`LogHistogram`) merged in the driver.
+log-bucket histograms (pipeline/tally.py) merged in the driver.
 
 A new process, or a new topic epoch (the embedded Kafka's topic created
 anew), starts over from the topics' earliest offsets: the running totals live
@@ -65,17 +65,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.audit import (
     LOST_LISTED,
-    PERCENTILES,
     STATUSES,
     AuditResult,
     audit_frames,
@@ -91,20 +88,19 @@ from pipeline.common import (
     decode_records,
     read_epoch,
 )
+from pipeline.tally import LogHistogram, Tally, latency_sample, summarize
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["FINAL", "OPEN", "IncrementalAudit", "LogHistogram", "stream_audit"]
+__all__ = ["FINAL", "OPEN", "IncrementalAudit", "stream_audit"]
 
 log = logging.getLogger("devicemq.pipeline.stream")
 
 FINAL = ("acked", "expired", "dropped", "trimmed", "purged", "compacted", "discarded", "duplicate")
 OPEN = ("pending", "in_flight", "lost")
 CONNECTION_HORIZON = 600.0  # seconds of connection events kept (see the module docstring)
-LATENCIES = ("delivery", "delivery_live", "delivery_replay", "ack")
 EVENT_COLUMNS = [c.split(" ", 1)[0] for c in EVENT_SCHEMA.split(", ")] + ["epart", "eoff", "idx"]
-SAMPLE = 20_000  # latencies handed to the report's histograms
 # Spark settings for a process that runs the stream (read as the JVM starts:
 # pipeline/cli.py gives them to make_spark). Idle Python workers are not
 # pooled past two per kind (each ~100-130 MB: a trial run held 14 of them), the
@@ -123,113 +119,6 @@ SPARK_CONF = {
 }
 
 
-class LogHistogram:
-    """Counts of values in buckets ``[RATIO**i, RATIO**(i+1))``: a quantile is
-    given as its bucket's geometric middle, within 1 % of a value of that rank
-    (``sqrt(1.02) - 1``). Values at or below :data:`FLOOR` (1 µs, zero,
-    negative: clocks) share the lowest bucket. Merging is adding counts; a
-    run of an hour needs a few thousand buckets at most."""
-
-    RATIO = 1.02
-    FLOOR = 1e-6
-
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-
-    @classmethod
-    def bucket_of(cls, value: float) -> int:
-        return math.floor(math.log(max(value, cls.FLOOR)) / math.log(cls.RATIO))
-
-    @classmethod
-    def bucket_column(cls, column: Any) -> Any:
-        """The same as :meth:`bucket_of`, as a Spark column."""
-        from pyspark.sql import functions as F
-
-        return F.floor(
-            F.log(F.greatest(column, F.lit(cls.FLOOR))) / F.lit(math.log(cls.RATIO))
-        ).cast("int")
-
-    def add(self, bucket: int, count: int = 1) -> None:
-        self.counts[bucket] = self.counts.get(bucket, 0) + count
-
-    def merged(self, other: LogHistogram) -> LogHistogram:
-        out = LogHistogram()
-        for source in (self, other):
-            for b, n in source.counts.items():
-                out.add(b, n)
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def value(self, bucket: int) -> float:
-        return float(self.RATIO ** (bucket + 0.5))
-
-    def quantile(self, q: float) -> float | None:
-        """The value of rank ``ceil(q * n)`` (the smallest value with at least a
-        fraction q of the values at or below it), to its bucket's precision."""
-        n = self.total
-        if not n:
-            return None
-        rank = max(1, math.ceil(q * n))
-        seen = 0
-        for b in sorted(self.counts):
-            seen += self.counts[b]
-            if seen >= rank:
-                return self.value(b)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-
-@dataclass
-class _Client:
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def add(self, row: dict[str, Any]) -> None:
-        for key in ("persisted", *STATUSES, "duplicates"):
-            self.counts[key] = self.counts.get(key, 0) + int(row[key] or 0)
-
-
-@dataclass
-class _Tally:
-    """Totals over a set of records: per client, and what the summary adds up."""
-
-    clients: dict[str, _Client] = field(default_factory=dict)
-    redelivered: int = 0
-    live: int = 0
-    replayed: int = 0
-    maxima: dict[str, float] = field(default_factory=dict)
-    hists: dict[str, LogHistogram] = field(
-        default_factory=lambda: {k: LogHistogram() for k in LATENCIES}
-    )
-
-    def add_row(self, row: dict[str, Any]) -> None:
-        self.clients.setdefault(row["cid"], _Client()).add(row)
-        self.redelivered += int(row["redelivered"] or 0)
-        self.live += int(row["n_live"] or 0)
-        self.replayed += int(row["n_replay"] or 0)
-        for key in LATENCIES:
-            top = row[f"{key}_max"]
-            if top is not None:
-                self.maxima[key] = max(self.maxima.get(key, top), top)
-
-    def merged(self, other: _Tally) -> _Tally:
-        out = _Tally()
-        for tally in (self, other):
-            for cid, client in tally.clients.items():
-                out.clients.setdefault(cid, _Client()).add(
-                    {k: client.counts.get(k, 0) for k in ("persisted", *STATUSES, "duplicates")}
-                )
-            out.redelivered += tally.redelivered
-            out.live += tally.live
-            out.replayed += tally.replayed
-            for key, top in tally.maxima.items():
-                out.maxima[key] = max(out.maxima.get(key, top), top)
-        for key in LATENCIES:
-            out.hists[key] = self.hists[key].merged(other.hists[key])
-        return out
-
-
 class IncrementalAudit:
     """The state of a stream's audit between updates (one topic epoch): the
     running totals of final records in the driver, the open records and the
@@ -241,7 +130,7 @@ class IncrementalAudit:
         self.endpoints = endpoints
         self.state = state
         self.epoch = epoch
-        self.final = _Tally()
+        self.final = Tally()
         self.gaps = 0
         self.high: dict[int, int] = {}  # records' partition -> highest offset read
         self.generation = 0
@@ -352,7 +241,7 @@ class IncrementalAudit:
         final_now = self.final.merged(tallies[True])
         report = final_now.merged(tallies[False])
         lost: list[dict[str, Any]] = []
-        if any(c.counts.get("lost") for c in tallies[False].clients.values()):
+        if any(c["lost"] for c in tallies[False].clients.values()):
             lost = [
                 {k: row[k] for k in ("cid", "pid", "sc", "part", "off", "topic", "pub", "reason")}
                 for row in m.where(F.col("status") == "lost")
@@ -366,7 +255,7 @@ class IncrementalAudit:
         self._open_cids = set(tallies[False].clients)
         phase("keeping")
         self.phases = phases
-        return self._summary(report, lost, now), _sample(report)
+        return summarize(report, lost, self.gaps, now), latency_sample(report)
 
     def _refs(self, cids: list[str]) -> DataFrame:
         """What Redis holds of ``cids``, read in the driver: an update's clients
@@ -439,7 +328,7 @@ class IncrementalAudit:
         )
         return kept.unionByName(new.where(~by_pids)).unionByName(resolved, allowMissingColumns=True)
 
-    def _tally(self, m: DataFrame) -> dict[bool, _Tally]:
+    def _tally(self, m: DataFrame) -> dict[bool, Tally]:
         """Per-client counts and latency histograms of the final and the open records."""
         from pyspark.sql import functions as F
 
@@ -462,7 +351,7 @@ class IncrementalAudit:
             )
             .collect()
         )
-        tallies = {True: _Tally(), False: _Tally()}
+        tallies = {True: Tally(), False: Tally()}
         self._oldest_open = None
         for row in rows:
             tallies[bool(row["final"])].add_row(row.asDict())
@@ -576,63 +465,12 @@ class IncrementalAudit:
         self.open_records = _rows(target / "records")
         self.kept_events = _rows(target / "events")
 
-    def _summary(self, tally: _Tally, lost: list[dict[str, Any]], now: float) -> dict[str, Any]:
-        """The batch audit's summary (pipeline/audit.py ``summarize``), from tallies."""
-        clients: list[dict[str, Any]] = [
-            {"cid": cid, **{k: c.counts.get(k, 0) for k in ("persisted", *STATUSES, "duplicates")}}
-            for cid, c in sorted(tally.clients.items())
-        ]
-        totals: dict[str, int] = {"persisted": sum(c["persisted"] for c in clients)}
-        for status in STATUSES:
-            totals[status] = sum(c[status] for c in clients)
-        totals["duplicates"] = sum(c["duplicates"] for c in clients)
-        totals["redelivered_messages"] = tally.redelivered
-
-        def percentiles(key: str) -> dict[str, float | None]:
-            hist = tally.hists[key]
-            top = tally.maxima.get(key)
-            out: dict[str, float | None] = {}
-            for q in PERCENTILES:
-                value = hist.quantile(q)
-                out[f"p{int(q * 100)}"] = (
-                    min(value, top) if value is not None and top is not None else value
-                )
-            out["max"] = top
-            return out
-
-        return {
-            "generated_at": now,
-            "totals": totals,
-            "ok": totals["lost"] == 0,
-            "latency_seconds": {key: percentiles(key) for key in LATENCIES},
-            "latency_precision": "log buckets of ratio 1.02: percentiles within 1 %",
-            "delivered": {"live": tally.live, "replayed": tally.replayed},
-            "events_dropped": self.gaps,
-            "clients": clients,
-            "lost_messages": lost,
-        }
-
 
 def _rows(directory: Path) -> int:
     """Rows of the Parquet files under ``directory``, from their footers (no Spark job)."""
     import pyarrow.parquet as pq
 
     return sum(pq.ParquetFile(f).metadata.num_rows for f in directory.glob("*.parquet"))
-
-
-def _sample(tally: _Tally) -> list[tuple[float | None, float | None, bool]]:
-    """At most :data:`SAMPLE` delivery latencies, drawn from the histograms in
-    proportion (the report's charts)."""
-    out: list[tuple[float | None, float | None, bool]] = []
-    total = tally.hists["delivery"].total
-    if not total:
-        return out
-    scale = min(1.0, SAMPLE / total)
-    for key, live in (("delivery_live", True), ("delivery_replay", False)):
-        hist = tally.hists[key]
-        for b, n in sorted(hist.counts.items()):
-            out.extend([(hist.value(b), None, live)] * max(1, round(n * scale)))
-    return out
 
 
 # ---------------------------------------------------------------------------

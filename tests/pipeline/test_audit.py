@@ -94,8 +94,9 @@ def test_events_folded_as_read_account_as_the_events_one_by_one(
 def test_the_messages_written_by_the_tasks_are_the_ones_kept_in_spark(
     spark: Any, workload: Workload, tmp_path: Path
 ) -> None:
-    # run_audit's tasks write messages.parquet as they account (account_into); the
-    # stream keeps them in Spark (audit_frames): the same rows, the same counts
+    # run_audit's tasks write messages.parquet as they account, and tally them
+    # (account_into); the stream keeps them in Spark (audit_frames): the same rows,
+    # the same counts
     from pipeline.audit import _accounting_input, account_into, audit_frames, redis_refs
     from pipeline.common import events, read_epoch, records
 
@@ -107,12 +108,12 @@ def test_the_messages_written_by_the_tasks_are_the_ones_kept_in_spark(
     written.mkdir()
     (written / "part-00099.parquet").write_bytes(b"an earlier audit's")  # replaced whole
     rows = recs.count() + evs.count() + refs.count()
-    clients, taken = account_into(spark, recs, evs, refs, epoch, now, 30.0, written, rows)
+    tally, taken = account_into(spark, recs, evs, refs, epoch, now, 30.0, written, rows)
     kept, kept_clients = audit_frames(spark, recs, evs, refs, epoch, now, 30.0)
     messages = spark.read.parquet(str(written))
     assert messages.count() == kept.count() == EXPECTED["persisted"]
     assert messages.exceptAll(kept).count() == 0 and kept.exceptAll(messages).count() == 0
-    assert clients.to_pylist() == [row.asDict() for row in kept_clients.collect()]
+    assert tally.client_rows() == [row.asDict() for row in kept_clients.collect()]
     # what the tasks took in, counted by them (the events are read once, not cached)
     inputs = _accounting_input(spark, recs, evs, refs, rows).groupBy("kind").count().collect()
     kinds = {row["kind"]: row["count"] for row in inputs}
