@@ -53,7 +53,7 @@ STATUSES = (
 
 # The three inputs as one table (absent fields null): records (pipeline/decoding.py
 # RECORD_SCHEMA), the events the audit reads (EVENT_COLUMNS less topic, size, pub,
-# dup, n) and Redis refs (``sc``, ``has_value``). ``exp`` is a record's expiry on a
+# dup) and Redis refs (``sc``, ``has_value``). ``exp`` is a record's expiry on a
 # record and a stored message's on a ``persisted`` event. A trim naming packet ids
 # comes as one ``trimmed`` event per id, in ``pid`` with no ``sc``: a list column
 # costs Spark's Arrow writer time quadratic in a batch's rows (it sizes the batch

@@ -32,7 +32,8 @@ message stored under that id before the trim (events of one client are in
 one partition, in order). Duplicate deliveries are deliveries of a message
 after its first; latencies are first delivery and acknowledgement minus the
 publish time, delivery also apart for messages whose client was connected as
-they were published and for those replayed from the backlog (``_live``).
+they were published and for those replayed from the backlog; percentiles come
+from log-bucket histograms, within 1 % (pipeline/tally.py, the stream's too).
 
 The order of the reads matters on a running broker: the records first, then
 Redis, then the events. A message gone from Redis was gone before the events
@@ -74,14 +75,25 @@ from pipeline.tally import CLIENT_COLUMNS, Tally, latency_sample, summarize
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["STATUSES", "AuditResult", "audit_frames", "run_audit", "write_outputs"]
+__all__ = [
+    "STATUSES",
+    "AuditResult",
+    "account_into",
+    "audit_frames",
+    "lost_messages",
+    "run_audit",
+    "write_outputs",
+]
 
 log = logging.getLogger("devicemq.pipeline.audit")
 
 PERCENTILE_NAMES = ("p50", "p90", "p99", "max")
 LOST_LISTED = 100  # lost messages named in audit.json
 ROWS_PER_TASK = 250_000  # records, events and refs accounted for by one task at most
-# fields of an event the audit does not read (the traffic job does): not cached
+# a record of the events topic is one client's flush: 22 rows folded at full load,
+# 67 one by one (--source connector: its tasks then hold about twice as many rows)
+EVENT_ROWS_PER_RECORD = 32
+# fields of an event the audit does not read (the traffic job does): left out
 UNREAD_EVENT_FIELDS = ("topic", "size", "pub", "dup")
 
 
@@ -92,7 +104,8 @@ class AuditResult:
     messages: DataFrame
     # an Arrow table of CLIENT_SCHEMA
     clients: Any
-    # (first delivery, ack latency, live): a sample of the delivered messages
+    # (first delivery latency, ack latency or None, live): the report's histograms' data,
+    # from the tally's (pipeline/tally.py latency_sample: bucket middles, no ack)
     latencies: list[tuple[float | None, float | None, bool]] = field(default_factory=list)
     cached: list[DataFrame] = field(default_factory=list)
     messages_dir: Path | None = None
@@ -215,12 +228,11 @@ def _accounting_input(
     spark: SparkSession, recs: DataFrame, evs: DataFrame, refs: DataFrame, rows: int
 ) -> DataFrame:
     """Records, events and Redis refs as one table of :data:`INPUT_SCHEMA`
-    (pipeline/accounting.py), shuffled once by client into tasks sized for
-    ``rows`` rows in all.
+    (pipeline/accounting.py), in tasks sized for about ``rows`` rows in all.
 
     Every join of the audit is within one client, so the three go together
     into one table, are shuffled once by client, and each partition's clients
-    are accounted for in Python (pipeline/accounting.py). The plan of Spark
+    are accounted for in Python. The plan of Spark
     SQL joins, groupings and windows before it shuffled a row per message nine
     times (BENCHMARKS.md "The audit, accounted per client"). ``evs`` may
     hold the events one by one or folded per message (pipeline/decoding.py
@@ -265,32 +277,20 @@ def audit_frames(
     epoch: int,
     now: float,
     grace: float,
-) -> tuple[DataFrame, DataFrame]:
-    """(messages, clients) from decoded records, decoded events and Redis refs
-    (read at ``now``, after the records and before the events), as cached
-    DataFrames (the stream's form; the batch audit writes its messages as it
-    accounts for them, :func:`account_into`)."""
-    from pyspark.sql import functions as F
-
+) -> DataFrame:
+    """The messages (pipeline/accounting.py MESSAGE_SCHEMA) of decoded records,
+    decoded events and Redis refs (read at ``now``, after the records and
+    before the events, all three cached: they are counted to size the tasks),
+    as a cached DataFrame: the stream's form (the batch audit writes its
+    messages as it accounts for them, :func:`account_into`)."""
     from pipeline.accounting import MESSAGE_SCHEMA, account_batches
 
     rows = recs.count() + evs.count() + refs.count()
-    messages = (
+    return (
         _accounting_input(spark, recs, evs, refs, rows)
         .mapInArrow(lambda batches: account_batches(batches, epoch, now, grace), MESSAGE_SCHEMA)
         .cache()
     )
-    counts = [F.sum(F.when(F.col("status") == s, 1).otherwise(0)).alias(s) for s in STATUSES]
-    clients = (
-        messages.groupBy("cid")
-        .agg(
-            F.count("*").alias("persisted"),
-            *counts,
-            F.sum(F.greatest(F.col("deliveries") - 1, F.lit(0))).alias("duplicates"),
-        )
-        .orderBy("cid")
-    )
-    return messages, clients
 
 
 # clients.parquet: status counts per client
@@ -331,7 +331,8 @@ def account_into(
     by its partition and renamed into place whole, so a task run again writes
     the same file again and a reader never sees half of one (Spark skips names
     starting with a dot). Like Spark's own writer, the tasks need ``directory``
-    on a file system every worker shares.
+    on a file system every worker shares (and the driver: it lists the lost
+    messages from there).
     """
     from pipeline.accounting import account_batches
 
@@ -349,8 +350,11 @@ def account_into(
         from pipeline.accounting import MESSAGE_SCHEMA
         from pipeline.decoding import arrow_schema
 
-        name = f"part-{TaskContext.get().partitionId():05d}.parquet"  # type: ignore[union-attr]
-        partial = os.path.join(target, f".{name}.partial")
+        task = TaskContext.get()
+        assert task is not None
+        name = f"part-{task.partitionId():05d}.parquet"
+        # one partial file per attempt: two attempts of a task never write one file
+        partial = os.path.join(target, f".{name}.{task.taskAttemptId()}.partial")
         mine = Tally()
         taken: dict[str, int] = {}
         with pq.ParquetWriter(partial, arrow_schema(MESSAGE_SCHEMA)) as writer:
@@ -372,7 +376,21 @@ def account_into(
     return tally, taken
 
 
-def _lost(messages: DataFrame) -> list[dict[str, Any]]:
+def _event_rows(
+    endpoints: Endpoints, topic: str, raw_events: Callable[[], DataFrame] | None
+) -> int:
+    """About how many rows the events will be, at most (to size the accounting's
+    tasks: it reads them once, uncounted): :data:`EVENT_ROWS_PER_RECORD` per
+    record of ``topic`` (its offsets), none when the events are given."""
+    from pipeline.kafka_source import latest_offsets
+
+    if raw_events is not None:
+        return 0
+    bounds = latest_offsets(endpoints.bootstrap, topic, endpoints.kafka_security)
+    return EVENT_ROWS_PER_RECORD * sum(high - low for low, high in bounds.values())
+
+
+def lost_messages(messages: DataFrame) -> list[dict[str, Any]]:
     """The first :data:`LOST_LISTED` lost messages (audit.json's ``lost_messages``)."""
     from pyspark.sql import functions as F
 
@@ -434,16 +452,14 @@ def run_audit(
         scratch = tempfile.TemporaryDirectory(prefix="devicemq-audit-")
         messages_dir = Path(scratch.name) / "messages.parquet"
     progress.say(f"reading {events_topic} and accounting for every record ...")
-    # about a folded event row per record: a message's events are one row
-    tally, taken = account_into(
-        spark, recs, evs, refs, epoch, now, grace, messages_dir, rows=2 * read + stored
-    )
+    rows = read + stored + max(read, _event_rows(endpoints, events_topic, raw_events))
+    tally, taken = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir, rows)
     progress.say(
         f"read {events_topic}: {taken['events']:,} rows of the events the audit reads "
         "(a message's events folded into one)"
     )
     messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
-    lost = _lost(messages) if any(c["lost"] for c in tally.clients.values()) else []
+    lost = lost_messages(messages) if any(c["lost"] for c in tally.clients.values()) else []
     summary = summarize(tally, lost, taken["gaps"], now)
     progress.say(f"accounted for: {summary['totals']}")
     summary["window"] = {"since": window.since, "until": window.until}
@@ -477,14 +493,20 @@ def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Pat
 
 
 def _write_tables(result: AuditResult, out: Path) -> None:
-    """messages.parquet (copied, unless the audit wrote it there) and clients.parquet,
-    each a directory as Spark writes them."""
+    """messages.parquet (moved from beside it, else copied, unless the audit wrote it
+    there) and clients.parquet, each a directory as Spark writes them."""
     import pyarrow.parquet as pq
 
     messages = out / "messages.parquet"
-    if result.messages_dir is not None and result.messages_dir.resolve() != messages.resolve():
+    written = result.messages_dir
+    if written is not None and written.resolve() != messages.resolve():
         shutil.rmtree(messages, ignore_errors=True)
-        shutil.copytree(result.messages_dir, messages)
+        if written.parent.resolve() == out.resolve():  # the audit's, beside: moved in whole
+            written.rename(messages)
+            result.messages_dir = messages
+            result.messages = result.messages.sparkSession.read.parquet(str(messages))
+        else:
+            shutil.copytree(written, messages)
     clients = out / "clients.parquet"
     shutil.rmtree(clients, ignore_errors=True)
     clients.mkdir()

@@ -148,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
                 persisted_topic=persisted_topic,
                 events_topic=events_topic,
                 progress=progress,
-                messages_dir=out / "messages.parquet",
+                # moved into place with the other outputs: a failed audit leaves
+                # the last one's messages.parquet beside its audit.json
+                messages_dir=out / ".messages.parquet.partial",
             )
             write_outputs(result, out)
             progress.say("done")

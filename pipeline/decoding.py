@@ -196,9 +196,10 @@ def folded_batch(
 ) -> Any:
     """As :func:`event_batch`, :data:`FOLDED_COLUMNS`, with the events of :data:`FOLDED`
     that name a score folded per (client, score) into the facts of its
-    ``persisted`` event of this fetch, or into one ``message`` row when the
-    fetch has none: a message's three events (persisted, delivered, acked)
-    become one row, a third of the rows for Spark to take in and shuffle.
+    ``persisted`` event of this fetch, or into one ``message`` row made where
+    the first of them is when none came before it in the fetch: a message's
+    three events (persisted, delivered, acked) become one row, a third of the
+    rows for Spark to take in and shuffle.
     Folding is a sum, a minimum and an or, so folded rows of several fetches,
     and unfolded events, add up to the same (pipeline/accounting.py)."""
     import pyarrow as pa

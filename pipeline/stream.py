@@ -72,10 +72,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.audit import (
-    LOST_LISTED,
     STATUSES,
     AuditResult,
     audit_frames,
+    lost_messages,
     stored_refs,
     write_outputs,
 )
@@ -230,7 +230,7 @@ class IncrementalAudit:
         evs = self._events(decoded, trims=bool(seen["trims"])).cache()
         cached.append(evs)
         phase("events")
-        messages, _clients = audit_frames(spark, recs, evs, refs, self.epoch, now, grace)
+        messages = audit_frames(spark, recs, evs, refs, self.epoch, now, grace)
         cached.append(messages)
         status, stored = F.col("status"), F.col("stored_ts")
         final = status.isin(*FINAL) & ~(
@@ -240,15 +240,7 @@ class IncrementalAudit:
         tallies = self._tally(m)
         final_now = self.final.merged(tallies[True])
         report = final_now.merged(tallies[False])
-        lost: list[dict[str, Any]] = []
-        if any(c["lost"] for c in tallies[False].clients.values()):
-            lost = [
-                {k: row[k] for k in ("cid", "pid", "sc", "part", "off", "topic", "pub", "reason")}
-                for row in m.where(F.col("status") == "lost")
-                .orderBy("cid", "part", "off")
-                .limit(LOST_LISTED)
-                .collect()
-            ]
+        lost = lost_messages(m) if any(c["lost"] for c in tallies[False].clients.values()) else []
         phase("accounting")
         self._keep(recs, evs, m, now)
         self.final = final_now  # counted once the open ones are kept: a failure counts none

@@ -124,6 +124,22 @@ def test_a_fetchs_events_of_one_message_fold_into_its_persisted_row() -> None:
     assert got[("connected", "c", None)]["deliveries"] is None  # no facts: not a message
 
 
+def test_a_fact_before_its_persisted_event_in_a_fetch_gets_a_row_of_its_own() -> None:
+    # the persisted event after it keeps its own row, without facts: the
+    # accounting adds the two up as it adds up rows of two fetches
+    events = [
+        {"ev": "acked", "cid": "c", "ts": 3.0, "sc": 7},
+        {"ev": "persisted", "cid": "c", "ts": 1.0, "sc": 7, "pid": 1, "off": 3},
+        {"ev": "delivered", "cid": "c", "ts": 2.0, "sc": 7},
+    ]
+    rows = folded_batch([orjson.dumps(events)], [0], [10]).to_pylist()
+    facts = ("ev", "acked", "delivered", "deliveries", "marks", "idx")
+    assert [tuple(r[k] for k in facts) for r in rows] == [
+        ("message", 3.0, 2.0, 1, 0, 0),
+        ("persisted", None, None, None, None, 1),
+    ]
+
+
 def test_an_events_own_fields_named_as_facts_are_not_taken_for_them() -> None:
     # the fold writes facts and positions into the events' dicts: what an event
     # brings under those names is not a fact (the broker writes none of them)

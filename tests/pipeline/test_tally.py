@@ -65,7 +65,7 @@ def test_a_batch_of_messages_is_counted_per_client_with_its_latencies() -> None:
 
 def test_tallies_of_parts_add_up_to_the_tally_of_the_whole_through_json() -> None:
     whole = tally_of(ROWS)
-    parts = [Tally.from_json(tally_of(ROWS[:2]).to_json()), tally_of(ROWS[2:])]
+    parts = [Tally.from_json(tally_of(part).to_json()) for part in (ROWS[:2], ROWS[2:])]
     again = parts[0].merged(parts[1])
     assert again.client_rows() == whole.client_rows()
     assert (again.redelivered, again.live, again.replayed) == (1, 2, 1)
@@ -81,7 +81,30 @@ def test_the_summary_of_a_tally() -> None:
     assert not summary["ok"] and summary["events_dropped"] == 4
     live = summary["latency_seconds"]["delivery_live"]
     assert live["max"] == 0.020 and live["p99"] == pytest.approx(0.020, rel=0.01)
+    # a percentile below the maximum: its bucket's middle, within 1 %
+    assert live["p50"] == pytest.approx(0.010, rel=0.01) and live["p50"] < 0.0105
     assert summary["delivered"] == {"live": 2, "replayed": 1}
     sample = latency_sample(tally_of(ROWS))
     assert sorted(live for _d, _a, live in sample) == [False, True, True]
     assert all(math.isfinite(d) for d, _a, _l in sample if d is not None)
+
+
+def test_the_streams_rows_add_up_as_a_batch_of_the_same_messages() -> None:
+    # the stream groups its messages with Spark SQL into one row per client
+    row = {"cid": "a", "persisted": 2, "acked": 2, "duplicates": 2, "redelivered": 1}
+    row |= {"n_live": 2, "n_replay": 0, "delivery_max": 0.020, "delivery_live_max": 0.020}
+    row |= {"delivery_replay_max": None, "ack_max": 0.040}
+    streamed = Tally()
+    streamed.add_row(row)
+    batch = tally_of(ROWS[:2])
+    assert streamed.client_rows() == batch.client_rows()
+    assert (streamed.redelivered, streamed.live, streamed.replayed) == (1, 2, 0)
+    assert streamed.maxima == batch.maxima
+
+
+@pytest.mark.parametrize("value", [0.0, -3.0, 1e-6, 1e-3, 1.02**10, 0.5, 7.25, 3600.0])
+def test_a_value_falls_in_the_same_bucket_in_python_arrow_and_spark_terms(value: float) -> None:
+    # the stream buckets in Spark SQL (bucket_column), the tasks with Arrow: one rule
+    assert LogHistogram.bucket_array(pa.array([value])).to_pylist() == [
+        LogHistogram.bucket_of(value)
+    ]
