@@ -232,11 +232,11 @@ def _accounting_input(
 
     Every join of the audit is within one client, so the three go together
     into one table, are shuffled once by client, and each partition's clients
-    are accounted for in Python. The plan of Spark
-    SQL joins, groupings and windows before it shuffled a row per message nine
-    times (BENCHMARKS.md "The audit, accounted per client"). ``evs`` may
-    hold the events one by one or folded per message (pipeline/decoding.py
-    ``folded_batch``): the accounting adds up either.
+    are accounted for in Python. The plan of Spark SQL joins, groupings and
+    windows before it shuffled a row per message nine times (BENCHMARKS.md
+    "The audit, accounted per client"). ``evs`` may hold the events one by
+    one or folded per message (pipeline/decoding.py ``folded_batch``): the
+    accounting adds up either.
     """
     from pyspark.sql import functions as F
 
@@ -318,16 +318,17 @@ def account_into(
     ``TALLY``). ``rows``: about how many rows the three inputs have (the
     tasks' size).
 
-    The summary needs no Spark job over the messages after this one: each task
-    tallies the messages it writes and returns its tally in the row of its
-    result (exact once per task, unlike an accumulator: a task run again would
-    add twice), and the driver adds them up. ``evs`` is read once, by this job,
+    The summary needs no Spark job over the messages after this one (but the
+    listing of lost ones, when there are): each task tallies the messages it
+    writes and returns its tally in the row of its result (exact once per task,
+    unlike an accumulator: a task run again would add twice), and the driver
+    adds them up. ``evs`` is read once, by this job,
     so it need not be cached: its rows and the events the broker dropped are
     counted by the tasks too.
 
     Handed back to Spark, the messages cost more than their accounting: Arrow
     to rows, rows to the cache, the cache to Spark's Parquet writer
-    (BENCHMARKS.md "The audit's messages written by the tasks"). A file is named
+    (BENCHMARKS.md "The audit: messages written and tallied by the tasks"). A file is named
     by its partition and renamed into place whole, so a task run again writes
     the same file again and a reader never sees half of one (Spark skips names
     starting with a dot). Like Spark's own writer, the tasks need ``directory``
