@@ -29,6 +29,7 @@ from persistence.format import client_keys
 from pipeline.common import Endpoints, Window, resolve_endpoints
 from pipeline.kafka_source import latest_offsets
 from pipeline.stream import EPOCH_LOOK, runner_monitors, stream_audit
+from pipeline.tally import LogHistogram
 from tests.conftest import free_port
 from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
@@ -641,3 +642,13 @@ def test_the_streams_totals_equal_the_batch_audits_on_the_workload(
     )
     batch.release()
     _same_as_batch(summary, batch.summary)
+
+
+def test_the_streams_buckets_in_spark_sql_are_the_tasks_buckets(spark: Any) -> None:
+    # the stream buckets its latencies in Spark SQL (bucket_column), the batch
+    # audit's tasks in Python (pipeline/tally.py): one rule, at zero, below the
+    # floor, on a bucket's edge and between
+    values = [0.0, -3.0, 1e-6, 1e-3, 1.02**10, 0.5, 7.25, 3600.0]
+    frame = spark.createDataFrame([(v,) for v in values], "v double")
+    got = frame.select(LogHistogram.bucket_column(frame["v"]).alias("b")).collect()
+    assert [row["b"] for row in got] == [LogHistogram.bucket_of(v) for v in values]
