@@ -29,7 +29,7 @@ __all__ = [
     "RECORD",
     "REF",
     "STATUSES",
-    "TALLY",
+    "TAKEN_IN",
     "account_batches",
 ]
 
@@ -94,7 +94,7 @@ READ_EVENTS = (
     "session_ended",
     "connected",
     "disconnected",
-    "gap",  # counted, not accounted (:data:`TALLY`)
+    "gap",  # counted, not accounted (:data:`TAKEN_IN`)
 )
 # events that place a record of this epoch: stored, or why not
 _ARRIVAL = {"expired", "trimmed", "discarded"}
@@ -104,7 +104,9 @@ _ENDS = {"session_expired", "session_ended"}
 _LIFE = {"connected", "disconnected"}
 _OUT_ROWS = 65_536  # rows per output batch
 # what account_batches took in: rows of each kind, and the events the broker dropped
-TALLY = ("records", "events", "refs", "gaps")
+# (named apart from pipeline/tally.py's Tally: what the messages add up to)
+TAKEN_IN = ("records", "events", "refs", "gaps")
+_KINDS_TAKEN = {RECORD: "records", EVENT: "events", REF: "refs"}
 
 
 class _Record:
@@ -340,20 +342,20 @@ def account_batches(
     epoch: int,
     now: float,
     grace: float,
-    tally: dict[str, int] | None = None,
+    taken: dict[str, int] | None = None,
 ) -> Iterator[Any]:
     """Arrow batches of :data:`INPUT_SCHEMA` (whole clients) -> Arrow batches of
     :data:`MESSAGE_SCHEMA`: a ``mapInArrow`` function. Each input is read a
     kind at a time, a column at a time (Arrow's ``to_pylist`` of a column is
-    fast; of a row, slow). ``tally`` (:data:`TALLY`) gets what was taken in."""
+    fast; of a row, slow). ``taken`` (:data:`TAKEN_IN`) gets what was taken in."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from pipeline.decoding import arrow_schema
 
-    tally = tally if tally is not None else {}
-    for name in TALLY:
-        tally.setdefault(name, 0)
+    taken = taken if taken is not None else {}
+    for name in TAKEN_IN:
+        taken.setdefault(name, 0)
     clients: dict[Any, tuple[list[Any], list[Any], dict[int, bool]]] = {}
     for batch in batches:
         kinds = batch.column(0)
@@ -371,10 +373,10 @@ def account_batches(
             some = batch.filter(pc.equal(kinds, kind))
             if not some.num_rows:
                 continue
-            tally[TALLY[kind]] += some.num_rows  # RECORD, EVENT, REF: 0, 1, 2
+            taken[_KINDS_TAKEN[kind]] += some.num_rows
             if kind == EVENT:
                 gaps = some.filter(pc.equal(some.column("ev"), "gap")).column("n")
-                tally["gaps"] += pc.sum(gaps).as_py() or 0
+                taken["gaps"] += pc.sum(gaps).as_py() or 0
             cids = some.column(1).to_pylist()
             columns = [some.column(INPUT_COLUMNS.index(f)).to_pylist() for f in fields]
             for cid, values in zip(cids, zip(*columns, strict=True), strict=True):

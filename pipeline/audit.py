@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.accounting import STATUSES, TALLY
+from pipeline.accounting import STATUSES, TAKEN_IN
 from pipeline.common import (
     Endpoints,
     Progress,
@@ -296,8 +296,8 @@ def audit_frames(
 # clients.parquet: status counts per client
 CLIENT_SCHEMA = ", ".join(["cid string", *(f"{name} long" for name in CLIENT_COLUMNS)])
 # what an accounting task returns: one row, its tally (pipeline/tally.py, JSON) and
-# what it took in (pipeline/accounting.py TALLY)
-_TASK_SCHEMA = ", ".join(["tally binary", *(f"{name} long" for name in TALLY)])
+# what it took in (pipeline/accounting.py TAKEN_IN)
+_TASK_SCHEMA = ", ".join(["tally binary", *(f"{name} long" for name in TAKEN_IN)])
 
 
 def account_into(
@@ -315,7 +315,7 @@ def account_into(
     the tasks that account for them (one file per partition, by pyarrow); returns
     what the tasks tallied of them (pipeline/tally.py: counts per client,
     latency histograms) and what they took in (pipeline/accounting.py
-    ``TALLY``). ``rows``: about how many rows the three inputs have (the
+    ``TAKEN_IN``). ``rows``: about how many rows the three inputs have (the
     tasks' size).
 
     The summary needs no Spark job over the messages after this one (but the
@@ -363,16 +363,16 @@ def account_into(
                 writer.write_batch(batch)
                 mine.add_messages(batch)
         os.replace(partial, os.path.join(target, name))
-        row = (mine.to_json(), *(taken[n] for n in TALLY))
+        row = (mine.to_json(), *(taken[n] for n in TAKEN_IN))
         yield pa.RecordBatch.from_struct_array(
             pa.array([row], pa.struct(list(arrow_schema(_TASK_SCHEMA))))
         )
 
     inputs = _accounting_input(spark, recs, evs, refs, rows)
-    tally, taken = Tally(), dict.fromkeys(TALLY, 0)
+    tally, taken = Tally(), dict.fromkeys(TAKEN_IN, 0)
     for row in inputs.mapInArrow(account, _TASK_SCHEMA).toArrow().to_pylist():
         tally = tally.merged(Tally.from_json(row["tally"]))
-        for name in TALLY:
+        for name in TAKEN_IN:
             taken[name] += row[name]
     return tally, taken
 

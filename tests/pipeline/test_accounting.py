@@ -230,9 +230,9 @@ def test_what_was_taken_in_is_tallied_and_a_gap_counts_the_events_it_stands_for(
         ref("c", 7),
         event("d", "gap", 2, n=2),
     ]
-    tally: dict[str, int] = {}
+    taken: dict[str, int] = {}
     batches = [pa.RecordBatch.from_pylist(rows[:3], schema=schema)]
     batches.append(pa.RecordBatch.from_pylist(rows[3:], schema=schema))
-    out = [row for b in account_batches(batches, EPOCH, NOW, GRACE, tally) for row in b.to_pylist()]
-    assert tally == {"records": 1, "events": 3, "refs": 1, "gaps": 7}
+    out = [row for b in account_batches(batches, EPOCH, NOW, GRACE, taken) for row in b.to_pylist()]
+    assert taken == {"records": 1, "events": 3, "refs": 1, "gaps": 7}
     assert [(row["cid"], row["status"]) for row in out] == [("c", "pending")]  # a gap is no message
