@@ -22,8 +22,11 @@ def _threads() -> int:
     """librdkafka's threads in this process (it names them rdk:...)."""
     count = 0
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as comm:
-            count += comm.read().startswith("rdk:")
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().startswith("rdk:")
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread ended between the listing and the read: not running
     return count
 
 
