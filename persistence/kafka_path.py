@@ -84,6 +84,7 @@ class _Submission:
         "handed",
         "on_accepted",
         "on_settled",
+        "order",
         "outstanding",
         "records",
         "remaining",
@@ -97,8 +98,10 @@ class _Submission:
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None,
         submitted: float = 0.0,
+        order: int = 0,
     ) -> None:
         self.records = records
+        self.order = order  # the path's count of submissions: records go in this order
         self.submitted = submitted  # the path's clock when submitted
         self.on_accepted: AcceptedCallback | None = on_accepted
         self.on_settled = on_settled
@@ -162,7 +165,10 @@ class KafkaPersistentPath:
         self._logged_errors = 0
         self._clock = clock
         self._wall_clock = wall_clock
-        self._pending: list[_Submission] = []
+        self._pending: list[_Submission] = []  # in submission order
+        self._submissions = 0
+        self._resends = 0  # times everything out was sent again (_send_again)
+        self._batch: list[_Submission] = []  # being handed to the producer (_send)
         self._sender: asyncio.Task[None] | None = None
         self._open_rounds = 0
         self._idle: asyncio.Event | None = None  # set when nothing is pending or open
@@ -206,7 +212,8 @@ class KafkaPersistentPath:
             )
             records.append((session.client_id.encode(), value))
         self._seq = seq
-        self._pending.append(_Submission(records, on_accepted, on_settled, now))
+        self._submissions += 1
+        self._pending.append(_Submission(records, on_accepted, on_settled, now, self._submissions))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
 
@@ -295,9 +302,16 @@ class KafkaPersistentPath:
             self._open_rounds += 1
             self._rounds[round_] = None
             round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
-        send, topic = self._producer.send, self._topic
-        for submission in batch:
+        for submission in batch:  # all of it: a log reset may withdraw any (_send_again)
             submission.round = round_
+        send, topic = self._producer.send, self._topic
+        resends, self._batch = self._resends, batch
+        for submission in batch:
+            if self._resends != resends:
+                # Everything out was sent again while a send waited: the rest of the
+                # batch waits its turn in order, not into the log that went back
+                # (tests/model/FINDINGS.md, finding 29).
+                break
             attempt = submission.attempt
             if not submission.records:
                 if submission.on_accepted is not None:
@@ -465,7 +479,7 @@ class KafkaPersistentPath:
                 # offset in one log, so the log was reset (seed 1153: the first
                 # record after a restart of the embedded Kafka took offset 0 again,
                 # the only offset used before, and was skipped as stored).
-                self._log_went_back(metadata.partition, metadata.offset)
+                self._log_went_back(metadata.partition, metadata.offset, submission)
                 return
         elif isinstance(error, TOPIC_GONE) and submission.attempt < RESEND_ATTEMPTS:
             # The topic is gone or half made (a Kafka restarted empty): create it
@@ -561,7 +575,7 @@ class KafkaPersistentPath:
         if submission.on_settled is not None:
             submission.on_settled(not submission.failed)
 
-    def _log_went_back(self, partition: int, offset: int) -> None:
+    def _log_went_back(self, partition: int, offset: int, submission: _Submission) -> None:
         """An acknowledgement at or below an earlier one: the partition's log was reset.
 
         A Kafka that keeps records in memory restarted, or the topic was
@@ -571,28 +585,43 @@ class KafkaPersistentPath:
         once the topic is created again (its publishers wait for that, within
         their deadline); and every consumer past the log's new start is told
         to rewind. Records are named (producer, seq): one Kafka holds twice is
-        stored once.
+        stored once. ``submission``'s record is in that log: sent again too, even
+        one whose publisher heard at its deadline, with no other record out.
         """
         self.produced[partition] = offset
-        self._send_again(partition)
+        self._send_again(partition, submission)
 
-    def _send_again(self, partition: int | None) -> None:
-        """Send every record still out again, ahead of anything newer, once the topic
-        exists again; a reset ``partition``'s consumers are told to rewind."""
-        again: list[_Submission] = []
+    def _send_again(self, partition: int | None, went_back: _Submission | None = None) -> None:
+        """Send every record still out again, in submission order with what waits,
+        once the topic exists again; a reset ``partition``'s consumers are told to
+        rewind."""
+        again: dict[_Submission, None] = {}
+        if went_back is not None and went_back in self._unsettled:
+            again[went_back] = None
         for round_ in list(self._rounds):
             for submission in round_.submissions:
                 if submission.on_accepted is not None:
                     self._withdraw(submission)
-                    again.append(submission)
-        again.extend(s for s in self._unsettled if s.outstanding or s in self._unvouched)
+                    again[submission] = None
+        again.update((s, None) for s in self._unsettled if s.outstanding or s in self._unvouched)
+        if self._handing:  # one riding along, not handed whole yet
+            again.update(
+                (s, None)
+                for s in self._batch
+                if s.on_accepted is None and not s.failed and s.handed < len(s.records)
+            )
+        self._resends += 1
         for submission in again:
             submission.attempt += 1
             submission.remaining = len(submission.records)
             submission.outstanding = 0
             submission.handed = 0
             submission.failed = False
-        self._pending[:0] = again
+        # In submission order, with what waits already: one producer's records reach
+        # a partition in the order of their seqs (persistence/redis_store.py), or a
+        # later one stored first makes an earlier one look stored.
+        again.update(dict.fromkeys(self._pending))
+        self._pending = sorted(again, key=lambda s: s.order)
         if self._sender is None and self._pending:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
         if partition is not None and self._on_log_reset is not None:

@@ -21,6 +21,7 @@ from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 from broker.session import Session
 from broker.stats import BrokerStats
+from persistence.format import record_id
 from persistence.kafka_path import KafkaPersistentPath
 
 
@@ -239,3 +240,133 @@ async def test_a_publish_held_by_the_size_check_fails_at_its_deadline_unsent() -
     assert accepted == [False] and settled == [False]
     assert producer.sent == []
     assert probe.asked <= 10
+
+
+class Recording(Producer):
+    """Keeps each record's seq in the order handed over; the send of record
+    ``wait_at`` waits until the test lets it go (a full batch in aiokafka)."""
+
+    def __init__(self, wait_at: int) -> None:
+        super().__init__()
+        self.seqs: list[int] = []
+        self.wait_at = wait_at
+        self.waiting = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def send(
+        self, topic: str, value: bytes, key: bytes, partition: int | None
+    ) -> asyncio.Future[Any]:
+        if len(self.seqs) == self.wait_at:
+            self.waiting.set()
+            await self.go.wait()
+        self.seqs.append(record_id(value).seq)
+        return await super().send(topic, value, key, partition)
+
+
+def _stored_through_one_partition(seqs: list[int]) -> list[int]:
+    """What the store keeps of one producer's records reaching one partition in
+    this order: a seq at or below the last one stored is skipped as stored
+    (persistence/redis_store.py, "Idempotent save")."""
+    stored: list[int] = []
+    for seq in seqs:
+        if not stored or seq > stored[-1]:
+            stored.append(seq)
+    return stored
+
+
+async def test_a_batch_being_handed_over_stops_at_a_log_reset() -> None:
+    """Three publishes handed to the producer in one batch, the second one's send
+    waiting (a full batch), when the first is acknowledged at an offset used
+    before (the log went back): all three are to be sent again, in order, once
+    the topic is made again. The third was handed over anyway, into the log that
+    went back, ahead of the first's copy: read from there first, it would make
+    the first look stored (tests/model/FINDINGS.md, finding 29)."""
+    producer = Recording(wait_at=2)
+    made = asyncio.Event()
+    path: KafkaPersistentPath
+
+    async def restore() -> None:  # the compactor's: publishers held, then a new log
+        path.hold()
+        await made.wait()
+        path.release(new_log=True)
+
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=5.0,
+        recreate_topic=restore,
+    )
+    accepted: list[list[bool]] = [[] for _ in range(4)]
+
+    def publish(i: int) -> None:
+        delivery = Delivery(Message("t", b"%d" % i, 1, False), 1, False)
+        path.submit([(_session("c"), delivery)], accepted[i].append)
+
+    publish(0)
+    await _until(lambda: len(producer.sent) == 1)
+    producer.ack(0, 0)  # offset 0 of the log
+    await _until(lambda: accepted[0] == [True])
+    for i in (1, 2, 3):
+        publish(i)  # one batch
+    await producer.waiting.wait()  # the first is handed over, the second's send waits
+    producer.ack(1, 0)  # offset 0 again: the log went back
+    producer.go.set()
+    await asyncio.sleep(0.01)
+    # Nothing more goes into the log that went back: the second's send was under way.
+    # (Before, the third went; and the reset's callback failed on it, never handed.)
+    assert len(producer.sent) == 3, producer.seqs
+    made.set()
+    await _until(lambda: len(producer.sent) == 6)
+    again = producer.seqs[3:]
+    assert again == sorted(again) and _stored_through_one_partition(again) == again
+    for i in range(3, 6):
+        producer.ack(i, i - 3)
+    await _until(lambda: accepted[1:] == [[True], [True], [True]])
+
+
+async def test_records_sent_again_keep_their_publish_order() -> None:
+    """A publish failed at its deadline with its records still out, a later one in a
+    round of its own, then the log goes back: both are sent again, the earlier
+    first. It was put behind the later one (the rounds' came first), and the
+    store, given the later seq first, would skip the earlier as stored."""
+    producer = Recording(wait_at=-1)
+    made = asyncio.Event()
+    path: KafkaPersistentPath
+
+    async def restore() -> None:
+        path.hold()
+        await made.wait()
+        path.release(new_log=True)
+
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=0.2,
+        recreate_topic=restore,
+    )
+    settled: list[bool] = []
+
+    def publish(*clients: str) -> list[bool]:
+        accepted: list[bool] = []
+        deliveries = [
+            (_session(c), Delivery(Message("t", b"x", 1, False), 1, False)) for c in clients
+        ]
+        path.submit(deliveries, accepted.append, settled.append)
+        return accepted
+
+    first = publish("c")
+    await _until(lambda: len(producer.sent) == 1)
+    producer.ack(0, 5)
+    await _until(lambda: first == [True])
+    earlier = publish("c", "d")  # two records; no answer before its deadline
+    await _until(lambda: earlier == [False])
+    later = publish("c")
+    await _until(lambda: len(producer.sent) == 4)
+    producer.ack(1, 1)  # one of the earlier's records, at an offset below 5: went back
+    made.set()
+    await _until(lambda: len(producer.sent) == 7)
+    again = producer.seqs[4:]
+    assert again == sorted(again), f"sent again in the order {again}"
+    for i in range(4, 7):
+        producer.ack(i, i - 4)
+    await _until(lambda: later == [True] and settled == [True])
