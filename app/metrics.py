@@ -406,6 +406,12 @@ class BrokerCollector(Collector):
             consumer.offset_holes_passed,
         )
         yield _counter(
+            "kafka_fetches_held",
+            "Fetches at a position carried across a broken connection to Kafka, put back "
+            "until the topic is vouched for or read from its start",
+            consumer.fetches_held,
+        )
+        yield _counter(
             "kafka_stuck_joins",
             "Consumer group joins given up after 15 s and started again as a new member",
             consumer.stuck_joins,

@@ -37,6 +37,17 @@ compacted, so a partition's offsets are contiguous: the consumer stores up to
 a hole, reads again from it, and passes a hole only after :data:`HOLE_WAIT`
 (counted and logged: a Kafka whose log has real gaps).
 
+A Kafka that restarted empty (the embedded Tansu) keeps no log, yet a consumer
+that has not rejoined yet still fetches at its old positions, and the new log
+reuses those offsets: a fetch there returns a producer's later records while its
+earlier ones sit below, and stored first, the later ones make the earlier ones
+look stored (tests/model/FINDINGS.md, finding 29). So on a single broker, whose
+topic probe sees every connection to Kafka break (persistence/kafka_path.py,
+``TopicProbe``), a partition's position carried across a break is not read from
+until the probe vouches for the topic again (listed at devicemq's size, no break
+since: the same log) or the partition is read from its start (a restore, a
+reset, a new assignment); its fetches meanwhile are put back and it is paused.
+
 A group join can get stuck: a replica restarted against a Kafka (the embedded
 Tansu) whose old members were still leaving rejoined every 3 s at the same
 generation and never got an assignment (BENCHMARKS.md, "Two replicas on one
@@ -53,7 +64,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
@@ -115,7 +126,19 @@ class ConsumerStats:
     rewinds: int = 0  # partitions read again: Redis lost saves it had acknowledged
     offset_holes: int = 0  # fetches that skipped an offset: read again from the hole
     offset_holes_passed: int = 0  # holes still there after HOLE_WAIT: passed
+    fetches_held: int = 0  # fetches at a position carried across a broken connection
     committed: dict[int, int] = field(default_factory=dict)  # partition -> next offset
+
+
+class TopicWatch(Protocol):
+    """What the consumer needs of the topic probe (persistence/kafka_path.py)."""
+
+    @property
+    def breaks(self) -> int:
+        """Connections to Kafka that closed so far (a Kafka restart closes all)."""
+
+    def vouches(self) -> bool:
+        """Kafka listed the topic at devicemq's size and no connection broke since."""
 
 
 def make_consumer(
@@ -275,9 +298,18 @@ class PersistenceConsumer:
         clock: Callable[[], float] = time.monotonic,
         queues: QueueStore | None = None,
         on_queue_stored: QueueStoredHandler | None = None,
+        watch: TopicWatch | None = None,
     ) -> None:
         """``queues``: where records for exclusive compacted queues go (their
-        values carry FLAG_QUEUE); None: such records are skipped, counted."""
+        values carry FLAG_QUEUE); None: such records are skipped, counted.
+        ``watch``: a single broker's topic probe (see the module docstring); None:
+        positions are trusted across broken connections (replicas)."""
+        self._watch = watch
+        self._breaks = watch.breaks if watch is not None else 0  # breaks looked at
+        # Positions carried across a broken connection, not vouched for yet, and of
+        # them the partitions paused after a fetch there was put back.
+        self._suspect: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
         self._queues = queues
         self._on_queue_stored = on_queue_stored
         self._consumer = consumer
@@ -341,6 +373,7 @@ class PersistenceConsumer:
             batches: dict[TopicPartition, list[ConsumerRecord]] = {}
             try:
                 await self._check_resets_now_and_then()
+                self._resume_if_vouched()
                 batches = await self._consumer.getmany(
                     timeout_ms=100, max_records=self._max_records
                 )
@@ -402,6 +435,7 @@ class PersistenceConsumer:
         self._fetched_from.pop(tp, None)
         self._holes.pop(tp, None)
         self._unplaced.add(tp)
+        self._trusted(tp)  # placed anew: its position is the current Kafka's
         self._assignments += 1
         self._forget_committed(tp.partition)
         self._reassigned.add(tp.partition)
@@ -433,6 +467,7 @@ class PersistenceConsumer:
         queue_batches: list[QueueBatch] = []
         commit: dict[TopicPartition, int] = {}
         went_back: list[int] = []
+        self._note_breaks()
         for tp, records in batches.items():
             self._fetched_from.setdefault(tp, records[0].offset)
             expected = self._position.get(tp)
@@ -446,6 +481,10 @@ class PersistenceConsumer:
             if expected is not None and records[0].offset < expected:
                 went_back.append(tp.partition)
                 expected = None  # a new log: only holes inside the fetch count
+                self._trusted(tp)  # read from the log's start
+            elif tp in self._suspect and not self._vouched():
+                self._hold(tp, records[0].offset)
+                continue
             records = self._up_to_hole(tp, expected, records)
             if not records:
                 continue
@@ -754,11 +793,64 @@ class PersistenceConsumer:
             self._consumer.seek(tp, offset)
         except Exception as error:  # no longer assigned: its next owner reads it
             log.debug("seek of %s failed: %s", tp, error)
+        if offset == 0:
+            self._trusted(tp)  # read from the start: whichever log it is
         # The next fetch starts here: one that starts further on skipped offsets.
         self._position[tp] = offset
         self._stored.pop(tp, None)
         self._fetched_from.pop(tp, None)
         self._holes.pop(tp, None)
+
+    def _note_breaks(self) -> None:
+        """A connection to Kafka broke since the last look: every assigned position
+        may be a lost log's (see the module docstring)."""
+        watch = self._watch
+        if watch is None or watch.breaks == self._breaks:
+            return
+        self._breaks = watch.breaks
+        self._suspect.update(self._consumer.assignment())
+        self._suspect.update(self._position)  # fetched here before: assigned still
+
+    def _vouched(self) -> bool:
+        """The probe vouches for the topic: every position is the log's again."""
+        assert self._watch is not None
+        self._note_breaks()
+        if not self._watch.vouches():
+            return False
+        for tp in list(self._suspect):
+            self._trusted(tp)
+        return True
+
+    def _hold(self, tp: TopicPartition, first: int) -> None:
+        """Put a fetch back unstored and pause its partition until it is trusted."""
+        self.stats.fetches_held += 1
+        try:
+            self._consumer.seek(tp, first)
+            self._consumer.pause(tp)
+        except Exception as error:  # no longer assigned: its next owner reads it
+            log.debug("holding %s failed: %s", tp, error)
+            return
+        if tp not in self._paused:
+            self._paused.add(tp)
+            log.warning(
+                "kafka partition %d: a connection to kafka broke; not storing from "
+                "offset %d until the topic is known to be the same log",
+                tp.partition,
+                first,
+            )
+
+    def _trusted(self, tp: TopicPartition) -> None:
+        self._suspect.discard(tp)
+        if tp in self._paused:
+            self._paused.discard(tp)
+            try:
+                self._consumer.resume(tp)
+            except Exception as error:  # no longer assigned: nothing to resume
+                log.debug("resuming %s failed: %s", tp, error)
+
+    def _resume_if_vouched(self) -> None:
+        if self._paused and self._vouched():
+            log.warning("kafka topic %s vouched for again: reading on", self._topic)
 
     async def _save(self, batches: list[ClientBatch]) -> list[SaveResult] | None:
         """Store, retrying what failed. Should Redis have lost saves it acknowledged,

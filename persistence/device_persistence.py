@@ -159,6 +159,7 @@ class DevicePersistence:
             self.resets,
             queues=queue_store,
             on_queue_stored=self._queue_stored,
+            watch=self._probe,
         )
         # Per process: in a cluster each replica counts its own partitions only.
         self.path.push_back(self.consumer.unstored, config.max_unstored_records)

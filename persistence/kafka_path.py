@@ -869,6 +869,11 @@ class TopicProbe:
         self._listed_at_break = breaks if listed else None
         return listed or None
 
+    @property
+    def breaks(self) -> int:
+        """Connections of the probe's own client that closed so far."""
+        return int(self._client.breaks)
+
     def vouches(self) -> bool:
         """Still listed, as far as anyone can tell without asking: Kafka listed the
         topic, and no connection to it broke since. A Tansu restarted empty no
