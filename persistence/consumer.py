@@ -42,9 +42,10 @@ that has not rejoined yet still fetches at its old positions, and the new log
 reuses those offsets: a fetch there returns a producer's later records while its
 earlier ones sit below, and stored first, the later ones make the earlier ones
 look stored (tests/model/FINDINGS.md, finding 29). So on a single broker, whose
-topic probe sees every connection to Kafka break (persistence/kafka_path.py,
-``TopicProbe``), a partition's position carried across a break is not read from
-until the probe vouches for the topic again (listed at devicemq's size, no break
+topic probe (persistence/kafka_path.py, ``TopicProbe``) counts the closed
+connections of its own client (a Kafka restart closes the one it holds), a
+partition's position that was set before such a break is not read from until
+the probe vouches for the topic again (listed at devicemq's size, no break
 since: the same log) or the partition is read from its start (a restore, a
 reset, a new assignment); its fetches meanwhile are put back and it is paused.
 
@@ -135,7 +136,8 @@ class TopicWatch(Protocol):
 
     @property
     def breaks(self) -> int:
-        """Connections to Kafka that closed so far (a Kafka restart closes all)."""
+        """Connections of its own client to Kafka that closed so far (a Kafka restart
+        closes the one it holds; it asks every second, so it normally holds one)."""
 
     def vouches(self) -> bool:
         """Kafka listed the topic at devicemq's size and no connection broke since."""
@@ -373,6 +375,7 @@ class PersistenceConsumer:
             batches: dict[TopicPartition, list[ConsumerRecord]] = {}
             try:
                 await self._check_resets_now_and_then()
+                self._note_breaks()
                 self._resume_if_vouched()
                 batches = await self._consumer.getmany(
                     timeout_ms=100, max_records=self._max_records
@@ -840,6 +843,9 @@ class PersistenceConsumer:
             )
 
     def _trusted(self, tp: TopicPartition) -> None:
+        """``tp``'s position was set anew (or vouched for): a break before now is
+        noted first, so that it makes only older positions suspect."""
+        self._note_breaks()
         self._suspect.discard(tp)
         if tp in self._paused:
             self._paused.discard(tp)

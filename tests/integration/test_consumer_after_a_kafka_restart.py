@@ -9,7 +9,9 @@ below the last one stored through the partition). The restart and the topic
 probe's broken connection are real here (Tansu killed and started again on its
 port, the probe's own client); the fetches are driven into the real consumer,
 storing into a real Redis, as tests/integration/test_consumer_offset_holes.py
-does: which fetch comes when cannot be made to happen on demand in Tansu.
+does: which fetch comes when cannot be made to happen on demand in Tansu. Its
+Kafka client is assigned the partition by hand, so that no rejoin of its own
+changes the assignment meanwhile; what it pauses and resumes is real.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from persistence.consumer import PersistenceConsumer, make_consumer
@@ -45,6 +48,7 @@ class Restarted:
     tp: TopicPartition
     client: str
     bootstrap: str
+    kafka: AIOKafkaConsumer
 
     async def stored(self) -> list[bytes]:
         page = await self.store.load_page(self.client, 0, 100)
@@ -72,11 +76,13 @@ async def _restarted(redis_server: RedisServer) -> AsyncIterator[Restarted]:
     try:
         assert await ensure_topic(bootstrap, topic, 1)
         assert await probe.partitions() == 1 and probe.vouches()
-        # The consumer's fetches are the test's (see the module docstring): its Kafka
-        # client is not started, so no fetch or rejoin of its own comes between.
         kafka = make_consumer(bootstrap, f"carried-{uuid.uuid4().hex[:8]}")
         consumer = PersistenceConsumer(kafka, topic, store, lambda c, r: None, 100, watch=probe)
-        restarted = Restarted(consumer, probe, store, TopicPartition(topic, 0), client, bootstrap)
+        tp = TopicPartition(topic, 0)
+        await kafka.start()
+        kafka.unsubscribe()
+        kafka.assign([tp])  # see the module docstring
+        restarted = Restarted(consumer, probe, store, tp, client, bootstrap, kafka)
         await restarted.fetched(0, range(1, 3))
         assert await restarted.stored() == [b"1", b"2"]
         breaks = probe.breaks
@@ -87,7 +93,10 @@ async def _restarted(redis_server: RedisServer) -> AsyncIterator[Restarted]:
                 break
             await asyncio.sleep(0.01)
         assert probe.breaks > breaks and not probe.vouches()
-        yield restarted
+        try:
+            yield restarted
+        finally:
+            await kafka.stop()
     finally:
         await probe.close()
         stop_tansu(server)
@@ -103,10 +112,25 @@ async def test_a_position_carried_across_a_kafka_restart_is_not_read_from(
         await r.fetched(2, range(5, 7))
         assert await r.stored() == [b"1", b"2"]
         assert r.consumer.stats.fetches_held == 1
+        assert r.kafka.paused() == {r.tp}
         # Read from its start (the log went back, or the restore reads it again).
         await r.fetched(0, range(3, 7))
         assert await r.stored() == [b"%d" % i for i in range(1, 7)]
         assert r.consumer.stats.duplicates_skipped == 0
+        assert r.kafka.paused() == set()
+
+
+async def test_a_position_set_after_the_break_is_read_from(redis_server: RedisServer) -> None:
+    """The restore reads the lost topic from its start before the consumer fetched
+    anything since the break: what it fetches from 0 is stored (a review of the
+    first fix: the break, noticed only at that fetch, held the new position too,
+    and the restore waited out its limit)."""
+    async with _restarted(redis_server) as r:
+        r.consumer.read_from_start()  # as the restore begins
+        assert await r.kafka.position(r.tp) == 0
+        await r.fetched(0, range(3, 5))
+        assert await r.stored() == [b"1", b"2", b"3", b"4"]
+        assert r.consumer.stats.fetches_held == 0
 
 
 async def test_a_position_is_read_from_again_once_the_probe_vouches_for_the_topic(
@@ -122,3 +146,4 @@ async def test_a_position_is_read_from_again_once_the_probe_vouches_for_the_topi
         await r.fetched(2, range(3, 5))
         assert await r.stored() == [b"1", b"2", b"3", b"4"]
         assert r.consumer.stats.fetches_held == 1
+        assert r.kafka.paused() == set()
