@@ -322,9 +322,11 @@ class KafkaPersistentPath:
                     if submission.attempt != attempt:
                         break  # a log reset: sent again from the start
                     future = await send(topic, value=value, key=key, partition=partition_of(key))
+                    future.add_done_callback(partial(self._acked, submission, attempt))
+                    if submission.attempt != attempt:
+                        break  # sent again while this send waited: not this attempt's
                     submission.outstanding += 1
                     submission.handed += 1
-                    future.add_done_callback(partial(self._acked, submission, attempt))
             except (KafkaError, AssertionError) as error:
                 if isinstance(error, AssertionError) and "Unrecognized partition" not in str(error):
                     raise

@@ -278,9 +278,11 @@ async def test_a_batch_being_handed_over_stops_at_a_log_reset() -> None:
     """Three publishes handed to the producer in one batch, the second one's send
     waiting (a full batch), when the first is acknowledged at an offset used
     before (the log went back): all three are to be sent again, in order, once
-    the topic is made again. The third was handed over anyway, into the log that
-    went back, ahead of the first's copy: read from there first, it would make
-    the first look stored (tests/model/FINDINGS.md, finding 29)."""
+    the topic is made again (tests/model/FINDINGS.md, finding 29). Before, the
+    third was handed over anyway, into the log that went back, and the reset's
+    callback failed on it (it had no round yet), the resend half done; and the
+    second's waiting send, counted for the new attempt, left a record out for
+    ever (no compaction could find nothing out again)."""
     producer = Recording(wait_at=2)
     made = asyncio.Event()
     path: KafkaPersistentPath
@@ -322,6 +324,7 @@ async def test_a_batch_being_handed_over_stops_at_a_log_reset() -> None:
     for i in range(3, 6):
         producer.ack(i, i - 3)
     await _until(lambda: accepted[1:] == [[True], [True], [True]])
+    assert path.nothing_out()
 
 
 async def test_records_sent_again_keep_their_publish_order() -> None:
@@ -370,3 +373,91 @@ async def test_records_sent_again_keep_their_publish_order() -> None:
     for i in range(4, 7):
         producer.ack(i, i - 4)
     await _until(lambda: later == [True] and settled == [True])
+
+
+async def test_a_record_taken_into_a_log_that_went_back_is_sent_again_after_its_deadline() -> None:
+    """A publish whose deadline passed (its publisher heard failure) with its one
+    record still out; that record is then acknowledged at an offset used before.
+    It is in the log that went back: sent again, and settled once that copy is
+    taken. Before, nothing of it counted as out any more: never sent again, never
+    settled (a 3.1.1 QoS 2 publisher's packet id kept for ever)."""
+    producer = Recording(wait_at=-1)
+    made = asyncio.Event()
+    path: KafkaPersistentPath
+
+    async def restore() -> None:
+        path.hold()
+        await made.wait()
+        path.release(new_log=True)
+
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=0.2,
+        recreate_topic=restore,
+    )
+    accepted: list[bool] = []
+    settled: list[bool] = []
+    delivery = Delivery(Message("t", b"x", 1, False), 1, False)
+    path.submit([(_session("c"), delivery)], [].append)
+    await _until(lambda: len(producer.sent) == 1)
+    producer.ack(0, 5)
+    path.submit([(_session("c"), delivery)], accepted.append, settled.append)
+    await _until(lambda: accepted == [False])  # its deadline, the record still out
+    producer.ack(1, 3)  # below 5: the log went back
+    made.set()
+    await _until(lambda: len(producer.sent) == 3)
+    assert producer.seqs[2] == producer.seqs[1]
+    assert settled == []
+    producer.ack(2, 0)
+    await _until(lambda: settled == [True])
+    assert path.nothing_out()
+
+
+async def test_a_send_that_waited_across_a_log_reset_leaves_nothing_out() -> None:
+    """As above, with every deadline passed while the second's send waits (a Kafka
+    restarting): all three are sent again as riders, settled once taken, and
+    nothing is left out. Before, the waiting send was counted for the attempt
+    after the reset: its publish never settled, and no compaction or restore
+    could find nothing out (they waited out their limits instead)."""
+    producer = Recording(wait_at=2)
+    made = asyncio.Event()
+    path: KafkaPersistentPath
+
+    async def restore() -> None:
+        path.hold()
+        await made.wait()
+        path.release(new_log=True)
+
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=0.2,
+        recreate_topic=restore,
+    )
+    accepted: list[list[bool]] = [[] for _ in range(4)]
+    settled: list[bool] = []
+
+    def publish(i: int) -> None:
+        delivery = Delivery(Message("t", b"%d" % i, 1, False), 1, False)
+        path.submit([(_session("c"), delivery)], accepted[i].append, settled.append)
+
+    publish(0)
+    await _until(lambda: len(producer.sent) == 1)
+    producer.ack(0, 0)
+    await _until(lambda: accepted[0] == [True])
+    for i in (1, 2, 3):
+        publish(i)
+    await producer.waiting.wait()
+    await _until(lambda: accepted[1:] == [[False], [False], [False]])  # their deadline
+    producer.ack(1, 0)  # the log went back
+    producer.go.set()
+    await asyncio.sleep(0.01)
+    made.set()
+    await _until(lambda: len(producer.sent) == 6)
+    assert producer.seqs[3:] == sorted(producer.seqs[3:])
+    for i in range(3, 6):
+        producer.ack(i, i - 3)
+    await _until(lambda: len(settled) == 3)
+    assert settled == [True, True, True]
+    assert path.nothing_out()
