@@ -274,6 +274,25 @@ def _stored_through_one_partition(seqs: list[int]) -> list[int]:
     return stored
 
 
+def _restoring(producer: Producer, timeout: float) -> tuple[KafkaPersistentPath, asyncio.Event]:
+    """A single broker's path whose lost topic is made again when the test sets the
+    event, as the compactor's restore does: publishers held, then a new log."""
+    made = asyncio.Event()
+
+    async def restore() -> None:
+        path.hold()
+        await made.wait()
+        path.release(new_log=True)
+
+    path = KafkaPersistentPath(
+        producer,  # type: ignore[arg-type]
+        "t",
+        timeout=timeout,
+        recreate_topic=restore,
+    )
+    return path, made
+
+
 async def test_a_batch_being_handed_over_stops_at_a_log_reset() -> None:
     """Three publishes handed to the producer in one batch, the second one's send
     waiting (a full batch), when the first is acknowledged at an offset used
@@ -284,20 +303,7 @@ async def test_a_batch_being_handed_over_stops_at_a_log_reset() -> None:
     second's waiting send, counted for the new attempt, left a record out for
     ever (no compaction could find nothing out again)."""
     producer = Recording(wait_at=2)
-    made = asyncio.Event()
-    path: KafkaPersistentPath
-
-    async def restore() -> None:  # the compactor's: publishers held, then a new log
-        path.hold()
-        await made.wait()
-        path.release(new_log=True)
-
-    path = KafkaPersistentPath(
-        producer,  # type: ignore[arg-type]
-        "t",
-        timeout=5.0,
-        recreate_topic=restore,
-    )
+    path, made = _restoring(producer, timeout=5.0)
     accepted: list[list[bool]] = [[] for _ in range(4)]
 
     def publish(i: int) -> None:
@@ -333,20 +339,7 @@ async def test_records_sent_again_keep_their_publish_order() -> None:
     first. It was put behind the later one (the rounds' came first), and the
     store, given the later seq first, would skip the earlier as stored."""
     producer = Recording(wait_at=-1)
-    made = asyncio.Event()
-    path: KafkaPersistentPath
-
-    async def restore() -> None:
-        path.hold()
-        await made.wait()
-        path.release(new_log=True)
-
-    path = KafkaPersistentPath(
-        producer,  # type: ignore[arg-type]
-        "t",
-        timeout=0.2,
-        recreate_topic=restore,
-    )
+    path, made = _restoring(producer, timeout=0.2)
     settled: list[bool] = []
 
     def publish(*clients: str) -> list[bool]:
@@ -382,20 +375,7 @@ async def test_a_record_taken_into_a_log_that_went_back_is_sent_again_after_its_
     taken. Before, nothing of it counted as out any more: never sent again, never
     settled (a 3.1.1 QoS 2 publisher's packet id kept for ever)."""
     producer = Recording(wait_at=-1)
-    made = asyncio.Event()
-    path: KafkaPersistentPath
-
-    async def restore() -> None:
-        path.hold()
-        await made.wait()
-        path.release(new_log=True)
-
-    path = KafkaPersistentPath(
-        producer,  # type: ignore[arg-type]
-        "t",
-        timeout=0.2,
-        recreate_topic=restore,
-    )
+    path, made = _restoring(producer, timeout=0.2)
     accepted: list[bool] = []
     settled: list[bool] = []
     delivery = Delivery(Message("t", b"x", 1, False), 1, False)
@@ -421,20 +401,7 @@ async def test_a_send_that_waited_across_a_log_reset_leaves_nothing_out() -> Non
     after the reset: its publish never settled, and no compaction or restore
     could find nothing out (they waited out their limits instead)."""
     producer = Recording(wait_at=2)
-    made = asyncio.Event()
-    path: KafkaPersistentPath
-
-    async def restore() -> None:
-        path.hold()
-        await made.wait()
-        path.release(new_log=True)
-
-    path = KafkaPersistentPath(
-        producer,  # type: ignore[arg-type]
-        "t",
-        timeout=0.2,
-        recreate_topic=restore,
-    )
+    path, made = _restoring(producer, timeout=0.2)
     accepted: list[list[bool]] = [[] for _ in range(4)]
     settled: list[bool] = []
 
