@@ -24,7 +24,7 @@ from broker.group_queue import GroupTarget, is_group_store
 from persistence import kafka_security
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
-from persistence.consumer import LogResets, PersistenceConsumer, make_consumer
+from persistence.consumer import LogResets, PersistenceConsumer, make_consumer, stop_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
 from persistence.format import StoredRecord
 from persistence.group_feed import GroupFeed, GroupQueues
@@ -461,8 +461,7 @@ class DevicePersistence:
         await self.sessions.flush()
         if self.event_log is not None:
             await self.event_log.close()
-        with contextlib.suppress(KafkaError):
-            await self._kafka_consumer.stop()
+        await stop_consumer(self._kafka_consumer)
         with contextlib.suppress(KafkaError):
             await self._producer.stop()
         if self._probe is not None:
@@ -694,8 +693,7 @@ async def open_persistence(
         await store.aclose()
         with contextlib.suppress(KafkaError):
             await producer.stop()
-        with contextlib.suppress(KafkaError):
-            await consumer.stop()
+        await stop_consumer(consumer)
         # aiokafka logs why it could not connect and raises "unable to bootstrap":
         # a refused login or a failed TLS handshake is named, with its settings.
         reason = await kafka_security.diagnose(bootstrap, security) or str(error)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import murmur2
 
+from persistence.consumer import stop_consumer
 from persistence.format import (
     Stage,
     client_keys,
@@ -131,7 +132,7 @@ async def read_client_records(
             elif time.monotonic() - idle_since > IDLE_LIMIT:
                 raise TimeoutError(f"{topic}[{tp.partition}]: no fetch answer from {bootstrap}")
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
 
 
 def _published(value: bytes) -> float | None:
