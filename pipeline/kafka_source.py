@@ -110,9 +110,10 @@ def _consumer(bootstrap: str, security: KafkaSecurity) -> AIOKafkaConsumer:
 
 
 async def _bounds(
-    bootstrap: str, topic: str, security: KafkaSecurity
+    bootstrap: str, topic: str, security: KafkaSecurity, only: int | None = None
 ) -> dict[int, tuple[int, int]]:
-    """partition -> (earliest, latest) of ``topic``; latest from fetch high watermarks."""
+    """partition -> (earliest, latest) of ``topic`` (of partition ``only`` alone, when
+    given and the topic has it); latest from fetch high watermarks."""
     from aiokafka import TopicPartition
 
     consumer = _consumer(bootstrap, security)
@@ -124,6 +125,8 @@ async def _bounds(
             partitions = consumer.partitions_for_topic(topic)
         if not partitions:
             raise ValueError(f"kafka topic {topic!r} does not exist at {bootstrap}")
+        if only is not None:
+            partitions = {only} & partitions
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         beginning = await consumer.beginning_offsets(tps)
         # A lower bound on Tansu (it counts batches), exact on Kafka: a valid fetch position.
@@ -142,10 +145,11 @@ async def _bounds(
 
 
 def latest_offsets(
-    bootstrap: str, topic: str, security: KafkaSecurity = PLAINTEXT
+    bootstrap: str, topic: str, security: KafkaSecurity = PLAINTEXT, only: int | None = None
 ) -> dict[int, tuple[int, int]]:
-    """partition -> (earliest, latest offset + 1) of ``topic``, read from the broker."""
-    return asyncio.run(_bounds(bootstrap, topic, security))
+    """partition -> (earliest, latest offset + 1) of ``topic``, read from the broker
+    (of partition ``only`` alone, when given)."""
+    return asyncio.run(_bounds(bootstrap, topic, security, only))
 
 
 def _parse_spec(spec: str, topic: str, default: int) -> dict[int, int] | int:
