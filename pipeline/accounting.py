@@ -31,6 +31,7 @@ __all__ = [
     "STATUSES",
     "TAKEN_IN",
     "account_batches",
+    "input_table",
 ]
 
 # ``kind`` of an input row
@@ -399,6 +400,43 @@ def account_batches(
             out = []
     if out:
         yield _batch(out, schema, pa)
+
+
+def input_table(kind: int, batch: Any) -> Any:
+    """One input as an Arrow table of :data:`INPUT_SCHEMA`, in one Python task: a
+    batch of records (pipeline/decoding.py RECORD_SCHEMA), of events (its
+    EVENT_COLUMNS or FOLDED_COLUMNS) or of refs (``cid``, ``sc``, ``has_value``).
+    Of events, :data:`READ_EVENTS` only, and a trim naming packet ids as one
+    event per id (an empty list stays one event). pipeline/audit.py
+    ``_accounting_input`` is the same in Spark, for inputs that are Spark's rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pipeline.decoding import arrow_schema
+
+    table = pa.Table.from_batches([batch])
+    if kind == EVENT:
+        table = table.filter(pc.is_in(table.column("ev"), pa.array(READ_EVENTS)))
+        pids = table.column("pids")
+        by_pids = pc.and_(
+            pc.equal(table.column("ev"), "trimmed"),
+            pc.greater(pc.fill_null(pc.list_value_length(pids), 0), 0),
+        )
+        if pc.any(by_pids).as_py():
+            trims = table.filter(by_pids)
+            each = trims.take(pc.list_parent_indices(trims.column("pids")))
+            each = each.set_column(
+                each.schema.get_field_index("pid"), "pid", pc.list_flatten(trims.column("pids"))
+            )
+            table = pa.concat_tables([table.filter(pc.invert(by_pids)), each])
+    schema = arrow_schema(INPUT_SCHEMA)
+    n = table.num_rows
+    have = set(table.column_names)
+    columns = [pa.repeat(pa.scalar(kind, pa.int32()), n)] + [
+        table.column(f.name).cast(f.type) if f.name in have else pa.nulls(n, f.type)
+        for f in list(schema)[1:]
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def _batch(rows: list[tuple[Any, ...]], schema: Any, pa: Any) -> Any:

@@ -75,6 +75,8 @@ from pipeline.tally import CLIENT_COLUMNS, Tally, latency_sample, summarize
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from pipeline.kafka_source import OffsetRange
+
 __all__ = [
     "STATUSES",
     "AuditResult",
@@ -300,6 +302,31 @@ CLIENT_SCHEMA = ", ".join(["cid string", *(f"{name} long" for name in CLIENT_COL
 _TASK_SCHEMA = ", ".join(["tally binary", *(f"{name} long" for name in TAKEN_IN)])
 
 
+def _written(target: str, messages: Iterable[Any]) -> Tally:
+    """Write a Spark task's message batches (MESSAGE_SCHEMA) into ``target`` as one
+    Parquet file, named by the task's partition, and return their tally."""
+    import os
+
+    import pyarrow.parquet as pq
+    from pyspark import TaskContext
+
+    from pipeline.accounting import MESSAGE_SCHEMA
+    from pipeline.decoding import arrow_schema
+
+    task = TaskContext.get()
+    assert task is not None
+    name = f"part-{task.partitionId():05d}.parquet"
+    # one partial file per attempt: two attempts of a task never write one file
+    partial = os.path.join(target, f".{name}.{task.taskAttemptId()}.partial")
+    mine = Tally()
+    with pq.ParquetWriter(partial, arrow_schema(MESSAGE_SCHEMA)) as writer:
+        for batch in messages:
+            writer.write_batch(batch)
+            mine.add_messages(batch)
+    os.replace(partial, os.path.join(target, name))
+    return mine
+
+
 def account_into(
     spark: SparkSession,
     recs: DataFrame,
@@ -342,27 +369,12 @@ def account_into(
     target = str(directory)
 
     def account(batches: Iterator[Any]) -> Iterator[Any]:
-        import os
-
         import pyarrow as pa
-        import pyarrow.parquet as pq
-        from pyspark import TaskContext
 
-        from pipeline.accounting import MESSAGE_SCHEMA
         from pipeline.decoding import arrow_schema
 
-        task = TaskContext.get()
-        assert task is not None
-        name = f"part-{task.partitionId():05d}.parquet"
-        # one partial file per attempt: two attempts of a task never write one file
-        partial = os.path.join(target, f".{name}.{task.taskAttemptId()}.partial")
-        mine = Tally()
         taken: dict[str, int] = {}
-        with pq.ParquetWriter(partial, arrow_schema(MESSAGE_SCHEMA)) as writer:
-            for batch in account_batches(batches, epoch, now, grace, taken):
-                writer.write_batch(batch)
-                mine.add_messages(batch)
-        os.replace(partial, os.path.join(target, name))
+        mine = _written(target, account_batches(batches, epoch, now, grace, taken))
         row = (mine.to_json(), *(taken[n] for n in TAKEN_IN))
         yield pa.RecordBatch.from_struct_array(
             pa.array([row], pa.struct(list(arrow_schema(_TASK_SCHEMA))))
@@ -374,6 +386,158 @@ def account_into(
         tally = tally.merged(Tally.from_json(row["tally"]))
         for name in TAKEN_IN:
             taken[name] += row[name]
+    return tally, taken
+
+
+# ---------------------------------------------------------------------------
+# Co-partitioned topics: a Kafka partition accounted for by one task
+# ---------------------------------------------------------------------------
+
+# records of one partition at most for its task to hold them (with their events
+# and refs, about three rows each) in one Python worker; a larger partition goes
+# through the shuffle by client
+PARTITION_RECORDS = 1_000_000
+
+
+def copartitioned(
+    endpoints: Endpoints, persisted_topic: str, events_topic: str
+) -> list[OffsetRange] | None:
+    """The persisted topic's partitions, as ranges to read, when the events topic has
+    as many and none is over :data:`PARTITION_RECORDS`; else None.
+
+    Both topics are keyed by the client (the subscriber, the events' ``cid``)
+    with Kafka's default partitioner (persistence/kafka_path.py,
+    persistence/events.py), so at one partition count a client's records and
+    events are in partitions of one number. Each task of :func:`account_by_partition`
+    then reads them side by side and nothing is shuffled. Whether every row
+    really is in its client's partition is checked by the tasks (a topic
+    could have been made at another count, or grown): see there."""
+    from pipeline.kafka_source import OffsetRange, latest_offsets
+
+    security = endpoints.kafka_security
+    try:
+        bounds = latest_offsets(endpoints.bootstrap, persisted_topic, security)
+        events = latest_offsets(endpoints.bootstrap, events_topic, security)
+    except ValueError:  # a topic missing: the shuffle's reads say so
+        return None
+    if not bounds or set(bounds) != set(events) or set(bounds) != set(range(len(bounds))):
+        return None
+    if any(high - low > PARTITION_RECORDS for low, high in bounds.values()):
+        return None
+    return [
+        OffsetRange(endpoints.bootstrap, persisted_topic, p, low, high, security)
+        for p, (low, high) in sorted(bounds.items())
+    ]
+
+
+def _account_partition(
+    endpoints: Endpoints,
+    events_topic: str,
+    part: OffsetRange,
+    count: int,
+    window: Window,
+    epoch: int,
+    grace: float,
+    target: str,
+) -> dict[str, Any]:
+    """One Kafka partition's records, its clients' refs and the partition's events,
+    read in the audit's order (records, Redis, events: the module's docstring)
+    and accounted for in this task; its messages written into ``target``
+    (:func:`_written`). Returns the tally, what was taken in (TAKEN_IN), the time
+    Redis was read, and how many clients were found outside the partition of
+    their key at ``count`` partitions (then the topics are not co-partitioned
+    and the driver audits again with the shuffle)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from persistence.session_rewind import partition_of
+    from pipeline.accounting import EVENT, RECORD, REF, account_batches, input_table
+    from pipeline.common import arrow_in_window
+    from pipeline.kafka_source import OffsetRange, latest_offsets, read_decoded
+
+    home: dict[Any, bool] = {}
+
+    def check(cids: Any) -> None:
+        for cid in pc.unique(cids).to_pylist():
+            if cid not in home:
+                home[cid] = cid is not None and partition_of(cid, count) == part.partition
+
+    tables = []
+    for batch in read_decoded(part, "records"):
+        table = input_table(RECORD, arrow_in_window(batch, "pub", window))
+        check(table.column("cid"))
+        tables.append(table)
+    now = time.time()
+    found = list(stored_refs(endpoints, ((cid,) for cid in home if cid is not None)))
+    refs = pa.RecordBatch.from_arrays(
+        [
+            pa.array([r[0] for r in found], pa.string()),
+            pa.array([r[1] for r in found], pa.int64()),
+            pa.array([r[3] for r in found], pa.bool_()),
+        ],
+        names=["cid", "sc", "has_value"],
+    )
+    tables.append(input_table(REF, refs))
+    # the events' end found now, after Redis was read
+    bounds = latest_offsets(
+        endpoints.bootstrap, events_topic, endpoints.kafka_security, part.partition
+    )
+    low, high = bounds.get(part.partition, (0, 0))
+    events = OffsetRange(
+        endpoints.bootstrap, events_topic, part.partition, low, high, endpoints.kafka_security
+    )
+    for batch in read_decoded(events, "folded"):
+        table = input_table(EVENT, batch)
+        check(table.column("cid"))
+        tables.append(table)
+    taken: dict[str, int] = {}
+    batches = (b for table in tables for b in table.to_batches())
+    tally = _written(target, account_batches(batches, epoch, now, grace, taken))
+    misplaced = sum(1 for cid, there in home.items() if not there and cid != "")
+    return {"tally": tally.to_json(), "taken": taken, "now": now, "misplaced": misplaced}
+
+
+def account_by_partition(
+    spark: SparkSession,
+    endpoints: Endpoints,
+    parts: list[OffsetRange],
+    events_topic: str,
+    window: Window,
+    epoch: int,
+    grace: float,
+    directory: Path,
+) -> tuple[Tally, dict[str, int]] | None:
+    """As :func:`account_into`, for co-partitioned topics (:func:`copartitioned`):
+    one Spark task per Kafka partition reads its records, refs and events and
+    accounts for them (:func:`_account_partition`), and no row goes through
+    Spark's JVM: the shuffle path's records cache, event shuffle and the Arrow
+    exchange with the accounting's Python cost more than the accounting itself
+    (BENCHMARKS.md "The audit, co-partitioned"). None when a task found a
+    client outside its key's partition: the topics are not co-partitioned."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    target, count = str(directory), len(parts)
+
+    def task(plans: Iterable[OffsetRange]) -> Iterator[dict[str, Any]]:
+        for part in plans:
+            yield _account_partition(
+                endpoints, events_topic, part, count, window, epoch, grace, target
+            )
+
+    results = spark.sparkContext.parallelize(parts, count).mapPartitions(task).collect()
+    misplaced = sum(r["misplaced"] for r in results)
+    if misplaced:
+        log.warning(
+            "%d clients of %s are not in their key's partition: accounted with a shuffle",
+            misplaced,
+            parts[0].topic,
+        )
+        return None
+    tally, taken = Tally(), dict.fromkeys(TAKEN_IN, 0)
+    for row in results:
+        tally = tally.merged(Tally.from_json(row["tally"]))
+        for name in TAKEN_IN:
+            taken[name] += row["taken"][name]
     return tally, taken
 
 
@@ -426,10 +590,87 @@ def run_audit(
     import pyarrow as pa
 
     from pipeline.accounting import MESSAGE_SCHEMA
-    from pipeline.common import _in_window, events, records
     from pipeline.decoding import arrow_schema
 
     progress = progress or Progress.silent()
+    scratch = None
+    if messages_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="devicemq-audit-")
+        messages_dir = Path(scratch.name) / "messages.parquet"
+    cached: list[DataFrame] = []
+    done = None
+    parts = None
+    if source == "python" and raw_records is None and raw_events is None:
+        parts = copartitioned(endpoints, persisted_topic, events_topic)
+    if parts is not None:
+        progress.say(
+            f"reading {persisted_topic}, Redis and {events_topic}, "
+            f"a partition of each at a time ({len(parts)} partitions) ..."
+        )
+        epoch = read_epoch(endpoints, persisted_topic)
+        now = time.time()
+        done = account_by_partition(
+            spark, endpoints, parts, events_topic, window, epoch, grace, messages_dir
+        )
+        if done is not None:
+            progress.say(f"read {persisted_topic}: {done[1]['records']:,} records")
+            progress.say(f"read Redis: {done[1]['refs']:,} stored messages of the records' clients")
+    if done is None:
+        recs, refs, epoch, now, done = _audit_by_shuffle(
+            spark,
+            endpoints,
+            persisted_topic,
+            events_topic,
+            window,
+            source,
+            grace,
+            raw_records,
+            raw_events,
+            progress,
+            messages_dir,
+        )
+        cached = [recs, refs]
+    tally, taken = done
+    progress.say(
+        f"read {events_topic}: {taken['events']:,} rows of the events the audit reads "
+        "(a message's events folded into one)"
+    )
+    messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
+    lost = lost_messages(messages) if any(c["lost"] for c in tally.clients.values()) else []
+    summary = summarize(tally, lost, taken["gaps"], now)
+    progress.say(f"accounted for: {summary['totals']}")
+    summary["window"] = {"since": window.since, "until": window.until}
+    summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
+    clients = pa.Table.from_pylist(tally.client_rows(), schema=arrow_schema(CLIENT_SCHEMA))
+    return AuditResult(
+        summary,
+        messages,
+        clients,
+        latency_sample(tally),
+        cached=cached,
+        messages_dir=messages_dir,
+        scratch=scratch,
+    )
+
+
+def _audit_by_shuffle(
+    spark: SparkSession,
+    endpoints: Endpoints,
+    persisted_topic: str,
+    events_topic: str,
+    window: Window,
+    source: str,
+    grace: float,
+    raw_records: DataFrame | None,
+    raw_events: Callable[[], DataFrame] | None,
+    progress: Progress,
+    messages_dir: Path,
+) -> tuple[DataFrame, DataFrame, int, float, tuple[Tally, dict[str, int]]]:
+    """The audit's reads and accounting with one shuffle by client (:func:`account_into`),
+    for topics that are not co-partitioned or rows given: (records and refs,
+    cached, the epoch, when Redis was read, the tally and what was taken in)."""
+    from pipeline.common import _in_window, events, records
+
     if raw_records is None:
         recs = records(spark, endpoints, persisted_topic, window, source)
     else:
@@ -448,33 +689,10 @@ def run_audit(
         evs = decode_events(raw_events())
     # read once, as the accounting takes them in (account_into: not cached)
     evs = evs.drop(*UNREAD_EVENT_FIELDS)
-    scratch = None
-    if messages_dir is None:
-        scratch = tempfile.TemporaryDirectory(prefix="devicemq-audit-")
-        messages_dir = Path(scratch.name) / "messages.parquet"
     progress.say(f"reading {events_topic} and accounting for every record ...")
     rows = read + stored + max(read, _event_rows(endpoints, events_topic, raw_events))
-    tally, taken = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir, rows)
-    progress.say(
-        f"read {events_topic}: {taken['events']:,} rows of the events the audit reads "
-        "(a message's events folded into one)"
-    )
-    messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
-    lost = lost_messages(messages) if any(c["lost"] for c in tally.clients.values()) else []
-    summary = summarize(tally, lost, taken["gaps"], now)
-    progress.say(f"accounted for: {summary['totals']}")
-    summary["window"] = {"since": window.since, "until": window.until}
-    summary["topics"] = {"persisted": persisted_topic, "events": events_topic, "epoch": epoch}
-    clients = pa.Table.from_pylist(tally.client_rows(), schema=arrow_schema(CLIENT_SCHEMA))
-    return AuditResult(
-        summary,
-        messages,
-        clients,
-        latency_sample(tally),
-        cached=[recs, refs],
-        messages_dir=messages_dir,
-        scratch=scratch,
-    )
+    done = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir, rows)
+    return recs, refs, epoch, now, done
 
 
 def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Path:

@@ -291,6 +291,19 @@ def events(
     )
 
 
+def arrow_in_window(batch: Any, column: str, window: Window) -> Any:
+    """:func:`_in_window` of an Arrow batch (rows whose ``column`` is null go too)."""
+    import pyarrow.compute as pc
+
+    keep = None
+    if window.since is not None:
+        keep = pc.greater_equal(batch.column(column), window.since)
+    if window.until is not None:
+        before = pc.less(batch.column(column), window.until)
+        keep = before if keep is None else pc.and_(keep, before)
+    return batch if keep is None else batch.filter(keep)
+
+
 def _in_window(df: DataFrame, column: str, window: Window) -> DataFrame:
     from pyspark.sql import functions as F
 
