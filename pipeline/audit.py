@@ -393,17 +393,18 @@ def account_into(
 # Co-partitioned topics: a Kafka partition accounted for by one task
 # ---------------------------------------------------------------------------
 
-# records of one partition at most for its task to hold them (with their events
-# and refs, about three rows each) in one Python worker; a larger partition goes
-# through the shuffle by client
-PARTITION_RECORDS = 1_000_000
+# rows (records, and the events' as _event_rows estimates them) of one partition at
+# most for one task: it holds them in Python, twice as many as a shuffle's task
+# (ROWS_PER_TASK) as it holds no other; a larger partition goes through the shuffle
+PARTITION_ROWS = 2 * ROWS_PER_TASK
 
 
 def copartitioned(
-    endpoints: Endpoints, persisted_topic: str, events_topic: str
+    endpoints: Endpoints, persisted_topic: str, events_topic: str, cores: int
 ) -> list[OffsetRange] | None:
     """The persisted topic's partitions, as ranges to read, when the events topic has
-    as many and none is over :data:`PARTITION_RECORDS`; else None.
+    as many, at least ``cores`` (fewer would leave cores idle), and none holds
+    over :data:`PARTITION_ROWS`; else None.
 
     Both topics are keyed by the client (the subscriber, the events' ``cid``)
     with Kafka's default partitioner (persistence/kafka_path.py,
@@ -420,10 +421,14 @@ def copartitioned(
         events = latest_offsets(endpoints.bootstrap, events_topic, security)
     except ValueError:  # a topic missing: the shuffle's reads say so
         return None
-    if not bounds or set(bounds) != set(events) or set(bounds) != set(range(len(bounds))):
+    if set(bounds) != set(events) or set(bounds) != set(range(len(bounds))):
         return None
-    if any(high - low > PARTITION_RECORDS for low, high in bounds.values()):
+    if len(bounds) < cores:
         return None
+    for p, (low, high) in bounds.items():
+        event_records = events[p][1] - events[p][0]
+        if high - low + EVENT_ROWS_PER_RECORD * event_records > PARTITION_ROWS:
+            return None
     return [
         OffsetRange(endpoints.bootstrap, persisted_topic, p, low, high, security)
         for p, (low, high) in sorted(bounds.items())
@@ -436,17 +441,17 @@ def _account_partition(
     part: OffsetRange,
     count: int,
     window: Window,
-    epoch: int,
     grace: float,
     target: str,
 ) -> dict[str, Any]:
     """One Kafka partition's records, its clients' refs and the partition's events,
     read in the audit's order (records, Redis, events: the module's docstring)
     and accounted for in this task; its messages written into ``target``
-    (:func:`_written`). Returns the tally, what was taken in (TAKEN_IN), the time
-    Redis was read, and how many clients were found outside the partition of
-    their key at ``count`` partitions (then the topics are not co-partitioned
-    and the driver audits again with the shuffle)."""
+    (:func:`_written`). Returns the tally, what was taken in (TAKEN_IN), the
+    topic's epoch and the time Redis was read; or, as soon as a client is found
+    outside the partition of its key at ``count`` partitions, or the events
+    topic has no such partition any more, ``{"placed": False}`` (then the topics
+    are not co-partitioned: the driver audits with the shuffle)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -455,20 +460,28 @@ def _account_partition(
     from pipeline.common import arrow_in_window
     from pipeline.kafka_source import OffsetRange, latest_offsets, read_decoded
 
-    home: dict[Any, bool] = {}
+    home: set[str] = set()
+    elsewhere = {"placed": False}
 
-    def check(cids: Any) -> None:
+    def placed(cids: Any) -> bool:
         for cid in pc.unique(cids).to_pylist():
             if cid not in home:
-                home[cid] = cid is not None and partition_of(cid, count) == part.partition
+                # a gap (the events the broker dropped) has no client: any partition
+                if cid is None or (cid != "" and partition_of(cid, count) != part.partition):
+                    return False
+                home.add(cid)
+        return True
 
     tables = []
     for batch in read_decoded(part, "records"):
         table = input_table(RECORD, arrow_in_window(batch, "pub", window))
-        check(table.column("cid"))
+        if not placed(table.column("cid")):
+            return elsewhere
         tables.append(table)
+    # Redis after the records (the epoch too: the topic's, as they were read)
+    epoch = read_epoch(endpoints, part.topic)
     now = time.time()
-    found = list(stored_refs(endpoints, ((cid,) for cid in home if cid is not None)))
+    found = list(stored_refs(endpoints, ((cid,) for cid in home)))
     refs = pa.RecordBatch.from_arrays(
         [
             pa.array([r[0] for r in found], pa.string()),
@@ -482,19 +495,21 @@ def _account_partition(
     bounds = latest_offsets(
         endpoints.bootstrap, events_topic, endpoints.kafka_security, part.partition
     )
-    low, high = bounds.get(part.partition, (0, 0))
+    if part.partition not in bounds:  # made again at another count since copartitioned()
+        return elsewhere
+    low, high = bounds[part.partition]
     events = OffsetRange(
         endpoints.bootstrap, events_topic, part.partition, low, high, endpoints.kafka_security
     )
     for batch in read_decoded(events, "folded"):
         table = input_table(EVENT, batch)
-        check(table.column("cid"))
+        if not placed(table.column("cid")):
+            return elsewhere
         tables.append(table)
     taken: dict[str, int] = {}
     batches = (b for table in tables for b in table.to_batches())
     tally = _written(target, account_batches(batches, epoch, now, grace, taken))
-    misplaced = sum(1 for cid, there in home.items() if not there and cid != "")
-    return {"tally": tally.to_json(), "taken": taken, "now": now, "misplaced": misplaced}
+    return {"placed": True, "tally": tally.to_json(), "taken": taken, "epoch": epoch, "now": now}
 
 
 def account_by_partition(
@@ -503,34 +518,42 @@ def account_by_partition(
     parts: list[OffsetRange],
     events_topic: str,
     window: Window,
-    epoch: int,
     grace: float,
     directory: Path,
-) -> tuple[Tally, dict[str, int]] | None:
+) -> tuple[Tally, dict[str, int], int, float] | None:
     """As :func:`account_into`, for co-partitioned topics (:func:`copartitioned`):
     one Spark task per Kafka partition reads its records, refs and events and
     accounts for them (:func:`_account_partition`), and no row goes through
     Spark's JVM: the shuffle path's records cache, event shuffle and the Arrow
     exchange with the accounting's Python cost more than the accounting itself
-    (BENCHMARKS.md "The audit, co-partitioned"). None when a task found a
-    client outside its key's partition: the topics are not co-partitioned."""
+    (BENCHMARKS.md "The audit, a Kafka partition per task"). Returns the tally,
+    what was taken in, the topic's epoch and when Redis was first read; None
+    when a task found a client outside its key's partition (the topics are not
+    co-partitioned) or the topic's epoch changed between tasks (it was made
+    again during the audit)."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     target, count = str(directory), len(parts)
 
     def task(plans: Iterable[OffsetRange]) -> Iterator[dict[str, Any]]:
         for part in plans:
-            yield _account_partition(
-                endpoints, events_topic, part, count, window, epoch, grace, target
-            )
+            yield _account_partition(endpoints, events_topic, part, count, window, grace, target)
 
     results = spark.sparkContext.parallelize(parts, count).mapPartitions(task).collect()
-    misplaced = sum(r["misplaced"] for r in results)
-    if misplaced:
+    if not all(r["placed"] for r in results):
         log.warning(
-            "%d clients of %s are not in their key's partition: accounted with a shuffle",
-            misplaced,
+            "clients of %s or %s are not in the partition of their key: "
+            "accounted for with a shuffle by client",
             parts[0].topic,
+            events_topic,
+        )
+        return None
+    epochs = {r["epoch"] for r in results}
+    if len(epochs) > 1:
+        log.warning(
+            "%s was made again during the audit (epochs %s): accounted for with a shuffle",
+            parts[0].topic,
+            sorted(epochs),
         )
         return None
     tally, taken = Tally(), dict.fromkeys(TAKEN_IN, 0)
@@ -538,7 +561,7 @@ def account_by_partition(
         tally = tally.merged(Tally.from_json(row["tally"]))
         for name in TAKEN_IN:
             taken[name] += row["taken"][name]
-    return tally, taken
+    return tally, taken, epochs.pop(), min(r["now"] for r in results)
 
 
 def _event_rows(
@@ -601,20 +624,21 @@ def run_audit(
     done = None
     parts = None
     if source == "python" and raw_records is None and raw_events is None:
-        parts = copartitioned(endpoints, persisted_topic, events_topic)
+        cores = spark.sparkContext.defaultParallelism
+        parts = copartitioned(endpoints, persisted_topic, events_topic, cores)
     if parts is not None:
         progress.say(
-            f"reading {persisted_topic}, Redis and {events_topic}, "
-            f"a partition of each at a time ({len(parts)} partitions) ..."
+            f"reading {persisted_topic}, Redis and {events_topic}: "
+            f"a task per partition ({len(parts)}) ..."
         )
-        epoch = read_epoch(endpoints, persisted_topic)
-        now = time.time()
-        done = account_by_partition(
-            spark, endpoints, parts, events_topic, window, epoch, grace, messages_dir
+        by_partition = account_by_partition(
+            spark, endpoints, parts, events_topic, window, grace, messages_dir
         )
-        if done is not None:
-            progress.say(f"read {persisted_topic}: {done[1]['records']:,} records")
-            progress.say(f"read Redis: {done[1]['refs']:,} stored messages of the records' clients")
+        if by_partition is not None:
+            tally, taken, epoch, now = by_partition
+            done = tally, taken
+            progress.say(f"read {persisted_topic}: {taken['records']:,} records")
+            progress.say(f"read Redis: {taken['refs']:,} stored messages of the records' clients")
     if done is None:
         recs, refs, epoch, now, done = _audit_by_shuffle(
             spark,

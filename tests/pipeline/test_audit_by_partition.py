@@ -5,6 +5,7 @@ Tansu, Redis and Spark; and the topics it must not take for co-partitioned."""
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,17 @@ from tests.pipeline.conftest import EXPECTED, Workload
 PERSISTED, EVENTS = "devicemq.device.persisted", "devicemq.events"
 
 
-def _copy(bootstrap: str, source: str, target: str, partitions: int, shift: int) -> None:
+def _copy(
+    bootstrap: str,
+    source: str,
+    target: str,
+    partitions: int,
+    shift: int,
+    more: tuple[tuple[int, bytes, bytes], ...] = (),
+) -> None:
     """``source``'s records into a new topic ``target`` of ``partitions`` partitions,
-    each of partition p's records, in order, into partition (p + shift) % partitions."""
+    each of partition p's records, in order, into partition (p + shift) % partitions;
+    then ``more`` records (partition, key, value)."""
     from aiokafka import AIOKafkaProducer
 
     from persistence.kafka_path import replace_topic
@@ -39,7 +48,7 @@ def _copy(bootstrap: str, source: str, target: str, partitions: int, shift: int)
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
         await producer.start()
         try:
-            for to, key, value in moved:
+            for to, key, value in [*moved, *more]:
                 await (await producer.send(target, value, key=key, partition=to))
         finally:
             await producer.stop()
@@ -47,43 +56,61 @@ def _copy(bootstrap: str, source: str, target: str, partitions: int, shift: int)
     asyncio.run(copy())
 
 
-def _audited(spark: Any, workload: Workload, events_topic: str) -> Any:
+def _audited(spark: Any, workload: Workload, events_topic: str, **options: Any) -> Any:
     return audit.run_audit(
         spark,
         workload.endpoints,
         persisted_topic=PERSISTED,
         events_topic=events_topic,
         window=Window(),
+        **options,
     )
 
 
+def _partitions(workload: Workload) -> int:
+    return len(latest_offsets(workload.endpoints.bootstrap, EVENTS))
+
+
+def _halfway(spark: Any, workload: Workload) -> Window:
+    """A window from the middle of the records' publish times: it cuts clients' records."""
+    recs = records(spark, workload.endpoints, PERSISTED, Window())
+    pubs = sorted(row["pub"] for row in recs.select("pub").collect())
+    return Window(since=pubs[len(pubs) // 2])
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["all", "window"])
 def test_a_partition_per_task_accounts_as_the_shuffle_by_client(
-    spark: Any, workload: Workload, tmp_path: Path
+    spark: Any, workload: Workload, tmp_path: Path, cut: bool
 ) -> None:
-    parts = audit.copartitioned(workload.endpoints, PERSISTED, EVENTS)
+    window = _halfway(spark, workload) if cut else Window()
+    parts = audit.copartitioned(workload.endpoints, PERSISTED, EVENTS, cores=2)
     assert parts is not None and len(parts) > 1
     assert [p.partition for p in parts] == list(range(len(parts)))
-    epoch = read_epoch(workload.endpoints, PERSISTED)
     by_partition = audit.account_by_partition(
-        spark, workload.endpoints, parts, EVENTS, Window(), epoch, 30.0, tmp_path / "a"
+        spark, workload.endpoints, parts, EVENTS, window, 30.0, tmp_path / "a"
     )
     assert by_partition is not None
-    recs = records(spark, workload.endpoints, PERSISTED, Window()).cache()
+    tally, taken, epoch, _ = by_partition
+    assert epoch == read_epoch(workload.endpoints, PERSISTED)
+    recs = records(spark, workload.endpoints, PERSISTED, window).cache()
     refs = audit.redis_refs(spark, workload.endpoints, recs.select("cid").distinct()).cache()
     evs = events(spark, workload.endpoints, EVENTS, folded=True)
     rows = recs.count() + refs.count() + evs.count()
-    by_shuffle = audit.account_into(
+    tally_s, taken_s = audit.account_into(
         spark, recs, evs, refs, epoch, time.time(), 30.0, tmp_path / "b", rows
     )
-    (tally, taken), (tally_s, taken_s) = by_partition, by_shuffle
     assert tally.client_rows() == tally_s.client_rows()
     # the summary (totals, per client, latency percentiles): the same
     assert summarize(tally, [], 0, 0.0) == summarize(tally_s, [], 0, 0.0)
     assert (taken["records"], taken["refs"]) == (taken_s["records"], taken_s["refs"])
-    assert taken["records"] == EXPECTED["persisted"]
+    persisted = taken["records"]
+    if cut:
+        assert 0 < persisted < EXPECTED["persisted"]
+    else:
+        assert persisted == EXPECTED["persisted"]
     a = spark.read.parquet(str(tmp_path / "a"))
     b = spark.read.parquet(str(tmp_path / "b"))
-    assert a.count() == b.count() == EXPECTED["persisted"]
+    assert a.count() == b.count() == persisted
     assert a.exceptAll(b).count() == 0 == b.exceptAll(a).count()
     # a file per Kafka partition: its task's
     assert sorted(f.name for f in (tmp_path / "a").iterdir()) == [
@@ -91,39 +118,67 @@ def test_a_partition_per_task_accounts_as_the_shuffle_by_client(
     ]
 
 
-def test_events_outside_their_clients_partition_are_accounted_by_the_shuffle(
+def test_events_the_broker_dropped_are_counted_by_partition(
     spark: Any, workload: Workload, caplog: pytest.LogCaptureFixture
+) -> None:
+    import orjson
+
+    from persistence.session_rewind import partition_of
+    from pipeline.common import Progress
+
+    count = _partitions(workload)
+    gap = orjson.dumps([{"ev": "gap", "cid": "", "ts": time.time(), "n": 7}])
+    more = ((partition_of("", count), b"", gap),)
+    _copy(workload.endpoints.bootstrap, EVENTS, "gapped.events", count, shift=0, more=more)
+    said = io.StringIO()
+    result = _audited(spark, workload, "gapped.events", progress=Progress(said))
+    assert "a task per partition" in said.getvalue() and "shuffle" not in caplog.text
+    assert result.summary["events_dropped"] == 7
+    totals = result.summary["totals"]
+    assert {k: totals[k] for k in EXPECTED} == EXPECTED
+
+
+def test_events_outside_their_clients_partition_are_accounted_by_the_shuffle(
+    spark: Any, workload: Workload, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # as many partitions, but each client's events one partition further on: read a
     # partition at a time, its records would meet other clients' events (all lost)
-    count = len(latest_offsets(workload.endpoints.bootstrap, EVENTS))
-    _copy(workload.endpoints.bootstrap, EVENTS, "moved.events", count, shift=1)
-    parts = audit.copartitioned(workload.endpoints, PERSISTED, "moved.events")
-    assert parts is not None  # the counts alone do not tell
-    result = _audited(spark, workload, "moved.events")
+    _copy(workload.endpoints.bootstrap, EVENTS, "moved.events", _partitions(workload), shift=1)
+    assert audit.copartitioned(workload.endpoints, PERSISTED, "moved.events", 2) is not None
+    written = tmp_path / "messages.parquet"
+    result = _audited(spark, workload, "moved.events", messages_dir=written)
     totals = result.summary["totals"]
     assert {k: totals[k] for k in EXPECTED} == EXPECTED
-    assert "not in their key's partition" in caplog.text
+    assert "not in the partition of their key" in caplog.text
+    # the shuffle's files only (the tasks that gave up wrote none)
+    assert spark.read.parquet(str(written)).count() == EXPECTED["persisted"]
 
 
-def test_topics_of_other_counts_or_too_large_partitions_are_not_co_partitioned(
+def test_topics_of_other_counts_few_or_large_partitions_are_not_co_partitioned(
     spark: Any, workload: Workload, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    count = len(latest_offsets(workload.endpoints.bootstrap, EVENTS))
+    count = _partitions(workload)
     _copy(workload.endpoints.bootstrap, EVENTS, "fewer.events", count - 1, shift=-1)
-    assert audit.copartitioned(workload.endpoints, PERSISTED, "fewer.events") is None
-    assert audit.copartitioned(workload.endpoints, PERSISTED, "no.such.topic") is None
+    endpoints = workload.endpoints
+    assert audit.copartitioned(endpoints, PERSISTED, "fewer.events", cores=2) is None
+    assert audit.copartitioned(endpoints, PERSISTED, "no.such.topic", cores=2) is None
     result = _audited(spark, workload, "fewer.events")  # the shuffle reads any layout
     totals = result.summary["totals"]
     assert {k: totals[k] for k in EXPECTED} == EXPECTED
+    # fewer partitions than cores would leave cores idle
+    assert audit.copartitioned(endpoints, PERSISTED, EVENTS, cores=count) is not None
+    assert audit.copartitioned(endpoints, PERSISTED, EVENTS, cores=count + 1) is None
     # a partition over what a task holds goes to the shuffle too
+    recs = latest_offsets(endpoints.bootstrap, PERSISTED)
+    evs = latest_offsets(endpoints.bootstrap, EVENTS)
     largest = max(
-        h - lo for lo, h in latest_offsets(workload.endpoints.bootstrap, PERSISTED).values()
+        recs[p][1] - recs[p][0] + audit.EVENT_ROWS_PER_RECORD * (evs[p][1] - evs[p][0])
+        for p in recs
     )
-    monkeypatch.setattr(audit, "PARTITION_RECORDS", largest - 1)
-    assert audit.copartitioned(workload.endpoints, PERSISTED, EVENTS) is None
-    monkeypatch.setattr(audit, "PARTITION_RECORDS", largest)
-    assert audit.copartitioned(workload.endpoints, PERSISTED, EVENTS) is not None
+    monkeypatch.setattr(audit, "PARTITION_ROWS", largest - 1)
+    assert audit.copartitioned(endpoints, PERSISTED, EVENTS, cores=2) is None
+    monkeypatch.setattr(audit, "PARTITION_ROWS", largest)
+    assert audit.copartitioned(endpoints, PERSISTED, EVENTS, cores=2) is not None
 
 
 def test_a_tasks_input_is_the_rows_spark_gives_the_shuffle(spark: Any) -> None:
