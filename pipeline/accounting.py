@@ -1,13 +1,15 @@
 """One client's records, events and stored refs -> one status per record.
 
 Pure Python, no Spark, no I/O: :func:`account_batches` runs inside a Spark
-task (``mapInArrow``, pipeline/audit.py) over a partition holding whole
-clients, all three inputs side by side in one table (:data:`INPUT_SCHEMA`,
-``kind`` telling them apart). Every join of the audit is within one client
-(the subscriber is the key of its records and the ``cid`` of its events), so
-one shuffle by client replaces the joins, groupings and windows a plan of
-Spark SQL needed for it, and a client is accounted for in one pass over its
-rows with dicts (measured in BENCHMARKS.md "The audit, accounted per client").
+task over whole clients, all three inputs side by side in one table
+(:data:`INPUT_SCHEMA`, ``kind`` telling them apart): a task of one Kafka
+partition of co-partitioned topics, its input made by :func:`input_table`, or
+a partition of the shuffle by client (``mapInArrow``; pipeline/audit.py).
+Every join of the audit is within one client (the subscriber is the key of
+its records and the ``cid`` of its events), so grouping by client replaces
+the joins, groupings and windows a plan of Spark SQL needed for it, and a
+client is accounted for in one pass over its rows with dicts (measured in
+BENCHMARKS.md "The audit, accounted per client").
 
 The statuses and their order are pipeline/audit.py's docstring; each rule is
 written once, in :func:`_account_client`.
