@@ -659,7 +659,10 @@ def run_audit(
         f"read {events_topic}: {taken['events']:,} rows of the events the audit reads "
         "(a message's events folded into one)"
     )
-    messages = spark.read.schema(MESSAGE_SCHEMA).parquet(str(messages_dir))
+    # its files named: Spark warns of a directory whose name starts with a dot (the
+    # command's, beside the last audit's outputs) that it ignores it, and reads it
+    files = sorted(str(f) for f in messages_dir.glob("part-*.parquet"))
+    messages = spark.read.schema(MESSAGE_SCHEMA).parquet(*(files or [str(messages_dir)]))
     lost = lost_messages(messages) if any(c["lost"] for c in tally.clients.values()) else []
     summary = summarize(tally, lost, taken["gaps"], now)
     progress.say(f"accounted for: {summary['totals']}")

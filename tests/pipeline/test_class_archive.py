@@ -33,6 +33,9 @@ def test_the_first_job_writes_the_archive_and_the_next_maps_it(
     first = _audit(workload, tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "saving Spark's classes for faster starts (once)" in first.stderr
+    # nothing of Spark's on a stderr that is not a terminal but its log: no progress
+    # bar, and no warning that the audit's messages directory (a dot name) is ignored
+    assert "[Stage" not in first.stderr and "All paths were ignored" not in first.stderr
     directory = tmp_path / "cache" / "devicemq"
     [archive] = list(directory.iterdir())  # whole, renamed: no partial file left
     assert archive.name.startswith(PREFIX) and archive.name.endswith(SUFFIX)
