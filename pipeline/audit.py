@@ -180,7 +180,6 @@ def redis_refs(spark: SparkSession, endpoints: Endpoints, cids: DataFrame) -> Da
     tenth of the time of a Python job on the workers (its start, its pickled
     rows); a larger backlog is read by the workers, a share of the clients each.
     """
-    import pyarrow as pa
 
     todo = [row[0] for row in cids.collect()]
     if _backlog(endpoints, todo) > DRIVER_REFS:
@@ -189,9 +188,16 @@ def redis_refs(spark: SparkSession, endpoints: Endpoints, cids: DataFrame) -> Da
             lambda part: stored_refs(endpoints, ((cid,) for cid in part))
         )
         return spark.createDataFrame(rows, REFS_SCHEMA)
-    found = list(stored_refs(endpoints, ((cid,) for cid in todo)))
+    return spark.createDataFrame(refs_table(stored_refs(endpoints, ((cid,) for cid in todo))))
+
+
+def refs_table(refs: Iterable[tuple[Any, ...]]) -> Any:
+    """:func:`stored_refs`' rows as an Arrow table of :data:`REFS_SCHEMA`."""
+    import pyarrow as pa
+
+    found = list(refs)
     cid, sc, pid, there = zip(*found, strict=True) if found else ((), (), (), ())
-    table = pa.table(
+    return pa.table(
         {
             "cid": pa.array(cid, pa.string()),
             "sc": pa.array(sc, pa.int64()),
@@ -199,7 +205,6 @@ def redis_refs(spark: SparkSession, endpoints: Endpoints, cids: DataFrame) -> Da
             "has_value": pa.array(there, pa.bool_()),
         }
     )
-    return spark.createDataFrame(table)
 
 
 def _backlog(endpoints: Endpoints, cids: list[str]) -> int:
@@ -452,7 +457,6 @@ def _account_partition(
     outside the partition of its key at ``count`` partitions, or the events
     topic has no such partition any more, ``{"placed": False}`` (then the topics
     are not co-partitioned: the driver audits with the shuffle)."""
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     from persistence.session_rewind import partition_of
@@ -481,16 +485,8 @@ def _account_partition(
     # Redis after the records (the epoch too: the topic's, as they were read)
     epoch = read_epoch(endpoints, part.topic)
     now = time.time()
-    found = list(stored_refs(endpoints, ((cid,) for cid in home)))
-    refs = pa.RecordBatch.from_arrays(
-        [
-            pa.array([r[0] for r in found], pa.string()),
-            pa.array([r[1] for r in found], pa.int64()),
-            pa.array([r[3] for r in found], pa.bool_()),
-        ],
-        names=["cid", "sc", "has_value"],
-    )
-    tables.append(input_table(REF, refs))
+    for refs in refs_table(stored_refs(endpoints, ((cid,) for cid in home))).to_batches():
+        tables.append(input_table(REF, refs))
     # the events' end found now, after Redis was read
     bounds = latest_offsets(
         endpoints.bootstrap, events_topic, endpoints.kafka_security, part.partition
@@ -631,16 +627,14 @@ def run_audit(
             f"reading {persisted_topic}, Redis and {events_topic}: "
             f"a task per partition ({len(parts)}) ..."
         )
-        by_partition = account_by_partition(
+        done = account_by_partition(
             spark, endpoints, parts, events_topic, window, grace, messages_dir
         )
-        if by_partition is not None:
-            tally, taken, epoch, now = by_partition
-            done = tally, taken
-            progress.say(f"read {persisted_topic}: {taken['records']:,} records")
-            progress.say(f"read Redis: {taken['refs']:,} stored messages of the records' clients")
+        if done is not None:
+            progress.say(f"read {persisted_topic}: {done[1]['records']:,} records")
+            progress.say(f"read Redis: {done[1]['refs']:,} stored messages of the records' clients")
     if done is None:
-        recs, refs, epoch, now, done = _audit_by_shuffle(
+        done, cached = _audit_by_shuffle(
             spark,
             endpoints,
             persisted_topic,
@@ -653,8 +647,7 @@ def run_audit(
             progress,
             messages_dir,
         )
-        cached = [recs, refs]
-    tally, taken = done
+    tally, taken, epoch, now = done
     progress.say(
         f"read {events_topic}: {taken['events']:,} rows of the events the audit reads "
         "(a message's events folded into one)"
@@ -692,10 +685,10 @@ def _audit_by_shuffle(
     raw_events: Callable[[], DataFrame] | None,
     progress: Progress,
     messages_dir: Path,
-) -> tuple[DataFrame, DataFrame, int, float, tuple[Tally, dict[str, int]]]:
+) -> tuple[tuple[Tally, dict[str, int], int, float], list[DataFrame]]:
     """The audit's reads and accounting with one shuffle by client (:func:`account_into`),
-    for topics that are not co-partitioned or rows given: (records and refs,
-    cached, the epoch, when Redis was read, the tally and what was taken in)."""
+    for topics that are not co-partitioned or rows given: what
+    :func:`account_by_partition` returns, and the frames cached (records, refs)."""
     from pipeline.common import _in_window, events, records
 
     if raw_records is None:
@@ -718,8 +711,8 @@ def _audit_by_shuffle(
     evs = evs.drop(*UNREAD_EVENT_FIELDS)
     progress.say(f"reading {events_topic} and accounting for every record ...")
     rows = read + stored + max(read, _event_rows(endpoints, events_topic, raw_events))
-    done = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir, rows)
-    return recs, refs, epoch, now, done
+    tally, taken = account_into(spark, recs, evs, refs, epoch, now, grace, messages_dir, rows)
+    return (tally, taken, epoch, now), [recs, refs]
 
 
 def write_outputs(result: AuditResult, out: Path, *, tables: bool = True) -> Path:
