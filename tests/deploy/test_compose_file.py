@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -137,8 +138,15 @@ def test_dockerfile() -> None:
     healthcheck = re.search(r"^HEALTHCHECK .*?(?<!\\)$", text, re.MULTILINE | re.DOTALL)
     assert healthcheck and "/health" in healthcheck.group(0) and "curl" not in healthcheck.group(0)
     assert "import uvloop" in text
-    ignore = (REPO / ".dockerignore").read_text(encoding="utf-8")
-    assert "!broker/" in ignore and "!persistence/" in ignore
+    # Every package of pyproject.toml's discovery re-included (issue 40: app/ was
+    # not); tests/deploy/test_image_build.py builds the wheel from the context.
+    ignore = (REPO / ".dockerignore").read_text(encoding="utf-8").split()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.removesuffix("*") for p in include}
+    assert packages == {"app", "broker", "persistence", "pipeline", "loadtest"}
+    for package in sorted(packages):
+        assert f"!{package}/" in ignore, f".dockerignore does not re-include {package}/"
 
 
 def test_grafana_provisioning() -> None:
