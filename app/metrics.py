@@ -136,6 +136,9 @@ class BrokerCollector(Collector):
         self.committed: dict[int, int] = {}
         self._refreshed = 0.0
         self._refresh_lock = asyncio.Lock()
+        # What /ready last answered (MetricsServer probes it before each scrape):
+        # None when ready, else one of READINESS_CAUSES.
+        self.unready_cause: str | None = "starting"
 
     def attach(
         self,
@@ -163,6 +166,20 @@ class BrokerCollector(Collector):
         yield info
         yield _gauge(
             "serving", "1 once the MQTT listener serves, 0 while starting", self.broker is not None
+        )
+        yield from self._readiness()
+
+    def _readiness(self) -> Iterator[Metric]:
+        """/ready as series: 1/0, and why not as a label (every cause has a series)."""
+        cause = self.unready_cause
+        yield _gauge("ready", "1 while /ready answers 200, 0 while it answers 503", cause is None)
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_unready_reason",
+                "1 for the reason /ready answers 503 (0 for the others, all 0 when ready)",
+                labels=["reason"],
+            ),
+            (((name,), name == cause) for name in READINESS_CAUSES),
         )
 
     def _broker(self, broker: Broker) -> Iterator[Metric]:
@@ -675,6 +692,8 @@ class MetricsServer:
             body = orjson.dumps({"ready": ready, **detail}) + b"\n"
             return (200 if ready else 503), _JSON, body, head_only
         await self.collector.refresh_if_stale()
+        ready, detail = await self.readiness()
+        self.collector.unready_cause = None if ready else readiness_cause(detail)
         return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry), head_only
 
     async def readiness(self) -> tuple[bool, dict[str, object]]:
@@ -716,6 +735,33 @@ class MetricsServer:
         if not assigned:
             return False, {"reason": "consumer has no partitions assigned"}
         return True, {"partitions": assigned}
+
+
+# devicemq_unready_reason's labels: what /ready's 503 reasons start with, coarsely.
+READINESS_CAUSES = (
+    "starting",
+    "shutting_down",
+    "redis",
+    "kafka",
+    "no_partitions",
+    "persistence_consumer",
+)
+
+
+def readiness_cause(detail: dict[str, object]) -> str:
+    """The :data:`READINESS_CAUSES` label of a 503 from :meth:`MetricsServer.readiness`."""
+    reason = str(detail.get("reason", ""))
+    if reason == "starting":
+        return "starting"
+    if reason == "shutting down":
+        return "shutting_down"
+    if reason.startswith("redis "):
+        return "redis"
+    if reason.startswith("kafka "):
+        return "kafka"
+    if reason == "consumer has no partitions assigned":
+        return "no_partitions"
+    return "persistence_consumer"  # DevicePersistence.problem(): failed, stopped, stuck
 
 
 def _short(error: BaseException) -> str:

@@ -19,6 +19,10 @@ def test_health_and_ready(compose_broker: ComposeBroker) -> None:
     ready = json_of(body)
     assert status == 200 and ready["ready"] is True, body
     assert ready["partitions"] == int(compose_broker.env["DEVICEMQ_PERSISTENCE_PARTITIONS"])
+    # ... and the same as series (issue 40: the dashboard could only show "serving")
+    assert compose_broker.metric("devicemq_ready") == 1
+    assert compose_broker.metric("devicemq_unready_reason") == 0  # every reason at 0
+    assert compose_broker.metric("devicemq_unready_reason", reason="kafka") == 0
 
 
 def test_logs_are_json_lines(compose_broker: ComposeBroker) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.metrics import MetricsServer, MetricsUnavailable
+from app.metrics import READINESS_CAUSES, MetricsServer, MetricsUnavailable, readiness_cause
 from broker.config import MetricsSettings, Settings
 from broker.core import Broker
 from broker.stats import Histogram
@@ -34,6 +34,9 @@ async def test_endpoints_before_and_after_the_broker_serves() -> None:
         assert await get(port, "/ready") == (503, '{"ready":false,"reason":"starting"}\n')
         status, text = await get(port, "/metrics")
         assert status == 200 and "devicemq_serving 0.0" in text
+        assert "devicemq_ready 0.0" in text  # issue 40: /ready's answer as a series
+        assert 'devicemq_unready_reason{reason="starting"} 1.0' in text
+        assert 'devicemq_unready_reason{reason="redis"} 0.0' in text
         assert "devicemq_process_resident_memory_bytes" in text
 
         broker = Broker(Settings())
@@ -52,6 +55,8 @@ async def test_endpoints_before_and_after_the_broker_serves() -> None:
         assert 'devicemq_delivery_latency_seconds_bucket{le="0.005"} 1.0' in text
         assert "devicemq_delivery_latency_seconds_count 1.0" in text
         assert "devicemq_kafka" not in text  # persistence disabled: no Kafka series
+        assert "devicemq_ready 1.0" in text
+        assert 'devicemq_unready_reason{reason="starting"} 0.0' in text
 
         assert await get(port, "/health", "HEAD") == (200, "")
         assert (await get(port, "/nope"))[0] == 404
@@ -60,6 +65,9 @@ async def test_endpoints_before_and_after_the_broker_serves() -> None:
 
         server.stopping = True
         assert await get(port, "/ready") == (503, '{"ready":false,"reason":"shutting down"}\n')
+        status, text = await get(port, "/metrics")
+        assert "devicemq_ready 0.0" in text
+        assert 'devicemq_unready_reason{reason="shutting_down"} 1.0' in text
     finally:
         await server.stop()
 
@@ -86,3 +94,21 @@ def test_histogram_buckets_are_upper_bounds() -> None:
         h.observe(value)
     assert h.counts == [2, 2, 1]
     assert h.sum == 8.0
+
+
+def test_every_unready_reason_has_its_label() -> None:
+    """/ready's 503 reasons (app/metrics.py, persistence/consumer.py) and their
+    devicemq_unready_reason label."""
+    reasons = {
+        "starting": "starting",
+        "shutting down": "shutting_down",
+        "redis refuses commands: MISCONF": "redis",
+        "redis unreachable: Connection refused": "redis",
+        "kafka unreachable: no broker answered": "kafka",
+        "consumer has no partitions assigned": "no_partitions",
+        "persistence consumer stopped": "persistence_consumer",
+        "consumer group join stuck for 15 s: rejoining": "persistence_consumer",
+    }
+    for reason, label in reasons.items():
+        assert readiness_cause({"ready": False, "reason": reason}) == label, reason
+    assert set(reasons.values()) == set(READINESS_CAUSES)
