@@ -131,6 +131,7 @@ class BrokerCollector(Collector):
         self.kafka_produce = Histogram(LATENCY_BUCKETS)
         # Refreshed by MetricsServer before a scrape (they need I/O).
         self.backlog: int | None = None
+        self.backlog_client_max = 0  # the largest backlog of one of those sessions
         # partition -> committed offset read from Kafka (0: none yet) for partitions
         # this process has not committed itself
         self.committed: dict[int, int] = {}
@@ -469,6 +470,17 @@ class BrokerCollector(Collector):
                 "Messages stored in Redis for the persistent sessions this broker holds",
                 self.backlog,
             )
+            yield _gauge(
+                "persisted_backlog_client_max_messages",
+                "The most messages stored in Redis for one of those sessions",
+                self.backlog_client_max,
+            )
+        yield _gauge(
+            "persisted_backlog_limit_messages",
+            "Messages kept per client (persistence.max_messages_per_client): over it "
+            "the oldest are trimmed",
+            persistence.store.limit,
+        )
         yield _histogram(
             "kafka_produce_duration_seconds",
             "One produce batch: first send to Kafka acknowledging all of it (acks=all)",
@@ -584,7 +596,14 @@ class BrokerCollector(Collector):
                 committed[tp.partition] = 0 if offset is None else offset
         self.committed = committed
         durable = [cid for cid, s in broker.sessions.items() if s.durable]
-        self.backlog = await persistence.store.pending_total(durable, BACKLOG_PIPELINE)
+        total = largest = 0
+        for start in range(0, len(durable), BACKLOG_PIPELINE):
+            counts = await persistence.store.pending_counts(
+                durable[start : start + BACKLOG_PIPELINE]
+            )
+            total += sum(counts)
+            largest = max([largest, *counts])
+        self.backlog, self.backlog_client_max = total, largest
 
 
 # --------------------------------------------------------------------------

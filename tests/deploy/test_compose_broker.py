@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 
 from tests.deploy.conftest import REPO, ComposeBroker, http_get, json_of
@@ -170,3 +171,32 @@ def test_readme_lists_exported_metrics(compose_broker: ComposeBroker) -> None:
         and not n.endswith(("_count", "_sum", "_gcount", "_gsum"))
     )
     assert not undocumented, f"/metrics has series README does not list: {undocumented}"
+
+
+def test_backlog_of_the_fullest_session_and_its_limit(compose_broker: ComposeBroker) -> None:
+    """What the backlog alert compares (config/prometheus/alerts.yml): the largest
+    backlog of one session, and persistence.max_messages_per_client."""
+    assert compose_broker.metric("devicemq_persisted_backlog_limit_messages") == 10_000
+    topic = f"deploy/{uuid.uuid4().hex[:8]}/backlog"
+    login = compose_broker.credentials
+    device = Paho(compose_broker, f"deploy-full-{uuid.uuid4().hex[:6]}", V311, **login)
+    publisher = Paho(compose_broker, f"deploy-pub-{uuid.uuid4().hex[:6]}", V311, **login)
+    try:
+        device.connect(clean_start=False)
+        assert device.subscribe(topic, 1) == [1]
+        device.disconnect()
+        publisher.connect()
+        for i in range(7):
+            publisher.publish(topic, b"%d" % i, qos=1)
+        # counted at most every 5 s (app/metrics.py REFRESH_INTERVAL): poll for it
+        deadline = time.monotonic() + 20
+        while compose_broker.metric("devicemq_persisted_backlog_client_max_messages") < 7:
+            assert time.monotonic() < deadline, "the fullest session's backlog never showed 7"
+            time.sleep(0.5)
+        largest = compose_broker.metric("devicemq_persisted_backlog_client_max_messages")
+        assert largest <= compose_broker.metric("devicemq_persisted_backlog_messages")
+        device.connect(clean_start=False)
+        assert [device.get(timeout=15).payload for _ in range(7)] == [b"%d" % i for i in range(7)]
+    finally:
+        device.close()
+        publisher.close()
