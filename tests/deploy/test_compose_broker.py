@@ -7,10 +7,13 @@ import re
 import time
 import uuid
 
+import yaml
+
 from tests.deploy.conftest import REPO, ComposeBroker, http_get, json_of
 from tests.e2e.clients import V311, Paho
 
 DASHBOARD = REPO / "config" / "grafana" / "dashboards" / "devicemq.json"
+ALERTS = REPO / "config" / "prometheus" / "alerts.yml"
 
 
 def test_health_and_ready(compose_broker: ComposeBroker) -> None:
@@ -126,13 +129,12 @@ def test_metrics_follow_prometheus_conventions(compose_broker: ComposeBroker) ->
     assert len(lag) == partitions  # one series per assigned partition, no per-client labels
 
 
-def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+def assert_exported(compose_broker: ComposeBroker, exprs: list[str], what: str) -> None:
+    """Every devicemq_* name in the PromQL ``exprs`` is a series /metrics exports."""
     status, text = http_get(compose_broker.url("/metrics"))
     assert status == 200
     exported = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
     samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
-    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert exprs
     used = {m for e in exprs for m in re.findall(r"\bdevicemq_[a-z_]+", e)}
     assert used
@@ -141,8 +143,20 @@ def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) 
         # the check holds whichever tests ran before on the module's broker.
         family = re.sub(r"_(bucket|sum|count)$", "", name)
         assert name in exported or name in samples or family in exported, (
-            f"dashboard uses {name}, not exported"
+            f"{what} uses {name}, not exported"
         )
+
+
+def test_alerts_query_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+    rules = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    assert_exported(compose_broker, exprs, "config/prometheus/alerts.yml")
+
+
+def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert_exported(compose_broker, exprs, "the dashboard")
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("throughput", "latency", "backlog", "lag", "connections"):
         assert topic in titles

@@ -41,6 +41,9 @@ def scrape_config_for(metrics_port: int, prometheus_port: int) -> dict[str, Any]
     """
     config: dict[str, Any] = yaml.safe_load(PROMETHEUS_YML.read_text(encoding="utf-8"))
     config["global"]["scrape_interval"] = "1s"
+    config["global"]["evaluation_interval"] = "1s"
+    # the alert rules, by their path from config/prometheus.yml (the config is written elsewhere)
+    config["rule_files"] = [str(PROMETHEUS_YML.parent / p) for p in config["rule_files"]]
     for job in config["scrape_configs"]:
         if job["job_name"] == "devicemq":
             job.pop("dns_sd_configs")
@@ -160,6 +163,20 @@ def test_prometheus_scrapes_devicemq(compose_broker: ComposeBroker, prometheus: 
 
     prometheus.until(traffic_scraped, "the traffic in Prometheus")
     up = prometheus.api("query", query='up{job="devicemq"}')["result"]
+
+    # The alert rules loaded and evaluated without error on the real series;
+    # none fires on this healthy broker.
+    def rules_evaluated() -> bool:
+        groups = prometheus.api("rules", type="alert")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return bool(rules) and all(r.get("lastEvaluation", "").startswith("2") for r in rules)
+
+    prometheus.until(rules_evaluated, "the alert rules evaluated")
+    rules = [r for g in prometheus.api("rules", type="alert")["groups"] for r in g["rules"]]
+    assert len(rules) >= 9
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    firing = [r["name"] for r in rules if r["state"] != "inactive"]
+    assert firing == [], firing
     assert [float(r["value"][1]) for r in up] == [1.0]
     names = prometheus.api("label/__name__/values")
     for name in (
