@@ -124,6 +124,16 @@ def test_metrics_follow_prometheus_conventions(compose_broker: ComposeBroker) ->
         "devicemq_delivery_latency_seconds",
     ):
         assert needed in ours, needed
+    # Issue 40: the labelled failure counters have their series before their first
+    # event, so rate() and increase() alerts see it (and their panels are not empty).
+    for series in (
+        'devicemq_redis_script_errors_total{script="save_batch"} 0.0',
+        'devicemq_redis_script_errors_total{script="queue_save"} 0.0',
+        'devicemq_publish_dropped_total{reason="queue_full"} 0.0',
+        'devicemq_connections_rejected_total{reason="banned"} 0.0',
+        'devicemq_writes_given_up_total{writer="session_saves"} 0.0',
+    ):
+        assert series in text, series
     lag = [line for line in text.splitlines() if line.startswith("devicemq_kafka_consumer_lag")]
     partitions = int(compose_broker.env["DEVICEMQ_PERSISTENCE_PARTITIONS"])
     assert len(lag) == partitions  # one series per assigned partition, no per-client labels

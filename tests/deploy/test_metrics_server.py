@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
-from app.metrics import READINESS_CAUSES, MetricsServer, MetricsUnavailable, readiness_cause
+from app.metrics import (
+    KNOWN_DROPS,
+    KNOWN_REJECTIONS,
+    READINESS_CAUSES,
+    MetricsServer,
+    MetricsUnavailable,
+    readiness_cause,
+)
 from broker.config import MetricsSettings, Settings
 from broker.core import Broker
 from broker.stats import Histogram
@@ -41,6 +50,11 @@ async def test_endpoints_before_and_after_the_broker_serves() -> None:
 
         broker = Broker(Settings())
         server.attach(broker, None)
+        # Issue 40: the failure counters have their series before their first event.
+        status, text = await get(port, "/metrics")
+        assert 'devicemq_connections_rejected_total{reason="bad_user_name_or_password"} 0.0' in text
+        assert 'devicemq_connections_rejected_total{reason="banned"} 0.0' in text
+        assert 'devicemq_publish_dropped_total{reason="queue_full"} 0.0' in text
         assert await get(port, "/ready") == (200, '{"ready":true,"persistence":"disabled"}\n')
         broker.stats.messages_received[1] += 3
         broker.stats.drop("queue_full")
@@ -112,3 +126,46 @@ def test_every_unready_reason_has_its_label() -> None:
     for reason, label in reasons.items():
         assert readiness_cause({"ready": False, "reason": reason}) == label, reason
     assert set(reasons.values()) == set(READINESS_CAUSES)
+
+
+BROKER = Path(__file__).resolve().parents[2] / "broker"
+
+
+def _names_counted(*patterns: str) -> set[str]:
+    found: set[str] = set()
+    for source in BROKER.rglob("*.py"):
+        text = source.read_text(encoding="utf-8")
+        for pattern in patterns:
+            found |= {m.lower() for m in re.findall(pattern, text, re.DOTALL)}
+    return found
+
+
+def test_every_rejection_counted_in_broker_starts_at_zero() -> None:
+    """The names broker/ counts connections_rejected_total under, each in
+    KNOWN_REJECTIONS (so its series exists from the start)."""
+    counted = _names_counted(
+        r'\.reject\("(\w+)"\)',  # named closes
+        r'counter="(\w+)"',  # ConnectRefused / AuthResult counters
+        r'failed = "(\w+)"',  # websocket_{failed}
+        r"MQTTError\(\s*ReasonCode\.(\w+)",  # protocol errors: their code's name
+    )
+    counted = {f"websocket_{n}" if n in ("frame_rate", "handshake") else n for n in counted}
+    counted.discard("protocol_error")  # websocket_protocol_error's, and a code's: both listed
+    assert len(counted) > 15
+    missing = sorted(counted - set(KNOWN_REJECTIONS) - {"protocol_error"})
+    assert not missing, f"add to app/metrics.py KNOWN_REJECTIONS: {missing}"
+    assert len(set(KNOWN_REJECTIONS)) == len(KNOWN_REJECTIONS)
+
+
+def test_every_drop_counted_in_broker_starts_at_zero() -> None:
+    counted = _names_counted(
+        r'\.drop\("(\w+)"\)',
+        r'_denied\([^()]*?"(\w+)"\)',
+        r'counter: str = "(\w+)"',
+        r'return "(retained_\w+)"',
+        r"_refuse\(conn, packet, ReasonCode\.(\w+)\)",
+    )
+    assert len(counted) > 15
+    missing = sorted(counted - set(KNOWN_DROPS))
+    assert not missing, f"add to app/metrics.py KNOWN_DROPS: {missing}"
+    assert len(set(KNOWN_DROPS)) == len(KNOWN_DROPS)
