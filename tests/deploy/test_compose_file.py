@@ -159,10 +159,45 @@ def test_grafana_provisioning() -> None:
     mounts = {m.split(":")[1]: m.split(":")[0] for m in grafana["volumes"]}
     assert mounts[provider["options"]["path"]] == "./config/grafana/dashboards"
     dashboard = json.loads((GRAFANA / "dashboards/devicemq.json").read_text())
-    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids == {source["uid"]}
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        assert panel.get("targets") or panel["type"] == "row", panel["title"]
+        box = panel["gridPos"]
+        assert box["x"] + box["w"] <= 24, panel["title"]
+    # no two panels overlap on the grid
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        box = panel["gridPos"]
+        for x in range(box["x"], box["x"] + box["w"]):
+            for y in range(box["y"], box["y"] + box["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_dashboard_shows_the_silent_trouble() -> None:
+    """Issue 40: every counter README says to watch for silent trouble is on a panel
+    of the dashboard's "Silent trouble" row (the panels below the row's header)."""
+    dashboard = json.loads((GRAFANA / "dashboards/devicemq.json").read_text())
+    panels = sorted(dashboard["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+    (row,) = [p for p in panels if p["type"] == "row" and "silent trouble" in p["title"].lower()]
+    below = [p for p in panels if p["gridPos"]["y"] > row["gridPos"]["y"]]
+    assert not any(p["type"] == "row" for p in below)
+    exprs = " ".join(t["expr"] for p in below for t in p["targets"])
+    for counter in (
+        "devicemq_integration_records_failed_total",
+        "devicemq_redis_wait_failures_total",
+        "devicemq_writes_given_up_total",
+        "devicemq_kafka_push_back_seconds_total",
+        "devicemq_kafka_offset_holes_passed_total",
+        "devicemq_persistence_consumer_failures_total",
+        "devicemq_redis_lost_writes_total",
+        "devicemq_kafka_consumer_assigned_partitions",
+        "devicemq_input_pauses_total",
+    ):
+        assert re.search(rf"\b{counter}\b", exprs), f"{counter} not in the silent trouble row"
 
 
 def test_the_commented_secured_kafka_example_names_real_settings() -> None:
