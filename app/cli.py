@@ -332,14 +332,32 @@ def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+# The top-level modules of pyproject.toml's ``pipeline`` extra.
+PIPELINE_EXTRA = ("pyspark", "pyarrow", "pandas", "matplotlib")
+
+
 def _pipeline(args: argparse.Namespace) -> int:
-    """PySpark jobs (pipeline/cli.py); needs the ``pipeline`` extra and Java."""
+    """PySpark jobs (pipeline/cli.py); needs the ``pipeline`` extra and Java.
+
+    Without the extra: one line naming it, exit status 2, not a traceback (issue
+    40); the jobs import PySpark and friends lazily, so the check covers the run.
+    """
     try:
+        # Both jobs need these: checked before the jobs reach Kafka and Redis.
+        importlib.import_module("pyspark")
+        importlib.import_module("pyarrow")
         from pipeline.cli import run
-    except ImportError as e:
-        _error(f"{e}: install the pipeline extra (pip install 'devicemq[pipeline]')")
+
+        return run(args)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").partition(".")[0]
+        if missing not in PIPELINE_EXTRA:
+            raise
+        _error(
+            f"devicemq pipeline needs {missing}, which is not installed: "
+            "pip install 'devicemq[pipeline]' (and Java 17 on PATH)"
+        )
         return 2
-    return run(args)
 
 
 COMMANDS: dict[str, Command] = {
