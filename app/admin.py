@@ -24,6 +24,8 @@ import heapq
 import hmac
 import logging
 import math
+import os
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,6 +46,7 @@ from broker.message import Message
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
+from broker.watched_file import FileChangeWatch
 from persistence.session_rewind import RewindUnderWay
 
 if TYPE_CHECKING:
@@ -70,10 +73,51 @@ class AdminUnavailable(Exception):
     """The admin listener could not open (the port is taken, the address is wrong)."""
 
 
+def create_token_file(settings: Settings) -> None:
+    """``admin.generate_token``: write ``admin.token_file`` unless it exists (mode
+    0600, its directory 0700 if missing), holding ``admin.token`` if set, else a new
+    random token, which is logged this once. Replicas and workers starting together
+    create it once (O_EXCL): the others read it."""
+    admin = settings.admin
+    if not admin.token_file:
+        raise ConfigError(
+            "admin.generate_token needs admin.token_file: where to keep the token",
+            name="admin.generate_token",
+        )
+    path = Path(admin.token_file)
+    if path.exists():
+        return
+    token = admin.token or secrets.token_urlsafe(32)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return  # another replica or worker made it first
+    except FileExistsError:  # from mkdir: a file where the directory should be
+        raise ConfigError(
+            f"cannot create the token file {path}: {path.parent} is not a directory",
+            name="admin.token_file",
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create the token file {path}: {e.strerror or e}", name="admin.token_file"
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    if admin.token:
+        log.warning("created the admin token file %s with admin.token", path)
+    else:
+        # Printed this once (admin.generate_token): the file keeps it.
+        log.warning("created the admin token file %s; the admin token is: %s", path, token)
+
+
 def admin_token(settings: Settings) -> str | None:
     """The configured bearer token, or None; a token file that cannot be read is a
     start error naming ``admin.token_file``."""
     admin = settings.admin
+    if admin.generate_token:
+        create_token_file(settings)
     if admin.token_file:
         try:
             token = Path(admin.token_file).read_text().strip()
@@ -245,6 +289,12 @@ class AdminApi:
         self.blocks = blocks
         self.events = events
         self._started = broker.clock()
+        # admin.token_file is read again when it changes (as the password file is)
+        self._token_watch = (
+            FileChangeWatch(Path(settings.admin.token_file), broker.clock)
+            if settings.admin.token_file and token is not None
+            else None
+        )
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -258,7 +308,25 @@ class AdminApi:
         handler: Callable[..., Awaitable[Response]] = getattr(self, route.handler)
         return await handler(request, *args)
 
+    def _reload_token(self) -> None:
+        """A changed ``admin.token_file``: its new token from now on. A file that
+        cannot be read or is empty keeps the token in force (logged)."""
+        watch = self._token_watch
+        if watch is None or not watch.changed():
+            return
+        try:
+            token = watch.path.read_text().strip()
+        except OSError as e:
+            log.warning("admin token file %s: %s: the token in force stays", watch.path, e)
+            return
+        if not token:
+            log.warning("admin token file %s is empty: the token in force stays", watch.path)
+        elif token != self.token:
+            self.token = token
+            log.warning("admin token file %s changed: its new token is in force", watch.path)
+
     def _authorize(self, request: Request, write: bool) -> None:
+        self._reload_token()
         if self.token is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(

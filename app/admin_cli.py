@@ -31,6 +31,7 @@ import orjson
 
 DEFAULT_URL = "http://127.0.0.1:18083"
 TOKEN_ENV = "DEVICEMQ_ADMIN_TOKEN"
+TOKEN_FILE_ENV = "DEVICEMQ_ADMIN_TOKEN_FILE"
 TIMEOUT = 10.0
 REWIND_TIMEOUT = 600.0  # seconds a session rewind may take (it reads a Kafka partition)
 
@@ -109,7 +110,9 @@ def _error_text(status: int, body: bytes) -> str:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"the admin API (default {DEFAULT_URL})")
     p.add_argument(
-        "--token-file", metavar="FILE", help=f"file holding the admin token (default: ${TOKEN_ENV})"
+        "--token-file",
+        metavar="FILE",
+        help=f"file holding the admin token (default: ${TOKEN_ENV}, else ${TOKEN_FILE_ENV})",
     )
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
 
@@ -197,12 +200,16 @@ def add_queues_arguments(p: argparse.ArgumentParser) -> None:
 
 def _client(args: argparse.Namespace) -> AdminClient:
     token = os.environ.get(TOKEN_ENV) or None
-    if args.token_file:
+    token_file = args.token_file
+    if token_file is None and token is None:
+        # The broker's own admin.token_file, as in its container (docker-compose.yml)
+        token_file = os.environ.get(TOKEN_FILE_ENV) or None
+    if token_file:
         try:
-            with open(args.token_file) as f:
+            with open(token_file) as f:
                 token = f.read().strip()
         except OSError as e:
-            raise ApiError(0, f"cannot read --token-file {args.token_file}: {e.strerror}") from None
+            raise ApiError(0, f"cannot read the token file {token_file}: {e.strerror}") from None
     return AdminClient(args.url, token)
 
 

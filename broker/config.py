@@ -584,6 +584,11 @@ class AdminSettings:
         "read-only and answers loopback only",
         secret=True,
     )
+    generate_token: bool = setting(
+        False,
+        "Create admin.token_file at the first start when it does not exist, holding "
+        "admin.token if set, else a new random token (logged once)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
+import urllib.request
 import uuid
+from pathlib import Path
 
 import yaml
 
@@ -239,3 +242,52 @@ def test_backlog_of_the_fullest_session_and_its_limit(compose_broker: ComposeBro
     finally:
         device.close()
         publisher.close()
+
+
+def _admin_get(broker: ComposeBroker, token: str | None) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{broker.admin_port}/api/v1/sessions")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_admin_token_is_generated_once_and_read_again_when_changed(
+    compose_broker: ComposeBroker,
+) -> None:
+    """Issue 40: the console reachable from the host under compose, with a token made
+    at the first start (admin.generate_token), shown once in the log, kept in the
+    file (the compose volume), and read again when the file changes."""
+    token_file = Path(compose_broker.env["DEVICEMQ_ADMIN_TOKEN_FILE"])
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    log = compose_broker.log()
+    assert log.count(token) == 1, "the generated token is logged exactly once"
+    assert "admin token" in log
+    assert _admin_get(compose_broker, None) == 401
+    assert _admin_get(compose_broker, "wrong") == 401
+    assert _admin_get(compose_broker, token) == 200
+
+    new = "rotated-" + uuid.uuid4().hex
+    try:
+        token_file.write_text(new + "\n")
+        # noticed by mtime, at most one stat() a second (broker/watched_file.py)
+        deadline = time.monotonic() + 10
+        while _admin_get(compose_broker, new) != 200:
+            assert time.monotonic() < deadline, "the changed token file was not read again"
+            time.sleep(0.2)
+        assert _admin_get(compose_broker, token) == 401
+        token_file.write_text("")  # an empty file keeps the token in force
+        deadline = time.monotonic() + 10
+        while "is empty: the token in force stays" not in compose_broker.log():
+            assert time.monotonic() < deadline, "the emptied token file was not looked at"
+            assert _admin_get(compose_broker, new) == 200
+            time.sleep(0.2)
+        assert _admin_get(compose_broker, new) == 200
+        assert new not in compose_broker.log()
+    finally:
+        token_file.write_text(token + "\n")

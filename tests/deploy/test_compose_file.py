@@ -46,7 +46,8 @@ def test_compose_file_follows_the_compose_specification() -> None:
 
 def test_devicemq_is_configured_only_through_its_environment() -> None:
     service = compose()["services"]["devicemq"]
-    assert "volumes" not in service, "no config file (or anything else) is mounted"
+    # no config file (or anything else) is mounted: only the admin token's volume
+    assert service["volumes"] == ["devicemq-admin:/var/lib/devicemq/admin"]
     assert "command" not in service and "entrypoint" not in service
     assert "env_file" not in service and "configs" not in service
     env = service_environment("devicemq")
@@ -84,7 +85,9 @@ def test_devicemq_scales() -> None:
     assert "container_name" not in service and "hostname" not in service
     for port in service.get("ports", []):
         host = str(port).rsplit(":", 1)[0]
-        assert re.fullmatch(r"\d+-\d+", host), f"{port}: a fixed host port stops --scale"
+        assert re.fullmatch(r"(127\.0\.0\.1:)?\d+-\d+", host), (
+            f"{port}: a fixed host port stops --scale"
+        )
     metrics_port = service_environment("devicemq")["DEVICEMQ_METRICS_PORT"]
     assert not any(str(p).endswith(f":{metrics_port}") for p in service.get("ports", []))
 
@@ -108,7 +111,74 @@ def test_every_service_has_healthcheck_restart_policy_and_named_volumes() -> Non
         "redis": {"condition": "service_healthy"},
     }
     assert services["grafana"]["depends_on"]["prometheus"] == {"condition": "service_healthy"}
-    assert declared == {"kafka-data", "redis-data", "prometheus-data", "grafana-data"}
+    assert declared == {
+        "devicemq-admin",
+        "kafka-data",
+        "redis-data",
+        "prometheus-data",
+        "grafana-data",
+    }
+
+
+def _published(service: str) -> list[tuple[str, str, str]]:
+    """(host address, host port(s), container port) of a service's short-form ports."""
+    out = []
+    for port in compose()["services"][service].get("ports", []):
+        parts = str(port).split(":")
+        address = parts[0] if len(parts) == 3 else ""
+        out.append((address, parts[-2], parts[-1]))
+    return out
+
+
+def test_only_mqtt_is_published_beyond_the_hosts_loopback() -> None:
+    """Issue 40: Grafana (admin/admin) and Prometheus were published on every
+    interface; the admin API is published on loopback only, behind its token."""
+    for name in compose()["services"]:
+        for address, host, container in _published(name):
+            if (name, container) == ("devicemq", "1883"):
+                continue  # MQTT: devices connect from elsewhere (authentication is on)
+            assert address == "127.0.0.1", f"{name}: {host}:{container} on every interface"
+    assert ("127.0.0.1", "3000", "3000") in _published("grafana")
+    assert ("127.0.0.1", "9090", "9090") in _published("prometheus")
+
+
+def test_the_admin_console_is_reachable_with_a_generated_token() -> None:
+    """The admin listener on the container's every address (so the published port
+    reaches it), its token in a file created at the first start, in a volume."""
+    env = service_environment("devicemq")
+    settings = load_settings(env={k: interpolate(v, COMPOSE_VARIABLES) for k, v in env.items()})
+    admin = settings.admin
+    assert admin.enabled and admin.host == "0.0.0.0"
+    assert ("127.0.0.1", "18083-18084", str(admin.port)) in _published("devicemq")
+    assert admin.generate_token and admin.token_file == "/var/lib/devicemq/admin/token"
+    assert admin.token == ""  # the operator's DEVICEMQ_ADMIN_TOKEN, if exported
+    own = {
+        k: interpolate(v, {**COMPOSE_VARIABLES, "DEVICEMQ_ADMIN_TOKEN": "t0k"})
+        for k, v in env.items()
+    }
+    assert load_settings(env=own).admin.token == "t0k"
+    (volume,) = compose()["services"]["devicemq"]["volumes"]
+    assert str(Path(admin.token_file).parent) == volume.split(":")[1]
+    dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    # the image makes the directory the devicemq user's (a new volume copies it)
+    assert "install -d -o devicemq -g devicemq -m 0700 /var/lib/devicemq/admin" in dockerfile
+
+
+def test_stop_grace_period_outlasts_the_drain() -> None:
+    """Issue 40: 45 s, shorter than the 60 s drain: Docker's SIGKILL cut it short."""
+    from app.serve import SHUTDOWN_TIMEOUT
+
+    grace = str(compose()["services"]["devicemq"]["stop_grace_period"])
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", grace)
+    assert match and grace, grace
+    seconds = int(match.group(1) or 0) * 60 + int(match.group(2) or 0)
+    assert seconds > SHUTDOWN_TIMEOUT, (
+        f"stop_grace_period {grace} <= the drain's {SHUTDOWN_TIMEOUT} s"
+    )
+    workers = service_environment("devicemq").get("DEVICEMQ_WORKERS", "1")
+    assert workers == "1", "with workers the supervisor's drain (app/workers.py) is longer"
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert f"The drain ends within {SHUTDOWN_TIMEOUT:.0f} s" in readme
 
 
 def test_kafka_is_one_kraft_node_with_data_on_a_volume() -> None:
