@@ -289,6 +289,8 @@ class AdminApi:
         self.blocks = blocks
         self.events = events
         self._started = broker.clock()
+        # /ready's answer, Kafka lag and backlog for the stats (app/serve.py sets it)
+        self.health: Callable[[], Awaitable[dict[str, Any]]] | None = None
         # admin.token_file is read again when it changes (as the password file is)
         self._token_watch = (
             FileChangeWatch(Path(settings.admin.token_file), broker.clock)
@@ -707,6 +709,7 @@ class AdminApi:
                 "messages_sent": sum(s.messages_sent),
                 "connections_total": s.connections_total,
                 "integrations": self._integrations(),
+                "health": await self.health() if self.health is not None else None,
             },
         )
 
