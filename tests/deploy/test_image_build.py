@@ -5,9 +5,11 @@ into the context, and its runtime stage installs that wheel and runs
 ``python -c "import uvloop, prometheus_client, app.serve"``. Here the same
 context (``tests/deploy/dockerignore.py`` applies the ``.dockerignore`` rules to
 a copy of the tree) is built by ``pip wheel --no-deps`` (with build isolation,
-as in the image: the venv's own setuptools may be older than pyproject.toml's
-``setuptools>=68``), installed with ``pip install --no-deps --target`` and its
-``devicemq`` console script and the Dockerfile's import line are run from it.
+as in the image: the venv's own setuptools, 65.5 here, is older than
+pyproject.toml's ``setuptools>=68``, so pip fetches setuptools from the package
+index or its cache, as ``.ci/run``'s own ``pip install`` does), installed with
+``pip install --no-deps --target``, and its ``devicemq`` console script and the
+Dockerfile's import line are run from it.
 The dependencies come from the test's own environment; they are PyPI wheels the
 image installs unchanged.
 
@@ -16,9 +18,9 @@ had no ``app`` package and ``docker compose up --build`` failed at that step.
 
 Not the real image: Debian has a daemonless builder here (``buildah``, also
 ``podman``; ``apt-cache policy buildah``), but the image starts ``FROM
-python:3.11-slim``, which only a container registry serves, and none is
-reachable from this CI. What the image adds over this test is the base image
-and ``useradd``.
+python:3.11-slim``, which only a container registry serves, and this CI
+reaches none. What the image adds over this test is the base image, the
+``useradd`` and the admin token's directory.
 """
 
 from __future__ import annotations
