@@ -250,10 +250,16 @@ def test_auto_refresh_readiness_and_utc_times(
         health = api.call("GET", "stats")["health"]
         assert health["ready"] is True and health["reason"] is None
 
-        # a session made after the page loaded shows up by itself
+        # a session made after the page loaded shows up by itself, at a refresh
+        wait_for(driver, lambda d: _sessions_listed(d) is not None, "the first load")
         cid = "console-auto-1"
+        before = _refreshes(driver)
         persistent_subscriber(broker, cid, "console/auto").close()
-        row = wait_for(driver, lambda d: _session_row(d, cid), f"{cid} without a click")
+        row = wait_for(
+            driver,
+            lambda d: _refreshes(d) > before + 1 and _session_row(d, cid),
+            f"{cid} without a click",
+        )
         last_seen = api.call("GET", api.session_path(cid))["last_seen"]
         cells = row.find_elements(By.TAG_NAME, "td")
         assert cells[-1].text == _utc(last_seen)
