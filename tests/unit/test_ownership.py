@@ -9,11 +9,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from broker.auth import hash_password, write_password_file
 from broker.config import AuthSettings, ConfigError, FlappingSettings, Settings, TlsSettings
-from broker.core import client_id_policy
+from broker.core import Broker, client_id_policy
 from broker.ownership import CLIENT_ID, QUEUE, Claim, MemoryOwners, client_id_allowed
 from broker.packets import (
     ConnAck,
@@ -232,3 +233,39 @@ def test_the_acl_governs_reading_a_queue(tmp_path: Path) -> None:
     # nothing was claimed for bob: the queue is still nobody's
     assert asyncio.run(h.broker.owners.holder(QUEUE, "dev-8")) is None
     assert asyncio.run(h.broker.owners.holder(QUEUE, "dev-7")) == ("alice", None)
+
+
+# -- the admin API (app/admin.py), in process ---------------------------------------------
+
+
+async def test_an_operator_shows_and_releases_a_client_id_and_a_queue_needs_queues(
+    tmp_path: Path,
+) -> None:
+    from app.admin import AdminApi
+    from app.http import HttpError, Request
+
+    settings = harness(tmp_path).broker.settings
+    broker = Broker(settings, clock=FakeClock(), wall_clock=FakeClock())
+    api = AdminApi(settings, broker, "node-1", token="t")
+
+    async def call(method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+        request = Request(method, "/api/v1/" + path, {}, {"authorization": "Bearer t"}, body, "")
+        try:
+            response = await api.handle(request)
+        except HttpError as e:
+            return e.status, str(e)
+        return response.status, orjson.loads(response.body)
+
+    assert await call("GET", "client-ids/dev-7/owner") == (
+        200,
+        {"client_id": "dev-7", "owner": None, "released_in": None, "client_id_owner": "first"},
+    )
+    broker.owners.claim(CLIENT_ID, "dev-7", "alice", 60, lambda claim: None)
+    status, answer = await call("GET", "client-ids/dev-7/owner")
+    assert (status, answer["owner"], answer["released_in"]) == (200, "alice", 60)
+    status, answer = await call("DELETE", "client-ids/dev-7/owner")
+    assert (status, answer["before"]) == (200, "alice")
+    assert (await call("DELETE", "client-ids/dev-7/owner"))[0] == 404
+    # no persistence, no queues: their owners are not there to change either
+    assert (await call("GET", "queues/dev-7/owner"))[0] == 409
+    assert (await call("PUT", "queues/dev-7/owner", b'{"owner": "bob"}'))[0] == 409
