@@ -32,7 +32,8 @@ MAX_TRACKED = 1_000_000  # claims MemoryOwners keeps at most (then the oldest go
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The answer to a claim: ``granted``, or refused because ``holder`` holds it."""
+    """The answer to a claim: ``granted``, or refused because ``holder`` holds it
+    (None when granted)."""
 
     granted: bool
     holder: str | None = None
@@ -116,7 +117,7 @@ class MemoryOwners:
             return
         if owner is not None:
             self._keep(key, owner, ttl)
-        done(Claim(True, owner))
+        done(Claim(True))
 
     def _keep(self, key: tuple[str, str], owner: str, ttl: float) -> None:
         self._held.pop(key, None)  # the newest last: the oldest go first when full

@@ -17,6 +17,7 @@ right code, every refusal is counted), never a tight timing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -1105,7 +1106,7 @@ def test_another_user_cannot_read_a_devices_queue(tmp_path: Path, broker_factory
 
 
 def test_a_queue_stays_its_first_consumers_whoever_holds_the_client_id(
-    tmp_path: Path, broker_factory: Factory
+    tmp_path: Path, broker_factory: Factory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The same theft with client IDs unbound (``auth.client_id_owner: off``) and the ACL
     rule every device's queue needs (``pattern read $ECQ/%c/#``, which matches mallory
@@ -1139,9 +1140,20 @@ def test_a_queue_stays_its_first_consumers_whoever_holds_the_client_id(
         mallory.assert_no_message(timeout=1.0)
         mallory.disconnect()
     assert "may not consume its queue (not_owner)" in broker.log()
-    # an operator gives the queue to mallory: hers to read from then on
-    answer = api.call("PUT", "queues/dev-7/owner", body={"owner": "mallory"})
+    # an operator gives the queue to mallory (devicemq queues owner): hers from then on
+    from app import cli
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", api.url, "--token-file", str(token_file)]
+    assert cli.main(["queues", "owner", "dev-7", *common]) == 0
+    assert capsys.readouterr().out.strip() == "dev-7: owned by dev7"
+    assert cli.main(["queues", "owner", "dev-7", "--set", "mallory", *common, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
     assert (answer["owner"], answer["before"]) == ("mallory", "dev7")
+    assert cli.main(["client-ids", "owner", "dev-7", *common]) == 0  # off: nobody holds IDs
+    assert capsys.readouterr().out.strip() == "dev-7: nobody's"
+    assert cli.main(["client-ids", "owner", "dev-7", "--release", *common]) == 1  # 404
     mallory = as_user(broker, "dev-7", "mallory")
     assert mallory.connect().reason_code == 0
     assert mallory.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all()) == [1]

@@ -82,8 +82,8 @@ def test_memory_claims_hold_until_released_or_run_out() -> None:
     owners.claim(CLIENT_ID, "dev", "bob", 10, answers.append)
     owners.claim(CLIENT_ID, "dev", None, 10, answers.append)  # anonymous asks only
     owners.claim(QUEUE, "dev", "bob", 0, answers.append)  # another kind, another claim
-    alice, refused = Claim(True, "alice"), Claim(False, "alice")
-    assert answers == [alice, refused, refused, Claim(True, "bob")]
+    refused = Claim(False, "alice")
+    assert answers == [Claim(True), refused, refused, Claim(True)]
     assert asyncio.run(owners.holder(CLIENT_ID, "dev")) == ("alice", 10)
     clock.now += 10
     assert asyncio.run(owners.holder(CLIENT_ID, "dev")) is None  # unused that long: free
@@ -92,7 +92,7 @@ def test_memory_claims_hold_until_released_or_run_out() -> None:
     assert asyncio.run(owners.assign(QUEUE, "dev", None, 0)) == "carol"
     answers.clear()
     owners.claim(QUEUE, "dev", None, 0, answers.append)
-    assert answers == [Claim(True, None)]  # nobody's: granted, nothing kept
+    assert answers == [Claim(True)]  # nobody's: granted, nothing kept
     assert asyncio.run(owners.holder(QUEUE, "dev")) is None
 
 
