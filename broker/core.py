@@ -82,6 +82,18 @@ def owner_policy(settings: Settings) -> str:
     return "none"
 
 
+def names_clients(settings: Settings) -> bool:
+    """Can a client have a name (authentication configured)? Without one every client
+    is anonymous: there is no owner to bind a client ID or a queue to."""
+    auth = settings.auth
+    return bool(
+        auth.password_file
+        or auth.chain_members
+        or auth.use_identity_as_username
+        or settings.tls.cafile
+    )
+
+
 def client_id_policy(settings: Settings) -> str:
     """auth.client_id_owner as it applies: ``off`` while nobody can have a name (no
     authentication configured: every client is anonymous, nothing to bind an ID to).
@@ -91,12 +103,6 @@ def client_id_policy(settings: Settings) -> str:
 
     auth = settings.auth
     policy = auth.client_id_owner
-    named = bool(
-        auth.password_file
-        or auth.chain_members
-        or auth.use_identity_as_username
-        or settings.tls.cafile
-    )
     for pattern in parse_patterns(auth.client_id_pattern):
         if "%u" not in pattern:
             raise ConfigError(
@@ -112,7 +118,7 @@ def client_id_policy(settings: Settings) -> str:
             "auth.use_identity_as_username): without it no client has a user name",
             name="auth.client_id_owner",
         )
-    return policy if named else "off"
+    return policy if names_clients(settings) else "off"
 
 
 def _ignore_stored(ok: bool) -> None:
@@ -193,6 +199,7 @@ class Broker:
         # replicas through Redis (persistence/owner_store.py), else here.
         self.owners: Owners = owners or MemoryOwners(wall_clock)
         self.client_id_policy = client_id_policy(settings)
+        self._names_clients = names_clients(settings)
         self._client_id_patterns = parse_patterns(settings.auth.client_id_pattern)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
@@ -719,6 +726,9 @@ class Broker:
             client_id, conn.username, consumer_filter(client_id), conn.address
         ):
             then("not_authorized")
+            return
+        if not self._names_clients:
+            then("")  # every client is anonymous: nobody to bind the queue to
             return
         self.owners.claim(
             QUEUE, client_id, self.identity_of(conn), 0, lambda c: then(_refusal_of(c))
