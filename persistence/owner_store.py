@@ -18,6 +18,7 @@ from persistence.redis_store import RedisMessageStore, lua_script
 log = logging.getLogger("devicemq.owners")
 
 _CLAIM = lua_script("owner_claim")
+CLOSE_TIMEOUT = 5.0  # seconds a shutdown waits for claims under way
 
 
 def _key(kind: str, name: str) -> str:
@@ -73,7 +74,11 @@ class RedisOwners:
             before = await redis.set(key, owner, px=int(ttl * 1000) or None, get=True)
         return None if before is None else _text(cast(bytes, before))
 
-    async def close(self) -> None:
-        """Wait for the claims under way (their answers go to connections closing)."""
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Wait for the claims under way (refreshes of connections that ended), at most
+        ``timeout`` seconds; the rest are cancelled (their clients claim again when
+        they connect)."""
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in set(self._tasks):
+            task.cancel()
