@@ -20,6 +20,7 @@ from broker.packets import (
     ConnAck,
     Connect,
     ConnectReturnCode,
+    Properties,
     ReasonCode,
     SubAck,
     Subscribe,
@@ -269,3 +270,37 @@ async def test_an_operator_shows_and_releases_a_client_id_and_a_queue_needs_queu
     # no persistence, no queues: their owners are not there to change either
     assert (await call("GET", "queues/dev-7/owner"))[0] == 409
     assert (await call("PUT", "queues/dev-7/owner", b'{"owner": "bob"}'))[0] == 409
+
+
+def test_a_resumed_consumer_of_a_queue_given_to_another_loses_its_subscription(
+    tmp_path: Path,
+) -> None:
+    h = harness(tmp_path, path=QueuePath())
+
+    def resume() -> Client:
+        client = h.client(V5, peer="dev-7")
+        client.send(
+            Connect(
+                "dev-7",
+                protocol_level=V5,
+                username="alice",
+                password=PASSWORD,
+                keep_alive=0,
+                clean_start=False,
+                properties=Properties(session_expiry_interval=600),
+            )
+        )
+        connack = client.read()[0]
+        assert isinstance(connack, ConnAck) and connack.reason_code == 0
+        return client
+
+    device = resume()
+    assert _queue_suback(device, "$ECQ/dev-7/#") == 1
+    device.conn.connection_lost()
+    resume().conn.connection_lost()  # still hers: the subscription stays
+    assert "$ECQ/dev-7/#" in h.broker.sessions["dev-7"].subscriptions
+    asyncio.run(h.broker.owners.assign(QUEUE, "dev-7", "bob", 0))  # an operator's
+    resume()
+    assert "$ECQ/dev-7/#" not in h.broker.sessions["dev-7"].subscriptions
+    assert h.broker.subscriptions.match("$ECQ/dev-7/k").entries == []
+    assert h.broker.stats.dropped["ecq_subscribe_refused"] == 1
