@@ -43,6 +43,7 @@ from broker.config import ConfigError, Settings
 from broker.ecq import valid_client_id
 from broker.limits import is_loopback
 from broker.message import Message
+from broker.ownership import CLIENT_ID, QUEUE
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
@@ -148,7 +149,7 @@ class Route:
     body: str = ""  # the JSON body, described
 
 
-ROUTES = (
+ROUTES: tuple[Route, ...] = (
     Route(
         "GET",
         ("sessions",),
@@ -256,6 +257,46 @@ ROUTES = (
     Route("GET", ("stats",), "stats", "Headline numbers of this replica"),
     Route("GET", ("openapi.json",), "openapi", "This API's OpenAPI 3 document"),
 )
+
+# Who holds a queue and a client ID (broker/ownership.py; SECURITY.md "Client IDs and
+# queues belong to their owner").
+OWNER_ROUTES = (
+    Route(
+        "GET",
+        ("queues", "{client_id}", "owner"),
+        "show_queue_owner",
+        "Whose the $ECQ queue is: the owner of its first consumer (null: nobody's yet)",
+    ),
+    Route(
+        "PUT",
+        ("queues", "{client_id}", "owner"),
+        "set_queue_owner",
+        "Give the queue to another owner (the client ID is disconnected)",
+        write=True,
+        body='{"owner": "user name or certificate identity"}',
+    ),
+    Route(
+        "DELETE",
+        ("queues", "{client_id}", "owner"),
+        "clear_queue_owner",
+        "Clear the queue's owner: its next consumer's owner holds it (disconnected)",
+        write=True,
+    ),
+    Route(
+        "GET",
+        ("client-ids", "{client_id}", "owner"),
+        "show_client_id_owner",
+        "Who holds the client ID (auth.client_id_owner: first) and for how long unused",
+    ),
+    Route(
+        "DELETE",
+        ("client-ids", "{client_id}", "owner"),
+        "release_client_id",
+        "Release the client ID: the next owner to connect with it holds it",
+        write=True,
+    ),
+)
+ROUTES = ROUTES + OWNER_ROUTES
 
 
 class AdminApi:
@@ -679,6 +720,59 @@ class AdminApi:
         again = await self.rewind(client_id, seq)
         self._audit(client_id, "rewind_queue", {"seq": seq, "pending_again": again})
         return json_response(200, {"client_id": client_id, "seq": seq, "pending_again": again})
+
+    # -- owners (broker/ownership.py) --------------------------------------------------
+
+    async def show_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        held = await self.broker.owners.holder(QUEUE, client_id)
+        return json_response(
+            200, {"client_id": client_id, "owner": held[0] if held is not None else None}
+        )
+
+    async def set_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        data = _json_body(request)
+        owner = data.get("owner")
+        if not isinstance(owner, str) or not owner or len(owner.encode()) > 65535:
+            raise HttpError(400, "owner: a user name (or certificate identity)", {"field": "owner"})
+        unknown = set(data) - {"owner"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        return await self._queue_owner_is(client_id, owner)
+
+    async def clear_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        return await self._queue_owner_is(client_id, None)
+
+    async def _queue_owner_is(self, client_id: str, owner: str | None) -> Response:
+        before = await self.broker.owners.assign(QUEUE, client_id, owner, 0)
+        # A consumer of the owner before stops now; its next subscription is decided
+        # by the new owner.
+        disconnected = before != owner and self.broker.kick(client_id)
+        detail = {"owner": owner, "before": before, "disconnected": disconnected}
+        self._audit(client_id, "queue_owner", detail)
+        return json_response(200, {"client_id": client_id, **detail})
+
+    async def show_client_id_owner(self, request: Request, client_id: str) -> Response:
+        held = await self.broker.owners.holder(CLIENT_ID, client_id)
+        return json_response(
+            200,
+            {
+                "client_id": client_id,
+                "owner": held[0] if held is not None else None,
+                "released_in": held[1] if held is not None else None,
+                "client_id_owner": self.broker.client_id_policy,
+            },
+        )
+
+    async def release_client_id(self, request: Request, client_id: str) -> Response:
+        before = await self.broker.owners.assign(CLIENT_ID, client_id, None, 0)
+        if before is None:
+            raise HttpError(404, f"nobody holds the client ID {client_id}")
+        self._audit(client_id, "release_client_id", {"before": before})
+        return json_response(200, {"client_id": client_id, "released": True, "before": before})
 
     def _queues(self, client_id: str) -> QueueStore:
         if self.queues is None or self.rewind is None:

@@ -210,19 +210,23 @@ def _loadtest(args: argparse.Namespace) -> int:
 def _admin_command(name: str) -> Command:
     """One admin command: its arguments and handler live in app/admin_cli.py."""
 
+    attribute = name.replace("-", "_")
+
     def add_arguments(p: argparse.ArgumentParser) -> None:
         admin_cli = importlib.import_module("app.admin_cli")
-        getattr(admin_cli, f"add_{name}_arguments")(p)
+        getattr(admin_cli, f"add_{attribute}_arguments")(p)
 
     def handler(args: argparse.Namespace) -> int:
         admin_cli = importlib.import_module("app.admin_cli")
-        return int(admin_cli.run(args, getattr(admin_cli, name)))
+        return int(admin_cli.run(args, getattr(admin_cli, attribute)))
 
     helps = {
         "sessions": "list, show, kick, delete or purge sessions (the admin API)",
         "blocked": "list, add or remove block-list entries (the admin API)",
         "retained": "list or delete retained messages (the admin API)",
-        "queues": "show or rewind a client's $ECQ queue (the admin API)",
+        "queues": "show or rewind a client's $ECQ queue, or show or change its owner "
+        "(the admin API)",
+        "client-ids": "show or release who holds a client ID (the admin API)",
     }
     return Command(helps[name], add_arguments, handler)
 
@@ -369,6 +373,7 @@ COMMANDS: dict[str, Command] = {
     "blocked": _admin_command("blocked"),
     "retained": _admin_command("retained"),
     "queues": _admin_command("queues"),
+    "client-ids": _admin_command("client-ids"),
     "services": Command(
         "show or stop the embedded Redis and Kafka of a data dir",
         _add_services_arguments,

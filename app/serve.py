@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from persistence.blocklist_store import BlockListStore
     from persistence.device_persistence import DevicePersistence
     from persistence.integration_sink import KafkaIntegrationSink
+    from persistence.owner_store import RedisOwners
 
 log = logging.getLogger("devicemq.server")
 
@@ -90,6 +91,7 @@ async def _serve(
 
         token = admin_token(settings)  # a bad token file stops the start here
     blocks: BlockListStore | None = None
+    owners: RedisOwners | None = None  # None: claims kept in memory (broker/ownership.py)
     integrations = None
     if settings.integrations:
         integrations = await _open_integrations(settings, embedded_kafka)
@@ -104,11 +106,15 @@ async def _serve(
         from persistence.blocklist_store import BlockListStore
 
         blocks = BlockListStore(persistence.store.redis)
+        from persistence.owner_store import RedisOwners
+
+        owners = RedisOwners(persistence.store)
     broker = Broker(
         settings,
         persistent_path=persistence,
         keep_block=blocks.keep if blocks is not None else None,
         integration_sink=integrations,
+        owners=owners,
     )
     link = None
     retained = None
@@ -179,6 +185,8 @@ async def _serve(
             await admin.stop()
         if blocks is not None:
             await blocks.close()
+        if owners is not None:
+            await owners.close()
         if retained is not None:
             await retained.close()
         if link is not None:
