@@ -18,6 +18,10 @@ else ``~/.cache/devicemq-ab``):
   match this interpreter and this recipe, or whose Python does not import the
   tree, is rebuilt.
 
+A revision runs as pure Python from its files: nothing is compiled. (When
+hot modules are compiled, e.g. with mypyc, building them here is one more step
+of the recipe, and :data:`RECIPE` goes up.)
+
 The revision's own entry point (``[project.scripts] devicemq`` of its
 pyproject.toml: ``broker.cli:main`` in November 2026, ``app.cli:main`` later)
 is what :meth:`Tree.command` runs.
@@ -155,8 +159,9 @@ def _venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _imports_tree(python: Path, root: Path, entry: str) -> bool:
-    """Does ``python`` import the tree's packages from ``root`` (and its entry point)?"""
+def _imports_tree(python: Path, root: Path, entry: str) -> str | None:
+    """Why ``python`` does not import the tree's packages from ``root`` (and its
+    entry point), or None when it does."""
     module, _, function = entry.partition(":")
     code = (
         f"import broker, {module}; getattr({module}, {function!r}); "
@@ -172,27 +177,34 @@ def _imports_tree(python: Path, root: Path, entry: str) -> bool:
             check=False,
             timeout=60,
         )
-    except OSError:
-        return False
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    if done.returncode != 0:
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"exit status {done.returncode}"
     where = done.stdout.decode().strip()
-    return done.returncode == 0 and Path(where).resolve().is_relative_to(root.resolve())
+    if not Path(where).resolve().is_relative_to(root.resolve()):
+        return f"it imports broker from {where}"
+    return None
 
 
-def _cached(dest: Path, sha: str, label: str) -> Tree | None:
+def _cached(dest: Path, sha: str, label: str) -> tuple[Tree | None, str]:
+    """The build in ``dest`` if it is sound, else why not."""
     try:
         record = json.loads((dest / "built.json").read_text())
     except (OSError, ValueError):
-        return None
+        return None, "no built.json"
     if record != _record(sha):
-        return None
+        return None, "built for another interpreter, environment or recipe"
     root, python = dest / "tree", _venv_python(dest / "venv")
     try:
         entry = entry_point(root)
-    except BuildError:
-        return None
-    if not _imports_tree(python, root, entry):
-        return None
-    return Tree(label, root, str(python), None, entry, sha)
+    except BuildError as e:
+        return None, str(e)
+    why = _imports_tree(python, root, entry)
+    if why is not None:
+        return None, why
+    return Tree(label, root, str(python), None, entry, sha), ""
 
 
 def _export(repo: Path, sha: str, into: Path) -> None:
@@ -226,7 +238,7 @@ def build(repo: Path, rev: str, cache: Path | None = None) -> tuple[Tree, bool]:
     label = rev if rev.startswith(sha[:7]) else f"{rev} ({sha[:7]})"
     cache = cache or cache_root()
     dest = cache / sha
-    tree = _cached(dest, sha, label)
+    tree, _ = _cached(dest, sha, label)
     if tree is not None:
         return tree, False
     cache.mkdir(parents=True, exist_ok=True)
@@ -249,7 +261,7 @@ def build(repo: Path, rev: str, cache: Path | None = None) -> tuple[Tree, bool]:
             # another run built it meanwhile: use that one
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tree = _cached(dest, sha, label)
+    tree, why = _cached(dest, sha, label)
     if tree is None:
-        raise BuildError(f"{rev}: built into {dest}, but its Python does not import it")
+        raise BuildError(f"{rev}: built into {dest}, but it does not run: {why}")
     return tree, True

@@ -55,6 +55,8 @@ from loadtest.ab.summary import (
 __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parents[2]
+# Median busy cores used by neither server nor loader above which the report warns.
+NOISY_OTHER_CORES = 0.25
 
 
 def _positive(text: str) -> int:
@@ -220,12 +222,18 @@ class _Session:
         return record
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _progress_line(done: int, total: int, record: RunRecord) -> str:
     head = f"[{done}/{total}] round {record.round + 1} {record.scenario} {record.side}: "
     if record.error and not record.delivered:
         return head + f"FAILED: {record.error.splitlines()[0]}"
     cores = record.server_cores
-    text = f"{record.delivered:,.0f} msg/s, p50 {record.p50_ms} ms, p99 {record.p99_ms} ms, "
+    text = (
+        f"{record.delivered:,.0f} msg/s, p50 {_ms(record.p50_ms)} ms, p99 {_ms(record.p99_ms)} ms, "
+    )
     text += "server cores unknown" if cores is None else f"server {cores:.2f} cores"
     if record.error:
         text += f"; FAILED: {record.error}"
@@ -339,6 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.duration:g} s measured after {args.warmup:g} s warm-up per run\n"
     )
     print(format_table([(s.title, s.paced, sides_, cs) for s, sides_, cs in results]))
+    busy = [s.other_cores for _, sides_, _ in results for s in sides_.values() if s.other_cores]
+    if busy and max(busy) > NOISY_OTHER_CORES:
+        print(
+            f"\nnote: other processes kept up to {max(busy):.2f} of the machine's cores busy "
+            "during the measured windows: the ratios are noisy; more rounds, or a quieter "
+            "machine, narrow them"
+        )
     failures = [r for r in session.records if not r.ok]
     for record in failures:
         print(f"failed: round {record.round + 1} {record.scenario} {record.side}: {record.error}")
