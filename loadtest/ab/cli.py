@@ -114,6 +114,13 @@ def parser() -> argparse.ArgumentParser:
         "--fan-in", type=_shape, default=sizes.fan_in, metavar="PxS", help="fan-in (100x2)"
     )
     g.add_argument(
+        "--fan-in-rate",
+        type=float,
+        default=sizes.fan_in_rate,
+        metavar="MSG_S",
+        help="fan-in: msg/s per publisher (20; paced: compared by CPU per message)",
+    )
+    g.add_argument(
         "--fan-out", type=_shape, default=sizes.fan_out, metavar="PxS", help="fan-out (1x100)"
     )
     g.add_argument(
@@ -153,6 +160,7 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
         memory_pairs=args.memory_pairs,
         persistent_pairs=args.persistent_pairs,
         fan_in=args.fan_in,
+        fan_in_rate=args.fan_in_rate,
         fan_out=args.fan_out,
         devices=args.devices,
     )

@@ -36,6 +36,10 @@ class Sizes:
     memory_pairs: int = 200
     persistent_pairs: int = 100
     fan_in: tuple[int, int] = (100, 2)  # publishers, subscribers
+    # msg/s per fan-in publisher: unthrottled, 100 publishers offer more than two
+    # subscribers can take through their windows, and both devicemq and Mosquitto
+    # drop for full queues (an overload test, BENCHMARKS.md "fan-in")
+    fan_in_rate: float = 20.0
     fan_out: tuple[int, int] = (1, 100)
     devices: int = 1000
 
@@ -87,10 +91,17 @@ def make_scenario(
             load, scenario="p2p", pairs=n, persistent=True, drain=timing.persistent_drain
         )
         return Scenario(name, f"p2p {n} pairs, persistent", config, persistent=True, paced=False)
-    if name in ("fan-in", "fan-out"):
-        pubs, subs = sizes.fan_in if name == "fan-in" else sizes.fan_out
+    if name == "fan-in":
+        pubs, subs = sizes.fan_in
+        rate = sizes.fan_in_rate
+        config = replace(load, scenario=name, publishers=pubs, subscribers=subs, rate=rate)
+        title = f"fan-in {pubs}x{subs} x {rate:g} msg/s" if rate else f"fan-in {pubs}x{subs}"
+        return Scenario(name, title, config, persistent=False, paced=rate > 0)
+    if name == "fan-out":
+        pubs, subs = sizes.fan_out
         config = replace(load, scenario=name, publishers=pubs, subscribers=subs)
-        return Scenario(name, f"{name} {pubs}x{subs}, clean", config, persistent=False, paced=False)
+        title = f"fan-out {pubs}x{subs}, clean"
+        return Scenario(name, title, config, persistent=False, paced=False)
     if name == "fleet":
         # issue 39's shape (TBMQ's): a 62-byte QoS 1 message a second from each
         # device to its own persistent subscriber

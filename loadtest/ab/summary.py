@@ -226,7 +226,7 @@ def _x(value: float | None) -> str:
 
 _HEAD = (
     ("scenario", "<", 26),
-    ("side", "<", 11),
+    ("side", "<", 14),
     ("msg/s", ">", 9),
     ("min..max", ">", 15),
     ("p50 ms", ">", 8),

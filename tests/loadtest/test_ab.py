@@ -93,6 +93,10 @@ def test_scenarios_are_presets_of_the_loaders_own() -> None:
     assert persistent.config.drain == TIMING.persistent_drain
     fan_in = make_scenario("fan-in", sizes, TIMING).config.resolved()
     assert (fan_in.publishers, fan_in.subscribers, fan_in.persistent) == (9, 2, False)
+    # paced (two subscribers cannot take what 100 unthrottled publishers offer)
+    assert fan_in.rate == 20.0 and make_scenario("fan-in", sizes, TIMING).paced
+    unpaced = make_scenario("fan-in", Sizes(fan_in_rate=0), TIMING)
+    assert not unpaced.paced and unpaced.config.rate == 0
     fan_out = make_scenario("fan-out", sizes, TIMING).config.resolved()
     assert (fan_out.publishers, fan_out.subscribers) == (1, 8)
     fleet = make_scenario("fleet", sizes, TIMING)
