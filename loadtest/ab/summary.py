@@ -12,9 +12,11 @@ persistent run its embedded Redis and Kafka. From these:
 
 Per scenario and side, each figure's median over the rounds (and for msg/s
 its min..max). The **speed** ratio of head to base is msg/s head/base; for a
-paced scenario (``fleet``: the rate is the offer, the same on both sides) it
-is the cost instead, us/msg base/head. Below :data:`FLAG_BELOW` it is
-flagged: a drop of more than 5% is to be explained or undone (issue 41).
+paced scenario (``fleet``, ``fan-in``: the rate is the offer, the same on
+both sides) it is the lower of that and the cost ratio us/msg base/head, so
+that a side which keeps up at a higher cost, or falls behind the offer, is
+slower. Below :data:`FLAG_BELOW` it is flagged: a drop of more than 5% is to
+be explained or undone (issue 41).
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ class Comparison:
     rate: float | None  # msg/s side / reference
     p99: float | None  # e2e p99 side / reference (above 1: a longer tail)
     cost: float | None  # us/msg side / reference (above 1: dearer)
-    speed: float | None  # rate, or for a paced scenario 1 / cost
+    speed: float | None  # rate, or for a paced scenario the lower of rate and 1 / cost
     flagged: bool
 
 
@@ -199,7 +201,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def compare(side: SideSummary, reference: SideSummary, paced: bool) -> Comparison:
     rate = _ratio(side.delivered, reference.delivered)
     cost = _ratio(side.us_per_message, reference.us_per_message)
-    speed = (1 / cost if cost else None) if paced else rate
+    speed = rate
+    if paced:
+        # the offer is the same on both sides: while both keep up the cost tells them
+        # apart; a side that falls behind the offer is slower whatever its cost
+        speed = min((v for v in (rate, 1 / cost if cost else None) if v is not None), default=None)
     return Comparison(
         side.side,
         reference.side,
@@ -305,8 +311,8 @@ def format_table(
         "Medians over the rounds. us/msg: server CPU (broker + Redis + Kafka) per delivered "
         "message; in+out/core: messages received + delivered per second of server CPU; "
         "other: busy cores of the machine that neither the server nor the loader used "
-        "(noise). speed: the msg/s ratio, or for a paced scenario (cost) the us/msg ratio "
-        f"inverted; below {FLAG_BELOW:g} it is flagged with !.",
+        "(noise). speed: the msg/s ratio; for a paced scenario (cost) the lower of it and the "
+        f"us/msg ratio inverted; below {FLAG_BELOW:g} it is flagged with !.",
         width=100,
     )
     return "\n".join(lines)

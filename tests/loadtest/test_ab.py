@@ -170,6 +170,11 @@ def test_a_paced_scenario_compares_the_cost_per_message() -> None:
     assert c.speed == pytest.approx(1 / 1.1)
     assert c.flagged
     assert not compare(base, head, paced=True).flagged
+    # a side that falls behind the offer is slower, however cheap each message was
+    behind = summarize_side("head", [_run("head", 900.0, broker=0.08)])
+    c = compare(behind, base, paced=True)
+    assert c.cost is not None and c.cost < 1
+    assert c.speed == pytest.approx(0.9) and c.flagged
 
 
 def test_the_table() -> None:
