@@ -289,6 +289,7 @@ def _document(
             for name, tree in trees.items()
         }
         | ({"mosquitto": {"binary": brokers.mosquitto_binary()}} if args.mosquitto else {}),
+        "devicemq_settings": brokers.SETTINGS,
         "rounds": args.rounds,
         "order": [[r, s.name, side] for r, s, side in order],
         "scenarios": {
