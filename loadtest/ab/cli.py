@@ -343,13 +343,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         session.say(f"{name}: {tree.label}, {how} ({tree.root})")
     session.say(f"builds ready in {spent:.1f} s")
     order = schedule(args.rounds, scenarios, sides)
+    interrupted = False
     try:
         for i, (round_, scenario, side) in enumerate(order, 1):
             seed = args.seed + 1000 * round_ + scenarios.index(scenario)
             record = session.run(round_, scenario, side, seed)
             session.say(_progress_line(i, len(order), record))
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # the runs done so far are still worth a table
+        interrupted = True
+        print(f"interrupted after {len(session.records)} of {len(order)} runs", file=sys.stderr)
     results = summaries(scenarios, sides, session.records)
     print(
         f"base: {trees['base'].label}\nhead: {trees['head'].label}\n"
@@ -370,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         document = _document(args, trees, built, order, session.records, results)
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+    if interrupted:
+        return 130
     if failures:
         return 1
     flagged = any(c.flagged for _, _, cs in results for c in cs)

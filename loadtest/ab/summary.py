@@ -258,6 +258,8 @@ def _line(cells: Sequence[str]) -> str:
 
 def _side_cells(title: str, s: SideSummary) -> list[str]:
     if s.delivered is None:
+        if not s.failed:
+            return [title, s.side, "not run", *[""] * 7]
         return [title, s.side, "failed", f"({s.failed} of {s.failed} runs)", *[""] * 6]
     cores = s.cores
     split = "+".join(_n(cores.get(k), 2) for k in ("broker", "redis", "kafka") if k in cores)

@@ -214,6 +214,10 @@ def test_the_table() -> None:
     fleet_rows = lines[lines.index(next(x for x in lines if x.startswith("fleet 50"))) :]
     assert "failed" in fleet_rows[1]
     assert "speed -" in fleet_rows[2]
+    # an interrupted session: a side that never ran
+    (_, sides, comparisons) = summaries([fleet], ["base", "head"], records[6:7])[0]
+    table = format_table([(fleet.title, True, sides, comparisons)])
+    assert "not run" in table.splitlines()[2]
 
 
 def test_cores_by_role_over_the_window() -> None:
