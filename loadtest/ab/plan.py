@@ -58,7 +58,7 @@ class Scenario:
     title: str  # what the table calls it
     config: LoadConfig  # the load, without a target (port) or seed yet
     persistent: bool  # the broker keeps sessions in Redis through Kafka
-    paced: bool  # publishers keep a fixed rate: compare the cost, not the rate
+    paced: bool  # publishers keep a fixed rate (the offer): the speed weighs the cost too
 
 
 def make_scenario(
