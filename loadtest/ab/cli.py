@@ -144,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1, help="first seed; one per round and scenario")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
+    g.add_argument(
+        "--markdown",
+        metavar="FILE",
+        help="write the table as Markdown (for BENCHMARKS.md or a commit message)",
+    )
     g.add_argument("--cache-dir", type=Path, help=f"built revisions (default {cache_root()})")
     g.add_argument(
         "--workdir",
@@ -358,7 +363,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.rounds} round(s), order reversed every other round; "
         f"{args.duration:g} s measured after {args.warmup:g} s warm-up per run\n"
     )
-    print(format_table([(s.title, s.paced, sides_, cs) for s, sides_, cs in results]))
+    rows = [(s.title, s.paced, sides_, cs) for s, sides_, cs in results]
+    print(format_table(rows))
+    if args.markdown:
+        command = "python -m loadtest.ab " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.markdown).write_text(
+            f"`{command}`\n\nbase: {trees['base'].label}; head: {trees['head'].label}; "
+            f"{args.rounds} round(s) of {args.duration:g} s\n\n"
+            + format_table(rows, markdown=True)
+            + "\n"
+        )
     busy = [s.other_cores for _, sides_, _ in results for s in sides_.values() if s.other_cores]
     if busy and max(busy) > NOISY_OTHER_CORES:
         print(

@@ -302,18 +302,28 @@ def _comparison_cells(c: Comparison, paced: bool) -> list[str]:
 
 def format_table(
     scenarios: Sequence[tuple[str, bool, dict[str, SideSummary], list[Comparison]]],
+    *,
+    markdown: bool = False,
 ) -> str:
     """The report: per scenario (title, paced, its sides' summaries, comparisons)
     one row per side with the medians over the rounds, then one row per
-    comparison with the ratios (msg/s, speed, p99, us/msg)."""
-    lines = [_line([name for name, _, _ in _HEAD])]
+    comparison with the ratios (msg/s, speed, p99, us/msg). ``markdown``: a
+    Markdown table (for BENCHMARKS.md or a commit message) instead of columns."""
+    rows: list[list[str]] = []
     for title, paced, sides, comparisons in scenarios:
         first = True
         for summary in sides.values():
-            lines.append(_line(_side_cells(title if first else "", summary)))
+            rows.append(_side_cells(title if first else "", summary))
             first = False
-        for c in comparisons:
-            lines.append(_line(_comparison_cells(c, paced)))
+        rows += [_comparison_cells(c, paced) for c in comparisons]
+    names = [name for name, _, _ in _HEAD]
+    if markdown:
+        lines = ["| " + " | ".join(names) + " |"]
+        lines.append("|" + "|".join("---" if a == "<" else "---:" for _, a, _ in _HEAD) + "|")
+        lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+        lines.append("")
+    else:
+        lines = [_line(names)] + [_line(cells) for cells in rows]
     lines += textwrap.wrap(
         "Medians over the rounds. us/msg: server CPU (broker + Redis + Kafka) per delivered "
         "message; in+out/core: messages received + delivered per second of server CPU; "

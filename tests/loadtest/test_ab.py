@@ -214,6 +214,14 @@ def test_the_table() -> None:
     fleet_rows = lines[lines.index(next(x for x in lines if x.startswith("fleet 50"))) :]
     assert "failed" in fleet_rows[1]
     assert "speed -" in fleet_rows[2]
+    markdown = format_table(
+        [(s.title, s.paced, sides, cs) for s, sides, cs in results], markdown=True
+    ).splitlines()
+    assert markdown[0].startswith("| scenario | side | msg/s |")
+    assert markdown[1].startswith("|---|---|---:|")
+    # the header, then 3 sides and 3 ratios of p2p-memory, 2 sides and 1 ratio of fleet
+    assert sum(1 for line in markdown if line.startswith("| ")) == 1 + 6 + 3
+    assert any("| head/base | 0.81x | speed 0.81x ! |" in line for line in markdown)
     # an interrupted session: a side that never ran
     (_, sides, comparisons) = summaries([fleet], ["base", "head"], records[6:7])[0]
     table = format_table([(fleet.title, True, sides, comparisons)])

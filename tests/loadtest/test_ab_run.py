@@ -90,6 +90,7 @@ def test_a_short_ab_run_builds_the_base_runs_every_side_and_reports(
             f"--cache-dir={tmp_path / 'cache'}",
             f"--workdir={work}",
             f"--json={out_json}",
+            f"--markdown={tmp_path / 'ab.md'}",
             "--quiet",
         ]
     )
@@ -130,6 +131,9 @@ def test_a_short_ab_run_builds_the_base_runs_every_side_and_reports(
     ]
     assert "p2p 5 pairs, clean" in printed and "p2p 3 pairs, persistent" in printed
     assert "head/base" in printed and "head/mosquitto" in printed
+    markdown = (tmp_path / "ab.md").read_text()
+    assert markdown.startswith("`python -m loadtest.ab --base=HEAD ")
+    assert "| p2p 3 pairs, persistent | base |" in markdown
     # every broker, and every embedded Redis and Kafka, is gone with its data dir
     assert list(work.iterdir()) == []
     assert _cwds_under(work) == []
