@@ -331,11 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     built: dict[str, bool] = {}
     try:
         started = time.monotonic()
+        head = None if args.head else working_tree(args.head_tree or REPO, REPO)  # checked first
         trees["base"], built["base"] = build(REPO, args.base, args.cache_dir)
-        if args.head:
+        if head is None:
             trees["head"], built["head"] = build(REPO, args.head, args.cache_dir)
         else:
-            trees["head"] = working_tree(args.head_tree or REPO, REPO)
+            trees["head"] = head
         spent = time.monotonic() - started
     except BuildError as e:
         print(f"loadtest.ab: error: {e}", file=sys.stderr)
