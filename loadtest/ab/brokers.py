@@ -10,6 +10,8 @@ address needs and what must not collide:
 - ``mqtt.max_connection_rate`` and ``mqtt.max_connection_rate_per_source``
   0: every client of the loader comes from 127.0.0.1;
 - ``persistence.enabled`` as the scenario asks;
+- ``metrics.host`` 127.0.0.1 (``/ready`` is asked there; nothing listens
+  beyond the machine);
 - ``admin.enabled`` false (its fixed port would collide between runs; older
   trees without the setting ignore the variable, as they ignore every unknown
   ``DEVICEMQ_*``);
@@ -49,6 +51,7 @@ SETTINGS = {
     "DEVICEMQ_MQTT_MAX_CONNECTION_RATE": "0",
     "DEVICEMQ_MQTT_MAX_CONNECTION_RATE_PER_SOURCE": "0",
     "DEVICEMQ_ADMIN_ENABLED": "false",
+    "DEVICEMQ_METRICS_HOST": HOST,
 }
 
 
@@ -104,17 +107,25 @@ class Running:
                 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets stay bound until all are chosen, or
+    the kernel may hand out one port twice (the MQTT and the metrics listener
+    then collide)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def start_devicemq(name: str, tree: Tree, persistent: bool, workdir: Path) -> Running:
     """``devicemq run`` of ``tree`` with its data in ``workdir``, ready."""
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
-    port, metrics = free_port(), free_port()
+    port, metrics = free_ports(2)
     env = tree.env({**SETTINGS, "DEVICEMQ_PERSISTENCE_ENABLED": "true" if persistent else "false"})
     argv = tree.command("run", "--host", HOST, "--port", str(port))
     argv += ["--metrics-port", str(metrics), "--data-dir", str(data), "--log-level", "WARNING"]
@@ -173,7 +184,7 @@ def start_mosquitto(workdir: Path) -> Running:
     if binary is None:
         raise BrokerError("--mosquitto: no mosquitto binary on PATH or at /usr/sbin/mosquitto")
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    (port,) = free_ports(1)
     conf = workdir / "mosquitto.conf"
     conf.write_text(
         f"listener {port} {HOST}\nallow_anonymous true\npersistence false\nlog_dest stderr\n"
