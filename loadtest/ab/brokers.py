@@ -121,11 +121,18 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def start_devicemq(name: str, tree: Tree, persistent: bool, workdir: Path) -> Running:
-    """``devicemq run`` of ``tree`` with its data in ``workdir``, ready."""
+def start_devicemq(
+    name: str,
+    tree: Tree,
+    persistent: bool,
+    workdir: Path,
+    ports: tuple[int, int] | None = None,
+) -> Running:
+    """``devicemq run`` of ``tree`` with its data in ``workdir``, ready; on
+    ``ports`` (MQTT, metrics) when given, else on free ones."""
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
-    port, metrics = free_ports(2)
+    port, metrics = ports or free_ports(2)
     env = tree.env({**SETTINGS, "DEVICEMQ_PERSISTENCE_ENABLED": "true" if persistent else "false"})
     argv = tree.command("run", "--host", HOST, "--port", str(port))
     argv += ["--metrics-port", str(metrics), "--data-dir", str(data), "--log-level", "WARNING"]

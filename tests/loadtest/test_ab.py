@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.ab.brokers import free_ports
 from loadtest.ab.cli import parser, summaries
 from loadtest.ab.plan import Sizes, Timing, make_scenario, schedule, sides_for
 from loadtest.ab.summary import (
@@ -257,10 +256,3 @@ def test_a_run_whose_check_failed_is_not_counted() -> None:
     assert not record.ok and record.error is not None and "1 lost" in record.error
     assert summarize_side("head", [record]).delivered is None
     assert isinstance(summarize_side("head", [record]), SideSummary)
-
-
-def test_a_brokers_ports_are_distinct() -> None:
-    """The MQTT and the metrics port of one broker are chosen together: probed one
-    after the other, a released port can come back at once and the two collide."""
-    ports = free_ports(64)
-    assert len(set(ports)) == 64

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from loadtest.ab.build import BuildError, build
+from loadtest.ab.brokers import free_ports, start_devicemq
+from loadtest.ab.build import BuildError, build, working_tree
 from loadtest.ab.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,6 +57,24 @@ def test_a_revision_is_built_once_and_a_broken_build_is_rebuilt(tmp_path: Path) 
     assert built and (rebuilt.root / "broker" / "__init__.py").is_file()
     with pytest.raises(BuildError, match="not a commit"):
         build(REPO, "no-such-revision-anywhere", tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_the_metrics_listener_binds_where_ready_is_asked(tmp_path: Path) -> None:
+    """A port free on 127.0.0.1 (where the tool probes it and asks /ready) may be
+    held on another address; a metrics listener on 0.0.0.0 (metrics.host's
+    default) then cannot bind it and the broker exits. Driven here: the port is
+    held on 127.0.0.2."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.2", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        (mqtt,) = free_ports(1)
+        broker = start_devicemq("head", working_tree(REPO), False, tmp_path, ports=(mqtt, held))
+        try:
+            assert broker.proc.poll() is None
+        finally:
+            broker.stop()
 
 
 def _cwds_under(root: Path) -> list[str]:
