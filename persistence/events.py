@@ -39,7 +39,9 @@ the consumer's ``cid``; their ``sc`` is the entry's sequence number
 *negated* (a session's scores are positive, so one client's messages and
 its queue's never share an ``sc``), ``pid`` is 0 and ``q`` names the key.
 An entry that retention removed unacknowledged is ``expired`` (``at``:
-``retention``), one the key limit removed is ``trimmed`` with an ``sc``.
+``retention``), one the key or byte limit removed is ``trimmed`` with an
+``sc``; a write refused at the byte limit (``ecq.max_bytes``) is ``trimmed``
+``at`` ``arrival``.
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
 carries a JSON array of one client's events of one flush, in order (a send
@@ -416,7 +418,7 @@ class EventLog:
     def _queue_stored_events(
         self, client_id: str, ts: float, details: tuple[QueueBatch, QueueSaveResult]
     ) -> list[dict[str, Any]]:
-        from persistence.queue_store import DUPLICATE, RETENTION
+        from persistence.queue_store import DUPLICATE, REFUSED, RETENTION
 
         batch, result = details
         epoch, offsets = self.epoch_of(), batch.offsets
@@ -432,6 +434,9 @@ class EventLog:
             seq = result.seqs[i]
             if seq == DUPLICATE:
                 events.append({"ev": "duplicate", **base})
+                continue
+            if seq == REFUSED:  # not stored: the queue was at its byte limit
+                events.append({"ev": "trimmed", "at": "arrival", **base})
                 continue
             topic, size, published, _expiry = header_fields(value)
             events.append(
