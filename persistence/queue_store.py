@@ -254,7 +254,9 @@ class QueueStore:
             return 0
         keys = queue_keys(client_id)
         return int(
-            await self._store.run_script(_ACK, (keys.pending, keys.acked, keys.inflight), args)
+            await self._store.run_script(
+                _ACK, (keys.pending, keys.acked, keys.inflight, keys.full), args
+            )
         )
 
     async def record_inflight(

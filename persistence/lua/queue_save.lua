@@ -10,8 +10,10 @@
 -- KEYS[9] _ecq_claims        a group queue's claims (persistence/lua/group_claim.lua)
 -- KEYS[10] _ecq_tokens (not used here)
 -- KEYS[11] _ecq_bytes        the bytes of the values KEYS[3] holds
--- KEYS[12] _ecq_full         set for FULL_MS once a record was refused (publishers
---                            are refused before Kafka meanwhile), deleted once one fits
+-- KEYS[12] _ecq_full         set for FULL_MS once a record was refused: publishers
+--                            are refused before Kafka meanwhile; deleted once a
+--                            record fits, an entry is acknowledged (queue_ack.lua)
+--                            or the queue is purged
 -- KEYS[13] (optional) the store's durability counter, the last ARGV then the
 -- highest value Redis acknowledged for it: below it, Redis lost acknowledged
 -- writes and nothing is stored ({'lost', counter}; see save_batch.lua); else
@@ -48,7 +50,7 @@ local now, retention, max_keys = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(
 local max_bytes, refuse = tonumber(ARGV[4]), ARGV[5] == 'refuse'
 local results, removed = {}, {}
 local refused, stored = 0, 0
-local FULL_MS = 2000
+local FULL_MS = 60000
 
 -- The byte count; a queue stored before it was kept has it counted once here.
 local bytes = tonumber(redis.call('GET', KEYS[11]) or '-1')
