@@ -19,7 +19,7 @@ from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
-from broker.group_queue import GroupTarget
+from broker.group_queue import GroupTarget, is_group_filter
 from broker.integrations import IntegrationRecord, IntegrationRules, IntegrationSink, Refusal
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
@@ -590,6 +590,18 @@ class Broker:
         """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""
         limit = self.settings.auth.max_sessions_per_owner
         return bool(limit) and owner is not None and len(self._owned.get(owner, ())) >= limit
+
+    def group_memberships(self, owner: str, most: int) -> int:
+        """Group queue memberships ($queue/...) of the sessions of ``owner`` this broker
+        knows (other replicas' included), counted up to ``most``."""
+        count, sessions = 0, self.sessions
+        for client_id in self._owned.get(owner, ()):
+            session = sessions.get(client_id)
+            if session is not None:
+                count += sum(1 for f in session.subscriptions if is_group_filter(f))
+                if count >= most:
+                    break
+        return count
 
     def bind_owner(self, session: Session, owner: str | None) -> None:
         """``session`` (here, or a record of another replica's) belongs to ``owner``."""
