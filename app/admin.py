@@ -643,8 +643,11 @@ class AdminApi:
         """Every entry of the queue or group store goes (acknowledged ones too)."""
         group = is_group_store(client_id)
         store = self._group_store() if group else self._queues(client_id)
-        entries, pending, freed = await store.purge(client_id)
-        detail = {"entries": entries, "pending": pending, "bytes": freed}
+        purged = await store.purge(client_id)
+        if self.events is not None:
+            for key, seq in purged.pending:
+                self.events.queue(client_id, "purged", seq, key)
+        detail = {"entries": purged.entries, "pending": len(purged.pending), "bytes": purged.bytes}
         self._audit(client_id, "purge_queue", detail)
         return json_response(200, {"client_id": client_id, "purged": True, **detail})
 

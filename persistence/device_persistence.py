@@ -225,6 +225,8 @@ class DevicePersistence:
         if events is not None:
             self.events = self.consumer.events = events
             events.epoch_of = lambda: self.consumer.epoch
+            if self.groups is not None:
+                self.groups.events = events
 
     @property
     def bootstrap(self) -> str:

@@ -25,8 +25,9 @@ one partition and in the order they happened. ``pipeline/`` reads them back
 ``purged``         removed by an operator's backlog purge: ``pid``, ``sc``
 ``admin``          an operator's write through the admin API: ``action``
                    (``kick``, ``delete_session``, ``purge``, ``block``,
-                   ``unblock``, ``delete_retained``) and ``detail``; ``cid``
-                   is the client concerned, or empty
+                   ``unblock``, ``delete_retained``, ``purge_queue``: a
+                   queue or group store, its id as ``cid``) and ``detail``;
+                   ``cid`` is the client concerned, or empty
 ``connected``, ``disconnected``, ``session_expired``, ``session_ended``
                    session lifecycle of durable sessions
 ``gap``            ``n`` events were dropped (Kafka too slow, buffer full)

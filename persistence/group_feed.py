@@ -78,6 +78,7 @@ class GroupQueues:
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
         self.expired = 0  # stores deleted after group_queues.unused_expiry without members
+        self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
     def new_token(self, member: str) -> str:
         return f"{self.node}:{next(_tokens)}:{member}"
@@ -139,12 +140,14 @@ class GroupQueues:
             elif not since:
                 await self.store.mark_group(store_id, now)
             elif now - since >= unused_for:
-                entries, pending, freed = await self.store.purge(store_id, everything=True)
+                purged = await self.store.purge(store_id, everything=True)
                 log.info(
                     "group queue %s had no members for %.0f s: deleted (%d entries, "
                     "%d pending, %d bytes; group_queues.unused_expiry)",
-                    store_id, now - since, entries, pending, freed,
+                    store_id, now - since, purged.entries, len(purged.pending), purged.bytes,
                 )  # fmt: skip
+                for key, seq in purged.pending:
+                    self.events.queue(store_id, "purged", seq, key)
                 self.expired += 1
                 deleted.append(store_id)
         return deleted

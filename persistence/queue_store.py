@@ -74,6 +74,15 @@ class LeaseLapsed(Exception):
 LAPSED = b"lapsed"  # group_claim.lua's answer to a token whose lease ran out
 
 
+class Purged(NamedTuple):
+    """What a purge removed: entries (acknowledged ones kept for a rewind too), their
+    bytes, and the (key, seq) of those still pending."""
+
+    entries: int
+    bytes: int
+    pending: list[tuple[str, int]]
+
+
 class QueueEntry(NamedTuple):
     key: str
     seq: int
@@ -390,22 +399,22 @@ class QueueStore:
         )
         return QueueInfo(*(int(v) for v in reply))
 
-    async def purge(self, store_id: str, *, everything: bool = False) -> tuple[int, int, int]:
+    async def purge(self, store_id: str, *, everything: bool = False) -> Purged:
         """Remove every entry of a queue or group store (its sequence goes on, unless
-        ``everything``: nothing of it is left): (entries removed, of them pending,
-        bytes freed). It leaves the registry."""
+        ``everything``: nothing of it is left). It leaves the registry."""
         k = queue_keys(store_id)
         keys = (k.pending, k.log, k.values, k.times, k.inflight, k.claims, k.bytes, k.full)
         keys_too = (k.seq, k.seen, k.acked, k.tokens)
         args = ("all" if everything else "entries",)
-        entries, pending, freed = await self._store.run_script(_PURGE, keys + keys_too, args)
+        entries, freed, flat = await self._store.run_script(_PURGE, keys + keys_too, args)
         redis = self._store.redis
         if is_group_store(store_id):
             await redis.hdel(GROUPS_KEY, store_id)
         else:
             await redis.srem(QUEUES_KEY, store_id)
         self._registered.discard(store_id)
-        return int(entries), int(pending), int(freed)
+        pending = [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+        return Purged(int(entries), int(freed), pending)
 
     async def is_full(self, client_id: str) -> bool:
         """Was a write to the queue refused over its byte limit a moment ago?"""

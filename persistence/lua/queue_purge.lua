@@ -8,12 +8,12 @@
 -- ARGV[1] 'all': KEYS[9..12] go too (nothing of the store is left); else they
 -- stay: later entries go on from the last sequence number, a record read again
 -- from Kafka is still a duplicate, and members' leases hold.
--- Returns {entries removed (acknowledged ones kept for a rewind too), of them
--- pending, bytes freed}.
+-- Returns {entries removed (acknowledged ones kept for a rewind too), bytes freed,
+-- the pending ones as flat {key, seq, ...}} (the audit hears they were purged).
 
 local entries = redis.call('ZCARD', KEYS[2])
-local pending = redis.call('ZCARD', KEYS[1])
+local pending = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local freed = tonumber(redis.call('GET', KEYS[7]) or '0')
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 if ARGV[1] == 'all' then redis.call('DEL', KEYS[9], KEYS[10], KEYS[11], KEYS[12]) end
-return {entries, pending, freed}
+return {entries, freed, pending}
