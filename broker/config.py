@@ -621,6 +621,12 @@ class EcqSettings:
         "connection is closed); 0: no limit",
         ge=0,
     )
+    max_queues: int = setting(
+        1_000_000,
+        "Queues holding entries, in all; a write that would start one more is refused "
+        "as over max_bytes; 0: no limit",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,6 +139,7 @@ class DevicePersistence:
                 group_retention=groups.retention,
                 group_max=groups.max_messages,
                 max_bytes=settings.ecq.max_bytes,
+                max_queues=settings.ecq.max_queues,
                 group_max_bytes=groups.max_bytes,
             )
         # None: ecq.enabled false

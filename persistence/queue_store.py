@@ -42,7 +42,9 @@ _PURGE = lua_script("queue_purge")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
-REFUSED = -2  # QueueSaveResult.seqs: not stored, the queue is at its byte limit
+REFUSED = -2  # QueueSaveResult.seqs: not stored, at the byte limit or max_queues
+REMEMBERED_MOST = 100_000  # stores a process remembers it registered
+FULL_MS = 60_000  # how long a refusal marks a queue full (as queue_save.lua does)
 RETENTION, KEY_LIMIT, BYTE_LIMIT = 1, 2, 3  # why an entry was removed
 # Every queue and group store saved since this key was kept (the admin API lists them).
 QUEUES_KEY = "devicemq:ecq:queues"
@@ -137,17 +139,20 @@ class QueueStore:
         group_max: int = 0,
         max_bytes: int = 0,
         group_max_bytes: int = 0,
+        max_queues: int = 0,
     ) -> None:
         self._store = store
         self.retention = retention  # seconds; 0: kept until acknowledged and replaced
         self.max_keys = max_keys  # per queue; 0: no limit
         self.max_bytes = max_bytes  # per queue, of the values kept; 0: no limit
+        self.max_queues = max_queues  # $ECQ queues holding entries, in all; 0: no limit
         # Group queues (broker/group_queue.py): the same store, their own limits.
         self.group_retention = group_retention
         self.group_max = group_max
         self.group_max_bytes = group_max_bytes
         self._clock = clock
         self._registered: set[str] = set()  # stores this process put in the registry
+        self._starting = asyncio.Lock()  # new $ECQ queues are counted one at a time
 
     def _limits(self, store_id: str) -> tuple[float, int, int]:
         if is_group_store(store_id):
@@ -155,6 +160,22 @@ class QueueStore:
         return self.retention, self.max_keys, self.max_bytes
 
     async def save(self, batch: QueueBatch) -> QueueSaveResult:
+        queue = batch.client_id
+        if not self.max_queues or is_group_store(queue) or queue in self._registered:
+            return await self._save(batch)
+        if await self._store.redis.sismember(QUEUES_KEY, queue):  # another process's
+            self._remember(queue)
+            return await self._save(batch)
+        # A queue this process has not stored into: counted and started one at a time
+        # here (replicas starting new queues at the same moment may pass max_queues).
+        async with self._starting:
+            if await self._over_queue_count(queue):
+                n = len(batch.values)
+                await self._store.redis.set(queue_keys(queue).full, 1, px=FULL_MS)
+                return QueueSaveResult([REFUSED] * n, [0] * n, keys=[""] * n)
+            return await self._save(batch)
+
+    async def _save(self, batch: QueueBatch) -> QueueSaveResult:
         keys = queue_keys(batch.client_id)
         group = is_group_store(batch.client_id)
         retention, max_keys, max_bytes = self._limits(batch.client_id)
@@ -199,6 +220,13 @@ class QueueStore:
             await self._register(batch.client_id)
         return out
 
+    async def _over_queue_count(self, queue: str) -> bool:
+        """Would storing into ``queue`` make more $ECQ queues than ``max_queues``?"""
+        redis = self._store.redis
+        if await redis.sismember(QUEUES_KEY, queue):
+            return False
+        return int(await redis.scard(QUEUES_KEY)) >= self.max_queues
+
     async def _register(self, store_id: str) -> None:
         """Name a queue or group store in its registry once per process (the admin API
         lists them; a group store with no members is found there and expires)."""
@@ -209,6 +237,11 @@ class QueueStore:
             await redis.hsetnx(GROUPS_KEY, store_id, 0)
         else:
             await redis.sadd(QUEUES_KEY, store_id)
+        self._remember(store_id)
+
+    def _remember(self, store_id: str) -> None:
+        if len(self._registered) >= REMEMBERED_MOST:
+            self._registered.clear()  # looked up again in Redis: bounded memory
         self._registered.add(store_id)
 
     async def save_many(
@@ -417,7 +450,7 @@ class QueueStore:
         return Purged(int(entries), int(freed), pending)
 
     async def is_full(self, client_id: str) -> bool:
-        """Was a write to the queue refused over its byte limit a moment ago?"""
+        """Was a write to the queue refused (its byte limit, or ``max_queues``) lately?"""
         return bool(await self._store.redis.exists(queue_keys(client_id).full))
 
     async def mark_group(self, store_id: str, unused_since: float) -> None:

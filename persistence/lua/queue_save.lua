@@ -50,7 +50,7 @@ local now, retention, max_keys = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(
 local max_bytes, refuse = tonumber(ARGV[4]), ARGV[5] == 'refuse'
 local results, removed = {}, {}
 local refused, stored = 0, 0
-local FULL_MS = 60000
+local FULL_MS = 60000  -- as queue_store.py FULL_MS
 
 -- The byte count; a queue stored before it was kept has it counted once here.
 local bytes = tonumber(redis.call('GET', KEYS[11]) or '-1')

@@ -277,3 +277,25 @@ def test_the_cli_lists_and_purges_queues(
     assert cli.main(["queues", "list", "--kind", "ecq", "--limit", "10000", *common]) == 0
     assert cli.main(["queues", "purge", queue, *common]) == 0
     assert api.call("GET", _path(queue))["pending"] == 0
+
+
+def test_a_producer_cannot_start_queues_without_bound(
+    tmp_path: Path, clients: Clients, names: Names
+) -> None:
+    """Finding 5 too: nothing capped the number of queues. Over ecq.max_queues a write
+    that would start a queue is not stored (counted), and that queue's next write is
+    refused 0x97 before Kafka; the queues held go on taking writes."""
+    settings = {"ecq.max_queues": 2, "metrics.enabled": True, "metrics.host": "127.0.0.1"}
+    with admin_broker(tmp_path, **settings, **{"metrics.port": free_port()}) as (broker, api):
+        producer = clients.paho(broker, names.client("writer"), V5)
+        assert producer.connect().reason_code == 0
+        queues = [names.client(f"q{i}") for i in range(5)]
+        for queue in queues:
+            assert producer.publish(f"$ECQ/w/{queue}/k", b"v", qos=1) == 0
+        wait_for(lambda: _metric(broker, "queue_writes_refused") == 3, "3 writes refused")
+        # Which two: the consumer saves queues side by side, any two may come first.
+        held = {q["client_id"] for q in api.call("GET", "queues", {"kind": "ecq"})["queues"]}
+        assert len(held) == 2 and held < set(queues)
+        refused = sorted(set(queues) - held)
+        assert producer.publish(f"$ECQ/w/{refused[0]}/k", b"v", qos=1) == QUOTA_EXCEEDED
+        assert producer.publish(f"$ECQ/w/{sorted(held)[0]}/k2", b"v", qos=1) == 0

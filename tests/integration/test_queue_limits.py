@@ -15,7 +15,7 @@ from redis.crc import key_slot
 
 from persistence.format import StoredMessage, encode_message, queue_keys
 from persistence.group_feed import GroupQueues
-from persistence.queue_store import BYTE_LIMIT, REFUSED, QueueBatch, QueueStore
+from persistence.queue_store import BYTE_LIMIT, QUEUES_KEY, REFUSED, QueueBatch, QueueStore
 from persistence.redis_store import RedisMessageStore
 
 NOW = 1_800_000_000.0
@@ -156,3 +156,19 @@ async def test_a_group_store_without_members_expires_after_its_time(
     left = await q.group_store_ids()
     assert unused not in left and kept in left
     assert (await q.info(kept)).pending == 1
+
+
+async def test_no_more_queues_than_max_queues_are_started(
+    store: RedisMessageStore, cid: str
+) -> None:
+    held = int(await store.redis.scard(QUEUES_KEY))  # other tests' queues on this Redis
+    q = QueueStore(store, retention=0, max_keys=0, clock=lambda: NOW, max_queues=held + 1)
+    assert (await q.save(_ecq(f"{cid}-a", [("k", b"1")]))).seqs == [1]
+    refused = await q.save(_ecq(f"{cid}-b", [("k", b"1"), ("l", b"2")]))
+    assert refused.seqs == [REFUSED, REFUSED] and refused.refused == 2
+    assert await q.is_full(f"{cid}-b") and (await q.info(f"{cid}-b")).keys == 0
+    assert (await q.save(_ecq(f"{cid}-a", [("k2", b"3")], 2))).seqs == [2]  # one it holds
+    group = await q.save(_group(f"$queue/g/{cid}", [b"1"]))  # group stores are not counted
+    assert group.seqs == [1]
+    await q.purge(f"{cid}-a")  # a purged queue leaves room for another
+    assert (await q.save(_ecq(f"{cid}-c", [("k", b"1")]))).seqs == [1]
