@@ -648,16 +648,17 @@ class GroupQueueSettings:
         "Bytes of messages one group queue keeps at most (the oldest leave first); 0: no limit",
         ge=0,
     )
-    max_memberships_per_client: int = setting(
+    max_groups_per_client: int = setting(
         32,
         "Group queues ($queue/...) one session may be a member of; over it SUBACK 0x97 "
         "Quota exceeded (3.1.1: 0x80); 0: no limit",
         ge=0,
     )
-    max_memberships_per_owner: int = setting(
-        256,
-        "Group queue memberships of all sessions of one owner (auth.session_owner); over "
-        "it SUBACK 0x97 Quota exceeded (3.1.1: 0x80); 0: no limit",
+    max_groups_per_owner: int = setting(
+        64,
+        "Distinct group queues the sessions of one owner (auth.session_owner) are members "
+        "of together (each is one more stored copy of a message; workers of one group "
+        "count once); over it SUBACK 0x97 Quota exceeded (3.1.1: 0x80); 0: no limit",
         ge=0,
     )
     unused_expiry: float = setting(

@@ -591,17 +591,16 @@ class Broker:
         limit = self.settings.auth.max_sessions_per_owner
         return bool(limit) and owner is not None and len(self._owned.get(owner, ())) >= limit
 
-    def group_memberships(self, owner: str, most: int) -> int:
-        """Group queue memberships ($queue/...) of the sessions of ``owner`` this broker
-        knows (other replicas' included), counted up to ``most``."""
-        count, sessions = 0, self.sessions
+    def group_queues_of(self, owner: str) -> set[str]:
+        """The group queues ($queue/...) the sessions of ``owner`` this broker knows
+        (other replicas' included) are members of."""
+        held: set[str] = set()
+        sessions = self.sessions
         for client_id in self._owned.get(owner, ()):
             session = sessions.get(client_id)
             if session is not None:
-                count += sum(1 for f in session.subscriptions if is_group_filter(f))
-                if count >= most:
-                    break
-        return count
+                held.update(f for f in session.subscriptions if is_group_filter(f))
+        return held
 
     def bind_owner(self, session: Session, owner: str | None) -> None:
         """``session`` (here, or a record of another replica's) belongs to ``owner``."""

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.e2e, devicemq_only("issue 45: devicemq's queue limits"
 KIB = 1024
 MIB = 1024 * KIB
 QUOTA_EXCEEDED = 0x97
-PER_CLIENT, PER_OWNER = 8, 12  # group_queues.max_memberships_per_client / _per_owner
+PER_CLIENT, PER_OWNER = 8, 12  # group_queues.max_groups_per_client / _per_owner
 EXPIRY = Properties(session_expiry_interval=600)
 PASSWORDS = {u: f"{u}-pw" for u in ("mallory", "alice", "eve", "bob", "dave")}
 
@@ -53,8 +53,8 @@ def _limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerP
         "auth.password_file": passwd,
         "ecq.max_bytes": MIB,
         "group_queues.max_bytes": MIB,
-        "group_queues.max_memberships_per_client": PER_CLIENT,
-        "group_queues.max_memberships_per_owner": PER_OWNER,
+        "group_queues.max_groups_per_client": PER_CLIENT,
+        "group_queues.max_groups_per_owner": PER_OWNER,
         "group_queues.unused_expiry": 2.0,
         "metrics.enabled": True,
         "metrics.host": "127.0.0.1",
@@ -144,7 +144,8 @@ def test_one_session_cannot_join_a_thousand_group_queues(
 def test_one_owner_cannot_spread_memberships_over_sessions(
     broker: BrokerProcess, clients: Clients, names: Names
 ) -> None:
-    """The per-owner cap counts the memberships of all sessions of one user."""
+    """The per-owner cap counts the distinct group queues of all sessions of one user;
+    more workers of a group she holds already add no store and are let in."""
     first = _raw(clients, broker, names.client("s1"), "eve")
     second = _raw(clients, broker, names.client("s2"), "eve")
     before = [f"$queue/a{i}/{names.prefix}/x" for i in range(PER_CLIENT)]
@@ -152,6 +153,8 @@ def test_one_owner_cannot_spread_memberships_over_sessions(
     assert _subscribe(first, before) == [1] * PER_CLIENT
     left = PER_OWNER - PER_CLIENT
     assert _subscribe(second, after) == [1] * left + [QUOTA_EXCEEDED] * (PER_CLIENT - left)
+    worker = _raw(clients, broker, names.client("s3"), "eve")  # one more worker of each
+    assert _subscribe(worker, before) == [1] * PER_CLIENT
     bob = _raw(clients, broker, names.client("bob"), "bob")  # another owner: not affected
     assert _subscribe(bob, [f"$queue/c{i}/{names.prefix}/x" for i in range(2)]) == [1, 1]
 
