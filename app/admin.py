@@ -628,7 +628,7 @@ class AdminApi:
         limit = _int(request.query, "limit", 100, 1, 10_000)
         views: list[dict[str, Any]] = []
         if kind in ("", "ecq") and self.queues is not None:
-            for queue in (await self.queues.queue_ids())[:limit]:
+            for queue in await self.queues.queue_ids(limit):
                 info = await self.queues.info(queue)
                 views.append(
                     {"client_id": queue, "kind": "ecq", "pending": info.pending,
@@ -654,7 +654,7 @@ class AdminApi:
     async def _group_view(self, store_id: str) -> dict[str, Any]:
         store = self._group_store()
         info = await store.info(store_id)
-        since = (await store.group_store_ids()).get(store_id)
+        since = await store.group_unused_since(store_id)
         return {
             "client_id": store_id,
             "kind": "group",

@@ -457,16 +457,26 @@ class QueueStore:
         """Note since when the group store has had no members (0: it has)."""
         await self._store.redis.hset(GROUPS_KEY, store_id, int(unused_since * 1000))
 
-    async def queue_ids(self) -> list[str]:
-        """The $ECQ queues saved to since the registry was kept, sorted."""
-        members = await self._store.redis.smembers(QUEUES_KEY)
-        return sorted(_text(m) for m in members)
+    async def queue_ids(self, most: int) -> list[str]:
+        """Up to ``most`` $ECQ queues of the registry (SSCAN: in no particular order, a
+        Redis call of its own per few hundred), sorted."""
+        found: list[str] = []
+        async for member in self._store.redis.sscan_iter(QUEUES_KEY, count=500):
+            found.append(_text(member))
+            if len(found) >= most:
+                break
+        return sorted(found)
 
     async def group_store_ids(self) -> dict[str, float]:
         """The group stores saved to: store id -> since when it has had no members
         (seconds since the epoch; 0: members when last looked), sorted."""
         raw = await self._store.redis.hgetall(GROUPS_KEY)
         return {_text(k): int(v) / 1000 for k, v in sorted(raw.items())}
+
+    async def group_unused_since(self, store_id: str) -> float | None:
+        """Since when the group store has had no members (0: it has; None: no store)."""
+        since = await self._store.redis.hget(GROUPS_KEY, store_id)
+        return None if since is None else int(since) / 1000
 
 
 def _packed(entry: QueueEntry) -> bytes:
