@@ -370,7 +370,8 @@ class BrokerCollector(Collector):
         )
         yield _counter(
             "queue_writes_refused",
-            "$ECQ writes the consumer did not store: the queue was at ecq.max_bytes "
+            "$ECQ writes the consumer did not store: the queue was at ecq.max_bytes, or "
+            "one more queue would pass ecq.max_queues "
             "(publishes refused before Kafka count in publish_dropped, reason ecq_full)",
             consumer.queue_refused,
         )

@@ -124,7 +124,7 @@ class ConsumerStats:
     expired_on_arrival: int = 0
     discarded_ended_session: int = 0  # records of a session that had ended
     malformed_records: int = 0
-    queue_refused: int = 0  # $ECQ writes not stored: the queue was at ecq.max_bytes
+    queue_refused: int = 0  # $ECQ writes not stored: ecq.max_bytes or ecq.max_queues
     queue_trimmed: int = 0  # unacknowledged queue entries removed by a limit (keys, bytes)
     save_errors: int = 0
     commit_errors: int = 0
@@ -586,7 +586,8 @@ class PersistenceConsumer:
             )
             if queue_result.refused:
                 log.info(
-                    "queue %s: %d writes refused at its byte limit (%d bytes kept)",
+                    "queue %s: %d writes refused (ecq.max_bytes or ecq.max_queues; %d bytes "
+                    "kept)",
                     queue_batch.client_id, queue_result.refused, queue_result.bytes,
                 )  # fmt: skip
                 if self._on_queue_refused is not None:

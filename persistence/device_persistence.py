@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.persistence")
 
 FULL_LOOK = 1.0  # seconds a look at whether an $ECQ queue is full holds
-FULL_VIEW_MOST = 10_000  # queues remembered full or not; older looks go past it
+FULL_VIEW_MOST = 10_000  # queues whose look at being full is remembered
 DRAIN_TIMEOUT = 30.0  # seconds the consumer gets to store what was acknowledged
 
 
@@ -281,7 +281,7 @@ class DevicePersistence:
         return True
 
     def queue_full(self, queue: str) -> bool:
-        """Is the queue at its byte limit (ecq.max_bytes)? What this process's consumer
+        """Is the queue full (ecq.max_bytes, ecq.max_queues)? What this process's consumer
         saw, or a read of the queue's mark at most :data:`FULL_LOOK` old (a replica's
         consumer refused a write there): a publish then hears 0x97 before Kafka."""
         if self.queues is None:
@@ -289,8 +289,10 @@ class DevicePersistence:
         now = time.monotonic()
         seen = self._full.get(queue)
         if seen is None or now - seen[1] >= FULL_LOOK:
-            if len(self._full) >= FULL_VIEW_MOST:
-                self._full = {q: v for q, v in self._full.items() if now - v[1] < FULL_LOOK}
+            if len(self._full) >= FULL_VIEW_MOST:  # only full ones tell more than a save
+                self._full = {q: v for q, v in self._full.items() if v[0]}
+                if len(self._full) >= FULL_VIEW_MOST // 2:
+                    self._full.clear()  # the saves refuse what does not fit meanwhile
             self._full[queue] = (seen[0] if seen else False, now)  # one read at a time
             self._spawn(self._look_full(queue))
         return seen is not None and seen[0]
@@ -305,7 +307,7 @@ class DevicePersistence:
         self._full[queue] = (full, time.monotonic())
 
     def _queue_refused(self, queue: str) -> None:
-        """This process's consumer refused a write to ``queue`` over its byte limit."""
+        """This process's consumer refused a write to ``queue`` (byte limit, max_queues)."""
         self._full[queue] = (True, time.monotonic())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:

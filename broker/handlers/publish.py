@@ -282,11 +282,12 @@ def _to_queue(
 
 
 def _queue_full(conn: MQTTConnection, packet: Publish, queue: str) -> None:
-    """A write to a queue at its byte limit (ecq.max_bytes) is refused: MQTT 5 hears
-    0x97 Quota exceeded; 3.1.1 has no failure code, so its connection is closed, as for
-    a store that failed; QoS 0 is dropped. Counted as ``ecq_full``."""
+    """A write to a full queue (ecq.max_bytes; or ecq.max_queues, a queue that could
+    not start) is refused: MQTT 5 hears 0x97 Quota exceeded; 3.1.1 has no failure
+    code, so its connection is closed, as for a store that failed; QoS 0 is dropped.
+    Counted as ``ecq_full``."""
     conn.broker.stats.drop("ecq_full")
-    log.info("client %s wrote to queue %s at its byte limit (ecq.max_bytes)", conn.client_id, queue)
+    log.info("client %s wrote to full queue %s (ecq.max_bytes, max_queues)", conn.client_id, queue)
     if not packet.qos or packet.packet_id is None:
         return
     ack = conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.QUOTA_EXCEEDED)
