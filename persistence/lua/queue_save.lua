@@ -75,6 +75,15 @@ local function remove(key, why)
   removed[#removed + 1] = why
 end
 
+-- Entries past retention leave (at most 1000 a call).
+local function expire()
+  if retention <= 0 then return end
+  local old = redis.call('ZRANGEBYSCORE', times, '-inf', '(' .. (now - retention), 'LIMIT', 0, 1000)
+  for _, key in ipairs(old) do remove(key, 1) end
+end
+-- With a byte limit, first: what retention takes is room for the records.
+if max_bytes > 0 then expire() end
+
 -- Make ``want`` bytes of room by removing acknowledged entries, oldest first
 -- ('refuse'): a bounded walk of the log, shared by the records of this call;
 -- entries still pending are never taken for room.
@@ -157,10 +166,7 @@ if redis.call('HLEN', seen) > 64 then
   end)
   for j = 1, #fields - 64 do redis.call('HDEL', seen, fields[j]) end
 end
-if retention > 0 then
-  local old = redis.call('ZRANGEBYSCORE', times, '-inf', '(' .. (now - retention), 'LIMIT', 0, 1000)
-  for _, key in ipairs(old) do remove(key, 1) end
-end
+expire()
 if max_keys > 0 then
   local over = redis.call('ZCARD', log) - max_keys
   if over > 0 then

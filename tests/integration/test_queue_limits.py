@@ -172,3 +172,21 @@ async def test_no_more_queues_than_max_queues_are_started(
     assert group.seqs == [1]
     await q.purge(f"{cid}-a")  # a purged queue leaves room for another
     assert (await q.save(_ecq(f"{cid}-c", [("k", b"1")]))).seqs == [1]
+
+
+async def test_what_retention_takes_is_room_for_a_write_to_a_full_queue(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """A queue full of unacknowledged entries no consumer came for takes writes again
+    once they are past retention."""
+    now = [NOW]
+    q = QueueStore(store, retention=60, max_keys=0, clock=lambda: now[0], max_bytes=10 * KIB)
+    await q.save(_ecq(cid, [(f"k{i}", b"x" * (3 * KIB)) for i in range(3)]))
+    assert (await q.save(_ecq(cid, [("k3", b"x" * (3 * KIB))], 4))).seqs == [REFUSED]
+    now[0] = NOW + 61
+    message = StoredMessage(
+        f"$ECQ/{cid}/k4", b"y" * (3 * KIB), 1, producer=1, seq=5, publish_time=now[0]
+    )
+    later = [encode_message(message)]
+    saved = await q.save(QueueBatch(cid, later, 0, [0]))
+    assert saved.seqs == [4] and {r.key for r in saved.removed} == {"k0", "k1", "k2"}
