@@ -41,6 +41,7 @@ from broker.blocklist import BadEntry, make_entry
 from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
 from broker.ecq import valid_client_id
+from broker.group_queue import is_group_store
 from broker.limits import is_loopback
 from broker.message import Message
 from broker.ownership import CLIENT_ID, QUEUE
@@ -242,9 +243,25 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         "GET",
+        ("queues",),
+        "list_queues",
+        "$ECQ queues and group queue stores ($queue/...) with their backlog and bytes",
+        query=("kind", "limit"),
+    ),
+    Route(
+        "GET",
         ("queues", "{client_id}"),
         "show_queue",
-        "The exclusive compacted queue ($ECQ) a client consumes: pending, keys, sequence",
+        "The exclusive compacted queue ($ECQ) a client consumes, or a group queue's store "
+        "(its id is the filter, $queue/{group}/{filter}, URL-encoded): pending, keys, "
+        "sequence, bytes",
+    ),
+    Route(
+        "DELETE",
+        ("queues", "{client_id}"),
+        "purge_queue",
+        "Remove every entry of a queue or group store (its sequence numbers go on)",
+        write=True,
     ),
     Route(
         "POST",
@@ -316,10 +333,13 @@ class AdminApi:
         queues: QueueStore | None = None,
         rewind: Callable[[str, int], Awaitable[int]] | None = None,
         rewind_session: Callable[[str, float], Awaitable[Rewound]] | None = None,
+        group_store: QueueStore | None = None,
     ) -> None:
         """``queues``: the $ECQ store (None: no queues); ``rewind(client_id, seq)``
-        makes entries pending again and has them delivered (persistence)."""
+        makes entries pending again and has them delivered (persistence);
+        ``group_store``: where group queues are kept (None: no group queues)."""
         self.queues = queues
+        self.group_store = group_store
         self.rewind = rewind
         self.rewind_session_to = rewind_session
         self.settings = settings
@@ -691,20 +711,81 @@ class AdminApi:
     # -- queues ------------------------------------------------------------------------
 
     async def show_queue(self, request: Request, client_id: str) -> Response:
+        if is_group_store(client_id):
+            return json_response(200, await self._group_view(client_id))
         queues = self._queues(client_id)
         info = await queues.info(client_id)
         return json_response(
             200,
             {
                 "client_id": client_id,
+                "kind": "ecq",
                 "pending": info.pending,
                 "keys": info.keys,
+                "bytes": info.bytes,
+                "max_bytes": queues.max_bytes,
                 "last_seq": info.last_seq,
                 "acked_seq": info.acked_seq,
                 "oldest_pending_seq": info.oldest_pending_seq or None,
                 "retention": queues.retention,
             },
         )
+
+    async def list_queues(self, request: Request) -> Response:
+        """$ECQ queues, then group stores, each with its backlog and bytes."""
+        kind = request.query.get("kind", "")
+        if kind not in ("", "ecq", "group"):
+            raise HttpError(400, "kind: ecq or group", {"field": "kind"})
+        limit = _int(request.query, "limit", 100, 1, 10_000)
+        views: list[dict[str, Any]] = []
+        if kind in ("", "ecq") and self.queues is not None:
+            for queue in await self.queues.queue_ids(limit):
+                info = await self.queues.info(queue)
+                views.append(
+                    {"client_id": queue, "kind": "ecq", "pending": info.pending,
+                     "keys": info.keys, "bytes": info.bytes, "last_seq": info.last_seq}
+                )  # fmt: skip
+        if kind in ("", "group") and self.group_store is not None:
+            for store_id in list(await self.group_store.group_store_ids())[:limit]:
+                views.append(await self._group_view(store_id))
+        return json_response(200, {"queues": views[:limit], "count": len(views[:limit])})
+
+    async def purge_queue(self, request: Request, client_id: str) -> Response:
+        """Every entry of the queue or group store goes (acknowledged ones too)."""
+        group = is_group_store(client_id)
+        store = self._group_store() if group else self._queues(client_id)
+        purged = await store.purge(client_id)
+        if self.events is not None:
+            for key, seq in purged.pending:
+                self.events.queue(client_id, "purged", seq, key)
+        detail = {"entries": purged.entries, "pending": len(purged.pending), "bytes": purged.bytes}
+        self._audit(client_id, "purge_queue", detail)
+        return json_response(200, {"client_id": client_id, "purged": True, **detail})
+
+    async def _group_view(self, store_id: str) -> dict[str, Any]:
+        store = self._group_store()
+        info = await store.info(store_id)
+        since = await store.group_unused_since(store_id)
+        return {
+            "client_id": store_id,
+            "kind": "group",
+            "pending": info.pending,
+            "keys": info.keys,
+            "bytes": info.bytes,
+            "max_bytes": store.group_max_bytes,
+            "last_seq": info.last_seq,
+            "oldest_pending_seq": info.oldest_pending_seq or None,
+            "members": self.broker.subscriptions.has_group(store_id),
+            "unused_since": since or None,  # no members since (epoch seconds)
+            "retention": store.group_retention,
+        }
+
+    def _group_store(self) -> QueueStore:
+        if self.group_store is None:
+            raise HttpError(
+                409, "no group queues here: group_queues.enabled and persistence are needed"
+            )
+        return self.group_store
 
     async def rewind_queue(self, request: Request, client_id: str) -> Response:
         self._queues(client_id)

@@ -3,7 +3,7 @@
     devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
     devicemq sessions rewind CLIENT_ID --since TIME
-    devicemq queues show CLIENT_ID | queues rewind CLIENT_ID --seq N
+    devicemq queues list [--kind ecq|group] | show|purge ID | rewind CLIENT_ID --seq N
     devicemq queues owner CLIENT_ID [--set OWNER | --clear]
     devicemq client-ids owner CLIENT_ID [--release]
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
@@ -186,9 +186,18 @@ def add_retained_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_queues_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = sub.add_parser("show", help="the $ECQ queue a client consumes: pending, keys, seq")
+    ls = sub.add_parser("list", help="$ECQ queues and group queue stores: backlog, bytes")
+    _common(ls)
+    ls.add_argument("--kind", choices=("ecq", "group"), help="only queues, or group stores")
+    ls.add_argument("--limit", type=int, default=100, help="at most this many (100)")
+    show = sub.add_parser(
+        "show", help="a queue (its consumer's client ID) or a group store ($queue/G/FILTER)"
+    )
     _common(show)
-    show.add_argument("client_id", metavar="CLIENT_ID")
+    show.add_argument("client_id", metavar="ID")
+    purge = sub.add_parser("purge", help="remove every entry of a queue or group store")
+    _common(purge)
+    purge.add_argument("client_id", metavar="ID")
     rewind = sub.add_parser("rewind", help="deliver the latest value of every key again")
     _common(rewind)
     rewind.add_argument("client_id", metavar="CLIENT_ID")
@@ -353,12 +362,22 @@ def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def queues(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    if args.action == "list":
+        answer = client.call("GET", "queues", {"kind": args.kind, "limit": args.limit})
+        columns = ("client_id", "kind", "pending", "keys", "bytes", "members")
+        return answer, _table(answer["queues"], columns)
     path = "queues/" + quote(args.client_id, safe="")
     if args.action == "owner":
         return queue_owner(client, args, path + "/owner")
     if args.action == "show":
         answer = client.call("GET", path)
         return answer, "\n".join(f"{k:<20} {_cell(k, v)}" for k, v in answer.items())
+    if args.action == "purge":
+        answer = client.call("DELETE", path)
+        return answer, (
+            f"{args.client_id}: {answer['entries']} entries purged "
+            f"({answer['pending']} pending, {answer['bytes']} bytes)"
+        )
     answer = client.call("POST", f"{path}/rewind", body={"seq": args.seq})
     return answer, f"{args.client_id}: {answer['pending_again']} entries pending again"
 

@@ -224,8 +224,8 @@ def _admin_command(name: str) -> Command:
         "sessions": "list, show, kick, delete or purge sessions (the admin API)",
         "blocked": "list, add or remove block-list entries (the admin API)",
         "retained": "list or delete retained messages (the admin API)",
-        "queues": "show or rewind a client's $ECQ queue, or show or change its owner "
-        "(the admin API)",
+        "queues": "list, show, purge or rewind $ECQ queues and group queue stores, or show "
+        "or change a queue's owner (the admin API)",
         "client-ids": "show or release who holds a client ID (the admin API)",
     }
     return Command(helps[name], add_arguments, handler)

@@ -482,6 +482,25 @@ class BrokerCollector(Collector):
             consumer.discarded_ended_session,
         )
         yield _counter(
+            "queue_writes_refused",
+            "$ECQ writes the consumer did not store: the queue was at ecq.max_bytes, or "
+            "one more queue would pass ecq.max_queues "
+            "(publishes refused before Kafka count in publish_dropped, reason ecq_full)",
+            consumer.queue_refused,
+        )
+        yield _counter(
+            "queue_entries_trimmed",
+            "Unacknowledged $ECQ and group queue entries removed by a limit "
+            "(ecq.max_keys, group_queues.max_messages, group_queues.max_bytes)",
+            consumer.queue_trimmed,
+        )
+        if persistence.groups is not None:
+            yield _counter(
+                "group_queues_expired",
+                "Group queue stores deleted after group_queues.unused_expiry without members",
+                persistence.groups.expired,
+            )
+        yield _counter(
             "kafka_malformed_records",
             "Records of the persisted topic that are not devicemq's format (skipped)",
             consumer.malformed_records,

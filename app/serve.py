@@ -234,6 +234,11 @@ async def _open_admin(
         queues=persistence.queues if persistence is not None else None,
         rewind=persistence.rewind_queue_now if persistence is not None else None,
         rewind_session=persistence.rewind_session if persistence is not None else None,
+        group_store=(
+            persistence.groups.store
+            if persistence is not None and persistence.groups is not None
+            else None
+        ),
     )
     admin = AdminServer(settings, api)
     await admin.start()

@@ -637,6 +637,19 @@ class EcqSettings:
     max_keys: int = setting(
         100_000, "Keys one queue keeps at most (the oldest leave first); 0: no limit", ge=0
     )
+    max_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of values one queue keeps at most; over it acknowledged entries leave "
+        "first, then a write is refused (MQTT 5: PUBACK 0x97 Quota exceeded; 3.1.1: the "
+        "connection is closed); 0: no limit",
+        ge=0,
+    )
+    max_queues: int = setting(
+        1_000_000,
+        "Queues holding entries, in all; a write that would start one more is refused "
+        "as over max_bytes; 0: no limit",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -652,6 +665,30 @@ class GroupQueueSettings:
     )
     max_messages: int = setting(
         100_000, "Entries one group queue keeps at most (the oldest leave first); 0: no limit", ge=0
+    )
+    max_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of messages one group queue keeps at most (the oldest leave first); 0: no limit",
+        ge=0,
+    )
+    max_groups_per_client: int = setting(
+        32,
+        "Group queues ($queue/...) one session may be a member of; over it SUBACK 0x97 "
+        "Quota exceeded (3.1.1: 0x80); 0: no limit",
+        ge=0,
+    )
+    max_groups_per_owner: int = setting(
+        64,
+        "Distinct group queues the sessions of one owner (auth.session_owner) are members "
+        "of together (each is one more stored copy of a message; workers of one group "
+        "count once); over it SUBACK 0x97 Quota exceeded (3.1.1: 0x80); 0: no limit",
+        ge=0,
+    )
+    unused_expiry: float = setting(
+        86_400.0,
+        "Seconds a group queue's store is kept once its group has no members; 0: kept "
+        "(retention and max_messages still apply)",
+        ge=0,
     )
     lease: float = setting(
         15.0,

@@ -20,7 +20,7 @@ from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.ecq import consumer_filter
-from broker.group_queue import GroupTarget
+from broker.group_queue import GroupTarget, is_group_filter
 from broker.integrations import IntegrationRecord, IntegrationRules, IntegrationSink, Refusal
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
@@ -743,6 +743,17 @@ class Broker:
         """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""
         limit = self.settings.auth.max_sessions_per_owner
         return bool(limit) and owner is not None and len(self._owned.get(owner, ())) >= limit
+
+    def group_queues_of(self, owner: str) -> set[str]:
+        """The group queues ($queue/...) the sessions of ``owner`` this broker knows
+        (other replicas' included) are members of."""
+        held: set[str] = set()
+        sessions = self.sessions
+        for client_id in self._owned.get(owner, ()):
+            session = sessions.get(client_id)
+            if session is not None:
+                held.update(f for f in session.subscriptions if is_group_filter(f))
+        return held
 
     def bind_owner(self, session: Session, owner: str | None) -> None:
         """``session`` (here, or a record of another replica's) belongs to ``owner``."""

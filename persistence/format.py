@@ -560,6 +560,8 @@ class QueueKeys(NamedTuple):
     inflight: str
     claims: str  # a group queue's: key -> the member's claim token (persistence/group_feed.py)
     tokens: str  # a group queue's: claim token -> lease deadline (ms)
+    bytes: str  # the bytes of the values kept (persistence/lua/queue_save.lua)
+    full: str  # set for a while once a write was refused over the byte limit
 
 
 def queue_keys(client_id: str) -> QueueKeys:
@@ -577,6 +579,8 @@ def queue_keys(client_id: str) -> QueueKeys:
         p + "inflight",
         p + "claims",
         p + "tokens",
+        p + "bytes",
+        p + "full",
     )
 
 

@@ -60,7 +60,7 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
         if refusal is None and verdict is not SubscribeVerdict.PLAIN:
             refusal = _queue_refusal(conn, request, verdict, queue, properties)
         elif refusal is None and group:
-            refusal = _group_refusal(conn, request)
+            refusal = _group_refusal(conn, request) or _membership_refusal(conn, request)
         if (
             refusal is None
             and verdict is SubscribeVerdict.PLAIN
@@ -241,6 +241,37 @@ def _group_refusal(conn: MQTTConnection, request: Subscription) -> int | None:
         log.info("client %s: a group queue is consumed at QoS 1, not 0", conn.client_id)
         return ReasonCode.UNSPECIFIED_ERROR
     return None
+
+
+def _membership_refusal(conn: MQTTConnection, request: Subscription) -> int | None:
+    """0x97 Quota exceeded (3.1.1: 0x80, as the subscription cap) for a new group queue
+    membership over group_queues.max_groups_per_client, or one more distinct group
+    queue than group_queues.max_groups_per_owner over the owner's sessions (this
+    SUBSCRIBE's earlier filters are the session's already): each group queue keeps
+    every matching message once more."""
+    session = conn.session
+    assert session is not None
+    topic_filter = request.topic_filter
+    if topic_filter in session.subscriptions:
+        return None  # a subscription replaced is no new membership
+    broker = conn.broker
+    limits = broker.settings.group_queues
+    per_client, per_owner = limits.max_groups_per_client, limits.max_groups_per_owner
+    over = ""
+    if per_client and sum(1 for f in session.subscriptions if is_group_filter(f)) >= per_client:
+        over = "max_groups_per_client"
+    owner = session.owner
+    if not over and per_owner and owner is not None:
+        held = broker.group_queues_of(owner)
+        if topic_filter not in held and len(held) >= per_owner:
+            over = "max_groups_per_owner"
+    if not over:
+        return None
+    broker.stats.drop("group_membership_quota")
+    log.info(
+        "client %s may not join %r: group_queues.%s reached", conn.client_id, topic_filter, over
+    )
+    return ReasonCode.QUOTA_EXCEEDED  # 0x80 in 3.1.1 (the codec maps it)
 
 
 def _refusal(conn: MQTTConnection, request: Subscription) -> int | None:
