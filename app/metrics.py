@@ -118,6 +118,8 @@ KNOWN_REJECTIONS = (
 )
 KNOWN_DROPS = (
     "queue_full",
+    "ecq_full",
+    "group_membership_quota",
     "queue_bytes_full",
     "qos0_congested",
     "expired",
