@@ -362,8 +362,16 @@ class AuthSettings:
     )
     http_fail_open: bool = setting(
         False,
-        "With http_url down (no answer, 5xx): accept the client as the user it names; "
+        "With http_url down (a probe carrying no client's input gets no answer or a 5xx, "
+        "not just one client's request): accept the client as the user it names; "
         "false: refuse it with CONNACK 0x88 Server unavailable",
+    )
+    http_result: str = setting(
+        "auto",
+        'What decides a 2xx answer: auto (its JSON "result", allow/deny/ignore, when it has '
+        "one, else the status), required (a 2xx without a result: 0x88), status (the status "
+        "alone, any result ignored)",
+        choices=("auto", "required", "status"),
     )
     http_cache_seconds: float = setting(
         60.0, "Seconds an allowed CONNECT is remembered (same client, credentials, address)", ge=0
