@@ -24,6 +24,7 @@ import heapq
 import hmac
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,7 +40,7 @@ from broker.blocklist import BadEntry, make_entry
 from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
 from broker.ecq import valid_client_id
-from broker.limits import is_loopback
+from broker.limits import LogLimiter, TokenBucket, is_loopback, source_key
 from broker.message import Message
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
@@ -62,6 +63,8 @@ DEFAULT_LIMIT = 100
 MAX_PEEK = 1000
 SCAN_CHUNK = 5000  # sessions looked at between two turns of the event loop
 PAYLOAD_MAX = 64 * 1024  # bytes of each payload a peek shows by default (payload_max=)
+MIN_TOKEN_LENGTH = 16  # characters of admin.token: guessing it must be hopeless
+AUTH_FAILURE_BURST = 10.0  # wrong tokens one address may send at once
 _PROTOCOLS = {ProtocolLevel.MQTT_3_1: "3.1", ProtocolLevel.MQTT_3_1_1: "3.1.1", 5: "5.0"}
 _CONSOLE = "console"  # the web console's files: app/console/
 
@@ -86,8 +89,21 @@ def admin_token(settings: Settings) -> str | None:
             raise ConfigError(
                 f"the token file {admin.token_file} is empty", name="admin.token_file"
             )
+        _long_enough(token, "admin.token_file")
         return token
+    if admin.token:
+        _long_enough(admin.token, "admin.token")
     return admin.token or None
+
+
+def _long_enough(token: str, name: str) -> None:
+    """A token guessed one try at a time must not be short: MIN_TOKEN_LENGTH at least."""
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"the token has {len(token)} characters, at least {MIN_TOKEN_LENGTH} are needed "
+            "(e.g. head -c 32 /dev/urandom | base64)",
+            name=name,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +261,10 @@ class AdminApi:
         self.blocks = blocks
         self.events = events
         self._started = broker.clock()
+        # Wrong tokens per address (source_key): a bucket of AUTH_FAILURE_BURST, refilled
+        # at admin.max_auth_failures_per_source; the least recently seen dropped first.
+        self._failures: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._failure_log = LogLimiter(log, "admin token refusals")
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -260,10 +280,31 @@ class AdminApi:
 
     def _authorize(self, request: Request, write: bool) -> None:
         if self.token is not None:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            sent = request.headers.get("authorization")
+            source = source_key(request.peer)
+            now = self.broker.clock()
+            bucket = self._failures.get(source)
+            if bucket is not None and bucket.available(now) < 1:
+                # Guessing too fast: refused before the token is compared, so a guess
+                # sent now says nothing, right or wrong.
+                self._failure_log.log(
+                    now,
+                    logging.WARNING,
+                    "admin: too many wrong tokens from %s: its requests refused 429 "
+                    "(admin.max_auth_failures_per_source)",
+                    source,
+                )
+                raise HttpError(
+                    429,
+                    "too many wrong admin tokens from your address: slow down",
+                    headers={"Retry-After": str(math.ceil(1 / bucket.rate))},
+                )
+            scheme, _, given = (sent or "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 given.strip().encode(), self.token.encode()
             ):
+                if sent is not None:  # a guess (a request without any is none)
+                    self._wrong_token(source, now, request)
                 raise HttpError(401, "send the admin token: Authorization: Bearer <token>")
             return
         if not is_loopback(request.peer):
@@ -274,6 +315,29 @@ class AdminApi:
             raise HttpError(403, "without admin.token the Host must name this machine")
         if write:
             raise HttpError(403, "writes need admin.token_file or DEVICEMQ_ADMIN_TOKEN")
+
+    def _wrong_token(self, source: str, now: float, request: Request) -> None:
+        rate = self.settings.admin.max_auth_failures_per_source
+        self._failure_log.log(
+            now,
+            logging.WARNING,
+            "admin: a wrong token from %s (%s %s)",
+            source,
+            request.method,
+            request.path[:200],
+        )
+        if rate <= 0:
+            return
+        failures = self._failures
+        bucket = failures.get(source)
+        if bucket is None:
+            bucket = failures[source] = TokenBucket(rate, now, AUTH_FAILURE_BURST)
+            if len(failures) > 65_536:
+                failures.popitem(last=False)
+        else:
+            failures.move_to_end(source)
+        bucket.available(now)
+        bucket.spend(1)
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -730,7 +794,11 @@ class AdminServer:
         admin = settings.admin
         self.api = api
         self.http = HttpServer(
-            api.handle, admin.host, admin.port, reuse_port=settings.cluster.share_ports
+            api.handle,
+            admin.host,
+            admin.port,
+            reuse_port=settings.cluster.share_ports,
+            max_per_source=admin.max_connections_per_source,
         )
 
     @property

@@ -588,9 +588,24 @@ class AdminSettings:
     )
     token: str = setting(
         "",
-        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN); with none the API is "
-        "read-only and answers loopback only",
+        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN), at least 16 characters; "
+        "with none the API is read-only and answers loopback only",
         secret=True,
+    )
+    max_auth_failures_per_source: float = setting(
+        1.0,
+        "Wrong admin tokens a second one address (IPv6: one /64) may send, after a burst "
+        "of 10; over: 429 to its every /api request, the token not compared, until it "
+        "slows down; 0 off",
+        ge=0,
+    )
+    max_connections_per_source: int = setting(
+        8,
+        "Connections one address (IPv6: one /64) may hold on the admin listener (64 in "
+        "all); a newcomer over it pushes out that address's oldest one still silent, "
+        "else gets 429; 0: no per-address limit",
+        ge=0,
+        le=64,
     )
 
 

@@ -83,16 +83,52 @@ def test_the_openapi_document_lists_every_route() -> None:
 
 def test_the_token_file_is_read_and_its_problems_named(tmp_path: Path) -> None:
     good = tmp_path / "token"
-    good.write_text("abc\n")
-    assert admin_token(_settings(token_file=str(good))) == "abc"
-    assert admin_token(_settings(token="from-env")) == "from-env"
+    good.write_text("abcdefghijklmnop\n")
+    assert admin_token(_settings(token_file=str(good))) == "abcdefghijklmnop"
+    assert admin_token(_settings(token="from-env-16-chars")) == "from-env-16-chars"
     assert admin_token(_settings()) is None
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    for path in (empty, tmp_path / "missing"):
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    for path in (empty, tmp_path / "missing", short):
         with pytest.raises(ConfigError) as caught:
             admin_token(_settings(token_file=str(path)))
         assert "admin.token_file" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        admin_token(_settings(token="s3cret"))
+    assert str(caught.value) == (
+        "admin.token: the token has 6 characters, at least 16 are needed "
+        "(e.g. head -c 32 /dev/urandom | base64)"
+    )
+
+
+async def test_wrong_tokens_from_one_address_are_slowed_to_a_trickle() -> None:
+    """Issue 45 #9: past a burst of 10 wrong tokens an address gets 429 for every /api
+    request, the right token too (so a guess then tells nothing), until it slows to
+    admin.max_auth_failures_per_source; other addresses are not touched."""
+    settings = _settings()
+    broker = Broker(settings)
+    now = [100.0]
+    broker.clock = lambda: now[0]  # type: ignore[method-assign]
+    api = AdminApi(settings, broker, "n", token="the-right-token-0123")
+
+    def call(token: str | None, peer: str = "10.0.0.9") -> Request:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        return _request("GET", "/api/v1/stats", peer=peer, **headers)
+
+    for _ in range(5):
+        assert await _status(api, call(None)) == 401  # no token: no guess, not counted
+    for _ in range(10):
+        assert await _status(api, call("guess")) == 401
+    assert await _status(api, call("guess")) == 429
+    assert await _status(api, call("the-right-token-0123")) == 429
+    assert await _status(api, call("the-right-token-0123", peer="10.0.0.10")) == 200
+    now[0] += 1.0  # one more try a second
+    assert await _status(api, call("guess")) == 401
+    assert await _status(api, call("guess")) == 429
+    now[0] += 1.0
+    assert await _status(api, call("the-right-token-0123")) == 200
 
 
 # -- the HTTP edge on a socket ------------------------------------------------------------
@@ -162,20 +198,64 @@ async def test_without_a_token_the_host_must_name_this_machine() -> None:
     assert await _status(with_token, rebound) == 200  # the token is what counts then
 
 
-async def test_idle_connections_are_capped(server: AdminServer) -> None:
-    """Sockets opened by anyone, before any token is read: at most MAX_CONNECTIONS
-    are held, the next is closed at once, and the listener serves again after."""
+async def _idle(port: int, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+
+async def test_idle_connections_cannot_lock_the_listener(server: AdminServer) -> None:
+    """Issue 45 #8: sockets opened by anyone, before any request is read: one address
+    holds at most admin.max_connections_per_source, and a newcomer pushes out the
+    oldest idle one, so a request sent at once is answered, from that address too."""
     from app.http import MAX_CONNECTIONS
 
-    idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(MAX_CONNECTIONS)]
-    await _until(lambda: server.http._open == MAX_CONNECTIONS)  # all taken
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, unanswered
+    per_source = 8
+    idle = [await _idle(server.port, "127.0.0.7") for _ in range(MAX_CONNECTIONS)]
+    await _until(lambda: server.http._by_source.get("127.0.0.7") == per_source)
+    assert server.http._open == per_source
+    assert (await _exchange(server.port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
+    request = b"GET /api/v1/stats HTTP/1.1\r\n\r\n"
+    reader, writer = await _idle(server.port, "127.0.0.7")
+    writer.write(request)
+    assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200 ")
     writer.close()
+    pushed_out = [await asyncio.wait_for(r.read(), 5) for r, _ in idle[: MAX_CONNECTIONS - 8]]
+    assert pushed_out == [b""] * (MAX_CONNECTIONS - 8)  # closed, unanswered
     for _, w in idle:
         w.close()
     await _until(lambda: server.http._open == 0)
-    assert (await _exchange(server.port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
+
+
+async def test_connections_mid_request_are_not_pushed_out_429_then() -> None:
+    """Connections that sent their head and wait for their body are not idle: a
+    newcomer over the address's limit gets 429; over the global cap (from many
+    addresses), with nobody idle to push out, it is closed unanswered."""
+    from app.http import MAX_CONNECTIONS
+
+    settings = _settings(max_connections_per_source=2)
+    admin = AdminServer(settings, AdminApi(settings, Broker(settings), "n", token=None))
+    await admin.start()
+    try:
+        head = b"POST /api/v1/blocked HTTP/1.1\r\nContent-Length: 10\r\n\r\n"
+        busy = []
+        for _ in range(2):
+            busy.append(await _idle(admin.port, "127.0.0.8"))
+            busy[-1][1].write(head)
+        await _until(lambda: not admin.http._waiting and admin.http._open == 2)
+        reader, writer = await _idle(admin.port, "127.0.0.8")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        assert answer.startswith(b"HTTP/1.1 429 Too Many Requests"), answer
+        writer.close()
+        for i in range(MAX_CONNECTIONS - 2):
+            busy.append(await _idle(admin.port, f"127.0.1.{i + 1}"))
+            busy[-1][1].write(head)
+        await _until(lambda: not admin.http._waiting and admin.http._open == MAX_CONNECTIONS)
+        reader, writer = await _idle(admin.port, "127.0.2.1")
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        for _, w in busy:
+            w.close()
+    finally:
+        await admin.stop()
 
 
 async def _until(condition: Callable[[], bool]) -> None:
