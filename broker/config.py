@@ -150,6 +150,13 @@ class WebsocketSettings:
         "over: closed with 1008; 0 off",
         ge=0,
     )
+    allowed_origins: str = setting(
+        "",
+        "Browser pages (Origin: scheme://host[:port], comma-separated; * any) that may "
+        "open MQTT over WebSockets (ws and wss) besides the broker's own host; empty: "
+        "none, only clients without an Origin and the same host (which must name this "
+        "machine while no authentication is configured); others: HTTP 403",
+    )
 
 
 @dataclass(frozen=True, slots=True)
