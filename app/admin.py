@@ -893,7 +893,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
             if want.startswith("{"):
                 if not got:
                     break
-                args.append(got)
+                # "%00." is the client ID ".": a segment "." or ".." would be resolved
+                # by browsers (and proxies) before it arrives; a client ID never holds
+                # U+0000 (MQTT-1.5.4-2), so one leading NUL marks it (app/console).
+                args.append(got[1:] if got.startswith("\0") and len(got) > 1 else got)
             elif want != got:
                 break
         else:

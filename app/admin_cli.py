@@ -85,7 +85,14 @@ class AdminClient:
             raise ApiError(0, f"cannot reach the admin API at {self.url}: {reason}") from None
 
     def session_path(self, client_id: str, *rest: str) -> str:
-        return "/".join(["sessions", quote(client_id, safe=""), *rest])
+        return "/".join(["sessions", client_id_segment(client_id), *rest])
+
+
+def client_id_segment(client_id: str) -> str:
+    """``client_id`` as a path segment; "." and ".." behind "%00" (app/admin.py _route),
+    so that no proxy resolves them as the segments "." and ".."."""
+    encoded = quote(client_id, safe="")
+    return "%00" + encoded if client_id in (".", "..") else encoded
 
 
 def _text(value: Any) -> str:

@@ -344,6 +344,22 @@ def test_guessing_the_admin_token_is_slowed_and_logged(
     assert "guess-" not in log  # the guesses themselves are not logged
 
 
+def test_a_client_id_segment_of_dot_is_marked_not_resolved(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    """Issue 45 #10 at the HTTP level: a client like a browser or a proxy resolves
+    /sessions/./messages to /sessions/messages; "%00." is the client ID "." and
+    reaches that session, "." and ".." alone name no session."""
+    broker, api = server
+    persistent_subscriber(broker, "..", "adm/dotdot")
+    publish(broker, "adm/dotdot", 1, "adm-dotdot-pub")
+    wait_for(lambda: api.call("GET", "sessions/%00..")["backlog"] == 1, "the message stored")
+    assert api.session_path("..", "messages") == "sessions/%00../messages"
+    assert api.call("DELETE", "sessions/%00../messages")["purged"] == 1
+    assert api.call("GET", "sessions/%00..")["client_id"] == ".."
+    assert status(api, "GET", "sessions/%00")[0] == 404  # a NUL alone: no such session
+
+
 def test_a_short_admin_token_stops_the_start(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env.update(
