@@ -62,6 +62,7 @@ MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_PEEK = 1000
 SCAN_CHUNK = 5000  # sessions looked at between two turns of the event loop
+RETAINED_SLICE = 64  # retained walk steps (each at most 64 nodes) per turn of the loop
 PAYLOAD_MAX = 64 * 1024  # bytes of each payload a peek shows by default (payload_max=)
 MIN_TOKEN_LENGTH = 16  # characters of admin.token: guessing it must be hopeless
 AUTH_FAILURE_BURST = 10.0  # wrong tokens one address may send at once
@@ -182,8 +183,8 @@ ROUTES = (
         "GET",
         ("retained",),
         "list_retained",
-        "Retained messages matching a filter",
-        query=("topic", "limit", "payload"),
+        "Retained messages matching a filter, by topic, one page (next_cursor)",
+        query=("topic", "limit", "cursor", "payload"),
     ),
     Route(
         "DELETE",
@@ -543,16 +544,43 @@ class AdminApi:
         return json_response(200, {"items": items, "truncated": False})
 
     async def list_retained(self, request: Request) -> Response:
+        """One page of the retained messages a filter matches, by topic, after
+        ``cursor`` (the last topic of the page before). The walk goes a slice per
+        event-loop iteration and keeps only the page's topics, never the whole
+        match sorted: a filter matching a million messages neither stalls the loop
+        nor holds them all."""
         q = request.query
         topic_filter = q.get("topic") or "#"
         if not is_valid_topic_filter(topic_filter):
             raise HttpError(400, "topic: not a valid topic filter", {"field": "topic"})
         limit = _int(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         with_payload = _bool(q, "payload") or False
-        messages = self.broker.retained.matching(topic_filter, self.broker.clock())
-        messages.sort(key=lambda m: m.topic)
+        cursor = q.get("cursor", "")
+        # The smallest topics after the cursor: candidates gathered, cut down to the
+        # best limit + 1 whenever they reach four times that (a sort of a few
+        # thousand), and anything not below the cut's last topic skipped.
+        page: list[Message] = []
+        keep = limit + 1
+        ceiling: str | None = None
+        steps = 0
+        for message in self.broker.retained.walk(topic_filter, self.broker.clock()):
+            steps += 1
+            if steps % RETAINED_SLICE == 0:
+                await asyncio.sleep(0)  # other clients are served between slices
+            if message is None or message.topic <= cursor:
+                continue
+            if ceiling is not None and message.topic >= ceiling:
+                continue
+            page.append(message)
+            if len(page) >= 4 * keep:
+                page.sort(key=_topic)
+                del page[keep:]
+                ceiling = page[-1].topic
+        page.sort(key=_topic)
+        more = len(page) > limit
+        page = page[:limit]
         items = []
-        for message in messages[:limit]:
+        for message in page:
             item: dict[str, Any] = {
                 "topic": message.topic,
                 "qos": message.qos,
@@ -562,7 +590,10 @@ class AdminApi:
             if with_payload:
                 item["payload"] = base64.b64encode(message.payload).decode()
             items.append(item)
-        return json_response(200, {"items": items, "truncated": len(messages) > limit})
+        return json_response(
+            200,
+            {"items": items, "truncated": more, "next_cursor": page[-1].topic if more else None},
+        )
 
     async def delete_retained(self, request: Request) -> Response:
         topic = request.query.get("topic", "")
@@ -910,6 +941,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
 
 def _client_id(session: Session) -> str:
     return session.client_id
+
+
+def _topic(message: Message) -> str:
+    return message.topic
 
 
 def _connected(session: Session) -> bool:

@@ -5,7 +5,10 @@
     python -m loadtest.attack_bench overlap [--filters 1000] [--ids]
     python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous}
                                           [--seconds 10]
+    python -m loadtest.attack_bench admin-retained [--retained 100000]
 
+``admin-retained`` times ``GET /api/v1/retained?topic=#&limit=1000`` on the admin
+API in this process, with a task beside it that counts the event loop's turns.
 ``retained``, ``decode`` and ``overlap`` time the sans-IO core in this process
 (no sockets: the event-loop time a packet costs); ``flood`` starts ``devicemq
 run`` (a password file, persistence off, metrics on), floods it with CONNECTs
@@ -256,6 +259,50 @@ def flood(mode: str, seconds: float) -> None:
         proc.wait(10)
 
 
+def admin_retained(count: int) -> None:
+    """The admin API's listing of every retained message: its total time, the
+    longest event-loop step during it, and the loop's turns (issue 45 #13)."""
+    import asyncio
+
+    from app.admin import AdminApi
+    from app.http import Request
+
+    settings = Settings()
+    broker = Broker(settings)
+    for i in range(count):
+        broker.retained.store(Message(f"site/{i % 100}/dev{i}/state", b"x" * 10, 0, True))
+    api = AdminApi(settings, broker, "bench", token=None)
+    request = Request("GET", "/api/v1/retained", {"topic": "#", "limit": "1000"}, {}, b"", "::1")
+
+    async def run() -> tuple[float, float, int]:
+        gaps: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        gaps.clear()
+        start = time.perf_counter()
+        await api.handle(request)
+        total = time.perf_counter() - start
+        done = True
+        await task
+        return total, max(gaps, default=total), len(gaps)
+
+    total, step, turns = min(asyncio.run(run()) for _ in range(3))
+    print(
+        f"GET /api/v1/retained?topic=# over {count:,} retained: {total * 1000:.0f} ms, "
+        f"longest loop step {step * 1000:.1f} ms, {turns} loop turns (best of 3)"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.attack_bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -268,8 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("flood")
     p.add_argument("mode", choices=("bad-password", "bad-password-no-wait", "anonymous"))
     p.add_argument("--seconds", type=float, default=10.0)
+    p = sub.add_parser("admin-retained")
+    p.add_argument("--retained", type=int, default=100_000)
     args = parser.parse_args(argv)
-    if args.what == "retained":
+    if args.what == "admin-retained":
+        admin_retained(args.retained)
+    elif args.what == "retained":
         retained(args.retained)
     elif args.what == "decode":
         decode()

@@ -232,6 +232,27 @@ def test_retained_messages_listed_and_deleted(server: tuple[BrokerProcess, Admin
     late.close()
 
 
+def test_retained_messages_are_paged_by_cursor(server: tuple[BrokerProcess, AdminClient]) -> None:
+    """Issue 45 #13: one request lists one page (limit), the next starts after its
+    next_cursor; before, every match was walked and sorted at once and the cursor
+    did not exist."""
+    broker, api = server
+    pub = Paho(broker, "adm-retained-pager", V5)
+    pub.connect()
+    topics = [f"adm/pages/{name}" for name in ("e", "a", "d", "b", "c")]
+    for topic in topics:
+        pub.publish(topic, b"r", qos=1, retain=True)
+    pub.disconnect()
+    seen: list[str] = []
+    cursor = None
+    for _ in range(3):
+        page = api.call("GET", "retained", {"topic": "adm/pages/#", "limit": 2, "cursor": cursor})
+        seen += [r["topic"] for r in page["items"]]
+        cursor = page["next_cursor"]
+        assert page["truncated"] == (cursor is not None)
+    assert seen == sorted(topics) and cursor is None
+
+
 def test_sessions_are_paged_by_cursor(server: tuple[BrokerProcess, AdminClient]) -> None:
     broker, api = server
     clients = [Paho(broker, f"adm-page-{i}", V5) for i in range(5)]

@@ -264,6 +264,47 @@ async def _until(condition: Callable[[], bool]) -> None:
             await asyncio.sleep(0.01)
 
 
+async def test_listing_retained_messages_is_paged_and_yields_to_the_loop() -> None:
+    """Issue 45 #13: GET /api/v1/retained?topic=# walked and sorted every retained
+    message in one step of the event loop. It is paged now (limit, cursor) and
+    walks a slice per loop turn: other work runs while it does."""
+    from broker.message import Message
+
+    api = _api()
+    for i in range(20_000):
+        api.broker.retained.store(Message(f"r/{i % 7}/t{i:05d}", b"x", 0, True))
+    turns = 0
+    done = False
+
+    async def other_work() -> None:
+        nonlocal turns
+        while not done:
+            await asyncio.sleep(0)
+            turns += 1
+
+    other = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    query = {"topic": "r/#", "limit": "1000"}
+    first = orjson.loads((await api.handle(_listing(query))).body)
+    done = True
+    await other
+    assert turns > 100, turns  # the walk let the loop turn (0 before)
+    everything = sorted(f"r/{i % 7}/t{i:05d}" for i in range(20_000))
+    assert [m["topic"] for m in first["items"]] == everything[:1000]
+    assert first["truncated"] and first["next_cursor"] == everything[999]
+    seen = [m["topic"] for m in first["items"]]
+    cursor = first["next_cursor"]
+    while cursor is not None:
+        page = orjson.loads((await api.handle(_listing({**query, "cursor": cursor}))).body)
+        seen += [m["topic"] for m in page["items"]]
+        cursor = page["next_cursor"]
+    assert seen == everything
+
+
+def _listing(query: dict[str, str]) -> Request:
+    return Request("GET", "/api/v1/retained", query, {}, b"", "127.0.0.1")
+
+
 def test_every_route_has_its_handler() -> None:
     api = _api()
     for route in ROUTES:
