@@ -109,6 +109,61 @@ def error_response(error: HttpError) -> Response:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+class ConnectionGate:
+    """At most ``max_total`` connections, ``max_per_source`` (0: no limit) from one
+    address (``source_key``: IPv6 by its /64). A newcomer over a limit pushes out
+    the oldest connection still waiting for its request head (of its address, for
+    the per-address limit); with none to push out it is refused. Used by the
+    admin listener and the metrics server (app/metrics.py)."""
+
+    def __init__(self, max_total: int, max_per_source: int = 0) -> None:
+        self.max_total = max_total
+        self.max_per_source = max_per_source
+        self.open = 0
+        self.by_source: dict[str, int] = {}
+        # Connections still reading their request head, oldest first: (source, transport).
+        self.waiting: OrderedDict[object, tuple[str, asyncio.WriteTransport]] = OrderedDict()
+
+    def enter(self, writer: asyncio.StreamWriter) -> tuple[object | None, str]:
+        """(key, source) of an admitted connection; (None, source) when the address
+        is over its limit (answer it), (None, "") when the total is (close it)."""
+        peer = writer.get_extra_info("peername")
+        source = source_key(str(peer[0])) if isinstance(peer, tuple) else ""
+        limit = self.max_per_source
+        if limit and self.by_source.get(source, 0) >= limit and not self._push_out(source):
+            return None, source
+        if self.open >= self.max_total and not self._push_out(None):
+            return None, ""
+        self.open += 1
+        self.by_source[source] = self.by_source.get(source, 0) + 1
+        key = object()
+        self.waiting[key] = (source, writer.transport)
+        return key, source
+
+    def head_read(self, key: object) -> None:
+        """No longer an idle socket: not pushed out by a newcomer."""
+        self.waiting.pop(key, None)
+
+    def leave(self, key: object, source: str) -> None:
+        self.waiting.pop(key, None)
+        self.open -= 1
+        left = self.by_source[source] - 1
+        if left:
+            self.by_source[source] = left
+        else:
+            del self.by_source[source]
+
+    def _push_out(self, source: str | None) -> bool:
+        """Abort the oldest connection still waiting for its request head (of
+        ``source``, if given); False if there is none."""
+        for key, (waiting_source, transport) in self.waiting.items():
+            if source is None or waiting_source == source:
+                del self.waiting[key]
+                transport.abort()
+                return True
+        return False
+
+
 class HttpServer:
     """Serves ``handler`` on ``host:port``; ``reuse_port`` for workers sharing it;
     ``max_per_source``: connections one address may hold (0: no limit)."""
@@ -126,12 +181,8 @@ class HttpServer:
         self.host = host
         self.requested_port = port
         self.reuse_port = reuse_port
-        self.max_per_source = max_per_source
         self._server: asyncio.Server | None = None
-        self._open = 0
-        self._by_source: dict[str, int] = {}
-        # Connections still reading their request head, oldest first: (source, transport).
-        self._waiting: OrderedDict[object, tuple[str, asyncio.WriteTransport]] = OrderedDict()
+        self.gate = ConnectionGate(MAX_CONNECTIONS, max_per_source)
         self._refusals = LogLimiter(log, "admin connection refusals")
 
     @property
@@ -154,57 +205,36 @@ class HttpServer:
             self._server.close()
             await self._server.wait_closed()
 
-    def _push_out(self, source: str | None) -> bool:
-        """Abort the oldest connection still waiting for its request head (of
-        ``source``, if given); False if there is none."""
-        for key, (waiting_source, transport) in self._waiting.items():
-            if source is None or waiting_source == source:
-                del self._waiting[key]
-                transport.abort()
-                return True
-        return False
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        source = source_key(str(peer[0])) if isinstance(peer, tuple) else ""
-        limit = self.max_per_source
-        if limit and self._by_source.get(source, 0) >= limit and not self._push_out(source):
+        gate = self.gate
+        key, source = gate.enter(writer)
+        if key is None:
+            if not source:  # over the total: closed unanswered
+                writer.transport.abort()
+                return
             self._refusals.log(
                 time.monotonic(),
                 logging.WARNING,
                 "admin listener: %s holds %d connections (admin.max_connections_per_source): "
                 "refused 429",
                 source,
-                limit,
+                gate.max_per_source,
             )
             writer.write(
                 _encode(error_response(HttpError(429, "too many connections from your address")))
             )
             writer.close()
             return
-        if self._open >= MAX_CONNECTIONS and not self._push_out(None):
-            writer.transport.abort()
-            return
-        self._open += 1
-        self._by_source[source] = self._by_source.get(source, 0) + 1
-        key = object()
-        self._waiting[key] = (source, writer.transport)
         try:
-            await self._exchange(reader, writer, lambda: self._waiting.pop(key, None))
+            await self._exchange(reader, writer, lambda: gate.head_read(key))
         finally:
-            self._waiting.pop(key, None)
-            self._open -= 1
-            left = self._by_source[source] - 1
-            if left:
-                self._by_source[source] = left
-            else:
-                del self._by_source[source]
+            gate.leave(key, source)
 
     async def _exchange(
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        head_read: Callable[[], object],
+        head_read: Callable[[], None],
     ) -> None:
         head_only = False
         try:
@@ -236,7 +266,7 @@ class HttpServer:
 async def _read(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    head_read: Callable[[], object] = lambda: None,
+    head_read: Callable[[], None] = lambda: None,
 ) -> Request:
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)

@@ -577,7 +577,10 @@ class MetricsSettings:
     """Prometheus metrics and health checks over HTTP (app/metrics.py)."""
 
     enabled: bool = setting(False, "Serve /metrics, /health and /ready over HTTP")
-    host: str = setting("0.0.0.0", "Address the metrics HTTP server binds")
+    host: str = setting(
+        "127.0.0.1",
+        "Address the metrics HTTP server binds (it has no login); the Docker image sets 0.0.0.0",
+    )
     port: int = setting(9883, "TCP port of the metrics HTTP server", ge=1, le=65535)
 
 

@@ -1120,3 +1120,44 @@ def test_a_web_page_cannot_open_the_websocket_listener(
     assert ws_answer(listed, public, "https://dash.example.com").startswith(b"HTTP/1.1 101 ")
     assert ws_answer(listed, public, "HTTP://LOCALHOST:3000").startswith(b"HTTP/1.1 101 ")
     assert ws_answer(listed, public, "https://evil.example") == forbidden
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(0)  # a peek that never waits
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: aborted
+        return True
+
+
+def test_metrics_stay_on_this_host_and_idle_sockets_are_capped(
+    broker_factory: Factory,
+) -> None:
+    """Issue 45 #14: /metrics (no login) listened on 0.0.0.0 by default and held any
+    number of sockets. Now it binds 127.0.0.1 unless metrics.host says otherwise
+    (the Docker image does), holds 8 connections from one address (64 in all), and
+    a newcomer pushes out the oldest silent one, so the scraper still gets in."""
+    port = free_port()
+    broker = broker_factory({"metrics.enabled": True, "metrics.port": port})
+    wait_for(lambda: "metrics on http://" in broker.log(), "the metrics server")
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in broker.log()
+    outward = outward_address()
+    if outward is not None:
+        assert not reachable(outward, port), f"/metrics reachable on {outward}"
+    idle = [
+        socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.0.7", 0))
+        for _ in range(100)
+    ]
+    made = time.monotonic()
+    try:
+        # Well within the 5 s a socket may stay silent (which closes it anyway).
+        wait_for(lambda: sum(map(_closed_by_peer, idle)) >= 92, "all but 8 pushed out", 4.0)
+        if time.monotonic() - made < 4.5:
+            assert not any(_closed_by_peer(s) for s in idle[-8:])  # the newest 8 are held
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+            assert answer.status == 200
+    finally:
+        for sock in idle:
+            sock.close()

@@ -210,8 +210,8 @@ async def test_idle_connections_cannot_lock_the_listener(server: AdminServer) ->
 
     per_source = 8
     idle = [await _idle(server.port, "127.0.0.7") for _ in range(MAX_CONNECTIONS)]
-    await _until(lambda: server.http._by_source.get("127.0.0.7") == per_source)
-    assert server.http._open == per_source
+    await _until(lambda: server.http.gate.by_source.get("127.0.0.7") == per_source)
+    assert server.http.gate.open == per_source
     assert (await _exchange(server.port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
     request = b"GET /api/v1/stats HTTP/1.1\r\n\r\n"
     reader, writer = await _idle(server.port, "127.0.0.7")
@@ -222,7 +222,7 @@ async def test_idle_connections_cannot_lock_the_listener(server: AdminServer) ->
     assert pushed_out == [b""] * (MAX_CONNECTIONS - 8)  # closed, unanswered
     for _, w in idle:
         w.close()
-    await _until(lambda: server.http._open == 0)
+    await _until(lambda: server.http.gate.open == 0)
 
 
 async def test_connections_mid_request_are_not_pushed_out_429_then() -> None:
@@ -240,7 +240,7 @@ async def test_connections_mid_request_are_not_pushed_out_429_then() -> None:
         for _ in range(2):
             busy.append(await _idle(admin.port, "127.0.0.8"))
             busy[-1][1].write(head)
-        await _until(lambda: not admin.http._waiting and admin.http._open == 2)
+        await _until(lambda: not admin.http.gate.waiting and admin.http.gate.open == 2)
         reader, writer = await _idle(admin.port, "127.0.0.8")
         answer = await asyncio.wait_for(reader.read(), 5)
         assert answer.startswith(b"HTTP/1.1 429 Too Many Requests"), answer
@@ -248,7 +248,8 @@ async def test_connections_mid_request_are_not_pushed_out_429_then() -> None:
         for i in range(MAX_CONNECTIONS - 2):
             busy.append(await _idle(admin.port, f"127.0.1.{i + 1}"))
             busy[-1][1].write(head)
-        await _until(lambda: not admin.http._waiting and admin.http._open == MAX_CONNECTIONS)
+        gate = admin.http.gate
+        await _until(lambda: not gate.waiting and gate.open == MAX_CONNECTIONS)
         reader, writer = await _idle(admin.port, "127.0.2.1")
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
