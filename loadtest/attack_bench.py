@@ -6,7 +6,11 @@
     python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous}
                                           [--seconds 10]
     python -m loadtest.attack_bench admin-retained [--retained 100000]
+    python -m loadtest.attack_bench admin-guess [--seconds 5]
 
+``admin-guess`` starts ``devicemq run`` with an admin token and sends wrong tokens
+from 127.0.0.9 with four threads: how many were compared (401) and how many
+refused unread (429), and whether the right token from another address gets in.
 ``admin-retained`` times ``GET /api/v1/retained?topic=#&limit=1000`` on the admin
 API in this process, with a task beside it that counts the event loop's turns.
 ``retained``, ``decode`` and ``overlap`` time the sans-IO core in this process
@@ -303,6 +307,70 @@ def admin_retained(count: int) -> None:
     )
 
 
+def _admin_status(port: int, token: str, source: str) -> int:
+    request = f"GET /api/v1/stats HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), 5, source_address=(source, 0)) as s:
+        s.sendall(request.encode())
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    return int(answer[9:12])
+
+
+def admin_guess(seconds: float) -> None:
+    """Wrong admin tokens from one address, as fast as four threads send them."""
+    tmp = Path(tempfile.mkdtemp(prefix="devicemq-guess-"))
+    token = "the-admin-token-" + os.urandom(8).hex()
+    port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    env.update(
+        DEVICEMQ_PERSISTENCE_ENABLED="false",
+        DEVICEMQ_ADMIN_PORT=str(admin_port),
+        DEVICEMQ_ADMIN_TOKEN=token,
+    )
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
+    with (tmp / "broker.log").open("wb") as log:
+        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
+    try:
+        for _ in range(150):
+            try:
+                _admin_status(admin_port, token, "127.0.0.2")
+                break
+            except OSError:
+                time.sleep(0.1)
+        counts: dict[int, int] = {}
+        stop = threading.Event()
+
+        def guesser() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(OSError, ValueError):
+                    code = _admin_status(admin_port, "guess-" + os.urandom(8).hex(), "127.0.0.9")
+                    counts[code] = counts.get(code, 0) + 1
+
+        threads = [threading.Thread(target=guesser, daemon=True) for _ in range(4)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        right = _admin_status(admin_port, token, "127.0.0.2")
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        log_lines = (tmp / "broker.log").read_text().splitlines()
+        logged = sum("wrong token" in line for line in log_lines)
+        compared = counts.get(401, 0)
+        print(
+            f"admin-guess: {sum(counts.values())} wrong tokens from one address in "
+            f"{elapsed:.1f} s; compared (401): {compared} ({compared / elapsed:.1f}/s), "
+            f"refused unread (429): {counts.get(429, 0)}; log lines: {logged}; "
+            f"the right token from another address: {right}"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.attack_bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -317,9 +385,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p = sub.add_parser("admin-retained")
     p.add_argument("--retained", type=int, default=100_000)
+    p = sub.add_parser("admin-guess")
+    p.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
     if args.what == "admin-retained":
         admin_retained(args.retained)
+    elif args.what == "admin-guess":
+        admin_guess(args.seconds)
     elif args.what == "retained":
         retained(args.retained)
     elif args.what == "decode":
