@@ -74,6 +74,7 @@ PROBE_BODY = json.dumps(
         "certificate_subject": None,
     }
 ).encode()
+STOPPING = ("aborted", "the broker is stopping")  # outcomes of close(), not of the service
 RESULTS = ("allow", "deny", "ignore")  # a 2xx answer's "result", as EMQX's HTTP auth reads it
 MIN_SECRET_BYTES = 32  # HS256 keys as long as the hash (RFC 7518 3.2)
 JWKS_ALGORITHMS = ("RS256", "ES256")
@@ -653,6 +654,11 @@ class HttpMember:
             return  # a probe is under way
 
         def probed(outcome: Outcome) -> None:
+            if outcome in STOPPING:  # no finding: refused, the state left as it was
+                waiting, self._probe_waiting = self._probe_waiting, []
+                for waiter in waiting:
+                    waiter(False)
+                return
             if isinstance(outcome, tuple) and outcome[0] < 500:
                 self._reachable(f"it answered {outcome[0]}")
             else:
@@ -742,7 +748,7 @@ class HttpMember:
             self.pending -= 1
             self._in_flight.discard(request)
             if future.cancelled():
-                decide("the broker is stopping")
+                decide(STOPPING[1])
             elif future.exception() is not None:
                 decide(f"{type(future.exception()).__name__}")
             else:
