@@ -822,9 +822,11 @@ class EmbeddedServices:
             time.sleep(0.05)
 
     def _other_credentials(self, port: int) -> bool:
-        """The Redis on ``port`` answers, neither loading nor taking our password."""
+        """The Redis on ``port`` says it has no password or another one (Redis 6+ and
+        older spell it differently); anything else (loading, busy, no answer) is not
+        a reason to restart it."""
         reply = redis_reply(port, HOST, 1.0, self.redis_password(create=False) or "-")
-        return reply is not None and b"LOADING" not in reply
+        return reply is not None and any(words in reply for words in _OTHER_CREDENTIALS)
 
     def _binary(self, name: ServiceName) -> str:
         if name == "redis":
@@ -929,6 +931,15 @@ class EmbeddedServices:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
 
+
+# What a Redis answers an AUTH when it has no password (Redis 6+, older) or another.
+_OTHER_CREDENTIALS = (
+    b"without any password",
+    b"no password is set",
+    b"WRONGPASS",
+    b"invalid password",
+    b"NOAUTH",
+)
 
 # Tansu reads these from the environment; the command line sets what we need,
 # but a stray value in the developer's shell must not leak into it.

