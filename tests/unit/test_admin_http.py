@@ -225,6 +225,23 @@ async def test_idle_connections_cannot_lock_the_listener(server: AdminServer) ->
     await _until(lambda: server.http.gate.open == 0)
 
 
+async def test_a_silent_socket_is_dropped_after_the_head_timeout(
+    server: AdminServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request head must come within HEAD_TIMEOUT (3 s; shortened here), or
+    the socket is closed unanswered; one that sent it is served."""
+    import app.http
+
+    monkeypatch.setattr(app.http, "HEAD_TIMEOUT", 0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /api/v1/stats HTTP/1.1\r\n")  # the head, never finished
+    started = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert asyncio.get_running_loop().time() - started < 3  # not REQUEST_TIMEOUT's 5 s
+    writer.close()
+    assert (await _exchange(server.port, b"GET /api/v1/stats HTTP/1.1\r\n\r\n"))[0] == 200
+
+
 async def test_connections_mid_request_are_not_pushed_out_429_then() -> None:
     """Connections that sent their head and wait for their body are not idle: a
     newcomer over the address's limit gets 429; over the global cap (from many
