@@ -5,7 +5,7 @@
     devicemq sessions rewind CLIENT_ID --since TIME
     devicemq queues show CLIENT_ID | queues rewind CLIENT_ID --seq N
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
-    devicemq retained list [--topic FILTER] | delete TOPIC
+    devicemq retained list [--topic FILTER] [--limit N] [--all] | delete TOPIC
 
 Every command takes ``--url`` (default http://127.0.0.1:18083), the token from
 ``--token-file`` or ``DEVICEMQ_ADMIN_TOKEN``, and ``--json`` for scripts
@@ -180,7 +180,8 @@ def add_retained_arguments(p: argparse.ArgumentParser) -> None:
     ls = sub.add_parser("list", help="retained messages matching a filter")
     _common(ls)
     ls.add_argument("--topic", default="#", help="topic filter (default #)")
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--limit", type=int, default=100, help="per page (at most 1000)")
+    ls.add_argument("--all", action="store_true", help="follow the pages to the end")
     delete = sub.add_parser("delete", help="delete the retained message of a topic")
     _common(delete)
     delete.add_argument("topic")
@@ -320,10 +321,19 @@ def blocked(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
 
 def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     if args.action == "list":
-        answer = client.call("GET", "retained", {"topic": args.topic, "limit": args.limit})
-        table = _table(answer["items"], ("topic", "qos", "size", "origin"))
-        if answer.get("truncated"):
-            table += "\n(more: raise --limit)"
+        items: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            query = {"topic": args.topic, "limit": args.limit, "cursor": cursor}
+            page = client.call("GET", "retained", query)
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None or not args.all:
+                break
+        answer = {"items": items, "next_cursor": cursor}
+        table = _table(items, ("topic", "qos", "size", "origin"))
+        if cursor is not None:
+            table += f"\n(more: --all, or the API with cursor={cursor})"
         return answer, table
     answer = client.call("DELETE", "retained", {"topic": args.topic})
     return answer, f"deleted the retained message of {args.topic}"

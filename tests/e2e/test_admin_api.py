@@ -253,6 +253,29 @@ def test_retained_messages_are_paged_by_cursor(server: tuple[BrokerProcess, Admi
     assert seen == sorted(topics) and cursor is None
 
 
+def test_the_cli_pages_retained_messages(
+    server: tuple[BrokerProcess, AdminClient],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    broker, api = server
+    pub = Paho(broker, "adm-retained-cli", V5)
+    pub.connect()
+    for name in ("c", "a", "b"):
+        pub.publish(f"adm/cli-pages/{name}", b"r", qos=1, retain=True)
+    pub.disconnect()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    common = ["--url", api.url, "--token-file", str(token_file), "--topic", "adm/cli-pages/#"]
+    assert cli.main(["retained", "list", *common, "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "adm/cli-pages/a" in out and "adm/cli-pages/c" not in out
+    assert "(more: --all, or the API with cursor=adm/cli-pages/b)" in out
+    assert cli.main(["retained", "list", *common, "--limit", "2", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"adm/cli-pages/{name}" in out for name in "abc") and "(more" not in out
+
+
 def test_sessions_are_paged_by_cursor(server: tuple[BrokerProcess, AdminClient]) -> None:
     broker, api = server
     clients = [Paho(broker, f"adm-page-{i}", V5) for i in range(5)]
