@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import secrets
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,7 +43,7 @@ from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
 from broker.ecq import valid_client_id
 from broker.group_queue import is_group_store
-from broker.limits import is_loopback
+from broker.limits import LogLimiter, TokenBucket, is_loopback, source_key
 from broker.message import Message
 from broker.ownership import CLIENT_ID, QUEUE
 from broker.packets import ProtocolLevel
@@ -66,7 +67,10 @@ MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_PEEK = 1000
 SCAN_CHUNK = 5000  # sessions looked at between two turns of the event loop
+RETAINED_SLICE = 64  # retained walk steps (each at most 64 nodes) per turn of the loop
 PAYLOAD_MAX = 64 * 1024  # bytes of each payload a peek shows by default (payload_max=)
+MIN_TOKEN_LENGTH = 16  # characters of admin.token: guessing it must be hopeless
+AUTH_FAILURE_BURST = 10.0  # wrong tokens one address may send at once
 _PROTOCOLS = {ProtocolLevel.MQTT_3_1: "3.1", ProtocolLevel.MQTT_3_1_1: "3.1.1", 5: "5.0"}
 _CONSOLE = "console"  # the web console's files: app/console/
 
@@ -132,8 +136,21 @@ def admin_token(settings: Settings) -> str | None:
             raise ConfigError(
                 f"the token file {admin.token_file} is empty", name="admin.token_file"
             )
+        _long_enough(token, "admin.token_file")
         return token
+    if admin.token:
+        _long_enough(admin.token, "admin.token")
     return admin.token or None
+
+
+def _long_enough(token: str, name: str) -> None:
+    """A token guessed one try at a time must not be short: MIN_TOKEN_LENGTH at least."""
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"the token has {len(token)} characters, at least {MIN_TOKEN_LENGTH} are needed "
+            "(e.g. head -c 32 /dev/urandom | base64)",
+            name=name,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +229,8 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         ("retained",),
         "list_retained",
-        "Retained messages matching a filter",
-        query=("topic", "limit", "payload"),
+        "Retained messages matching a filter, by topic, one page (next_cursor)",
+        query=("topic", "limit", "cursor", "payload"),
     ),
     Route(
         "DELETE",
@@ -358,6 +375,10 @@ class AdminApi:
             if settings.admin.token_file and token is not None
             else None
         )
+        # Wrong tokens per address (source_key): a bucket of AUTH_FAILURE_BURST, refilled
+        # at admin.max_auth_failures_per_source; the least recently seen dropped first.
+        self._failures: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._failure_log = LogLimiter(log, "admin token refusals")
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -391,10 +412,31 @@ class AdminApi:
     def _authorize(self, request: Request, write: bool) -> None:
         self._reload_token()
         if self.token is not None:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            sent = request.headers.get("authorization")
+            source = source_key(request.peer)
+            now = self.broker.clock()
+            bucket = self._failures.get(source)
+            if bucket is not None and bucket.available(now) < 1:
+                # Guessing too fast: refused before the token is compared, so a guess
+                # sent now says nothing, right or wrong.
+                self._failure_log.log(
+                    now,
+                    logging.WARNING,
+                    "admin: too many wrong tokens from %s: its requests refused 429 "
+                    "(admin.max_auth_failures_per_source)",
+                    source,
+                )
+                raise HttpError(
+                    429,
+                    "too many wrong admin tokens from your address: slow down",
+                    headers={"Retry-After": str(math.ceil(1 / bucket.rate))},
+                )
+            scheme, _, given = (sent or "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 given.strip().encode(), self.token.encode()
             ):
+                if sent is not None:  # a guess (a request without any is none)
+                    self._wrong_token(source, now, request)
                 raise HttpError(401, "send the admin token: Authorization: Bearer <token>")
             return
         if not is_loopback(request.peer):
@@ -405,6 +447,29 @@ class AdminApi:
             raise HttpError(403, "without admin.token the Host must name this machine")
         if write:
             raise HttpError(403, "writes need admin.token_file or DEVICEMQ_ADMIN_TOKEN")
+
+    def _wrong_token(self, source: str, now: float, request: Request) -> None:
+        rate = self.settings.admin.max_auth_failures_per_source
+        self._failure_log.log(
+            now,
+            logging.WARNING,
+            "admin: a wrong token from %s (%s %s)",
+            source,
+            request.method,
+            request.path[:200],
+        )
+        if rate <= 0:
+            return
+        failures = self._failures
+        bucket = failures.get(source)
+        if bucket is None:
+            bucket = failures[source] = TokenBucket(rate, now, AUTH_FAILURE_BURST)
+            if len(failures) > 65_536:
+                failures.popitem(last=False)
+        else:
+            failures.move_to_end(source)
+        bucket.available(now)
+        bucket.spend(1)
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -610,16 +675,43 @@ class AdminApi:
         return json_response(200, {"items": items, "truncated": False})
 
     async def list_retained(self, request: Request) -> Response:
+        """One page of the retained messages a filter matches, by topic, after
+        ``cursor`` (the last topic of the page before). The walk goes a slice per
+        event-loop iteration and keeps only the page's topics, never the whole
+        match sorted: a filter matching a million messages neither stalls the loop
+        nor holds them all."""
         q = request.query
         topic_filter = q.get("topic") or "#"
         if not is_valid_topic_filter(topic_filter):
             raise HttpError(400, "topic: not a valid topic filter", {"field": "topic"})
         limit = _int(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         with_payload = _bool(q, "payload") or False
-        messages = self.broker.retained.matching(topic_filter, self.broker.clock())
-        messages.sort(key=lambda m: m.topic)
+        cursor = q.get("cursor", "")
+        # The smallest topics after the cursor: candidates gathered, cut down to the
+        # best limit + 1 whenever they reach four times that (a sort of a few
+        # thousand), and anything not below the cut's last topic skipped.
+        page: list[Message] = []
+        keep = limit + 1
+        ceiling: str | None = None
+        steps = 0
+        for message in self.broker.retained.walk(topic_filter, self.broker.clock()):
+            steps += 1
+            if steps % RETAINED_SLICE == 0:
+                await asyncio.sleep(0)  # other clients are served between slices
+            if message is None or message.topic <= cursor:
+                continue
+            if ceiling is not None and message.topic >= ceiling:
+                continue
+            page.append(message)
+            if len(page) >= 4 * keep:
+                page.sort(key=_topic)
+                del page[keep:]
+                ceiling = page[-1].topic
+        page.sort(key=_topic)
+        more = len(page) > limit
+        page = page[:limit]
         items = []
-        for message in messages[:limit]:
+        for message in page:
             item: dict[str, Any] = {
                 "topic": message.topic,
                 "qos": message.qos,
@@ -629,7 +721,10 @@ class AdminApi:
             if with_payload:
                 item["payload"] = base64.b64encode(message.payload).decode()
             items.append(item)
-        return json_response(200, {"items": items, "truncated": len(messages) > limit})
+        return json_response(
+            200,
+            {"items": items, "truncated": more, "next_cursor": page[-1].topic if more else None},
+        )
 
     async def delete_retained(self, request: Request) -> Response:
         topic = request.query.get("topic", "")
@@ -976,7 +1071,11 @@ class AdminServer:
         admin = settings.admin
         self.api = api
         self.http = HttpServer(
-            api.handle, admin.host, admin.port, reuse_port=settings.cluster.share_ports
+            api.handle,
+            admin.host,
+            admin.port,
+            reuse_port=settings.cluster.share_ports,
+            max_per_source=admin.max_connections_per_source,
         )
 
     @property
@@ -1071,7 +1170,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
             if want.startswith("{"):
                 if not got:
                     break
-                args.append(got)
+                # "%00." is the client ID ".": a segment "." or ".." would be resolved
+                # by browsers (and proxies) before it arrives; a client ID never holds
+                # U+0000 (MQTT-1.5.4-2), so one leading NUL marks it (app/console).
+                args.append(got[1:] if got.startswith("\0") and len(got) > 1 else got)
             elif want != got:
                 break
         else:
@@ -1085,6 +1187,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
 
 def _client_id(session: Session) -> str:
     return session.client_id
+
+
+def _topic(message: Message) -> str:
+    return message.topic
 
 
 def _connected(session: Session) -> bool:

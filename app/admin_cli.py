@@ -7,7 +7,7 @@
     devicemq queues owner CLIENT_ID [--set OWNER | --clear]
     devicemq client-ids owner CLIENT_ID [--release]
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
-    devicemq retained list [--topic FILTER] | delete TOPIC
+    devicemq retained list [--topic FILTER] [--limit N] [--all] | delete TOPIC
 
 Every command takes ``--url`` (default http://127.0.0.1:18083), the token from
 ``--token-file`` or ``DEVICEMQ_ADMIN_TOKEN``, and ``--json`` for scripts
@@ -88,7 +88,14 @@ class AdminClient:
             raise ApiError(0, f"cannot reach the admin API at {self.url}: {reason}") from None
 
     def session_path(self, client_id: str, *rest: str) -> str:
-        return "/".join(["sessions", quote(client_id, safe=""), *rest])
+        return "/".join(["sessions", client_id_segment(client_id), *rest])
+
+
+def client_id_segment(client_id: str) -> str:
+    """``client_id`` as a path segment; "." and ".." behind "%00" (app/admin.py _route),
+    so that no proxy resolves them as the segments "." and ".."."""
+    encoded = quote(client_id, safe="")
+    return "%00" + encoded if client_id in (".", "..") else encoded
 
 
 def _text(value: Any) -> str:
@@ -178,7 +185,8 @@ def add_retained_arguments(p: argparse.ArgumentParser) -> None:
     ls = sub.add_parser("list", help="retained messages matching a filter")
     _common(ls)
     ls.add_argument("--topic", default="#", help="topic filter (default #)")
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--limit", type=int, default=100, help="per page (at most 1000)")
+    ls.add_argument("--all", action="store_true", help="follow the pages to the end")
     delete = sub.add_parser("delete", help="delete the retained message of a topic")
     _common(delete)
     delete.add_argument("topic")
@@ -352,10 +360,19 @@ def blocked(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
 
 def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     if args.action == "list":
-        answer = client.call("GET", "retained", {"topic": args.topic, "limit": args.limit})
-        table = _table(answer["items"], ("topic", "qos", "size", "origin"))
-        if answer.get("truncated"):
-            table += "\n(more: raise --limit)"
+        items: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            query = {"topic": args.topic, "limit": args.limit, "cursor": cursor}
+            page = client.call("GET", "retained", query)
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None or not args.all:
+                break
+        answer = {"items": items, "next_cursor": cursor}
+        table = _table(items, ("topic", "qos", "size", "origin"))
+        if cursor is not None:
+            table += f"\n(more: --all, or the API with cursor={cursor})"
         return answer, table
     answer = client.call("DELETE", "retained", {"topic": args.topic})
     return answer, f"deleted the retained message of {args.topic}"

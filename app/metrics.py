@@ -43,6 +43,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 from redis.exceptions import ResponseError as RedisResponseError
 
+from app.http import ConnectionGate
 from broker import __version__
 from broker.stats import LATENCY_BUCKETS, Histogram
 from persistence.kafka_security import diagnose
@@ -64,6 +65,8 @@ PROBE_TIMEOUT = 2.0  # seconds a readiness probe or a refresh may take
 MIN_DIAGNOSIS = 0.2  # s left of a Kafka probe worth a connection that explains its failure
 REQUEST_TIMEOUT = 5.0  # seconds a client has to send its request head
 MAX_REQUEST_HEAD = 16 * 1024
+MAX_CONNECTIONS = 64  # at once (descriptors are the broker's); see app/http.py ConnectionGate
+MAX_CONNECTIONS_PER_SOURCE = 8  # from one address (IPv6: one /64)
 INFLIGHT_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0, 65535.0)
 BACKLOG_PIPELINE = 1000  # ZCARDs per Redis round trip when counting the backlog
 
@@ -747,6 +750,9 @@ class MetricsServer:
         ProcessCollector(namespace=PREFIX, registry=self.registry)
         self.stopping = False
         self._server: asyncio.Server | None = None
+        # Idle sockets opened by anyone must neither starve MQTT of descriptors nor
+        # lock out the scraper: a newcomer pushes out the oldest silent one.
+        self.gate = ConnectionGate(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_SOURCE)
 
     @property
     def port(self) -> int:
@@ -783,11 +789,29 @@ class MetricsServer:
     # -- requests ---------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        key, source = self.gate.enter(writer)
+        if key is None:  # over a limit, nobody idle to push out: closed unanswered
+            writer.transport.abort()
+            return
+        try:
+            await self._exchange(reader, writer, key)
+        finally:
+            self.gate.leave(key, source)
+
+    async def _exchange(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: object
+    ) -> None:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            except (
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                TimeoutError,
+                ConnectionError,
+            ):
                 return
+            self.gate.head_read(key)
             status, content_type, body, head_only = await self._respond(head)
             reason = _REASONS.get(status, "")
             headers = (

@@ -329,7 +329,9 @@ async def _open_persistence(
         endpoints = (running.redis_url, running.kafka_bootstrap)
         # Logged under the persistence logger, where this line always was.
         logging.getLogger("devicemq.persistence").info(
-            "embedded services: redis %s, kafka %s", *endpoints
+            "embedded services: redis %s, kafka %s",
+            running.redis_url_shown,
+            running.kafka_bootstrap,
         )
     return await open_persistence(settings, endpoints, compact_after, produce_latency)
 

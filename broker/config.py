@@ -150,6 +150,13 @@ class WebsocketSettings:
         "over: closed with 1008; 0 off",
         ge=0,
     )
+    allowed_origins: str = setting(
+        "",
+        "Browser pages (Origin: scheme://host[:port], comma-separated; * any) that may "
+        "open MQTT over WebSockets (ws and wss) besides the broker's own host; empty: "
+        "none, only clients without an Origin and the same host (which must name this "
+        "machine while no authentication is configured); others: HTTP 403",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,8 +387,16 @@ class AuthSettings:
     )
     http_fail_open: bool = setting(
         False,
-        "With http_url down (no answer, 5xx): accept the client as the user it names; "
+        "With http_url down (a probe carrying no client's input gets no answer or a 5xx, "
+        "not just one client's request): accept the client as the user it names; "
         "false: refuse it with CONNACK 0x88 Server unavailable",
+    )
+    http_result: str = setting(
+        "auto",
+        'What decides a 2xx answer: auto (its JSON "result", allow/deny/ignore, when it has '
+        "one, else the status), required (a 2xx without a result: 0x88), status (the status "
+        "alone, any result ignored)",
+        choices=("auto", "required", "status"),
     )
     http_cache_seconds: float = setting(
         60.0, "Seconds an allowed CONNECT is remembered (same client, credentials, address)", ge=0
@@ -580,7 +595,10 @@ class MetricsSettings:
     """Prometheus metrics and health checks over HTTP (app/metrics.py)."""
 
     enabled: bool = setting(False, "Serve /metrics, /health and /ready over HTTP")
-    host: str = setting("0.0.0.0", "Address the metrics HTTP server binds")
+    host: str = setting(
+        "127.0.0.1",
+        "Address the metrics HTTP server binds (it has no login); the Docker image sets 0.0.0.0",
+    )
     port: int = setting(9883, "TCP port of the metrics HTTP server", ge=1, le=65535)
 
 
@@ -598,14 +616,29 @@ class AdminSettings:
     )
     token: str = setting(
         "",
-        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN); with none the API is "
-        "read-only and answers loopback only",
+        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN), at least 16 characters; "
+        "with none the API is read-only and answers loopback only",
         secret=True,
     )
     generate_token: bool = setting(
         False,
         "Create admin.token_file at the first start when it does not exist, holding "
         "admin.token if set, else a new random token (logged once)",
+    )
+    max_auth_failures_per_source: float = setting(
+        1.0,
+        "Wrong admin tokens a second one address (IPv6: one /64) may send, after a burst "
+        "of 10; over: 429 to its every /api request, the token not compared, until it "
+        "slows down; 0 off",
+        ge=0,
+    )
+    max_connections_per_source: int = setting(
+        8,
+        "Connections one address (IPv6: one /64) may hold on the admin listener (64 in "
+        "all); a newcomer over it pushes out that address's oldest one still silent, "
+        "else gets 429; 0: no per-address limit",
+        ge=0,
+        le=64,
     )
 
 

@@ -5,7 +5,14 @@
     python -m loadtest.attack_bench overlap [--filters 1000] [--ids]
     python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
                                            stranger} [--seconds 10]
+    python -m loadtest.attack_bench admin-retained [--retained 100000]
+    python -m loadtest.attack_bench admin-guess [--seconds 5]
 
+``admin-guess`` starts ``devicemq run`` with an admin token and sends wrong tokens
+from 127.0.0.9 with four threads: how many were compared (401) and how many
+refused unread (429), and whether the right token from another address gets in.
+``admin-retained`` times ``GET /api/v1/retained?topic=#&limit=1000`` on the admin
+API in this process, with a task beside it that counts the event loop's turns.
 ``retained``, ``decode`` and ``overlap`` time the sans-IO core in this process
 (no sockets: the event-loop time a packet costs); ``flood`` starts ``devicemq
 run`` (a password file, persistence off, metrics on), floods it with CONNECTs
@@ -284,6 +291,114 @@ def flood(mode: str, seconds: float) -> None:
         proc.wait(10)
 
 
+def admin_retained(count: int) -> None:
+    """The admin API's listing of every retained message: its total time, the
+    longest event-loop step during it, and the loop's turns (issue 45 #13)."""
+    import asyncio
+
+    from app.admin import AdminApi
+    from app.http import Request
+
+    settings = Settings()
+    broker = Broker(settings)
+    for i in range(count):
+        broker.retained.store(Message(f"site/{i % 100}/dev{i}/state", b"x" * 10, 0, True))
+    api = AdminApi(settings, broker, "bench", token=None)
+    request = Request("GET", "/api/v1/retained", {"topic": "#", "limit": "1000"}, {}, b"", "::1")
+
+    async def run() -> tuple[float, float, int]:
+        gaps: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        gaps.clear()
+        start = time.perf_counter()
+        await api.handle(request)
+        total = time.perf_counter() - start
+        done = True
+        await task
+        return total, max(gaps, default=total), len(gaps)
+
+    total, step, turns = min(asyncio.run(run()) for _ in range(3))
+    print(
+        f"GET /api/v1/retained?topic=# over {count:,} retained: {total * 1000:.0f} ms, "
+        f"longest loop step {step * 1000:.1f} ms, {turns} loop turns (best of 3)"
+    )
+
+
+def _admin_status(port: int, token: str, source: str) -> int:
+    request = f"GET /api/v1/stats HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), 5, source_address=(source, 0)) as s:
+        s.sendall(request.encode())
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    return int(answer[9:12])
+
+
+def admin_guess(seconds: float) -> None:
+    """Wrong admin tokens from one address, as fast as four threads send them."""
+    tmp = Path(tempfile.mkdtemp(prefix="devicemq-guess-"))
+    token = "the-admin-token-" + os.urandom(8).hex()
+    port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    env.update(
+        DEVICEMQ_PERSISTENCE_ENABLED="false",
+        DEVICEMQ_ADMIN_PORT=str(admin_port),
+        DEVICEMQ_ADMIN_TOKEN=token,
+    )
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
+    with (tmp / "broker.log").open("wb") as log:
+        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
+    try:
+        for _ in range(150):
+            try:
+                _admin_status(admin_port, token, "127.0.0.2")
+                break
+            except OSError:
+                time.sleep(0.1)
+        counts: dict[int, int] = {}
+        stop = threading.Event()
+
+        def guesser() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(OSError, ValueError):
+                    code = _admin_status(admin_port, "guess-" + os.urandom(8).hex(), "127.0.0.9")
+                    counts[code] = counts.get(code, 0) + 1
+
+        threads = [threading.Thread(target=guesser, daemon=True) for _ in range(4)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        right = _admin_status(admin_port, token, "127.0.0.2")
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        log_lines = (tmp / "broker.log").read_text().splitlines()
+        logged = sum("wrong token" in line for line in log_lines)
+        compared = counts.get(401, 0)
+        print(
+            f"admin-guess: {sum(counts.values())} wrong tokens from one address in "
+            f"{elapsed:.1f} s; compared (401): {compared} ({compared / elapsed:.1f}/s), "
+            f"refused unread (429): {counts.get(429, 0)}; log lines: {logged}; "
+            f"the right token from another address: {right}"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.attack_bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -298,8 +413,16 @@ def main(argv: list[str] | None = None) -> None:
         "mode", choices=("bad-password", "bad-password-no-wait", "anonymous", "stranger")
     )
     p.add_argument("--seconds", type=float, default=10.0)
+    p = sub.add_parser("admin-retained")
+    p.add_argument("--retained", type=int, default=100_000)
+    p = sub.add_parser("admin-guess")
+    p.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
-    if args.what == "retained":
+    if args.what == "admin-retained":
+        admin_retained(args.retained)
+    elif args.what == "admin-guess":
+        admin_guess(args.seconds)
+    elif args.what == "retained":
         retained(args.retained)
     elif args.what == "decode":
         decode()

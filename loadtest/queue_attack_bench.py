@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.embedded_services import free_port
+from app.embedded_services import EmbeddedServices, free_port
 from broker.codec import PacketDecoder, encode
 from broker.packets import (
     Connect,
@@ -82,8 +82,9 @@ class _Client:
 
 
 @contextmanager
-def _broker() -> Iterator[tuple[int, int]]:
-    """``devicemq run`` with persistence in a temporary data dir: (MQTT port, Redis port)."""
+def _broker() -> Iterator[tuple[int, str]]:
+    """``devicemq run`` with persistence in a temporary data dir: (MQTT port, the
+    embedded Redis's URL, with the password it asks for: DATA/services/redis.password)."""
     tmp = Path(tempfile.mkdtemp(prefix="devicemq-queue-attack-"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
@@ -104,7 +105,8 @@ def _broker() -> Iterator[tuple[int, int]]:
             except OSError:
                 time.sleep(0.1)
         ports = json.loads((tmp / "services" / "ports.json").read_text())
-        yield port, int(ports["redis"])
+        password = EmbeddedServices(tmp).redis_password(create=False) or ""
+        yield port, f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
     finally:
         proc.terminate()
         proc.wait(30)
@@ -116,30 +118,30 @@ def _broker() -> Iterator[tuple[int, int]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _used_memory(redis_port: int) -> int:
+def _used_memory(redis_url: str) -> int:
     import redis
 
-    client = redis.Redis(port=redis_port)
+    client = redis.Redis.from_url(redis_url)
     try:
         return int(client.info("memory")["used_memory"])
     finally:
         client.close()
 
 
-def _settled(redis_port: int) -> int:
+def _settled(redis_url: str) -> int:
     """``used_memory`` once it stopped changing for a second (the consumer stored)."""
     last, still = -1, 0
     while still < 4:
         time.sleep(0.25)
-        now = _used_memory(redis_port)
+        now = _used_memory(redis_url)
         still = still + 1 if abs(now - last) < 64 * KIB else 0
         last = now
     return last
 
 
 def amplify(groups: int, publishes: int, sessions: int) -> None:
-    with _broker() as (port, redis_port):
-        before = _settled(redis_port)
+    with _broker() as (port, redis_url):
+        before = _settled(redis_url)
         codes: collections.Counter[int] = collections.Counter()
         left = [f"$queue/g{i}/mallory/amp" for i in range(groups)]
         clients = []
@@ -163,7 +165,7 @@ def amplify(groups: int, publishes: int, sessions: int) -> None:
             puback = clients[0].until(PubAck)
             assert isinstance(puback, PubAck)
             acks[puback.reason_code] += 1
-        after = _settled(redis_port)
+        after = _settled(redis_url)
         for client in clients:
             client.close()
     grown = after - before
@@ -177,8 +179,8 @@ def amplify(groups: int, publishes: int, sessions: int) -> None:
 
 
 def ecq_fill(writes: int, size: int) -> None:
-    with _broker() as (port, redis_port):
-        before = _settled(redis_port)
+    with _broker() as (port, redis_url):
+        before = _settled(redis_url)
         client = _Client(port, "alice-writer", "alice")
         acks: collections.Counter[int] = collections.Counter()
         started = time.monotonic()
@@ -189,7 +191,7 @@ def ecq_fill(writes: int, size: int) -> None:
             assert isinstance(puback, PubAck)
             acks[puback.reason_code] += 1
         took = time.monotonic() - started
-        after = _settled(redis_port)
+        after = _settled(redis_url)
         client.close()
     print(
         f"ecq-fill: {writes} x {size} bytes in {took:.1f} s, PUBACK codes {dict(acks)}: "

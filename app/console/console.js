@@ -55,8 +55,17 @@ async function api(method, path, query, body) {
   return data;
 }
 
+// A client ID as a path segment. Browsers resolve the segments "." and ".." (and
+// their %2E spellings) before a request leaves: purging the session "." would go to
+// /api/v1/sessions/messages, another session. A client ID never holds U+0000
+// (MQTT-1.5.4-2), so a leading %00 marks such a segment; the server drops it.
+function clientIdSegment(clientId) {
+  const encoded = encodeURIComponent(clientId);
+  return clientId === "." || clientId === ".." ? "%00" + encoded : encoded;
+}
+
 function sessionPath(clientId, ...rest) {
-  return ["sessions", encodeURIComponent(clientId), ...rest].join("/");
+  return ["sessions", clientIdSegment(clientId), ...rest].join("/");
 }
 
 // -- small helpers -----------------------------------------------------------------------

@@ -144,6 +144,52 @@ def test_a_backlog_found_in_the_console_and_purged(
     sub.close()
 
 
+def test_the_console_purges_the_session_dot_not_another(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    """Issue 45 #10: purging the session "." sent DELETE /api/v1/sessions/./messages,
+    which the browser resolves to /api/v1/sessions/messages: the DELETE of the
+    session named "messages". The console now marks such a segment (%00.)."""
+    broker, api = server
+    dot = persistent_subscriber(broker, ".", "console/dot")
+    other = persistent_subscriber(broker, "messages", "console/other")
+    publish(broker, "console/dot", 2, "console-dot-publisher")
+    publish(broker, "console/other", 1, "console-other-publisher")
+    admin.wait_for(
+        lambda: (
+            api.call("GET", api.session_path("."))["backlog"] == 2
+            and api.call("GET", api.session_path("messages"))["backlog"] == 1
+        ),
+        "the messages stored",
+    )
+    driver = chromium
+    _open(driver, api.url + "/")
+    _enter_token(driver, TOKEN)
+    search = driver.find_element(By.ID, "search-prefix")
+    search.send_keys(".")
+    driver.find_element(By.ID, "search-button").click()
+    wait_for(driver, lambda d: _sessions_listed(d) == ["."], "the table narrowed to .")
+    _open_session(driver, ".")
+    wait_for(driver, lambda d: _fact(d, "detail-backlog") == "2", "the detail of . (backlog 2)")
+    assert driver.find_element(By.ID, "detail-client-id").text == "."
+    driver.find_element(By.ID, "purge").click()
+    alert = wait_for(driver, ec.alert_is_present(), "the confirm dialog")
+    alert.accept()
+    wait_for(
+        driver,
+        lambda d: "Purged 2 messages" in d.find_element(By.ID, "status").text,
+        "the purge reported",
+    )
+    assert api.call("GET", api.session_path("."))["backlog"] == 0
+    # The session "messages" is untouched: still there, its message still stored.
+    assert api.call("GET", api.session_path("messages"))["backlog"] == 1
+    assert _error(driver) == ""
+    assert dot.connect(clean_start=False).session_present
+    assert other.connect(clean_start=False).session_present
+    dot.close()
+    other.close()
+
+
 def test_without_the_token_the_page_shows_the_401_not_the_data(
     server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
 ) -> None:

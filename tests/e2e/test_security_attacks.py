@@ -1219,3 +1219,149 @@ def test_a_stranger_cannot_get_a_device_banned(tmp_path: Path, broker_factory: F
     assert "is flapping" not in broker.log()
     device.disconnect()
     assert device.connect().reason_code == 0  # not banned
+
+
+def _redis(port: int, *words: str, password: str | None = None) -> bytes:
+    """A raw Redis command's first answer bytes, as a local user would send it."""
+
+    def resp(*args: str) -> bytes:
+        return f"*{len(args)}\r\n".encode() + b"".join(
+            f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
+        )
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        if password is not None:
+            sock.sendall(resp("AUTH", password))
+            assert sock.recv(1024) == b"+OK\r\n"
+        sock.sendall(resp(*words))
+        return sock.recv(65536)
+
+
+def test_a_local_user_cannot_rewrite_sessions_in_the_embedded_redis(
+    tmp_path: Path, broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """Issue 45 #11: the embedded Redis took any local user, who could rewrite a
+    session's owner field (and read every stored message). Now it asks for the
+    password in the data dir (mode 0600), which the broker uses."""
+    from app.embedded_services import EmbeddedServices
+
+    broker = broker_factory(
+        {"auth.password_file": password_file(tmp_path), "persistence.enabled": True}
+    )
+    device = names.client("dev1")
+    alice = clients.paho(broker, device, version=V311)
+    assert login(alice, "alice", "alice-pw", clean_start=False) == 0
+    assert alice.subscribe("alice/inbox", 1) == [1]
+    alice.disconnect()
+    services = EmbeddedServices(broker.data_dir)
+    (redis,) = [s for s in services.status() if s.name == "redis"]
+    assert redis.port is not None and redis.responding
+    assert _redis(redis.port, "KEYS", "*").startswith(b"-NOAUTH")
+    assert _redis(redis.port, "FLUSHALL").startswith(b"-NOAUTH")
+    password = services.redis_password(create=False)
+    assert password is not None and password not in broker.log()
+    assert device.encode() in _redis(redis.port, "KEYS", "*", password=password)
+    sender = clients.paho(broker, names.client("sender"))
+    assert login(sender, "alice", "alice-pw") == 0
+    assert sender.publish("alice/inbox", b"stored", qos=1) == 0
+    assert login(alice, "alice", "alice-pw", clean_start=False) == 0
+    assert alice.get().payload == b"stored"
+
+
+def ws_answer(port: int, host: str, origin: str | None) -> bytes:
+    """The status line the WebSocket listener answers a browser-like handshake."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(
+            f"GET /mqtt HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n".encode()
+            + (f"Origin: {origin}\r\n".encode() if origin is not None else b"")
+            + b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n"
+        )
+        got = b""
+        while b"\r\n" not in got:
+            chunk = s.recv(4096)
+            assert chunk, "no WebSocket handshake answer"
+            got += chunk
+        return got.split(b"\r\n", 1)[0]
+
+
+def test_a_web_page_cannot_open_the_websocket_listener(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """Issue 45 #12: the WebSocket listener took any Origin, so any page the user
+    visited reached a no-auth loopback broker (browsers let pages open WebSockets
+    anywhere). Now only a client without Origin, the same host (naming this
+    machine while nobody logs in: DNS rebinding) and websocket.allowed_origins."""
+    port = free_port()
+    broker_factory(
+        {"websocket.enabled": True, "websocket.host": "127.0.0.1", "websocket.port": port}
+    )
+    here = f"127.0.0.1:{port}"
+    forbidden = b"HTTP/1.1 403 Forbidden"
+    assert ws_answer(port, here, "https://evil.example") == forbidden
+    assert ws_answer(port, here, "http://localhost:8000") == forbidden  # another port
+    assert ws_answer(port, here, "null") == forbidden  # a sandboxed page, a file
+    rebound = f"evil.example:{port}"  # its name rebound to 127.0.0.1: both say it
+    assert ws_answer(port, rebound, f"http://{rebound}") == forbidden
+    assert ws_answer(port, here, None).startswith(b"HTTP/1.1 101 ")  # not a browser
+    assert ws_answer(port, here, f"http://{here}").startswith(b"HTTP/1.1 101 ")  # paho's
+    assert ws_answer(port, f"localhost:{port}", f"http://localhost:{port}").startswith(
+        b"HTTP/1.1 101 "
+    )
+    # With logins required, a public name is fine; listed pages get in too.
+    listed = free_port()
+    broker_factory(
+        {
+            "websocket.enabled": True,
+            "websocket.host": "127.0.0.1",
+            "websocket.port": listed,
+            "websocket.allowed_origins": "https://dash.example.com, http://localhost:3000",
+            "auth.password_file": password_file(tmp_path),
+        }
+    )
+    public = f"mqtt.example.com:{listed}"
+    assert ws_answer(listed, public, f"https://{public}").startswith(b"HTTP/1.1 101 ")
+    assert ws_answer(listed, public, "https://dash.example.com").startswith(b"HTTP/1.1 101 ")
+    assert ws_answer(listed, public, "HTTP://LOCALHOST:3000").startswith(b"HTTP/1.1 101 ")
+    assert ws_answer(listed, public, "https://evil.example") == forbidden
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(0)  # a peek that never waits
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: aborted
+        return True
+
+
+def test_metrics_stay_on_this_host_and_idle_sockets_are_capped(
+    broker_factory: Factory,
+) -> None:
+    """Issue 45 #14: /metrics (no login) listened on 0.0.0.0 by default and held any
+    number of sockets. Now it binds 127.0.0.1 unless metrics.host says otherwise
+    (the Docker image does), holds 8 connections from one address (64 in all), and
+    a newcomer pushes out the oldest silent one, so the scraper still gets in."""
+    port = free_port()
+    broker = broker_factory({"metrics.enabled": True, "metrics.port": port})
+    wait_for(lambda: "metrics on http://" in broker.log(), "the metrics server")
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in broker.log()
+    outward = outward_address()
+    if outward is not None:
+        assert not reachable(outward, port), f"/metrics reachable on {outward}"
+    first = time.monotonic()
+    idle = [
+        socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.0.7", 0))
+        for _ in range(100)
+    ]
+    try:
+        # The scraper gets in; by then every push-out happened (at each accept).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+            assert answer.status == 200
+        wait_for(lambda: sum(map(_closed_by_peer, idle)) >= 92, "all but 8 pushed out", 1.0)
+        if time.monotonic() - first < 4.5:  # before the 5 s head timeout closes any
+            assert not any(_closed_by_peer(s) for s in idle[-8:])  # the newest 8 are held
+    finally:
+        for sock in idle:
+            sock.close()
