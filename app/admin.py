@@ -394,7 +394,8 @@ class AdminApi:
 
     def _reload_token(self) -> None:
         """A changed ``admin.token_file``: its new token from now on. A file that
-        cannot be read or is empty keeps the token in force (logged)."""
+        cannot be read, is empty or holds a token shorter than MIN_TOKEN_LENGTH keeps
+        the token in force (logged)."""
         watch = self._token_watch
         if watch is None or not watch.changed():
             return
@@ -405,6 +406,14 @@ class AdminApi:
             return
         if not token:
             log.warning("admin token file %s is empty: the token in force stays", watch.path)
+        elif len(token) < MIN_TOKEN_LENGTH:
+            log.warning(
+                "admin token file %s holds a token of %d characters, at least %d are needed: "
+                "the token in force stays",
+                watch.path,
+                len(token),
+                MIN_TOKEN_LENGTH,
+            )
         elif token != self.token:
             self.token = token
             log.warning("admin token file %s changed: its new token is in force", watch.path)

@@ -114,6 +114,7 @@ KNOWN_REJECTIONS = (
     "websocket_frame_rate",
     "websocket_protocol_error",
     "websocket_handshake",
+    "origin",  # a WebSocket handshake from a web page not in websocket.allowed_origins
     "auth_rate_exceeded_per_source",
     "auth_service_busy",
     "auth_chain_failed",

@@ -156,10 +156,12 @@ def test_generate_token_writes_the_operators_token_unlogged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "token"
-    settings = _settings(token_file=str(path), token="chosen-token", generate_token=True)
+    settings = _settings(
+        token_file=str(path), token="chosen-token-of-the-operator", generate_token=True
+    )
     with caplog.at_level("WARNING", logger="devicemq.admin"):
-        assert admin_token(settings) == "chosen-token"
-    assert path.read_text() == "chosen-token\n"
+        assert admin_token(settings) == "chosen-token-of-the-operator"
+    assert path.read_text() == "chosen-token-of-the-operator\n"
     assert "chosen-token" not in caplog.text and str(path) in caplog.text
 
 
@@ -175,9 +177,10 @@ def test_generate_token_problems_are_named(tmp_path: Path) -> None:
 
 async def test_a_changed_token_file_is_read_again(tmp_path: Path) -> None:
     """As the password file: no restart for a new token; an unreadable or empty
-    file keeps the one in force."""
+    file, or one with a token too short to start with, keeps the one in force."""
+    first, second = "first-token-0123456789", "second-token-0123456789"
     path = tmp_path / "token"
-    path.write_text("first\n")
+    path.write_text(first + "\n")
     settings = _settings(token_file=str(path))
     now = [1000.0]
     broker = Broker(settings, clock=lambda: now[0])
@@ -186,20 +189,24 @@ async def test_a_changed_token_file_is_read_again(tmp_path: Path) -> None:
     def get(token: str) -> Request:
         return _request("GET", "/api/v1/sessions", Authorization=f"Bearer {token}")
 
-    assert await _status(api, get("first")) == 200
-    path.write_text("second\n")
+    assert await _status(api, get(first)) == 200
+    path.write_text(second + "\n")
     os.utime(path, ns=(1, 1))  # a different mtime, whatever the file system's resolution
-    assert await _status(api, get("second")) == 401  # checked at most once a second
+    assert await _status(api, get(second)) == 401  # checked at most once a second
     now[0] += 1.5
-    assert await _status(api, get("second")) == 200
-    assert await _status(api, get("first")) == 401
+    assert await _status(api, get(second)) == 200
+    assert await _status(api, get(first)) == 401
     path.write_text("  \n")
     os.utime(path, ns=(2, 2))
     now[0] += 1.5
-    assert await _status(api, get("second")) == 200  # empty: the token in force stays
+    assert await _status(api, get(second)) == 200  # empty: the token in force stays
+    path.write_text("short\n")
+    os.utime(path, ns=(3, 3))
+    now[0] += 1.5
+    assert await _status(api, get(second)) == 200  # too short: likewise
     path.unlink()
     now[0] += 1.5
-    assert await _status(api, get("second")) == 200  # gone: likewise
+    assert await _status(api, get(second)) == 200  # gone: likewise
 
 
 # -- the HTTP edge on a socket ------------------------------------------------------------
