@@ -24,9 +24,11 @@ earlier run) are counted as foreign and otherwise ignored.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import struct
 from array import array
+from collections import deque
 from collections.abc import Callable
 from time import monotonic_ns
 from typing import cast
@@ -343,9 +345,14 @@ class Publisher(_Client):
         self.outstanding = 0
         self.start_ns = 0
         self.running = False
-        self._next_pid = 1
-        self._pid_seq = [0] * 65536
-        self._pid_ts = [0] * 65536
+        # Packet ids 1..inflight, reused as their exchanges end: the slots below are
+        # as many as the window, not 65,535 (two lists of 65,536 per publisher were
+        # a megabyte each: 4 GB at 4,000 publishers).
+        slots = min(max(inflight, 1), 65535)
+        self._free_pids = deque(range(1, slots + 1))
+        self._pid_seq = [0] * (slots + 1)
+        self._pid_ts = [0] * (slots + 1)
+        self.limit = 0  # stop after this many messages (0: no limit; loadtest/storm.py)
         self._scheduled = False
         topic_bytes = topic.encode()
         header = _PID_HEADER if qos else _NO_PID_HEADER
@@ -386,6 +393,8 @@ class Publisher(_Client):
         if rate:
             due = int((now - self.start_ns) * rate / NS) + 1 - self.sent
             budget = min(budget, due)
+        if self.limit:
+            budget = min(budget, self.limit - self.sent)
         if budget <= 0:
             return
         prefix = self._prefix
@@ -397,11 +406,12 @@ class Publisher(_Client):
         parts: list[bytes] = []
         append = parts.append
         if qos:
-            pid = self._next_pid
+            take = self._free_pids.popleft
             pid_seq = self._pid_seq
             pid_ts = self._pid_ts
             v5 = self.v5
             for _ in range(budget):
+                pid = take()
                 pid_seq[pid] = seq
                 pid_ts[pid] = now
                 append(prefix)
@@ -411,8 +421,6 @@ class Publisher(_Client):
                     append(pack(pid, nonce, index, seq, now))
                 append(padding)
                 seq += 1
-                pid = pid + 1 if pid < 65535 else 1
-            self._next_pid = pid
             self.outstanding += budget
             self.acked.extend(bytes(budget))
         else:
@@ -439,6 +447,11 @@ class Publisher(_Client):
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._again)
 
+    def next_due(self) -> int:
+        """When the rate lets the next message go (``rate`` > 0): the worker wakes a
+        publisher then, instead of asking every publisher at every tick."""
+        return self.start_ns + math.ceil(self.sent * NS / self.rate)
+
     def _again(self) -> None:
         self._scheduled = False
         self.fill(monotonic_ns())
@@ -457,6 +470,8 @@ class Publisher(_Client):
         record = bucket.puback.append
         pid_seq = self._pid_seq
         pid_ts = self._pid_ts
+        slots = len(pid_seq)
+        release = self._free_pids.append
         acked = self.acked
         done = 0
         ok = 0
@@ -475,6 +490,10 @@ class Publisher(_Client):
             kind = first >> 4
             if kind == 4 or kind == 7:  # PUBACK, PUBCOMP: the exchange is over
                 pid = (data[body] << 8) | data[body + 1]
+                if not 0 < pid < slots:  # no PUBLISH of ours had it: ignored
+                    pos = end
+                    continue
+                release(pid)
                 done += 1
                 if length > 2 and data[body + 2] >= 0x80:
                     self.rejected += 1
@@ -488,7 +507,9 @@ class Publisher(_Client):
                 pid = (data[body] << 8) | data[body + 1]
                 if length > 2 and data[body + 2] >= 0x80:
                     self.rejected += 1
-                    done += 1
+                    if 0 < pid < slots:
+                        done += 1
+                        release(pid)
                 else:
                     replies.append(_ACK.pack(0x62, 2, pid))
             else:
