@@ -24,6 +24,7 @@ earlier run) are counted as foreign and otherwise ignored.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import random
 import struct
@@ -47,6 +48,7 @@ from broker.packets import (
 __all__ = [
     "HEADER",
     "PAYLOAD_MIN",
+    "THROTTLE_HINT",
     "Bucket",
     "ClientError",
     "Publisher",
@@ -70,8 +72,31 @@ _DISCONNECT = b"\xe0\x00"
 _BUSY = frozenset({3, 0x89, 0x9F})
 
 
+# What to change when the broker refused CONNECTs as busy: the load tool's clients
+# all come from one address (broker/config.py, MqttSettings; broker/core.py connect_allowed)
+THROTTLE_HINT = (
+    "the broker paces CONNECTs: raise mqtt.max_connection_rate_per_source "
+    "(DEVICEMQ_MQTT_MAX_CONNECTION_RATE_PER_SOURCE, default 100/s from one address; "
+    "0 turns it off) and, past 1,000/s, mqtt.max_connection_rate "
+    "(DEVICEMQ_MQTT_MAX_CONNECTION_RATE)"
+)
+
+
 class ClientError(Exception):
     """A connection was refused or failed before the run could start."""
+
+    def __init__(self, message: str, os_errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = os_errno
+
+
+def _nofile() -> int | str:
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError):  # pragma: no cover - not Linux
+        return "?"
 
 
 class Bucket:
@@ -148,6 +173,8 @@ class _Client(asyncio.Protocol):
         self.session_present = False
         self.lost_connections = 0
         self.busy_refusals = 0  # CONNECTs refused as busy, then retried (connect)
+        self.connect_failures = 0  # connections failed before a CONNACK, then retried
+        self.last_failure = ""
         self.closed: asyncio.Future[None] | None = None
         self.paused = False
         # The broker's Receive Maximum (MQTT 5 CONNACK): QoS 1/2 PUBLISHes it takes in
@@ -157,23 +184,42 @@ class _Client(asyncio.Protocol):
     # -- connection -------------------------------------------------------------
 
     async def connect(self, host: str, port: int, timeout: float = 30.0) -> None:
-        """Connect, and retry a CONNECT the broker refused as busy, as devices do.
+        """Connect, retrying as devices do until ``timeout`` seconds have passed.
 
-        A broker that paces CONNECTs (devicemq's ``mqtt.max_connection_rate_per_source``:
-        the load tool's hundreds of clients share one address) answers 0x9F, 3.1.1
-        return code 3; the client backs off and tries again until ``timeout``.
-        ``busy_refusals`` counts those answers, for the report.
+        Retried, with exponential backoff (50 ms doubling to 2 s, jittered): a
+        CONNECT the broker refused as busy (devicemq's connection rate limits,
+        ``THROTTLE_HINT``: the load tool's clients share one address; 3.1.1 return
+        code 3, MQTT 5 0x89/0x9F) and a connection that failed or broke before its
+        CONNACK (a full listen backlog, a reset). Not retried: any other refusal, and
+        running out of file descriptors (``ulimit -n``). ``busy_refusals`` and
+        ``connect_failures`` count the retries, for the report.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         backoff = 0.05
         while True:
-            code = await self._connect_once(host, port, max(deadline - loop.time(), 0.1))
-            if code == 0:
-                return
-            if code not in _BUSY or loop.time() + backoff >= deadline:
-                raise ClientError(f"{self.client_id}: CONNECT refused: {code!r}")
-            self.busy_refusals += 1
+            try:
+                code = await self._connect_once(host, port, max(deadline - loop.time(), 0.1))
+            except ClientError as e:
+                if e.errno == errno.EMFILE or loop.time() + backoff >= deadline:
+                    raise
+                self.connect_failures += 1
+                self.last_failure = str(e)
+                if self.transport is not None:  # no CONNACK in time: start over
+                    self.transport.abort()
+                else:  # no connection was made, none will close
+                    self.closed = None
+            else:
+                if code == 0:
+                    return
+                if code not in _BUSY:
+                    raise ClientError(f"{self.client_id}: CONNECT refused: {code!r}")
+                self.busy_refusals += 1
+                if loop.time() + backoff >= deadline:
+                    raise ClientError(
+                        f"{self.client_id}: CONNECT refused as busy ({code!r}) "
+                        f"{self.busy_refusals} times in {timeout:.0f} s: {THROTTLE_HINT}"
+                    )
             if self.closed is not None:
                 await asyncio.shield(self.closed)
             await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -187,7 +233,14 @@ class _Client(asyncio.Protocol):
         try:
             await asyncio.wait_for(loop.create_connection(lambda: self, host, port), timeout)
         except (OSError, TimeoutError) as e:
-            raise ClientError(f"{self.client_id}: cannot connect to {host}:{port}: {e}") from e
+            code = getattr(e, "errno", None)
+            if code == errno.EMFILE:
+                raise ClientError(
+                    f"{self.client_id}: out of file descriptors ({e}): raise the limit with "
+                    f"`ulimit -n` (now {_nofile()}) or run more --processes",
+                    errno.EMFILE,
+                ) from e
+            raise ClientError(f"{self.client_id}: cannot connect to {host}:{port}: {e!r}") from e
         properties = None
         if self.v5:
             properties = Properties(
@@ -572,8 +625,8 @@ class Subscriber(_Client):
         self.latencies: array[int] | None = None
         self.window = (0, 0)
 
-    async def start(self, host: str, port: int) -> None:
-        await self.connect(host, port)
+    async def start(self, host: str, port: int, timeout: float = 30.0) -> None:
+        await self.connect(host, port, timeout)
         if not self.session_present:
             await self.subscribe(self.topic_filter, self.qos)
 

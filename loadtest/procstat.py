@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuSample", "find_listener_pid", "sample"]
+__all__ = ["CpuSample", "find_listener_pid", "rss_kib", "sample", "tree"]
 
 _PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -47,6 +47,23 @@ def _stat(pid: int) -> tuple[int, float] | None:
     rest = raw[raw.rindex(")") + 2 :].split()
     # fields after the command: state ppid ... utime(12th) stime(13th)
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
+
+
+def tree(roots: list[int]) -> list[int]:
+    """``roots`` and all their descendants."""
+    return _tree(roots)
+
+
+def rss_kib(pid: int) -> int | None:
+    """Resident memory of ``pid`` in KiB (``VmRSS``), or None if it is gone."""
+    try:
+        with open(_PROC / str(pid) / "status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return 0  # a zombie has no VmRSS line
 
 
 def _tree(roots: list[int]) -> list[int]:

@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from loadtest.client import THROTTLE_HINT
 from loadtest.procstat import CpuSample
 from loadtest.replicas import by_consuming_replica
 from loadtest.scenarios import LoadConfig, Plan
@@ -258,10 +259,18 @@ def summarize(
                 else None
             ),
             "client_us_per_message": _round(us_per_message),
+            # TBMQ's measure: messages in (acked PUBLISHes) plus out (deliveries) a
+            # second, per core the broker (with its embedded Redis and Kafka) used
+            "messages_per_broker_core": round(
+                (sum(a for _, a, _, _ in window) + delivered_window) / seconds / broker_cores
+            )
+            if broker_cores
+            else None,
             "client_capacity_per_core": round(capacity) if capacity else None,
         },
         "connect_seconds": max((r.connect_seconds for r in results), default=0.0),
         "connect_busy_refusals": sum(r.busy_refusals for r in results),
+        "connect_failures": sum(r.connect_failures for r in results),
         "drain_seconds": max((r.drain_seconds for r in results), default=0.0),
         "timeline": timeline,
         "errors": errors,
@@ -325,6 +334,20 @@ def _by_client(subscribers: Iterable[tuple[str, bytes]]) -> dict[str, Any]:
     }
 
 
+def connect_line(r: dict[str, Any]) -> str:
+    """How long connecting took, and what was retried on the way."""
+    clients = r["clients"]["publishers"] + r["clients"]["subscribers"]
+    retried = []
+    if r.get("connect_busy_refusals"):
+        retried.append(f"{r['connect_busy_refusals']:,} CONNECTs refused as busy (rate limit)")
+    if r.get("connect_failures"):
+        retried.append(f"{r['connect_failures']:,} failed connections")
+    return (
+        f"connect {r['label']}: {clients:,} clients connected in {r['connect_seconds']:.1f} s"
+        + (f"; retried {' and '.join(retried)}" if retried else "")
+    )
+
+
 def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -363,6 +386,7 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
         ("duplicates (DUP=1)", f"{check['duplicates']} ({check['duplicates_dup_flag']})", 0),
         ("out of order", check["out_of_order"], 0),
         ("broker CPU cores", cpu["broker_cores"], 2),
+        ("in + out msg/s per broker core", cpu.get("messages_per_broker_core"), 0),
         ("load generator CPU cores", cpu["client_cores"], 2),
         ("machine busy cores", cpu["machine_busy_cores"], 2),
         ("  of which other processes", cpu["other_cores"], 2),
@@ -372,7 +396,9 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
 
 def _headline(config: dict[str, Any]) -> str:
     c = config
-    if c["scenario"] == "p2p":
+    if c.get("preset") == "fleet":
+        who = f"fleet of {c['pairs']} devices (a publisher and a subscriber each)"
+    elif c["scenario"] == "p2p":
         who = f"{c['pairs']} pairs"
     else:
         who = f"{c['publishers']} publishers, {c['subscribers']} subscribers"
@@ -380,8 +406,9 @@ def _headline(config: dict[str, Any]) -> str:
     if c["rate"]:
         rate = f"{c['rate']:g} msg/s per publisher"
     subs = "persistent" if c["persistent"] else "clean"
+    name = c.get("preset") or c["scenario"]
     return (
-        f"{c['scenario']}: {who}, QoS {c['qos']}, MQTT {c['mqtt']}, {subs} subscribers, "
+        f"{name}: {who}, QoS {c['qos']}, MQTT {c['mqtt']}, {subs} subscribers, "
         f"{c['payload_size']} B payload, {rate}, {c['duration']:g} s measured after "
         f"{c['warmup']:g} s warm-up, {c['processes']} process(es)"
     )
@@ -444,11 +471,9 @@ def format_report(results: list[dict[str, Any]]) -> str:
                 f"{_num(worst['p99_ms'], 1)} ms over {worst['deliveries']:,} deliveries "
                 f"(p90 of the clients' p99: {_num(r['by_client']['p99_ms']['p90'], 1)} ms)"
             )
+        lines.append(connect_line(r))
         if r.get("connect_busy_refusals"):
-            lines.append(
-                f"connect {r['label']}: {r['connect_busy_refusals']:,} CONNECTs refused as busy "
-                f"(rate limit), retried; all connected in {r['connect_seconds']:.1f} s"
-            )
+            lines.append(f"throttled {r['label']}: {THROTTLE_HINT}")
         for example in check["lost_examples"]:
             lines.append(f"  lost: {example}")
         cpu = r["cpu"]

@@ -26,7 +26,7 @@ from loadtest.worker import WorkerResult, run_worker, start_thread_worker
 
 __all__ = ["LoadTestError", "run_load"]
 
-READY_TIMEOUT = 120.0
+READY_MARGIN = 30.0  # seconds past config.connect_timeout before a silent worker is given up
 START_DELAY = 0.3  # seconds between "start" and t0, for every worker to get it
 
 
@@ -108,7 +108,7 @@ def run_load(
     totals = [(0, 0, 0)] * len(workers.conns)
     try:
         # -- connect
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = time.monotonic() + config.connect_timeout + READY_MARGIN
         ready: set[int] = set()
         connect_started = time.monotonic()
         while len(ready) < len(workers.conns):

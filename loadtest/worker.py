@@ -78,6 +78,7 @@ class WorkerResult:
     errors: list[str] = field(default_factory=list)
     connect_seconds: float = 0.0
     busy_refusals: int = 0  # CONNECTs refused as busy and retried (Client.connect)
+    connect_failures: int = 0  # connections failed before their CONNACK and retried
     drain_seconds: float = 0.0
 
 
@@ -168,11 +169,19 @@ class _Worker:
         await asyncio.gather(*(one(job) for job in jobs))
 
     async def connect_all(self) -> None:
+        """Subscribers, then publishers; all within ``config.connect_timeout`` seconds
+        (each client retries refusals as busy and failed connections until then)."""
         config = self.config
         host = config.host
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.connect_timeout
+
+        def left() -> float:
+            return max(deadline - loop.time(), 0.1)
+
         await self._bounded(
             [
-                lambda s=s: s.start(host, config.subscriber_port(s.index))  # type: ignore[misc]
+                lambda s=s: s.start(host, config.subscriber_port(s.index), left())  # type: ignore[misc]
                 for s in self.subscribers
             ]
         )
@@ -181,7 +190,7 @@ class _Worker:
                 self.errors.append(f"{s.client_id}: a session was present on first connect")
         await self._bounded(
             [
-                lambda p=p: p.connect(host, config.publisher_port(p.index))  # type: ignore[misc]
+                lambda p=p: p.connect(host, config.publisher_port(p.index), left())  # type: ignore[misc]
                 for p in self.publishers
             ]
         )
@@ -356,6 +365,7 @@ class _Worker:
             errors=self.errors,
             drain_seconds=self.drain_seconds,
             busy_refusals=sum(c.busy_refusals for c in (*self.publishers, *self.subscribers)),
+            connect_failures=sum(c.connect_failures for c in (*self.publishers, *self.subscribers)),
         )
 
     async def serve(self) -> None:
@@ -388,6 +398,20 @@ class _Worker:
                     c.transport.abort()
 
 
+def raise_nofile_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (a socket per
+    client); the limit now in force."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not Linux
+        return 0
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     try:
         import uvloop
@@ -402,6 +426,7 @@ def run_worker(conn: Connection, config: LoadConfig, plan: Plan, worker: int) ->
     if threading.current_thread() is threading.main_thread():
         # A worker process: Ctrl-C is the coordinator's to handle.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise_nofile_limit()
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_Worker(conn, config, plan, worker).serve())
