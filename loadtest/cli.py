@@ -287,6 +287,9 @@ def _hard_nofile() -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.scenario != "fleet" and (args.storm or args.devices is not None):
+        print("loadtest: error: --devices and --storm are fleet's", file=sys.stderr)
+        return 2
     if args.scenario == "ecq":
         from loadtest.ecq import run_from_args
 

@@ -444,7 +444,9 @@ class Publisher(_Client):
             budget = 0 if self.paused else self.inflight
         rate = self.rate
         if rate:
-            due = int((now - self.start_ns) * rate / NS) + 1 - self.sent
+            # floor, not int(): before its start (its phase in the first second) a
+            # publisher has nothing due; int() rounded -0.5 up to 0, one message due
+            due = math.floor((now - self.start_ns) * rate / NS) + 1 - self.sent
             budget = min(budget, due)
         if self.limit:
             budget = min(budget, self.limit - self.sent)

@@ -6,7 +6,7 @@ import asyncio
 import tracemalloc
 from typing import cast
 
-from loadtest.client import Publisher, Stats
+from loadtest.client import NS, Publisher, Stats
 
 
 class _Transport:
@@ -61,5 +61,29 @@ def test_a_packet_id_is_reused_only_after_its_acknowledgement() -> None:
         assert _pids(b"".join(transport.written)) == [3]
         assert p.sent == 5 and p.outstanding == 2
         assert p.acked_count == 3 and bytes(p.acked) == b"\x01\x01\x01\x00\x00"
+
+    asyncio.run(run())
+
+
+def test_a_throttled_publisher_waits_for_its_phase() -> None:
+    """A publisher at 1 msg/s starting 0.5 s from now sends nothing until then (its
+    first message went at once: every publisher's first message in one burst)."""
+
+    async def run() -> None:
+        p = Publisher(0, "p", "t/0", 1, 62, 1, 4, Stats(), 1.0, 10, bytes(64))
+        transport = _Transport()
+        p.transport = cast(asyncio.Transport, transport)
+        p.connected = True
+        start = 10 * NS
+        p.start_ns, p.running = start, True
+        p.fill(start - NS // 2)
+        assert p.sent == 0 and transport.written == []
+        p.fill(start)
+        assert p.sent == 1
+        assert p.next_due() == start + NS
+        p.fill(start + NS - 1)
+        assert p.sent == 1
+        p.fill(start + NS)
+        assert p.sent == 2
 
     asyncio.run(run())

@@ -95,8 +95,9 @@ def test_fleet_preset_sends_the_tbmq_shape_and_reports_it(
     check = result["check"]
     assert check["ok"] and check["lost"] == 0 and check["duplicates"] == 0
     assert check["out_of_order"] == 0
-    # 1 msg/s each over 3 s (warm-up + window), from a random phase in the first second
-    assert 4 * 3 <= check["acked"] <= 4 * 4
+    # 1 msg/s each over 3 s (warm-up + window), from a random phase in the first second:
+    # 3 each (the last may miss the end if the tool's loop is late)
+    assert 4 * 2 <= check["acked"] <= 4 * 3
     assert check["delivered"] == check["expected"] == check["acked"]
     # on the wire: every message of the run 62 bytes at QoS 1, on its device's own topic
     base = f"loadtest/{result['run_id']}/p2p/"
@@ -267,9 +268,17 @@ class _ResettingProxy:
         )
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self._server.close)
+        async def shutdown() -> None:
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 def test_fleet_retries_connections_that_fail_before_their_connack(
