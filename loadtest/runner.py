@@ -132,7 +132,8 @@ def run_load(
         published: dict[int, dict[int, int]] = {}
         results: dict[int, WorkerResult] = {}
         phase = "warmup"
-        end = t0_wall + config.total_seconds + config.drain + 30.0
+        # and the persistent sessions' removal, paced as connecting was (close_all)
+        end = t0_wall + config.total_seconds + config.drain + config.connect_timeout + 30.0
         while len(results) < len(workers.conns):
             now = time.monotonic()
             if "start" not in samples and now >= window_start:

@@ -323,11 +323,13 @@ class _Worker:
         # Remove the run's persistent sessions: connect once more with a clean session.
         level = self.config.level
         host, port = self.config.host, self.config.port
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.connect_timeout  # as connecting: rate limits
 
         async def clean(client_id: str) -> None:
             c = _Client(client_id, level, True, 0, Stats())
             try:
-                await c.connect(host, port, timeout=10)
+                await c.connect(host, port, timeout=max(deadline - loop.time(), 0.1))
                 await c.disconnect()
             except ClientError as e:
                 self.errors.append(f"cleanup: {e}")
