@@ -174,7 +174,6 @@ class _Client(asyncio.Protocol):
         self.lost_connections = 0
         self.busy_refusals = 0  # CONNECTs refused as busy, then retried (connect)
         self.connect_failures = 0  # connections failed before a CONNACK, then retried
-        self.last_failure = ""
         self.closed: asyncio.Future[None] | None = None
         self.paused = False
         # The broker's Receive Maximum (MQTT 5 CONNACK): QoS 1/2 PUBLISHes it takes in
@@ -204,7 +203,6 @@ class _Client(asyncio.Protocol):
                 if e.errno == errno.EMFILE or loop.time() + backoff >= deadline:
                     raise
                 self.connect_failures += 1
-                self.last_failure = str(e)
                 if self.transport is not None:  # no CONNACK in time: start over
                     self.transport.abort()
                 else:  # no connection was made, none will close
@@ -545,9 +543,13 @@ class Publisher(_Client):
             kind = first >> 4
             if kind == 4 or kind == 7:  # PUBACK, PUBCOMP: the exchange is over
                 pid = (data[body] << 8) | data[body + 1]
-                if not 0 < pid < slots:  # no PUBLISH of ours had it: ignored
+                # a packet id none of ours has (never sent, or acknowledged already):
+                # ignored, so that the window stays right
+                if not 0 < pid < slots or not pid_ts[pid]:
                     pos = end
                     continue
+                sent_at = pid_ts[pid]
+                pid_ts[pid] = 0
                 release(pid)
                 done += 1
                 if length > 2 and data[body + 2] >= 0x80:
@@ -557,12 +559,13 @@ class Publisher(_Client):
                         self.no_subscribers += 1
                     acked[pid_seq[pid]] = 1
                     ok += 1
-                    record((now - pid_ts[pid]) // 1000)  # non-negative: sent before now
+                    record((now - sent_at) // 1000)  # non-negative: sent before now
             elif kind == 5:  # PUBREC: answer PUBREL, keep the slot until PUBCOMP
                 pid = (data[body] << 8) | data[body + 1]
                 if length > 2 and data[body + 2] >= 0x80:
                     self.rejected += 1
-                    if 0 < pid < slots:
+                    if 0 < pid < slots and pid_ts[pid]:
+                        pid_ts[pid] = 0
                         done += 1
                         release(pid)
                 else:

@@ -61,6 +61,8 @@ def test_a_packet_id_is_reused_only_after_its_acknowledgement() -> None:
         assert _pids(b"".join(transport.written)) == [3]
         assert p.sent == 5 and p.outstanding == 2
         assert p.acked_count == 3 and bytes(p.acked) == b"\x01\x01\x01\x00\x00"
+        p.data_received(b"\x40\x02\x00\x01")  # PUBACK 1 again: not in flight, ignored
+        assert p.outstanding == 2 and p.acked_count == 3 and list(p._free_pids) == [1]
 
     asyncio.run(run())
 
