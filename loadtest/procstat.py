@@ -10,10 +10,10 @@ not there or not readable.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CpuSample", "find_listener_pid", "rss_kib", "sample", "tree"]
+__all__ = ["CpuSample", "cores_by_process", "find_listener_pid", "rss_kib", "sample", "tree"]
 
 _PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -25,6 +25,25 @@ class CpuSample:
     busy: float | None  # CPU seconds all cores spent not idle, since boot
     total: float | None  # CPU seconds of all cores, since boot
     watched: float | None  # CPU seconds of the watched processes (and their children)
+    # each watched process: pid -> (command name, CPU seconds)
+    parts: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+
+def cores_by_process(start: CpuSample, end: CpuSample, roots: list[int]) -> dict[str, float]:
+    """Cores each watched process used between two samples, by name: a root (the
+    broker under test) is ``broker``, a child its command (``redis-server``,
+    ``tansu``); processes of one name add up."""
+    wall = end.wall - start.wall
+    out: dict[str, float] = {}
+    if wall <= 0:
+        return out
+    for pid, (name, cpu) in end.parts.items():
+        before = start.parts.get(pid)
+        if before is None or before[0] != name:
+            continue
+        label = "broker" if pid in roots else name
+        out[label] = round(out.get(label, 0.0) + (cpu - before[1]) / wall, 3)
+    return out
 
 
 def _system() -> tuple[float, float] | None:
@@ -40,13 +59,21 @@ def _system() -> tuple[float, float] | None:
 
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, user+system CPU seconds of the process itself)."""
+    named = _named_stat(pid)
+    return None if named is None else (named[0], named[2])
+
+
+def _named_stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, command name, user+system CPU seconds of the process itself)."""
     try:
         raw = (_PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    rest = raw[raw.rindex(")") + 2 :].split()
+    close = raw.rindex(")")
+    name = raw[raw.index("(") + 1 : close]
+    rest = raw[close + 2 :].split()
     # fields after the command: state ppid ... utime(12th) stime(13th)
-    return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
+    return int(rest[1]), name, (int(rest[11]) + int(rest[12])) / _TICK
 
 
 def tree(roots: list[int]) -> list[int]:
@@ -89,13 +116,15 @@ def sample(pids: list[int]) -> CpuSample:
 
     system = _system()
     watched: float | None = None
+    parts: dict[int, tuple[str, float]] = {}
     if pids:
         total = 0.0
         seen = False
         for pid in _tree(pids):
-            st = _stat(pid)
+            st = _named_stat(pid)
             if st is not None:
-                total += st[1]
+                total += st[2]
+                parts[pid] = (st[1], st[2])
                 seen = True
         watched = total if seen else None
     return CpuSample(
@@ -103,6 +132,7 @@ def sample(pids: list[int]) -> CpuSample:
         system[0] if system else None,
         system[1] if system else None,
         watched,
+        parts,
     )
 
 

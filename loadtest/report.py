@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.client import THROTTLE_HINT
-from loadtest.procstat import CpuSample
+from loadtest.procstat import CpuSample, cores_by_process
 from loadtest.replicas import by_consuming_replica
 from loadtest.scenarios import LoadConfig, Plan
 from loadtest.worker import WorkerResult
@@ -213,10 +213,12 @@ def summarize(
     if all(p is not None for p in parts) and parts:
         client_cores = sum(p for p in parts if p is not None)
     broker_cores = system_cores = None
+    broker_parts: dict[str, float] = {}
     if cpu_start is not None and cpu_end is not None and cpu_end.wall > cpu_start.wall:
         wall = cpu_end.wall - cpu_start.wall
         if cpu_start.watched is not None and cpu_end.watched is not None:
             broker_cores = (cpu_end.watched - cpu_start.watched) / wall
+            broker_parts = cores_by_process(cpu_start, cpu_end, watched_pids or [])
         if cpu_start.busy is not None and cpu_end.busy is not None:
             system_cores = (cpu_end.busy - cpu_start.busy) / wall
     # The generator's cost: CPU per message through it (one publish + one receive)
@@ -249,6 +251,8 @@ def summarize(
             "cores": os.cpu_count(),
             "client_cores": _round(client_cores),
             "broker_cores": _round(broker_cores),
+            # the broker and each child (its embedded Redis, Kafka), by name
+            "broker_cores_by_process": broker_parts,
             "broker_pid": broker_pid,
             "watched_pids": watched_pids or [],
             "machine_busy_cores": _round(system_cores),
@@ -477,6 +481,12 @@ def format_report(results: list[dict[str, Any]]) -> str:
         for example in check["lost_examples"]:
             lines.append(f"  lost: {example}")
         cpu = r["cpu"]
+        parts = cpu.get("broker_cores_by_process")
+        if parts:
+            lines.append(
+                f"broker CPU {r['label']} by process (cores): "
+                + ", ".join(f"{name} {cores:.2f}" for name, cores in parts.items())
+            )
         if cpu["client_capacity_per_core"]:
             lines.append(
                 f"load generator {r['label']}: {cpu['client_us_per_message']:.2f} us CPU per "

@@ -121,6 +121,7 @@ class _Storm:
         self.rss: list[tuple[float, int | None, int | None]] = []  # (s, broker KiB, tree KiB)
         self.pid = procstat.find_listener_pid(config.port) if _local(config.host) else None
         self._pids: list[int] = []
+        self.cpu_parts: dict[str, float] = {}
 
     def say(self, text: str) -> None:
         if self.show:
@@ -293,6 +294,9 @@ class _Storm:
         broker_cores = None
         if cpu_start.watched is not None and cpu_end.watched is not None:
             broker_cores = (cpu_end.watched - cpu_start.watched) / (cpu_end.wall - cpu_start.wall)
+        self.cpu_parts = procstat.cores_by_process(
+            cpu_start, cpu_end, [self.pid] if self.pid else []
+        )
         return self._result(devices, t0, connected, broker_cores)
 
     def _result(
@@ -352,6 +356,7 @@ class _Storm:
                 "per_device_ms": _percentiles_ms(per_device),
                 "delivered_per_second": delivered_per_s,
                 "broker_cores": round(broker_cores, 3) if broker_cores is not None else None,
+                "broker_cores_by_process": self.cpu_parts,
             },
             "check": check,
             "rss": {
@@ -494,7 +499,13 @@ def format_storm(r: dict[str, Any]) -> str:
             f"peak {rss['tree_peak_mib']:,}"
         )
         if s["broker_cores"] is not None:
-            lines.append(f"broker CPU during the storm: {s['broker_cores']:.2f} cores")
+            parts = ", ".join(
+                f"{name} {cores:.2f}" for name, cores in s["broker_cores_by_process"].items()
+            )
+            lines.append(
+                f"broker CPU during the storm: {s['broker_cores']:.2f} cores"
+                + (f" ({parts})" if parts else "")
+            )
     verdict = "OK" if check["ok"] and s["within_goal"] else "FAILED"
     lines.append(
         f"check: {verdict}: {check['delivered']:,} of {check['expected']:,} delivered, "

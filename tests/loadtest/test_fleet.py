@@ -114,6 +114,10 @@ def test_fleet_preset_sends_the_tbmq_shape_and_reports_it(
         assert row in report
     assert "check 127.0.0.1" in report and ": OK:" in report
     assert result["cpu"]["broker_pid"] == persistent_broker.proc.pid
+    # the broker's CPU by process: itself, its embedded Redis and Kafka (Tansu)
+    by_process = result["cpu"]["broker_cores_by_process"]
+    assert {"broker", "redis-server"} <= set(by_process) and len(by_process) >= 3
+    assert "broker CPU 127.0.0.1" in report and "redis-server" in report
     assert "8 clients connected in" in report
 
 
@@ -219,6 +223,7 @@ def test_storm_delivers_every_backlog_whole_and_samples_the_brokers_memory(
     assert all(b and t and t > b for _, b, t in rss["samples"])
     assert "every backlog whole and in order" in report and "check: OK" in report
     assert "broker RSS MiB" in report
+    assert {"broker", "redis-server"} <= set(storm["broker_cores_by_process"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the storm removed its sessions afterwards
     assert not _session_present(persistent_broker.port, f"lt-{result['run_id']}-s0")
