@@ -5,7 +5,8 @@ worker, in a thread of the coordinating process. Either way it talks to the
 coordinator over a ``multiprocessing`` connection, with plain tuples:
 
     worker -> coordinator             coordinator -> worker
-    ("ready", clients)                ("start", t0_ns)
+    ("connecting", n, busy, failed)   ("start", t0_ns)
+    ("ready", clients)
     ("progress", sent, acked, deliv)  ("expect", {publisher: acked})
     ("published", {publisher: acked}) ("abort",)
     ("result", WorkerResult)
@@ -42,6 +43,7 @@ from loadtest.scenarios import LoadConfig, Plan
 __all__ = ["WorkerResult", "run_worker", "start_thread_worker"]
 
 PROGRESS_INTERVAL = 0.5
+CONNECTING_INTERVAL = 1.0  # seconds between reports while connecting
 PING_INTERVAL = 60.0
 
 
@@ -194,6 +196,18 @@ class _Worker:
                 for p in self.publishers
             ]
         )
+
+    async def _report_connecting(self) -> None:
+        """("connecting", connected, refused as busy, failed) every CONNECTING_INTERVAL."""
+        clients: list[_Client] = [*self.subscribers, *self.publishers]
+        while True:
+            await asyncio.sleep(CONNECTING_INTERVAL)
+            self.send(
+                "connecting",
+                sum(1 for c in clients if c.connected),
+                sum(c.busy_refusals for c in clients),
+                sum(c.connect_failures for c in clients),
+            )
 
     def _progress(self) -> None:
         sent = acked = delivered = 0
@@ -377,11 +391,14 @@ class _Worker:
         os.set_blocking(self.conn.fileno(), True)
         try:
             started = time.monotonic()
+            reporter = asyncio.create_task(self._report_connecting())
             try:
                 await self.connect_all()
             except ClientError as e:
                 self.send("error", str(e))
                 return
+            finally:
+                reporter.cancel()
             connect_seconds = time.monotonic() - started
             self.send("ready", len(self.publishers) + len(self.subscribers))
             (_, t0) = await self.expect("start")
