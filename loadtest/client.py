@@ -82,6 +82,11 @@ THROTTLE_HINT = (
 )
 
 
+# Addresses where a CONNECT of this process was accepted: a connection refused
+# there later is retried (a broker briefly overwhelmed); before, it is an error.
+_REACHED: set[tuple[str, int]] = set()
+
+
 class ClientError(Exception):
     """A connection was refused or failed before the run could start."""
 
@@ -189,8 +194,10 @@ class _Client(asyncio.Protocol):
         CONNECT the broker refused as busy (devicemq's connection rate limits,
         ``THROTTLE_HINT``: the load tool's clients share one address; 3.1.1 return
         code 3, MQTT 5 0x89/0x9F) and a connection that failed or broke before its
-        CONNACK (a full listen backlog, a reset). Not retried: any other refusal, and
-        running out of file descriptors (``ulimit -n``). ``busy_refusals`` and
+        CONNACK (a full listen backlog, a reset). Not retried: any other refusal,
+        running out of file descriptors (``ulimit -n``), and a connection refused
+        where no client of this process has connected yet (a wrong port, a broker
+        not started: said at once, not after ``timeout``). ``busy_refusals`` and
         ``connect_failures`` count the retries, for the report.
         """
         loop = asyncio.get_running_loop()
@@ -202,6 +209,8 @@ class _Client(asyncio.Protocol):
             except ClientError as e:
                 if e.errno == errno.EMFILE or loop.time() + backoff >= deadline:
                     raise
+                if e.errno == errno.ECONNREFUSED and (host, port) not in _REACHED:
+                    raise  # nothing listens there (yet): a wrong port fails at once
                 self.connect_failures += 1
                 if self.transport is not None:  # no CONNACK in time: start over
                     self.transport.abort()
@@ -238,7 +247,9 @@ class _Client(asyncio.Protocol):
                     f"`ulimit -n` (now {_nofile()}) or run more --processes",
                     errno.EMFILE,
                 ) from e
-            raise ClientError(f"{self.client_id}: cannot connect to {host}:{port}: {e!r}") from e
+            raise ClientError(
+                f"{self.client_id}: cannot connect to {host}:{port}: {e!r}", code
+            ) from e
         properties = None
         if self.v5:
             properties = Properties(
@@ -261,6 +272,7 @@ class _Client(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return getattr(connack, "reason_code", connack)
+        _REACHED.add((host, port))
         self.session_present = connack.session_present
         if connack.properties is not None and connack.properties.receive_maximum:
             self.send_maximum = connack.properties.receive_maximum

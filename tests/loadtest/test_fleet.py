@@ -14,6 +14,7 @@ import pytest
 
 from loadtest.cli import fleet_processes, main
 from loadtest.client import Stats, _Client
+from tests.conftest import free_port
 from tests.loadtest.conftest import HOST, Broker
 
 pytestmark = pytest.mark.timeout(120)
@@ -309,3 +310,15 @@ def test_fleet_retries_connections_that_fail_before_their_connack(
     connect = next(line for line in report.splitlines() if line.startswith("connect "))
     assert "4 clients connected in" in connect and "retried 3 failed connections" in connect
     assert "throttled" not in report
+
+
+def test_a_port_nobody_listens_on_is_said_at_once_not_retried(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Failed connections are retried once the broker was reached; a refused one
+    before that is a wrong port or a broker not started, and the run says so at
+    once (the bound is 300 s; the test's timeout would end it first)."""
+    code = main(["fleet", "--devices=2", f"--port={free_port(HOST)}", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "cannot connect to 127.0.0.1:" in err and "Connection refused" in err
