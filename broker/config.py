@@ -150,6 +150,13 @@ class WebsocketSettings:
         "over: closed with 1008; 0 off",
         ge=0,
     )
+    allowed_origins: str = setting(
+        "",
+        "Browser pages (Origin: scheme://host[:port], comma-separated; * any) that may "
+        "open MQTT over WebSockets (ws and wss) besides the broker's own host; empty: "
+        "none, only clients without an Origin and the same host (which must name this "
+        "machine while no authentication is configured); others: HTTP 403",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +344,24 @@ class AuthSettings:
         "over it is refused 0x97 Quota exceeded (3.1.1: return code 3); 0: no limit",
         ge=0,
     )
+    client_id_owner: str = setting(
+        "first",
+        "Who may use a client ID: username (the user name itself, or client_id_pattern; "
+        "others: CONNACK 0x85), first (its first owner, until released or unused for "
+        "client_id_release_after; others: 0x87), off (only a live session is owned)",
+        choices=("username", "first", "off"),
+    )
+    client_id_pattern: str = setting(
+        "",
+        "client_id_owner username: other client IDs a user may use, comma-separated, "
+        "%u the user name and * any characters (e.g. %u-*); empty: the user name only",
+    )
+    client_id_release_after: float = setting(
+        30 * 24 * 3600.0,
+        "client_id_owner first: seconds a client ID stays its owner's after its last "
+        "connection; 0: until an admin releases it",
+        ge=0,
+    )
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
     )
@@ -362,8 +387,16 @@ class AuthSettings:
     )
     http_fail_open: bool = setting(
         False,
-        "With http_url down (no answer, 5xx): accept the client as the user it names; "
+        "With http_url down (a probe carrying no client's input gets no answer or a 5xx, "
+        "not just one client's request): accept the client as the user it names; "
         "false: refuse it with CONNACK 0x88 Server unavailable",
+    )
+    http_result: str = setting(
+        "auto",
+        'What decides a 2xx answer: auto (its JSON "result", allow/deny/ignore, when it has '
+        "one, else the status), required (a 2xx without a result: 0x88), status (the status "
+        "alone, any result ignored)",
+        choices=("auto", "required", "status"),
     )
     http_cache_seconds: float = setting(
         60.0, "Seconds an allowed CONNECT is remembered (same client, credentials, address)", ge=0
@@ -562,7 +595,10 @@ class MetricsSettings:
     """Prometheus metrics and health checks over HTTP (app/metrics.py)."""
 
     enabled: bool = setting(False, "Serve /metrics, /health and /ready over HTTP")
-    host: str = setting("0.0.0.0", "Address the metrics HTTP server binds")
+    host: str = setting(
+        "127.0.0.1",
+        "Address the metrics HTTP server binds (it has no login); the Docker image sets 0.0.0.0",
+    )
     port: int = setting(9883, "TCP port of the metrics HTTP server", ge=1, le=65535)
 
 
@@ -580,9 +616,29 @@ class AdminSettings:
     )
     token: str = setting(
         "",
-        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN); with none the API is "
-        "read-only and answers loopback only",
+        "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN), at least 16 characters; "
+        "with none the API is read-only and answers loopback only",
         secret=True,
+    )
+    generate_token: bool = setting(
+        False,
+        "Create admin.token_file at the first start when it does not exist, holding "
+        "admin.token if set, else a new random token (logged once)",
+    )
+    max_auth_failures_per_source: float = setting(
+        1.0,
+        "Wrong admin tokens a second one address (IPv6: one /64) may send, after a burst "
+        "of 10; over: 429 to its every /api request, the token not compared, until it "
+        "slows down; 0 off",
+        ge=0,
+    )
+    max_connections_per_source: int = setting(
+        8,
+        "Connections one address (IPv6: one /64) may hold on the admin listener (64 in "
+        "all); a newcomer over it pushes out that address's oldest one still silent, "
+        "else gets 429; 0: no per-address limit",
+        ge=0,
+        le=64,
     )
 
 
@@ -614,6 +670,19 @@ class EcqSettings:
     max_keys: int = setting(
         100_000, "Keys one queue keeps at most (the oldest leave first); 0: no limit", ge=0
     )
+    max_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of values one queue keeps at most; over it acknowledged entries leave "
+        "first, then a write is refused (MQTT 5: PUBACK 0x97 Quota exceeded; 3.1.1: the "
+        "connection is closed); 0: no limit",
+        ge=0,
+    )
+    max_queues: int = setting(
+        1_000_000,
+        "Queues holding entries, in all; a write that would start one more is refused "
+        "as over max_bytes; 0: no limit",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,6 +698,30 @@ class GroupQueueSettings:
     )
     max_messages: int = setting(
         100_000, "Entries one group queue keeps at most (the oldest leave first); 0: no limit", ge=0
+    )
+    max_bytes: int = setting(
+        64 * 1024 * 1024,
+        "Bytes of messages one group queue keeps at most (the oldest leave first); 0: no limit",
+        ge=0,
+    )
+    max_groups_per_client: int = setting(
+        32,
+        "Group queues ($queue/...) one session may be a member of; over it SUBACK 0x97 "
+        "Quota exceeded (3.1.1: 0x80); 0: no limit",
+        ge=0,
+    )
+    max_groups_per_owner: int = setting(
+        64,
+        "Distinct group queues the sessions of one owner (auth.session_owner) are members "
+        "of together (each is one more stored copy of a message; workers of one group "
+        "count once); over it SUBACK 0x97 Quota exceeded (3.1.1: 0x80); 0: no limit",
+        ge=0,
+    )
+    unused_expiry: float = setting(
+        86_400.0,
+        "Seconds a group queue's store is kept once its group has no members; 0: kept "
+        "(retention and max_messages still apply)",
+        ge=0,
     )
     lease: float = setting(
         15.0,

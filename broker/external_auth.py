@@ -2,10 +2,14 @@
 authentication"), asked in order for a user the password file does not hold.
 
 - ``http``: the CONNECT is POSTed as JSON to ``auth.http_url``; the status
-  decides (2xx allowed, 403 not authorized, other 4xx bad credentials,
-  anything else or no answer: the service is down). A 2xx answer may carry
-  the client's own ACL rules. The request runs in a thread of its own, the
-  decision comes back on the event loop: other clients are served meanwhile.
+  decides (2xx allowed, 403 not authorized, other 4xx bad credentials), and
+  a 2xx answer's ``"result"`` (allow, deny, ignore) overrides it
+  (``auth.http_result``). A 2xx answer may carry the client's own ACL rules.
+  Anything else (5xx, 3xx, no answer) decides nothing: the service is asked
+  a probe that carries no client's input, and only a probe that fails too
+  says the service is down (``auth.http_fail_open``). The request runs in a
+  thread of its own, the decision comes back on the event loop: other
+  clients are served meanwhile.
 - ``jwt``: a password that is a JWT is verified (HS256 with a secret file,
   RS256/ES256 with a JWKS file, both re-read when they change) and its
   claims checked; any other password goes on to the next member.
@@ -59,6 +63,19 @@ __all__ = [
 log = logging.getLogger("devicemq.auth")
 
 MAX_ANSWER_BYTES = 64 * 1024  # a longer answer from http_url is not understood
+PROBE_FRESH = 1.0  # seconds a probe's finding (the service reachable or down) stands
+# What the probe sends: a CONNECT of nobody, no client's input in it.
+PROBE_BODY = json.dumps(
+    {
+        "client_id": "",
+        "username": "",
+        "password": None,
+        "peer_address": "",
+        "certificate_subject": None,
+    }
+).encode()
+STOPPING = ("aborted", "the broker is stopping")  # outcomes of close(), not of the service
+RESULTS = ("allow", "deny", "ignore")  # a 2xx answer's "result", as EMQX's HTTP auth reads it
 MIN_SECRET_BYTES = 32  # HS256 keys as long as the hash (RFC 7518 3.2)
 JWKS_ALGORITHMS = ("RS256", "ES256")
 
@@ -373,6 +390,13 @@ class _Remembered:
 Outcome = tuple[int, bytes] | str  # (status, body) or what went wrong
 
 
+@dataclass(frozen=True, slots=True)
+class _Undecided:
+    """The service decided nothing (a 5xx, a 3xx, no answer): ``what`` happened."""
+
+    what: str
+
+
 def _service_url(url: str) -> SplitResult:
     """auth.http_url taken apart; ConfigError says what is wrong with it, never
     repeating the URL (it could hold a password)."""
@@ -430,6 +454,11 @@ class HttpMember:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.pending = 0  # requests in flight (threads busy)
         self._down_log = LogLimiter(log, "auth service failures")
+        # The probe's finding: None (never probed), True (down), False (it answers).
+        self._down: bool | None = None
+        self._probe_finding = ""
+        self._probed_at = 0.0
+        self._probe_waiting: list[Callable[[bool], None]] = []
 
     def maybe_reload(self, force: bool = False) -> None:
         pass
@@ -499,18 +528,28 @@ class HttpMember:
                     f"the answer could not be decided: {type(e).__name__}",
                     counter="auth_chain_failed",
                 )
+            if isinstance(verdict, _Undecided):
+                # No decision (5xx, 3xx, no answer): is the service down, or did this
+                # request alone fail (its input)? The probe tells.
+                what = verdict.what
+                self._when_probed(lambda down: answer(self._failed(what, down)))
+                return
             allowed = isinstance(outcome, tuple) and 200 <= outcome[0] < 300
-            if allowed and verdict.ok and settings.http_cache_seconds > 0:
+            if allowed and verdict is not None and verdict.ok and settings.http_cache_seconds > 0:
                 self._remember(digest, verdict.grant)  # never a fail-open acceptance
             answer(verdict)
 
         self._run(body, finished)
 
-    # -- the answer ----------------------------------------------------------------------
+    # -- the answer ------------------------------------------------------------------------
 
-    def _decide(self, outcome: Outcome) -> Verdict:
+    def _decide(self, outcome: Outcome) -> Verdict | _Undecided | None:
+        """The service's decision (None: ``"result": "ignore"``, the next member's), or
+        :class:`_Undecided` when it decided nothing (5xx, 3xx, no answer)."""
         if isinstance(outcome, tuple):
             status, body = outcome
+            if 200 <= status < 500 and not 300 <= status < 400:  # it decided: it is up
+                self._reachable(f"it answered {status}")
             if 200 <= status < 300:
                 return self._allowed(body)
             if status == 403:
@@ -519,12 +558,15 @@ class HttpMember:
                 return _denied(
                     ReasonCode.BAD_USER_NAME_OR_PASSWORD, f"the auth service answered {status}"
                 )
-            outcome = f"it answered {status}"
-        return self._down(outcome)
+            return _Undecided(f"it answered {status}")
+        return _Undecided(outcome)
 
-    def _allowed(self, body: bytes) -> Verdict:
-        """2xx: allowed; a JSON object with "acl" gives the client its own rules. Rules
-        that do not parse refuse the client (0x88): the service meant to restrict it."""
+    def _allowed(self, body: bytes) -> Verdict | None:
+        """2xx: allowed, unless its JSON object's "result" says otherwise
+        (``auth.http_result``); "acl" gives the client its own rules. Rules that do
+        not parse, or a "result" that is not understood, refuse the client (0x88):
+        the service meant to restrict it."""
+        mode = self.settings.http_result
         if len(body) > MAX_ANSWER_BYTES:
             return self._wrong(f"its answer is over {MAX_ANSWER_BYTES} bytes")
         text = body.strip()
@@ -536,7 +578,21 @@ class HttpMember:
             if text.startswith(b"{"):  # meant as an object, perhaps with rules
                 return self._wrong(f"its answer is not a JSON object: {e}")
             data = None  # plain text: allowed, no rules of its own
-        if not isinstance(data, dict) or data.get("acl") is None:
+        if not isinstance(data, dict):
+            data = {}
+        if mode != "status":
+            result = data.get("result")
+            if result is None and mode == "required":
+                return self._wrong('its answer has no "result" (auth.http_result: required)')
+            if result is not None and result not in RESULTS:
+                return self._wrong(f'its "result" is {str(result)[:40]!r}, not allow/deny/ignore')
+            if result == "deny":
+                return _denied(
+                    ReasonCode.BAD_USER_NAME_OR_PASSWORD, 'the auth service answered "deny"'
+                )
+            if result == "ignore":
+                return None  # not its to decide: the next member's
+        if data.get("acl") is None:
             return Verdict(True)
         try:
             return Verdict(True, grant=Grant(parse_granted_rules(data["acl"], "answer's acl")))
@@ -552,21 +608,77 @@ class HttpMember:
             counter="auth_service_unavailable",
         )
 
-    def _down(self, what: str) -> Verdict:
-        if self.settings.http_fail_open:
+    def _failed(self, what: str, down: bool) -> Verdict:
+        """A request that got no decision: accepted unchecked only with
+        ``http_fail_open`` and the service down by the probe's finding."""
+        if down and self.settings.http_fail_open:
             self._down_log.log(
                 self.clock(),
                 logging.WARNING,
-                "auth.http_url is down (%s): a client is accepted unchecked (auth.http_fail_open)",
+                "auth.http_url is down (%s; probe: %s): a client is accepted unchecked "
+                "(auth.http_fail_open)",
                 what,
+                self._probe_finding,
             )
             return Verdict(True, message=f"auth service down ({what}), accepted unchecked")
+        if down:
+            message = f"the auth service is down: {what}"
+        else:  # the probe got an answer: this request's failure was its own
+            message = f"the auth service failed this request: {what} (a probe was answered)"
         return Verdict(
-            False,
-            ReasonCode.SERVER_UNAVAILABLE,
-            f"the auth service is down: {what}",
-            counter="auth_service_unavailable",
+            False, ReasonCode.SERVER_UNAVAILABLE, message, counter="auth_service_unavailable"
         )
+
+    # -- is the service down? the probe ---------------------------------------------------
+
+    def _reachable(self, finding: str) -> None:
+        """The service answered (a client's request or the probe): it is up."""
+        if self._down is True:
+            log.warning("auth.http_url answers again (%s)", finding)
+        self._down = False
+        self._probe_finding = finding
+        self._probed_at = self.clock()
+
+    def _when_probed(self, then: Callable[[bool], None]) -> None:
+        """``then(down)`` once the service's state is known: the finding of a probe
+        younger than PROBE_FRESH, or of a new one. The probe is a fixed request that
+        carries no client's input, so no input can make it fail: it fails (no answer,
+        or a 5xx) only when the service fails every request. One probe at a time; the
+        requests waiting for it share its finding."""
+        now = self.clock()
+        if self._down is not None and now - self._probed_at < PROBE_FRESH:
+            then(self._down)
+            return
+        self._probe_waiting.append(then)
+        if len(self._probe_waiting) > 1:
+            return  # a probe is under way
+
+        def probed(outcome: Outcome) -> None:
+            if outcome in STOPPING:  # no finding: refused, the state left as it was
+                waiting, self._probe_waiting = self._probe_waiting, []
+                for waiter in waiting:
+                    waiter(False)
+                return
+            if isinstance(outcome, tuple) and outcome[0] < 500:
+                self._reachable(f"it answered {outcome[0]}")
+            else:
+                finding = f"it answered {outcome[0]}" if isinstance(outcome, tuple) else outcome
+                if self._down is not True:
+                    log.error(
+                        "auth.http_url is down (probe: %s): clients it would decide are %s",
+                        finding,
+                        "accepted unchecked (auth.http_fail_open)"
+                        if self.settings.http_fail_open
+                        else "refused 0x88",
+                    )
+                self._down = True
+                self._probe_finding = finding
+                self._probed_at = self.clock()
+            waiting, self._probe_waiting = self._probe_waiting, []
+            for waiter in waiting:
+                waiter(bool(self._down))
+
+        self._run(PROBE_BODY, probed)
 
     def _remember(self, digest: bytes, grant: Grant | None) -> None:
         cache = self._cache
@@ -636,7 +748,7 @@ class HttpMember:
             self.pending -= 1
             self._in_flight.discard(request)
             if future.cancelled():
-                decide("the broker is stopping")
+                decide(STOPPING[1])
             elif future.exception() is not None:
                 decide(f"{type(future.exception()).__name__}")
             else:

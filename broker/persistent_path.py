@@ -123,6 +123,10 @@ class PersistentPath(Protocol):
         (broker/ecq.py), as :meth:`submit` does to a session. False: this path keeps
         no queues, and nothing is called."""
 
+    def queue_full(self, queue: str) -> bool:
+        """Is ``queue`` at its byte limit (ecq.max_bytes), as far as this path knows now?
+        A write to it is refused before it goes anywhere (0x97)."""
+
     def queue_feed(self, session: Session) -> SideFeed | None:
         """The side feed delivering the queue of ``session``'s client; None: no queues."""
 
@@ -177,6 +181,9 @@ class InMemoryPersistentPath:
         on_settled: DoneCallback | None = None,
     ) -> bool:
         return False  # a queue outlives restarts or it is no queue: persistence only
+
+    def queue_full(self, queue: str) -> bool:
+        return False
 
     def queue_feed(self, session: Session) -> SideFeed | None:
         return None

@@ -24,7 +24,7 @@ from broker.core import Broker
 from broker.limits import TokenBucket, source_key
 from broker.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
 from broker.packets import ReasonCode
-from broker.websocket import CLOSE_POLICY_VIOLATION, WebSocketServer, WsState
+from broker.websocket import CLOSE_POLICY_VIOLATION, OriginPolicy, WebSocketServer, WsState
 from broker.websocket import Closed as WsClosed
 from broker.websocket import Data as WsData
 
@@ -134,7 +134,7 @@ class WebSocketProtocol(MQTTProtocol):
 
     def __init__(self, server: BrokerServer, listener: str = "websocket") -> None:
         super().__init__(server, listener)
-        self.ws = WebSocketServer()
+        self.ws = WebSocketServer(server.origins)
         # websocket.max_frame_rate: frames cost per frame, whatever they carry, so
         # a peer sending tiny frames is charged for them and closed when over.
         rate = server.settings.websocket.max_frame_rate
@@ -163,6 +163,8 @@ class WebSocketProtocol(MQTTProtocol):
                     log.info("websocket %s failed: %s %s", conn.peer, event.code, event.reason)
                     if event.code == CLOSE_POLICY_VIOLATION:
                         failed = "frame_rate"
+                    elif event.code == 403:
+                        failed = "origin"
                     elif ws.path is not None:
                         failed = "protocol_error"
                     else:
@@ -202,6 +204,9 @@ class BrokerServer:
         self._ticker: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hard_limit = settings.mqtt.write_buffer_hard_limit
+        self.origins = OriginPolicy.from_setting(
+            settings.websocket.allowed_origins, not authentication_configured(settings)
+        )
 
     @property
     def port(self) -> int:

@@ -332,6 +332,14 @@ class SubscriptionTree:
             path[depth - 1].drop_child(levels[depth - 1])
         return True
 
+    def has_group(self, topic_filter: str) -> bool:
+        """Does the shared group (or group queue) ``topic_filter`` names have members?"""
+        share_name, filter = parse_shared(topic_filter)
+        node: _Node | None = self._root
+        for level in filter.split("/"):
+            node = node.child(level) if node is not None else None
+        return share_name is not None and node is not None and share_name in node.groups
+
     def match(self, topic: str) -> Match:
         """Every subscription matching a valid topic name (spec 4.7)."""
         result = Match([], [])

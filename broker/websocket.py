@@ -19,7 +19,8 @@ Rules enforced (the close code sent when broken):
 - handshake: ``GET`` (405), HTTP/1.1 or later, ``Host``, ``Upgrade: websocket``,
   ``Connection: upgrade``, a ``Sec-WebSocket-Key`` of 16 base64 bytes (400),
   ``Sec-WebSocket-Version: 13`` (426), ``mqtt`` among the offered
-  subprotocols (400; MQTT-6.0.0-3), and the whole request within
+  subprotocols (400; MQTT-6.0.0-3), an ``Origin`` the :class:`OriginPolicy`
+  allows (403; ``websocket.allowed_origins``), and the whole request within
   :data:`MAX_HANDSHAKE_SIZE` bytes (431). The answer is ``101`` with
   ``Sec-WebSocket-Accept`` and ``Sec-WebSocket-Protocol: mqtt`` (MQTT-6.0.0-4).
   Extensions (permessage-deflate) are never accepted.
@@ -41,9 +42,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import ipaddress
 import struct
 from dataclasses import dataclass
 from enum import Enum
+from urllib.parse import urlsplit
 
 __all__ = [
     "MAX_HANDSHAKE_SIZE",
@@ -51,6 +54,7 @@ __all__ = [
     "Closed",
     "Data",
     "Event",
+    "OriginPolicy",
     "WebSocketServer",
     "WsState",
     "accept_key",
@@ -164,16 +168,80 @@ class _Refusal(Exception):
 
 _STATUS_TEXT = {
     400: "Bad Request",
+    403: "Forbidden",
     405: "Method Not Allowed",
     426: "Upgrade Required",
     431: "Request Header Fields Too Large",
 }
 
 
-class WebSocketServer:
-    """One server-side WebSocket connection, from the HTTP upgrade to the close."""
+def _netloc(value: str, scheme: str = "") -> str:
+    """``host[:port]`` in lower case, without the scheme's default port."""
+    netloc = value.strip().lower()
+    for default in {"http": (":80",), "https": (":443",)}.get(scheme) or (":80", ":443"):
+        if netloc.endswith(default) and not netloc.endswith("]"):
+            netloc = netloc[: -len(default)]
+    return netloc
 
-    def __init__(self) -> None:
+
+def _names_this_machine(host: str) -> bool:
+    """A Host (``name[:port]``) that is localhost or a loopback address."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1 : name.find("]")] if "]" in name else name[1:]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class OriginPolicy:
+    """Which browser pages may open the WebSocket (``websocket.allowed_origins``).
+
+    Browsers send ``Origin`` with every WebSocket handshake, and let any page open
+    one to any address (no CORS): without a check, a page the user visits reaches
+    a broker on their machine. A handshake without ``Origin`` is not a browser's
+    and passes. One with it passes when it is ``allowed`` (exact ``scheme://host
+    [:port]``, case-insensitive; ``*`` in it: every origin), or when it is the
+    same host as the request's ``Host`` (a page served from the broker's own
+    address, and clients such as paho that send one) -- then, while
+    ``local_only`` (no authentication configured), that ``Host`` must also name
+    this machine: a page whose name was rebound to 127.0.0.1 (DNS rebinding)
+    sends its own name as both."""
+
+    allowed: frozenset[str] = frozenset()
+    local_only: bool = False
+
+    @classmethod
+    def from_setting(cls, text: str, local_only: bool) -> OriginPolicy:
+        origins = {o.strip().lower().rstrip("/") for o in text.split(",") if o.strip()}
+        return cls(frozenset(origins), local_only)
+
+    def allows(self, origin: str | None, host: str) -> bool:
+        if origin is None:
+            return True
+        origin = origin.strip().lower()
+        if "*" in self.allowed or origin.rstrip("/") in self.allowed:
+            return True
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return False  # "null" (a sandboxed page, a file), or not an origin at all
+        if _netloc(parts.netloc, parts.scheme) != _netloc(host):
+            return False
+        return not self.local_only or _names_this_machine(host)
+
+
+class WebSocketServer:
+    """One server-side WebSocket connection, from the HTTP upgrade to the close;
+    ``origins``: whose pages may open it (None: anyone's)."""
+
+    def __init__(self, origins: OriginPolicy | None = None) -> None:
+        self.origins = origins
         self.state = WsState.HANDSHAKE
         self.path: str | None = None
         self._buf = bytearray()
@@ -290,6 +358,10 @@ class WebSocketServer:
             headers[key] = f"{headers[key]}, {value}" if key in headers else value
         if "host" not in headers:
             raise _Refusal(400, "Host header missing")
+        if self.origins is not None and not self.origins.allows(
+            headers.get("origin"), headers["host"]
+        ):
+            raise _Refusal(403, "Origin not allowed (websocket.allowed_origins)")
         if "websocket" not in _tokens(headers.get("upgrade", "")):
             raise _Refusal(400, "not a WebSocket upgrade")
         if "upgrade" not in _tokens(headers.get("connection", "")):

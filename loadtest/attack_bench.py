@@ -3,13 +3,22 @@
     python -m loadtest.attack_bench retained [--retained 100000]
     python -m loadtest.attack_bench decode
     python -m loadtest.attack_bench overlap [--filters 1000] [--ids]
-    python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous}
-                                          [--seconds 10]
+    python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
+                                           stranger} [--seconds 10]
+    python -m loadtest.attack_bench admin-retained [--retained 100000]
+    python -m loadtest.attack_bench admin-guess [--seconds 5]
 
+``admin-guess`` starts ``devicemq run`` with an admin token and sends wrong tokens
+from 127.0.0.9 with four threads: how many were compared (401) and how many
+refused unread (429), and whether the right token from another address gets in.
+``admin-retained`` times ``GET /api/v1/retained?topic=#&limit=1000`` on the admin
+API in this process, with a task beside it that counts the event loop's turns.
 ``retained``, ``decode`` and ``overlap`` time the sans-IO core in this process
 (no sockets: the event-loop time a packet costs); ``flood`` starts ``devicemq
 run`` (a password file, persistence off, metrics on), floods it with CONNECTs
-from 127.0.0.5 with four threads and reads the broker's CPU time from /proc.
+from 127.0.0.5 with four threads and reads the broker's CPU time from /proc;
+``flood stranger`` (issue 45) has flapping on, alice connected as ``dev-9``,
+and mallory's CONNECTs name ``dev-9`` with her own password.
 Times depend on the machine and on what else runs on it.
 """
 
@@ -183,7 +192,8 @@ def flood(mode: str, seconds: float) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="devicemq-flood-"))
     password_file = tmp / "passwd"
-    write_password_file(password_file, {"alice": hash_password("alice-pw")})
+    users = {"alice": hash_password("alice-pw"), "mallory": hash_password("mallory-pw")}
+    write_password_file(password_file, users)
     port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env.update(
@@ -193,6 +203,7 @@ def flood(mode: str, seconds: float) -> None:
         DEVICEMQ_METRICS_PORT=str(metrics_port),
         DEVICEMQ_AUTH_PASSWORD_FILE=str(password_file),
         DEVICEMQ_AUTH_ALLOW_ANONYMOUS="true" if mode == "anonymous" else "false",
+        DEVICEMQ_FLAPPING_ENABLED="true" if mode == "stranger" else "false",
     )
     argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
     with (tmp / "broker.log").open("wb") as log:
@@ -208,7 +219,21 @@ def flood(mode: str, seconds: float) -> None:
             Connect("alice-dev", protocol_level=5, username="alice", password=b"alice-pw"), 5
         )
         assert _connack(port, login, "127.0.0.2") == 0  # verified once: cached from now on
-        if mode == "anonymous":
+        device = None
+        if mode == "stranger":  # the device, connected as dev-9 while mallory names it
+            device = socket.create_connection(
+                ("127.0.0.1", port), 20, source_address=("127.0.0.2", 0)
+            )
+            device.sendall(
+                encode(
+                    Connect("dev-9", protocol_level=5, username="alice", password=b"alice-pw"), 5
+                )
+            )
+            assert device.recv(64)[3] == 0
+            attack = encode(
+                Connect("dev-9", protocol_level=5, username="mallory", password=b"mallory-pw"), 5
+            )
+        elif mode == "anonymous":
             attack = encode(Connect("x", protocol_level=5), 5)
         else:
             attack = encode(Connect("x", protocol_level=5, username="eve", password=b"guess"), 5)
@@ -251,6 +276,124 @@ def flood(mode: str, seconds: float) -> None:
             f"of a core; a cached login meanwhile: code {code} in {cached * 1000:.0f} ms"
         )
         print(f"  refused by reason: {rejected}; refusal log lines: {lines}")
+        if device is not None:
+            device.settimeout(0.5)
+            try:
+                answer = device.recv(64)
+                fate = f"disconnected ({answer.hex() or 'closed'})"
+            except TimeoutError:
+                fate = "still connected"
+            device.close()
+            blocks = re.search(r"^devicemq_flapping_blocks_total (\S+)$", text, re.M)
+            print(f"  dev-9: {fate}; flapping blocks: {blocks.group(1) if blocks else '?'}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def admin_retained(count: int) -> None:
+    """The admin API's listing of every retained message: its total time, the
+    longest event-loop step during it, and the loop's turns (issue 45 #13)."""
+    import asyncio
+
+    from app.admin import AdminApi
+    from app.http import Request
+
+    settings = Settings()
+    broker = Broker(settings)
+    for i in range(count):
+        broker.retained.store(Message(f"site/{i % 100}/dev{i}/state", b"x" * 10, 0, True))
+    api = AdminApi(settings, broker, "bench", token=None)
+    request = Request("GET", "/api/v1/retained", {"topic": "#", "limit": "1000"}, {}, b"", "::1")
+
+    async def run() -> tuple[float, float, int]:
+        gaps: list[float] = []
+        done = False
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        gaps.clear()
+        start = time.perf_counter()
+        await api.handle(request)
+        total = time.perf_counter() - start
+        done = True
+        await task
+        return total, max(gaps, default=total), len(gaps)
+
+    total, step, turns = min(asyncio.run(run()) for _ in range(3))
+    print(
+        f"GET /api/v1/retained?topic=# over {count:,} retained: {total * 1000:.0f} ms, "
+        f"longest loop step {step * 1000:.1f} ms, {turns} loop turns (best of 3)"
+    )
+
+
+def _admin_status(port: int, token: str, source: str) -> int:
+    request = f"GET /api/v1/stats HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), 5, source_address=(source, 0)) as s:
+        s.sendall(request.encode())
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    return int(answer[9:12])
+
+
+def admin_guess(seconds: float) -> None:
+    """Wrong admin tokens from one address, as fast as four threads send them."""
+    tmp = Path(tempfile.mkdtemp(prefix="devicemq-guess-"))
+    token = "the-admin-token-" + os.urandom(8).hex()
+    port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    env.update(
+        DEVICEMQ_PERSISTENCE_ENABLED="false",
+        DEVICEMQ_ADMIN_PORT=str(admin_port),
+        DEVICEMQ_ADMIN_TOKEN=token,
+    )
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
+    with (tmp / "broker.log").open("wb") as log:
+        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
+    try:
+        for _ in range(150):
+            try:
+                _admin_status(admin_port, token, "127.0.0.2")
+                break
+            except OSError:
+                time.sleep(0.1)
+        counts: dict[int, int] = {}
+        stop = threading.Event()
+
+        def guesser() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(OSError, ValueError):
+                    code = _admin_status(admin_port, "guess-" + os.urandom(8).hex(), "127.0.0.9")
+                    counts[code] = counts.get(code, 0) + 1
+
+        threads = [threading.Thread(target=guesser, daemon=True) for _ in range(4)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        right = _admin_status(admin_port, token, "127.0.0.2")
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        log_lines = (tmp / "broker.log").read_text().splitlines()
+        logged = sum("wrong token" in line for line in log_lines)
+        compared = counts.get(401, 0)
+        print(
+            f"admin-guess: {sum(counts.values())} wrong tokens from one address in "
+            f"{elapsed:.1f} s; compared (401): {compared} ({compared / elapsed:.1f}/s), "
+            f"refused unread (429): {counts.get(429, 0)}; log lines: {logged}; "
+            f"the right token from another address: {right}"
+        )
     finally:
         proc.terminate()
         proc.wait(10)
@@ -266,10 +409,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--filters", type=int, default=1000)
     p.add_argument("--ids", action="store_true", help="subscribe with a Subscription Identifier")
     p = sub.add_parser("flood")
-    p.add_argument("mode", choices=("bad-password", "bad-password-no-wait", "anonymous"))
+    p.add_argument(
+        "mode", choices=("bad-password", "bad-password-no-wait", "anonymous", "stranger")
+    )
     p.add_argument("--seconds", type=float, default=10.0)
+    p = sub.add_parser("admin-retained")
+    p.add_argument("--retained", type=int, default=100_000)
+    p = sub.add_parser("admin-guess")
+    p.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
-    if args.what == "retained":
+    if args.what == "admin-retained":
+        admin_retained(args.retained)
+    elif args.what == "admin-guess":
+        admin_guess(args.seconds)
+    elif args.what == "retained":
         retained(args.retained)
     elif args.what == "decode":
         decode()

@@ -13,7 +13,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CpuSample", "cores_by_process", "find_listener_pid", "rss_kib", "sample", "tree"]
+__all__ = [
+    "CpuSample",
+    "cores_by_process",
+    "find_listener_pid",
+    "rss_kib",
+    "sample",
+    "tree",
+    "tree_cpu",
+]
 
 _PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -115,18 +123,8 @@ def sample(pids: list[int]) -> CpuSample:
     import time
 
     system = _system()
-    watched: float | None = None
-    parts: dict[int, tuple[str, float]] = {}
-    if pids:
-        total = 0.0
-        seen = False
-        for pid in _tree(pids):
-            st = _named_stat(pid)
-            if st is not None:
-                total += st[2]
-                parts[pid] = (st[1], st[2])
-                seen = True
-        watched = total if seen else None
+    parts = tree_cpu(pids) if pids else {}
+    watched = sum(cpu for _, cpu in parts.values()) if parts else None
     return CpuSample(
         time.monotonic(),
         system[0] if system else None,
@@ -134,6 +132,17 @@ def sample(pids: list[int]) -> CpuSample:
         watched,
         parts,
     )
+
+
+def tree_cpu(roots: list[int]) -> dict[int, tuple[str, float]]:
+    """Each process of the trees under ``roots``: pid -> (command name, user+system
+    CPU seconds), so that a broker's CPU can be told from its Redis' and Kafka's."""
+    out: dict[int, tuple[str, float]] = {}
+    for pid in _tree(roots):
+        st = _named_stat(pid)
+        if st is not None:
+            out[pid] = (st[1], st[2])
+    return out
 
 
 def find_listener_pid(port: int) -> int | None:

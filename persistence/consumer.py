@@ -82,7 +82,13 @@ from persistence.format import (
     resets_key,
 )
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
-from persistence.queue_store import QueueBatch, QueueEntry, QueueSaveResult, QueueStore
+from persistence.queue_store import (
+    RETENTION,
+    QueueBatch,
+    QueueEntry,
+    QueueSaveResult,
+    QueueStore,
+)
 from persistence.redis_store import (
     DURABLE,
     LOST,
@@ -118,6 +124,8 @@ class ConsumerStats:
     expired_on_arrival: int = 0
     discarded_ended_session: int = 0  # records of a session that had ended
     malformed_records: int = 0
+    queue_refused: int = 0  # $ECQ writes not stored: ecq.max_bytes or ecq.max_queues
+    queue_trimmed: int = 0  # unacknowledged queue entries removed by a limit (keys, bytes)
     save_errors: int = 0
     commit_errors: int = 0
     failures: int = 0  # unexpected errors of the consumer task (it went on)
@@ -319,6 +327,7 @@ class PersistenceConsumer:
         clock: Callable[[], float] = time.monotonic,
         queues: QueueStore | None = None,
         on_queue_stored: QueueStoredHandler | None = None,
+        on_queue_refused: Callable[[str], None] | None = None,
         watch: TopicWatch | None = None,
     ) -> None:
         """``queues``: where records for exclusive compacted queues go (their
@@ -333,6 +342,7 @@ class PersistenceConsumer:
         self._paused: set[TopicPartition] = set()
         self._queues = queues
         self._on_queue_stored = on_queue_stored
+        self._on_queue_refused = on_queue_refused
         self._consumer = consumer
         self._clock = clock
         # Since when a group join has been under way without completing (None: joined).
@@ -570,6 +580,18 @@ class PersistenceConsumer:
         for queue_batch, queue_result in zip(queue_batches, queue_results, strict=True):
             self.stats.messages_stored += queue_result.saved
             self.stats.duplicates_skipped += queue_result.duplicates
+            self.stats.queue_refused += queue_result.refused
+            self.stats.queue_trimmed += sum(
+                1 for r in queue_result.removed if r.pending and r.why != RETENTION
+            )
+            if queue_result.refused:
+                log.info(
+                    "queue %s: %d writes refused (ecq.max_bytes or ecq.max_queues; %d bytes "
+                    "kept)",
+                    queue_batch.client_id, queue_result.refused, queue_result.bytes,
+                )  # fmt: skip
+                if self._on_queue_refused is not None:
+                    self._on_queue_refused(queue_batch.client_id)
             self.events.queue_stored(queue_batch, queue_result)
             if self._on_queue_stored is not None and (
                 queue_result.saved or queue_result.duplicates

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiokafka.errors import KafkaError
@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devicemq.persistence")
 
+FULL_LOOK = 1.0  # seconds a look at whether an $ECQ queue is full holds
+FULL_VIEW_MOST = 10_000  # queues whose look at being full is remembered
 DRAIN_TIMEOUT = 30.0  # seconds the consumer gets to store what was acknowledged
 
 
@@ -136,6 +138,9 @@ class DevicePersistence:
                 max_keys=settings.ecq.max_keys,
                 group_retention=groups.retention,
                 group_max=groups.max_messages,
+                max_bytes=settings.ecq.max_bytes,
+                max_queues=settings.ecq.max_queues,
+                group_max_bytes=groups.max_bytes,
             )
         # None: ecq.enabled false
         self.queues: QueueStore | None = queue_store if settings.ecq.enabled else None
@@ -146,6 +151,9 @@ class DevicePersistence:
         if groups.enabled and queue_store is not None:
             self.groups = GroupQueues(queue_store, groups.lease, self._announce_group)
         self.keeps_groups = self.groups is not None
+        # $ECQ queues seen at their byte limit: queue -> (full, when last looked, monotonic)
+        self._full: dict[str, tuple[bool, float]] = {}
+        self._sweeper: asyncio.Task[None] | None = None  # unused group stores expire
         self._rewinding: set[str] = set()  # client IDs whose session rewind is under way
         self._background: set[asyncio.Task[None]] = set()  # fire-and-forget writes
         self.consumer = PersistenceConsumer(
@@ -159,6 +167,7 @@ class DevicePersistence:
             self.resets,
             queues=queue_store,
             on_queue_stored=self._queue_stored,
+            on_queue_refused=self._queue_refused,
             watch=self._probe,
         )
         # Per process: in a cluster each replica counts its own partitions only.
@@ -217,6 +226,8 @@ class DevicePersistence:
         if events is not None:
             self.events = self.consumer.events = events
             events.epoch_of = lambda: self.consumer.epoch
+            if self.groups is not None:
+                self.groups.events = events
 
     @property
     def bootstrap(self) -> str:
@@ -268,6 +279,41 @@ class DevicePersistence:
             return False
         self.path.submit([(QueueAddressee(queue), delivery)], on_accepted, on_settled)
         return True
+
+    def queue_full(self, queue: str) -> bool:
+        """Is the queue full (ecq.max_bytes, ecq.max_queues)? What this process's consumer
+        saw, or a read of the queue's mark at most :data:`FULL_LOOK` old (a replica's
+        consumer refused a write there): a publish then hears 0x97 before Kafka."""
+        if self.queues is None:
+            return False
+        now = time.monotonic()
+        seen = self._full.get(queue)
+        if seen is None or now - seen[1] >= FULL_LOOK:
+            if len(self._full) >= FULL_VIEW_MOST:  # only full ones tell more than a save
+                self._full = {q: v for q, v in self._full.items() if v[0]}
+                if len(self._full) >= FULL_VIEW_MOST // 2:
+                    self._full.clear()  # the saves refuse what does not fit meanwhile
+            self._full[queue] = (seen[0] if seen else False, now)  # one read at a time
+            self._spawn(self._look_full(queue))
+        return seen is not None and seen[0]
+
+    async def _look_full(self, queue: str) -> None:
+        assert self.queues is not None
+        try:
+            full = await self.queues.is_full(queue)
+        except Exception as error:  # Redis away: the save refuses what does not fit
+            log.debug("reading whether queue %s is full failed: %s", queue, error)
+            return
+        self._full[queue] = (full, time.monotonic())
+
+    def _queue_refused(self, queue: str) -> None:
+        """This process's consumer refused a write to ``queue`` (byte limit, max_queues)."""
+        self._full[queue] = (True, time.monotonic())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def queue_feed(self, session: Session) -> QueueFeed | None:
         if self.queues is None or self.queue_acks is None:
@@ -442,9 +488,26 @@ class DevicePersistence:
                 self.event_log.start()
             if self.compactor is not None:
                 self._compactor_task = asyncio.create_task(self.compactor.run())
+            expiry = self.settings.group_queues.unused_expiry
+            if self.groups is not None and expiry > 0:
+                self._sweeper = asyncio.create_task(self._sweep_groups(expiry))
+
+    async def _sweep_groups(self, expiry: float) -> None:
+        """Group stores whose group has had no members for group_queues.unused_expiry
+        are deleted (persistence/group_feed.py GroupQueues.sweep)."""
+        assert self.groups is not None and self._broker is not None
+        tree = self._broker.subscriptions
+        while True:
+            await asyncio.sleep(min(60.0, expiry / 4))
+            try:
+                await self.groups.sweep(tree.has_group, expiry)
+            except Exception as error:  # Redis away: the next round looks again
+                log.warning("looking for unused group queues failed: %s", error)
 
     async def close(self) -> None:
         """Drain: Kafka acknowledgements, then the consumer up to them, then writes."""
+        if self._sweeper is not None:
+            await _cancel(self._sweeper)
         if self._compactor_task is not None:
             await _cancel(self._compactor_task)  # a compaction under way releases its hold
         await self.path.drain()

@@ -25,8 +25,9 @@ one partition and in the order they happened. ``pipeline/`` reads them back
 ``purged``         removed by an operator's backlog purge: ``pid``, ``sc``
 ``admin``          an operator's write through the admin API: ``action``
                    (``kick``, ``delete_session``, ``purge``, ``block``,
-                   ``unblock``, ``delete_retained``) and ``detail``; ``cid``
-                   is the client concerned, or empty
+                   ``unblock``, ``delete_retained``, ``purge_queue``: a
+                   queue or group store, its id as ``cid``) and ``detail``;
+                   ``cid`` is the client concerned, or empty
 ``connected``, ``disconnected``, ``session_expired``, ``session_ended``
                    session lifecycle of durable sessions
 ``gap``            ``n`` events were dropped (Kafka too slow, buffer full)
@@ -39,7 +40,9 @@ the consumer's ``cid``; their ``sc`` is the entry's sequence number
 *negated* (a session's scores are positive, so one client's messages and
 its queue's never share an ``sc``), ``pid`` is 0 and ``q`` names the key.
 An entry that retention removed unacknowledged is ``expired`` (``at``:
-``retention``), one the key limit removed is ``trimmed`` with an ``sc``.
+``retention``), one the key or byte limit removed is ``trimmed`` with an
+``sc``; a write refused at the byte limit (``ecq.max_bytes``) is ``trimmed``
+``at`` ``arrival``.
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
 carries a JSON array of one client's events of one flush, in order (a send
@@ -416,7 +419,7 @@ class EventLog:
     def _queue_stored_events(
         self, client_id: str, ts: float, details: tuple[QueueBatch, QueueSaveResult]
     ) -> list[dict[str, Any]]:
-        from persistence.queue_store import DUPLICATE, RETENTION
+        from persistence.queue_store import DUPLICATE, REFUSED, RETENTION
 
         batch, result = details
         epoch, offsets = self.epoch_of(), batch.offsets
@@ -432,6 +435,9 @@ class EventLog:
             seq = result.seqs[i]
             if seq == DUPLICATE:
                 events.append({"ev": "duplicate", **base})
+                continue
+            if seq == REFUSED:  # not stored: the queue was at its byte limit
+                events.append({"ev": "trimmed", "at": "arrival", **base})
                 continue
             topic, size, published, _expiry = header_fields(value)
             events.append(

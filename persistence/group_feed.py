@@ -77,6 +77,8 @@ class GroupQueues:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        self.expired = 0  # stores deleted after group_queues.unused_expiry without members
+        self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
     def new_token(self, member: str) -> str:
         return f"{self.node}:{next(_tokens)}:{member}"
@@ -120,6 +122,35 @@ class GroupQueues:
 
     async def flush(self) -> None:
         await self._writer.drain()
+
+    async def sweep(
+        self, has_members: Callable[[str], bool], unused_for: float, now: float | None = None
+    ) -> list[str]:
+        """One look at every group store saved to: a store whose group has members (in
+        this broker's view, which holds every replica's subscriptions) is marked so; one
+        with none is marked with the time first seen so, and deleted once that is
+        ``unused_for`` seconds ago. Any replica that sees a member clears the mark.
+        Returns the stores deleted."""
+        now = time.time() if now is None else now
+        deleted: list[str] = []
+        for store_id, since in (await self.store.group_store_ids()).items():
+            if has_members(store_id) or store_id in self.feeds:
+                if since:
+                    await self.store.mark_group(store_id, 0)
+            elif not since:
+                await self.store.mark_group(store_id, now)
+            elif now - since >= unused_for:
+                purged = await self.store.purge(store_id, everything=True)
+                log.info(
+                    "group queue %s had no members for %.0f s: deleted (%d entries, "
+                    "%d pending, %d bytes; group_queues.unused_expiry)",
+                    store_id, now - since, purged.entries, len(purged.pending), purged.bytes,
+                )  # fmt: skip
+                for key, seq in purged.pending:
+                    self.events.queue(store_id, "purged", seq, key)
+                self.expired += 1
+                deleted.append(store_id)
+        return deleted
 
     async def close(self) -> None:
         if self._renewer is not None:

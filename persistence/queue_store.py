@@ -38,10 +38,17 @@ _CLAIM = lua_script("group_claim")
 _GROUP_ACK = lua_script("group_ack")
 _RELEASE = lua_script("group_release")
 _RENEW = lua_script("group_renew")
+_PURGE = lua_script("queue_purge")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
-RETENTION, KEY_LIMIT = 1, 2  # why an entry was removed
+REFUSED = -2  # QueueSaveResult.seqs: not stored, at the byte limit or max_queues
+REMEMBERED_MOST = 100_000  # stores a process remembers it registered
+FULL_MS = 60_000  # how long a refusal marks a queue full (as queue_save.lua does)
+RETENTION, KEY_LIMIT, BYTE_LIMIT = 1, 2, 3  # why an entry was removed
+# Every queue and group store saved since this key was kept (the admin API lists them).
+QUEUES_KEY = "devicemq:ecq:queues"
+GROUPS_KEY = "devicemq:ecq:groups"  # group store -> ms since it has had no members (0: has)
 REWIND_CHUNK = 1000  # entries made pending again per script call
 
 
@@ -69,6 +76,15 @@ class LeaseLapsed(Exception):
 LAPSED = b"lapsed"  # group_claim.lua's answer to a token whose lease ran out
 
 
+class Purged(NamedTuple):
+    """What a purge removed: entries (acknowledged ones kept for a rewind too), their
+    bytes, and the (key, seq) of those still pending."""
+
+    entries: int
+    bytes: int
+    pending: list[tuple[str, int]]
+
+
 class QueueEntry(NamedTuple):
     key: str
     seq: int
@@ -77,13 +93,16 @@ class QueueEntry(NamedTuple):
 
 @dataclass(slots=True)
 class QueueSaveResult:
-    """Per record: its sequence number, or DUPLICATE; and the unacknowledged sequence
-    number it replaced (0: none). ``removed``: what retention and the key limit took."""
+    """Per record: its sequence number, or DUPLICATE, or REFUSED; and the
+    unacknowledged sequence number it replaced (0: none). ``removed``: what
+    retention, the key limit and the byte limit took; ``bytes``: the queue's
+    values' bytes after the save."""
 
     seqs: list[int] = field(default_factory=list)
     replaced: list[int] = field(default_factory=list)
     removed: list[Removed] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    bytes: int = 0
 
     @property
     def saved(self) -> int:
@@ -93,6 +112,10 @@ class QueueSaveResult:
     def duplicates(self) -> int:
         return sum(1 for s in self.seqs if s == DUPLICATE)
 
+    @property
+    def refused(self) -> int:
+        return sum(1 for s in self.seqs if s == REFUSED)
+
 
 @dataclass(slots=True, frozen=True)
 class QueueInfo:
@@ -101,6 +124,7 @@ class QueueInfo:
     last_seq: int
     acked_seq: int  # the highest sequence number acknowledged
     oldest_pending_seq: int  # 0: nothing pending
+    bytes: int  # of the values kept (acknowledged ones kept for a rewind too)
 
 
 class QueueStore:
@@ -113,25 +137,58 @@ class QueueStore:
         clock: Callable[[], float] = time.time,
         group_retention: float = 0.0,
         group_max: int = 0,
+        max_bytes: int = 0,
+        group_max_bytes: int = 0,
+        max_queues: int = 0,
     ) -> None:
         self._store = store
         self.retention = retention  # seconds; 0: kept until acknowledged and replaced
         self.max_keys = max_keys  # per queue; 0: no limit
+        self.max_bytes = max_bytes  # per queue, of the values kept; 0: no limit
+        self.max_queues = max_queues  # $ECQ queues holding entries, in all; 0: no limit
         # Group queues (broker/group_queue.py): the same store, their own limits.
         self.group_retention = group_retention
         self.group_max = group_max
+        self.group_max_bytes = group_max_bytes
         self._clock = clock
+        self._registered: set[str] = set()  # stores this process put in the registry
+        self._starting = asyncio.Lock()  # new $ECQ queues are counted one at a time
 
-    def _limits(self, store_id: str) -> tuple[float, int]:
+    def _limits(self, store_id: str) -> tuple[float, int, int]:
         if is_group_store(store_id):
-            return self.group_retention, self.group_max
-        return self.retention, self.max_keys
+            return self.group_retention, self.group_max, self.group_max_bytes
+        return self.retention, self.max_keys, self.max_bytes
 
     async def save(self, batch: QueueBatch) -> QueueSaveResult:
+        queue = batch.client_id
+        if not self.max_queues or is_group_store(queue) or queue in self._registered:
+            return await self._save(batch)
+        if await self._store.redis.sismember(QUEUES_KEY, queue):  # another process's
+            self._remember(queue)
+            return await self._save(batch)
+        # A queue this process has not stored into: counted and started one at a time
+        # here (replicas starting new queues at the same moment may pass max_queues).
+        async with self._starting:
+            if await self._over_queue_count(queue):
+                n = len(batch.values)
+                await self._store.redis.set(queue_keys(queue).full, 1, px=FULL_MS)
+                return QueueSaveResult([REFUSED] * n, [0] * n, keys=[""] * n)
+            return await self._save(batch)
+
+    async def _save(self, batch: QueueBatch) -> QueueSaveResult:
         keys = queue_keys(batch.client_id)
         group = is_group_store(batch.client_id)
-        retention, max_keys = self._limits(batch.client_id)
-        args: list[str | int | bytes] = [int(self._clock() * 1000), int(retention * 1000), max_keys]
+        retention, max_keys, max_bytes = self._limits(batch.client_id)
+        # Over the byte limit an $ECQ write is refused (its producer hears 0x97 next time,
+        # broker/handlers/publish.py), a group queue's oldest entries leave (its
+        # publisher's other subscribers are not refused for one group's backlog).
+        args: list[str | int | bytes] = [
+            int(self._clock() * 1000),
+            int(retention * 1000),
+            max_keys,
+            max_bytes,
+            "oldest" if group else "refuse",
+        ]
         entry_keys: list[str] = []
         for value in batch.values:
             topic, _size, published, _expiry = header_fields(value)
@@ -147,10 +204,10 @@ class QueueStore:
         reply = await self._store.run_script(_SAVE, script_keys, args)
         if is_lost(reply):
             raise self._store.lost(int(reply[1]))
-        if len(reply) == 3:  # guarded: the counter, counted up after the save
-            self._store.counted(int(reply[2]))
+        if len(reply) == 4:  # guarded: the counter, counted up after the save
+            self._store.counted(int(reply[3]))
         results, removed = reply[0], reply[1]
-        out = QueueSaveResult(keys=entry_keys)
+        out = QueueSaveResult(keys=entry_keys, bytes=int(reply[2]))
         for i, (seq, replaced) in enumerate(results):
             out.seqs.append(int(seq))
             out.replaced.append(int(replaced))
@@ -159,7 +216,33 @@ class QueueStore:
         for i in range(0, len(removed), 4):
             key, seq, pending, why = removed[i : i + 4]
             out.removed.append(Removed(_text(key), int(seq), bool(pending), int(why)))
+        if out.saved:
+            await self._register(batch.client_id)
         return out
+
+    async def _over_queue_count(self, queue: str) -> bool:
+        """Would storing into ``queue`` make more $ECQ queues than ``max_queues``?"""
+        redis = self._store.redis
+        if await redis.sismember(QUEUES_KEY, queue):
+            return False
+        return int(await redis.scard(QUEUES_KEY)) >= self.max_queues
+
+    async def _register(self, store_id: str) -> None:
+        """Name a queue or group store in its registry once per process (the admin API
+        lists them; a group store with no members is found there and expires)."""
+        if store_id in self._registered:
+            return
+        redis = self._store.redis
+        if is_group_store(store_id):
+            await redis.hsetnx(GROUPS_KEY, store_id, 0)
+        else:
+            await redis.sadd(QUEUES_KEY, store_id)
+        self._remember(store_id)
+
+    def _remember(self, store_id: str) -> None:
+        if len(self._registered) >= REMEMBERED_MOST:
+            self._registered.clear()  # looked up again in Redis: bounded memory
+        self._registered.add(store_id)
 
     async def save_many(
         self, batches: Sequence[QueueBatch]
@@ -213,7 +296,9 @@ class QueueStore:
             return 0
         keys = queue_keys(client_id)
         return int(
-            await self._store.run_script(_ACK, (keys.pending, keys.acked, keys.inflight), args)
+            await self._store.run_script(
+                _ACK, (keys.pending, keys.acked, keys.inflight, keys.full), args
+            )
         )
 
     async def record_inflight(
@@ -316,7 +401,7 @@ class QueueStore:
         k = queue_keys(store_id)
         return int(
             await self._store.run_script(
-                _GROUP_ACK, (k.pending, k.log, k.values, k.times, k.claims), args
+                _GROUP_ACK, (k.pending, k.log, k.values, k.times, k.claims, k.bytes), args
             )
         )
 
@@ -343,9 +428,55 @@ class QueueStore:
     async def info(self, client_id: str) -> QueueInfo:
         keys = queue_keys(client_id)
         reply = await self._store.run_script(
-            _INFO, (keys.pending, keys.log, keys.seq, keys.acked), ()
+            _INFO, (keys.pending, keys.log, keys.seq, keys.acked, keys.bytes), ()
         )
         return QueueInfo(*(int(v) for v in reply))
+
+    async def purge(self, store_id: str, *, everything: bool = False) -> Purged:
+        """Remove every entry of a queue or group store (its sequence goes on, unless
+        ``everything``: nothing of it is left). It leaves the registry."""
+        k = queue_keys(store_id)
+        keys = (k.pending, k.log, k.values, k.times, k.inflight, k.claims, k.bytes, k.full)
+        keys_too = (k.seq, k.seen, k.acked, k.tokens)
+        args = ("all" if everything else "entries",)
+        entries, freed, flat = await self._store.run_script(_PURGE, keys + keys_too, args)
+        redis = self._store.redis
+        if is_group_store(store_id):
+            await redis.hdel(GROUPS_KEY, store_id)
+        else:
+            await redis.srem(QUEUES_KEY, store_id)
+        self._registered.discard(store_id)
+        pending = [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+        return Purged(int(entries), int(freed), pending)
+
+    async def is_full(self, client_id: str) -> bool:
+        """Was a write to the queue refused (its byte limit, or ``max_queues``) lately?"""
+        return bool(await self._store.redis.exists(queue_keys(client_id).full))
+
+    async def mark_group(self, store_id: str, unused_since: float) -> None:
+        """Note since when the group store has had no members (0: it has)."""
+        await self._store.redis.hset(GROUPS_KEY, store_id, int(unused_since * 1000))
+
+    async def queue_ids(self, most: int) -> list[str]:
+        """Up to ``most`` $ECQ queues of the registry (SSCAN: in no particular order, a
+        Redis call of its own per few hundred), sorted."""
+        found: list[str] = []
+        async for member in self._store.redis.sscan_iter(QUEUES_KEY, count=500):
+            found.append(_text(member))
+            if len(found) >= most:
+                break
+        return sorted(found)
+
+    async def group_store_ids(self) -> dict[str, float]:
+        """The group stores saved to: store id -> since when it has had no members
+        (seconds since the epoch; 0: members when last looked), sorted."""
+        raw = await self._store.redis.hgetall(GROUPS_KEY)
+        return {_text(k): int(v) / 1000 for k, v in sorted(raw.items())}
+
+    async def group_unused_since(self, store_id: str) -> float | None:
+        """Since when the group store has had no members (0: it has; None: no store)."""
+        since = await self._store.redis.hget(GROUPS_KEY, store_id)
+        return None if since is None else int(since) / 1000
 
 
 def _packed(entry: QueueEntry) -> bytes:

@@ -95,14 +95,17 @@ def resolve_endpoints(
     from app.embedded_services import HOST, EmbeddedServices
 
     directory = Path(data_dir or "./data")
-    ports = {s.name: s for s in EmbeddedServices(directory).status()}
+    services = EmbeddedServices(directory)
+    ports = {s.name: s for s in services.status()}
     redis, kafka = ports.get("redis"), ports.get("kafka")
     if redis is None or kafka is None or not (redis.responding and kafka.responding):
         raise PipelineError(
             f"the embedded Redis and Kafka of {directory} are not running "
             "(start `devicemq run --data-dir DIR`, or give --bootstrap and --redis)"
         )
-    return Endpoints(f"{HOST}:{kafka.port}", f"redis://{HOST}:{redis.port}")
+    assert redis.port is not None  # responding
+    # With the password of the data dir (services/redis.password): Redis asks for it.
+    return Endpoints(f"{HOST}:{kafka.port}", services.redis_url(redis.port))
 
 
 def parse_time(text: str | None) -> float | None:

@@ -264,6 +264,9 @@ def _to_queue(
     )
     delivery = Delivery(stored, 1, False, ())
     qos, packet_id = packet.qos, packet.packet_id
+    if broker.persistent_path.queue_full(queue):
+        _queue_full(conn, packet, queue)
+        return
     if qos == 0 or packet_id is None:
         broker.persistent_path.enqueue(queue, delivery, _no_ack)
         return
@@ -276,6 +279,19 @@ def _to_queue(
     broker.persistent_path.enqueue(
         queue, delivery, lambda ok: _accepted(conn, session, ack, ok), settled
     )
+
+
+def _queue_full(conn: MQTTConnection, packet: Publish, queue: str) -> None:
+    """A write to a full queue (ecq.max_bytes; or ecq.max_queues, a queue that could
+    not start) is refused: MQTT 5 hears 0x97 Quota exceeded; 3.1.1 has no failure
+    code, so its connection is closed, as for a store that failed; QoS 0 is dropped.
+    Counted as ``ecq_full``."""
+    conn.broker.stats.drop("ecq_full")
+    log.info("client %s wrote to full queue %s (ecq.max_bytes, max_queues)", conn.client_id, queue)
+    if not packet.qos or packet.packet_id is None:
+        return
+    ack = conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.QUOTA_EXCEEDED)
+    conn.ack_ready(ack, False)  # the id is not held: a QoS 2 re-send is a new write
 
 
 def handle_pubrel(conn: MQTTConnection, packet: PubRel) -> None:

@@ -2,6 +2,8 @@
 --
 -- KEYS[1] {cid}_ecq_pending  KEYS[2] {cid}_ecq_acked (the highest seq acknowledged)
 -- KEYS[3] {cid}_ecq_inflight (packet id -> the entry in flight under it)
+-- KEYS[4] {cid}_ecq_full (the queue was at its byte limit: an entry acknowledged
+-- may leave to make room now, so writes are taken again)
 -- ARGV triples: key, seq, packet id (0: none recorded). A key whose pending seq is
 -- another one now was replaced by a newer value (compaction): that one is still
 -- to be delivered, left alone. Returns how many entries were removed.
@@ -18,4 +20,5 @@ for i = 1, #ARGV, 3 do
   if ARGV[i + 2] ~= '0' then redis.call('HDEL', KEYS[3], ARGV[i + 2]) end
 end
 redis.call('SET', KEYS[2], highest)
+if removed > 0 then redis.call('DEL', KEYS[4]) end
 return removed

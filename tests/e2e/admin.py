@@ -14,7 +14,7 @@ from tests.conftest import free_port
 from tests.e2e.clients import V5, V311, Paho
 from tests.e2e.conftest import BrokerProcess, start_broker
 
-TOKEN = "t0ken-for-tests"
+TOKEN = "t0ken-for-tests-of-the-admin-api"
 BANNED = 0x8A
 ADMINISTRATIVE_ACTION = 0x98
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ from paho.mqtt.packettypes import PacketTypes
 from app import cli
 from app.admin_cli import AdminClient
 from app.embedded_services import EmbeddedServices
+from tests.conftest import free_port
 from tests.e2e.admin import (
     ADMINISTRATIVE_ACTION,
     BANNED,
@@ -33,7 +38,7 @@ from tests.e2e.admin import (
     wait_for,
 )
 from tests.e2e.clients import V5, V311, Paho, props
-from tests.e2e.conftest import BrokerProcess, is_mosquitto
+from tests.e2e.conftest import REPO, BrokerProcess, is_mosquitto
 
 pytestmark = pytest.mark.skipif(is_mosquitto(), reason="devicemq's admin API")
 
@@ -227,6 +232,50 @@ def test_retained_messages_listed_and_deleted(server: tuple[BrokerProcess, Admin
     late.close()
 
 
+def test_retained_messages_are_paged_by_cursor(server: tuple[BrokerProcess, AdminClient]) -> None:
+    """Issue 45 #13: one request lists one page (limit), the next starts after its
+    next_cursor; before, every match was walked and sorted at once and the cursor
+    did not exist."""
+    broker, api = server
+    pub = Paho(broker, "adm-retained-pager", V5)
+    pub.connect()
+    topics = [f"adm/pages/{name}" for name in ("e", "a", "d", "b", "c")]
+    for topic in topics:
+        pub.publish(topic, b"r", qos=1, retain=True)
+    pub.disconnect()
+    seen: list[str] = []
+    cursor = None
+    for _ in range(3):
+        page = api.call("GET", "retained", {"topic": "adm/pages/#", "limit": 2, "cursor": cursor})
+        seen += [r["topic"] for r in page["items"]]
+        cursor = page["next_cursor"]
+        assert page["truncated"] == (cursor is not None)
+    assert seen == sorted(topics) and cursor is None
+
+
+def test_the_cli_pages_retained_messages(
+    server: tuple[BrokerProcess, AdminClient],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    broker, api = server
+    pub = Paho(broker, "adm-retained-cli", V5)
+    pub.connect()
+    for name in ("c", "a", "b"):
+        pub.publish(f"adm/cli-pages/{name}", b"r", qos=1, retain=True)
+    pub.disconnect()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    common = ["--url", api.url, "--token-file", str(token_file), "--topic", "adm/cli-pages/#"]
+    assert cli.main(["retained", "list", *common, "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "adm/cli-pages/a" in out and "adm/cli-pages/c" not in out
+    assert "(more: --all, or the API with cursor=adm/cli-pages/b)" in out
+    assert cli.main(["retained", "list", *common, "--limit", "2", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"adm/cli-pages/{name}" in out for name in "abc") and "(more" not in out
+
+
 def test_sessions_are_paged_by_cursor(server: tuple[BrokerProcess, AdminClient]) -> None:
     broker, api = server
     clients = [Paho(broker, f"adm-page-{i}", V5) for i in range(5)]
@@ -279,6 +328,127 @@ def test_the_cli_lists_kicks_and_blocks(
     assert cli.main(["sessions", "list", "--url", api.url]) == 1  # no token
     assert "401" in capsys.readouterr().err
     client.close()
+
+
+def test_the_cli_reads_the_brokers_token_file_from_its_environment(
+    server: tuple[BrokerProcess, AdminClient],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`docker compose exec devicemq devicemq sessions list` (issue 40): the CLI in
+    the broker's container finds the token through DEVICEMQ_ADMIN_TOKEN_FILE."""
+    _broker, api = server
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.delenv("DEVICEMQ_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("DEVICEMQ_ADMIN_TOKEN_FILE", str(token_file))
+    assert cli.main(["sessions", "list", "--url", api.url]) == 0
+    assert capsys.readouterr().out.startswith("CLIENT_ID")
+    monkeypatch.setenv("DEVICEMQ_ADMIN_TOKEN", "wrong")  # the token itself comes first
+    assert cli.main(["sessions", "list", "--url", api.url]) == 1
+    assert "401" in capsys.readouterr().err
+    monkeypatch.delenv("DEVICEMQ_ADMIN_TOKEN")
+    monkeypatch.setenv("DEVICEMQ_ADMIN_TOKEN_FILE", str(tmp_path / "missing"))
+    assert cli.main(["sessions", "list", "--url", api.url]) == 1
+    assert "cannot read the token file" in capsys.readouterr().err
+
+
+def _raw_http(port: int, source: str, request: bytes) -> bytes:
+    """What the admin listener answers ``request`` sent from ``source`` (127.0.0.x)."""
+    with socket.create_connection(("127.0.0.1", port), 5, source_address=(source, 0)) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
+
+
+def _get_stats(token: str) -> bytes:
+    return f"GET /api/v1/stats HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+
+
+def test_idle_sockets_from_one_address_cannot_lock_the_admin_listener(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    """Issue 45 #8: 64 idle sockets (the listener's cap) from one address used to take
+    every place, and every request was closed unanswered until they timed out."""
+    _, api = server
+    port = int(api.url.rsplit(":", 1)[1])
+    idle = [
+        socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.0.7", 0))
+        for _ in range(64)
+    ]
+    try:
+        assert status(api, "GET", "stats")[0] == 200  # from 127.0.0.1
+        answer = _raw_http(port, "127.0.0.7", _get_stats(TOKEN))  # the same address
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        # All but admin.max_connections_per_source (8) of them were pushed out.
+        for sock in idle[:56]:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_guessing_the_admin_token_is_slowed_and_logged(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    """Issue 45 #9: wrong tokens were answered 401 as fast as they came (~1,650/s),
+    with no log line. Past a burst of 10 an address gets 429, the right token too
+    (a guess then tells nothing), and the log names the address."""
+    broker, api = server
+    port = int(api.url.rsplit(":", 1)[1])
+    codes = [_raw_http(port, "127.0.0.9", _get_stats(f"guess-{i}"))[9:12] for i in range(15)]
+    assert codes[:10] == [b"401"] * 10 and codes[-3:] == [b"429"] * 3, codes
+    assert _raw_http(port, "127.0.0.9", _get_stats(TOKEN))[9:12] == b"429"
+    assert b"Retry-After: 1" in _raw_http(port, "127.0.0.9", _get_stats(TOKEN))
+    assert _raw_http(port, "127.0.0.10", _get_stats(TOKEN))[9:12] == b"200"
+    assert status(api, "GET", "stats")[0] == 200
+    log = broker.log()
+    assert "admin: a wrong token from 127.0.0.9 (GET /api/v1/stats)" in log
+    assert "too many wrong tokens from 127.0.0.9" in log
+    assert "guess-" not in log  # the guesses themselves are not logged
+
+
+def test_a_client_id_segment_of_dot_is_marked_not_resolved(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    """Issue 45 #10 at the HTTP level: a client like a browser or a proxy resolves
+    /sessions/./messages to /sessions/messages; "%00." is the client ID "." and
+    reaches that session, "." and ".." alone name no session."""
+    broker, api = server
+    persistent_subscriber(broker, "..", "adm/dotdot")
+    publish(broker, "adm/dotdot", 1, "adm-dotdot-pub")
+    wait_for(lambda: api.call("GET", "sessions/%00..")["backlog"] == 1, "the message stored")
+    assert api.session_path("..", "messages") == "sessions/%00../messages"
+    assert api.call("DELETE", "sessions/%00../messages")["purged"] == 1
+    assert api.call("GET", "sessions/%00..")["client_id"] == ".."
+    assert status(api, "GET", "sessions/%00")[0] == 404  # a NUL alone: no such session
+
+
+def test_a_short_admin_token_stops_the_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    env.update(
+        PYTHONPATH=str(REPO),
+        DEVICEMQ_PERSISTENCE_ENABLED="false",
+        DEVICEMQ_DATA_DIR=str(tmp_path),
+        DEVICEMQ_ADMIN_PORT=str(free_port("127.0.0.1")),
+        DEVICEMQ_ADMIN_TOKEN="hunter2",
+    )
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port"]
+    done = subprocess.run(
+        [*argv, str(free_port("127.0.0.1"))],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("devicemq: error: admin.token: the token has 7 characters"), last
 
 
 # -- brokers of their own --------------------------------------------------------------------

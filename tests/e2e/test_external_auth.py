@@ -166,6 +166,59 @@ def test_service_down_fails_closed_and_can_fail_open(
     wait_for_log(opened, "a client is accepted unchecked (auth.http_fail_open)")
 
 
+def test_input_that_breaks_the_service_does_not_log_in_with_fail_open(
+    service: AuthService, broker_factory: Factory, clients: Clients
+) -> None:
+    """Issue 45 #6: a user name the service chokes on (500, as a SQL quote would
+    make it) used to count as "the service is down" and, with http_fail_open, logged
+    in unchecked. Now the broker's own probe (no client's input) is answered, so
+    that request alone failed: 0x88. Only a service that fails the probe too is down."""
+    service.answer("x' OR '1'='1", 500)
+    service.answer("alice", 401)
+    broker = broker_factory(
+        {"auth.chain": "http", "auth.http_url": service.url, "auth.http_fail_open": True}
+    )
+    attack = paho(clients, broker, "m1", "x' OR '1'='1", "pw")
+    assert attack.connect().reason_code == 0x88
+    v311 = raw_connack(
+        clients, broker, V311, client_id="m2", username="x' OR '1'='1", password=b"pw"
+    )
+    assert v311 == ConnAck(False, 3)
+    assert service.asked("") >= 1  # the probe, a CONNECT of nobody
+    assert "(a probe was answered)" in broker.log()
+    assert "accepted unchecked" not in broker.log()
+    # The service failing everything (the probe too, 503 from a proxy) is down.
+    service.answer("", 503)
+    deadline = time.monotonic() + 10  # the probe's finding stands for a second
+    while paho(clients, broker, "m3", "x' OR '1'='1", "pw").connect().reason_code != 0:
+        assert time.monotonic() < deadline, broker.log()[-2000:]
+        time.sleep(0.2)
+    wait_for_log(broker, "a client is accepted unchecked (auth.http_fail_open)")
+
+
+def test_a_result_of_deny_in_a_2xx_answer_refuses(
+    service: AuthService, broker_factory: Factory, clients: Clients
+) -> None:
+    """Issue 45 #7: a service written for EMQX's convention (200 with a "result")
+    denied with a 200, and every 2xx used to be an allow."""
+    service.answer("eve", 200, b'{"result": "deny"}')
+    service.answer("dev", 200, b'{"result": "allow", "acl": ["readwrite d/%c/#"]}')
+    service.answer("someone", 200, b'{"result": "ignore"}')
+    broker = broker_factory({"auth.chain": "http", "auth.http_url": service.url})
+    assert paho(clients, broker, "e1", "eve", "pw").connect().reason_code == 0x86
+    v311 = raw_connack(clients, broker, V311, client_id="e2", username="eve", password=b"pw")
+    assert v311 == ConnAck(False, 4)
+    assert paho(clients, broker, "s1", "someone", "pw").connect().reason_code == 0x86
+    device = paho(clients, broker, "d1", "dev", "pw")
+    assert device.connect().reason_code == 0
+    assert device.subscribe([("d/d1/#", 1), ("d/d2/#", 1)]) == [1, 0x87]
+    # The status-only mode, for a service that puts something else in "result".
+    legacy = broker_factory(
+        {"auth.chain": "http", "auth.http_url": service.url, "auth.http_result": "status"}
+    )
+    assert paho(clients, legacy, "e3", "eve", "pw").connect().reason_code == 0
+
+
 def test_jwt_login_claims_and_key_rotation(
     tmp_path: Path, broker_factory: Factory, clients: Clients, names: Names
 ) -> None:

@@ -17,6 +17,7 @@ right code, every refusal is counted), never a tight timing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ import pytest
 from broker.auth import hash_password, write_password_file
 from broker.codec import encode
 from broker.packets import (
+    ConnAck,
     Connect,
     Disconnect,
     PingResp,
@@ -1015,3 +1017,351 @@ def test_one_owner_cannot_open_sessions_without_bound(
     assert login(again, "eve", "eve-pw", clean_start=False, properties=expiry) == 0
     other = clients.paho(broker, names.client("bob-dev"))  # others are not affected
     assert login(other, "bob", "bob-pw", clean_start=False, properties=expiry) == 0
+
+
+# ------------------------------------------- issue 45: queues and client IDs owned, bans
+
+
+OWNERS = {"dev7": "dev7-pw", "dev8": "dev8-pw", "dev9": "dev9-pw", "alice": "alice-pw"}
+OWNERS_ACL = (
+    "user alice\ntopic write $ECQ/w/#\n"
+    "user mallory\ntopic readwrite mallory/#\n"
+    "user dev7\ntopic read $ECQ/dev-7/#\n"
+    "user dev8\ntopic readwrite dev8/#\n"
+)
+
+
+def owners_broker(
+    factory: Factory, tmp_path: Path, acl_text: str = OWNERS_ACL, **settings: object
+) -> BrokerProcess:
+    """Issue 45's set-up: a password file with an ACL, persistence on (queues). Users
+    alice (writes $ECQ/w/#), mallory (mallory/# only), dev7, dev8, dev9."""
+    passwd = tmp_path / "passwd"
+    users = {**OWNERS, "mallory": "mallory-pw"}
+    write_password_file(passwd, {user: hash_password(pw) for user, pw in users.items()})
+    acl = tmp_path / "acl"
+    acl.write_text(acl_text)
+    return factory(
+        {
+            "auth.password_file": passwd,
+            "auth.acl_file": acl,
+            "persistence.enabled": True,
+            **settings,
+        }
+    )
+
+
+def as_user(broker: BrokerProcess, client_id: str, user: str, version: int = 5) -> Paho:
+    password = OWNERS.get(user, f"{user}-pw")
+    return Paho(
+        broker, client_id, version, name=f"{user}@{client_id}", username=user, password=password
+    )
+
+
+def _write_queue(broker: BrokerProcess, queue: str, *values: bytes) -> None:
+    writer = as_user(broker, f"writer-{uuid.uuid4().hex[:8]}", "alice")
+    assert writer.connect().reason_code == 0
+    for i, value in enumerate(values):
+        assert writer.publish(f"$ECQ/w/{queue}/k{i}", value, qos=1) == 0
+    writer.disconnect()
+
+
+def _rewind_all() -> Any:
+    from paho.mqtt.packettypes import PacketTypes
+
+    from tests.e2e.clients import props
+
+    return props(PacketTypes.SUBSCRIBE, UserProperty=[("rewind", "1")])
+
+
+def test_another_user_cannot_read_a_devices_queue(tmp_path: Path, broker_factory: Factory) -> None:
+    """Issue 45, 1: dev7 consumed its queue (``door-code 4711``) with a clean session and
+    left; mallory connected with the client ID ``dev-7`` and her own password (CONNACK
+    success), subscribed ``$ECQ/dev-7/#`` with ``rewind=1`` and got both entries."""
+    broker = owners_broker(broker_factory, tmp_path)
+    _write_queue(broker, "dev-7", b"door-code 4711", b"fan on")
+    device = as_user(broker, "dev-7", "dev7")
+    assert device.connect().reason_code == 0
+    assert device.subscribe("$ECQ/dev-7/#", 1) == [1]
+    assert sorted(m.payload for m in device.get_n(2)) == [b"door-code 4711", b"fan on"]
+    device.disconnect()
+    mallory = as_user(broker, "dev-7", "mallory")
+    connack = mallory.connect().reason_code
+    if connack == 0:  # in, as on 282301f: what her subscription gets is the attack
+        mallory.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all())
+        stolen = mallory.get_optional(timeout=1.0)
+        assert not stolen, f"mallory read dev7's queue: {[m.payload for m in stolen]}"
+    assert connack == 0x87  # auth.client_id_owner first: the ID is dev7's
+    # the ACL governs queue reads: dev8 has no read rule for its own queue
+    _write_queue(broker, "dev-8", b"secret")
+    dev8 = as_user(broker, "dev-8", "dev8")
+    assert dev8.connect().reason_code == 0
+    assert dev8.subscribe("$ECQ/dev-8/#", 1) == [0x87]
+    dev8.assert_no_message(timeout=1.0)
+    # the owner still reads its queue again
+    again = as_user(broker, "dev-7", "dev7")
+    assert again.connect().reason_code == 0
+    assert again.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all()) == [1]
+    assert len(again.get_n(2)) == 2
+
+
+def test_a_queue_stays_its_first_consumers_whoever_holds_the_client_id(
+    tmp_path: Path, broker_factory: Factory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same theft with client IDs unbound (``auth.client_id_owner: off``) and the ACL
+    rule every device's queue needs (``pattern read $ECQ/%c/#``, which matches mallory
+    as ``dev-7`` too): the queue itself refuses her, on MQTT 5 and 3.1.1, and an
+    admin can give it to her."""
+    from app.admin_cli import AdminClient
+    from tests.e2e.admin import TOKEN, answering
+
+    admin_port = free_port("127.0.0.1")
+    broker = owners_broker(
+        broker_factory,
+        tmp_path,
+        OWNERS_ACL + "pattern read $ECQ/%c/#\n",
+        **{"auth.client_id_owner": "off", "admin.port": admin_port, "admin.token": TOKEN},
+    )
+    api = answering(AdminClient(f"http://127.0.0.1:{admin_port}", TOKEN))
+    _write_queue(broker, "dev-7", b"door-code 4711")
+    device = as_user(broker, "dev-7", "dev7")
+    assert device.connect().reason_code == 0
+    assert device.subscribe("$ECQ/dev-7/#", 1) == [1]
+    assert device.get().payload == b"door-code 4711"
+    device.disconnect()
+    assert api.call("GET", "queues/dev-7/owner") == {"client_id": "dev-7", "owner": "dev7"}
+    for version in (5, V311):
+        mallory = as_user(broker, "dev-7", "mallory", version)
+        assert mallory.connect().reason_code == 0  # the ID is anyone's now
+        rewind = _rewind_all() if version == 5 else None
+        assert mallory.subscribe("$ECQ/dev-7/#", 1, properties=rewind) == [
+            0x87 if version == 5 else 0x80
+        ]
+        mallory.assert_no_message(timeout=1.0)
+        mallory.disconnect()
+    assert "may not consume its queue (not_owner)" in broker.log()
+    # an operator gives the queue to mallory (devicemq queues owner): hers from then on
+    from app import cli
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", api.url, "--token-file", str(token_file)]
+    assert cli.main(["queues", "owner", "dev-7", *common]) == 0
+    assert capsys.readouterr().out.strip() == "dev-7: owned by dev7"
+    assert cli.main(["queues", "owner", "dev-7", "--set", "mallory", *common, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["owner"], answer["before"]) == ("mallory", "dev7")
+    assert cli.main(["client-ids", "owner", "dev-7", *common]) == 0  # off: nobody holds IDs
+    assert capsys.readouterr().out.strip() == "dev-7: nobody's"
+    assert cli.main(["client-ids", "owner", "dev-7", "--release", *common]) == 1  # 404
+    mallory = as_user(broker, "dev-7", "mallory")
+    assert mallory.connect().reason_code == 0
+    assert mallory.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all()) == [1]
+    assert mallory.get().payload == b"door-code 4711"
+
+
+def test_a_free_client_id_is_not_taken_from_its_device(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """Issue 45, 2: once a device's session was gone, any user took its client ID with a
+    persistent session (up to 7 days): the real device was then refused 0x87."""
+    broker = owners_broker(broker_factory, tmp_path)
+    device = as_user(broker, "dev-7", "dev7")
+    assert device.connect().reason_code == 0
+    device.disconnect()
+    squatter = as_user(broker, "dev-7", "mallory", V311)
+    squatted = squatter.connect(clean_start=False).reason_code  # 3.1.1: a 7-day session
+    squatter.close()
+    assert device.connect().reason_code == 0, "the device lost its client ID"
+    assert squatted == 0x87  # return code 5 on the wire
+    assert "belongs to another owner" in broker.log()
+
+
+def test_client_ids_bound_to_user_names_cannot_be_squatted(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """``auth.client_id_owner: username``: even an ID its device never used is not
+    another user's to take (0x85, 3.1.1 return code 2); ``%u-*`` widens a user's."""
+    broker = owners_broker(
+        broker_factory,
+        tmp_path,
+        **{"auth.client_id_owner": "username", "auth.client_id_pattern": "%u-*"},
+    )
+    for cid in ("dev7", "dev7-kitchen"):
+        assert as_user(broker, cid, "mallory").connect(clean_start=False).reason_code == 0x85
+    raw = Raw(broker, level=4)
+    connack = raw.connect("dev7", clean_start=False, username="mallory", password=b"mallory-pw")
+    raw.close()
+    assert isinstance(connack, ConnAck) and connack.reason_code == 2  # identifier rejected
+    for cid in ("dev7", "dev7-kitchen"):
+        device = as_user(broker, cid, "dev7")
+        assert device.connect(clean_start=False).reason_code == 0
+        device.disconnect()
+
+
+def test_a_stranger_cannot_get_a_device_banned(tmp_path: Path, broker_factory: Factory) -> None:
+    """Issue 45, 3: flapping was counted per client ID before the ownership check: 16
+    CONNECTs as ``dev-9`` with another user's password got the real ``dev-9``
+    disconnected (0x98) and banned for 300 s, again and again."""
+    broker = owners_broker(
+        broker_factory, tmp_path, **{"flapping.enabled": True, "flapping.max_connects": 3}
+    )
+    device = as_user(broker, "dev-9", "dev9")
+    assert device.connect(keepalive=60).reason_code == 0
+    codes = []
+    for _ in range(8):
+        stranger = as_user(broker, "dev-9", "mallory")
+        codes.append(stranger.connect().reason_code)
+        stranger.close()
+    assert codes == [0x87] * 8
+    assert device.connected
+    assert device.disconnects.empty()
+    assert "is flapping" not in broker.log()
+    device.disconnect()
+    assert device.connect().reason_code == 0  # not banned
+
+
+def _redis(port: int, *words: str, password: str | None = None) -> bytes:
+    """A raw Redis command's first answer bytes, as a local user would send it."""
+
+    def resp(*args: str) -> bytes:
+        return f"*{len(args)}\r\n".encode() + b"".join(
+            f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
+        )
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        if password is not None:
+            sock.sendall(resp("AUTH", password))
+            assert sock.recv(1024) == b"+OK\r\n"
+        sock.sendall(resp(*words))
+        return sock.recv(65536)
+
+
+def test_a_local_user_cannot_rewrite_sessions_in_the_embedded_redis(
+    tmp_path: Path, broker_factory: Factory, clients: Clients, names: Names
+) -> None:
+    """Issue 45 #11: the embedded Redis took any local user, who could rewrite a
+    session's owner field (and read every stored message). Now it asks for the
+    password in the data dir (mode 0600), which the broker uses."""
+    from app.embedded_services import EmbeddedServices
+
+    broker = broker_factory(
+        {"auth.password_file": password_file(tmp_path), "persistence.enabled": True}
+    )
+    device = names.client("dev1")
+    alice = clients.paho(broker, device, version=V311)
+    assert login(alice, "alice", "alice-pw", clean_start=False) == 0
+    assert alice.subscribe("alice/inbox", 1) == [1]
+    alice.disconnect()
+    services = EmbeddedServices(broker.data_dir)
+    (redis,) = [s for s in services.status() if s.name == "redis"]
+    assert redis.port is not None and redis.responding
+    assert _redis(redis.port, "KEYS", "*").startswith(b"-NOAUTH")
+    assert _redis(redis.port, "FLUSHALL").startswith(b"-NOAUTH")
+    password = services.redis_password(create=False)
+    assert password is not None and password not in broker.log()
+    assert device.encode() in _redis(redis.port, "KEYS", "*", password=password)
+    sender = clients.paho(broker, names.client("sender"))
+    assert login(sender, "alice", "alice-pw") == 0
+    assert sender.publish("alice/inbox", b"stored", qos=1) == 0
+    assert login(alice, "alice", "alice-pw", clean_start=False) == 0
+    assert alice.get().payload == b"stored"
+
+
+def ws_answer(port: int, host: str, origin: str | None) -> bytes:
+    """The status line the WebSocket listener answers a browser-like handshake."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(
+            f"GET /mqtt HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n".encode()
+            + (f"Origin: {origin}\r\n".encode() if origin is not None else b"")
+            + b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n"
+        )
+        got = b""
+        while b"\r\n" not in got:
+            chunk = s.recv(4096)
+            assert chunk, "no WebSocket handshake answer"
+            got += chunk
+        return got.split(b"\r\n", 1)[0]
+
+
+def test_a_web_page_cannot_open_the_websocket_listener(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """Issue 45 #12: the WebSocket listener took any Origin, so any page the user
+    visited reached a no-auth loopback broker (browsers let pages open WebSockets
+    anywhere). Now only a client without Origin, the same host (naming this
+    machine while nobody logs in: DNS rebinding) and websocket.allowed_origins."""
+    port = free_port()
+    broker_factory(
+        {"websocket.enabled": True, "websocket.host": "127.0.0.1", "websocket.port": port}
+    )
+    here = f"127.0.0.1:{port}"
+    forbidden = b"HTTP/1.1 403 Forbidden"
+    assert ws_answer(port, here, "https://evil.example") == forbidden
+    assert ws_answer(port, here, "http://localhost:8000") == forbidden  # another port
+    assert ws_answer(port, here, "null") == forbidden  # a sandboxed page, a file
+    rebound = f"evil.example:{port}"  # its name rebound to 127.0.0.1: both say it
+    assert ws_answer(port, rebound, f"http://{rebound}") == forbidden
+    assert ws_answer(port, here, None).startswith(b"HTTP/1.1 101 ")  # not a browser
+    assert ws_answer(port, here, f"http://{here}").startswith(b"HTTP/1.1 101 ")  # paho's
+    assert ws_answer(port, f"localhost:{port}", f"http://localhost:{port}").startswith(
+        b"HTTP/1.1 101 "
+    )
+    # With logins required, a public name is fine; listed pages get in too.
+    listed = free_port()
+    broker_factory(
+        {
+            "websocket.enabled": True,
+            "websocket.host": "127.0.0.1",
+            "websocket.port": listed,
+            "websocket.allowed_origins": "https://dash.example.com, http://localhost:3000",
+            "auth.password_file": password_file(tmp_path),
+        }
+    )
+    public = f"mqtt.example.com:{listed}"
+    assert ws_answer(listed, public, f"https://{public}").startswith(b"HTTP/1.1 101 ")
+    assert ws_answer(listed, public, "https://dash.example.com").startswith(b"HTTP/1.1 101 ")
+    assert ws_answer(listed, public, "HTTP://LOCALHOST:3000").startswith(b"HTTP/1.1 101 ")
+    assert ws_answer(listed, public, "https://evil.example") == forbidden
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(0)  # a peek that never waits
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: aborted
+        return True
+
+
+def test_metrics_stay_on_this_host_and_idle_sockets_are_capped(
+    broker_factory: Factory,
+) -> None:
+    """Issue 45 #14: /metrics (no login) listened on 0.0.0.0 by default and held any
+    number of sockets. Now it binds 127.0.0.1 unless metrics.host says otherwise
+    (the Docker image does), holds 8 connections from one address (64 in all), and
+    a newcomer pushes out the oldest silent one, so the scraper still gets in."""
+    port = free_port()
+    broker = broker_factory({"metrics.enabled": True, "metrics.port": port})
+    wait_for(lambda: "metrics on http://" in broker.log(), "the metrics server")
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in broker.log()
+    outward = outward_address()
+    if outward is not None:
+        assert not reachable(outward, port), f"/metrics reachable on {outward}"
+    first = time.monotonic()
+    idle = [
+        socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.0.7", 0))
+        for _ in range(100)
+    ]
+    try:
+        # The scraper gets in; by then every push-out happened (at each accept).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+            assert answer.status == 200
+        wait_for(lambda: sum(map(_closed_by_peer, idle)) >= 92, "all but 8 pushed out", 1.0)
+        if time.monotonic() - first < 4.5:  # before the 5 s head timeout closes any
+            assert not any(_closed_by_peer(s) for s in idle[-8:])  # the newest 8 are held
+    finally:
+        for sock in idle:
+            sock.close()

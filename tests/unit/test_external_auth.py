@@ -417,7 +417,7 @@ def test_every_setting_of_a_member_not_in_the_chain_stops_the_start(secret_file:
     names = [
         f.name for f in dataclasses.fields(AuthSettings) if f.name.startswith(("http_", "jwt_"))
     ]
-    assert len(names) == 15
+    assert len(names) == 16
     for name in names:
         member = name.partition("_")[0]
         default = next(f.default for f in dataclasses.fields(AuthSettings) if f.name == name)
@@ -564,7 +564,8 @@ def test_http_refusals_map_to_reason_codes(service: AuthService) -> None:
     refused(decide(auth, "mallory", "pw"), BAD, "auth.chain http: the auth service answered 401")
     refused(decide(auth, "teapot", "pw"), BAD, "answered 418")
     refused(decide(auth, "banned", "pw"), NOT_AUTHORIZED, "answered 403")
-    refused(decide(auth, "broken", "pw"), UNAVAILABLE, "the auth service is down: it answered 500")
+    # No decision, and a probe is answered (401): this request failed, the service is up.
+    refused(decide(auth, "broken", "pw"), UNAVAILABLE, "failed this request: it answered 500")
     refused(decide(auth, "moved", "pw"), UNAVAILABLE, "it answered 302")
     result = decide(auth, "bad-acl", "pw")
     refused(result, UNAVAILABLE, "not understood: answer's acl[0]: 'a/#/b' is not a valid")
@@ -646,11 +647,62 @@ def test_requests_per_address_are_bounded_cache_hits_are_not(service: AuthServic
 
 
 def test_a_fail_open_acceptance_is_not_cached(service: AuthService) -> None:
+    clock = Clock()
     service.answer("dev", 503)
-    auth = http_auth(service.url, http_fail_open=True)
+    service.answer("", 503)  # the probe (a CONNECT of nobody) too: the service is down
+    auth = http_auth(service.url, clock, http_fail_open=True)
     assert decide(auth, "dev", "pw").ok
     service.answer("dev", 401)
     refused(decide(auth, "dev", "pw"), BAD, "401")
+
+
+def test_fail_open_needs_the_probe_to_fail_not_one_request(service: AuthService) -> None:
+    """Input that makes the service fail (a quote in the user name: 500, or a hang)
+    lets nobody in unchecked: the probe, which carries no client's input, is
+    answered. Probes are asked at most once a PROBE_FRESH second."""
+    clock = Clock()
+    service.answer("o'brien", 500)
+    auth = http_auth(service.url, clock, http_fail_open=True)
+    refused(decide(auth, "o'brien", "pw"), UNAVAILABLE, "failed this request: it answered 500")
+    assert service.asked("") == 1  # the probe
+    assert [r["password"] for r in service.requests if r["username"] == ""] == [None]
+    refused(decide(auth, "o'brien", "pw2"), UNAVAILABLE, "(a probe was answered)")
+    assert service.asked("") == 1  # its finding still fresh
+    # The whole service fails: the next probe finds it down, and fail-open applies.
+    service.answer("", 503)
+    clock.now += 1.5
+    result = decide(auth, "o'brien", "pw3")
+    assert result.ok and result.username == "o'brien" and service.asked("") == 2
+    # A client's request that is answered says the service is up again, at once.
+    service.answer("dev", 401)
+    refused(decide(auth, "dev", "pw"), BAD, "401")
+    refused(decide(auth, "o'brien", "pw4"), UNAVAILABLE, "(a probe was answered)")
+    assert service.asked("") == 2
+
+
+def test_a_result_in_the_answer_decides(service: AuthService) -> None:
+    """A 2xx answer's "result" (EMQX's HTTP auth convention) decides, under the
+    default auth.http_result: auto; a 2xx without one is decided by its status."""
+    service.answer("allowed", 200, b'{"result": "allow", "acl": ["read a/#"]}')
+    service.answer("denied", 200, b'{"result": "deny"}')
+    service.answer("ignored", 200, b'{"result": "ignore"}')
+    service.answer("odd", 200, b'{"result": "maybe"}')
+    service.answer("plain", 200, b"")
+    auth = http_auth(service.url)
+    allowed = decide(auth, "allowed", "pw")
+    assert allowed.ok and allowed.grant is not None
+    refused(decide(auth, "denied", "pw"), BAD, 'the auth service answered "deny"')
+    refused(decide(auth, "ignored", "pw"), BAD, "no auth.chain member vouches")
+    refused(decide(auth, "odd", "pw"), UNAVAILABLE, "its \"result\" is 'maybe'")
+    assert decide(auth, "plain", "pw").ok
+    required = http_auth(service.url, http_result="required")
+    refused(decide(required, "plain", "pw"), UNAVAILABLE, 'has no "result"')
+    refused(decide(required, "denied", "pw"), BAD, '"deny"')
+    assert decide(required, "allowed", "pw").ok
+    # status: the status alone, as before "result" was read (a deny lets in).
+    status_only = http_auth(service.url, http_result="status")
+    assert decide(status_only, "denied", "pw").ok
+    assert decide(status_only, "odd", "pw").ok
 
 
 async def decide_async(
@@ -694,7 +746,8 @@ async def test_no_answer_within_the_timeout_is_the_service_down(service: AuthSer
     auth = http_auth(service.url, http_timeout_seconds=0.5)
     release = service.hold("slow")  # answered only when the test ends
     result = await asyncio.wait_for(await decide_async(auth, "slow"), 10)
-    refused(result, UNAVAILABLE, "the auth service is down: no answer within 0.5 s")
+    # The probe (a CONNECT of nobody, 401) is answered: this request failed alone.
+    refused(result, UNAVAILABLE, "failed this request: no answer within 0.5 s")
     release.set()
     auth.close()
 

@@ -508,3 +508,18 @@ def test_tree_matches_like_topic_matches(
         assert tree.remove(client_id, filter)
     assert len(tree) == 0
     assert tree._root.is_empty()
+
+
+def test_has_group_tells_whether_a_group_queue_or_shared_group_has_members() -> None:
+    tree = SubscriptionTree()
+    tree.add(entry("w1", "$queue/billing/meter/+/reading"))
+    tree.add(entry("w2", "$queue/billing/meter/+/reading"))
+    tree.add(entry("p", "meter/+/reading"))
+    assert tree.has_group("$queue/billing/meter/+/reading")
+    assert not tree.has_group("$queue/other/meter/+/reading")
+    assert not tree.has_group("meter/+/reading")  # a plain filter names no group
+    assert not tree.has_group("$queue/billing/meter/#")
+    tree.remove("w1", "$queue/billing/meter/+/reading")
+    assert tree.has_group("$queue/billing/meter/+/reading")
+    tree.remove("w2", "$queue/billing/meter/+/reading")
+    assert not tree.has_group("$queue/billing/meter/+/reading")  # the last one left

@@ -25,6 +25,7 @@ from broker.websocket import (
     Closed,
     Data,
     Event,
+    OriginPolicy,
     WebSocketServer,
     WsState,
     accept_key,
@@ -427,3 +428,37 @@ def test_tls_context_defaults(tmp_path: Path) -> None:
                 certfile=str(pki.server_cert), keyfile=str(pki.server_key), ciphers="NOPE-NOTHING"
             )
         )
+
+
+def test_the_origin_policy() -> None:
+    """websocket.allowed_origins: who may open the listener from a browser page."""
+    local = OriginPolicy.from_setting("", local_only=True)
+    assert local.allows(None, "anything")  # no Origin: not a browser
+    assert local.allows("http://127.0.0.1:8083", "127.0.0.1:8083")
+    assert local.allows("http://[::1]:8083", "[::1]:8083")
+    assert local.allows("HTTP://LocalHost", "localhost:80")  # default port, any case
+    assert not local.allows("http://evil.example:8083", "evil.example:8083")  # rebinding
+    assert not local.allows("http://127.0.0.1:9000", "127.0.0.1:8083")
+    assert not local.allows("null", "127.0.0.1:8083")
+    assert not local.allows("", "127.0.0.1:8083")
+    public = OriginPolicy.from_setting(" https://dash.example.com/ ,http://x:3000", False)
+    assert public.allows("https://mqtt.example.com", "mqtt.example.com:443")
+    assert public.allows("https://dash.example.com", "mqtt.example.com")
+    assert public.allows("http://X:3000", "mqtt.example.com")
+    assert not public.allows("https://dash.example.com.evil", "mqtt.example.com")
+    assert not public.allows("https://evil.example", "mqtt.example.com")
+    assert OriginPolicy.from_setting("*", True).allows("https://evil.example", "127.0.0.1")
+
+
+def test_a_refused_origin_is_a_403_before_the_upgrade() -> None:
+    ws = WebSocketServer(OriginPolicy.from_setting("", local_only=True))
+    request = (
+        b"GET /mqtt HTTP/1.1\r\nHost: 127.0.0.1:8083\r\nOrigin: https://evil.example\r\n"
+        b"Upgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Protocol: mqtt\r\n\r\n"
+    )
+    (event,) = ws.receive_data(request)
+    assert isinstance(event, Closed) and event.code == 403
+    assert ws.data_to_send().startswith(b"HTTP/1.1 403 Forbidden\r\n")
+    assert ws.state is WsState.CLOSED

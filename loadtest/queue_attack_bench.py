@@ -1,0 +1,222 @@
+"""What the queue attacks of issue 45 (findings 4 and 5) still cost: SECURITY.md's numbers.
+
+    python -m loadtest.queue_attack_bench amplify [--groups 1000] [--publishes 2] [--sessions 1]
+    python -m loadtest.queue_attack_bench ecq-fill [--writes 320] [--size 262144]
+
+Each starts ``devicemq run`` with persistence on (its embedded Redis and Kafka, in
+a temporary data dir, default settings otherwise) and measures the embedded
+Redis's ``used_memory`` before and after:
+
+- ``amplify``: ``--sessions`` sessions of the user mallory (a password file)
+  subscribe ``$queue/g0..g{N-1}/mallory/amp`` (100 filters a SUBSCRIBE; each
+  session the filters the ones before it did not get), then one publishes
+  ``--publishes`` x 64 KiB to ``mallory/amp`` at QoS 1: every group queue
+  keeps a copy;
+- ``ecq-fill``: one client writes ``--writes`` values of ``--size`` bytes to
+  ``$ECQ/w/nobody-ever/k{i}`` at QoS 1, a queue whose consumer never connects.
+
+It prints the SUBACK / PUBACK codes counted and the growth. Settings this
+version does not have are simply absent, so the same command runs in an older
+checkout (282301f) for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from app.embedded_services import EmbeddedServices, free_port
+from broker.codec import PacketDecoder, encode
+from broker.packets import (
+    Connect,
+    Packet,
+    PubAck,
+    Publish,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
+
+KIB = 1024
+
+
+class _Client:
+    """A blocking MQTT 5 client over a socket, devicemq's codec on both sides."""
+
+    def __init__(self, port: int, client_id: str, user: str | None = None) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), 30)
+        self.decoder = PacketDecoder(protocol_level=5)
+        self.ready: collections.deque[Packet] = collections.deque()
+        password = f"{user}-pw".encode() if user else None
+        connect = Connect(client_id, protocol_level=5, username=user, password=password)
+        self.sock.sendall(encode(connect, 5))
+        connack = self.recv()
+        assert getattr(connack, "reason_code", 1) == 0, connack
+
+    def recv(self) -> Packet:
+        while not self.ready:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the broker closed the connection")
+            self.ready.extend(self.decoder.feed(data))
+        return self.ready.popleft()
+
+    def until(self, kind: type) -> Packet:
+        while not isinstance(packet := self.recv(), kind):
+            pass
+        return packet
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextmanager
+def _broker() -> Iterator[tuple[int, str]]:
+    """``devicemq run`` with persistence in a temporary data dir: (MQTT port, the
+    embedded Redis's URL, with the password it asks for: DATA/services/redis.password)."""
+    tmp = Path(tempfile.mkdtemp(prefix="devicemq-queue-attack-"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
+    env.update(DEVICEMQ_PERSISTENCE_ENABLED="true", DEVICEMQ_ADMIN_ENABLED="false")
+    from broker.auth import hash_password, write_password_file
+
+    users = ("mallory", "alice")
+    write_password_file(tmp / "passwd", {u: hash_password(f"{u}-pw") for u in users})
+    env["DEVICEMQ_AUTH_PASSWORD_FILE"] = str(tmp / "passwd")
+    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
+    with (tmp / "broker.log").open("wb") as log:
+        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
+    try:
+        for _ in range(600):
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        ports = json.loads((tmp / "services" / "ports.json").read_text())
+        password = EmbeddedServices(tmp).redis_password(create=False) or ""
+        yield port, f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        subprocess.run(
+            [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir", str(tmp)],
+            capture_output=True,
+            check=False,
+        )
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _used_memory(redis_url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.info("memory")["used_memory"])
+    finally:
+        client.close()
+
+
+def _settled(redis_url: str) -> int:
+    """``used_memory`` once it stopped changing for a second (the consumer stored)."""
+    last, still = -1, 0
+    while still < 4:
+        time.sleep(0.25)
+        now = _used_memory(redis_url)
+        still = still + 1 if abs(now - last) < 64 * KIB else 0
+        last = now
+    return last
+
+
+def amplify(groups: int, publishes: int, sessions: int) -> None:
+    with _broker() as (port, redis_url):
+        before = _settled(redis_url)
+        codes: collections.Counter[int] = collections.Counter()
+        left = [f"$queue/g{i}/mallory/amp" for i in range(groups)]
+        clients = []
+        for k in range(sessions):
+            client = _Client(port, f"mallory-amp-{k}", "mallory")
+            clients.append(client)
+            refused = []
+            for n, start in enumerate(range(0, len(left), 100)):
+                chunk = left[start : start + 100]
+                subscribe = Subscribe(n + 1, [Subscription(f, 1) for f in chunk])
+                client.sock.sendall(encode(subscribe, 5))
+                suback = client.until(SubAck)
+                assert isinstance(suback, SubAck)
+                codes.update(suback.reason_codes)
+                refused += [f for f, c in zip(chunk, suback.reason_codes, strict=True) if c >= 0x80]
+            left = refused
+        acks: collections.Counter[int] = collections.Counter()
+        for i in range(publishes):
+            message = Publish("mallory/amp", b"x" * 64 * KIB, 1, packet_id=1000 + i)
+            clients[0].sock.sendall(encode(message, 5))
+            puback = clients[0].until(PubAck)
+            assert isinstance(puback, PubAck)
+            acks[puback.reason_code] += 1
+        after = _settled(redis_url)
+        for client in clients:
+            client.close()
+    grown = after - before
+    sent = publishes * 64 * KIB
+    print(
+        f"amplify: {sessions} session(s) of one user, SUBACK codes {dict(codes)}, "
+        f"{groups - len(left)} group queues joined; PUBACK codes {dict(acks)}; "
+        f"{publishes} x 64 KiB published ({sent / 1e6:.2f} MB): Redis grew by "
+        f"{grown / 1e6:.1f} MB (x{grown / sent:.0f})"
+    )
+
+
+def ecq_fill(writes: int, size: int) -> None:
+    with _broker() as (port, redis_url):
+        before = _settled(redis_url)
+        client = _Client(port, "alice-writer", "alice")
+        acks: collections.Counter[int] = collections.Counter()
+        started = time.monotonic()
+        for i in range(writes):
+            message = Publish(f"$ECQ/w/nobody-ever/k{i}", b"v" * size, 1, packet_id=i % 60000 + 1)
+            client.sock.sendall(encode(message, 5))
+            puback = client.until(PubAck)
+            assert isinstance(puback, PubAck)
+            acks[puback.reason_code] += 1
+        took = time.monotonic() - started
+        after = _settled(redis_url)
+        client.close()
+    print(
+        f"ecq-fill: {writes} x {size} bytes in {took:.1f} s, PUBACK codes {dict(acks)}: "
+        f"Redis grew by {(after - before) / 1e6:.1f} MB"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.queue_attack_bench", description=__doc__
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("amplify")
+    p.add_argument("--groups", type=int, default=1000)
+    p.add_argument("--publishes", type=int, default=2)
+    p.add_argument("--sessions", type=int, default=1)
+    p = sub.add_parser("ecq-fill")
+    p.add_argument("--writes", type=int, default=320)
+    p.add_argument("--size", type=int, default=256 * KIB)
+    args = parser.parse_args(argv)
+    if args.what == "amplify":
+        amplify(args.groups, args.publishes, args.sessions)
+    else:
+        ecq_fill(args.writes, args.size)
+
+
+if __name__ == "__main__":
+    main()
