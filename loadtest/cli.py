@@ -14,7 +14,15 @@ from typing import Any
 
 from loadtest.scenarios import SCENARIOS, LoadConfig
 
-__all__ = ["add_arguments", "config_from_args", "main", "run_command"]
+__all__ = ["add_arguments", "config_from_args", "fleet_processes", "main", "run_command"]
+
+# fleet: the shape of TBMQ's persistent P2P benchmark, one publisher and one
+# persistent subscriber per device, 62-byte QoS 1 messages at 1 a second each
+FLEET_DEVICES = 1000
+FLEET_PAYLOAD = 62
+FLEET_RATE = 1.0
+DEVICES_PER_PROCESS = 5000
+FD_RESERVE = 256  # descriptors a worker keeps for other things than its clients
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -27,9 +35,42 @@ def _host_port(text: str) -> tuple[str, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "scenario",
-        choices=(*SCENARIOS, "ecq", "shared-queue"),
-        help="p2p, fan-in or fan-out; ecq: exclusive compacted queues (loadtest/ecq.py); "
-        "shared-queue: durable group queues (loadtest/shared_queue.py)",
+        choices=(*SCENARIOS, "fleet", "ecq", "shared-queue"),
+        help="p2p, fan-in or fan-out; fleet: the TBMQ benchmark's shape as a preset (p2p, "
+        "--devices pairs, 62 B QoS 1 at 1 msg/s each, persistent subscribers; --storm: the "
+        "reconnect storm, loadtest/storm.py); ecq: exclusive compacted queues "
+        "(loadtest/ecq.py); shared-queue: durable group queues (loadtest/shared_queue.py)",
+    )
+    g = p.add_argument_group("fleet")
+    g.add_argument(
+        "--devices",
+        type=int,
+        help="fleet: devices, each a publisher on its own topic and a persistent subscriber "
+        f"to it (default {FLEET_DEVICES})",
+    )
+    g.add_argument(
+        "--storm",
+        action="store_true",
+        help="fleet: the reconnect storm: the devices subscribe and go offline, --backlog "
+        "messages each are stored for them, all reconnect within --storm-window seconds; "
+        "measures how long until every backlog is delivered whole and in order",
+    )
+    g.add_argument(
+        "--backlog", type=int, default=100, help="--storm: stored messages per device (100)"
+    )
+    g.add_argument(
+        "--storm-window",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="--storm: the devices reconnect spread over S seconds (default 10)",
+    )
+    g.add_argument(
+        "--storm-goal",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="--storm: the run fails if the backlogs take longer (default 60)",
     )
     g = p.add_argument_group("clients")
     g.add_argument("--pairs", type=int, help="p2p: publisher/subscriber pairs (default 100)")
@@ -60,10 +101,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("messages")
     g.add_argument("--qos", type=int, choices=(0, 1, 2), default=1)
     g.add_argument(
-        "--payload-size", type=int, metavar="BYTES", help="min 20; default 64 (ecq: 1024)"
+        "--payload-size",
+        type=int,
+        metavar="BYTES",
+        help="min 20; default 64 (fleet: 62, ecq: 1024)",
     )
     g.add_argument(
-        "--rate", type=float, default=0.0, help="msg/s per publisher; 0 = unthrottled (default)"
+        "--rate",
+        type=float,
+        help="msg/s per publisher; 0 = unthrottled (the default; fleet: 1)",
     )
     g.add_argument(
         "--inflight",
@@ -114,7 +160,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="then run the same scenario against this broker and report the ratio",
     )
     g.add_argument("--compare-label", default="", help="name of the --compare target")
-    g.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    g.add_argument(
+        "--processes",
+        type=int,
+        help="worker processes (default 1; fleet: "
+        f"one per {DEVICES_PER_PROCESS:,} devices, more if `ulimit -n` needs)",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds for every client to connect, retrying refusals as busy and failed "
+        "connections with backoff (default 300)",
+    )
     g.add_argument("--seed", type=int, help="seed for run id, nonce, padding, start phases")
     g.add_argument("--json", metavar="FILE", help="write the results as JSON")
     g.add_argument("--plot", metavar="FILE.png", help="plot rate and latency per second")
@@ -143,6 +202,8 @@ def _replicas(text: str) -> list[tuple[int, int]]:
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    if args.scenario == "fleet":
+        return fleet_config(args)
     return LoadConfig(
         scenario=args.scenario,
         host=args.host,
@@ -152,23 +213,83 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         subscribers=args.subscribers,
         qos=args.qos,
         payload_size=args.payload_size or 64,
-        rate=args.rate,
+        rate=args.rate or 0.0,
         inflight=args.inflight,
         duration=args.duration,
         warmup=args.warmup,
         drain=args.drain,
         mqtt=args.mqtt,
         persistent=args.persistent,
-        processes=args.processes,
+        processes=args.processes or 1,
         seed=args.seed,
         reconnect_every=args.reconnect_every,
         keep_sessions=args.keep_sessions,
         label=args.label,
         replicas=args.replicas,
+        connect_timeout=args.connect_timeout,
     )
 
 
+def fleet_config(args: argparse.Namespace) -> LoadConfig:
+    """``fleet``: p2p in the TBMQ benchmark's shape; any option given still counts."""
+    if args.pairs or args.publishers or args.subscribers:
+        raise ValueError("fleet: --devices sets the publishers and subscribers")
+    devices = args.devices if args.devices is not None else FLEET_DEVICES
+    if devices < 1:
+        raise ValueError("fleet: --devices must be at least 1")
+    return LoadConfig(
+        scenario="p2p",
+        preset="fleet",
+        host=args.host,
+        port=args.port,
+        pairs=devices,
+        qos=args.qos,
+        payload_size=args.payload_size or FLEET_PAYLOAD,
+        rate=FLEET_RATE if args.rate is None else args.rate,
+        inflight=args.inflight,
+        duration=args.duration,
+        warmup=args.warmup,
+        drain=args.drain,
+        mqtt=args.mqtt,
+        persistent=True if args.persistent is None else args.persistent,
+        processes=args.processes or fleet_processes(devices),
+        seed=args.seed,
+        reconnect_every=args.reconnect_every,
+        keep_sessions=args.keep_sessions,
+        label=args.label,
+        replicas=args.replicas,
+        connect_timeout=args.connect_timeout,
+    )
+
+
+def fleet_processes(devices: int, open_files: int | None = None) -> int:
+    """``fleet``'s worker processes when ``--processes`` is not given: one per
+    ``DEVICES_PER_PROCESS`` devices (at 1 msg/s a device costs a process ~0.15 ms
+    of CPU a second: 5,000 are ~0.7 of a core), and at least as many as the
+    open-files limit needs, two sockets per device (``open_files``: this process's
+    hard limit, which each worker raises its soft limit to)."""
+    if open_files is None:
+        open_files = _hard_nofile()
+    by_cpu = -(-devices // DEVICES_PER_PROCESS)
+    usable = max(open_files - FD_RESERVE, 2)
+    by_files = -(-2 * devices // usable)
+    return max(1, by_cpu, by_files)
+
+
+def _hard_nofile() -> int:
+    try:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    except (ImportError, OSError):  # pragma: no cover - not Linux
+        return 1024
+    return hard if hard != resource.RLIM_INFINITY else 1 << 20
+
+
 def run_command(args: argparse.Namespace) -> int:
+    if args.scenario != "fleet" and (args.storm or args.devices is not None):
+        print("loadtest: error: --devices and --storm are fleet's", file=sys.stderr)
+        return 2
     if args.scenario == "ecq":
         from loadtest.ecq import run_from_args
 
@@ -177,6 +298,10 @@ def run_command(args: argparse.Namespace) -> int:
         from loadtest.shared_queue import run_from_args as run_shared_queue
 
         return run_shared_queue(args)
+    if args.scenario == "fleet" and args.storm:
+        from loadtest.storm import run_from_args as run_storm
+
+        return run_storm(args)
     from loadtest.report import format_report, plot, write_json
     from loadtest.runner import LoadTestError, run_load
 

@@ -24,9 +24,12 @@ earlier run) are counted as foreign and otherwise ignored.
 from __future__ import annotations
 
 import asyncio
+import errno
+import math
 import random
 import struct
 from array import array
+from collections import deque
 from collections.abc import Callable
 from time import monotonic_ns
 from typing import cast
@@ -45,6 +48,7 @@ from broker.packets import (
 __all__ = [
     "HEADER",
     "PAYLOAD_MIN",
+    "THROTTLE_HINT",
     "Bucket",
     "ClientError",
     "Publisher",
@@ -68,8 +72,36 @@ _DISCONNECT = b"\xe0\x00"
 _BUSY = frozenset({3, 0x89, 0x9F})
 
 
+# What to change when the broker refused CONNECTs as busy: the load tool's clients
+# all come from one address (broker/config.py, MqttSettings; broker/core.py connect_allowed)
+THROTTLE_HINT = (
+    "the broker paces CONNECTs: raise mqtt.max_connection_rate_per_source "
+    "(DEVICEMQ_MQTT_MAX_CONNECTION_RATE_PER_SOURCE, default 100/s from one address; "
+    "0 turns it off) and, past 1,000/s, mqtt.max_connection_rate "
+    "(DEVICEMQ_MQTT_MAX_CONNECTION_RATE)"
+)
+
+
+# Addresses where a CONNECT of this process was accepted: a connection refused
+# there later is retried (a broker briefly overwhelmed); before, it is an error.
+_REACHED: set[tuple[str, int]] = set()
+
+
 class ClientError(Exception):
     """A connection was refused or failed before the run could start."""
+
+    def __init__(self, message: str, os_errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = os_errno
+
+
+def _nofile() -> int | str:
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError):  # pragma: no cover - not Linux
+        return "?"
 
 
 class Bucket:
@@ -146,6 +178,7 @@ class _Client(asyncio.Protocol):
         self.session_present = False
         self.lost_connections = 0
         self.busy_refusals = 0  # CONNECTs refused as busy, then retried (connect)
+        self.connect_failures = 0  # connections failed before a CONNACK, then retried
         self.closed: asyncio.Future[None] | None = None
         self.paused = False
         # The broker's Receive Maximum (MQTT 5 CONNACK): QoS 1/2 PUBLISHes it takes in
@@ -155,23 +188,45 @@ class _Client(asyncio.Protocol):
     # -- connection -------------------------------------------------------------
 
     async def connect(self, host: str, port: int, timeout: float = 30.0) -> None:
-        """Connect, and retry a CONNECT the broker refused as busy, as devices do.
+        """Connect, retrying as devices do until ``timeout`` seconds have passed.
 
-        A broker that paces CONNECTs (devicemq's ``mqtt.max_connection_rate_per_source``:
-        the load tool's hundreds of clients share one address) answers 0x9F, 3.1.1
-        return code 3; the client backs off and tries again until ``timeout``.
-        ``busy_refusals`` counts those answers, for the report.
+        Retried, with exponential backoff (50 ms doubling to 2 s, jittered): a
+        CONNECT the broker refused as busy (devicemq's connection rate limits,
+        ``THROTTLE_HINT``: the load tool's clients share one address; 3.1.1 return
+        code 3, MQTT 5 0x89/0x9F) and a connection that failed or broke before its
+        CONNACK (a full listen backlog, a reset). Not retried: any other refusal,
+        running out of file descriptors (``ulimit -n``), and a connection refused
+        where no client of this process has connected yet (a wrong port, a broker
+        not started: said at once, not after ``timeout``). ``busy_refusals`` and
+        ``connect_failures`` count the retries, for the report.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         backoff = 0.05
         while True:
-            code = await self._connect_once(host, port, max(deadline - loop.time(), 0.1))
-            if code == 0:
-                return
-            if code not in _BUSY or loop.time() + backoff >= deadline:
-                raise ClientError(f"{self.client_id}: CONNECT refused: {code!r}")
-            self.busy_refusals += 1
+            try:
+                code = await self._connect_once(host, port, max(deadline - loop.time(), 0.1))
+            except ClientError as e:
+                if e.errno == errno.EMFILE or loop.time() + backoff >= deadline:
+                    raise
+                if e.errno == errno.ECONNREFUSED and (host, port) not in _REACHED:
+                    raise  # nothing listens there (yet): a wrong port fails at once
+                self.connect_failures += 1
+                if self.transport is not None:  # no CONNACK in time: start over
+                    self.transport.abort()
+                else:  # no connection was made, none will close
+                    self.closed = None
+            else:
+                if code == 0:
+                    return
+                if code not in _BUSY:
+                    raise ClientError(f"{self.client_id}: CONNECT refused: {code!r}")
+                self.busy_refusals += 1
+                if loop.time() + backoff >= deadline:
+                    raise ClientError(
+                        f"{self.client_id}: CONNECT refused as busy ({code!r}) "
+                        f"{self.busy_refusals} times in {timeout:.0f} s: {THROTTLE_HINT}"
+                    )
             if self.closed is not None:
                 await asyncio.shield(self.closed)
             await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -185,7 +240,16 @@ class _Client(asyncio.Protocol):
         try:
             await asyncio.wait_for(loop.create_connection(lambda: self, host, port), timeout)
         except (OSError, TimeoutError) as e:
-            raise ClientError(f"{self.client_id}: cannot connect to {host}:{port}: {e}") from e
+            code = getattr(e, "errno", None)
+            if code == errno.EMFILE:
+                raise ClientError(
+                    f"{self.client_id}: out of file descriptors ({e}): raise the limit with "
+                    f"`ulimit -n` (now {_nofile()}) or run more --processes",
+                    errno.EMFILE,
+                ) from e
+            raise ClientError(
+                f"{self.client_id}: cannot connect to {host}:{port}: {e!r}", code
+            ) from e
         properties = None
         if self.v5:
             properties = Properties(
@@ -208,6 +272,7 @@ class _Client(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return getattr(connack, "reason_code", connack)
+        _REACHED.add((host, port))
         self.session_present = connack.session_present
         if connack.properties is not None and connack.properties.receive_maximum:
             self.send_maximum = connack.properties.receive_maximum
@@ -343,9 +408,14 @@ class Publisher(_Client):
         self.outstanding = 0
         self.start_ns = 0
         self.running = False
-        self._next_pid = 1
-        self._pid_seq = [0] * 65536
-        self._pid_ts = [0] * 65536
+        # Packet ids 1..inflight, reused as their exchanges end: the slots below are
+        # as many as the window, not 65,535 (two lists of 65,536 per publisher were
+        # a megabyte each: 4 GB at 4,000 publishers).
+        slots = min(max(inflight, 1), 65535)
+        self._free_pids = deque(range(1, slots + 1))
+        self._pid_seq = [0] * (slots + 1)
+        self._pid_ts = [0] * (slots + 1)
+        self.limit = 0  # stop after this many messages (0: no limit; loadtest/storm.py)
         self._scheduled = False
         topic_bytes = topic.encode()
         header = _PID_HEADER if qos else _NO_PID_HEADER
@@ -384,8 +454,12 @@ class Publisher(_Client):
             budget = 0 if self.paused else self.inflight
         rate = self.rate
         if rate:
-            due = int((now - self.start_ns) * rate / NS) + 1 - self.sent
+            # floor, not int(): before its start (its phase in the first second) a
+            # publisher has nothing due; int() rounded -0.5 up to 0, one message due
+            due = math.floor((now - self.start_ns) * rate / NS) + 1 - self.sent
             budget = min(budget, due)
+        if self.limit:
+            budget = min(budget, self.limit - self.sent)
         if budget <= 0:
             return
         prefix = self._prefix
@@ -397,11 +471,12 @@ class Publisher(_Client):
         parts: list[bytes] = []
         append = parts.append
         if qos:
-            pid = self._next_pid
+            take = self._free_pids.popleft
             pid_seq = self._pid_seq
             pid_ts = self._pid_ts
             v5 = self.v5
             for _ in range(budget):
+                pid = take()
                 pid_seq[pid] = seq
                 pid_ts[pid] = now
                 append(prefix)
@@ -411,8 +486,6 @@ class Publisher(_Client):
                     append(pack(pid, nonce, index, seq, now))
                 append(padding)
                 seq += 1
-                pid = pid + 1 if pid < 65535 else 1
-            self._next_pid = pid
             self.outstanding += budget
             self.acked.extend(bytes(budget))
         else:
@@ -439,6 +512,11 @@ class Publisher(_Client):
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._again)
 
+    def next_due(self) -> int:
+        """When the rate lets the next message go (``rate`` > 0): the worker wakes a
+        publisher then, instead of asking every publisher at every tick."""
+        return self.start_ns + math.ceil(self.sent * NS / self.rate)
+
     def _again(self) -> None:
         self._scheduled = False
         self.fill(monotonic_ns())
@@ -457,6 +535,8 @@ class Publisher(_Client):
         record = bucket.puback.append
         pid_seq = self._pid_seq
         pid_ts = self._pid_ts
+        slots = len(pid_seq)
+        release = self._free_pids.append
         acked = self.acked
         done = 0
         ok = 0
@@ -475,6 +555,14 @@ class Publisher(_Client):
             kind = first >> 4
             if kind == 4 or kind == 7:  # PUBACK, PUBCOMP: the exchange is over
                 pid = (data[body] << 8) | data[body + 1]
+                # a packet id none of ours has (never sent, or acknowledged already):
+                # ignored, so that the window stays right
+                if not 0 < pid < slots or not pid_ts[pid]:
+                    pos = end
+                    continue
+                sent_at = pid_ts[pid]
+                pid_ts[pid] = 0
+                release(pid)
                 done += 1
                 if length > 2 and data[body + 2] >= 0x80:
                     self.rejected += 1
@@ -483,12 +571,15 @@ class Publisher(_Client):
                         self.no_subscribers += 1
                     acked[pid_seq[pid]] = 1
                     ok += 1
-                    record((now - pid_ts[pid]) // 1000)  # non-negative: sent before now
+                    record((now - sent_at) // 1000)  # non-negative: sent before now
             elif kind == 5:  # PUBREC: answer PUBREL, keep the slot until PUBCOMP
                 pid = (data[body] << 8) | data[body + 1]
                 if length > 2 and data[body + 2] >= 0x80:
                     self.rejected += 1
-                    done += 1
+                    if 0 < pid < slots and pid_ts[pid]:
+                        pid_ts[pid] = 0
+                        done += 1
+                        release(pid)
                 else:
                     replies.append(_ACK.pack(0x62, 2, pid))
             else:
@@ -551,8 +642,8 @@ class Subscriber(_Client):
         self.latencies: array[int] | None = None
         self.window = (0, 0)
 
-    async def start(self, host: str, port: int) -> None:
-        await self.connect(host, port)
+    async def start(self, host: str, port: int, timeout: float = 30.0) -> None:
+        await self.connect(host, port, timeout)
         if not self.session_present:
             await self.subscribe(self.topic_filter, self.qos)
 

@@ -10,10 +10,18 @@ not there or not readable.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CpuSample", "find_listener_pid", "sample", "tree_cpu"]
+__all__ = [
+    "CpuSample",
+    "cores_by_process",
+    "find_listener_pid",
+    "rss_kib",
+    "sample",
+    "tree",
+    "tree_cpu",
+]
 
 _PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -25,6 +33,25 @@ class CpuSample:
     busy: float | None  # CPU seconds all cores spent not idle, since boot
     total: float | None  # CPU seconds of all cores, since boot
     watched: float | None  # CPU seconds of the watched processes (and their children)
+    # each watched process: pid -> (command name, CPU seconds)
+    parts: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+
+def cores_by_process(start: CpuSample, end: CpuSample, roots: list[int]) -> dict[str, float]:
+    """Cores each watched process used between two samples, by name: a root (the
+    broker under test) is ``broker``, a child its command (``redis-server``,
+    ``tansu``); processes of one name add up."""
+    wall = end.wall - start.wall
+    out: dict[str, float] = {}
+    if wall <= 0:
+        return out
+    for pid, (name, cpu) in end.parts.items():
+        before = start.parts.get(pid)
+        if before is None or before[0] != name:
+            continue
+        label = "broker" if pid in roots else name
+        out[label] = round(out.get(label, 0.0) + (cpu - before[1]) / wall, 3)
+    return out
 
 
 def _system() -> tuple[float, float] | None:
@@ -40,13 +67,38 @@ def _system() -> tuple[float, float] | None:
 
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, user+system CPU seconds of the process itself)."""
+    named = _named_stat(pid)
+    return None if named is None else (named[0], named[2])
+
+
+def _named_stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, command name, user+system CPU seconds of the process itself)."""
     try:
         raw = (_PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    rest = raw[raw.rindex(")") + 2 :].split()
+    close = raw.rindex(")")
+    name = raw[raw.index("(") + 1 : close]
+    rest = raw[close + 2 :].split()
     # fields after the command: state ppid ... utime(12th) stime(13th)
-    return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
+    return int(rest[1]), name, (int(rest[11]) + int(rest[12])) / _TICK
+
+
+def tree(roots: list[int]) -> list[int]:
+    """``roots`` and all their descendants."""
+    return _tree(roots)
+
+
+def rss_kib(pid: int) -> int | None:
+    """Resident memory of ``pid`` in KiB (``VmRSS``), or None if it is gone."""
+    try:
+        with open(_PROC / str(pid) / "status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return 0  # a zombie has no VmRSS line
 
 
 def _tree(roots: list[int]) -> list[int]:
@@ -71,21 +123,14 @@ def sample(pids: list[int]) -> CpuSample:
     import time
 
     system = _system()
-    watched: float | None = None
-    if pids:
-        total = 0.0
-        seen = False
-        for pid in _tree(pids):
-            st = _stat(pid)
-            if st is not None:
-                total += st[1]
-                seen = True
-        watched = total if seen else None
+    parts = tree_cpu(pids) if pids else {}
+    watched = sum(cpu for _, cpu in parts.values()) if parts else None
     return CpuSample(
         time.monotonic(),
         system[0] if system else None,
         system[1] if system else None,
         watched,
+        parts,
     )
 
 
@@ -94,14 +139,9 @@ def tree_cpu(roots: list[int]) -> dict[int, tuple[str, float]]:
     CPU seconds), so that a broker's CPU can be told from its Redis' and Kafka's."""
     out: dict[int, tuple[str, float]] = {}
     for pid in _tree(roots):
-        st = _stat(pid)
-        if st is None:
-            continue
-        try:
-            name = (_PROC / str(pid) / "comm").read_text().strip()
-        except OSError:
-            continue
-        out[pid] = (name, st[1])
+        st = _named_stat(pid)
+        if st is not None:
+            out[pid] = (st[1], st[2])
     return out
 
 

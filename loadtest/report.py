@@ -33,7 +33,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.procstat import CpuSample
+from loadtest.client import THROTTLE_HINT
+from loadtest.procstat import CpuSample, cores_by_process
 from loadtest.replicas import by_consuming_replica
 from loadtest.scenarios import LoadConfig, Plan
 from loadtest.worker import WorkerResult
@@ -212,10 +213,12 @@ def summarize(
     if all(p is not None for p in parts) and parts:
         client_cores = sum(p for p in parts if p is not None)
     broker_cores = system_cores = None
+    broker_parts: dict[str, float] = {}
     if cpu_start is not None and cpu_end is not None and cpu_end.wall > cpu_start.wall:
         wall = cpu_end.wall - cpu_start.wall
         if cpu_start.watched is not None and cpu_end.watched is not None:
             broker_cores = (cpu_end.watched - cpu_start.watched) / wall
+            broker_parts = cores_by_process(cpu_start, cpu_end, watched_pids or [])
         if cpu_start.busy is not None and cpu_end.busy is not None:
             system_cores = (cpu_end.busy - cpu_start.busy) / wall
     # The generator's cost: CPU per message through it (one publish + one receive)
@@ -248,6 +251,8 @@ def summarize(
             "cores": os.cpu_count(),
             "client_cores": _round(client_cores),
             "broker_cores": _round(broker_cores),
+            # the broker and each child (its embedded Redis, Kafka), by name
+            "broker_cores_by_process": broker_parts,
             "broker_pid": broker_pid,
             "watched_pids": watched_pids or [],
             "machine_busy_cores": _round(system_cores),
@@ -258,10 +263,18 @@ def summarize(
                 else None
             ),
             "client_us_per_message": _round(us_per_message),
+            # TBMQ's measure: messages in (acked PUBLISHes) plus out (deliveries) a
+            # second, per core the broker (with its embedded Redis and Kafka) used
+            "messages_per_broker_core": round(
+                (sum(a for _, a, _, _ in window) + delivered_window) / seconds / broker_cores
+            )
+            if broker_cores
+            else None,
             "client_capacity_per_core": round(capacity) if capacity else None,
         },
         "connect_seconds": max((r.connect_seconds for r in results), default=0.0),
         "connect_busy_refusals": sum(r.busy_refusals for r in results),
+        "connect_failures": sum(r.connect_failures for r in results),
         "drain_seconds": max((r.drain_seconds for r in results), default=0.0),
         "timeline": timeline,
         "errors": errors,
@@ -325,6 +338,20 @@ def _by_client(subscribers: Iterable[tuple[str, bytes]]) -> dict[str, Any]:
     }
 
 
+def connect_line(r: dict[str, Any]) -> str:
+    """How long connecting took, and what was retried on the way."""
+    clients = r["clients"]["publishers"] + r["clients"]["subscribers"]
+    retried = []
+    if r.get("connect_busy_refusals"):
+        retried.append(f"{r['connect_busy_refusals']:,} CONNECTs refused as busy (rate limit)")
+    if r.get("connect_failures"):
+        retried.append(f"{r['connect_failures']:,} failed connections")
+    return (
+        f"connect {r['label']}: {clients:,} clients connected in {r['connect_seconds']:.1f} s"
+        + (f"; retried {' and '.join(retried)}" if retried else "")
+    )
+
+
 def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -363,6 +390,7 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
         ("duplicates (DUP=1)", f"{check['duplicates']} ({check['duplicates_dup_flag']})", 0),
         ("out of order", check["out_of_order"], 0),
         ("broker CPU cores", cpu["broker_cores"], 2),
+        ("in + out msg/s per broker core", cpu.get("messages_per_broker_core"), 0),
         ("load generator CPU cores", cpu["client_cores"], 2),
         ("machine busy cores", cpu["machine_busy_cores"], 2),
         ("  of which other processes", cpu["other_cores"], 2),
@@ -372,7 +400,9 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
 
 def _headline(config: dict[str, Any]) -> str:
     c = config
-    if c["scenario"] == "p2p":
+    if c.get("preset") == "fleet":
+        who = f"fleet of {c['pairs']} devices (a publisher and a subscriber each)"
+    elif c["scenario"] == "p2p":
         who = f"{c['pairs']} pairs"
     else:
         who = f"{c['publishers']} publishers, {c['subscribers']} subscribers"
@@ -380,8 +410,9 @@ def _headline(config: dict[str, Any]) -> str:
     if c["rate"]:
         rate = f"{c['rate']:g} msg/s per publisher"
     subs = "persistent" if c["persistent"] else "clean"
+    name = c.get("preset") or c["scenario"]
     return (
-        f"{c['scenario']}: {who}, QoS {c['qos']}, MQTT {c['mqtt']}, {subs} subscribers, "
+        f"{name}: {who}, QoS {c['qos']}, MQTT {c['mqtt']}, {subs} subscribers, "
         f"{c['payload_size']} B payload, {rate}, {c['duration']:g} s measured after "
         f"{c['warmup']:g} s warm-up, {c['processes']} process(es)"
     )
@@ -444,14 +475,18 @@ def format_report(results: list[dict[str, Any]]) -> str:
                 f"{_num(worst['p99_ms'], 1)} ms over {worst['deliveries']:,} deliveries "
                 f"(p90 of the clients' p99: {_num(r['by_client']['p99_ms']['p90'], 1)} ms)"
             )
+        lines.append(connect_line(r))
         if r.get("connect_busy_refusals"):
-            lines.append(
-                f"connect {r['label']}: {r['connect_busy_refusals']:,} CONNECTs refused as busy "
-                f"(rate limit), retried; all connected in {r['connect_seconds']:.1f} s"
-            )
+            lines.append(f"throttled {r['label']}: {THROTTLE_HINT}")
         for example in check["lost_examples"]:
             lines.append(f"  lost: {example}")
         cpu = r["cpu"]
+        parts = cpu.get("broker_cores_by_process")
+        if parts:
+            lines.append(
+                f"broker CPU {r['label']} by process (cores): "
+                + ", ".join(f"{name} {cores:.2f}" for name, cores in parts.items())
+            )
         if cpu["client_capacity_per_core"]:
             lines.append(
                 f"load generator {r['label']}: {cpu['client_us_per_message']:.2f} us CPU per "

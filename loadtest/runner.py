@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from loadtest import procstat
+from loadtest.client import THROTTLE_HINT
 from loadtest.progress import Progress
 from loadtest.replicas import partition_owners
 from loadtest.report import summarize
@@ -26,7 +27,7 @@ from loadtest.worker import WorkerResult, run_worker, start_thread_worker
 
 __all__ = ["LoadTestError", "run_load"]
 
-READY_TIMEOUT = 120.0
+READY_MARGIN = 30.0  # seconds past config.connect_timeout before a silent worker is given up
 START_DELAY = 0.3  # seconds between "start" and t0, for every worker to get it
 
 
@@ -108,15 +109,22 @@ def run_load(
     totals = [(0, 0, 0)] * len(workers.conns)
     try:
         # -- connect
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = time.monotonic() + config.connect_timeout + READY_MARGIN
         ready: set[int] = set()
         connect_started = time.monotonic()
+        connecting = [(0, 0, 0)] * len(workers.conns)
+        next_say = connect_started + CONNECTING_SAY
         while len(ready) < len(workers.conns):
             for i, message in _receive(pending, deadline):
                 if message[0] == "error":
                     raise LoadTestError(message[1])
                 if message[0] == "ready":
                     ready.add(i)
+                if message[0] == "connecting":
+                    connecting[i] = message[1:]
+            if show and time.monotonic() >= next_say and len(ready) < len(workers.conns):
+                next_say += CONNECTING_SAY
+                bar.stream.write(_connecting_line(label, config, connecting, connect_started))
         if show:
             bar.stream.write(
                 f"{label}: {config.publishers} publishers, {config.subscribers} subscribers "
@@ -132,7 +140,8 @@ def run_load(
         published: dict[int, dict[int, int]] = {}
         results: dict[int, WorkerResult] = {}
         phase = "warmup"
-        end = t0_wall + config.total_seconds + config.drain + 30.0
+        # and the persistent sessions' removal, paced as connecting was (close_all)
+        end = t0_wall + config.total_seconds + config.drain + config.connect_timeout + 30.0
         while len(results) < len(workers.conns):
             now = time.monotonic()
             if "start" not in samples and now >= window_start:
@@ -186,6 +195,24 @@ def run_load(
 
 
 _LOCAL = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+CONNECTING_SAY = 5.0  # seconds between lines while the clients connect
+
+
+def _connecting_line(
+    label: str, config: LoadConfig, connecting: list[tuple[int, int, int]], started: float
+) -> str:
+    """How far connecting has come; when throttled, what to raise (one line)."""
+    assert config.publishers is not None and config.subscribers is not None
+    connected, busy, failed = (sum(c[k] for c in connecting) for k in range(3))
+    line = (
+        f"{label}: connecting: {connected:,} of {config.publishers + config.subscribers:,} "
+        f"clients after {time.monotonic() - started:.0f} s"
+    )
+    if failed:
+        line += f", {failed:,} failed connections retried"
+    if busy:
+        line += f", {busy:,} CONNECTs refused as busy: {THROTTLE_HINT}"
+    return line + "\n"
 
 
 def _receive(

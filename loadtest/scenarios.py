@@ -47,7 +47,11 @@ class LoadConfig:
     reconnect_every: float = 0.0  # subscribers drop and reconnect every S seconds (0: never)
     keep_sessions: bool = False  # leave persistent sessions in the broker afterwards
     connect_concurrency: int = 100
+    # Seconds every client of the run has to connect, retrying CONNECTs refused as
+    # busy and failed connections with backoff (loadtest/client.py connect)
+    connect_timeout: float = 300.0
     label: str = ""
+    preset: str = ""  # "fleet": the run was loadtest fleet's preset (loadtest/cli.py)
     # Replicas, each as (MQTT port, metrics port) on ``host``: clients are spread
     # over their ports and latency is reported by whether a subscriber is on the
     # replica that consumes its Kafka partition (loadtest/replicas.py). Empty: one
@@ -80,6 +84,8 @@ class LoadConfig:
             raise ValueError("--rate, --warmup and --drain must be >= 0, --duration > 0")
         if self.processes < 1:
             raise ValueError("--processes must be at least 1")
+        if self.connect_timeout <= 0:
+            raise ValueError("--connect-timeout must be > 0")
         if len(self.replicas) == 1:
             raise ValueError("--replicas needs two or more PORT:METRICS_PORT")
         persistent = self.persistent

@@ -5,7 +5,8 @@ worker, in a thread of the coordinating process. Either way it talks to the
 coordinator over a ``multiprocessing`` connection, with plain tuples:
 
     worker -> coordinator             coordinator -> worker
-    ("ready", clients)                ("start", t0_ns)
+    ("connecting", n, busy, failed)   ("start", t0_ns)
+    ("ready", clients)
     ("progress", sent, acked, deliv)  ("expect", {publisher: acked})
     ("published", {publisher: acked}) ("abort",)
     ("result", WorkerResult)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import os
 import random
 import signal
@@ -41,6 +43,7 @@ from loadtest.scenarios import LoadConfig, Plan
 __all__ = ["WorkerResult", "run_worker", "start_thread_worker"]
 
 PROGRESS_INTERVAL = 0.5
+CONNECTING_INTERVAL = 1.0  # seconds between reports while connecting
 PING_INTERVAL = 60.0
 
 
@@ -77,6 +80,7 @@ class WorkerResult:
     errors: list[str] = field(default_factory=list)
     connect_seconds: float = 0.0
     busy_refusals: int = 0  # CONNECTs refused as busy and retried (Client.connect)
+    connect_failures: int = 0  # connections failed before their CONNACK and retried
     drain_seconds: float = 0.0
 
 
@@ -167,11 +171,19 @@ class _Worker:
         await asyncio.gather(*(one(job) for job in jobs))
 
     async def connect_all(self) -> None:
+        """Subscribers, then publishers; all within ``config.connect_timeout`` seconds
+        (each client retries refusals as busy and failed connections until then)."""
         config = self.config
         host = config.host
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.connect_timeout
+
+        def left() -> float:
+            return max(deadline - loop.time(), 0.1)
+
         await self._bounded(
             [
-                lambda s=s: s.start(host, config.subscriber_port(s.index))  # type: ignore[misc]
+                lambda s=s: s.start(host, config.subscriber_port(s.index), left())  # type: ignore[misc]
                 for s in self.subscribers
             ]
         )
@@ -180,10 +192,22 @@ class _Worker:
                 self.errors.append(f"{s.client_id}: a session was present on first connect")
         await self._bounded(
             [
-                lambda p=p: p.connect(host, config.publisher_port(p.index))  # type: ignore[misc]
+                lambda p=p: p.connect(host, config.publisher_port(p.index), left())  # type: ignore[misc]
                 for p in self.publishers
             ]
         )
+
+    async def _report_connecting(self) -> None:
+        """("connecting", connected, refused as busy, failed) every CONNECTING_INTERVAL."""
+        clients: list[_Client] = [*self.subscribers, *self.publishers]
+        while True:
+            await asyncio.sleep(CONNECTING_INTERVAL)
+            self.send(
+                "connecting",
+                sum(1 for c in clients if c.connected),
+                sum(c.busy_refusals for c in clients),
+                sum(c.connect_failures for c in clients),
+            )
 
     def _progress(self) -> None:
         sent = acked = delivered = 0
@@ -228,13 +252,21 @@ class _Worker:
         }
         next_progress = next_cpu = next_ping = t0
         tick = 0.005 if config.rate else 0.05
+        tick_ns = int(tick * NS)
+        # Throttled publishers by when their next message is due: a tick wakes only
+        # those (asking all 4,000 at every 5 ms tick was most of the tool's CPU). A
+        # publisher whose window is full sends from its PUBACKs (Publisher.data_received).
+        due = [(p.next_due(), n) for n, p in enumerate(self.publishers)] if config.rate else []
+        heapq.heapify(due)
         while True:
             now = monotonic_ns()
             if now >= end:
                 break
-            if config.rate:
-                for p in self.publishers:
-                    p.fill(now)
+            while due and due[0][0] <= now:
+                _, n = due[0]
+                p = self.publishers[n]
+                p.fill(now)
+                heapq.heapreplace(due, (max(p.next_due(), now + tick_ns), n))
             if now >= next_progress:
                 self._progress()
                 next_progress += int(PROGRESS_INTERVAL * NS)
@@ -305,11 +337,13 @@ class _Worker:
         # Remove the run's persistent sessions: connect once more with a clean session.
         level = self.config.level
         host, port = self.config.host, self.config.port
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.connect_timeout  # as connecting: rate limits
 
         async def clean(client_id: str) -> None:
             c = _Client(client_id, level, True, 0, Stats())
             try:
-                await c.connect(host, port, timeout=10)
+                await c.connect(host, port, timeout=max(deadline - loop.time(), 0.1))
                 await c.disconnect()
             except ClientError as e:
                 self.errors.append(f"cleanup: {e}")
@@ -347,6 +381,7 @@ class _Worker:
             errors=self.errors,
             drain_seconds=self.drain_seconds,
             busy_refusals=sum(c.busy_refusals for c in (*self.publishers, *self.subscribers)),
+            connect_failures=sum(c.connect_failures for c in (*self.publishers, *self.subscribers)),
         )
 
     async def serve(self) -> None:
@@ -356,11 +391,14 @@ class _Worker:
         os.set_blocking(self.conn.fileno(), True)
         try:
             started = time.monotonic()
+            reporter = asyncio.create_task(self._report_connecting())
             try:
                 await self.connect_all()
             except ClientError as e:
                 self.send("error", str(e))
                 return
+            finally:
+                reporter.cancel()
             connect_seconds = time.monotonic() - started
             self.send("ready", len(self.publishers) + len(self.subscribers))
             (_, t0) = await self.expect("start")
@@ -379,6 +417,20 @@ class _Worker:
                     c.transport.abort()
 
 
+def raise_nofile_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (a socket per
+    client); the limit now in force."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not Linux
+        return 0
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     try:
         import uvloop
@@ -393,6 +445,7 @@ def run_worker(conn: Connection, config: LoadConfig, plan: Plan, worker: int) ->
     if threading.current_thread() is threading.main_thread():
         # A worker process: Ctrl-C is the coordinator's to handle.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise_nofile_limit()
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_Worker(conn, config, plan, worker).serve())
