@@ -76,7 +76,8 @@ from typing import Any, NamedTuple, Protocol, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.stats import Histogram
 from persistence.format import (
@@ -226,6 +227,34 @@ def _save_result(reply: Any) -> SaveResult:
         discarded,
         [int(x) for x in scores],
     )
+
+
+class _ClientPart(NamedTuple):
+    """One client's share of a save script call (save_batch.lua)."""
+
+    keys: ClientKeys
+    args: tuple[Any, ...]  # partition, n, meta, premark, values
+
+
+def _save_call(
+    parts: Sequence[_ClientPart], limit: int, default_ttl_ms: int, max_bytes: int
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one save script call for ``parts`` (save_batch.lua)."""
+    keys: list[str] = []
+    args: list[Any] = [len(parts), limit, default_ttl_ms, max_bytes]
+    for part in parts:
+        keys.extend(part.keys)
+        args.extend(part.args)
+    return keys, args
+
+
+def _client_result(reply: Any) -> SaveResult | ResponseError:
+    """One client's reply of the save script: its result, or the error its save met."""
+    if isinstance(reply, list) and len(reply) == 2 and reply[0] == b"error":
+        message = reply[1]
+        text = message.decode("utf-8", "replace") if isinstance(message, bytes) else str(message)
+        return ResponseError(text)
+    return _save_result(reply)
 
 
 class SessionOwned(Exception):
@@ -505,12 +534,17 @@ class RedisMessageStore:
         """
         if limit is not None:
             _check_limit(limit)
-        keys, args = self._save_call(
-            ClientBatch(client_id, messages, partition, offsets), self._clock(), limit or self.limit
-        )
+        batch = ClientBatch(client_id, messages, partition, offsets)
+        part = self._client_part(batch, self._clock())
         if not messages:
             return SaveResult([], [], 0, 0)
-        return _save_result(await self._eval(_SAVE, keys, args))
+        keys, args = _save_call([part], limit or self.limit, self._default_ttl_ms, self.max_bytes)
+        (reply,) = await self._eval(_SAVE, keys, args)
+        result = _client_result(reply)
+        if isinstance(result, BaseException):
+            self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
+            raise result
+        return result
 
     async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]:
         """Save many client batches, each wave of them in one pipelined round trip.
@@ -554,34 +588,38 @@ class RedisMessageStore:
         return done
 
     async def _save_wave(self, batches: list[ClientBatch]) -> list[SaveResult | BaseException]:
-        """One script call per batch (of different clients), pipelined.
+        """One script call for the batches (of different clients) on a single Redis, one
+        per hash slot on a cluster (a script sees one slot), pipelined.
 
         Calls refused with NOSCRIPT (a restarted or new Redis) ran nothing:
         they are sent again once the scripts are loaded.
         """
-        now, limit = self._clock(), self.limit
+        now = self._clock()
         results: list[SaveResult | BaseException] = [SaveResult([], [], 0, 0)] * len(batches)
-        calls: dict[int, tuple[ClientKeys, tuple[Any, ...]]] = {}
+        parts: dict[int, _ClientPart] = {}
         for i, batch in enumerate(batches):
             if batch.messages:
                 try:
-                    calls[i] = self._save_call(batch, now, limit)
+                    parts[i] = self._client_part(batch, now)
                 except ValueError as error:  # a malformed batch fails alone
                     results[i] = error
-        todo = list(calls)
+        calls = self._calls(parts)
         for attempt in range(2):
-            if not todo:
+            if not calls:
                 break
             started = time.perf_counter()
             pipe = self.redis.pipeline(transaction=False)
             counting = self.wait != "off"
             floor = self._counted
             guard = self.loss_guard()
-            for i in todo:
-                keys, args = calls[i]
-                keys_ = (*keys, guard[0]) if guard else keys
-                args_ = (*args, guard[1]) if guard else args
-                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys_), *keys_, *args_)
+            for members in calls:
+                keys, args = _save_call(
+                    [parts[i] for i in members], self.limit, self._default_ttl_ms, self.max_bytes
+                )
+                if guard:
+                    keys.append(guard[0])
+                    args.append(guard[1])
+                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
             if counting:  # after the saves, on their connection (wait_durable)
                 pipe.incr(self._counter_key)
             try:
@@ -603,18 +641,36 @@ class RedisMessageStore:
             if lost:  # nothing of this wave was stored
                 raise self.lost(counted if isinstance(counted, int) else int(lost[0][1]))
             again = []
-            for i, reply in zip(todo, replies, strict=True):
+            for members, reply in zip(calls, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
-                    again.append(i)
-                elif isinstance(reply, BaseException):
+                    again.append(members)
+                    continue
+                if isinstance(reply, BaseException):  # the whole call failed
                     self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
-                    results[i] = reply
-                else:
-                    results[i] = _save_result(reply)
+                    for i in members:
+                        results[i] = reply
+                    continue
+                for i, client_reply in zip(members, reply, strict=True):
+                    result = _client_result(client_reply)
+                    if isinstance(result, BaseException):
+                        self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
+                    results[i] = result
             if again:
                 await self.load_scripts()
-            todo = again
+            calls = again
         return results
+
+    def _calls(self, parts: Mapping[int, _ClientPart]) -> list[list[int]]:
+        """The batches of one wave grouped into script calls: all in one on a single
+        Redis, one call per hash slot on a cluster."""
+        if not parts:
+            return []
+        if isinstance(self.redis, Redis):
+            return [list(parts)]
+        by_slot: dict[int, list[int]] = {}
+        for i, part in parts.items():
+            by_slot.setdefault(key_slot(part.keys[0].encode()), []).append(i)
+        return list(by_slot.values())
 
     def counted(self, counter: int) -> None:
         """A save outside a save wave (a queue's) counted the store's counter up to
@@ -714,10 +770,8 @@ class RedisMessageStore:
         if self.wait == "aof" and numbers < (7, 2):
             raise ValueError(f"aof needs WAITAOF, Redis 7.2 or newer; this Redis is {version}")
 
-    def _save_call(
-        self, batch: ClientBatch, now: float, limit: int
-    ) -> tuple[ClientKeys, tuple[Any, ...]]:
-        """Keys and arguments of the save script for one client batch."""
+    def _client_part(self, batch: ClientBatch, now: float) -> _ClientPart:
+        """One client's keys and arguments in a call of the save script."""
         meta = bytearray()
         values: list[bytes] = []
         pack = _SAVE_META.pack
@@ -733,17 +787,8 @@ class RedisMessageStore:
                 ttl = self._ttl_ms(rid.expiry, now)
                 meta += pack(rid.producer, rid.seq, rid.generation, ttl, len(value))
             values.append(value)
-        args = (
-            limit,
-            batch.partition,
-            self._default_ttl_ms,
-            len(batch.messages),
-            bytes(meta),
-            batch.premark,
-            b"".join(values),
-            self.max_bytes,
-        )
-        return client_keys(batch.client_id), args
+        args = (batch.partition, len(batch.messages), bytes(meta), batch.premark, b"".join(values))
+        return _ClientPart(client_keys(batch.client_id), args)
 
     # -- reading -----------------------------------------------------------
 
