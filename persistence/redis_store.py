@@ -248,6 +248,28 @@ def _save_call(
     return keys, args
 
 
+# A client's part of a mark or ack script call: its messages key, its second key
+# (session or bytes), its (packet id, score) pairs, its client id.
+_ProgressPart = tuple[str, str, Sequence[tuple[int, int]], str]
+
+
+def _progress_call(
+    parts: Sequence[tuple[str, str, Sequence[tuple[int, int]]]],
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one mark_sent.lua or ack.lua call for many clients: two keys
+    each, and each client's pair count followed by its pairs."""
+    keys: list[str] = []
+    args: list[Any] = [len(parts)]
+    for first, second, pairs in parts:
+        keys.append(first)
+        keys.append(second)
+        args.append(len(pairs))
+        for packet_id, score in pairs:
+            args.append(packet_id)
+            args.append(score)
+    return keys, args
+
+
 def _client_result(reply: Any) -> SaveResult | ResponseError:
     """One client's reply of the save script: its result, or the error its save met."""
     if isinstance(reply, list) and len(reply) == 2 and reply[0] == b"error":
@@ -863,8 +885,10 @@ class RedisMessageStore:
             return 0
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
-        args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
-        return int(await self._eval(_ACK, (keys.messages, keys.bytes), args))
+        pairs = list(zip(ids, wanted, strict=True))
+        script_keys, args = _progress_call([(keys.messages, keys.bytes, pairs)])
+        (removed,) = await self._eval(_ACK, script_keys, args)
+        return int(removed)
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool:
         """PUBREC received: keep only the PUBREL stage, with the remaining TTL.
@@ -890,8 +914,9 @@ class RedisMessageStore:
             return []
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
-        args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
-        reply = await self._eval(_MARK_SENT, (keys.messages, keys.session), args)
+        pairs = list(zip(ids, wanted, strict=True))
+        script_keys, args = _progress_call([(keys.messages, keys.session, pairs)])
+        (reply,) = await self._eval(_MARK_SENT, script_keys, args)
         return [int(i) for i in reply[::2]]
 
     async def write_progress(
@@ -900,7 +925,9 @@ class RedisMessageStore:
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[tuple[int, int]]],
     ) -> dict[str, set[tuple[int, int]]]:
-        """Many clients' delivery progress in one pipelined round trip.
+        """Many clients' delivery progress in one pipelined round trip: one mark script
+        call and one ack script call for them all on a single Redis (one of each per
+        hash slot on a cluster), not one per client.
 
         ``marks`` and ``acks``: per client, (packet id, score it was read with)
         pairs. Returns, per client, the pairs marked.
@@ -929,23 +956,49 @@ class RedisMessageStore:
         acks: Mapping[str, Sequence[tuple[int, int]]],
     ) -> dict[str, set[tuple[int, int]]]:
         pipe = self.redis.pipeline(transaction=False)
-        for client_id, sent in marks.items():
-            keys = client_keys(client_id)
-            args = [x for pair in sent for x in pair]
-            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 2, keys.messages, keys.session, *args)
+        mark_calls = self._by_slot(
+            [
+                (client_keys(cid).messages, client_keys(cid).session, sent, cid)
+                for cid, sent in marks.items()
+            ]
+        )
+        for group in mark_calls:
+            keys, args = _progress_call([(m, s, pairs) for m, s, pairs, _cid in group])
+            pipe.execute_command("EVALSHA", _MARK_SENT.sha, len(keys), *keys, *args)
         for client_id, ids in pubrels.items():
-            keys = client_keys(client_id)
+            keys_ = client_keys(client_id)
             for packet_id in ids:
-                pipe.execute_command("SET", keys.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL")
-        for client_id, acked in acks.items():
-            keys = client_keys(client_id)
-            args = [x for pair in acked for x in pair]
-            pipe.execute_command("EVALSHA", _ACK.sha, 2, keys.messages, keys.bytes, *args)
+                pipe.execute_command(
+                    "SET", keys_.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL"
+                )
+        for group in self._by_slot(
+            [
+                (client_keys(cid).messages, client_keys(cid).bytes, acked, cid)
+                for cid, acked in acks.items()
+            ]
+        ):
+            keys, args = _progress_call([(m, b, pairs) for m, b, pairs, _cid in group])
+            pipe.execute_command("EVALSHA", _ACK.sha, len(keys), *keys, *args)
         replies = await pipe.execute()
-        return {
-            client_id: {(int(i), int(s)) for i, s in zip(reply[::2], reply[1::2], strict=True)}
-            for client_id, reply in zip(marks, replies, strict=False)
-        }
+        marked: dict[str, set[tuple[int, int]]] = {}
+        for group, reply in zip(mark_calls, replies, strict=False):
+            for (_m, _s, _pairs, client_id), pairs in zip(group, reply, strict=True):
+                marked[client_id] = {
+                    (int(i), int(sc)) for i, sc in zip(pairs[::2], pairs[1::2], strict=True)
+                }
+        return marked
+
+    def _by_slot(self, calls: list[_ProgressPart]) -> list[list[_ProgressPart]]:
+        """Clients' parts of a script call grouped into calls: one on a single Redis,
+        one per hash slot of their first key on a cluster (a script sees one slot)."""
+        if not calls:
+            return []
+        if isinstance(self.redis, Redis):
+            return [calls]
+        by_slot: dict[int, list[_ProgressPart]] = {}
+        for part in calls:
+            by_slot.setdefault(key_slot(part[0].encode()), []).append(part)
+        return list(by_slot.values())
 
     # -- sessions ----------------------------------------------------------
 

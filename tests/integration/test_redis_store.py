@@ -869,3 +869,29 @@ async def test_one_clients_failure_in_a_shared_save_call_fails_it_alone(
     await cmd(store, "DEL", client_keys(b).seen)
     retry = await store.save_many(batches)
     assert [(r.saved, r.duplicates) for r in retry] == [(0, 2), (2, 0), (0, 2)]
+
+
+async def test_progress_of_many_clients_costs_a_mark_and_an_ack_call_per_redis_or_slot(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """The fleet shape's delivery side: marks and acks of many clients, one message
+    each, are one mark_sent.lua and one ack.lua call on a single Redis (one of each
+    per hash slot on a cluster), not two per client."""
+    from redis.asyncio import Redis
+
+    clients = [f"{cid}-{n}" for n in range(100)]
+    saved = await store.save_many([ClientBatch(c, msgs(0, 2), partition=0) for c in clients])
+    first = {c: (r.assigned[0], r.assigned[1]) for c, r in zip(clients, saved, strict=True)}
+    before = await _script_calls(store)
+    marked = await store.write_progress(
+        {c: [(a.packet_id, a.score)] for c, (a, _b) in first.items() if a},
+        {},
+        {c: [(b.packet_id, b.score)] for c, (_a, b) in first.items() if b},
+    )
+    calls = await _script_calls(store) - before
+    slots = {key_slot(client_keys(c).messages.encode()) for c in clients}
+    assert calls == (2 if isinstance(store.redis, Redis) else 2 * len(slots))
+    assert marked == {c: {(a.packet_id, a.score)} for c, (a, _b) in first.items() if a}
+    for c in clients:
+        (left,) = await all_records(store, c)
+        assert left.score == first[c][0].score and left.sent  # type: ignore[union-attr]
