@@ -35,10 +35,13 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-index --find-links=/wheels devicemq \
     && python -c "import uvloop, prometheus_client, app.serve" \
-    && useradd --system --uid 10001 --user-group --home-dir /var/lib/devicemq --create-home devicemq
+    && useradd --system --uid 10001 --user-group --home-dir /var/lib/devicemq --create-home devicemq \
+    && install -d -o devicemq -g devicemq -m 0700 /var/lib/devicemq/admin
 USER devicemq
 WORKDIR /var/lib/devicemq
-EXPOSE 1883 9883
+# 18083: the admin API and console (admin.host is loopback unless set, as in
+# docker-compose.yml); /var/lib/devicemq/admin: its token file's volume there.
+EXPOSE 1883 9883 18083
 # /health answers 200 while the process runs (no curl in the image: urllib).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('DEVICEMQ_METRICS_PORT', '9883'), timeout=2)"]

@@ -24,6 +24,8 @@ import heapq
 import hmac
 import logging
 import math
+import os
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,9 +43,11 @@ from broker.config import ConfigError, Settings
 from broker.ecq import valid_client_id
 from broker.limits import is_loopback
 from broker.message import Message
+from broker.ownership import CLIENT_ID, QUEUE
 from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
+from broker.watched_file import FileChangeWatch
 from persistence.session_rewind import RewindUnderWay
 
 if TYPE_CHECKING:
@@ -70,10 +74,51 @@ class AdminUnavailable(Exception):
     """The admin listener could not open (the port is taken, the address is wrong)."""
 
 
+def create_token_file(settings: Settings) -> None:
+    """``admin.generate_token``: write ``admin.token_file`` unless it exists (mode
+    0600, its directory 0700 if missing), holding ``admin.token`` if set, else a new
+    random token, which is logged this once. Replicas and workers starting together
+    create it once (O_EXCL): the others read it."""
+    admin = settings.admin
+    if not admin.token_file:
+        raise ConfigError(
+            "admin.generate_token needs admin.token_file: where to keep the token",
+            name="admin.generate_token",
+        )
+    path = Path(admin.token_file)
+    if path.exists():
+        return
+    token = admin.token or secrets.token_urlsafe(32)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return  # another replica or worker made it first
+    except FileExistsError:  # from mkdir: a file where the directory should be
+        raise ConfigError(
+            f"cannot create the token file {path}: {path.parent} is not a directory",
+            name="admin.token_file",
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create the token file {path}: {e.strerror or e}", name="admin.token_file"
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    if admin.token:
+        log.warning("created the admin token file %s with admin.token", path)
+    else:
+        # Printed this once (admin.generate_token): the file keeps it.
+        log.warning("created the admin token file %s; the admin token is: %s", path, token)
+
+
 def admin_token(settings: Settings) -> str | None:
     """The configured bearer token, or None; a token file that cannot be read is a
     start error naming ``admin.token_file``."""
     admin = settings.admin
+    if admin.generate_token:
+        create_token_file(settings)
     if admin.token_file:
         try:
             token = Path(admin.token_file).read_text().strip()
@@ -104,7 +149,7 @@ class Route:
     body: str = ""  # the JSON body, described
 
 
-ROUTES = (
+ROUTES: tuple[Route, ...] = (
     Route(
         "GET",
         ("sessions",),
@@ -213,6 +258,46 @@ ROUTES = (
     Route("GET", ("openapi.json",), "openapi", "This API's OpenAPI 3 document"),
 )
 
+# Who holds a queue and a client ID (broker/ownership.py; SECURITY.md "Client IDs and
+# queues belong to their owner").
+OWNER_ROUTES = (
+    Route(
+        "GET",
+        ("queues", "{client_id}", "owner"),
+        "show_queue_owner",
+        "Whose the $ECQ queue is: the owner of its first consumer (null: nobody's yet)",
+    ),
+    Route(
+        "PUT",
+        ("queues", "{client_id}", "owner"),
+        "set_queue_owner",
+        "Give the queue to another owner (the client ID is disconnected)",
+        write=True,
+        body='{"owner": "user name or certificate identity"}',
+    ),
+    Route(
+        "DELETE",
+        ("queues", "{client_id}", "owner"),
+        "clear_queue_owner",
+        "Clear the queue's owner: its next consumer's owner holds it (disconnected)",
+        write=True,
+    ),
+    Route(
+        "GET",
+        ("client-ids", "{client_id}", "owner"),
+        "show_client_id_owner",
+        "Who holds the client ID (auth.client_id_owner: first) and for how long unused",
+    ),
+    Route(
+        "DELETE",
+        ("client-ids", "{client_id}", "owner"),
+        "release_client_id",
+        "Release the client ID: the next owner to connect with it holds it",
+        write=True,
+    ),
+)
+ROUTES = ROUTES + OWNER_ROUTES
+
 
 class AdminApi:
     """Requests in, responses out; the parts it reads and changes are given at
@@ -245,6 +330,14 @@ class AdminApi:
         self.blocks = blocks
         self.events = events
         self._started = broker.clock()
+        # /ready's answer, Kafka lag and backlog for the stats (app/serve.py sets it)
+        self.health: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        # admin.token_file is read again when it changes (as the password file is)
+        self._token_watch = (
+            FileChangeWatch(Path(settings.admin.token_file), broker.clock)
+            if settings.admin.token_file and token is not None
+            else None
+        )
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -258,7 +351,25 @@ class AdminApi:
         handler: Callable[..., Awaitable[Response]] = getattr(self, route.handler)
         return await handler(request, *args)
 
+    def _reload_token(self) -> None:
+        """A changed ``admin.token_file``: its new token from now on. A file that
+        cannot be read or is empty keeps the token in force (logged)."""
+        watch = self._token_watch
+        if watch is None or not watch.changed():
+            return
+        try:
+            token = watch.path.read_text().strip()
+        except OSError as e:
+            log.warning("admin token file %s: %s: the token in force stays", watch.path, e)
+            return
+        if not token:
+            log.warning("admin token file %s is empty: the token in force stays", watch.path)
+        elif token != self.token:
+            self.token = token
+            log.warning("admin token file %s changed: its new token is in force", watch.path)
+
     def _authorize(self, request: Request, write: bool) -> None:
+        self._reload_token()
         if self.token is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -610,6 +721,59 @@ class AdminApi:
         self._audit(client_id, "rewind_queue", {"seq": seq, "pending_again": again})
         return json_response(200, {"client_id": client_id, "seq": seq, "pending_again": again})
 
+    # -- owners (broker/ownership.py) --------------------------------------------------
+
+    async def show_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        held = await self.broker.owners.holder(QUEUE, client_id)
+        return json_response(
+            200, {"client_id": client_id, "owner": held[0] if held is not None else None}
+        )
+
+    async def set_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        data = _json_body(request)
+        owner = data.get("owner")
+        if not isinstance(owner, str) or not owner or len(owner.encode()) > 65535:
+            raise HttpError(400, "owner: a user name (or certificate identity)", {"field": "owner"})
+        unknown = set(data) - {"owner"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        return await self._queue_owner_is(client_id, owner)
+
+    async def clear_queue_owner(self, request: Request, client_id: str) -> Response:
+        self._queues(client_id)
+        return await self._queue_owner_is(client_id, None)
+
+    async def _queue_owner_is(self, client_id: str, owner: str | None) -> Response:
+        before = await self.broker.owners.assign(QUEUE, client_id, owner, 0)
+        # A consumer of the owner before stops now; its next subscription is decided
+        # by the new owner.
+        disconnected = before != owner and self.broker.kick(client_id)
+        detail = {"owner": owner, "before": before, "disconnected": disconnected}
+        self._audit(client_id, "queue_owner", detail)
+        return json_response(200, {"client_id": client_id, **detail})
+
+    async def show_client_id_owner(self, request: Request, client_id: str) -> Response:
+        held = await self.broker.owners.holder(CLIENT_ID, client_id)
+        return json_response(
+            200,
+            {
+                "client_id": client_id,
+                "owner": held[0] if held is not None else None,
+                "released_in": held[1] if held is not None else None,
+                "client_id_owner": self.broker.client_id_policy,
+            },
+        )
+
+    async def release_client_id(self, request: Request, client_id: str) -> Response:
+        before = await self.broker.owners.assign(CLIENT_ID, client_id, None, 0)
+        if before is None:
+            raise HttpError(404, f"nobody holds the client ID {client_id}")
+        self._audit(client_id, "release_client_id", {"before": before})
+        return json_response(200, {"client_id": client_id, "released": True, "before": before})
+
     def _queues(self, client_id: str) -> QueueStore:
         if self.queues is None or self.rewind is None:
             raise HttpError(409, "no $ECQ queues here: ecq.enabled and persistence are needed")
@@ -639,6 +803,7 @@ class AdminApi:
                 "messages_sent": sum(s.messages_sent),
                 "connections_total": s.connections_total,
                 "integrations": self._integrations(),
+                "health": await self.health() if self.health is not None else None,
             },
         )
 

@@ -4,6 +4,8 @@
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
     devicemq sessions rewind CLIENT_ID --since TIME
     devicemq queues show CLIENT_ID | queues rewind CLIENT_ID --seq N
+    devicemq queues owner CLIENT_ID [--set OWNER | --clear]
+    devicemq client-ids owner CLIENT_ID [--release]
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
     devicemq retained list [--topic FILTER] | delete TOPIC
 
@@ -31,6 +33,7 @@ import orjson
 
 DEFAULT_URL = "http://127.0.0.1:18083"
 TOKEN_ENV = "DEVICEMQ_ADMIN_TOKEN"
+TOKEN_FILE_ENV = "DEVICEMQ_ADMIN_TOKEN_FILE"
 TIMEOUT = 10.0
 REWIND_TIMEOUT = 600.0  # seconds a session rewind may take (it reads a Kafka partition)
 
@@ -109,7 +112,9 @@ def _error_text(status: int, body: bytes) -> str:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=DEFAULT_URL, help=f"the admin API (default {DEFAULT_URL})")
     p.add_argument(
-        "--token-file", metavar="FILE", help=f"file holding the admin token (default: ${TOKEN_ENV})"
+        "--token-file",
+        metavar="FILE",
+        help=f"file holding the admin token (default: ${TOKEN_ENV}, else ${TOKEN_FILE_ENV})",
     )
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
 
@@ -190,6 +195,27 @@ def add_queues_arguments(p: argparse.ArgumentParser) -> None:
     rewind.add_argument(
         "--seq", type=int, required=True, help="from this sequence number on (1: every key)"
     )
+    add_queue_owner_arguments(sub)
+
+
+def add_queue_owner_arguments(sub: Any) -> None:
+    """``queues owner``: whose a queue is (broker/ownership.py), changed or cleared."""
+    owner = sub.add_parser("owner", help="whose the queue is; --set or --clear changes it")
+    _common(owner)
+    owner.add_argument("client_id", metavar="CLIENT_ID")
+    change = owner.add_mutually_exclusive_group()
+    change.add_argument("--set", metavar="OWNER", help="give the queue to this owner")
+    change.add_argument("--clear", action="store_true", help="its next consumer's owner holds it")
+
+
+def add_client_ids_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    owner = sub.add_parser("owner", help="who holds a client ID; --release frees it")
+    _common(owner)
+    owner.add_argument("client_id", metavar="CLIENT_ID")
+    owner.add_argument(
+        "--release", action="store_true", help="the next owner to connect with it holds it"
+    )
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -197,12 +223,16 @@ def add_queues_arguments(p: argparse.ArgumentParser) -> None:
 
 def _client(args: argparse.Namespace) -> AdminClient:
     token = os.environ.get(TOKEN_ENV) or None
-    if args.token_file:
+    token_file = args.token_file
+    if token_file is None and token is None:
+        # The broker's own admin.token_file, as in its container (docker-compose.yml)
+        token_file = os.environ.get(TOKEN_FILE_ENV) or None
+    if token_file:
         try:
-            with open(args.token_file) as f:
+            with open(token_file) as f:
                 token = f.read().strip()
         except OSError as e:
-            raise ApiError(0, f"cannot read --token-file {args.token_file}: {e.strerror}") from None
+            raise ApiError(0, f"cannot read the token file {token_file}: {e.strerror}") from None
     return AdminClient(args.url, token)
 
 
@@ -324,11 +354,42 @@ def retained(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
 
 def queues(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     path = "queues/" + quote(args.client_id, safe="")
+    if args.action == "owner":
+        return queue_owner(client, args, path + "/owner")
     if args.action == "show":
         answer = client.call("GET", path)
         return answer, "\n".join(f"{k:<20} {_cell(k, v)}" for k, v in answer.items())
     answer = client.call("POST", f"{path}/rewind", body={"seq": args.seq})
     return answer, f"{args.client_id}: {answer['pending_again']} entries pending again"
+
+
+def queue_owner(client: AdminClient, args: argparse.Namespace, path: str) -> tuple[Any, str]:
+    cid = args.client_id
+    if args.set is not None:
+        answer = client.call("PUT", path, body={"owner": args.set})
+    elif args.clear:
+        answer = client.call("DELETE", path)
+    else:
+        answer = client.call("GET", path)
+        return answer, f"{cid}: {_owner_text(answer['owner'])}"
+    kicked = ", its client disconnected" if answer["disconnected"] else ""
+    return answer, f"{cid}: {_owner_text(answer['owner'])} (was {answer['before'] or '-'}){kicked}"
+
+
+def client_ids(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    cid = args.client_id
+    path = "client-ids/" + quote(cid, safe="") + "/owner"
+    if args.release:
+        answer = client.call("DELETE", path)
+        return answer, f"{cid}: released (was {answer['before']}'s)"
+    answer = client.call("GET", path)
+    left = answer["released_in"]
+    until = f", free after {left:.0f} s unused" if left is not None else ""
+    return answer, f"{cid}: {_owner_text(answer['owner'])}{until}"
+
+
+def _owner_text(owner: str | None) -> str:
+    return f"owned by {owner}" if owner is not None else "nobody's"
 
 
 # -- tables ----------------------------------------------------------------------------------

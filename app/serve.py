@@ -16,7 +16,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.config import ConfigError, Settings
 from broker.core import Broker
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from persistence.blocklist_store import BlockListStore
     from persistence.device_persistence import DevicePersistence
     from persistence.integration_sink import KafkaIntegrationSink
+    from persistence.owner_store import RedisOwners
 
 log = logging.getLogger("devicemq.server")
 
@@ -109,6 +110,7 @@ async def _serve(
 
         token = admin_token(settings)  # a bad token file stops the start here
     blocks: BlockListStore | None = None
+    owners: RedisOwners | None = None  # None: claims kept in memory (broker/ownership.py)
     integrations = None
     if settings.integrations:
         integrations = await _open_integrations(settings, embedded_kafka)
@@ -123,15 +125,20 @@ async def _serve(
         from persistence.blocklist_store import BlockListStore
 
         blocks = BlockListStore(persistence.store.redis)
+        from persistence.owner_store import RedisOwners
+
+        owners = RedisOwners(persistence.store)
     broker = Broker(
         settings,
         persistent_path=persistence,
         keep_block=blocks.keep if blocks is not None else None,
         integration_sink=integrations,
+        owners=owners,
     )
     link = None
     retained = None
     admin: AdminServer | None = None
+    readiness: MetricsServer | None = None
     try:
         if persistence is not None:
             # The consumer starts after the cluster link: sessions restored here may be
@@ -165,6 +172,14 @@ async def _serve(
             if link is not None:
                 retries += link.retries()
             metrics.attach(broker, persistence, retries)
+        if admin is not None:
+            readiness = metrics
+            if readiness is None:
+                from app.metrics import MetricsServer
+
+                readiness = MetricsServer(settings.metrics)  # never started: /ready's logic
+                readiness.attach(broker, persistence)
+            admin.api.health = _admin_health(readiness, persistence, readiness is metrics)
         sys_task = None
         if broker.sys_topics is not None:
             persisted = _persisted_numbers(broker, persistence, metrics)
@@ -181,12 +196,16 @@ async def _serve(
                 sys_task.cancel()
             if metrics is not None:
                 metrics.stopping = True  # /ready: 503 while draining
+            if readiness is not None:
+                readiness.stopping = True  # the admin stats' health too
             await server.stop()
     finally:
         if admin is not None:
             await admin.stop()
         if blocks is not None:
             await blocks.close()
+        if owners is not None:
+            await owners.close()
         if retained is not None:
             await retained.close()
         if link is not None:
@@ -241,6 +260,30 @@ async def _open_admin(
 
 
 PersistedNumbers = Callable[[], Awaitable[tuple[int | None, int | None]]]
+
+
+def _admin_health(
+    readiness: MetricsServer, persistence: DevicePersistence | None, count_backlog: bool
+) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """The admin stats' ``health`` (the console shows it): what ``/ready`` answers,
+    the Kafka consumer's lag and the Redis backlog (``count_backlog``: counted, at
+    most every 5 s, only when /metrics is served, as for $SYS; else None)."""
+
+    async def health() -> dict[str, Any]:
+        ready, detail = await readiness.readiness()
+        lag = None
+        if persistence is not None:
+            lag = sum(readiness.collector.consumer_lag(persistence).values())
+            if count_backlog:
+                await readiness.collector.refresh_if_stale()
+        return {
+            "ready": ready,
+            "reason": detail.get("reason"),
+            "kafka_lag": lag,
+            "backlog": readiness.collector.backlog,
+        }
+
+    return health
 
 
 def _persisted_numbers(

@@ -337,6 +337,24 @@ class AuthSettings:
         "over it is refused 0x97 Quota exceeded (3.1.1: return code 3); 0: no limit",
         ge=0,
     )
+    client_id_owner: str = setting(
+        "first",
+        "Who may use a client ID: username (the user name itself, or client_id_pattern; "
+        "others: CONNACK 0x85), first (its first owner, until released or unused for "
+        "client_id_release_after; others: 0x87), off (only a live session is owned)",
+        choices=("username", "first", "off"),
+    )
+    client_id_pattern: str = setting(
+        "",
+        "client_id_owner username: other client IDs a user may use, comma-separated, "
+        "%u the user name and * any characters (e.g. %u-*); empty: the user name only",
+    )
+    client_id_release_after: float = setting(
+        30 * 24 * 3600.0,
+        "client_id_owner first: seconds a client ID stays its owner's after its last "
+        "connection; 0: until an admin releases it",
+        ge=0,
+    )
     verify_cache_seconds: float = setting(
         300.0, "Seconds a verified username/password is remembered (0: always re-verify)", ge=0
     )
@@ -583,6 +601,11 @@ class AdminSettings:
         "Bearer token of the admin API (e.g. DEVICEMQ_ADMIN_TOKEN); with none the API is "
         "read-only and answers loopback only",
         secret=True,
+    )
+    generate_token: bool = setting(
+        False,
+        "Create admin.token_file at the first start when it does not exist, holding "
+        "admin.token if set, else a new random token (logged once)",
     )
 
 

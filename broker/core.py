@@ -19,11 +19,21 @@ from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
 from broker.cluster import ClusterState, RemoteSession, node_id_of
+from broker.ecq import consumer_filter
 from broker.group_queue import GroupTarget
 from broker.integrations import IntegrationRecord, IntegrationRules, IntegrationSink, Refusal
 from broker.limits import LogLimiter, SourceBuckets, bucket_or_none
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
+from broker.ownership import (
+    CLIENT_ID,
+    QUEUE,
+    Claim,
+    MemoryOwners,
+    Owners,
+    client_id_allowed,
+    parse_patterns,
+)
 from broker.packets import ReasonCode
 from broker.persistent_path import (
     AcceptedCallback,
@@ -72,8 +82,70 @@ def owner_policy(settings: Settings) -> str:
     return "none"
 
 
+def names_clients(settings: Settings) -> bool:
+    """Can a client have a name (authentication configured)? Without one every client
+    is anonymous: there is no owner to bind a client ID or a queue to."""
+    auth = settings.auth
+    return bool(
+        auth.password_file
+        or auth.chain_members
+        or auth.use_identity_as_username
+        or settings.tls.cafile
+    )
+
+
+def client_id_policy(settings: Settings) -> str:
+    """auth.client_id_owner as it applies: ``off`` while nobody can have a name (no
+    authentication configured: every client is anonymous, nothing to bind an ID to).
+    ``username`` needs authentication, and each pattern must name the user (``%u``):
+    a start error naming the setting otherwise."""
+    from broker.config import ConfigError
+
+    auth = settings.auth
+    policy = auth.client_id_owner
+    for pattern in parse_patterns(auth.client_id_pattern):
+        if "%u" not in pattern:
+            raise ConfigError(
+                f"pattern {pattern!r} does not name the user (%u): it would give every "
+                "user the same client IDs",
+                name="auth.client_id_pattern",
+            )
+    if policy == "username" and not (
+        auth.password_file or auth.chain_members or auth.use_identity_as_username
+    ):
+        raise ConfigError(
+            "username needs authentication (auth.password_file, auth.chain or "
+            "auth.use_identity_as_username): without it no client has a user name",
+            name="auth.client_id_owner",
+        )
+    return policy if names_clients(settings) else "off"
+
+
 def _ignore_stored(ok: bool) -> None:
     """QoS 0 publishers are owed nothing."""
+
+
+def _ignore_claim(claim: Claim | None) -> None:
+    """A claim refreshed as a connection ends: nobody waits on it."""
+
+
+def _refusal_of(claim: Claim | None) -> str:
+    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable")."""
+    if claim is None:
+        return "unavailable"
+    return "" if claim.granted else "not_owner"
+
+
+def _online(session: Session) -> bool:
+    """Is a client connected to ``session``, here or on another replica?"""
+    if isinstance(session, RemoteSession):
+        return session.online
+    return session.connection is not None
+
+
+def _identity_of_session(session: Session) -> str | None:
+    """:meth:`Broker.identity_of` of whoever holds ``session``."""
+    return session.owner if session.owner is not None else session.username
 
 
 class Broker:
@@ -86,6 +158,7 @@ class Broker:
         wall_clock: Callable[[], float] = time.time,
         keep_block: KeepBlock | None = None,
         integration_sink: IntegrationSink | None = None,
+        owners: Owners | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -122,6 +195,12 @@ class Broker:
         self._opening: dict[str, list[Callable[[], None]]] = {}
         self._opening_since: dict[str, float] = {}  # when each began (a slow one is logged)
         self.owner_policy = owner_policy(settings)
+        # Who holds each client ID (auth.client_id_owner) and $ECQ queue: shared by the
+        # replicas through Redis (persistence/owner_store.py), else here.
+        self.owners: Owners = owners or MemoryOwners(wall_clock)
+        self.client_id_policy = client_id_policy(settings)
+        self._names_clients = names_clients(settings)
+        self._client_id_patterns = parse_patterns(settings.auth.client_id_pattern)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
         # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
@@ -168,8 +247,10 @@ class Broker:
         return self.blocklist.match(client_id, username, address, self.wall_clock())
 
     def flapping(self, client_id: str) -> BlockEntry | None:
-        """Count an authenticated CONNECT of ``client_id``; the one too many blocks
-        it for ``flapping.ban_time`` (the entry is shared like any other)."""
+        """Count a CONNECT of ``client_id`` that authenticated and was let use the ID
+        and its session (so nobody gets another client blocked by naming it); the one
+        too many is the entry blocking it for ``flapping.ban_time``, to be put in force
+        with :meth:`ban` once that CONNECT is refused."""
         if self._flapping is None or not client_id:
             return None
         now = self.wall_clock()
@@ -186,10 +267,14 @@ class Broker:
         )
         log.warning("client %s is flapping: blocked for %g s", client_id, flapping.ban_time)
         self.stats.flapping_blocks += 1
+        return entry
+
+    def ban(self, entry: BlockEntry) -> None:
+        """Put an entry the broker made (:meth:`flapping`) in force, here and on every
+        replica, and keep it with the shared list."""
         self.add_block(entry)
         if self._keep_block is not None:
             self._keep_block(entry)
-        return entry
 
     def add_block(self, entry: BlockEntry, *, share: bool = True) -> int:
         """Put ``entry`` in force here (and, with ``share``, on every replica): the
@@ -548,6 +633,7 @@ class Broker:
         conn.will = None
         if session is None:
             return
+        self._touch_client_id(conn)
         conn.session = None
         session.connection = None
         session.outflow.left()  # what group queues gave it goes to other members
@@ -575,6 +661,19 @@ class Broker:
             if self.cluster is not None:
                 self.cluster.went_offline(session)
 
+    def _touch_client_id(self, conn: MQTTConnection) -> None:
+        """auth.client_id_owner first: the client ID was used until now, so its claim
+        lasts client_id_release_after from here. A connection shorter than a tenth of
+        that leaves the claim its CONNECT made (at least 90% of it is left): most
+        disconnects, and a shutdown's, write nothing."""
+        identity = self.identity_of(conn)
+        if self.client_id_policy != "first" or not conn.client_id or identity is None:
+            return
+        ttl = self.settings.auth.client_id_release_after
+        if ttl and self.clock() - conn.opened_at < ttl / 10:
+            return
+        self.owners.claim(CLIENT_ID, conn.client_id, identity, ttl, _ignore_claim)
+
     def owner_of(self, conn: MQTTConnection) -> str | None:
         """Who a session opened by ``conn`` belongs to (auth.session_owner)."""
         policy = self.owner_policy
@@ -585,6 +684,60 @@ class Broker:
                 conn.peer_certificate, self.settings.auth.certificate_identity
             )
         return None
+
+    def identity_of(self, conn: MQTTConnection) -> str | None:
+        """Who owns the client ID and the queue ``conn`` claims (broker/ownership.py): its
+        session owner (auth.session_owner), else its authenticated user name; None:
+        anonymous, who owns nothing."""
+        owner = self.owner_of(conn)
+        return owner if owner is not None else conn.username
+
+    def client_id_refusal(self, conn: MQTTConnection, client_id: str) -> str:
+        """auth.client_id_owner username: why ``conn`` may not use ``client_id`` ("":
+        it may), said in the CONNACK's log line."""
+        if self.client_id_policy != "username" or client_id_allowed(
+            client_id, conn.username, self._client_id_patterns
+        ):
+            return ""
+        who = f"user {conn.username!r}" if conn.username is not None else "an anonymous client"
+        return f"client id {client_id!r} is not {who}'s (auth.client_id_owner: username)"
+
+    def claim_client_id(
+        self, conn: MQTTConnection, client_id: str, then: Callable[[str], None]
+    ) -> None:
+        """auth.client_id_owner first: ``then("")`` if ``conn``'s owner holds the client
+        ID now (claimed if it was free), ``then("not_owner")`` if another owner does,
+        ``then("unavailable")`` if the claims could not be reached. A client connected
+        with it as another owner holds it too (its claim may have run out meanwhile)."""
+        if self.client_id_policy != "first":
+            then("")
+            return
+        identity = self.identity_of(conn)
+        live = self.sessions.get(client_id)
+        if live is not None and _online(live) and _identity_of_session(live) != identity:
+            then("not_owner")
+            return
+        ttl = self.settings.auth.client_id_release_after
+        self.owners.claim(CLIENT_ID, client_id, identity, ttl, lambda c: then(_refusal_of(c)))
+
+    def claim_queue(self, conn: MQTTConnection, then: Callable[[str], None]) -> None:
+        """May ``conn`` consume its client ID's $ECQ queue (broker/ecq.py)? Its ACL must
+        let it read ``$ECQ/{cid}/#``, as any topic (``then("not_authorized")``), and the
+        queue must be its owner's: the owner of its first consumer, claimed now if
+        the queue has none (``then("not_owner")``: another's). ``then("")``: it may."""
+        client_id = conn.client_id
+        assert client_id is not None
+        if not self.acl.can_subscribe(
+            client_id, conn.username, consumer_filter(client_id), conn.address
+        ):
+            then("not_authorized")
+            return
+        if not self._names_clients:
+            then("")  # every client is anonymous: nobody to bind the queue to
+            return
+        self.owners.claim(
+            QUEUE, client_id, self.identity_of(conn), 0, lambda c: then(_refusal_of(c))
+        )
 
     def _over_owner_quota(self, owner: str | None) -> bool:
         """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""

@@ -3,13 +3,15 @@
     python -m loadtest.attack_bench retained [--retained 100000]
     python -m loadtest.attack_bench decode
     python -m loadtest.attack_bench overlap [--filters 1000] [--ids]
-    python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous}
-                                          [--seconds 10]
+    python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
+                                           stranger} [--seconds 10]
 
 ``retained``, ``decode`` and ``overlap`` time the sans-IO core in this process
 (no sockets: the event-loop time a packet costs); ``flood`` starts ``devicemq
 run`` (a password file, persistence off, metrics on), floods it with CONNECTs
-from 127.0.0.5 with four threads and reads the broker's CPU time from /proc.
+from 127.0.0.5 with four threads and reads the broker's CPU time from /proc;
+``flood stranger`` (issue 45) has flapping on, alice connected as ``dev-9``,
+and mallory's CONNECTs name ``dev-9`` with her own password.
 Times depend on the machine and on what else runs on it.
 """
 
@@ -183,7 +185,8 @@ def flood(mode: str, seconds: float) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="devicemq-flood-"))
     password_file = tmp / "passwd"
-    write_password_file(password_file, {"alice": hash_password("alice-pw")})
+    users = {"alice": hash_password("alice-pw"), "mallory": hash_password("mallory-pw")}
+    write_password_file(password_file, users)
     port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env.update(
@@ -193,6 +196,7 @@ def flood(mode: str, seconds: float) -> None:
         DEVICEMQ_METRICS_PORT=str(metrics_port),
         DEVICEMQ_AUTH_PASSWORD_FILE=str(password_file),
         DEVICEMQ_AUTH_ALLOW_ANONYMOUS="true" if mode == "anonymous" else "false",
+        DEVICEMQ_FLAPPING_ENABLED="true" if mode == "stranger" else "false",
     )
     argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
     with (tmp / "broker.log").open("wb") as log:
@@ -208,7 +212,21 @@ def flood(mode: str, seconds: float) -> None:
             Connect("alice-dev", protocol_level=5, username="alice", password=b"alice-pw"), 5
         )
         assert _connack(port, login, "127.0.0.2") == 0  # verified once: cached from now on
-        if mode == "anonymous":
+        device = None
+        if mode == "stranger":  # the device, connected as dev-9 while mallory names it
+            device = socket.create_connection(
+                ("127.0.0.1", port), 20, source_address=("127.0.0.2", 0)
+            )
+            device.sendall(
+                encode(
+                    Connect("dev-9", protocol_level=5, username="alice", password=b"alice-pw"), 5
+                )
+            )
+            assert device.recv(64)[3] == 0
+            attack = encode(
+                Connect("dev-9", protocol_level=5, username="mallory", password=b"mallory-pw"), 5
+            )
+        elif mode == "anonymous":
             attack = encode(Connect("x", protocol_level=5), 5)
         else:
             attack = encode(Connect("x", protocol_level=5, username="eve", password=b"guess"), 5)
@@ -251,6 +269,16 @@ def flood(mode: str, seconds: float) -> None:
             f"of a core; a cached login meanwhile: code {code} in {cached * 1000:.0f} ms"
         )
         print(f"  refused by reason: {rejected}; refusal log lines: {lines}")
+        if device is not None:
+            device.settimeout(0.5)
+            try:
+                answer = device.recv(64)
+                fate = f"disconnected ({answer.hex() or 'closed'})"
+            except TimeoutError:
+                fate = "still connected"
+            device.close()
+            blocks = re.search(r"^devicemq_flapping_blocks_total (\S+)$", text, re.M)
+            print(f"  dev-9: {fate}; flapping blocks: {blocks.group(1) if blocks else '?'}")
     finally:
         proc.terminate()
         proc.wait(10)
@@ -266,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--filters", type=int, default=1000)
     p.add_argument("--ids", action="store_true", help="subscribe with a Subscription Identifier")
     p = sub.add_parser("flood")
-    p.add_argument("mode", choices=("bad-password", "bad-password-no-wait", "anonymous"))
+    p.add_argument(
+        "mode", choices=("bad-password", "bad-password-no-wait", "anonymous", "stranger")
+    )
     p.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args(argv)
     if args.what == "retained":

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuSample", "find_listener_pid", "sample"]
+__all__ = ["CpuSample", "find_listener_pid", "sample", "tree_cpu"]
 
 _PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -87,6 +87,22 @@ def sample(pids: list[int]) -> CpuSample:
         system[1] if system else None,
         watched,
     )
+
+
+def tree_cpu(roots: list[int]) -> dict[int, tuple[str, float]]:
+    """Each process of the trees under ``roots``: pid -> (command name, user+system
+    CPU seconds), so that a broker's CPU can be told from its Redis' and Kafka's."""
+    out: dict[int, tuple[str, float]] = {}
+    for pid in _tree(roots):
+        st = _stat(pid)
+        if st is None:
+            continue
+        try:
+            name = (_PROC / str(pid) / "comm").read_text().strip()
+        except OSError:
+            continue
+        out[pid] = (name, st[1])
+    return out
 
 
 def find_listener_pid(port: int) -> int | None:

@@ -82,6 +82,9 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
     entries in flight to it (``_inflight``: packet id -> seq, key and value;
     ``gen`` -> the session generation they were sent to), so that a broker
     that restarts re-sends them under their packet identifiers.
+``{cid}_id_owner``, ``{cid}_ecq_owner``
+    who holds the client ID (:func:`client_id_owner_key`) and whose its queue is
+    (:func:`queue_owner_key`): an owner's name (persistence/owner_store.py).
 ``{cid}_bytes``
     the size of the messages stored (values as stored), for the per-client
     byte limit; messages that expire unread still count until the set empties.
@@ -577,6 +580,18 @@ def queue_keys(client_id: str) -> QueueKeys:
         p + "claims",
         p + "tokens",
     )
+
+
+def client_id_owner_key(client_id: str) -> str:
+    """Who holds the client ID (``auth.client_id_owner: first``), in its client's slot:
+    the owner's name, expiring ``auth.client_id_release_after`` after its last use."""
+    return "{" + _tag(client_id) + "}_id_owner"
+
+
+def queue_owner_key(client_id: str) -> str:
+    """Whose the $ECQ queue ``client_id`` consumes is (its first consumer's owner), in
+    its client's slot, beside the queue's keys; kept until an admin changes it."""
+    return "{" + _tag(client_id) + "}_ecq_owner"
 
 
 def packet_id_of(score: int) -> int:

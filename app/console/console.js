@@ -5,7 +5,7 @@
 "use strict";
 
 const TOKEN_KEY = "devicemq.admin.token";
-const STATS_EVERY_MS = 5000;
+const REFRESH_EVERY_MS = 5000; // the headline, sessions and block list, while "Auto-refresh" is on
 const PAGE_SIZE = 50;
 const PEEK = 20;
 
@@ -74,8 +74,10 @@ function text(value) {
   return value === null || value === undefined || value === "" ? "—" : String(value);
 }
 
+// Times in UTC, written as the CLI writes them (app/admin_cli.py): 2026-11-28 14:24:08Z
 function when(epoch) {
-  return epoch ? new Date(epoch * 1000).toLocaleString() : "—";
+  if (!epoch) return "—";
+  return new Date(epoch * 1000).toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z");
 }
 
 function duration(seconds) {
@@ -174,6 +176,16 @@ async function loadStats() {
     return ((s[key] - lastStats.s[key]) / (now - lastStats.at)).toFixed(1);
   };
   const pairs = STATS.map(([key, label]) => ["stat-" + key, label, text(s[key])]);
+  const health = s.health; // what /ready answers, the Kafka lag and the backlog (app/serve.py)
+  if (health) {
+    pairs.unshift(["stat-ready", "Ready", health.ready ? "yes" : "no: " + text(health.reason)]);
+    if (health.kafka_lag !== null) {
+      pairs.push(["stat-kafka-lag", "Kafka consumer lag (records)", text(health.kafka_lag)]);
+    }
+    if (health.backlog !== null) {
+      pairs.push(["stat-backlog", "Stored for persistent sessions", text(health.backlog)]);
+    }
+  }
   pairs.push(["stat-in-rate", "Received / s", rate("messages_received")]);
   pairs.push(["stat-out-rate", "Sent / s", rate("messages_sent")]);
   for (const rule of s.integrations || []) {
@@ -182,6 +194,8 @@ async function loadStats() {
     pairs.push(["stat-rule-" + rule.name, label, `${rule.produced} / ${rule.failed}`]);
   }
   facts($("stats"), pairs);
+  const ready = $("stats").querySelector('[data-testid="stat-ready"]');
+  if (ready) ready.classList.add(health.ready ? "ready" : "not-ready");
   $("stats-node").textContent = s.node ? "replica " + s.node : "";
   lastStats = { s, at: now };
 }
@@ -415,6 +429,23 @@ function onClick(id, action) {
   $(id).addEventListener("click", () => run(action));
 }
 
+// -- auto-refresh ------------------------------------------------------------------------
+
+let refreshes = 0; // completed automatic refreshes (data-refreshes on #updated)
+
+async function autoRefresh() {
+  if (document.hidden || !$("auto-refresh").checked) return;
+  try {
+    await Promise.all([loadStats(), loadSessions(), loadBlocked()]);
+  } catch (error) {
+    showError(error);
+    return;
+  }
+  refreshes += 1;
+  $("updated").textContent = "updated " + when(Date.now() / 1000);
+  $("updated").dataset.refreshes = String(refreshes);
+}
+
 function showTokenState() {
   $("token").placeholder = token() ? "token set (this tab)" : "none";
 }
@@ -467,9 +498,7 @@ function init() {
   onSubmit("retained-form", loadRetained);
   showTokenState();
   run(loadAll);
-  setInterval(() => {
-    if (!document.hidden) loadStats().catch(showError);
-  }, STATS_EVERY_MS);
+  setInterval(autoRefresh, REFRESH_EVERY_MS);
 }
 
 init();

@@ -104,12 +104,9 @@ def _authenticated(conn: MQTTConnection, packet: Connect, result: AuthResult) ->
         conn.username = result.username
         conn.grant = result.grant
         # Who the client is is known now: a username entry also names a user whose
-        # identity came from its certificate, and only a client that proved who it
-        # is counts for flapping (nobody gets another client blocked by naming it).
-        broker = conn.broker
-        blocked = broker.blocked(packet.client_id, conn.username, conn.address)
-        if blocked is None:
-            blocked = broker.flapping(packet.client_id)
+        # identity came from its certificate. Flapping is counted later, once the
+        # client ID and its session are known to be this client's (_opened).
+        blocked = conn.broker.blocked(packet.client_id, conn.username, conn.address)
         if blocked is not None:
             raise _banned(blocked)
         _accept(conn, packet)
@@ -141,6 +138,11 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         client_id = assigned = broker.assign_client_id()
     if len(client_id.encode()) > mqtt.max_client_id_length:  # a length in bytes
         raise ConnectRefused(ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, "client id too long")
+    not_users = broker.client_id_refusal(conn, client_id) if assigned is None else ""
+    if not_users:  # auth.client_id_owner username: the ID is not this user's
+        raise ConnectRefused(
+            ReasonCode.CLIENT_IDENTIFIER_NOT_VALID, not_users, "client_id_not_the_users"
+        )
 
     will = _will(conn, packet, client_id)
     acl = broker.acl
@@ -177,12 +179,8 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
         conn.client_topic_alias_maximum = properties.topic_alias_maximum
     conn.request_problem_information = properties.request_problem_information != 0
 
-    broker.open_session(
-        conn,
-        client_id,
-        packet.clean_start,
-        expiry,
-        lambda session, present, refused: _opened(
+    def opened(session: Session | None, present: bool, refused: str) -> None:
+        _opened(
             conn,
             packet,
             session,
@@ -192,8 +190,20 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
             assigned,
             requested_expiry,
             server_keep_alive,
-        ),
-    )
+        )
+
+    def claimed(refused: str) -> None:
+        if conn.state is not ConnectionState.AWAITING_CONNECT:
+            return  # the socket closed while the claim was asked
+        if refused:
+            opened(None, False, f"client_id_{refused}")
+            return
+        broker.open_session(conn, client_id, packet.clean_start, expiry, opened)
+
+    if assigned is not None:  # random: nobody else's, and not worth a claim
+        claimed("")
+    else:  # auth.client_id_owner first: the ID must be this owner's, or free
+        broker.claim_client_id(conn, client_id, claimed)
 
 
 def _opened(
@@ -211,7 +221,15 @@ def _opened(
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         return  # the socket closed while the session was opened
     if session is None:
-        if refused == "not_owner":
+        if refused == "client_id_not_owner":
+            who = f"user {conn.username!r}" if conn.username is not None else "anonymous"
+            refusal = ConnectRefused(
+                ReasonCode.NOT_AUTHORIZED,
+                f"client id {conn.client_id!r} belongs to another owner ({who}; "
+                "auth.client_id_owner: first)",
+                "client_id_owned_by_another",
+            )
+        elif refused == "not_owner":
             who = f"user {conn.username!r}" if conn.username is not None else "anonymous"
             refusal = ConnectRefused(
                 ReasonCode.NOT_AUTHORIZED,
@@ -231,9 +249,16 @@ def _opened(
         _refuse(conn, refusal)
         return
     broker = conn.broker
+    client_id = session.client_id
+    # Counted only now that the client proved who it is and may use the client ID and
+    # its session: nobody gets another client banned by connecting with its ID.
+    flapping = broker.flapping(client_id)
+    if flapping is not None:
+        _refuse(conn, _banned(flapping))
+        broker.ban(flapping)
+        return
     mqtt = broker.settings.mqtt
     v5 = conn.is_v5
-    client_id = session.client_id
     expiry = session.expiry_interval
     broker.acl.client_connected(client_id, conn.username, conn.grant)
     conn.will = will
@@ -264,13 +289,47 @@ def _opened(
     )
     session.outflow.resume()
     if consumer_filter(client_id) in session.subscriptions:
-        conn.broker.consume_queue(session)  # a resumed session consuming its queue
+        _resume_queue(conn, session)  # a resumed session consuming its queue
     elif present and session.durable:
         conn.broker.restore_queue_inflight(session)  # queue entries it may still hold
     for topic_filter in session.subscriptions:
         if is_group_filter(topic_filter):
             conn.broker.join_group(session, topic_filter)  # a member of a group queue again
     conn.release_input()
+
+
+def _resume_queue(conn: MQTTConnection, session: Session) -> None:
+    """A resumed session holds ``$ECQ/{cid}/#``: the queue is delivered again only if
+    its read rule and its owner still let this client (broker/ownership.py); else the
+    subscription goes, as if refused at SUBSCRIBE, and the entries wait for the
+    owner. An unreachable claim store delivers nothing until the next connection."""
+    broker = conn.broker
+
+    def claimed(refused: str) -> None:
+        topic_filter = consumer_filter(session.client_id)
+        if conn.session is not session or topic_filter not in session.subscriptions:
+            return  # gone meanwhile, or unsubscribed
+        if not refused:
+            broker.consume_queue(session)
+            return
+        client_id = session.client_id
+        if refused == "unavailable":
+            log.warning("client %s: its queue's owner could not be checked", client_id)
+            return
+        log.info("client %s may no longer consume its queue (%s)", client_id, refused)
+        broker.stats.drop("ecq_subscribe_refused")
+        session.subscriptions.pop(topic_filter, None)
+        broker.subscriptions.remove(client_id, topic_filter)
+        if broker.cluster is not None:
+            broker.cluster.unsubscribed(session, topic_filter)
+        if session.durable:
+            broker.persistent_path.save_session(session, _ignore)
+
+    broker.claim_queue(conn, claimed)
+
+
+def _ignore(ok: bool) -> None:
+    """A session saved with nobody waiting on it."""
 
 
 def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage | None:

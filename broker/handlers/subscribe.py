@@ -84,9 +84,21 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             continue
         qos = min(request.qos, mqtt.maximum_qos)
         if verdict is SubscribeVerdict.CONSUMER:
-            qos = 1  # its messages go at QoS 1: the acknowledgements move the queue on
-            queue.subscribed = True
-        elif group:
+            # Its messages go at QoS 1: the acknowledgements move the queue on. Held
+            # until its read rule and owner are known (below).
+            queue.indexes.append(len(reason_codes))
+            reason_codes.append(1)
+            queue.entry = SubscriptionEntry(
+                conn.client_id,
+                request.topic_filter,
+                1,
+                request.no_local,
+                request.retain_as_published,
+                request.retain_handling,
+                subscription_id,
+            )
+            continue
+        if group:
             qos = 1  # a group queue's entries go at QoS 1: an acknowledgement ends one
             joined.append(request.topic_filter)
         entry = SubscriptionEntry(
@@ -98,19 +110,14 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             request.retain_handling,
             subscription_id,
         )
-        is_new = broker.subscriptions.add(entry)
-        session.subscriptions[request.topic_filter] = entry
-        if broker.cluster is not None:
-            broker.cluster.subscribed(session, entry)
+        is_new = _add(conn, entry)
         reason_codes.append(qos)
         # Retained messages: not for a new shared subscription (spec 4.8.2),
         # and as Retain Handling says (MQTT-3.3.1-9, -10, -11). A filter
         # repeated in this packet replaces its subscription each time, but its
         # retained messages are sent once: repeating it cannot multiply work.
-        if (
-            entry.share_group is None
-            and verdict is not SubscribeVerdict.CONSUMER  # a queue has no retained messages
-            and (request.retain_handling == 0 or (request.retain_handling == 1 and is_new))
+        if entry.share_group is None and (
+            request.retain_handling == 0 or (request.retain_handling == 1 and is_new)
         ):
             retained[request.topic_filter] = qos
 
@@ -131,17 +138,54 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
             for topic_filter, granted in retained.items():
                 broker.send_retained(session, topic_filter, granted, ids)
 
-    _after_save(conn, saved)
+    wanted = queue.entry
+    if wanted is None:
+        _after_save(conn, saved)
+        return
+
+    def claimed(refused: str) -> None:
+        if conn.session is not session:
+            return  # gone meanwhile: no SUBACK to send
+        if refused:
+            # 0x87 Not authorized (3.1.1: 0x80), as for any filter the ACL refuses.
+            code = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
+            if refused == "unavailable":
+                code = ReasonCode.UNSPECIFIED_ERROR
+            for i in queue.indexes:
+                reason_codes[i] = code
+            broker.stats.drop("ecq_subscribe_refused")
+            log.info("client %s may not consume its queue (%s)", conn.client_id, refused)
+        else:
+            _add(conn, wanted)
+            queue.subscribed = True
+        _after_save(conn, saved)
+
+    # The ACL's read rule for $ECQ/{cid}/#, then the queue's owner (broker/ownership.py).
+    broker.claim_queue(conn, claimed)
+
+
+def _add(conn: MQTTConnection, entry: SubscriptionEntry) -> bool:
+    """The subscription in force (replacing the filter's older one); True: it is new."""
+    session = conn.session
+    assert session is not None
+    broker = conn.broker
+    is_new = broker.subscriptions.add(entry)
+    session.subscriptions[entry.topic_filter] = entry
+    if broker.cluster is not None:
+        broker.cluster.subscribed(session, entry)
+    return is_new
 
 
 class _Queue:
     """What a SUBSCRIBE asked of the client's own queue ($ECQ, broker/ecq.py)."""
 
-    __slots__ = ("rewind", "subscribed")
+    __slots__ = ("entry", "indexes", "rewind", "subscribed")
 
     def __init__(self) -> None:
         self.subscribed = False
         self.rewind: int | None = None
+        self.entry: SubscriptionEntry | None = None  # its subscription, once allowed
+        self.indexes: list[int] = []  # where its SUBACK codes are
 
 
 def _queue_refusal(

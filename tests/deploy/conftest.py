@@ -68,6 +68,7 @@ class ComposeBroker:
     port: int
     metrics_port: int
     log_path: Path
+    admin_port: int = 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -167,7 +168,8 @@ def compose_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose
         env = compose_env_for_test(redis.port, bootstrap_of(tansu), tmp / "data")
         process_env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
         process_env.update(env)
-        process_env.update(admin_env())
+        admin = admin_env()
+        process_env.update(admin)
         process_env["PYTHONPATH"] = str(REPO)
         log_path = tmp / "devicemq.log"
         with log_path.open("wb") as log:
@@ -185,6 +187,7 @@ def compose_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose
             int(env["DEVICEMQ_LISTENER_PORT"]),
             int(env["DEVICEMQ_METRICS_PORT"]),
             log_path,
+            int(admin["DEVICEMQ_ADMIN_PORT"]),
         )
         _wait_ready(broker)
         yield broker

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.error
+import urllib.request
 import uuid
+from pathlib import Path
+
+import yaml
 
 from tests.deploy.conftest import REPO, ComposeBroker, http_get, json_of
 from tests.e2e.clients import V311, Paho
 
 DASHBOARD = REPO / "config" / "grafana" / "dashboards" / "devicemq.json"
+ALERTS = REPO / "config" / "prometheus" / "alerts.yml"
 
 
 def test_health_and_ready(compose_broker: ComposeBroker) -> None:
@@ -19,6 +26,10 @@ def test_health_and_ready(compose_broker: ComposeBroker) -> None:
     ready = json_of(body)
     assert status == 200 and ready["ready"] is True, body
     assert ready["partitions"] == int(compose_broker.env["DEVICEMQ_PERSISTENCE_PARTITIONS"])
+    # ... and the same as series (issue 40: the dashboard could only show "serving")
+    assert compose_broker.metric("devicemq_ready") == 1
+    assert compose_broker.metric("devicemq_unready_reason") == 0  # every reason at 0
+    assert compose_broker.metric("devicemq_unready_reason", reason="kafka") == 0
 
 
 def test_logs_are_json_lines(compose_broker: ComposeBroker) -> None:
@@ -116,18 +127,27 @@ def test_metrics_follow_prometheus_conventions(compose_broker: ComposeBroker) ->
         "devicemq_delivery_latency_seconds",
     ):
         assert needed in ours, needed
+    # Issue 40: the labelled failure counters have their series before their first
+    # event, so rate() and increase() alerts see it (and their panels are not empty).
+    for series in (
+        'devicemq_redis_script_errors_total{script="save_batch"} 0.0',
+        'devicemq_redis_script_errors_total{script="queue_save"} 0.0',
+        'devicemq_publish_dropped_total{reason="queue_full"} 0.0',
+        'devicemq_connections_rejected_total{reason="banned"} 0.0',
+        'devicemq_writes_given_up_total{writer="session_saves"} 0.0',
+    ):
+        assert series in text, series
     lag = [line for line in text.splitlines() if line.startswith("devicemq_kafka_consumer_lag")]
     partitions = int(compose_broker.env["DEVICEMQ_PERSISTENCE_PARTITIONS"])
     assert len(lag) == partitions  # one series per assigned partition, no per-client labels
 
 
-def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+def assert_exported(compose_broker: ComposeBroker, exprs: list[str], what: str) -> None:
+    """Every devicemq_* name in the PromQL ``exprs`` is a series /metrics exports."""
     status, text = http_get(compose_broker.url("/metrics"))
     assert status == 200
     exported = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
     samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
-    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert exprs
     used = {m for e in exprs for m in re.findall(r"\bdevicemq_[a-z_]+", e)}
     assert used
@@ -136,8 +156,35 @@ def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) 
         # the check holds whichever tests ran before on the module's broker.
         family = re.sub(r"_(bucket|sum|count)$", "", name)
         assert name in exported or name in samples or family in exported, (
-            f"dashboard uses {name}, not exported"
+            f"{what} uses {name}, not exported"
         )
+
+
+def test_alerts_query_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+    rules = yaml.safe_load(ALERTS.read_text(encoding="utf-8"))
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    assert_exported(compose_broker, exprs, "config/prometheus/alerts.yml")
+
+
+def test_dashboard_queries_only_exported_metrics(compose_broker: ComposeBroker) -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert_exported(compose_broker, exprs, "the dashboard")
+    # ... and every family exported is on a panel (issue 40: 32 were on none)
+    status, text = http_get(compose_broker.url("/metrics"))
+    assert status == 200
+    families = set(re.findall(r"^# TYPE (devicemq_\w+) ", text, re.MULTILINE))
+    # a gauge histogram's _gcount and _gsum come as families of their own
+    families = {
+        re.sub(r"_(gcount|gsum)$", "", f) for f in families if not f.startswith("devicemq_process_")
+    }
+    shown = {
+        re.sub(r"_(bucket|sum|count)$", "", m)
+        for e in exprs
+        for m in re.findall(r"\bdevicemq_[a-z_]+", e)
+    }
+    missing = sorted(families - shown)
+    assert not missing, f"exported, on no panel of {DASHBOARD.name}: {missing}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("throughput", "latency", "backlog", "lag", "connections"):
         assert topic in titles
@@ -166,3 +213,81 @@ def test_readme_lists_exported_metrics(compose_broker: ComposeBroker) -> None:
         and not n.endswith(("_count", "_sum", "_gcount", "_gsum"))
     )
     assert not undocumented, f"/metrics has series README does not list: {undocumented}"
+
+
+def test_backlog_of_the_fullest_session_and_its_limit(compose_broker: ComposeBroker) -> None:
+    """What the backlog alert compares (config/prometheus/alerts.yml): the largest
+    backlog of one session, and persistence.max_messages_per_client."""
+    assert compose_broker.metric("devicemq_persisted_backlog_limit_messages") == 10_000
+    topic = f"deploy/{uuid.uuid4().hex[:8]}/backlog"
+    login = compose_broker.credentials
+    device = Paho(compose_broker, f"deploy-full-{uuid.uuid4().hex[:6]}", V311, **login)
+    publisher = Paho(compose_broker, f"deploy-pub-{uuid.uuid4().hex[:6]}", V311, **login)
+    try:
+        device.connect(clean_start=False)
+        assert device.subscribe(topic, 1) == [1]
+        device.disconnect()
+        publisher.connect()
+        for i in range(7):
+            publisher.publish(topic, b"%d" % i, qos=1)
+        # counted at most every 5 s (app/metrics.py REFRESH_INTERVAL): poll for it
+        deadline = time.monotonic() + 20
+        while compose_broker.metric("devicemq_persisted_backlog_client_max_messages") < 7:
+            assert time.monotonic() < deadline, "the fullest session's backlog never showed 7"
+            time.sleep(0.5)
+        largest = compose_broker.metric("devicemq_persisted_backlog_client_max_messages")
+        assert largest <= compose_broker.metric("devicemq_persisted_backlog_messages")
+        device.connect(clean_start=False)
+        assert [device.get(timeout=15).payload for _ in range(7)] == [b"%d" % i for i in range(7)]
+    finally:
+        device.close()
+        publisher.close()
+
+
+def _admin_get(broker: ComposeBroker, token: str | None) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{broker.admin_port}/api/v1/sessions")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_admin_token_is_generated_once_and_read_again_when_changed(
+    compose_broker: ComposeBroker,
+) -> None:
+    """Issue 40: the console reachable from the host under compose, with a token made
+    at the first start (admin.generate_token), shown once in the log, kept in the
+    file (the compose volume), and read again when the file changes."""
+    token_file = Path(compose_broker.env["DEVICEMQ_ADMIN_TOKEN_FILE"])
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    log = compose_broker.log()
+    assert log.count(token) == 1, "the generated token is logged exactly once"
+    assert "admin token" in log
+    assert _admin_get(compose_broker, None) == 401
+    assert _admin_get(compose_broker, "wrong") == 401
+    assert _admin_get(compose_broker, token) == 200
+
+    new = "rotated-" + uuid.uuid4().hex
+    try:
+        token_file.write_text(new + "\n")
+        # noticed by mtime, at most one stat() a second (broker/watched_file.py)
+        deadline = time.monotonic() + 10
+        while _admin_get(compose_broker, new) != 200:
+            assert time.monotonic() < deadline, "the changed token file was not read again"
+            time.sleep(0.2)
+        assert _admin_get(compose_broker, token) == 401
+        token_file.write_text("")  # an empty file keeps the token in force
+        deadline = time.monotonic() + 10
+        while "is empty: the token in force stays" not in compose_broker.log():
+            assert time.monotonic() < deadline, "the emptied token file was not looked at"
+            assert _admin_get(compose_broker, new) == 200
+            time.sleep(0.2)
+        assert _admin_get(compose_broker, new) == 200
+        assert new not in compose_broker.log()
+    finally:
+        token_file.write_text(token + "\n")

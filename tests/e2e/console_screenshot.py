@@ -17,10 +17,11 @@ from selenium.webdriver.common.by import By
 
 from app.admin_cli import AdminClient
 from tests.conftest import free_port
+from tests.e2e.admin import TOKEN, answering, persistent_subscriber, publish
+from tests.e2e.admin import wait_for as _wait_for
 from tests.e2e.browser import start_chromium, wait_for
 from tests.e2e.clients import V5, V311, Paho
 from tests.e2e.conftest import start_broker
-from tests.e2e.test_admin_api import TOKEN, _admin_up, _persistent_subscriber, _publish, _wait_for
 
 BACKLOGS = {"meter-0017": 12, "meter-0042": 3, "valve-north-2": 0}
 ONLINE = [("gateway-eu-1", V5), ("thermostat-kitchen", V311)]
@@ -35,11 +36,10 @@ def main(out: Path) -> None:
     )
     clients: list[Paho] = []
     try:
-        api = AdminClient(f"http://127.0.0.1:{port}", TOKEN)
-        _wait_for(lambda: _admin_up(api), "the admin API answers")
+        api = answering(AdminClient(f"http://127.0.0.1:{port}", TOKEN))
         for cid, n in BACKLOGS.items():
-            _persistent_subscriber(broker, cid, f"plant/{cid}/cmd")
-            _publish(broker, f"plant/{cid}/cmd", n, "console-demo-pub")
+            persistent_subscriber(broker, cid, f"plant/{cid}/cmd").close()
+            publish(broker, f"plant/{cid}/cmd", n, "console-demo-pub")
         for cid, version in ONLINE:
             client = Paho(broker, cid, version)
             client.connect()
@@ -80,7 +80,14 @@ def main(out: Path) -> None:
                 ),
                 "the sessions and the block list",
             )
-            # the second refresh of the headline numbers fills the rates in
+            # readiness, then the second refresh of the headline numbers fills the rates in
+            wait_for(
+                driver,
+                lambda d: (
+                    d.find_element(By.CSS_SELECTOR, '[data-testid="stat-ready"] dd').text == "yes"
+                ),
+                "the broker ready",
+            )
             wait_for(
                 driver,
                 lambda d: (

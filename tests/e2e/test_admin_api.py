@@ -281,6 +281,30 @@ def test_the_cli_lists_kicks_and_blocks(
     client.close()
 
 
+def test_the_cli_reads_the_brokers_token_file_from_its_environment(
+    server: tuple[BrokerProcess, AdminClient],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`docker compose exec devicemq devicemq sessions list` (issue 40): the CLI in
+    the broker's container finds the token through DEVICEMQ_ADMIN_TOKEN_FILE."""
+    _broker, api = server
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.delenv("DEVICEMQ_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("DEVICEMQ_ADMIN_TOKEN_FILE", str(token_file))
+    assert cli.main(["sessions", "list", "--url", api.url]) == 0
+    assert capsys.readouterr().out.startswith("CLIENT_ID")
+    monkeypatch.setenv("DEVICEMQ_ADMIN_TOKEN", "wrong")  # the token itself comes first
+    assert cli.main(["sessions", "list", "--url", api.url]) == 1
+    assert "401" in capsys.readouterr().err
+    monkeypatch.delenv("DEVICEMQ_ADMIN_TOKEN")
+    monkeypatch.setenv("DEVICEMQ_ADMIN_TOKEN_FILE", str(tmp_path / "missing"))
+    assert cli.main(["sessions", "list", "--url", api.url]) == 1
+    assert "cannot read the token file" in capsys.readouterr().err
+
+
 # -- brokers of their own --------------------------------------------------------------------
 
 

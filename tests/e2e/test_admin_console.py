@@ -5,6 +5,7 @@ and real MQTT clients (paho). What the page did is checked through the API.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,3 +213,97 @@ def test_integration_rules_and_their_counts_in_the_headline(
         _enter_token(driver, TOKEN)
         wait_for(driver, lambda d: _fact(d, "stat-rule-all") == "3 / 0", "the rule's count")
         client.close()
+
+
+# -- issue 40: readiness, auto-refresh, UTC times ---------------------------------------------
+
+REFRESH_S = 5.0  # console.js REFRESH_EVERY_MS
+
+
+def _utc(epoch: float) -> str:
+    """How the CLI writes a time (app/admin_cli.py), which the console must match."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch)) + "Z"
+
+
+def _refreshes(driver: WebDriver) -> int:
+    return int(driver.find_element(By.ID, "updated").get_attribute("data-refreshes") or 0)
+
+
+def test_auto_refresh_readiness_and_utc_times(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    """The headline shows /ready's answer and the Kafka lag; the sessions table
+    follows the broker without a click while Auto-refresh is on, and not when it
+    is off; times are UTC (as the CLI prints them) whatever the browser's zone."""
+    broker, api = server
+    driver = chromium
+    # a browser far from UTC (+14 h): local times would show another day
+    driver.execute_cdp_cmd("Emulation.setTimezoneOverride", {"timezoneId": "Pacific/Kiritimati"})
+    late: list[Paho] = []
+    try:
+        _open(driver, api.url + "/")
+        _enter_token(driver, TOKEN)
+        wait_for(driver, lambda d: _fact(d, "stat-ready") == "yes", "Ready: yes")
+        ready = driver.find_element(By.CSS_SELECTOR, '[data-testid="stat-ready"]')
+        assert "ready" in (ready.get_attribute("class") or "").split()
+        assert _fact(driver, "stat-kafka-lag").isdigit()
+        health = api.call("GET", "stats")["health"]
+        assert health["ready"] is True and health["reason"] is None
+
+        # a session made after the page loaded shows up by itself, at a refresh
+        wait_for(driver, lambda d: _sessions_listed(d) is not None, "the first load")
+        cid = "console-auto-1"
+        before = _refreshes(driver)
+        persistent_subscriber(broker, cid, "console/auto").close()
+        row = wait_for(
+            driver,
+            lambda d: _refreshes(d) > before + 1 and _session_row(d, cid),
+            f"{cid} without a click",
+        )
+        last_seen = api.call("GET", api.session_path(cid))["last_seen"]
+        cells = row.find_elements(By.TAG_NAME, "td")
+        assert cells[-1].text == _utc(last_seen)
+        assert driver.execute_script("return new Date().getTimezoneOffset()") == -14 * 60
+        updated = driver.find_element(By.ID, "updated").text
+        assert updated.startswith("updated ") and updated.endswith("Z")
+
+        # off: nothing changes by itself any more
+        driver.find_element(By.ID, "auto-refresh").click()
+        assert not driver.find_element(By.ID, "auto-refresh").is_selected()
+        before = _refreshes(driver)
+        client = Paho(broker, "console-auto-2", V5)
+        late.append(client)
+        assert client.connect().reason_code == 0
+        time.sleep(REFRESH_S * 1.6)  # more than one refresh interval: none may come
+        assert _refreshes(driver) == before
+        assert _session_row(driver, "console-auto-2") is None
+        # on again: it comes
+        driver.find_element(By.ID, "auto-refresh").click()
+        wait_for(driver, lambda d: _session_row(d, "console-auto-2"), "the refresh turned on")
+        assert _error(driver) == ""
+    finally:
+        driver.execute_cdp_cmd("Emulation.setTimezoneOverride", {"timezoneId": ""})
+        for client in late:
+            client.close()
+
+
+def test_the_console_shows_a_broker_that_lost_redis_and_kafka(
+    tmp_path: Path, chromium: WebDriver
+) -> None:
+    """Its embedded Redis and Kafka stopped under it: the headline turns to "no"
+    with /ready's reason, by itself (auto-refresh)."""
+    with admin_broker(tmp_path / "b") as (broker, api):
+        driver = chromium
+        _open(driver, api.url + "/")
+        _enter_token(driver, TOKEN)
+        wait_for(driver, lambda d: _fact(d, "stat-ready") == "yes", "Ready: yes")
+        broker.stop_services()
+        wait_for(
+            driver,
+            lambda d: _fact(d, "stat-ready").startswith("no: redis unreachable"),
+            "Ready: no, naming Redis",
+            timeout=30,
+        )
+        ready = driver.find_element(By.CSS_SELECTOR, '[data-testid="stat-ready"]')
+        assert "not-ready" in (ready.get_attribute("class") or "").split()
+        assert api.call("GET", "stats")["health"]["ready"] is False

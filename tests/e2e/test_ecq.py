@@ -339,10 +339,11 @@ def test_a_resumed_session_gets_its_unacknowledged_entry_again_under_its_packet_
 def test_an_acl_file_without_queue_rules_still_delivers_a_queue(
     tmp_path: Path, clients: Clients, names: Names
 ) -> None:
-    """A queue's exclusive subscription is its read rule: an ACL whose ``#`` cannot
-    match ``$`` topics must not make its entries undeliverable (and acknowledged)."""
+    """An ACL whose ``#`` cannot match ``$`` topics must not make a queue's entries
+    undeliverable (and acknowledged): the consumer's read rule is asked at SUBSCRIBE
+    (issue 45: the ACL governs queue reads), never per entry."""
     acl = tmp_path / "acl"
-    acl.write_text("topic readwrite #\ntopic write $ECQ/w/#\n")
+    acl.write_text("topic readwrite #\ntopic write $ECQ/w/#\npattern read $ECQ/%c/#\n")
     with admin_broker(tmp_path / "b", **{"auth.acl_file": str(acl)}) as (broker, api):
         queue = names.client("device")
         producer = _producer(clients, broker, names)

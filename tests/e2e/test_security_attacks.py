@@ -17,6 +17,7 @@ right code, every refusal is counted), never a tight timing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ import pytest
 from broker.auth import hash_password, write_password_file
 from broker.codec import encode
 from broker.packets import (
+    ConnAck,
     Connect,
     Disconnect,
     PingResp,
@@ -1015,3 +1017,205 @@ def test_one_owner_cannot_open_sessions_without_bound(
     assert login(again, "eve", "eve-pw", clean_start=False, properties=expiry) == 0
     other = clients.paho(broker, names.client("bob-dev"))  # others are not affected
     assert login(other, "bob", "bob-pw", clean_start=False, properties=expiry) == 0
+
+
+# ------------------------------------------- issue 45: queues and client IDs owned, bans
+
+
+OWNERS = {"dev7": "dev7-pw", "dev8": "dev8-pw", "dev9": "dev9-pw", "alice": "alice-pw"}
+OWNERS_ACL = (
+    "user alice\ntopic write $ECQ/w/#\n"
+    "user mallory\ntopic readwrite mallory/#\n"
+    "user dev7\ntopic read $ECQ/dev-7/#\n"
+    "user dev8\ntopic readwrite dev8/#\n"
+)
+
+
+def owners_broker(
+    factory: Factory, tmp_path: Path, acl_text: str = OWNERS_ACL, **settings: object
+) -> BrokerProcess:
+    """Issue 45's set-up: a password file with an ACL, persistence on (queues). Users
+    alice (writes $ECQ/w/#), mallory (mallory/# only), dev7, dev8, dev9."""
+    passwd = tmp_path / "passwd"
+    users = {**OWNERS, "mallory": "mallory-pw"}
+    write_password_file(passwd, {user: hash_password(pw) for user, pw in users.items()})
+    acl = tmp_path / "acl"
+    acl.write_text(acl_text)
+    return factory(
+        {
+            "auth.password_file": passwd,
+            "auth.acl_file": acl,
+            "persistence.enabled": True,
+            **settings,
+        }
+    )
+
+
+def as_user(broker: BrokerProcess, client_id: str, user: str, version: int = 5) -> Paho:
+    password = OWNERS.get(user, f"{user}-pw")
+    return Paho(
+        broker, client_id, version, name=f"{user}@{client_id}", username=user, password=password
+    )
+
+
+def _write_queue(broker: BrokerProcess, queue: str, *values: bytes) -> None:
+    writer = as_user(broker, f"writer-{uuid.uuid4().hex[:8]}", "alice")
+    assert writer.connect().reason_code == 0
+    for i, value in enumerate(values):
+        assert writer.publish(f"$ECQ/w/{queue}/k{i}", value, qos=1) == 0
+    writer.disconnect()
+
+
+def _rewind_all() -> Any:
+    from paho.mqtt.packettypes import PacketTypes
+
+    from tests.e2e.clients import props
+
+    return props(PacketTypes.SUBSCRIBE, UserProperty=[("rewind", "1")])
+
+
+def test_another_user_cannot_read_a_devices_queue(tmp_path: Path, broker_factory: Factory) -> None:
+    """Issue 45, 1: dev7 consumed its queue (``door-code 4711``) with a clean session and
+    left; mallory connected with the client ID ``dev-7`` and her own password (CONNACK
+    success), subscribed ``$ECQ/dev-7/#`` with ``rewind=1`` and got both entries."""
+    broker = owners_broker(broker_factory, tmp_path)
+    _write_queue(broker, "dev-7", b"door-code 4711", b"fan on")
+    device = as_user(broker, "dev-7", "dev7")
+    assert device.connect().reason_code == 0
+    assert device.subscribe("$ECQ/dev-7/#", 1) == [1]
+    assert sorted(m.payload for m in device.get_n(2)) == [b"door-code 4711", b"fan on"]
+    device.disconnect()
+    mallory = as_user(broker, "dev-7", "mallory")
+    connack = mallory.connect().reason_code
+    if connack == 0:  # in, as on 282301f: what her subscription gets is the attack
+        mallory.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all())
+        stolen = mallory.get_optional(timeout=1.0)
+        assert not stolen, f"mallory read dev7's queue: {[m.payload for m in stolen]}"
+    assert connack == 0x87  # auth.client_id_owner first: the ID is dev7's
+    # the ACL governs queue reads: dev8 has no read rule for its own queue
+    _write_queue(broker, "dev-8", b"secret")
+    dev8 = as_user(broker, "dev-8", "dev8")
+    assert dev8.connect().reason_code == 0
+    assert dev8.subscribe("$ECQ/dev-8/#", 1) == [0x87]
+    dev8.assert_no_message(timeout=1.0)
+    # the owner still reads its queue again
+    again = as_user(broker, "dev-7", "dev7")
+    assert again.connect().reason_code == 0
+    assert again.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all()) == [1]
+    assert len(again.get_n(2)) == 2
+
+
+def test_a_queue_stays_its_first_consumers_whoever_holds_the_client_id(
+    tmp_path: Path, broker_factory: Factory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same theft with client IDs unbound (``auth.client_id_owner: off``) and the ACL
+    rule every device's queue needs (``pattern read $ECQ/%c/#``, which matches mallory
+    as ``dev-7`` too): the queue itself refuses her, on MQTT 5 and 3.1.1, and an
+    admin can give it to her."""
+    from app.admin_cli import AdminClient
+    from tests.e2e.admin import TOKEN, answering
+
+    admin_port = free_port("127.0.0.1")
+    broker = owners_broker(
+        broker_factory,
+        tmp_path,
+        OWNERS_ACL + "pattern read $ECQ/%c/#\n",
+        **{"auth.client_id_owner": "off", "admin.port": admin_port, "admin.token": TOKEN},
+    )
+    api = answering(AdminClient(f"http://127.0.0.1:{admin_port}", TOKEN))
+    _write_queue(broker, "dev-7", b"door-code 4711")
+    device = as_user(broker, "dev-7", "dev7")
+    assert device.connect().reason_code == 0
+    assert device.subscribe("$ECQ/dev-7/#", 1) == [1]
+    assert device.get().payload == b"door-code 4711"
+    device.disconnect()
+    assert api.call("GET", "queues/dev-7/owner") == {"client_id": "dev-7", "owner": "dev7"}
+    for version in (5, V311):
+        mallory = as_user(broker, "dev-7", "mallory", version)
+        assert mallory.connect().reason_code == 0  # the ID is anyone's now
+        rewind = _rewind_all() if version == 5 else None
+        assert mallory.subscribe("$ECQ/dev-7/#", 1, properties=rewind) == [
+            0x87 if version == 5 else 0x80
+        ]
+        mallory.assert_no_message(timeout=1.0)
+        mallory.disconnect()
+    assert "may not consume its queue (not_owner)" in broker.log()
+    # an operator gives the queue to mallory (devicemq queues owner): hers from then on
+    from app import cli
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", api.url, "--token-file", str(token_file)]
+    assert cli.main(["queues", "owner", "dev-7", *common]) == 0
+    assert capsys.readouterr().out.strip() == "dev-7: owned by dev7"
+    assert cli.main(["queues", "owner", "dev-7", "--set", "mallory", *common, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["owner"], answer["before"]) == ("mallory", "dev7")
+    assert cli.main(["client-ids", "owner", "dev-7", *common]) == 0  # off: nobody holds IDs
+    assert capsys.readouterr().out.strip() == "dev-7: nobody's"
+    assert cli.main(["client-ids", "owner", "dev-7", "--release", *common]) == 1  # 404
+    mallory = as_user(broker, "dev-7", "mallory")
+    assert mallory.connect().reason_code == 0
+    assert mallory.subscribe("$ECQ/dev-7/#", 1, properties=_rewind_all()) == [1]
+    assert mallory.get().payload == b"door-code 4711"
+
+
+def test_a_free_client_id_is_not_taken_from_its_device(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """Issue 45, 2: once a device's session was gone, any user took its client ID with a
+    persistent session (up to 7 days): the real device was then refused 0x87."""
+    broker = owners_broker(broker_factory, tmp_path)
+    device = as_user(broker, "dev-7", "dev7")
+    assert device.connect().reason_code == 0
+    device.disconnect()
+    squatter = as_user(broker, "dev-7", "mallory", V311)
+    squatted = squatter.connect(clean_start=False).reason_code  # 3.1.1: a 7-day session
+    squatter.close()
+    assert device.connect().reason_code == 0, "the device lost its client ID"
+    assert squatted == 0x87  # return code 5 on the wire
+    assert "belongs to another owner" in broker.log()
+
+
+def test_client_ids_bound_to_user_names_cannot_be_squatted(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """``auth.client_id_owner: username``: even an ID its device never used is not
+    another user's to take (0x85, 3.1.1 return code 2); ``%u-*`` widens a user's."""
+    broker = owners_broker(
+        broker_factory,
+        tmp_path,
+        **{"auth.client_id_owner": "username", "auth.client_id_pattern": "%u-*"},
+    )
+    for cid in ("dev7", "dev7-kitchen"):
+        assert as_user(broker, cid, "mallory").connect(clean_start=False).reason_code == 0x85
+    raw = Raw(broker, level=4)
+    connack = raw.connect("dev7", clean_start=False, username="mallory", password=b"mallory-pw")
+    raw.close()
+    assert isinstance(connack, ConnAck) and connack.reason_code == 2  # identifier rejected
+    for cid in ("dev7", "dev7-kitchen"):
+        device = as_user(broker, cid, "dev7")
+        assert device.connect(clean_start=False).reason_code == 0
+        device.disconnect()
+
+
+def test_a_stranger_cannot_get_a_device_banned(tmp_path: Path, broker_factory: Factory) -> None:
+    """Issue 45, 3: flapping was counted per client ID before the ownership check: 16
+    CONNECTs as ``dev-9`` with another user's password got the real ``dev-9``
+    disconnected (0x98) and banned for 300 s, again and again."""
+    broker = owners_broker(
+        broker_factory, tmp_path, **{"flapping.enabled": True, "flapping.max_connects": 3}
+    )
+    device = as_user(broker, "dev-9", "dev9")
+    assert device.connect(keepalive=60).reason_code == 0
+    codes = []
+    for _ in range(8):
+        stranger = as_user(broker, "dev-9", "mallory")
+        codes.append(stranger.connect().reason_code)
+        stranger.close()
+    assert codes == [0x87] * 8
+    assert device.connected
+    assert device.disconnects.empty()
+    assert "is flapping" not in broker.log()
+    device.disconnect()
+    assert device.connect().reason_code == 0  # not banned

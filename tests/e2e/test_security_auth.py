@@ -109,9 +109,12 @@ def test_passwords_and_connack_codes(
     assert "refused" in log and "'alice'" in log
     assert "wrong" not in log and "alice-pw" not in log  # passwords are never logged
 
-    # A user added while the broker runs can log in a second later (the file is watched).
+    # A user added while the broker runs can log in a second later (the file is watched),
+    # with a client ID of her own: alice's stays alice's (auth.client_id_owner first).
     done = passwd("--password-stdin", str(pw), "carol", stdin="carol-pw\n")
     assert done.returncode == 0, done.stderr
+    assert login(client, "bob", "bob-pw") == 0x87
+    client = clients.paho(broker, names.client("c"))
     deadline = time.monotonic() + 5
     while login(client, "carol", "carol-pw") != 0:
         assert time.monotonic() < deadline, "carol never got in"

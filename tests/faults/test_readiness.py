@@ -55,6 +55,18 @@ def http_get(port: int, path: str, timeout: float = HTTP_TIMEOUT) -> tuple[int, 
         conn.close()
 
 
+def metrics_text(port: int) -> str:
+    """One /metrics scrape."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=HTTP_TIMEOUT * 2)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200
+        return response.read().decode()
+    finally:
+        conn.close()
+
+
 def metrics_settings(**extra: object) -> dict[str, object]:
     return {"metrics.enabled": True, "metrics.host": HOST, "metrics.port": free_port(HOST), **extra}
 
@@ -139,8 +151,13 @@ def test_ready_while_redis_is_down(stack_factory) -> None:  # type: ignore[no-un
         time.sleep(1.5)
         code, body = http_get(port, "/ready")
         assert code == 503 and "redis" in str(body.get("reason")).lower(), (code, body)
+        # The same as series (issue 40): what Prometheus and the dashboard see.
+        text = metrics_text(port)
+        assert "\ndevicemq_ready 0.0\n" in text
+        assert 'devicemq_unready_reason{reason="redis"} 1.0' in text
         stack.redis.start()
         wait_ready(port, 200, 15)  # by itself: nobody touches the broker
+        assert "\ndevicemq_ready 1.0\n" in metrics_text(port)
         _grows(pubs, 200, 20, "traffic after Redis came back")
         _finish(stack, sub, pubs)
         statuses = health.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -93,6 +94,76 @@ def test_the_token_file_is_read_and_its_problems_named(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as caught:
             admin_token(_settings(token_file=str(path)))
         assert "admin.token_file" in str(caught.value)
+
+
+def test_generate_token_creates_the_file_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """admin.generate_token (issue 40, docker-compose.yml): the file and its directory
+    made at the first start, 0600; a random token logged once; kept afterwards."""
+    path = tmp_path / "admin" / "token"
+    settings = _settings(token_file=str(path), generate_token=True)
+    with caplog.at_level("WARNING", logger="devicemq.admin"):
+        token = admin_token(settings)
+    assert token is not None and len(token) >= 32
+    assert path.read_text() == token + "\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert [r.getMessage().count(token) for r in caplog.records] == [1]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="devicemq.admin"):
+        assert admin_token(settings) == token  # the next start reads it
+    assert not caplog.records
+
+
+def test_generate_token_writes_the_operators_token_unlogged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "token"
+    settings = _settings(token_file=str(path), token="chosen-token", generate_token=True)
+    with caplog.at_level("WARNING", logger="devicemq.admin"):
+        assert admin_token(settings) == "chosen-token"
+    assert path.read_text() == "chosen-token\n"
+    assert "chosen-token" not in caplog.text and str(path) in caplog.text
+
+
+def test_generate_token_problems_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"admin\.generate_token needs admin\.token_file"):
+        admin_token(_settings(generate_token=True))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot create the token file") as caught:
+        admin_token(_settings(token_file=str(blocker / "token"), generate_token=True))
+    assert caught.value.name == "admin.token_file"
+
+
+async def test_a_changed_token_file_is_read_again(tmp_path: Path) -> None:
+    """As the password file: no restart for a new token; an unreadable or empty
+    file keeps the one in force."""
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    settings = _settings(token_file=str(path))
+    now = [1000.0]
+    broker = Broker(settings, clock=lambda: now[0])
+    api = AdminApi(settings, broker, "node-1", token=admin_token(settings))
+
+    def get(token: str) -> Request:
+        return _request("GET", "/api/v1/sessions", Authorization=f"Bearer {token}")
+
+    assert await _status(api, get("first")) == 200
+    path.write_text("second\n")
+    os.utime(path, ns=(1, 1))  # a different mtime, whatever the file system's resolution
+    assert await _status(api, get("second")) == 401  # checked at most once a second
+    now[0] += 1.5
+    assert await _status(api, get("second")) == 200
+    assert await _status(api, get("first")) == 401
+    path.write_text("  \n")
+    os.utime(path, ns=(2, 2))
+    now[0] += 1.5
+    assert await _status(api, get("second")) == 200  # empty: the token in force stays
+    path.unlink()
+    now[0] += 1.5
+    assert await _status(api, get("second")) == 200  # gone: likewise
 
 
 # -- the HTTP edge on a socket ------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import io
 import logging
@@ -288,3 +289,81 @@ def test_aiokafka_says_only_warnings_unless_debug(level: str, shown: list[str]) 
         assert got == shown
     finally:
         logging.getLogger("aiokafka").setLevel(logging.NOTSET)
+
+
+# A Python without the pipeline extra: the import system's own error for a missing
+# module (ModuleNotFoundError "No module named 'pyspark'", .name set), raised for
+# the one module named by the test, whatever else is installed.
+_WITHOUT = """
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1] or name.startswith(sys.argv[1] + "."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+from app.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("absent", "argv"),
+    [
+        ("pyspark", ["pipeline", "audit", "--bootstrap", "127.0.0.1:1", "--redis", "redis://x"]),
+        ("pyarrow", ["pipeline", "traffic", "--data-dir", "."]),
+    ],
+)
+def test_pipeline_without_its_extra_is_one_line(
+    absent: str, argv: list[str], tmp_path: Path
+) -> None:
+    """Issue 40: a 13-line traceback ending in ModuleNotFoundError, before."""
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, absent, *argv],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "pip install 'devicemq[pipeline]'" in lines[0] and absent in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_pipeline_errors_of_other_modules_are_not_hidden(tmp_path: Path) -> None:
+    """Only the extra's modules get that line: a missing module of devicemq's own
+    is a bug, and shows as one."""
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, "pipeline.common", "pipeline", "audit", "--data-dir", "."],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).resolve().parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "devicemq[pipeline]" not in result.stderr
+    assert "No module named 'pipeline.common'" in result.stderr
+
+
+def test_readmes_synopsis_names_every_command() -> None:
+    """README "Command line" lists each command of the table (issue 40: queues was
+    missing), and each admin command with its every subcommand."""
+    readme = (Path(cli.__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Command line\n", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    rows = [line.split() for line in section.splitlines() if line.startswith("devicemq ")]
+    listed = {row[1]: row[2] if len(row) > 2 else "" for row in rows}
+    missing = sorted(set(cli.COMMANDS) - set(listed))
+    assert not missing, f"README's synopsis lacks: {missing}"
+    from app import admin_cli
+
+    for command in ("sessions", "blocked", "retained", "queues"):
+        parser = argparse.ArgumentParser()
+        getattr(admin_cli, f"add_{command}_arguments")(parser)
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        assert set(listed[command].split("|")) == set(sub.choices), command
