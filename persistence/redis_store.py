@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -124,6 +124,11 @@ DEFAULT_TTL = 7 * 24 * 3600  # seconds
 RedisClient = Redis | RedisCluster
 
 POOL_CONNECTIONS = 64  # Redis connections of one broker (single-node mode)
+# Clients in one call of the save, mark or ack script: a poll's or a flush's clients
+# share a call (their cost is the call's, not one each), yet one call holds Redis
+# for about 10 ms at most (~35 us a client), so other commands come between.
+CALL_CLIENTS = 256
+_T = TypeVar("_T")
 # per message to the save script: producer, seq, generation, TTL, length
 _SAVE_META = struct.Struct(">ddddd")
 _PUBREL_VALUE = pubrel_value()
@@ -246,6 +251,20 @@ def _save_call(
         keys.extend(part.keys)
         args.extend(part.args)
     return keys, args
+
+
+def _script_calls(items: list[_T], first_key: Callable[[_T], str], single: bool) -> list[list[_T]]:
+    """Clients' parts grouped into script calls: on a single Redis, :data:`CALL_CLIENTS`
+    at most in a call; on a cluster, one call per hash slot of their first key (a
+    script sees one slot), split the same way."""
+    if single:
+        groups = [items] if items else []
+    else:
+        by_slot: dict[int, list[_T]] = {}
+        for item in items:
+            by_slot.setdefault(key_slot(first_key(item).encode()), []).append(item)
+        groups = list(by_slot.values())
+    return [g[i : i + CALL_CLIENTS] for g in groups for i in range(0, len(g), CALL_CLIENTS)]
 
 
 # A client's part of a mark or ack script call: its messages key, its second key
@@ -683,16 +702,8 @@ class RedisMessageStore:
         return results
 
     def _calls(self, parts: Mapping[int, _ClientPart]) -> list[list[int]]:
-        """The batches of one wave grouped into script calls: all in one on a single
-        Redis, one call per hash slot on a cluster."""
-        if not parts:
-            return []
-        if isinstance(self.redis, Redis):
-            return [list(parts)]
-        by_slot: dict[int, list[int]] = {}
-        for i, part in parts.items():
-            by_slot.setdefault(key_slot(part.keys[0].encode()), []).append(i)
-        return list(by_slot.values())
+        """The batches of one wave grouped into script calls (see :func:`_script_calls`)."""
+        return _script_calls(list(parts), lambda i: parts[i].keys[0], isinstance(self.redis, Redis))
 
     def counted(self, counter: int) -> None:
         """A save outside a save wave (a queue's) counted the store's counter up to
@@ -989,16 +1000,8 @@ class RedisMessageStore:
         return marked
 
     def _by_slot(self, calls: list[_ProgressPart]) -> list[list[_ProgressPart]]:
-        """Clients' parts of a script call grouped into calls: one on a single Redis,
-        one per hash slot of their first key on a cluster (a script sees one slot)."""
-        if not calls:
-            return []
-        if isinstance(self.redis, Redis):
-            return [calls]
-        by_slot: dict[int, list[_ProgressPart]] = {}
-        for part in calls:
-            by_slot.setdefault(key_slot(part[0].encode()), []).append(part)
-        return list(by_slot.values())
+        """Clients' parts of a mark or ack call grouped into calls (:func:`_script_calls`)."""
+        return _script_calls(calls, lambda part: part[0], isinstance(self.redis, Redis))
 
     # -- sessions ----------------------------------------------------------
 
