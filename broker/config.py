@@ -581,7 +581,10 @@ class EventsSettings:
     enabled: bool = setting(
         True, "Write delivery events of persistent sessions to a Kafka topic for the pipeline"
     )
-    topic: str = setting("devicemq.events", "Kafka topic of delivery events, keyed by client ID")
+    topic: str = setting(
+        "devicemq.events",
+        "Kafka topic of delivery events, each client's in its client ID's partition",
+    )
     embedded_max_bytes: int = setting(
         256 * 1024 * 1024,
         "Embedded Kafka of a single broker only: past this many bytes written, the events "

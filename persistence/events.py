@@ -1,8 +1,10 @@
 """Delivery events: what happened to every persisted message, for the audit pipeline.
 
 The broker appends compact orjson events to the Kafka topic ``devicemq.events``
-(``events.topic``), keyed by the client id, so one client's events stay in
-one partition and in the order they happened. ``pipeline/`` reads them back
+(``events.topic``), each client's in the partition its client id would be
+keyed to (``partition_of`` of persistence/format.py, Kafka's default
+partitioner), so one client's events stay in one partition, in the order they
+happened, beside its persisted records' partition number. ``pipeline/`` reads them back
 (audit, traffic). Events, by their ``ev`` field:
 
 =================  ==========================================================
@@ -45,10 +47,14 @@ An entry that retention removed unacknowledged is ``expired`` (``at``:
 ``at`` ``arrival``.
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
-carries a JSON array of one client's events of one flush, in order (a send
-costs far more than encoding: one per client and flush, not per event),
-split into several records of at most 256 KiB when a busy client's flush is
-larger. A record Kafka refuses is counted in a ``gap`` event: the audit sees
+carries a JSON array of the events of one flush for one partition's clients,
+each client's in order (a send costs far more than encoding: one per partition
+and flush, not per client or event; with thousands of devices a message each,
+one per client was the broker's largest cost, BENCHMARKS.md "The fleet shape"),
+split into several records of at most 256 KiB when a flush is larger. Its key
+is empty: readers take the client from each event's ``cid``. Should the
+producer not know the topic's partitions, a flush writes a record per client,
+keyed by its id, as before. A record Kafka refuses is counted in a ``gap`` event: the audit sees
 a gap, never a false ``lost``.
 
 Off the hot path: an emitting call appends a tuple to a list and returns;
@@ -70,7 +76,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from persistence.format import header_fields
+from persistence.format import header_fields, partition_of
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 
 if TYPE_CHECKING:
@@ -191,7 +197,7 @@ class EventLog:
         self._connected: dict[str, bool] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self.written = 0  # records written (one per client and flush)
+        self.written = 0  # records written (one per partition and flush)
         self.dropped = 0  # events lost to a full buffer, records to produce errors
         self.errors = 0  # produce failures
         self._gap = 0  # dropped since the last gap event
@@ -289,16 +295,20 @@ class EventLog:
 
     async def _flush(self) -> None:
         entries, self._buffer = self._buffer, []
-        records = self.encode(entries)
+        records = self.encode(entries, await self._partitions())
         if self._gap:
             gap = {"ev": "gap", "cid": "", "ts": self._clock(), "n": self._gap}
-            records.append((b"", orjson.dumps([gap])))
+            records.append((None, b"", orjson.dumps([gap])))
             self._gap = 0
         futures = []
         sizes = []
-        for key, value in records:
+        for partition, key, value in records:
             try:
-                futures.append(await self._producer.send(self.topic, value=value, key=key))
+                futures.append(
+                    await self._producer.send(
+                        self.topic, value=value, key=key or None, partition=partition
+                    )
+                )
                 sizes.append(len(key) + len(value))
             except Exception as error:
                 self._failed(error)
@@ -318,13 +328,27 @@ class EventLog:
         if self.errors == 1 or self.errors % 1000 == 0:
             log.warning("delivery event not written (%d so far): %s", self.errors, error)
 
+    async def _partitions(self) -> int:
+        """The topic's partitions as the producer knows them (it fetches the metadata
+        once); 0 when it cannot tell: a record per client then."""
+        try:
+            known = await self._producer.partitions_for(self.topic)
+        except Exception as error:
+            log.debug("partitions of %s unknown: %s", self.topic, error)
+            return 0
+        return len(known) if known and known == set(range(len(known))) else 0
+
     # -- encoding -------------------------------------------------------------------------
 
-    def encode(self, entries: Sequence[_Entry]) -> list[tuple[bytes, bytes]]:
-        """Buffered entries -> one (client id, JSON array of its events) record per client.
+    def encode(
+        self, entries: Sequence[_Entry], partitions: int = 0
+    ) -> list[tuple[int | None, bytes, bytes]]:
+        """Buffered entries -> (partition, key, JSON array of events) records: one per
+        partition of ``partitions`` holding its clients' events, each client's in
+        order; with ``partitions`` 0, one per client keyed by its id.
 
-        One record per client and flush, not per event: a Kafka send costs far
-        more than encoding, and the client's events keep their order inside it.
+        A Kafka send costs far more than encoding: per partition, not per client or
+        event, the cost of a flush does not grow with the clients it covers.
         """
         by_client: dict[str, list[dict[str, Any]]] = {}
         for kind, client_id, ts, details in entries:
@@ -356,11 +380,19 @@ class EventLog:
                 out.append({**base, "pid": pid, "sc": score})
             else:
                 out.append(base)
-        records: list[tuple[bytes, bytes]] = []
+        records: list[tuple[int | None, bytes, bytes]] = []
+        if not partitions:
+            for cid, events in by_client.items():
+                if events:
+                    key = cid.encode()
+                    records.extend((None, key, value) for value in _records(events))
+            return records
+        by_partition: dict[int, list[dict[str, Any]]] = {}
         for cid, events in by_client.items():
             if events:
-                key = cid.encode()
-                records.extend((key, value) for value in _records(events))
+                by_partition.setdefault(partition_of(cid, partitions), []).extend(events)
+        for partition, events in by_partition.items():
+            records.extend((partition, b"", value) for value in _records(events))
         return records
 
     def _stored_events(
@@ -470,9 +502,9 @@ class EventLog:
 
 
 def _records(events: list[dict[str, Any]]) -> list[bytes]:
-    """One client's events as JSON arrays of at most :data:`MAX_RECORD_BYTES` each, in
-    order: one record per flush would outgrow Kafka's request size for a busy client
-    (a single event is far smaller than the limit)."""
+    """Events (one client's, or one partition's clients') as JSON arrays of at most
+    :data:`MAX_RECORD_BYTES` each, in order: one record per flush would outgrow Kafka's
+    request size for a busy flush (a single event is far smaller than the limit)."""
     value = orjson.dumps(events)
     if len(value) <= MAX_RECORD_BYTES or len(events) == 1:
         return [value]

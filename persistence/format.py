@@ -109,6 +109,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 import orjson
+from aiokafka.partitioner import murmur2
 
 from broker.ecq import PREFIX as ECQ_PREFIX
 
@@ -134,6 +135,7 @@ __all__ = [
     "header_fields",
     "is_queue_record",
     "packet_id_of",
+    "partition_of",
     "pubrel_value",
     "queue_keys",
     "record_id",
@@ -613,3 +615,10 @@ def client_keys(client_id: str) -> ClientKeys:
         p + "_generation",
         p + "_bytes",
     )
+
+
+def partition_of(client_id: str, partitions: int) -> int:
+    """The partition of a client's records among ``partitions``: Kafka's default
+    partitioner on the client id as key, as the producers (persistence/kafka_path.py)
+    give it; the delivery events of the client go to the same one (persistence/events.py)."""
+    return int(murmur2(client_id.encode()) & 0x7FFFFFFF) % partitions

@@ -72,11 +72,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, ResponseError
 
 from broker.stats import Histogram
 from persistence.format import (
@@ -123,6 +124,11 @@ DEFAULT_TTL = 7 * 24 * 3600  # seconds
 RedisClient = Redis | RedisCluster
 
 POOL_CONNECTIONS = 64  # Redis connections of one broker (single-node mode)
+# Clients in one call of the save, mark or ack script: a poll's or a flush's clients
+# share a call (their cost is the call's, not one each), yet one call holds Redis
+# for about 10 ms at most (~35 us a client), so other commands come between.
+CALL_CLIENTS = 256
+_T = TypeVar("_T")
 # per message to the save script: producer, seq, generation, TTL, length
 _SAVE_META = struct.Struct(">ddddd")
 _PUBREL_VALUE = pubrel_value()
@@ -226,6 +232,70 @@ def _save_result(reply: Any) -> SaveResult:
         discarded,
         [int(x) for x in scores],
     )
+
+
+class _ClientPart(NamedTuple):
+    """One client's share of a save script call (save_batch.lua)."""
+
+    keys: ClientKeys
+    args: tuple[Any, ...]  # partition, n, meta, premark, values
+
+
+def _save_call(
+    parts: Sequence[_ClientPart], limit: int, default_ttl_ms: int, max_bytes: int
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one save script call for ``parts`` (save_batch.lua)."""
+    keys: list[str] = []
+    args: list[Any] = [len(parts), limit, default_ttl_ms, max_bytes]
+    for part in parts:
+        keys.extend(part.keys)
+        args.extend(part.args)
+    return keys, args
+
+
+def _script_calls(items: list[_T], first_key: Callable[[_T], str], single: bool) -> list[list[_T]]:
+    """Clients' parts grouped into script calls: on a single Redis, :data:`CALL_CLIENTS`
+    at most in a call; on a cluster, one call per hash slot of their first key (a
+    script sees one slot), split the same way."""
+    if single:
+        groups = [items] if items else []
+    else:
+        by_slot: dict[int, list[_T]] = {}
+        for item in items:
+            by_slot.setdefault(key_slot(first_key(item).encode()), []).append(item)
+        groups = list(by_slot.values())
+    return [g[i : i + CALL_CLIENTS] for g in groups for i in range(0, len(g), CALL_CLIENTS)]
+
+
+# A client's part of a mark or ack script call: its messages key, its second key
+# (session or bytes), its (packet id, score) pairs, its client id.
+_ProgressPart = tuple[str, str, Sequence[tuple[int, int]], str]
+
+
+def _progress_call(
+    parts: Sequence[tuple[str, str, Sequence[tuple[int, int]]]],
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one mark_sent.lua or ack.lua call for many clients: two keys
+    each, and each client's pair count followed by its pairs."""
+    keys: list[str] = []
+    args: list[Any] = [len(parts)]
+    for first, second, pairs in parts:
+        keys.append(first)
+        keys.append(second)
+        args.append(len(pairs))
+        for packet_id, score in pairs:
+            args.append(packet_id)
+            args.append(score)
+    return keys, args
+
+
+def _client_result(reply: Any) -> SaveResult | ResponseError:
+    """One client's reply of the save script: its result, or the error its save met."""
+    if isinstance(reply, list) and len(reply) == 2 and reply[0] == b"error":
+        message = reply[1]
+        text = message.decode("utf-8", "replace") if isinstance(message, bytes) else str(message)
+        return ResponseError(text)
+    return _save_result(reply)
 
 
 class SessionOwned(Exception):
@@ -505,12 +575,17 @@ class RedisMessageStore:
         """
         if limit is not None:
             _check_limit(limit)
-        keys, args = self._save_call(
-            ClientBatch(client_id, messages, partition, offsets), self._clock(), limit or self.limit
-        )
+        batch = ClientBatch(client_id, messages, partition, offsets)
+        part = self._client_part(batch, self._clock())
         if not messages:
             return SaveResult([], [], 0, 0)
-        return _save_result(await self._eval(_SAVE, keys, args))
+        keys, args = _save_call([part], limit or self.limit, self._default_ttl_ms, self.max_bytes)
+        (reply,) = await self._eval(_SAVE, keys, args)
+        result = _client_result(reply)
+        if isinstance(result, BaseException):
+            self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
+            raise result
+        return result
 
     async def save_many(self, batches: Iterable[ClientBatch]) -> list[SaveResult]:
         """Save many client batches, each wave of them in one pipelined round trip.
@@ -554,34 +629,38 @@ class RedisMessageStore:
         return done
 
     async def _save_wave(self, batches: list[ClientBatch]) -> list[SaveResult | BaseException]:
-        """One script call per batch (of different clients), pipelined.
+        """One script call for the batches (of different clients) on a single Redis, one
+        per hash slot on a cluster (a script sees one slot), pipelined.
 
         Calls refused with NOSCRIPT (a restarted or new Redis) ran nothing:
         they are sent again once the scripts are loaded.
         """
-        now, limit = self._clock(), self.limit
+        now = self._clock()
         results: list[SaveResult | BaseException] = [SaveResult([], [], 0, 0)] * len(batches)
-        calls: dict[int, tuple[ClientKeys, tuple[Any, ...]]] = {}
+        parts: dict[int, _ClientPart] = {}
         for i, batch in enumerate(batches):
             if batch.messages:
                 try:
-                    calls[i] = self._save_call(batch, now, limit)
+                    parts[i] = self._client_part(batch, now)
                 except ValueError as error:  # a malformed batch fails alone
                     results[i] = error
-        todo = list(calls)
+        calls = self._calls(parts)
         for attempt in range(2):
-            if not todo:
+            if not calls:
                 break
             started = time.perf_counter()
             pipe = self.redis.pipeline(transaction=False)
             counting = self.wait != "off"
             floor = self._counted
             guard = self.loss_guard()
-            for i in todo:
-                keys, args = calls[i]
-                keys_ = (*keys, guard[0]) if guard else keys
-                args_ = (*args, guard[1]) if guard else args
-                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys_), *keys_, *args_)
+            for members in calls:
+                keys, args = _save_call(
+                    [parts[i] for i in members], self.limit, self._default_ttl_ms, self.max_bytes
+                )
+                if guard:
+                    keys.append(guard[0])
+                    args.append(guard[1])
+                pipe.execute_command("EVALSHA", _SAVE.sha, len(keys), *keys, *args)
             if counting:  # after the saves, on their connection (wait_durable)
                 pipe.incr(self._counter_key)
             try:
@@ -603,18 +682,28 @@ class RedisMessageStore:
             if lost:  # nothing of this wave was stored
                 raise self.lost(counted if isinstance(counted, int) else int(lost[0][1]))
             again = []
-            for i, reply in zip(todo, replies, strict=True):
+            for members, reply in zip(calls, replies, strict=True):
                 if isinstance(reply, NoScriptError) and attempt == 0:
-                    again.append(i)
-                elif isinstance(reply, BaseException):
+                    again.append(members)
+                    continue
+                if isinstance(reply, BaseException):  # the whole call failed
                     self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
-                    results[i] = reply
-                else:
-                    results[i] = _save_result(reply)
+                    for i in members:
+                        results[i] = reply
+                    continue
+                for i, client_reply in zip(members, reply, strict=True):
+                    result = _client_result(client_reply)
+                    if isinstance(result, BaseException):
+                        self.script_errors[_SAVE.name] = self.script_errors.get(_SAVE.name, 0) + 1
+                    results[i] = result
             if again:
                 await self.load_scripts()
-            todo = again
+            calls = again
         return results
+
+    def _calls(self, parts: Mapping[int, _ClientPart]) -> list[list[int]]:
+        """The batches of one wave grouped into script calls (see :func:`_script_calls`)."""
+        return _script_calls(list(parts), lambda i: parts[i].keys[0], isinstance(self.redis, Redis))
 
     def counted(self, counter: int) -> None:
         """A save outside a save wave (a queue's) counted the store's counter up to
@@ -714,10 +803,8 @@ class RedisMessageStore:
         if self.wait == "aof" and numbers < (7, 2):
             raise ValueError(f"aof needs WAITAOF, Redis 7.2 or newer; this Redis is {version}")
 
-    def _save_call(
-        self, batch: ClientBatch, now: float, limit: int
-    ) -> tuple[ClientKeys, tuple[Any, ...]]:
-        """Keys and arguments of the save script for one client batch."""
+    def _client_part(self, batch: ClientBatch, now: float) -> _ClientPart:
+        """One client's keys and arguments in a call of the save script."""
         meta = bytearray()
         values: list[bytes] = []
         pack = _SAVE_META.pack
@@ -733,17 +820,8 @@ class RedisMessageStore:
                 ttl = self._ttl_ms(rid.expiry, now)
                 meta += pack(rid.producer, rid.seq, rid.generation, ttl, len(value))
             values.append(value)
-        args = (
-            limit,
-            batch.partition,
-            self._default_ttl_ms,
-            len(batch.messages),
-            bytes(meta),
-            batch.premark,
-            b"".join(values),
-            self.max_bytes,
-        )
-        return client_keys(batch.client_id), args
+        args = (batch.partition, len(batch.messages), bytes(meta), batch.premark, b"".join(values))
+        return _ClientPart(client_keys(batch.client_id), args)
 
     # -- reading -----------------------------------------------------------
 
@@ -818,8 +896,10 @@ class RedisMessageStore:
             return 0
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
-        args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
-        return int(await self._eval(_ACK, (keys.messages, keys.bytes), args))
+        pairs = list(zip(ids, wanted, strict=True))
+        script_keys, args = _progress_call([(keys.messages, keys.bytes, pairs)])
+        (removed,) = await self._eval(_ACK, script_keys, args)
+        return int(removed)
 
     async def mark_pubrel(self, client_id: str, packet_id: int) -> bool:
         """PUBREC received: keep only the PUBREL stage, with the remaining TTL.
@@ -845,8 +925,9 @@ class RedisMessageStore:
             return []
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
-        args = [x for pair in zip(ids, wanted, strict=True) for x in pair]
-        reply = await self._eval(_MARK_SENT, (keys.messages, keys.session), args)
+        pairs = list(zip(ids, wanted, strict=True))
+        script_keys, args = _progress_call([(keys.messages, keys.session, pairs)])
+        (reply,) = await self._eval(_MARK_SENT, script_keys, args)
         return [int(i) for i in reply[::2]]
 
     async def write_progress(
@@ -855,7 +936,9 @@ class RedisMessageStore:
         pubrels: Mapping[str, Sequence[int]],
         acks: Mapping[str, Sequence[tuple[int, int]]],
     ) -> dict[str, set[tuple[int, int]]]:
-        """Many clients' delivery progress in one pipelined round trip.
+        """Many clients' delivery progress in one pipelined round trip: one mark script
+        call and one ack script call for them all on a single Redis (one of each per
+        hash slot on a cluster), not one per client.
 
         ``marks`` and ``acks``: per client, (packet id, score it was read with)
         pairs. Returns, per client, the pairs marked.
@@ -884,23 +967,41 @@ class RedisMessageStore:
         acks: Mapping[str, Sequence[tuple[int, int]]],
     ) -> dict[str, set[tuple[int, int]]]:
         pipe = self.redis.pipeline(transaction=False)
-        for client_id, sent in marks.items():
-            keys = client_keys(client_id)
-            args = [x for pair in sent for x in pair]
-            pipe.execute_command("EVALSHA", _MARK_SENT.sha, 2, keys.messages, keys.session, *args)
+        mark_calls = self._by_slot(
+            [
+                (client_keys(cid).messages, client_keys(cid).session, sent, cid)
+                for cid, sent in marks.items()
+            ]
+        )
+        for group in mark_calls:
+            keys, args = _progress_call([(m, s, pairs) for m, s, pairs, _cid in group])
+            pipe.execute_command("EVALSHA", _MARK_SENT.sha, len(keys), *keys, *args)
         for client_id, ids in pubrels.items():
-            keys = client_keys(client_id)
+            keys_ = client_keys(client_id)
             for packet_id in ids:
-                pipe.execute_command("SET", keys.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL")
-        for client_id, acked in acks.items():
-            keys = client_keys(client_id)
-            args = [x for pair in acked for x in pair]
-            pipe.execute_command("EVALSHA", _ACK.sha, 2, keys.messages, keys.bytes, *args)
+                pipe.execute_command(
+                    "SET", keys_.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL"
+                )
+        for group in self._by_slot(
+            [
+                (client_keys(cid).messages, client_keys(cid).bytes, acked, cid)
+                for cid, acked in acks.items()
+            ]
+        ):
+            keys, args = _progress_call([(m, b, pairs) for m, b, pairs, _cid in group])
+            pipe.execute_command("EVALSHA", _ACK.sha, len(keys), *keys, *args)
         replies = await pipe.execute()
-        return {
-            client_id: {(int(i), int(s)) for i, s in zip(reply[::2], reply[1::2], strict=True)}
-            for client_id, reply in zip(marks, replies, strict=False)
-        }
+        marked: dict[str, set[tuple[int, int]]] = {}
+        for group, reply in zip(mark_calls, replies, strict=False):
+            for (_m, _s, _pairs, client_id), pairs in zip(group, reply, strict=True):
+                marked[client_id] = {
+                    (int(i), int(sc)) for i, sc in zip(pairs[::2], pairs[1::2], strict=True)
+                }
+        return marked
+
+    def _by_slot(self, calls: list[_ProgressPart]) -> list[list[_ProgressPart]]:
+        """Clients' parts of a mark or ack call grouped into calls (:func:`_script_calls`)."""
+        return _script_calls(calls, lambda part: part[0], isinstance(self.redis, Redis))
 
     # -- sessions ----------------------------------------------------------
 

@@ -31,7 +31,6 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.partitioner import murmur2
 
 from persistence.consumer import stop_consumer
 from persistence.format import (
@@ -41,6 +40,7 @@ from persistence.format import (
     encode_message,
     header_fields,
     is_queue_record,
+    partition_of,
     record_id,
 )
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
@@ -61,12 +61,6 @@ class Rewound:
     stored: int  # stored again
     over_limit: int  # matched, but beyond the room the client's limit left
     oldest: float | None  # publish time of the partition's oldest record read
-
-
-def partition_of(client_id: str, partitions: int) -> int:
-    """The partition of a client's records: Kafka's default partitioner on the key,
-    as the producer (persistence/kafka_path.py) gives it."""
-    return int(murmur2(client_id.encode()) & 0x7FFFFFFF) % partitions
 
 
 async def read_client_records(

@@ -459,7 +459,7 @@ def _account_partition(
     are not co-partitioned: the driver audits with the shuffle)."""
     import pyarrow.compute as pc
 
-    from persistence.session_rewind import partition_of
+    from persistence.format import partition_of
     from pipeline.accounting import EVENT, RECORD, REF, account_batches, input_table
     from pipeline.common import arrow_in_window
     from pipeline.kafka_source import OffsetRange, latest_offsets, read_decoded

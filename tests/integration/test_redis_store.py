@@ -813,3 +813,89 @@ async def test_a_new_master_without_the_scripts_still_shows_the_loss(
     assert await counting.wait_durable() == LOST  # and the next fence too, once
     (result,) = await counting.save_many([ClientBatch("dev-b", msgs(0, 1), 0)])
     assert result.saved == 1
+
+
+async def _script_calls(store: RedisMessageStore) -> int:
+    """EVALSHA calls Redis has run so far (every primary's, on a cluster)."""
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
+
+    if isinstance(store.redis, Redis):
+        stats = [await store.redis.info("commandstats")]
+    else:
+        assert isinstance(store.redis, RedisCluster)
+        by_node = await store.redis.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+        stats = list(by_node.values())
+    return sum(int(s.get("cmdstat_evalsha", {}).get("calls", 0)) for s in stats)
+
+
+async def test_save_many_costs_one_script_call_per_redis_or_slot(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """The fleet shape: a poll holds one message for each of many clients. Their saves
+    share script calls, CALL_CLIENTS at most in one, on a cluster one per hash slot
+    (a script sees one slot), not one per client (BENCHMARKS.md, "The fleet shape")."""
+    from redis.asyncio import Redis
+
+    from persistence.redis_store import CALL_CLIENTS
+
+    clients = [f"{cid}-{n}" for n in range(CALL_CLIENTS + 44)]
+    await store.save_many([ClientBatch(clients[0], msgs(0, 1), partition=0)])  # scripts loaded
+    before = await _script_calls(store)
+    results = await store.save_many([ClientBatch(c, msgs(0, 1), partition=0) for c in clients])
+    calls = await _script_calls(store) - before
+    assert [r.saved for r in results[1:]] == [1] * (len(clients) - 1)
+    assert results[0].duplicates == 1
+    slots = {key_slot(client_keys(c).messages.encode()) for c in clients}
+    # A call holds CALL_CLIENTS at most (Redis is not held long by one).
+    assert calls == (2 if isinstance(store.redis, Redis) else len(slots))
+    assert [len(await all_records(store, c)) for c in clients] == [1] * len(clients)
+
+
+async def test_one_clients_failure_in_a_shared_save_call_fails_it_alone(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Saved together, clients still fail apart: a client whose keys Redis refuses
+    (here its seen hash is a string: WRONGTYPE) gets its error, the others are stored,
+    and the retry of the whole poll stores nothing twice."""
+    from redis.exceptions import ResponseError
+
+    from persistence.redis_store import BatchSaveError
+
+    a, b, c = f"{cid}-a", f"{cid}-b", f"{cid}-c"
+    await cmd(store, "SET", client_keys(b).seen, "not a hash")
+    batches = [ClientBatch(x, msgs(0, 2), partition=0) for x in (a, b, c)]
+    with pytest.raises(BatchSaveError) as info:
+        await store.save_many(batches)
+    first, failed, third = info.value.results
+    assert isinstance(failed, ResponseError) and "WRONGTYPE" in str(failed)
+    assert (first.saved, third.saved) == (2, 2)  # type: ignore[union-attr]
+    await cmd(store, "DEL", client_keys(b).seen)
+    retry = await store.save_many(batches)
+    assert [(r.saved, r.duplicates) for r in retry] == [(0, 2), (2, 0), (0, 2)]
+
+
+async def test_progress_of_many_clients_costs_a_mark_and_an_ack_call_per_redis_or_slot(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """The fleet shape's delivery side: marks and acks of many clients, one message
+    each, are one mark_sent.lua and one ack.lua call on a single Redis (one of each
+    per hash slot on a cluster), not two per client."""
+    from redis.asyncio import Redis
+
+    clients = [f"{cid}-{n}" for n in range(100)]
+    saved = await store.save_many([ClientBatch(c, msgs(0, 2), partition=0) for c in clients])
+    first = {c: (r.assigned[0], r.assigned[1]) for c, r in zip(clients, saved, strict=True)}
+    before = await _script_calls(store)
+    marked = await store.write_progress(
+        {c: [(a.packet_id, a.score)] for c, (a, _b) in first.items() if a},
+        {},
+        {c: [(b.packet_id, b.score)] for c, (_a, b) in first.items() if b},
+    )
+    calls = await _script_calls(store) - before
+    slots = {key_slot(client_keys(c).messages.encode()) for c in clients}
+    assert calls == (2 if isinstance(store.redis, Redis) else 2 * len(slots))
+    assert marked == {c: {(a.packet_id, a.score)} for c, (a, _b) in first.items() if a}
+    for c in clients:
+        (left,) = await all_records(store, c)
+        assert left.score == first[c][0].score and left.sent  # type: ignore[union-attr]

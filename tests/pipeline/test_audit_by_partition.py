@@ -121,7 +121,7 @@ def test_a_partition_per_task_accounts_as_the_shuffle_by_client(
 def test_events_the_broker_dropped_are_counted_by_partition(spark: Any, workload: Workload) -> None:
     import orjson
 
-    from persistence.session_rewind import partition_of
+    from persistence.format import partition_of
 
     count = _partitions(workload)
     gap = orjson.dumps([{"ev": "gap", "cid": "", "ts": time.time(), "n": 7}])

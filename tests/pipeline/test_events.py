@@ -8,20 +8,40 @@ from typing import Any
 import orjson
 
 from persistence.events import EventLog, end_kind
-from persistence.format import Stage, StoredMessage, StoredRecord, encode_message, header_fields
+from persistence.format import (
+    Stage,
+    StoredMessage,
+    StoredRecord,
+    encode_message,
+    header_fields,
+    partition_of,
+)
 from persistence.redis_store import Assigned, ClientBatch, SaveResult
 
 
 class FakeProducer:
-    def __init__(self, delay: float = 0.0) -> None:
-        self.sent: list[tuple[str, bytes, bytes]] = []
+    """aiokafka's producer as EventLog uses it; ``partitions`` of the topic it knows
+    (0: it cannot tell)."""
+
+    def __init__(self, delay: float = 0.0, partitions: int = 12) -> None:
+        self.sent: list[tuple[str, bytes | None, bytes]] = []
+        self.partitions_sent: list[int | None] = []
         self.delay = delay
+        self.partitions = partitions
         self.stopped = False
 
-    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
+    async def partitions_for(self, topic: str) -> set[int]:
+        if not self.partitions:
+            raise KeyError(topic)
+        return set(range(self.partitions))
+
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None
+    ) -> asyncio.Future[None]:
         if self.delay:
             await asyncio.sleep(self.delay)
         self.sent.append((topic, key, value))
+        self.partitions_sent.append(partition)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
@@ -49,7 +69,7 @@ def test_header_fields_read_the_stored_format() -> None:
     assert header_fields(_value("a", b"")) == ("a", 0, 100.0, None)
 
 
-async def test_events_are_batched_encoded_and_keyed_by_client() -> None:
+async def test_events_are_batched_encoded_and_in_their_clients_partition() -> None:
     producer = FakeProducer()
     log = EventLog(producer, "ev", epoch=3, default_ttl=1000, interval=0.01, clock=lambda: 500.0)
     log.start()
@@ -65,7 +85,7 @@ async def test_events_are_batched_encoded_and_keyed_by_client() -> None:
     assert producer.sent == []  # nothing happens on the caller's path
     await asyncio.sleep(0.05)
     await log.close()
-    assert producer.stopped and {k for _t, k, _v in producer.sent} == {b"c1"}
+    assert producer.stopped and producer.partitions_sent == [partition_of("c1", 12)]
     assert [(e["ev"], e.get("pid")) for e in producer.events()] == [
         ("persisted", 11),
         ("expired", None),
@@ -139,7 +159,7 @@ async def test_a_busy_clients_flush_is_split_under_the_record_limit() -> None:
     assert len(producer.sent) > 1
     assert all(len(value) <= MAX_RECORD_BYTES for _t, _k, value in producer.sent)
     assert [e["sc"] for e in producer.events()] == list(range(1, 20_001))
-    assert {k for _t, k, _v in producer.sent} == {b"busy"} and log.dropped == 0
+    assert set(producer.partitions_sent) == {partition_of("busy", 12)} and log.dropped == 0
 
 
 async def test_an_operators_purge_and_writes_are_events() -> None:
@@ -162,3 +182,35 @@ async def test_an_operators_purge_and_writes_are_events() -> None:
             "detail": {"kind": "address", "value": "10.0.0.0/8"},
         },
     ]
+
+
+async def test_a_fleets_flush_is_a_record_per_partition_not_per_client() -> None:
+    """The fleet shape: 2,000 devices a message each. A flush writes one record per
+    partition of the topic (each client's events in its client id's partition, in
+    order), not one per client: the send was the broker's largest cost
+    (BENCHMARKS.md, "The fleet shape")."""
+    producer = FakeProducer(partitions=12)
+    log = EventLog(producer, "ev", clock=lambda: 500.0)
+    clients = [f"dev-{i}" for i in range(2000)]
+    for i, cid in enumerate(clients):
+        log.delivered(cid, _record(1, i + 1))
+        log.acked(cid, _record(1, i + 1))
+    await log.flush()
+    assert len(producer.sent) == 12 and log.written == 12
+    seen: dict[str, list[str]] = {}
+    for (_t, key, value), partition in zip(producer.sent, producer.partitions_sent, strict=True):
+        assert key is None
+        for event in orjson.loads(value):
+            assert partition_of(event["cid"], 12) == partition
+            seen.setdefault(event["cid"], []).append(event["ev"])
+    assert seen == {cid: ["delivered", "acked"] for cid in clients}
+
+
+async def test_a_producer_that_cannot_tell_the_partitions_gets_a_record_per_client() -> None:
+    producer = FakeProducer(partitions=0)
+    log = EventLog(producer, "ev", clock=lambda: 500.0)
+    for cid in ("a", "b"):
+        log.acked(cid, _record(1, 1))
+    await log.flush()
+    assert [k for _t, k, _v in producer.sent] == [b"a", b"b"]
+    assert producer.partitions_sent == [None, None]
