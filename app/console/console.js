@@ -68,6 +68,12 @@ function sessionPath(clientId, ...rest) {
   return ["sessions", clientIdSegment(clientId), ...rest].join("/");
 }
 
+// A queue's ID is a client ID ($ECQ) or a group store's filter ("$queue/g/a/+"): one
+// segment either way, its "/" and "+" percent-encoded (the server splits, then decodes).
+function queuePath(queueId, ...rest) {
+  return ["queues", clientIdSegment(queueId), ...rest].join("/");
+}
+
 // -- small helpers -----------------------------------------------------------------------
 
 function el(tag, attrs, ...children) {
@@ -156,7 +162,7 @@ async function run(action) {
 }
 
 function clearData() {
-  for (const id of ["stats", "sessions-body", "blocked-body", "retained-body"]) {
+  for (const id of ["stats", "sessions-body", "blocked-body", "retained-body", "queues-body"]) {
     $(id).replaceChildren();
   }
   closeDetail();
@@ -297,6 +303,7 @@ async function openSession(clientId) {
   ]);
   $("kick").disabled = !s.connected;
   $("purge").disabled = !s.persistent;
+  $("rewind").disabled = !s.persistent;
   const options = (sub) =>
     [sub.no_local && "no local", sub.retain_as_published && "retain as published",
      sub.retain_handling && "retain handling " + sub.retain_handling,
@@ -357,6 +364,67 @@ async function sessionAction(what, question, method, path, done) {
   if (what === "delete") closeDetail();
   else await openSession(clientId);
   await Promise.all([loadSessions(), loadStats()]);
+}
+
+// Deliver again (DUP) what the session's topics got since a time, read back from Kafka.
+async function rewindSession() {
+  const clientId = selected;
+  const raw = $("rewind-since").value.trim();
+  const since = /^\d+(\.\d+)?$/.test(raw) ? Number(raw) : raw;
+  if (clientId === null || !confirm(`Deliver again to ${clientId} what was published since ${raw}?`)) {
+    return;
+  }
+  const r = await api("POST", sessionPath(clientId, "rewind"), undefined, { since });
+  setStatus(`Rewound ${clientId}: ${r.rewound} messages stored again ` +
+    `(${r.matched} matched of ${r.records_read} records read).`);
+  await openSession(clientId);
+}
+
+// -- queues ($ECQ and $queue group stores) -----------------------------------------------
+
+async function loadQueues() {
+  const { queues } = await api("GET", "queues", { kind: $("queues-kind").value, limit: 100 });
+  const owners = await Promise.all(
+    queues.map((q) => (q.kind === "ecq" ? api("GET", queuePath(q.client_id, "owner")) : null)),
+  );
+  $("queues-body").replaceChildren(
+    ...queues.map((q, i) => {
+      const holder = q.kind === "ecq"
+        ? "owner " + text(owners[i].owner)
+        : q.members ? "members subscribed" : "no members since " + when(q.unused_since);
+      const actions = el("td", {},
+        button("Purge", { class: "danger", "data-testid": "purge-queue" }, () => purgeQueue(q.client_id)));
+      if (q.kind === "ecq") {
+        actions.append(" ", button("Rewind", { "data-testid": "rewind-queue" }, () => rewindQueue(q.client_id)));
+      }
+      return el("tr", { "data-queue": q.client_id },
+        el("td", { class: "mono" }, q.client_id), el("td", {}, q.kind === "ecq" ? "$ECQ" : "group"),
+        el("td", { class: "num", "data-testid": "queue-pending" }, q.pending),
+        el("td", { class: "num" }, q.keys), el("td", { class: "num", "data-testid": "queue-bytes" }, q.bytes),
+        el("td", { class: "num" }, q.last_seq), el("td", { "data-testid": "queue-holder" }, holder),
+        actions);
+    }),
+  );
+  const note = $("queues-note");
+  note.textContent = queues.length ? (queues.length >= 100 ? "Only the first 100 are shown." : "") : "No queues.";
+  note.hidden = note.textContent === "";
+}
+
+async function purgeQueue(queueId) {
+  if (!confirm(`Purge the queue ${queueId}? Every entry is deleted for good.`)) return;
+  const r = await api("DELETE", queuePath(queueId));
+  setStatus(`Purged ${queueId}: ${r.entries} entries (${r.pending} pending), ${r.bytes} bytes.`);
+  await loadQueues();
+}
+
+async function rewindQueue(queueId) {
+  const answer = prompt(`Deliver ${queueId} again from which sequence number?`, "1");
+  if (answer === null) return;
+  const seq = Number(answer.trim());
+  if (!Number.isInteger(seq) || seq < 1) throw new Error("seq: a sequence number, 1 or more");
+  const r = await api("POST", queuePath(queueId, "rewind"), undefined, { seq });
+  setStatus(`Rewound ${queueId} from ${r.seq}: ${r.pending_again} entries pending again.`);
+  await loadQueues();
 }
 
 // -- block list --------------------------------------------------------------------------
@@ -422,7 +490,8 @@ async function deleteRetained(topic) {
 // -- wiring ------------------------------------------------------------------------------
 
 async function loadAll() {
-  const results = await Promise.allSettled([loadStats(), loadSessions(), loadBlocked(), loadRetained()]);
+  const results = await Promise.allSettled(
+    [loadStats(), loadSessions(), loadBlocked(), loadRetained(), loadQueues()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) throw failed.reason;
 }
@@ -505,6 +574,8 @@ function init() {
     "DELETE", (c) => sessionPath(c), (c) => `Deleted the session of ${c}.`));
   onSubmit("block-form", block);
   onSubmit("retained-form", loadRetained);
+  onSubmit("queues-form", loadQueues);
+  onSubmit("rewind-form", rewindSession);
   showTokenState();
   run(loadAll);
   setInterval(autoRefresh, REFRESH_EVERY_MS);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from selenium.webdriver.common.by import By
@@ -353,3 +354,120 @@ def test_the_console_shows_a_broker_that_lost_redis_and_kafka(
         ready = driver.find_element(By.CSS_SELECTOR, '[data-testid="stat-ready"]')
         assert "not-ready" in (ready.get_attribute("class") or "").split()
         assert api.call("GET", "stats")["health"]["ready"] is False
+
+
+def _queue_row(driver: WebDriver, queue: str) -> WebElement | None:
+    for row in driver.find_elements(By.CSS_SELECTOR, "#queues-body tr"):
+        if row.get_attribute("data-queue") == queue:
+            return row
+    return None
+
+
+def _queue_cell(driver: WebDriver, queue: str, testid: str) -> str:
+    row = _queue_row(driver, queue)
+    return (
+        ""
+        if row is None
+        else str(row.find_element(By.CSS_SELECTOR, f'[data-testid="{testid}"]').text)
+    )
+
+
+def _show_queues(driver: WebDriver) -> None:
+    driver.find_element(By.ID, "queues-show").click()
+
+
+def test_queues_listed_a_group_store_purged_and_an_ecq_rewound(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    """The $ECQ queue and the $queue group store, each with its backlog; the group
+    store's ID ("/" and "+" in it) reaches the right store when purged."""
+    broker, api = server
+    queue, group = "console-ecq", "$queue/cg/console-group/+"
+    persistent_subscriber(broker, "console-member", group)  # a member, offline
+    producer = Paho(broker, "console-producer", V5)
+    producer.connect()
+    for topic in ("console-group/a", "console-group/b", "console-group/c"):
+        assert producer.publish(topic, b"g", qos=1) == 0
+    for key in ("k1", "k2"):
+        assert producer.publish(f"$ECQ/w/{queue}/{key}", key.encode(), qos=1) == 0
+    producer.disconnect()
+    group_path = "queues/" + quote(group, safe="")
+    admin.wait_for(lambda: api.call("GET", group_path)["pending"] == 3, "3 entries in the group")
+    # The queue's consumer takes both entries and acknowledges them: nothing pending.
+    consumer = Paho(broker, queue, V5)
+    consumer.connect()
+    assert consumer.subscribe(f"$ECQ/{queue}/#", 1) == [1]
+    assert sorted(m.payload for m in consumer.get_n(2)) == [b"k1", b"k2"]
+    admin.wait_for(lambda: api.call("GET", f"queues/{queue}")["pending"] == 0, "both acknowledged")
+    consumer.close()
+    owner = api.call("GET", f"queues/{queue}/owner")["owner"]
+
+    driver = chromium
+    _open(driver, api.url + "/")
+    _enter_token(driver, TOKEN)
+    wait_for(driver, lambda d: _queue_row(d, group), "the group store's row")
+    assert _error(driver) == ""
+    assert _queue_cell(driver, group, "queue-pending") == "3"
+    assert _queue_cell(driver, group, "queue-bytes") == str(api.call("GET", group_path)["bytes"])
+    assert _queue_cell(driver, group, "queue-holder") == "members subscribed"
+    assert _queue_cell(driver, queue, "queue-pending") == "0"
+    assert _queue_cell(driver, queue, "queue-holder") == "owner " + (owner or "—")
+
+    row = _queue_row(driver, group)
+    assert row is not None
+    row.find_element(By.CSS_SELECTOR, '[data-testid="purge-queue"]').click()
+    alert = wait_for(driver, ec.alert_is_present(), "the confirm dialog")
+    assert group in alert.text and "Purge" in alert.text
+    alert.accept()
+    wait_for(driver, lambda d: _queue_row(d, group) is None, "the purged store gone from the list")
+    status = driver.find_element(By.ID, "status").text
+    assert status.startswith(f"Purged {group}: 3 entries (3 pending)"), status
+    assert api.call("GET", group_path)["pending"] == 0
+    assert api.call("GET", f"queues/{queue}")["last_seq"] == 2  # the other queue untouched
+
+    row = _queue_row(driver, queue)
+    assert row is not None
+    row.find_element(By.CSS_SELECTOR, '[data-testid="rewind-queue"]').click()
+    prompt = wait_for(driver, ec.alert_is_present(), "the sequence number prompt")
+    assert queue in prompt.text
+    prompt.send_keys("1")
+    prompt.accept()
+    wait_for(driver, lambda d: _queue_cell(d, queue, "queue-pending") == "2", "2 pending again")
+    assert driver.find_element(By.ID, "status").text == (
+        f"Rewound {queue} from 1: 2 entries pending again."
+    )
+    assert api.call("GET", f"queues/{queue}")["pending"] == 2
+
+
+def test_a_session_rewound_from_its_detail(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    """Purged, then rewound to a time before its messages: they are stored again."""
+    broker, api = server
+    cid, topic = "console-rewind", "console/rewind"
+    persistent_subscriber(broker, cid, topic)
+    since = int(time.time()) - 1
+    publish(broker, topic, 3, "console-rewind-publisher")
+    path = api.session_path(cid)
+    admin.wait_for(lambda: api.call("GET", path)["backlog"] == 3, "3 messages stored")
+    api.call("DELETE", api.session_path(cid, "messages"))
+    assert api.call("GET", path)["backlog"] == 0
+
+    driver = chromium
+    _open(driver, api.url + "/")
+    _enter_token(driver, TOKEN)
+    wait_for(driver, lambda d: _session_row(d, cid), f"{cid}'s row")
+    _open_session(driver, cid)
+    wait_for(driver, lambda d: _fact(d, "detail-backlog") == "0", "the detail, purged")
+    driver.find_element(By.ID, "rewind-since").send_keys(str(since))
+    driver.find_element(By.ID, "rewind").click()
+    alert = wait_for(driver, ec.alert_is_present(), "the confirm dialog")
+    assert cid in alert.text
+    alert.accept()
+    wait_for(driver, lambda d: _fact(d, "detail-backlog") == "3", "3 stored again")
+    assert driver.find_element(By.ID, "status").text.startswith(
+        f"Rewound {cid}: 3 messages stored again"
+    )
+    assert _error(driver) == ""
+    peeked = driver.find_elements(By.CSS_SELECTOR, "#detail-messages tbody tr")
+    assert [r.find_elements(By.TAG_NAME, "td")[-1].text for r in peeked] == ["m0", "m1", "m2"]
