@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -287,6 +288,21 @@ ROUTES: tuple[Route, ...] = (
         "Deliver the queue again from a sequence number (the latest value of each key)",
         write=True,
         body='{"seq": N}',
+    ),
+    Route(
+        "GET",
+        ("replicas",),
+        "list_replicas",
+        "The replicas this one knows (itself first): when each last spoke on the cluster "
+        "link and how many clients are connected there",
+    ),
+    Route(
+        "GET",
+        ("subscribers",),
+        "list_subscribers",
+        "Who gets a message published on a topic: the subscriptions (shared ones too) "
+        "whose filter matches the topic name, by client ID",
+        query=("topic", "limit"),
     ),
     Route("GET", ("stats",), "stats", "Headline numbers of this replica"),
     Route("GET", ("openapi.json",), "openapi", "This API's OpenAPI 3 document"),
@@ -683,6 +699,43 @@ class AdminApi:
                     return json_response(200, {"items": items, "truncated": True})
         return json_response(200, {"items": items, "truncated": False})
 
+    async def list_subscribers(self, request: Request) -> Response:
+        """Who a message published on ``topic`` goes to: the subscriptions whose filter
+        matches it (SubscriptionTree.match, as routing does), shared groups' members
+        and group queues' members included, by client ID then filter, the first
+        ``limit``."""
+        q = request.query
+        topic = q.get("topic", "")
+        if not is_valid_topic_name(topic):
+            raise HttpError(400, "topic: a topic name (no + or #, not empty)", {"field": "topic"})
+        limit = _int(q, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        found = self.broker.subscriptions.match(topic)
+        rows: list[tuple[str, str, int, str | None, bool]] = [
+            (e.client_id, e.topic_filter, e.qos, None, False) for e in found.entries
+        ]
+        for group in found.groups:
+            rows.extend(
+                (m.client_id, m.topic_filter, m.qos, group.name, group.queue) for m in group.members
+            )
+        first = heapq.nsmallest(limit + 1, rows)
+        items = []
+        for client_id, topic_filter, qos, share, queue in first[:limit]:
+            session = self.broker.sessions.get(client_id)
+            items.append(
+                {
+                    "client_id": client_id,
+                    "filter": topic_filter,
+                    "qos": qos,
+                    "share_group": share,
+                    "group_queue": queue,
+                    "replica": _replica(session, self.node_id) if session else None,
+                }
+            )
+        return json_response(
+            200,
+            {"topic": topic, "items": items, "count": len(rows), "truncated": len(first) > limit},
+        )
+
     async def list_retained(self, request: Request) -> Response:
         """One page of the retained messages a filter matches, by topic, after
         ``cursor`` (the last topic of the page before). The walk goes a slice per
@@ -967,6 +1020,17 @@ class AdminApi:
                 400, "a client ID with /, + or # names no queue", {"field": "client_id"}
             )
         return self.queues
+
+    async def list_replicas(self, request: Request) -> Response:
+        """The cluster's replicas (broker/cluster.py ClusterState.replicas); without a
+        cluster, this one."""
+        cluster = self.broker.cluster
+        if cluster is not None:
+            items = cluster.replicas()
+        else:
+            here = {"node": self.node_id, "here": True, "last_seen": time.time()}
+            items = [{**here, "connected": len(self.broker.connections)}]
+        return json_response(200, {"cluster": cluster is not None, "items": items})
 
     async def stats(self, request: Request) -> Response:
         broker = self.broker

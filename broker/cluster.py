@@ -62,6 +62,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +160,7 @@ class ClusterState:
         self.boot = secrets.token_hex(8)  # this process, to tell a restarted replica's numbers
         self._seq = 0  # the last sequence number sent
         self._heard: dict[str, tuple[str, int]] = {}  # node -> (its boot token, last number)
+        self.last_heard: dict[str, float] = {}  # node -> when it last spoke (epoch seconds)
         self.gaps = 0
         self._control: list[dict[str, Any]] = []
         self._stored: set[str] = set()
@@ -316,6 +318,31 @@ class ClusterState:
             if isinstance(s, RemoteSession) and (s.online or not s.durable)
         }
 
+    def replicas(self) -> list[dict[str, Any]]:
+        """The cluster as this replica sees it (GET /api/v1/replicas): itself, then
+        every replica it heard from or holds sessions of, with when it last spoke
+        and how many clients are connected there."""
+        connected: dict[str, int] = {}
+        for s in self.broker.sessions.values():
+            if isinstance(s, RemoteSession) and s.online:
+                connected[s.node] = connected.get(s.node, 0) + 1
+        others = sorted((set(self.last_heard) | set(connected)) - {self.node_id})
+        here = {
+            "node": self.node_id,
+            "here": True,
+            "last_seen": time.time(),
+            "connected": len(self.broker.connections),
+        }
+        return [here] + [
+            {
+                "node": n,
+                "here": False,
+                "last_seen": self.last_heard.get(n),
+                "connected": connected.get(n, 0),
+            }
+            for n in others
+        ]
+
     def retained_changed(self, topics: list[str]) -> None:
         """Retained messages of ``topics`` were written to Redis: the others re-read them."""
         if not self._control and not self._stored and not self._deliveries and not self._retained:
@@ -406,6 +433,8 @@ class ClusterState:
         (their outboxes re-read the store: the persistence layer's business), or
         the topics of a ``retained`` notice (re-read from Redis, likewise)."""
         change = orjson.loads(payload)
+        if change.get("n") not in (None, self.node_id):
+            self.last_heard[change["n"]] = time.time()  # ticks too: at least every tick
         if change.get("n") == self.node_id or not self._in_sequence(change):
             return []
         if channel == STORED:

@@ -153,3 +153,36 @@ def test_presence_events_of_b_reach_a_subscriber_on_a(cluster: Cluster) -> None:
     ]
     assert orjson.loads(events[1].payload)["reason"] == "normal"
     watcher.close()
+
+
+def test_each_replica_lists_both_with_the_clients_connected_there(cluster: Cluster) -> None:
+    api_a = _api(cluster.a)
+    cid = cluster.name("replicas")
+    client = Paho(cluster.b, cid, V5)
+    assert client.connect().reason_code == 0
+    try:
+
+        def b_seen() -> Any:
+            answer = api_a.call("GET", "replicas")
+            nodes = {r["node"]: r for r in answer["items"]}
+            return "b" in nodes and nodes["b"]["connected"] >= 1 and answer
+
+        answer = wait_for(b_seen, "a lists b with the client connected there")
+        assert answer["cluster"] is True
+        first, b = answer["items"][0], {r["node"]: r for r in answer["items"]}["b"]
+        assert (first["node"], first["here"]) == ("a", True)
+        assert b["here"] is False and b["last_seen"] is not None
+        # b speaks at least every tick: a's "last seen" of it moves on
+        later = wait_for(
+            lambda: (
+                (r := {x["node"]: x for x in api_a.call("GET", "replicas")["items"]}["b"])[
+                    "last_seen"
+                ]
+                > b["last_seen"]
+                and r
+            ),
+            "a hears from b again",
+        )
+        assert later["connected"] >= 1
+    finally:
+        client.close()

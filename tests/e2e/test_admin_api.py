@@ -516,3 +516,65 @@ def _events(broker: BrokerProcess, client_id: str) -> list[dict[str, Any]]:
         return events if any(e["ev"] == "admin" for e in events) else None
 
     return wait_for(enough, "the admin event written (the event log flushes every second)")  # type: ignore[no-any-return]
+
+
+def test_who_subscribes_to_a_topic_plain_shared_and_group_queue_members(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    broker, api = server
+    clients = []
+    for cid, topic_filter, qos in (
+        ("who-a", "who/+/temp", 1),
+        ("who-b", "who/#", 0),
+        ("who-c", "$share/g/who/+/temp", 1),
+        ("who-e", "who/other", 1),
+    ):
+        client = Paho(broker, cid, V5)
+        assert client.connect().reason_code == 0
+        assert client.subscribe(topic_filter, qos) == [qos]
+        clients.append(client)
+    persistent_subscriber(broker, "who-d", "$queue/gq/who/#")
+    try:
+        answer = api.call("GET", "subscribers", {"topic": "who/x/temp"})
+        got = [
+            (i["client_id"], i["filter"], i["qos"], i["share_group"], i["group_queue"])
+            for i in answer["items"]
+        ]
+        assert got == [
+            ("who-a", "who/+/temp", 1, None, False),
+            ("who-b", "who/#", 0, None, False),
+            ("who-c", "$share/g/who/+/temp", 1, "g", False),
+            ("who-d", "$queue/gq/who/#", 1, "$queue/gq", True),
+        ], got
+        assert (answer["count"], answer["truncated"]) == (4, False)
+        assert {i["replica"] for i in answer["items"]} == {api.call("GET", "stats")["node"]}
+
+        page = api.call("GET", "subscribers", {"topic": "who/x/temp", "limit": 2})
+        assert [i["client_id"] for i in page["items"]] == ["who-a", "who-b"]
+        assert (page["count"], page["truncated"]) == (4, True)
+        assert api.call("GET", "subscribers", {"topic": "who/none"})["items"][0]["client_id"] == (
+            "who-b"
+        )
+        for bad in ("who/+/temp", "who/#", ""):
+            code, error = status(api, "GET", "subscribers", query={"topic": bad})
+            assert code == 400 and "topic" in error and "\n" not in error, (bad, error)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_the_replicas_of_a_broker_without_a_cluster_are_itself(
+    server: tuple[BrokerProcess, AdminClient],
+) -> None:
+    broker, api = server
+    client = Paho(broker, "replicas-one", V5)
+    assert client.connect().reason_code == 0
+    try:
+        answer = api.call("GET", "replicas")
+        stats = api.call("GET", "stats")
+        assert answer["cluster"] is False
+        [me] = answer["items"]
+        assert (me["node"], me["here"]) == (stats["node"], True)
+        assert me["connected"] >= 1 and abs(me["last_seen"] - time.time()) < 60
+    finally:
+        client.close()
