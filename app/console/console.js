@@ -5,7 +5,7 @@
 "use strict";
 
 const TOKEN_KEY = "devicemq.admin.token";
-const REFRESH_EVERY_MS = 5000; // the headline, sessions and block list, while "Auto-refresh" is on
+const REFRESH_EVERY_MS = 5000; // the headline, sessions, block list and replicas, while "Auto-refresh" is on
 const PAGE_SIZE = 50;
 const PEEK = 20;
 
@@ -162,7 +162,8 @@ async function run(action) {
 }
 
 function clearData() {
-  for (const id of ["stats", "sessions-body", "blocked-body", "retained-body", "queues-body"]) {
+  for (const id of ["stats", "sessions-body", "blocked-body", "retained-body", "queues-body",
+    "replicas-body", "subscribers-body"]) {
     $(id).replaceChildren();
   }
   closeDetail();
@@ -427,6 +428,36 @@ async function rewindQueue(queueId) {
   await loadQueues();
 }
 
+// -- replicas and a topic's subscribers --------------------------------------------------
+
+async function loadReplicas() {
+  const { items } = await api("GET", "replicas");
+  $("replicas-body").replaceChildren(
+    ...items.map((r) =>
+      el("tr", { "data-node": r.node },
+        el("td", {}, r.here ? r.node + " (this one)" : r.node),
+        el("td", {}, r.here ? "now" : when(r.last_seen)),
+        el("td", { class: "num", "data-testid": "replica-connected" }, r.connected))),
+  );
+}
+
+async function askSubscribers() {
+  const topic = $("subscribers-topic").value;
+  const page = await api("GET", "subscribers", { topic, limit: 100 });
+  $("subscribers-body").replaceChildren(
+    ...page.items.map((i) =>
+      el("tr", { "data-client-id": i.client_id },
+        el("td", {}, i.client_id), el("td", { class: "mono" }, i.filter),
+        el("td", { class: "num" }, i.qos),
+        el("td", {}, i.share_group === null ? "" : (i.group_queue ? "queue " : "shared ") + i.share_group),
+        el("td", {}, i.replica))),
+  );
+  const note = $("subscribers-note");
+  note.textContent = page.truncated ? `The first ${page.items.length} of ${page.count} are shown.`
+    : page.items.length ? `${page.count} subscriptions match ${topic}.` : `Nobody subscribes to ${topic}.`;
+  note.hidden = false;
+}
+
 // -- block list --------------------------------------------------------------------------
 
 async function loadBlocked() {
@@ -491,7 +522,7 @@ async function deleteRetained(topic) {
 
 async function loadAll() {
   const results = await Promise.allSettled(
-    [loadStats(), loadSessions(), loadBlocked(), loadRetained(), loadQueues()]);
+    [loadStats(), loadSessions(), loadBlocked(), loadRetained(), loadQueues(), loadReplicas()]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) throw failed.reason;
 }
@@ -514,7 +545,7 @@ let refreshes = 0; // completed automatic refreshes (data-refreshes on #updated)
 async function autoRefresh() {
   if (document.hidden || !$("auto-refresh").checked) return;
   try {
-    await Promise.all([loadStats(), loadSessions(), loadBlocked()]);
+    await Promise.all([loadStats(), loadSessions(), loadBlocked(), loadReplicas()]);
   } catch (error) {
     showError(error);
     return;
@@ -575,6 +606,7 @@ function init() {
   onSubmit("block-form", block);
   onSubmit("retained-form", loadRetained);
   onSubmit("queues-form", loadQueues);
+  onSubmit("subscribers-form", askSubscribers);
   onSubmit("rewind-form", rewindSession);
   showTokenState();
   run(loadAll);

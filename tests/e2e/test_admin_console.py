@@ -471,3 +471,56 @@ def test_a_session_rewound_from_its_detail(
     assert _error(driver) == ""
     peeked = driver.find_elements(By.CSS_SELECTOR, "#detail-messages tbody tr")
     assert [r.find_elements(By.TAG_NAME, "td")[-1].text for r in peeked] == ["m0", "m1", "m2"]
+
+
+def test_who_subscribes_to_a_topic_and_the_replicas(
+    server: tuple[BrokerProcess, AdminClient], chromium: WebDriver
+) -> None:
+    broker, api = server
+    watchers = []
+    for cid, topic_filter in (
+        ("console-who-1", "console-who/+"),
+        ("console-who-2", "$share/ops/console-who/#"),
+    ):
+        client = Paho(broker, cid, V5)
+        assert client.connect().reason_code == 0
+        assert client.subscribe(topic_filter, 1) == [1]
+        watchers.append(client)
+    node = api.call("GET", "stats")["node"]
+    try:
+        driver = chromium
+        _open(driver, api.url + "/")
+        _enter_token(driver, TOKEN)
+        wait_for(
+            driver,
+            lambda d: d.find_elements(By.CSS_SELECTOR, f'#replicas-body tr[data-node="{node}"]'),
+            "this replica listed",
+        )
+        row = driver.find_element(By.CSS_SELECTOR, f'#replicas-body tr[data-node="{node}"]')
+        assert row.find_elements(By.TAG_NAME, "td")[0].text == f"{node} (this one)"
+        assert int(row.find_element(By.CSS_SELECTOR, '[data-testid="replica-connected"]').text) >= 2
+
+        driver.find_element(By.ID, "subscribers-topic").send_keys("console-who/x")
+        driver.find_element(By.ID, "subscribers-ask").click()
+        wait_for(
+            driver, lambda d: d.find_element(By.ID, "subscribers-note").is_displayed(), "the answer"
+        )
+        rows = driver.find_elements(By.CSS_SELECTOR, "#subscribers-body tr")
+        seen = [[td.text for td in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+        assert seen == [
+            ["console-who-1", "console-who/+", "1", "—", node],
+            ["console-who-2", "$share/ops/console-who/#", "1", "shared ops", node],
+        ], seen
+        assert driver.find_element(By.ID, "subscribers-note").text == (
+            "2 subscriptions match console-who/x."
+        )
+
+        field = driver.find_element(By.ID, "subscribers-topic")
+        field.clear()
+        field.send_keys("console-who/#")
+        driver.find_element(By.ID, "subscribers-ask").click()
+        error = wait_for(driver, _error, "the error line")
+        assert error.startswith("400: topic:"), error
+    finally:
+        for client in watchers:
+            client.close()
