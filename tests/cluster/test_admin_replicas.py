@@ -186,3 +186,21 @@ def test_each_replica_lists_both_with_the_clients_connected_there(cluster: Clust
         assert later["connected"] >= 1
     finally:
         client.close()
+
+
+def test_either_replica_answers_who_subscribes_to_a_topic_on_the_other(cluster: Cluster) -> None:
+    api_a = _api(cluster.a)
+    cid = cluster.name("who")
+    client = Paho(cluster.b, cid, V5)
+    assert client.connect().reason_code == 0
+    try:
+        assert client.subscribe("adm/who/+", 1) == [1]
+
+        def listed() -> Any:
+            items = api_a.call("GET", "subscribers", {"topic": "adm/who/x"})["items"]
+            return [i for i in items if i["client_id"] == cid]
+
+        [item] = wait_for(listed, "a answers for b's subscriber")
+        assert (item["filter"], item["qos"], item["replica"]) == ("adm/who/+", 1, "b")
+    finally:
+        client.close()
