@@ -35,8 +35,9 @@ def _fill(broker: Broker, count: int) -> None:
         broker.sessions[cid] = Session(cid, 0, 1, MemoryFeed(1, broker.stats), broker.stats)
 
 
-async def _measure(api: AdminApi, path: str, query: dict[str, str]) -> tuple[float, float]:
-    """(seconds for the request, longest loop hold in seconds)."""
+async def measure_request(api: AdminApi, request: Request) -> tuple[float, float, int]:
+    """(seconds ``request`` took, the longest event-loop step meanwhile, the loop's
+    turns meanwhile): a ticker task notes every turn while the API answers."""
     holds: list[float] = []
     done = False
 
@@ -50,12 +51,21 @@ async def _measure(api: AdminApi, path: str, query: dict[str, str]) -> tuple[flo
 
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
+    holds.clear()
     start = time.perf_counter()
-    await api.handle(Request("GET", path, query, {}, b"", "127.0.0.1"))
+    await api.handle(request)
     took = time.perf_counter() - start
     done = True
     await task
-    return took, max(holds)
+    return took, max(holds, default=took), len(holds)
+
+
+async def _measure(api: AdminApi, path: str, query: dict[str, str]) -> tuple[float, float]:
+    """(seconds for the request, longest loop hold in seconds)."""
+    took, hold, _turns = await measure_request(
+        api, Request("GET", path, query, {}, b"", "127.0.0.1")
+    )
+    return took, hold
 
 
 async def _run(count: int) -> None:

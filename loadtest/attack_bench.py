@@ -298,6 +298,7 @@ def admin_retained(count: int) -> None:
 
     from app.admin import AdminApi
     from app.http import Request
+    from loadtest.admin_bench import measure_request
 
     settings = Settings()
     broker = Broker(settings)
@@ -306,29 +307,7 @@ def admin_retained(count: int) -> None:
     api = AdminApi(settings, broker, "bench", token=None)
     request = Request("GET", "/api/v1/retained", {"topic": "#", "limit": "1000"}, {}, b"", "::1")
 
-    async def run() -> tuple[float, float, int]:
-        gaps: list[float] = []
-        done = False
-
-        async def ticker() -> None:
-            last = time.perf_counter()
-            while not done:
-                await asyncio.sleep(0)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        gaps.clear()
-        start = time.perf_counter()
-        await api.handle(request)
-        total = time.perf_counter() - start
-        done = True
-        await task
-        return total, max(gaps, default=total), len(gaps)
-
-    total, step, turns = min(asyncio.run(run()) for _ in range(3))
+    total, step, turns = min(asyncio.run(measure_request(api, request)) for _ in range(3))
     print(
         f"GET /api/v1/retained?topic=# over {count:,} retained: {total * 1000:.0f} ms, "
         f"longest loop step {step * 1000:.1f} ms, {turns} loop turns (best of 3)"
