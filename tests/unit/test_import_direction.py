@@ -1,7 +1,9 @@
 """Imports point down the layers only (docs/ARCHITECTURE.md, "Packages and their direction").
 
-broker (the protocol) <- persistence (the durable path) <- app (the composition
-root, HTTP, embedded services) <- pipeline, loadtest (tools on top, which may
+broker (the protocol) <- persistence (the durable path), edge (the network
+edge: listeners, WebSocket, logging setup; beside persistence, neither imports
+the other) <- app (the composition root, authentication's files, HTTP,
+embedded services) <- pipeline, loadtest (tools on top, which may
 start the embedded services) <- app.cli (the ``devicemq`` command, whose
 ``loadtest`` and ``pipeline`` subcommands run the tools). Every import counts:
 at module level, inside functions, under ``TYPE_CHECKING``; an upward one, even
@@ -19,12 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 LAYER = {
     "broker": 0,
     "persistence": 1,
+    "edge": 1,
     "app": 2,
     "pipeline": 3,
     "loadtest": 3,
     "app.cli": 4,
 }
-PACKAGES = ("broker", "persistence", "app", "pipeline", "loadtest")
+PACKAGES = ("broker", "persistence", "edge", "app", "pipeline", "loadtest")
 
 
 def part_of(module: str) -> str | None:
