@@ -244,3 +244,47 @@ def test_importing_a_module_imports_its_packages() -> None:
     assert import_cycles(runtime_import_graph(sources)) == [
         ["broker.p", "broker.p.inner", "broker.q"]
     ]
+
+
+# -- persistence reads no broker internals -------------------------------------------------
+
+# What the durable path may not reach for: the broker held as an attribute of its own
+# (``self._broker.sessions``...), or a session's feeds through its outflow. Stored
+# messages reach the live feeds through the feeds the path made itself
+# (persistence/feed_bridge.py), which know their outflow by the Feed port.
+REACHES = (("_broker",), ("outflow", "feed"), ("outflow", "side"))
+
+
+def broker_reaches(source: str) -> list[str]:
+    """(line: dotted reach) of every attribute chain in ``source`` ending in a REACHES."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = [node.attr]
+        inner = node.value
+        while isinstance(inner, ast.Attribute) and len(chain) < 2:
+            chain.insert(0, inner.attr)
+            inner = inner.value
+        for reach in REACHES:
+            if tuple(chain[-len(reach) :]) == reach:
+                found.append(f"line {node.lineno}: .{'.'.join(reach)}")
+    return sorted(set(found))
+
+
+def test_persistence_reads_no_broker_internals() -> None:
+    problems = []
+    for path in sorted((REPO / "persistence").rglob("*.py")):
+        for problem in broker_reaches(path.read_text()):
+            problems.append(f"{path.relative_to(REPO)} {problem}")
+    assert problems == []
+
+
+def test_a_reach_into_the_broker_is_found() -> None:
+    source = (
+        "def f(self, cid):\n"
+        "    session = self._broker.sessions.get(cid)\n"
+        "    feed = session.outflow.feed\n"
+        "    return outflow.side, feed.outflow.connection\n"
+    )
+    assert broker_reaches(source) == ["line 2: ._broker", "line 3: .outflow.feed"]
