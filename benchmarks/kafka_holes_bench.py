@@ -9,7 +9,7 @@ consumer that follows its fetches as aiokafka does, and counts the offsets it
 skipped, then reads each hole again to see whether the records are there.
 A race, not a test: run it a few times.
 
-    python -m loadtest.kafka_holes_bench --seconds 30 --producers 4 --busy
+    python -m benchmarks.kafka_holes_bench --seconds 30 --producers 4 --busy
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.kafka_holes_bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kafka_holes_bench")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--producers", type=int, default=4)
     parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")

@@ -1,12 +1,12 @@
 """What the attacks of issue 19 still cost: the numbers in SECURITY.md.
 
-    python -m loadtest.attack_bench retained [--retained 100000]
-    python -m loadtest.attack_bench decode
-    python -m loadtest.attack_bench overlap [--filters 1000] [--ids]
-    python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
+    python -m benchmarks.attack_bench retained [--retained 100000]
+    python -m benchmarks.attack_bench decode
+    python -m benchmarks.attack_bench overlap [--filters 1000] [--ids]
+    python -m benchmarks.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
                                            stranger} [--seconds 10]
-    python -m loadtest.attack_bench admin-retained [--retained 100000]
-    python -m loadtest.attack_bench admin-guess [--seconds 5]
+    python -m benchmarks.attack_bench admin-retained [--retained 100000]
+    python -m benchmarks.attack_bench admin-guess [--seconds 5]
 
 ``admin-guess`` starts ``devicemq run`` with an admin token and sends wrong tokens
 from 127.0.0.9 with four threads: how many were compared (401) and how many
@@ -298,7 +298,7 @@ def admin_retained(count: int) -> None:
 
     from app.admin import AdminApi
     from app.http import Request
-    from loadtest.admin_bench import measure_request
+    from benchmarks.admin_bench import measure_request
 
     settings = Settings()
     broker = Broker(settings)
@@ -379,7 +379,7 @@ def admin_guess(seconds: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.attack_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attack_bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("retained")
     p.add_argument("--retained", type=int, default=100_000)
