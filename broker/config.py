@@ -1223,7 +1223,7 @@ def _unknown_variable(var: str, known: set[str]) -> str:
     close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
     if close:
         return f"not a devicemq setting (did you mean {close[0]}?)"
-    return "not a devicemq setting (README.md, Configuration; unset it)"
+    return "not a devicemq setting (docs/configuration.md; unset it)"
 
 
 # --------------------------------------------------------------------------
