@@ -47,7 +47,7 @@ session it holds with a live connection except by ``conn`` (takeover); a
 remote record is changed only by its owner, except that an offline durable
 record is dropped by any replica that ended the session (it expired there).
 
-Semantics (README "Running several replicas"): persistent (durable) QoS 1/2
+Semantics (docs/deployment.md "Running several replicas"): persistent (durable) QoS 1/2
 deliveries still go through Kafka, whichever replica routes them, and the
 replica that stores them tells the replica holding the connection to re-read
 the store (``stored``). Everything else to a remote client (QoS 0, clean

@@ -607,7 +607,7 @@ class MetricsSettings:
 
 @dataclass(frozen=True, slots=True)
 class AdminSettings:
-    """The admin HTTP API and web console (app/admin.py, README "Operating devicemq")."""
+    """The admin HTTP API and web console (app/admin.py, docs/operating.md)."""
 
     enabled: bool = setting(True, "Serve the admin HTTP API and web console")
     host: str = setting(
@@ -736,7 +736,7 @@ class GroupQueueSettings:
 
 @dataclass(frozen=True, slots=True)
 class ClusterSettings:
-    """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
+    """Several replicas on one Redis and one Kafka (broker/cluster.py, docs/deployment.md)."""
 
     enabled: bool = setting(
         False, "Share subscriptions, deliveries and takeovers with the other replicas"
