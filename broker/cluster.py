@@ -36,8 +36,8 @@ Every message a replica publishes on ``subscriptions``, ``stored`` and
 sequence number in that process (``tick`` repeats the last one). Pub/sub
 is at most once: a receiver that sees a sequence number skip (or a ``tick``
 ahead of what it heard) missed something, and catches up as after a lost
-connection (:meth:`ClusterState.resync`, and every connected durable
-outbox re-reads the store). A stored message thus reaches its client
+connection (:meth:`ClusterState.resync`, and every connected persistent
+session's store feed re-reads the store). A stored message thus reaches its client
 within about ``TICK_INTERVAL`` plus a page read, whatever pub/sub lost.
 
 The order of one replica's messages is kept (one Redis connection publishes
@@ -430,7 +430,7 @@ class ClusterState:
 
     def receive(self, channel: str, payload: bytes) -> list[str]:
         """Apply a control message; returns the client ids of a ``stored`` notice
-        (their outboxes re-read the store: the persistence layer's business), or
+        (their sessions' store feeds re-read the store: the persistence layer's business), or
         the topics of a ``retained`` notice (re-read from Redis, likewise)."""
         change = orjson.loads(payload)
         if change.get("n") not in (None, self.node_id):
