@@ -1,4 +1,4 @@
-"""What the attacks of issue 19 still cost: the numbers in SECURITY.md.
+"""What the attacks the broker was hardened against still cost: the numbers in SECURITY.md.
 
     python -m benchmarks.attack_bench retained [--retained 100000]
     python -m benchmarks.attack_bench decode
@@ -17,8 +17,9 @@ API in this process, with a task beside it that counts the event loop's turns.
 (no sockets: the event-loop time a packet costs); ``flood`` starts ``devicemq
 run`` (a password file, persistence off, metrics on), floods it with CONNECTs
 from 127.0.0.5 with four threads and reads the broker's CPU time from /proc;
-``flood stranger`` (issue 45) has flapping on, alice connected as ``dev-9``,
-and mallory's CONNECTs name ``dev-9`` with her own password.
+``flood stranger`` (a stranger trying to get a device banned) has flapping on,
+alice connected as ``dev-9``, and mallory's CONNECTs name ``dev-9`` with her
+own password.
 Times depend on the machine and on what else runs on it.
 """
 
@@ -293,7 +294,7 @@ def flood(mode: str, seconds: float) -> None:
 
 def admin_retained(count: int) -> None:
     """The admin API's listing of every retained message: its total time, the
-    longest event-loop step during it, and the loop's turns (issue 45 #13)."""
+    longest event-loop step during it, and the loop's turns."""
     import asyncio
 
     from app.admin import AdminApi

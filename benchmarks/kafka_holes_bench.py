@@ -1,6 +1,7 @@
 """Does a fetch from the embedded Kafka skip offsets while producers race?
 
-Issue 16, finding 4: Tansu numbers a produce request's batch before it writes
+The cause of the 4 messages a two-replica run lost (BENCHMARKS.md, "Two
+replicas on one host"): Tansu numbers a produce request's batch before it writes
 it, so a fetch in between can return a later batch without the earlier one.
 This starts a Tansu of its own (memory storage, as `devicemq run` does),
 writes one partition from several producers (as replicas do; one producer

@@ -1,4 +1,5 @@
-"""What the queue attacks of issue 45 (findings 4 and 5) still cost: SECURITY.md's numbers.
+"""What the queue attacks (a group-queue amplification, an $ECQ queue filled) still cost:
+SECURITY.md's numbers.
 
     python -m benchmarks.queue_attack_bench amplify [--groups 1000] [--publishes 2] [--sessions 1]
     python -m benchmarks.queue_attack_bench ecq-fill [--writes 320] [--size 262144]
