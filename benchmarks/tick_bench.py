@@ -1,6 +1,6 @@
 """What the broker's periodic tick costs with many clients connected or offline.
 
-    python -m loadtest.tick_bench [--connected 10000] [--offline 100000]
+    python -m benchmarks.tick_bench [--connected 10000] [--offline 100000]
 
 Fills a broker (in this process, no sockets, a fake clock) with that many
 connected clients (keep-alive 60 s) and offline persistent sessions (expiry one
@@ -70,7 +70,7 @@ def measure(connected: int, offline: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.tick_bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tick_bench")
     parser.add_argument("--connected", type=int, default=10_000)
     parser.add_argument("--offline", type=int, default=100_000)
     args = parser.parse_args()
