@@ -411,10 +411,13 @@ class MQTTConnection:
                 self.broker.stats.reject("inflight_timeout")
                 self.disconnect(ReasonCode.QUOTA_EXCEEDED)
                 return None
-            # The window may fill any moment: due when the last progress is
-            # ``timeout`` old, looked at every RECHECK seconds after that.
-            stall = outflow.last_progress + timeout
-            when = min(when, stall if stall > now else now + RECHECK)
+            if not outflow.inflight:
+                when = min(when, now + timeout)  # a stall's clock starts with a message
+            else:
+                # The window may fill any moment: due when the last progress is
+                # ``timeout`` old, looked at every RECHECK seconds after that.
+                stall = outflow.last_progress + timeout
+                when = min(when, stall if stall > now else now + RECHECK)
         return when
 
 

@@ -226,8 +226,6 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
 
     conn.client_id = client_id
     conn.keep_alive = keep_alive
-    if keep_alive:  # MQTT-3.1.2-22: looked at from 1.5 x keep alive on
-        conn.broker.watch_connection(conn, conn.last_received + 1.5 * keep_alive)
     if properties.receive_maximum is not None:
         conn.client_receive_maximum = properties.receive_maximum
     if properties.maximum_packet_size is not None:
@@ -320,6 +318,8 @@ def _opened(
     broker.acl.client_connected(client_id, conn.username, conn.grant)
     conn.will = will
     conn.state = ConnectionState.CONNECTED
+    # Its keep-alive (MQTT-3.1.2-22) and in-flight deadlines from the next tick on.
+    broker.watch_connection(conn, broker.clock())
     ack_properties = None
     if v5:
         ack_properties = Properties(
