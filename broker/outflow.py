@@ -262,8 +262,35 @@ class Outflow:
     # -- events from the handlers and the edge ------------------------------------------
 
     def deliver(self, delivery: Delivery) -> None:
-        """A QoS 1/2 message routed in memory: the feed keeps it, the window sends it."""
-        self.feed.offer(delivery)
+        """A QoS 1/2 message routed in memory: the feed keeps it, the window sends it.
+
+        The common case costs one send: a memory queue with nothing waiting, no
+        queue or group feeds, and room in the window; the message takes its
+        identifier and goes, as :meth:`pump` would send it (BENCHMARKS.md, "Speed
+        that stays")."""
+        feed = self.feed
+        if (
+            type(feed) is MemoryFeed
+            and not feed.queue
+            and not self._resend
+            and not self._marking
+            and not self._parked
+            and self.side is None
+            and self.detached_side is None
+            and not self.groups
+        ):
+            conn = self._session.connection
+            if conn is not None and self._room(conn) > 0:
+                may_receive = self._may_receive
+                if may_receive is not None and not may_receive(delivery.message.topic):
+                    self._session.stats.drop("not_authorized_receive")
+                    return
+                item = feed.take_now(delivery)
+                entry = OutgoingMessage(item, OutgoingState.MARKING)
+                self._enter(item.packet_id, entry)
+                self._send(conn, entry)
+                return
+        feed.offer(delivery)
         self.pump()
 
     def resume(self) -> None:
@@ -653,6 +680,13 @@ class MemoryFeed:
         delivery = self.queue.popleft()
         self.queued_bytes -= len(delivery.message.payload)
         return delivery
+
+    def take_now(self, delivery: Delivery) -> Outgoing:
+        """``delivery`` goes out at once, never queued (:meth:`Outflow.deliver`)."""
+        outflow = self.outflow
+        assert outflow is not None
+        packet_id = self._last_packet_id = outflow.next_packet_id(self._last_packet_id)
+        return Outgoing(packet_id, delivery, marked=True)
 
     def take(self, n: int) -> list[Outgoing]:
         queue, outflow = self.queue, self.outflow
