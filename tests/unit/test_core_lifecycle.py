@@ -200,4 +200,3 @@ def test_a_delayed_will_fires_then_the_session_expires_later() -> None:
     assert "dev" in h.broker.sessions
     h.advance(5)
     assert "dev" not in h.broker.sessions
-
