@@ -1,0 +1,275 @@
+"""APPLICATION sessions (issue 43, docs/application-sessions.md), end to end.
+
+A broker with ``application.client_ids`` set, its embedded Redis and Tansu
+real: the backend's session keeps its messages in a Kafka topic of its own
+(persistence/application_feed.py), so a backlog far past
+``persistence.max_messages_per_client`` comes back whole and in order; the
+unacknowledged tail is re-sent with DUP under its packet ids; a QoS 2 message
+in its PUBREL stage gets its PUBREL again, never its PUBLISH; a DEVICE session
+on the same broker still keeps only its limit. On the code before it the
+setting does not exist and the broker refuses to start (so every test fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from app.embedded_services import EmbeddedServices
+from broker.packets import (
+    ConnAck,
+    Properties,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    Subscription,
+)
+from persistence.application_feed import app_topic
+from tests.e2e.clients import Raw
+from tests.e2e.conftest import BrokerProcess, devicemq_only, start_broker
+
+pytestmark = devicemq_only("APPLICATION sessions are devicemq's")
+
+DEVICE_LIMIT = 1000  # persistence.max_messages_per_client on this broker
+BACKLOG = 30_000  # thirty times the DEVICE limit
+WINDOW = 100  # a publisher's PUBLISHes in flight at once
+
+
+@pytest.fixture(scope="module")
+def app_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    broker = start_broker(
+        tmp_path_factory.mktemp("app-broker"),
+        {
+            "persistence.max_messages_per_client": DEVICE_LIMIT,
+            "application.client_ids": '["^app-"]',
+        },
+    )
+    try:
+        yield broker
+    finally:
+        broker.stop()
+        code = broker.proc.returncode
+        assert code in (0, -15), f"broker exited with {code}:\n{broker.log()[-4000:]}"
+
+
+def _name(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:10]}"
+
+
+def _connect(
+    broker: BrokerProcess,
+    client_id: str,
+    clean: bool,
+    expiry: int = 3600,
+    receive_maximum: int | None = None,
+) -> tuple[Raw, ConnAck]:
+    raw = Raw(broker)
+    connack = raw.connect(
+        client_id,
+        clean_start=clean,
+        properties=Properties(session_expiry_interval=expiry, receive_maximum=receive_maximum),
+    )
+    assert isinstance(connack, ConnAck) and connack.reason_code == 0, connack
+    return raw, connack
+
+
+def _subscribe(raw: Raw, topic_filter: str, qos: int) -> None:
+    raw.send(Subscribe(1, [Subscription(topic_filter, qos)]))
+    suback = raw.recv()
+    assert isinstance(suback, SubAck) and list(suback.reason_codes) == [qos], suback
+
+
+def _publish_many(broker: BrokerProcess, topics: list[str], count: int, qos: int = 1) -> None:
+    """``count`` QoS 1 messages, payload = their number, round-robin over ``topics``,
+    WINDOW at a time; returns once every one is acknowledged 0x00."""
+    pub = Raw(broker)
+    try:
+        assert pub.connect(_name("pub")).reason_code == 0  # type: ignore[attr-defined]
+        sent = 0
+        while sent < count:
+            batch = min(WINDOW, count - sent)
+            for i in range(sent, sent + batch):
+                pub.send(
+                    Publish(topics[i % len(topics)], str(i).encode(), qos, packet_id=i % WINDOW + 1)
+                )
+            for _ in range(batch):
+                ack = pub.recv(timeout=30)
+                assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
+            sent += batch
+        pub.disconnect()
+    finally:
+        pub.close()
+
+
+def _read_all(raw: Raw, count: int, timeout: float = 120.0) -> list[Publish]:
+    """Read ``count`` PUBLISHes, acknowledging each as it comes."""
+    got: list[Publish] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        packet = raw.recv(timeout=max(0.1, deadline - time.monotonic()))
+        assert isinstance(packet, Publish), packet
+        got.append(packet)
+        assert packet.packet_id is not None
+        raw.send(PubAck(packet.packet_id) if packet.qos == 1 else PubRec(packet.packet_id))
+    return got
+
+
+def _kafka_topics(broker: BrokerProcess) -> set[str]:
+    kafka = next(s for s in EmbeddedServices(broker.data_dir).status() if s.name == "kafka")
+
+    async def listed() -> set[str]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=f"127.0.0.1:{kafka.port}")
+        await admin.start()
+        try:
+            return set(await admin.list_topics())
+        finally:
+            await admin.close()
+
+    return asyncio.run(listed())
+
+
+def test_a_backlog_thirty_times_the_device_limit_comes_back_whole_and_in_order(
+    app_broker: BrokerProcess,
+) -> None:
+    prefix = _name("t")
+    fleet = f"{prefix}/devices/+/telemetry"
+    app, device = _name("app"), _name("dev")
+    for client_id in (app, device):
+        raw, _ = _connect(app_broker, client_id, clean=True)
+        _subscribe(raw, fleet, 1)
+        raw.disconnect()
+    topics = [f"{prefix}/devices/d{n}/telemetry" for n in range(5)]
+    _publish_many(app_broker, topics, BACKLOG)
+
+    raw, connack = _connect(app_broker, app, clean=False, receive_maximum=1000)
+    assert connack.session_present
+    got = _read_all(raw, BACKLOG)
+    assert [int(p.payload) for p in got] == list(range(BACKLOG))
+    assert [p.topic for p in got[:5]] == topics
+    assert not any(p.dup for p in got)  # none was sent before
+    assert raw.recv_or_none(timeout=1.0) is None  # and nothing more
+    raw.disconnect()
+
+    # A DEVICE session on the same broker is unchanged: the newest DEVICE_LIMIT only.
+    raw, connack = _connect(app_broker, device, clean=False, receive_maximum=1000)
+    assert connack.session_present
+    kept = _read_all(raw, DEVICE_LIMIT)
+    assert [int(p.payload) for p in kept] == list(range(BACKLOG - DEVICE_LIMIT, BACKLOG))
+    assert raw.recv_or_none(timeout=1.0) is None
+    raw.disconnect()
+    assert app_topic(app) in _kafka_topics(app_broker)
+    assert app_topic(device) not in _kafka_topics(app_broker)
+
+
+def test_the_unacknowledged_tail_is_sent_again_with_dup_under_its_ids(
+    app_broker: BrokerProcess,
+) -> None:
+    prefix = _name("t")
+    app = _name("app")
+    raw, _ = _connect(app_broker, app, clean=True, receive_maximum=10)
+    _subscribe(raw, f"{prefix}/#", 1)
+    _publish_many(app_broker, [f"{prefix}/a"], 30)
+    first = [raw.recv() for _ in range(10)]  # the window: 10 in flight
+    assert all(isinstance(p, Publish) and not p.dup for p in first)
+    assert [int(p.payload) for p in first] == list(range(10))  # type: ignore[union-attr]
+    assert raw.recv_or_none(timeout=0.5) is None  # Receive Maximum holds the rest
+    for p in first[:4]:
+        raw.send(PubAck(p.packet_id))  # type: ignore[union-attr, arg-type]
+    more = [raw.recv() for _ in range(4)]  # the window opened by those four
+    assert [int(p.payload) for p in more] == list(range(10, 14))  # type: ignore[union-attr]
+    assert raw.recv_or_none(timeout=0.5) is None
+    ids = {int(p.payload): p.packet_id for p in first + more}  # type: ignore[union-attr]
+    raw.close()  # no DISCONNECT: the network went
+
+    raw, connack = _connect(app_broker, app, clean=False, receive_maximum=10)
+    assert connack.session_present
+    again = _read_all(raw, 26)
+    assert [int(p.payload) for p in again] == list(range(4, 30))
+    for p in again[:10]:  # sent before, unacknowledged: DUP, the same packet id
+        assert p.dup and p.packet_id == ids[int(p.payload)], p
+    assert not any(p.dup for p in again[10:])  # never sent before
+    raw.ping()
+    raw.recv()
+    raw.disconnect()
+
+    # Everything was acknowledged: nothing comes again.
+    raw, _ = _connect(app_broker, app, clean=False)
+    assert raw.recv_or_none(timeout=1.5) is None
+    raw.disconnect()
+
+
+def test_qos2_in_its_pubrel_stage_is_not_delivered_twice_across_a_reconnect(
+    app_broker: BrokerProcess,
+) -> None:
+    prefix = _name("t")
+    app = _name("app")
+    raw, _ = _connect(app_broker, app, clean=True)
+    _subscribe(raw, f"{prefix}/#", 2)
+    pub = Raw(app_broker)
+    assert pub.connect(_name("pub")).reason_code == 0  # type: ignore[attr-defined]
+    for n, payload in enumerate((b"once", b"pending")):
+        pub.send(Publish(f"{prefix}/q", payload, 2, packet_id=n + 1))
+        assert isinstance(pub.recv(), PubRec)
+        pub.send(PubRel(n + 1))
+        assert isinstance(pub.recv(), PubComp)
+
+    once = raw.recv()
+    assert isinstance(once, Publish) and once.payload == b"once" and once.qos == 2
+    pending = raw.recv()
+    assert isinstance(pending, Publish) and pending.payload == b"pending"
+    raw.send(PubRec(once.packet_id))  # type: ignore[arg-type]
+    pubrel = raw.recv()
+    assert isinstance(pubrel, PubRel) and pubrel.packet_id == once.packet_id
+    raw.close()  # PUBCOMP never sent; "pending" not even PUBREC'd
+
+    raw, connack = _connect(app_broker, app, clean=False)
+    assert connack.session_present
+    got = [raw.recv(), raw.recv()]
+    # "once": its PUBREL again, never its PUBLISH; "pending": its PUBLISH again, DUP,
+    # under the same packet id (the client's own duplicate check sees it).
+    pubrels = [p for p in got if isinstance(p, PubRel)]
+    publishes = [p for p in got if isinstance(p, Publish)]
+    assert [p.packet_id for p in pubrels] == [once.packet_id], got
+    assert len(publishes) == 1 and publishes[0].payload == b"pending", got
+    assert publishes[0].dup and publishes[0].packet_id == pending.packet_id
+    raw.send(PubComp(once.packet_id))  # type: ignore[arg-type]
+    raw.send(PubRec(pending.packet_id))  # type: ignore[arg-type]
+    assert isinstance(raw.recv(), PubRel)
+    raw.send(PubComp(pending.packet_id))  # type: ignore[arg-type]
+    raw.ping()
+    raw.recv()
+    raw.close()
+
+    raw, _ = _connect(app_broker, app, clean=False)
+    assert raw.recv_or_none(timeout=1.5) is None  # both completed: nothing again
+    raw.disconnect()
+    pub.disconnect()
+
+
+def test_session_expiry_deletes_the_topic(app_broker: BrokerProcess) -> None:
+    prefix = _name("t")
+    app = _name("app")
+    raw, _ = _connect(app_broker, app, clean=True, expiry=1)
+    _subscribe(raw, f"{prefix}/#", 1)
+    _publish_many(app_broker, [f"{prefix}/a"], 3)
+    assert raw.recv() is not None
+    assert app_topic(app) in _kafka_topics(app_broker)
+    raw.disconnect()
+    deadline = time.monotonic() + 15
+    while app_topic(app) in _kafka_topics(app_broker):
+        assert time.monotonic() < deadline, "the topic outlived its session"
+        time.sleep(0.3)
+    # A new session of the client ID starts empty, with a topic of its own again.
+    raw, connack = _connect(app_broker, app, clean=False)
+    assert not connack.session_present
+    assert raw.recv_or_none(timeout=1.0) is None
+    raw.disconnect()
