@@ -273,3 +273,68 @@ def test_session_expiry_deletes_the_topic(app_broker: BrokerProcess) -> None:
     assert not connack.session_present
     assert raw.recv_or_none(timeout=1.0) is None
     raw.disconnect()
+
+
+def test_a_311_client_with_clean_session_0_is_an_application_session(
+    app_broker: BrokerProcess,
+) -> None:
+    prefix = _name("t")
+    app = _name("app")
+    raw = Raw(app_broker, level=4)
+    connack = raw.connect(app, clean_start=False)
+    assert isinstance(connack, ConnAck) and connack.reason_code == 0
+    raw.send(Subscribe(1, [Subscription(f"{prefix}/#", 1)]))
+    assert isinstance(raw.recv(), SubAck)
+    raw.disconnect()
+    count = 3 * DEVICE_LIMIT
+    _publish_many(app_broker, [f"{prefix}/a"], count)
+    raw = Raw(app_broker, level=4)
+    connack = raw.connect(app, clean_start=False)
+    assert isinstance(connack, ConnAck) and connack.session_present
+    got = _read_all(raw, count)
+    assert [int(p.payload) for p in got] == list(range(count))
+    raw.disconnect()
+    assert app_topic(app) in _kafka_topics(app_broker)
+
+
+def test_a_broker_killed_mid_backlog_resumes_from_the_committed_offset(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    settings = {"application.client_ids": '["^app-"]'}
+    data_dir = tmp_path_factory.mktemp("app-kill")
+    broker = start_broker(data_dir, settings)
+    try:
+        prefix, app = _name("t"), _name("app")
+        raw, _ = _connect(broker, app, clean=True)
+        _subscribe(raw, f"{prefix}/#", 1)
+        raw.disconnect()
+        count = 5000
+        _publish_many(broker, [f"{prefix}/a"], count)
+        raw, _ = _connect(broker, app, clean=False, receive_maximum=50)
+        acked = _read_all(raw, 2000)  # acknowledged, each as it came
+        assert [int(p.payload) for p in acked] == list(range(2000))
+        sent = [raw.recv() for _ in range(50)]  # the window, never acknowledged
+        assert all(isinstance(p, Publish) for p in sent)
+        broker.proc.kill()  # SIGKILL: nothing drained, no last write
+        broker.proc.wait(10)
+        raw.close()
+        broker = start_broker(data_dir, settings)  # the embedded Redis and Tansu lived on
+        raw, connack = _connect(broker, app, clean=False, receive_maximum=50)
+        assert connack.session_present
+        first = raw.recv()
+        assert isinstance(first, Publish)
+        start = int(first.payload)
+        # From the committed offset: nothing unacknowledged is skipped; what was
+        # acknowledged but not yet committed may come again (QoS 1), with DUP.
+        assert start <= 2000
+        rest = [first, *_read_all(raw, count - start - 1)]
+        raw.send(PubAck(first.packet_id))  # type: ignore[arg-type]
+        assert [int(p.payload) for p in rest] == list(range(start, count))
+        last_sent = 2000 + len(sent) - 1
+        for p in rest:
+            assert p.dup == (int(p.payload) <= last_sent), p  # DUP exactly on what was seen
+        raw.ping()
+        raw.recv()
+        raw.disconnect()
+    finally:
+        broker.stop()
