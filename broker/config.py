@@ -1269,6 +1269,22 @@ def _check_integrations(settings: Settings) -> None:
             )
 
 
+def _check_application(settings: Settings) -> None:
+    """APPLICATION sessions live in Kafka (persistence), served by the one broker their
+    client is connected to: replicas do not route to them yet."""
+    if not settings.application.client_ids:
+        return
+    if not settings.persistence.enabled:
+        raise ConfigError(
+            "APPLICATION sessions need persistence.enabled", name="application.client_ids"
+        )
+    if settings.cluster.enabled:
+        raise ConfigError(
+            "APPLICATION sessions are not served by replicas yet (cluster.enabled)",
+            name="application.client_ids",
+        )
+
+
 def _unknown_key(name: str) -> str:
     """'unknown setting', with the closest known name when there is one."""
     section, _, key = name.rpartition(".")
@@ -1380,6 +1396,7 @@ def load_settings(
         _check_integrations(settings)
     except ConfigError as e:
         raise ConfigError(e.message, source=rules_source, name=e.name) from None
+    _check_application(settings)
     return settings
 
 

@@ -547,3 +547,20 @@ def test_a_complex_yaml_key_in_the_rules_variable_is_one_line_naming_it() -> Non
     assert error_of(env=env) == (
         "env DEVICEMQ_INTEGRATIONS: line 1: a key must be a name, not a list"
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DEVICEMQ_PERSISTENCE_ENABLED": "false"}, "need persistence.enabled"),
+        ({"DEVICEMQ_CLUSTER_ENABLED": "true"}, "not served by replicas yet"),
+    ],
+)
+def test_application_sessions_need_persistence_and_one_broker(
+    env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"DEVICEMQ_APPLICATION_CLIENT_IDS": "^app-", **env})
+    assert err.value.name == "application.client_ids"
+    assert message in str(err.value)
+    load_settings(env=env)  # without APPLICATION sessions: fine
