@@ -35,6 +35,10 @@ retention, and it is read straight from Kafka while its client is connected.
   never delivered twice), one at ``-`` is skipped, the others are new.
   Acknowledged messages after an unacknowledged one come again (with DUP):
   that is the price of one offset per partition.
+- **Copies.** Records are named (producer id, sequence number) as the device
+  path's are; the reader skips one at or below the last it read from that
+  producer in that partition (``{cid}_app_seen`` keeps it as of the commit),
+  so a record Kafka took twice is delivered once.
 - **End.** A session that ends (expiry, clean start) has its topic and keys
   deleted (:meth:`ApplicationSessions.ended`).
 """
@@ -82,7 +86,9 @@ DONE = "-"  # an inflight field whose flow completed (its id went to a later mes
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
-# ARGV: generation, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k fields
+# KEYS[4] {cid}_app_seen
+# ARGV: generation, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k fields,
+# s, s ("producer:partition", seq) pairs
 # Fenced by the generation: a late write of an ended session takes nothing of the next.
 _PROGRESS_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -93,6 +99,8 @@ n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HDEL', KEYS[3], ARGV[i]); i = i + 1 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
 return 1
 """
 
@@ -111,13 +119,16 @@ class AppKeys:
     generation: str  # the session's generation (persistence/lua/open_session.lua)
     offsets: str  # hash: partition -> the next offset to read (committed)
     inflight: str  # hash: "partition:offset" -> packet id, "id:r" (PUBREL stage), "-"
+    seen: str  # hash: "producer:partition" -> the last seq below the committed offset
 
 
 def app_keys(client_id: str) -> AppKeys:
     """The APPLICATION session's keys, in its client's slot."""
     generation = client_keys(client_id).generation
     prefix = generation.removesuffix("_generation")
-    return AppKeys(generation, prefix + "_app_offsets", prefix + "_app_inflight")
+    return AppKeys(
+        generation, prefix + "_app_offsets", prefix + "_app_inflight", prefix + "_app_seen"
+    )
 
 
 class Classifier:
@@ -172,8 +183,13 @@ class ApplicationSessions:
         security: KafkaSecurity = PLAINTEXT,
         timeout: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        producer_id: int = 0,
     ) -> None:
+        """``producer_id`` names this process's records with a sequence number: a record
+        Kafka took twice (a produce retried after a lost answer) is read once."""
         self.settings = settings
+        self.producer_id = producer_id
+        self._seq = 0
         self.classifier = Classifier(settings.client_ids, settings.usernames)
         self.redis = redis
         self._producer = producer
@@ -258,7 +274,7 @@ class ApplicationSessions:
         finally:
             await admin.close()
         self._forget_topic(app_topic(client_id))
-        await self.redis.delete(keys.offsets, keys.inflight)
+        await self.redis.delete(keys.offsets, keys.inflight, keys.seen)
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
         log.info("APPLICATION session %s ended: topic %s deleted", client_id, app_topic(client_id))
@@ -329,13 +345,17 @@ class ApplicationSessions:
         acknowledged them all (or one failed, or the deadline passed; then
         ``on_settled(ok)`` once every record has its answer)."""
         wall, now = time.time(), self._clock()
-        partitions = self.settings.partitions
+        partitions, producer, seq = self.settings.partitions, self.producer_id, self._seq
         records = []
         for session, delivery in deliveries:
             topic = delivery.message.topic.encode()
             partition = zlib.crc32(topic) % partitions if partitions > 1 else 0
-            value = encode_delivery(delivery, wall, now, generation=session.generation)
+            seq += 1
+            value = encode_delivery(
+                delivery, wall, now, producer=producer, seq=seq, generation=session.generation
+            )
             records.append((app_topic(session.client_id), partition, topic, value))
+        self._seq = seq
         self._pending.append(_Submission(records, on_accepted, on_settled))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
@@ -461,6 +481,7 @@ class _Progress:
     """Progress writes asked and not yet handed to Redis, with who waits for them."""
 
     offsets: dict[int, int] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
     set_fields: dict[str, str] = field(default_factory=dict)
     del_fields: set[str] = field(default_factory=set)
     callbacks: list[Callable[[], None]] = field(default_factory=list)
@@ -474,18 +495,22 @@ class _Progress:
         self.del_fields.add(name)
 
     def __bool__(self) -> bool:
-        return bool(self.offsets or self.set_fields or self.del_fields or self.callbacks)
+        return bool(
+            self.offsets or self.set_fields or self.del_fields or self.seen or self.callbacks
+        )
 
 
 class _Ref:
     """Where a message is in the topic, and whether it is done with."""
 
-    __slots__ = ("done", "offset", "partition")
+    __slots__ = ("done", "offset", "partition", "producer", "seq")
 
     def __init__(self, partition: int, offset: int) -> None:
         self.partition = partition
         self.offset = offset
         self.done = False
+        self.producer = 0  # the record's name (0: none)
+        self.seq = 0
 
 
 class ApplicationFeed:
@@ -509,6 +534,8 @@ class ApplicationFeed:
         self._fields: dict[int, deque[int]] = {}  # per partition: offsets with a field, in order
         self._field_of_id: dict[int, tuple[int, int]] = {}  # packet id -> its latest field
         self._known: dict[tuple[int, int], str] = {}  # fields read back, not reached yet
+        # (producer, partition) -> the last seq read; a record at or below it is a copy
+        self._seen: dict[tuple[int, int], int] = {}
         self._reserved: set[int] = set()  # their ids: not given to new messages
         self._last_id = 0
         self._generation: bytes | None = None
@@ -615,11 +642,13 @@ class ApplicationFeed:
         order = self._order.get(partition)
         if not order or not order[0].done:
             return
+        asked = self._asked
         while order and order[0].done:
             head = order.popleft()
+            if head.producer:  # past the commit: read again from there, it is a copy
+                asked.seen[f"{head.producer}:{partition}"] = head.seq
         committed = head.offset + 1
         self.committed[partition] = committed
-        asked = self._asked
         asked.offsets[partition] = committed
         fields = self._fields.get(partition)
         while fields and fields[0] < committed:
@@ -645,7 +674,11 @@ class ApplicationFeed:
                     args += [name, value]
                 args.append(len(asked.del_fields))
                 args += list(asked.del_fields)
-                keys = [self._keys.generation, self._keys.offsets, self._keys.inflight]
+                args.append(len(asked.seen))
+                for name, seq in asked.seen.items():
+                    args += [name, seq]
+                app = self._keys
+                keys = [app.generation, app.offsets, app.inflight, app.seen]
                 while True:
                     try:
                         await self._apps.progress_script(keys=keys, args=args)
@@ -728,11 +761,18 @@ class ApplicationFeed:
     async def _load(self, epoch: int) -> None:
         redis = self._apps.redis
         keys = self._keys
-        generation, offsets, inflight = await asyncio.gather(
-            redis.get(keys.generation), redis.hgetall(keys.offsets), redis.hgetall(keys.inflight)
+        generation, offsets, inflight, seen = await asyncio.gather(
+            redis.get(keys.generation),
+            redis.hgetall(keys.offsets),
+            redis.hgetall(keys.inflight),
+            redis.hgetall(keys.seen),
         )
         if epoch != self._epoch:
             return
+        self._seen = {}
+        for name, seq in seen.items():
+            producer, partition = (int(x) for x in name.split(b":"))
+            self._seen[(producer, partition)] = int(seq)
         self._generation = generation
         self.committed = {int(p): int(o) for p, o in offsets.items()}
         self.read_to = dict(self.committed)
@@ -767,6 +807,13 @@ class ApplicationFeed:
         except ValueError:
             stored = None
         generation = int(self._generation or 0)
+        if stored is not None and stored.producer:
+            name = (stored.producer, partition)
+            if stored.seq <= self._seen.get(name, 0):
+                stored = None  # Kafka took it twice: read once
+            else:
+                self._seen[name] = ref.seq = stored.seq
+                ref.producer = stored.producer
         if stored is None or stored.generation != generation or known == DONE:
             ref.done = True
             self._advance(partition)

@@ -215,6 +215,7 @@ class DevicePersistence:
                 security,
                 timeout=config.kafka_request_timeout_ms / 1000,
                 clock=clock,
+                producer_id=producer_id,
             )
 
     async def _empty_events_if_full(self) -> None:

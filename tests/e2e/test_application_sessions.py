@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from app.embedded_services import EmbeddedServices
@@ -89,7 +90,7 @@ def _subscribe(raw: Raw, topic_filter: str, qos: int) -> None:
 
 
 def _publish_many(broker: BrokerProcess, topics: list[str], count: int, qos: int = 1) -> None:
-    """``count`` QoS 1 messages, payload = their number, round-robin over ``topics``,
+    """``count`` messages of ``qos``, payload = their number, round-robin over ``topics``,
     WINDOW at a time; returns once every one is acknowledged 0x00."""
     pub = Raw(broker)
     try:
@@ -103,7 +104,13 @@ def _publish_many(broker: BrokerProcess, topics: list[str], count: int, qos: int
                 )
             for _ in range(batch):
                 ack = pub.recv(timeout=30)
+                if qos == 2:
+                    assert isinstance(ack, PubRec) and ack.reason_code == 0, ack
+                    pub.send(PubRel(ack.packet_id))
+                    continue
                 assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
+            for _ in range(batch if qos == 2 else 0):
+                assert isinstance(pub.recv(timeout=30), PubComp)
             sent += batch
         pub.disconnect()
     finally:
@@ -121,6 +128,34 @@ def _read_all(raw: Raw, count: int, timeout: float = 120.0) -> list[Publish]:
         assert packet.packet_id is not None
         raw.send(PubAck(packet.packet_id) if packet.qos == 1 else PubRec(packet.packet_id))
     return got
+
+
+def _kafka_port(broker: BrokerProcess) -> int | None:
+    return next(s for s in EmbeddedServices(broker.data_dir).status() if s.name == "kafka").port
+
+
+def _produce_again(broker: BrokerProcess, topic: str, offset: int) -> None:
+    """Append a copy of the record at ``offset`` to ``topic``: what a produce retried
+    after a lost answer leaves in Kafka."""
+    bootstrap = f"127.0.0.1:{_kafka_port(broker)}"
+
+    async def copy() -> None:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        await consumer.start()
+        await producer.start()
+        try:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])
+            consumer.seek(tp, offset)
+            got = await consumer.getmany(tp, timeout_ms=5000, max_records=1)
+            record = got[tp][0]
+            await producer.send_and_wait(topic, record.value, key=record.key, partition=0)
+        finally:
+            await producer.stop()
+            await consumer.stop()
+
+    asyncio.run(copy())
 
 
 def _kafka_topics(broker: BrokerProcess) -> set[str]:
@@ -338,3 +373,30 @@ def test_a_broker_killed_mid_backlog_resumes_from_the_committed_offset(
         raw.disconnect()
     finally:
         broker.stop()
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_record_kafka_took_twice_is_delivered_once(app_broker: BrokerProcess, qos: int) -> None:
+    prefix, app = _name("t"), _name("app")
+    raw, _ = _connect(app_broker, app, clean=True)
+    _subscribe(raw, f"{prefix}/#", qos)
+    raw.disconnect()
+    _publish_many(app_broker, [f"{prefix}/a"], 1, qos)
+    _produce_again(app_broker, app_topic(app), 0)  # offset 1: a copy of message 0
+    _publish_many(app_broker, [f"{prefix}/a"], 1, qos)  # offset 2
+
+    raw, _ = _connect(app_broker, app, clean=False)
+    got = _read_all(raw, 2)
+    if qos == 2:
+        for _ in got:
+            pubrel = raw.recv()
+            assert isinstance(pubrel, PubRel)
+            raw.send(PubComp(pubrel.packet_id))
+    assert raw.recv_or_none(timeout=1.5) is None, "a copy was delivered"
+    raw.disconnect()
+
+    # Committed past both: a copy of message 0 arriving now is still a copy.
+    _produce_again(app_broker, app_topic(app), 0)
+    raw, _ = _connect(app_broker, app, clean=False)
+    assert raw.recv_or_none(timeout=1.5) is None, "a copy was delivered after a commit"
+    raw.disconnect()
