@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -148,6 +148,14 @@ class Classifier:
         if not self._users:
             return True
         return username is not None and any(p.match(username) for p in self._users)
+
+
+LAG_READ = 1.0  # seconds a look at a session's lag may read for
+
+
+class Lag(NamedTuple):
+    messages: int  # after the committed offsets
+    oldest_age: float | None  # seconds since the oldest of them was published
 
 
 class _Submission:
@@ -429,38 +437,52 @@ class ApplicationSessions:
             **self.security.aiokafka(),
         )
 
-    async def lag(self, client_id: str) -> tuple[int, float | None] | None:
-        """(messages after the committed offsets, age in seconds of the oldest of them)
-        of ``client_id``'s topic; None: not an APPLICATION session."""
+    async def committed(self, client_id: str) -> dict[int, int]:
+        """Partition -> the committed offset (the next one not done with)."""
+        raw = await self.redis.hgetall(app_keys(client_id).offsets)
+        return {int(p): int(o) for p, o in raw.items()}
+
+    async def lag(self, client_id: str) -> Lag | None:
+        """How far behind ``client_id``'s session is: the messages after its committed
+        offsets and the age of the oldest of them (None: not an APPLICATION session).
+        The high watermark comes from a fetch: Tansu answers ListOffsets with a count
+        of batches (pipeline/kafka_source.py)."""
         if client_id not in self.kinds:
             return None
         topic = app_topic(client_id)
-        raw = await self.redis.hgetall(app_keys(client_id).offsets)
-        committed = {int(p): int(o) for p, o in raw.items()}
+        committed = await self.committed(client_id)
         consumer = self.consumer()
         await consumer.start()
         try:
             tps = [TopicPartition(topic, p) for p in range(self.settings.partitions)]
             consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            starts = await consumer.beginning_offsets(tps)
-            behind = 0
-            oldest: float | None = None
             for tp in tps:
-                position = max(committed.get(tp.partition, 0), starts[tp])
-                if ends[tp] <= position:
-                    continue
-                behind += ends[tp] - position
-                consumer.seek(tp, position)
-            if behind:
-                got = await consumer.getmany(timeout_ms=1000, max_records=len(tps))
-                for records in got.values():
-                    for record in records[:1]:
-                        published = decode_record(0, 0, record.value).message
-                        if published is not None:
-                            age = time.time() - published.publish_time
-                            oldest = age if oldest is None else max(oldest, age)
-            return behind, oldest
+                consumer.seek(tp, committed.get(tp.partition, 0))
+            first: dict[int, tuple[int, float]] = {}  # partition -> (offset, publish time)
+            deadline = time.monotonic() + LAG_READ
+            while time.monotonic() < deadline:
+                got = await consumer.getmany(timeout_ms=100, max_records=len(tps))
+                for tp, records in got.items():
+                    if records and tp.partition not in first:
+                        stored = decode_record(0, 0, records[0].value).message
+                        published = stored.publish_time if stored is not None else time.time()
+                        first[tp.partition] = (records[0].offset, published)
+                if all(
+                    tp.partition in first
+                    or (
+                        consumer.highwater(tp) is not None
+                        and consumer.highwater(tp) <= committed.get(tp.partition, 0)
+                    )
+                    for tp in tps
+                ):
+                    break  # every partition has its oldest, or nothing after the commit
+            messages = 0
+            for tp in tps:
+                highwater = consumer.highwater(tp)
+                if tp.partition in first and highwater is not None:
+                    messages += max(0, highwater - first[tp.partition][0])
+            oldest = min((t for _, t in first.values()), default=None)
+            return Lag(messages, None if oldest is None else max(0.0, time.time() - oldest))
         finally:
             await consumer.stop()
 

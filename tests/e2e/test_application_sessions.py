@@ -13,7 +13,9 @@ setting does not exist and the broker refuses to start (so every test fails).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
@@ -21,6 +23,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from app.admin_cli import AdminClient
 from app.embedded_services import EmbeddedServices
 from broker.packets import (
     ConnAck,
@@ -35,6 +38,7 @@ from broker.packets import (
     Subscription,
 )
 from persistence.application_feed import app_topic
+from tests.conftest import free_port
 from tests.e2e.clients import Raw
 from tests.e2e.conftest import BrokerProcess, devicemq_only, start_broker
 
@@ -52,6 +56,9 @@ def app_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProce
         {
             "persistence.max_messages_per_client": DEVICE_LIMIT,
             "application.client_ids": '["^app-"]',
+            "metrics.enabled": True,
+            "metrics.port": free_port("127.0.0.1"),
+            "admin.port": free_port("127.0.0.1"),
         },
     )
     try:
@@ -399,4 +406,44 @@ def test_a_record_kafka_took_twice_is_delivered_once(app_broker: BrokerProcess, 
     _produce_again(app_broker, app_topic(app), 0)
     raw, _ = _connect(app_broker, app, clean=False)
     assert raw.recv_or_none(timeout=1.5) is None, "a copy was delivered after a commit"
+    raw.disconnect()
+
+
+def _metric(broker: BrokerProcess, name: str, client_id: str) -> float | None:
+    url = f"http://127.0.0.1:{broker.settings['metrics.port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^{name}{{client_id="{re.escape(client_id)}"}} (\S+)$', text, re.M)
+    return None if found is None else float(found.group(1))
+
+
+def test_the_lag_is_in_metrics_and_the_admin_session_view(app_broker: BrokerProcess) -> None:
+    prefix, app = _name("t"), _name("app")
+    raw, _ = _connect(app_broker, app, clean=True)
+    _subscribe(raw, f"{prefix}/#", 1)
+    raw.disconnect()
+    _publish_many(app_broker, [f"{prefix}/a"], 250)
+    time.sleep(1.0)  # the oldest is a second old at least
+    api = AdminClient(f"http://127.0.0.1:{app_broker.settings['admin.port']}")
+    view = api.call("GET", api.session_path(app))
+    assert view["session_type"] == "application" and view["backlog"] == 250, view
+    detail = view["backlog_detail"]
+    assert detail["messages"] == 250 and detail["oldest_age"] >= 1.0, detail
+    assert detail["kafka_topic"] == app_topic(app)
+
+    deadline = time.monotonic() + 20  # the metrics refresh every 5 s
+    while _metric(app_broker, "devicemq_application_lag_messages", app) != 250:
+        assert time.monotonic() < deadline, "no lag in /metrics"
+        time.sleep(0.5)
+    age = _metric(app_broker, "devicemq_application_lag_seconds", app)
+    assert age is not None and age >= 1.0
+
+    raw, _ = _connect(app_broker, app, clean=False)
+    _read_all(raw, 250)
+    raw.ping()
+    raw.recv()
+    deadline = time.monotonic() + 10  # the commit is written after the acknowledgements
+    while api.call("GET", api.session_path(app))["backlog"] != 0:
+        assert time.monotonic() < deadline, "the lag stayed after everything was acknowledged"
+        time.sleep(0.2)
     raw.disconnect()
