@@ -291,6 +291,7 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
             "client_id",
             "connected",
             "persistent",
+            "session_type",
             "replica",
             "peer",
             "protocol",
