@@ -447,3 +447,38 @@ def test_the_lag_is_in_metrics_and_the_admin_session_view(app_broker: BrokerProc
         assert time.monotonic() < deadline, "the lag stayed after everything was acknowledged"
         time.sleep(0.2)
     raw.disconnect()
+
+
+def test_qos2_in_its_pubrel_stage_survives_a_broker_killed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    settings = {"application.client_ids": '["^app-"]'}
+    data_dir = tmp_path_factory.mktemp("app-kill-qos2")
+    broker = start_broker(data_dir, settings)
+    try:
+        prefix, app = _name("t"), _name("app")
+        raw, _ = _connect(broker, app, clean=True)
+        _subscribe(raw, f"{prefix}/#", 2)
+        _publish_many(broker, [f"{prefix}/q"], 2, qos=2)
+        first, second = raw.recv(), raw.recv()
+        assert isinstance(first, Publish) and isinstance(second, Publish)
+        raw.send(PubRec(first.packet_id))  # type: ignore[arg-type]
+        pubrel = raw.recv()
+        assert isinstance(pubrel, PubRel) and pubrel.packet_id == first.packet_id
+        broker.proc.kill()  # the PUBREL went out: its stage was recorded before
+        broker.proc.wait(10)
+        raw.close()
+        broker = start_broker(data_dir, settings)
+        raw, connack = _connect(broker, app, clean=False)
+        assert connack.session_present
+        got = [raw.recv(), raw.recv()]
+        pubrels = [p.packet_id for p in got if isinstance(p, PubRel)]
+        publishes = [p for p in got if isinstance(p, Publish)]
+        assert pubrels == [first.packet_id], got  # never its PUBLISH again
+        assert [(p.payload, p.dup, p.packet_id) for p in publishes] == [
+            (second.payload, True, second.packet_id)
+        ], got
+        assert raw.recv_or_none(timeout=1.0) is None
+        raw.disconnect()
+    finally:
+        broker.stop()
