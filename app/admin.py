@@ -51,7 +51,7 @@ from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
 from broker.watched_file import FileChangeWatch
-from persistence.application_feed import app_topic
+from persistence.application_feed import ApplicationFeed, app_topic
 from persistence.session_rewind import RewindUnderWay
 
 if TYPE_CHECKING:
@@ -659,6 +659,9 @@ class AdminApi:
 
     async def rewind_session(self, request: Request, client_id: str) -> Response:
         session = self._session(client_id)
+        apps = self.applications
+        if apps is not None and client_id in apps.kinds:
+            return await self._rewind_application(request, session, apps)
         if not session.durable or self.rewind_session_to is None:
             raise HttpError(
                 409, f"{client_id} has no stored messages: its session is not persistent"
@@ -681,6 +684,45 @@ class AdminApi:
             "rewound": rewound.stored,
             "over_limit": rewound.over_limit,
             "oldest_in_kafka": rewound.oldest,
+        }
+        self._audit(client_id, "rewind_session", answer)
+        return json_response(200, answer)
+
+    async def _rewind_application(
+        self, request: Request, session: Session, apps: ApplicationSessions
+    ) -> Response:
+        """An APPLICATION session reads its topic again from an offset or a time."""
+        client_id = session.client_id
+        data = _json_body(request)
+        unknown = set(data) - {"since", "offset"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        if ("since" in data) == ("offset" in data):
+            raise HttpError(400, "give since or offset", {"field": "since"})
+        offset: int | None = None
+        since: float | None = None
+        if "offset" in data:
+            offset = data["offset"]
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise HttpError(400, "offset must be an integer >= 0", {"field": "offset"})
+        else:
+            since = _instant(data.get("since"))
+        feed = session.outflow.feed if not isinstance(session, RemoteSession) else None
+        try:
+            offsets = await apps.rewind(
+                client_id,
+                feed if isinstance(feed, ApplicationFeed) else None,
+                offset=offset,
+                since=since,
+            )
+        except KeyError:
+            raise HttpError(409, f"{client_id} is no APPLICATION session now") from None
+        answer = {
+            "client_id": client_id,
+            "since": since,
+            "offset": offset,
+            "offsets": {str(p): o for p, o in sorted(offsets.items())},
         }
         self._audit(client_id, "rewind_session", answer)
         return json_response(200, answer)

@@ -39,6 +39,10 @@ retention, and it is read straight from Kafka while its client is connected.
   path's are; the reader skips one at or below the last it read from that
   producer in that partition (``{cid}_app_seen`` keeps it as of the commit),
   so a record Kafka took twice is delivered once.
+- **Rewind.** :meth:`ApplicationSessions.rewind` moves the committed offsets
+  back (never forward), remembering the old ones (``{cid}_app_replay``: a
+  message below it is sent again with DUP) and forgetting the copies' marks;
+  a connected client's outflow resumes as on a reconnect.
 - **End.** A session that ends (expiry, clean start) has its topic and keys
   deleted (:meth:`ApplicationSessions.ended`).
 """
@@ -105,6 +109,30 @@ return 1
 """
 
 
+# KEYS as above, KEYS[5] {cid}_app_replay; ARGV: generation, n, n (partition, offset).
+# A partition moves back only (to at most its committed offset); what it passes over was
+# seen: DUP when sent again. The copies' marks go: the rewound records are read again.
+_REWIND_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return nil end
+local out = {}
+local n = tonumber(ARGV[2])
+for k = 0, n - 1 do
+  local p, target = ARGV[3 + 2 * k], tonumber(ARGV[4 + 2 * k])
+  local old = tonumber(redis.call('HGET', KEYS[2], p) or '0')
+  if target < old then
+    local seen = tonumber(redis.call('HGET', KEYS[5], p) or '0')
+    redis.call('HSET', KEYS[5], p, math.max(seen, old))
+    redis.call('HSET', KEYS[2], p, target)
+  else
+    target = old
+  end
+  out[#out + 1] = target
+end
+redis.call('DEL', KEYS[4])
+return out
+"""
+
+
 def app_topic(client_id: str) -> str:
     """The Kafka topic of ``client_id``'s APPLICATION session: the client ID with every
     character Kafka does not allow (and '.') as '_', cut to :data:`SAFE_LENGTH`, then a
@@ -120,6 +148,7 @@ class AppKeys:
     offsets: str  # hash: partition -> the next offset to read (committed)
     inflight: str  # hash: "partition:offset" -> packet id, "id:r" (PUBREL stage), "-"
     seen: str  # hash: "producer:partition" -> the last seq below the committed offset
+    replay: str  # hash: partition -> the committed offset before a rewind (DUP below it)
 
 
 def app_keys(client_id: str) -> AppKeys:
@@ -127,7 +156,11 @@ def app_keys(client_id: str) -> AppKeys:
     generation = client_keys(client_id).generation
     prefix = generation.removesuffix("_generation")
     return AppKeys(
-        generation, prefix + "_app_offsets", prefix + "_app_inflight", prefix + "_app_seen"
+        generation,
+        prefix + "_app_offsets",
+        prefix + "_app_inflight",
+        prefix + "_app_seen",
+        prefix + "_app_replay",
     )
 
 
@@ -207,6 +240,7 @@ class ApplicationSessions:
         self._clock = clock
         self.kinds: set[str] = set()  # client IDs whose session is an APPLICATION one
         self.progress_script = redis.register_script(_PROGRESS_LUA)
+        self._rewind_script = redis.register_script(_REWIND_LUA)
         self._chains: dict[str, asyncio.Future[None]] = {}  # per client: topic work in order
         self._pending: deque[_Submission] = deque()
         self._sender: asyncio.Task[None] | None = None
@@ -282,7 +316,7 @@ class ApplicationSessions:
         finally:
             await admin.close()
         self._forget_topic(app_topic(client_id))
-        await self.redis.delete(keys.offsets, keys.inflight, keys.seen)
+        await self.redis.delete(keys.offsets, keys.inflight, keys.seen, keys.replay)
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
         log.info("APPLICATION session %s ended: topic %s deleted", client_id, app_topic(client_id))
@@ -437,6 +471,82 @@ class ApplicationSessions:
             **self.security.aiokafka(),
         )
 
+    async def rewind(
+        self,
+        client_id: str,
+        feed: ApplicationFeed | None,
+        *,
+        offset: int | None = None,
+        since: float | None = None,
+    ) -> dict[int, int]:
+        """Deliver ``client_id``'s messages again from ``offset`` (each partition) or from
+        the first published at or after ``since`` (epoch seconds), as far as the topic
+        still holds them; never forward past the committed offsets. ``feed``: the
+        session's, if this broker holds it: it stops reading meanwhile and, if its
+        client is connected, starts again from there (what is in flight is sent again,
+        under its ids, with DUP). Returns partition -> the offset it reads from now."""
+        if client_id not in self.kinds:
+            raise KeyError(client_id)
+        partitions = range(self.settings.partitions)
+        if since is not None:
+            targets = await self._offsets_since(client_id, since)
+        else:
+            targets = dict.fromkeys(partitions, max(0, offset or 0))
+        if feed is not None:
+            await feed.pause()
+        try:
+            keys = app_keys(client_id)
+            generation = await self.redis.get(keys.generation)
+            args: list[Any] = [generation, len(targets)]
+            for partition, target in sorted(targets.items()):
+                args += [partition, target]
+            done = await self._rewind_script(
+                keys=[keys.generation, keys.offsets, keys.inflight, keys.seen, keys.replay],
+                args=args,
+            )
+        finally:
+            if feed is not None:
+                feed.resume()
+        if done is None:
+            raise KeyError(client_id)  # the session ended meanwhile
+        return {p: int(o) for p, o in zip(sorted(targets), done, strict=True)}
+
+    async def _offsets_since(self, client_id: str, since: float) -> dict[int, int]:
+        """Per partition: the first offset published at or after ``since`` (the end if
+        none), read from the start (the records are in publish order)."""
+        topic = app_topic(client_id)
+        consumer = self.consumer()
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(self.settings.partitions)]
+            consumer.assign(tps)
+            for tp in tps:
+                consumer.seek(tp, 0)
+            found: dict[int, int] = {}
+            idle = 0
+            while len(found) < len(tps) and idle < 5:
+                got = await consumer.getmany(timeout_ms=200, max_records=5000)
+                idle = 0 if any(got.values()) else idle + 1
+                for tp, records in got.items():
+                    if tp.partition in found or not records:
+                        continue
+                    for record in records:
+                        stored = decode_record(0, 0, record.value).message
+                        if stored is not None and stored.publish_time >= since:
+                            found[tp.partition] = record.offset
+                            break
+                    else:
+                        highwater = consumer.highwater(tp)
+                        if highwater is not None and records[-1].offset + 1 >= highwater:
+                            found[tp.partition] = highwater  # all older: from the end
+                    if tp.partition in found:
+                        consumer.pause(tp)
+            for tp in tps:
+                found.setdefault(tp.partition, consumer.highwater(tp) or 0)
+            return found
+        finally:
+            await consumer.stop()
+
     async def committed(self, client_id: str) -> dict[int, int]:
         """Partition -> the committed offset (the next one not done with)."""
         raw = await self.redis.hgetall(app_keys(client_id).offsets)
@@ -558,6 +668,7 @@ class ApplicationFeed:
         self._known: dict[tuple[int, int], str] = {}  # fields read back, not reached yet
         # (producer, partition) -> the last seq read; a record at or below it is a copy
         self._seen: dict[tuple[int, int], int] = {}
+        self._replay: dict[int, int] = {}  # partition -> below it, seen before a rewind
         self._reserved: set[int] = set()  # their ids: not given to new messages
         self._last_id = 0
         self._generation: bytes | None = None
@@ -622,6 +733,18 @@ class ApplicationFeed:
     def restart(self) -> None:
         self._stop()
         self._reader = asyncio.get_running_loop().create_task(self._read(self._epoch))
+
+    async def pause(self) -> None:
+        """Stop reading and wait until every progress write landed (a rewind)."""
+        self._stop()
+        await self._written.wait()
+
+    def resume(self) -> None:
+        """After a rewind: a connected client gets what is in flight again (under its
+        ids, DUP) and the rest from the rewound offsets."""
+        outflow = self.outflow
+        if outflow is not None and outflow.connection is not None:
+            outflow.resume()
 
     def discard(self) -> None:
         self._stop()
@@ -783,14 +906,16 @@ class ApplicationFeed:
     async def _load(self, epoch: int) -> None:
         redis = self._apps.redis
         keys = self._keys
-        generation, offsets, inflight, seen = await asyncio.gather(
+        generation, offsets, inflight, seen, replay = await asyncio.gather(
             redis.get(keys.generation),
             redis.hgetall(keys.offsets),
             redis.hgetall(keys.inflight),
             redis.hgetall(keys.seen),
+            redis.hgetall(keys.replay),
         )
         if epoch != self._epoch:
             return
+        self._replay = {int(p): int(o) for p, o in replay.items()}
         self._seen = {}
         for name, seq in seen.items():
             producer, partition = (int(x) for x in name.split(b":"))
@@ -841,8 +966,8 @@ class ApplicationFeed:
             self._advance(partition)
             return
         delivery = stored_delivery(stored, time.time(), self._apps_clock())
-        if known is None:
-            item = Outgoing(0, delivery, ref=ref)
+        if known is None:  # new, or a rewind's copy of what was seen: DUP
+            item = Outgoing(0, delivery, ref=ref, replay=offset < self._replay.get(partition, 0))
         elif known.endswith(":r"):  # PUBREC recorded: only the PUBREL is left
             item = Outgoing(int(known[:-2]), None, sent=True, marked=True, ref=ref)
         else:  # may have been seen: again under its id, with DUP (MQTT-4.4.0-1)

@@ -18,12 +18,14 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from app.admin_cli import AdminClient
+from app import cli
+from app.admin_cli import AdminClient, ApiError
 from app.embedded_services import EmbeddedServices
 from broker.packets import (
     ConnAck,
@@ -39,6 +41,7 @@ from broker.packets import (
 )
 from persistence.application_feed import app_topic
 from tests.conftest import free_port
+from tests.e2e.admin import TOKEN
 from tests.e2e.clients import Raw
 from tests.e2e.conftest import BrokerProcess, devicemq_only, start_broker
 
@@ -59,6 +62,7 @@ def app_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProce
             "metrics.enabled": True,
             "metrics.port": free_port("127.0.0.1"),
             "admin.port": free_port("127.0.0.1"),
+            "admin.token": TOKEN,
         },
     )
     try:
@@ -424,7 +428,7 @@ def test_the_lag_is_in_metrics_and_the_admin_session_view(app_broker: BrokerProc
     raw.disconnect()
     _publish_many(app_broker, [f"{prefix}/a"], 250)
     time.sleep(1.0)  # the oldest is a second old at least
-    api = AdminClient(f"http://127.0.0.1:{app_broker.settings['admin.port']}")
+    api = _admin(app_broker)
     view = api.call("GET", api.session_path(app))
     assert view["session_type"] == "application" and view["backlog"] == 250, view
     detail = view["backlog_detail"]
@@ -482,3 +486,73 @@ def test_qos2_in_its_pubrel_stage_survives_a_broker_killed(
         raw.disconnect()
     finally:
         broker.stop()
+
+
+def _admin(broker: BrokerProcess) -> AdminClient:
+    return AdminClient(f"http://127.0.0.1:{broker.settings['admin.port']}", TOKEN)
+
+
+def _committed(api: AdminClient, client_id: str, offset: int) -> None:
+    deadline = time.monotonic() + 10
+    view = api.call("GET", api.session_path(client_id))
+    while view["backlog_detail"]["committed_offsets"] != {"0": offset}:
+        assert time.monotonic() < deadline, view
+        time.sleep(0.2)
+        view = api.call("GET", api.session_path(client_id))
+
+
+def test_a_session_rewound_to_an_offset_or_a_time_gets_its_messages_again_with_dup(
+    app_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    prefix, app = _name("t"), _name("app")
+    api = _admin(app_broker)
+    raw, _ = _connect(app_broker, app, clean=True)
+    _subscribe(raw, f"{prefix}/#", 1)
+    _publish_many(app_broker, [f"{prefix}/a"], 10)
+    time.sleep(0.05)
+    between = time.time()
+    time.sleep(0.05)
+    _publish_many(app_broker, [f"{prefix}/b"], 10)
+    assert len(_read_all(raw, 20)) == 20
+    _committed(api, app, 20)
+
+    # Connected: the rewound messages come at once, with DUP.
+    answer = api.call("POST", api.session_path(app, "rewind"), body={"offset": 17})
+    assert answer["offsets"] == {"0": 17}
+    again = _read_all(raw, 3)
+    assert [(p.topic, int(p.payload), p.dup) for p in again] == [
+        (f"{prefix}/b", n, True) for n in (7, 8, 9)
+    ]
+    _committed(api, app, 20)
+    raw.disconnect()
+
+    # Offline, by time: from the first message published after ``between``.
+    answer = api.call("POST", api.session_path(app, "rewind"), body={"since": between})
+    assert answer["offsets"] == {"0": 10}
+    raw, _ = _connect(app_broker, app, clean=False)
+    again = _read_all(raw, 10)
+    assert [(p.topic, int(p.payload)) for p in again] == [(f"{prefix}/b", n) for n in range(10)]
+    assert all(p.dup for p in again)
+    _publish_many(app_broker, [f"{prefix}/c"], 1)
+    new = _read_all(raw, 1)[0]
+    assert (new.topic, new.dup) == (f"{prefix}/c", False)  # never sent before: no DUP
+    raw.disconnect()
+
+    # Never forward: a rewind past the committed offset moves nothing.
+    _committed(api, app, 21)
+    answer = api.call("POST", api.session_path(app, "rewind"), body={"offset": 1000})
+    assert answer["offsets"] == {"0": 21}
+    for body in ({}, {"offset": -1}, {"offset": 1, "since": 0}, {"offset": "1"}):
+        with pytest.raises(ApiError) as refused:
+            api.call("POST", api.session_path(app, "rewind"), body=body)
+        assert refused.value.status == 400, body
+
+    # The command line: from offset 20, the last message again.
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", api.url, "--token-file", str(token_file)]
+    assert cli.main(["sessions", "rewind", app, "--offset", "20", *common]) == 0
+    raw, _ = _connect(app_broker, app, clean=False)
+    again = _read_all(raw, 1)
+    assert (again[0].topic, again[0].dup) == (f"{prefix}/c", True)
+    raw.disconnect()
