@@ -260,7 +260,7 @@ class ApplicationSessions:
     async def forget_unrestored(self, restored: Collection[str]) -> None:
         """Sessions ended while no broker ran (expired): their topics go too."""
         for client_id in sorted(self.kinds - set(restored)):
-            await self._serial(client_id, partial(self._delete, client_id, None))
+            await self._serial(client_id, partial(self._delete_quietly, client_id, None))
 
     def opening(
         self, client_id: str, username: str | None, resumed: bool, done: Callable[[bool], None]
@@ -299,7 +299,15 @@ class ApplicationSessions:
         """The session ended: its topic and keys go (unless a newer one opened)."""
         if client_id not in self.kinds:
             return
-        self._spawn(self._serial(client_id, lambda: self._delete(client_id, generation)))
+        self._spawn(self._serial(client_id, partial(self._delete_quietly, client_id, generation)))
+
+    async def _delete_quietly(self, client_id: str, generation: int | None) -> None:
+        """:meth:`_delete`; a failure is logged: the topic stays listed in the registry
+        and goes at the next start, or when a new session of the client ID opens."""
+        try:
+            await self._delete(client_id, generation)
+        except Exception as error:
+            log.warning("deleting the topic of APPLICATION session %s failed: %s", client_id, error)
 
     async def _delete(self, client_id: str, generation: int | None) -> None:
         keys = app_keys(client_id)
