@@ -556,3 +556,31 @@ def test_a_session_rewound_to_an_offset_or_a_time_gets_its_messages_again_with_d
     again = _read_all(raw, 1)
     assert (again[0].topic, again[0].dup) == (f"{prefix}/c", True)
     raw.disconnect()
+
+
+def test_with_several_partitions_order_holds_per_topic_and_every_partition_commits(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    settings = {"application.client_ids": '["^app-"]', "application.partitions": 3}
+    broker = start_broker(tmp_path_factory.mktemp("app-partitions"), settings)
+    try:
+        prefix, app = _name("t"), _name("app")
+        raw, _ = _connect(broker, app, clean=True)
+        _subscribe(raw, f"{prefix}/#", 1)
+        raw.disconnect()
+        topics = [f"{prefix}/d{n}" for n in range(6)]
+        _publish_many(broker, topics, 600)
+        raw, _ = _connect(broker, app, clean=False, receive_maximum=20)
+        got = _read_all(raw, 600)
+        by_topic: dict[str, list[int]] = {}
+        for p in got:
+            by_topic.setdefault(p.topic, []).append(int(p.payload))
+        assert by_topic == {t: list(range(n, 600, 6)) for n, t in enumerate(topics)}
+        raw.ping()
+        raw.recv()
+        raw.disconnect()  # the reader of the next connection waits for the last write
+        raw, _ = _connect(broker, app, clean=False)
+        assert raw.recv_or_none(timeout=1.5) is None  # every partition committed to its end
+        raw.disconnect()
+    finally:
+        broker.stop()
