@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import time
 import urllib.request
 import uuid
@@ -581,6 +582,75 @@ def test_with_several_partitions_order_holds_per_topic_and_every_partition_commi
         raw.disconnect()  # the reader of the next connection waits for the last write
         raw, _ = _connect(broker, app, clean=False)
         assert raw.recv_or_none(timeout=1.5) is None  # every partition committed to its end
+        raw.disconnect()
+    finally:
+        broker.stop()
+
+
+def test_user_names_narrow_the_type_and_the_acl_is_asked_at_delivery(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``application.usernames``: a client ID that matches is not enough. And the read
+    rules are asked when a message goes out, not when it went into the topic: a rule
+    revoked while the backend was offline applies to its backlog."""
+    from broker.auth import hash_password, write_password_file
+
+    directory = tmp_path_factory.mktemp("app-acl")
+    passwords = directory / "passwd"
+    write_password_file(passwords, {u: hash_password(u + "-pw") for u in ("svc", "alice")})
+    acl = directory / "acl"
+    rules = "user svc\ntopic readwrite fleet/#\nuser alice\ntopic readwrite fleet/#\n"
+    acl.write_text(rules)
+    settings = {
+        "application.client_ids": '["^app-"]',
+        "application.usernames": '["^svc$"]',
+        "auth.password_file": passwords,
+        "auth.acl_file": acl,
+    }
+    broker = start_broker(directory / "broker", settings)
+
+    def login(client_id: str, user: str, clean: bool) -> Raw:
+        raw = Raw(broker)
+        connack = raw.connect(
+            client_id,
+            clean_start=clean,
+            username=user,
+            password=(user + "-pw").encode(),
+            properties=Properties(session_expiry_interval=600),
+        )
+        assert isinstance(connack, ConnAck) and connack.reason_code == 0, connack
+        return raw
+
+    try:
+        backend, other = _name("app"), _name("app")
+        raw = login(backend, "svc", True)
+        _subscribe(raw, "fleet/#", 1)
+        raw.disconnect()
+        raw = login(other, "alice", True)  # its client ID matches, its user does not
+        raw.disconnect()
+        listed = _kafka_topics(broker)
+        assert app_topic(backend) in listed and app_topic(other) not in listed
+
+        sender = login(_name("pub"), "svc", True)
+        for n, topic in enumerate(("fleet/ok", "fleet/secret/1", "fleet/ok")):
+            sender.send(Publish(topic, str(n).encode(), 1, packet_id=n + 1))
+            ack = sender.recv()
+            assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
+        sender.disconnect()
+        acl.write_text(rules.replace("user alice", "topic deny fleet/secret/#\nuser alice"))
+        broker.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "ACL file reloaded" not in broker.log():
+            assert time.monotonic() < deadline, "the ACL was not reloaded"
+            time.sleep(0.1)
+
+        raw = login(backend, "svc", False)
+        got = _read_all(raw, 2)
+        assert [(p.topic, p.payload) for p in got] == [("fleet/ok", b"0"), ("fleet/ok", b"2")]
+        assert raw.recv_or_none(timeout=1.0) is None
+        raw.disconnect()  # the dropped one is done with: the commit passed it
+        raw = login(backend, "svc", False)
+        assert raw.recv_or_none(timeout=1.5) is None
         raw.disconnect()
     finally:
         broker.stop()
