@@ -713,6 +713,8 @@ class ApplicationFeed:
         return items
 
     def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        # Recorded before the first send: sent again after any crash, it has DUP
+        # (MQTT-3.3.1-1) and its packet id (MQTT-4.4.0-1).
         asked = self._asked
         for item in items:
             ref = item.ref
@@ -977,8 +979,9 @@ class ApplicationFeed:
         if known is None:  # new, or a rewind's copy of what was seen: DUP
             item = Outgoing(0, delivery, ref=ref, replay=offset < self._replay.get(partition, 0))
         elif known.endswith(":r"):  # PUBREC recorded: only the PUBREL is left
+            # MQTT-4.4.0-1: the PUBREL again, never the PUBLISH (QoS 2: once)
             item = Outgoing(int(known[:-2]), None, sent=True, marked=True, ref=ref)
-        else:  # may have been seen: again under its id, with DUP (MQTT-4.4.0-1)
+        else:  # may have been seen: again under its id (MQTT-4.4.0-1), DUP (MQTT-3.3.1-1)
             item = Outgoing(int(known), delivery, marked=True, replay=True, ref=ref)
         self._buffer.append(item)
 
