@@ -981,8 +981,9 @@ class ApplicationFeed:
         elif known.endswith(":r"):  # PUBREC recorded: only the PUBREL is left
             # MQTT-4.4.0-1: the PUBREL again, never the PUBLISH (QoS 2: once)
             item = Outgoing(int(known[:-2]), None, sent=True, marked=True, ref=ref)
-        else:  # may have been seen: again under its id (MQTT-4.4.0-1), DUP (MQTT-3.3.1-1)
-            item = Outgoing(int(known), delivery, marked=True, replay=True, ref=ref)
+        else:  # may have been seen: again under its id (MQTT-4.4.0-1), DUP (MQTT-3.3.1-1),
+            # whatever its expiry, as a DEVICE session's message marked sent
+            item = Outgoing(int(known), delivery, sent=True, marked=True, ref=ref)
         self._buffer.append(item)
 
     def _apps_clock(self) -> float:

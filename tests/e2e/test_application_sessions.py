@@ -654,3 +654,30 @@ def test_user_names_narrow_the_type_and_the_acl_is_asked_at_delivery(
         raw.disconnect()
     finally:
         broker.stop()
+
+
+def test_a_message_sent_before_is_sent_again_past_its_expiry(app_broker: BrokerProcess) -> None:
+    """Once sent, a message's flow completes whatever its expiry (MQTT-4.4.0-1): the
+    re-send after a reconnect goes, DUP, under its id; an expired one never sent
+    before does not."""
+    prefix, app = _name("t"), _name("app")
+    raw, _ = _connect(app_broker, app, clean=True, receive_maximum=1)
+    _subscribe(raw, f"{prefix}/#", 1)
+    pub = Raw(app_broker)
+    assert isinstance(pub.connect(_name("pub")), ConnAck)
+    for n in range(2):
+        expiring = Properties(message_expiry_interval=1)
+        pub.send(Publish(f"{prefix}/e", str(n).encode(), 1, packet_id=n + 1, properties=expiring))
+        assert isinstance(pub.recv(), PubAck)
+    pub.disconnect()
+    sent = raw.recv()  # the window is 1: message 1 waits, unsent
+    assert isinstance(sent, Publish) and sent.payload == b"0"
+    raw.close()
+    time.sleep(1.5)  # both expire
+    raw, _ = _connect(app_broker, app, clean=False, receive_maximum=1)
+    again = raw.recv()
+    assert isinstance(again, Publish)
+    assert (again.payload, again.dup, again.packet_id) == (b"0", True, sent.packet_id)
+    raw.send(PubAck(again.packet_id))  # type: ignore[arg-type]
+    assert raw.recv_or_none(timeout=1.0) is None  # message 1 expired before its first send
+    raw.disconnect()
