@@ -105,7 +105,7 @@ KNOWN_REJECTIONS = (
     "topic_alias_invalid",
     "message_rate_too_high",
     "subscription_identifiers_not_supported",
-    # closes counted by name (broker/connection.py, broker/server.py, broker/external_auth.py)
+    # closes counted by name (broker/connection.py, edge/server.py, broker/external_auth.py)
     "flood_before_connack",
     "connect_timeout",
     "inflight_timeout",
@@ -434,7 +434,7 @@ class BrokerCollector(Collector):
         )
 
     def _integrations(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:
-        """The audit count per integration rule (README "Topic-to-Kafka integration")."""
+        """The audit count per integration rule (docs/integrations.md)."""
         for index, what, doc in (
             (0, "produced", "Records an integration rule produced (Kafka acknowledged them)"),
             (1, "failed", "Records of an integration rule Kafka refused or never got"),

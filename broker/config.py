@@ -102,7 +102,7 @@ def setting(
 
 
 # The listeners' host default: empty means "decided by authentication" (SECURITY.md
-# "Defaults", broker/listeners.py effective_host): every interface once clients
+# "Defaults", edge/listeners.py effective_host): every interface once clients
 # must log in, this machine only while anyone may connect.
 _AUTO_HOST_DOC = "; empty: every interface if authentication is configured, else 127.0.0.1 only"
 
@@ -608,7 +608,7 @@ class MetricsSettings:
 
 @dataclass(frozen=True, slots=True)
 class AdminSettings:
-    """The admin HTTP API and web console (app/admin.py, README "Operating devicemq")."""
+    """The admin HTTP API and web console (app/admin.py, docs/operating.md)."""
 
     enabled: bool = setting(True, "Serve the admin HTTP API and web console")
     host: str = setting(
@@ -774,7 +774,7 @@ class ApplicationSettings:
 
 @dataclass(frozen=True, slots=True)
 class ClusterSettings:
-    """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
+    """Several replicas on one Redis and one Kafka (broker/cluster.py, docs/deployment.md)."""
 
     enabled: bool = setting(
         False, "Share subscriptions, deliveries and takeovers with the other replicas"
@@ -1307,7 +1307,7 @@ def _unknown_variable(var: str, known: set[str]) -> str:
     close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
     if close:
         return f"not a devicemq setting (did you mean {close[0]}?)"
-    return "not a devicemq setting (README.md, Configuration; unset it)"
+    return "not a devicemq setting (docs/configuration.md; unset it)"
 
 
 # --------------------------------------------------------------------------

@@ -307,8 +307,7 @@ def test_a_bad_list_setting_names_itself(text: str, message: str) -> None:
         ),
         (
             "DEVICEMQ_SOMETHING_ELSE",
-            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting "
-            "(README.md, Configuration; unset it)",
+            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting (docs/configuration.md; unset it)",
         ),
     ],
 )
