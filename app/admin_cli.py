@@ -2,7 +2,7 @@
 
     devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
-    devicemq sessions rewind CLIENT_ID --since TIME
+    devicemq sessions rewind CLIENT_ID --since TIME | --offset N
     devicemq queues list [--kind ecq|group] | show|purge ID | rewind CLIENT_ID --seq N
     devicemq queues owner CLIENT_ID [--set OWNER | --clear]
     devicemq client-ids owner CLIENT_ID [--release]
@@ -156,11 +156,17 @@ def add_sessions_arguments(p: argparse.ArgumentParser) -> None:
     )
     _common(rewind)
     rewind.add_argument("client_id", metavar="CLIENT_ID")
-    rewind.add_argument(
+    where = rewind.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--since",
-        required=True,
         metavar="TIME",
         help="ISO 8601 with its zone (2026-11-26T06:00:00Z) or epoch seconds",
+    )
+    where.add_argument(
+        "--offset",
+        type=int,
+        metavar="N",
+        help="an APPLICATION session: read its topic again from offset N (each partition)",
     )
 
 
@@ -291,6 +297,7 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
             "client_id",
             "connected",
             "persistent",
+            "session_type",
             "replica",
             "peer",
             "protocol",
@@ -328,6 +335,10 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     if action == "delete":
         answer = client.call("DELETE", client.session_path(cid))
         return answer, f"{cid}: session ended, its stored messages deleted"
+    if action == "rewind" and args.offset is not None:
+        path = client.session_path(cid, "rewind")
+        answer = client.call("POST", path, body={"offset": args.offset}, timeout=REWIND_TIMEOUT)
+        return answer, f"{cid}: reads its topic again from offsets {answer['offsets']}"
     if action == "rewind":
         since: object = args.since  # an ISO 8601 time: the API reads it
         with contextlib.suppress(ValueError):
@@ -335,6 +346,8 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
         # It reads the client's Kafka partition from its start: more than a moment.
         path = client.session_path(cid, "rewind")
         answer = client.call("POST", path, body={"since": since}, timeout=REWIND_TIMEOUT)
+        if "offsets" in answer:  # an APPLICATION session's
+            return answer, f"{cid}: reads its topic again from offsets {answer['offsets']}"
         return answer, (
             f"{cid}: {answer['rewound']} of {answer['matched']} messages since the time given "
             f"stored again, {answer['over_limit']} beyond its limit's room "

@@ -236,6 +236,9 @@ class BrokerCollector(Collector):
         # partition -> committed offset read from Kafka (0: none yet) for partitions
         # this process has not committed itself
         self.committed: dict[int, int] = {}
+        # client ID -> (messages after its committed offsets, age of the oldest, s) of
+        # each APPLICATION session (persistence/application_feed.py)
+        self.application_lag: dict[str, tuple[int, float | None]] = {}
         self._refreshed = 0.0
         self._refresh_lock = asyncio.Lock()
         # What /ready last answered (MetricsServer probes it before each scrape):
@@ -655,6 +658,8 @@ class BrokerCollector(Collector):
             ),
             (((str(partition),), n) for partition, n in self.consumer_lag(persistence).items()),
         )
+        if persistence.apps is not None:
+            yield from self._applications(persistence)
         store = persistence.store
         yield _histogram(
             "redis_script_duration_seconds",
@@ -669,6 +674,33 @@ class BrokerCollector(Collector):
                 labels=["script"],
             ),
             _from_zero(redis_scripts(), store.script_errors),
+        )
+
+    def _applications(self, persistence: DevicePersistence) -> Iterator[Metric]:
+        apps = persistence.apps
+        assert apps is not None
+        yield _gauge("application_sessions", "APPLICATION sessions held", len(apps.kinds))
+        yield _counter(
+            "application_records_produced",
+            "Records produced to APPLICATION sessions' topics (acknowledged by Kafka)",
+            apps.produced,
+        )
+        lags = sorted(self.application_lag.items())
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_application_lag_messages",
+                "Messages of an APPLICATION session's topic after its committed offsets",
+                labels=["client_id"],
+            ),
+            (((cid,), lag[0]) for cid, lag in lags),
+        )
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_application_lag_seconds",
+                "Age of the oldest message after an APPLICATION session's committed offsets",
+                labels=["client_id"],
+            ),
+            (((cid,), lag[1]) for cid, lag in lags if lag[1] is not None),
         )
 
     def consumer_lag(self, persistence: DevicePersistence) -> dict[int, int]:
@@ -724,6 +756,16 @@ class BrokerCollector(Collector):
             total += sum(counts)
             largest = max([largest, *counts])
         self.backlog, self.backlog_client_max = total, largest
+        apps = persistence.apps
+        if apps is not None:
+            # All at once: the refresh has PROBE_TIMEOUT, the Redis backlog is set already.
+            ids = sorted(apps.kinds)
+            found = await asyncio.gather(*(apps.lag(cid) for cid in ids), return_exceptions=True)
+            self.application_lag = {
+                cid: (lag.messages, lag.oldest_age)
+                for cid, lag in zip(ids, found, strict=True)
+                if lag is not None and not isinstance(lag, BaseException)
+            }
 
 
 # --------------------------------------------------------------------------

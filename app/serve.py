@@ -263,6 +263,7 @@ async def _open_admin(
             if persistence is not None and persistence.groups is not None
             else None
         ),
+        applications=persistence.apps if persistence is not None else None,
     )
     admin = AdminServer(settings, api)
     await admin.start()

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import yaml
 
 __all__ = [
+    "ApplicationSettings",
     "AuthSettings",
     "ClusterSettings",
     "ConfigError",
@@ -750,6 +751,43 @@ class GroupQueueSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ApplicationSettings:
+    """APPLICATION sessions (docs/application-sessions.md): a persistent session whose
+    messages wait in a Kafka topic of its own, read from its committed offset, instead
+    of the per-client Redis store (persistence/application_feed.py)."""
+
+    client_ids: tuple[str, ...] = setting(
+        (),
+        "Regular expressions (Python re, matched from the start of the client ID); a new "
+        "persistent session whose client ID matches one is an APPLICATION session; "
+        "empty: none",
+    )
+    usernames: tuple[str, ...] = setting(
+        (),
+        "Regular expressions; if any, an APPLICATION session's user name must match one "
+        "too (a client ID alone is whatever the client says); empty: any user",
+    )
+    partitions: int = setting(
+        1,
+        "Partitions of each APPLICATION session's Kafka topic (order holds per MQTT topic; "
+        "1: one order for everything)",
+        ge=1,
+        le=1000,
+    )
+    retention: float = setting(
+        7 * 24 * 3600.0,
+        "Seconds Kafka keeps an APPLICATION session's messages (its topic's retention.ms): "
+        "the backlog is bounded by this, not by a count",
+        gt=0,
+    )
+    read_ahead: int = setting(
+        2000,
+        "Messages read from Kafka ahead of the window, per connected APPLICATION session",
+        ge=1,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSettings:
     """Several replicas on one Redis and one Kafka (broker/cluster.py, docs/deployment.md)."""
 
@@ -817,6 +855,7 @@ class Settings:
     flapping: FlappingSettings = field(default_factory=FlappingSettings)
     ecq: EcqSettings = field(default_factory=EcqSettings)
     group_queues: GroupQueueSettings = field(default_factory=GroupQueueSettings)
+    application: ApplicationSettings = field(default_factory=ApplicationSettings)
     # A list, not a section: loaded by _integration_rules, not by the specs.
     integrations: tuple[IntegrationRule, ...] = field(default=(), metadata={"rules": True})
 
@@ -873,6 +912,8 @@ def _scalar_type(owner: type, name: str, hint: Any) -> tuple[type, bool]:
     """(base type, optional) for a field hint such as ``int`` or ``str | None``."""
     if hint in _SCALARS:
         return hint, False
+    if hint == tuple[str, ...]:
+        return tuple, False  # a list of strings
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and len(args) == 2 and type(None) in args:
         base = next(a for a in args if a is not type(None))
@@ -939,7 +980,13 @@ def setting_specs() -> Mapping[str, SettingSpec]:
 # Values: checking YAML values, parsing text
 # --------------------------------------------------------------------------
 
-_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TYPE_WORDS = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    tuple: "a list of strings",
+}
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 
@@ -968,6 +1015,15 @@ def _check_value(spec: SettingSpec, value: object) -> object:
     if value is None and spec.optional:
         return None
     t = spec.type
+    if t is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"expected {_TYPE_WORDS[t]}, got {_show(value)}")
+        for item in value:  # every list setting is one of regular expressions
+            try:
+                re.compile(item)
+            except re.error as e:
+                raise ConfigError(f"{item!r} is not a regular expression: {e}") from None
+        return tuple(value)
     ok = isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True  # 10 for 10.0; bool is an int in Python, not here
@@ -1006,6 +1062,18 @@ def _parse_text(spec: SettingSpec, text: str) -> object:
     if spec.optional and s.lower() in ("", "null", "none"):
         return None
     value: object
+    if spec.type is tuple:
+        # A YAML (or JSON) list, ["^a", "^b"]; any other text is one item; empty: none.
+        if not s:
+            return ()
+        if s.startswith("["):
+            try:
+                value = yaml.safe_load(s)
+            except yaml.YAMLError:
+                raise ConfigError(f'expected a list such as ["a", "b"], got {text!r}') from None
+        else:
+            value = [s]
+        return _check_value(spec, value)
     if spec.type is str:
         value = text
     elif spec.type is bool:
@@ -1216,6 +1284,22 @@ def _check_integrations(settings: Settings) -> None:
             )
 
 
+def _check_application(settings: Settings) -> None:
+    """APPLICATION sessions live in Kafka (persistence), served by the one broker their
+    client is connected to: replicas do not route to them yet."""
+    if not settings.application.client_ids:
+        return
+    if not settings.persistence.enabled:
+        raise ConfigError(
+            "APPLICATION sessions need persistence.enabled", name="application.client_ids"
+        )
+    if settings.cluster.enabled:
+        raise ConfigError(
+            "APPLICATION sessions are not served by replicas yet (cluster.enabled)",
+            name="application.client_ids",
+        )
+
+
 def _unknown_key(name: str) -> str:
     """'unknown setting', with the closest known name when there is one."""
     section, _, key = name.rpartition(".")
@@ -1327,6 +1411,7 @@ def load_settings(
         _check_integrations(settings)
     except ConfigError as e:
         raise ConfigError(e.message, source=rules_source, name=e.name) from None
+    _check_application(settings)
     return settings
 
 

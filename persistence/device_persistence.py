@@ -24,6 +24,7 @@ from broker.config import ConfigError, Settings
 from broker.ecq import QueueAddressee, consumer_filter
 from broker.group_queue import GroupTarget
 from persistence import kafka_security
+from persistence.application_feed import ApplicationFeed, ApplicationSessions
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer, stop_consumer
@@ -58,7 +59,12 @@ if TYPE_CHECKING:
 
     from broker.core import Broker
     from broker.message import Delivery
-    from broker.persistent_path import DoneCallback, OpenedCallback, OpenRequest
+    from broker.persistent_path import (
+        DoneCallback,
+        OpenedCallback,
+        OpenedSession,
+        OpenRequest,
+    )
     from broker.session import Session
     from broker.stats import BrokerStats
     from broker.topics import SubscriptionTree
@@ -203,6 +209,25 @@ class DevicePersistence:
                 after_compaction=self._empty_events_if_full,
             )
         self._compactor_task: asyncio.Task[None] | None = None
+        # APPLICATION sessions (persistence/application_feed.py); None: none configured.
+        self.apps: ApplicationSessions | None = None
+        if settings.application.client_ids:
+            self.apps = ApplicationSessions(
+                settings.application,
+                store.redis,
+                make_producer(
+                    bootstrap,
+                    config.kafka_request_timeout_ms,
+                    config.producer_linger_ms,
+                    config.kafka_client,
+                    security=security,
+                ),
+                bootstrap,
+                security,
+                timeout=config.kafka_request_timeout_ms / 1000,
+                clock=clock,
+                producer_id=producer_id,
+            )
 
     async def _empty_events_if_full(self) -> None:
         """The embedded Kafka keeps every record in memory, delivery events too (about
@@ -262,10 +287,30 @@ class DevicePersistence:
         on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
-        self.path.submit(deliveries, on_accepted, on_settled)
+        apps = self.apps
+        if apps is None:
+            self.path.submit(deliveries, on_accepted, on_settled)
+            return
+        mine: list[tuple[Session, Delivery]] = []
+        others: list[tuple[Session | GroupTarget, Delivery]] = []
+        for target, delivery in deliveries:
+            if isinstance(getattr(getattr(target, "outflow", None), "feed", None), ApplicationFeed):
+                mine.append((target, delivery))  # type: ignore[arg-type]
+            else:
+                others.append((target, delivery))
+        if not mine:
+            self.path.submit(others, on_accepted, on_settled)
+        elif not others:
+            apps.submit(mine, on_accepted, on_settled)
+        else:
+            join = _Join(2, on_accepted, on_settled)
+            self.path.submit(others, join.accepted, join.settled)
+            apps.submit(mine, join.accepted, join.settled)
 
-    def feed_for(self, client_id: str) -> StoreFeed:
+    def feed_for(self, client_id: str) -> StoreFeed | ApplicationFeed:
         assert self._stats is not None
+        if self.apps is not None and client_id in self.apps.kinds:
+            return self.apps.feed(client_id)  # read from its topic: nothing to bridge
         feed = StoreFeed(
             client_id,
             self.store,
@@ -280,7 +325,24 @@ class DevicePersistence:
         return feed
 
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
-        self.sessions.open(client_id, request, done)
+        apps = self.apps
+        if apps is None:
+            self.sessions.open(client_id, request, done)
+            return
+
+        def opened(result: OpenedSession | None) -> None:
+            if result is None or result.refused:
+                done(result)
+                return
+            # Its kind (APPLICATION or DEVICE) and topic, before the session is made.
+            apps.opening(
+                client_id,
+                request.username,
+                result.resumed,
+                lambda ok: done(result if ok else None),
+            )
+
+        self.sessions.open(client_id, request, opened)
 
     def enqueue(
         self,
@@ -432,6 +494,8 @@ class DevicePersistence:
     def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         self.events.session(session.client_id, end_kind(session, self._clock()))
         self.sessions.end(session.client_id, session.generation, on_ended)
+        if self.apps is not None:
+            self.apps.ended(session.client_id, session.generation)  # its topic goes
         if self.queues is not None and session.durable:
             task = asyncio.get_running_loop().create_task(
                 self._forget_inflight(session.client_id, session.generation)
@@ -484,8 +548,12 @@ class DevicePersistence:
             # persistence/kafka_path.py); Kafka away: the compactor asks every second.
             with contextlib.suppress(Exception):
                 await self._probe.partitions()
+        if self.apps is not None:
+            await self.apps.load()  # before the sessions: their feeds are made with them
         restored = await self.sessions.restore(broker)
         log.info("restored %d persistent sessions from redis", restored)
+        if self.apps is not None:
+            await self.apps.forget_unrestored(broker.sessions)
         if consume:
             self.start_consuming()
 
@@ -522,6 +590,8 @@ class DevicePersistence:
         if self._compactor_task is not None:
             await _cancel(self._compactor_task)  # a compaction under way releases its hold
         await self.path.drain()
+        if self.apps is not None:
+            await self.apps.close()
         await self._wait_consumed()
         if self._consumer_task is not None:
             await _cancel(self._consumer_task)
@@ -572,6 +642,41 @@ class DevicePersistence:
                 log.error("shutdown: consumer did not store everything acknowledged in time")
                 return
             await asyncio.sleep(0.05)
+
+
+class _Join:
+    """One PUBLISH's deliveries made durable by two paths (the device path, the
+    APPLICATION sessions'): accepted when both are; settled when both are."""
+
+    def __init__(
+        self, parts: int, on_accepted: DoneCallback, on_settled: DoneCallback | None
+    ) -> None:
+        self._accepts = parts
+        self._settles = 0  # parts that failed and have yet to settle
+        self._ok = True
+        self._settled_ok = True
+        self._on_accepted = on_accepted
+        self._on_settled = on_settled
+
+    def accepted(self, ok: bool) -> None:
+        if not ok:
+            self._ok = False
+            self._settles += 1
+        self._accepts -= 1
+        if self._accepts == 0:
+            self._on_accepted(self._ok)
+            self._maybe_settled()
+
+    def settled(self, ok: bool) -> None:
+        self._settled_ok = self._settled_ok and ok
+        self._settles -= 1
+        self._maybe_settled()
+
+    def _maybe_settled(self) -> None:
+        if self._accepts or self._settles or self._ok or self._on_settled is None:
+            return
+        settled, self._on_settled = self._on_settled, None
+        settled(self._settled_ok)
 
 
 def _without_password(url: str) -> str:

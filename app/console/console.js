@@ -290,6 +290,7 @@ async function openSession(clientId) {
   facts($("detail-facts"), [
     ["detail-state", "State", s.connected ? "connected" : "offline"],
     ["detail-persistent", "Persistent", s.persistent ? "yes" : "no"],
+    ["detail-session-type", "Session type", text(s.session_type)],
     ["detail-backlog", "Backlog", text(s.backlog)],
     ["detail-in-flight", "In flight", text(s.in_flight)],
     ["detail-oldest", "Oldest stored", duration(backlog.oldest_age)],
