@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
+from broker.budget import BYTES_LIMIT, GROUP, QUEUES_LIMIT, SESSION, OwnerBudget
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.ecq import consumer_filter
 from broker.group_queue import GroupTarget, is_group_filter
@@ -129,10 +130,13 @@ def _ignore_claim(claim: Claim | None) -> None:
     """A claim refreshed as a connection ends: nobody waits on it."""
 
 
-def _refusal_of(claim: Claim | None) -> str:
-    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable")."""
+def _refusal_of(claim: Claim | None, quota: str = "") -> str:
+    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable", or
+    ``quota``: the owner may hold no more)."""
     if claim is None:
         return "unavailable"
+    if claim.quota:
+        return quota
     return "" if claim.granted else "not_owner"
 
 
@@ -203,6 +207,8 @@ class Broker:
         self._client_id_patterns = parse_patterns(settings.auth.client_id_pattern)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
+        # auth.max_bytes_per_owner: who is over, as the last tally (persistence) found
+        self.budget = OwnerBudget(settings.auth.max_bytes_per_owner)
         # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
         self.sys_topics = SysTopics(self, node_name(settings)) if settings.sys_interval else None
         # Refused before authentication (broker/blocklist.py); flapping adds to it.
@@ -364,6 +370,12 @@ class Broker:
             return
         owner = self.owner_of(conn)
         existing = self.sessions.get(client_id)
+        if existing is None and expiry_interval and self._over_budget(owner):
+            # A new store for an owner over auth.max_bytes_per_owner (a session it holds
+            # resumes, or is replaced by a clean start).
+            self.budget.refused(SESSION, BYTES_LIMIT)
+            then(None, False, "owner_budget")
+            return
         if existing is not None and not self._may_own(existing.owner, owner):
             # Another owner's session (here, on another replica): not taken over,
             # not resumed, not ended by a clean start.
@@ -735,9 +747,19 @@ class Broker:
         if not self._names_clients:
             then("")  # every client is anonymous: nobody to bind the queue to
             return
+        identity = self.identity_of(conn)
+        most: int | None = self.settings.ecq.max_queues_per_owner or None
+        quota = QUEUES_LIMIT  # then("max_queues_per_owner"): one queue more than that
+        if self._over_budget(identity):
+            most, quota = 0, BYTES_LIMIT  # a queue it holds, not a new one
         self.owners.claim(
-            QUEUE, client_id, self.identity_of(conn), 0, lambda c: then(_refusal_of(c))
+            QUEUE, client_id, identity, 0, lambda c: then(_refusal_of(c, quota)), most
         )
+
+    def _over_budget(self, owner: str | None) -> bool:
+        """Is ``owner`` over auth.max_bytes_per_owner (the last tally)?"""
+        over = self.budget.over
+        return bool(over) and owner in over
 
     def _over_owner_quota(self, owner: str | None) -> bool:
         """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""
@@ -754,6 +776,27 @@ class Broker:
             if session is not None:
                 held.update(f for f in session.subscriptions if is_group_filter(f))
         return held
+
+    def stores_by_owner(self) -> dict[str, tuple[list[str], set[str]]]:
+        """Each owner's stores this broker knows of (other replicas' sessions included):
+        the client ids of its durable sessions, and the group queues they are members
+        of (each once). Read by the tally of auth.max_bytes_per_owner."""
+        out: dict[str, tuple[list[str], set[str]]] = {}
+        sessions = self.sessions
+        for owner, client_ids in self._owned.items():
+            durable: list[str] = []
+            groups: set[str] = set()
+            for client_id in client_ids:
+                session = sessions.get(client_id)
+                if session is None or not session.durable:
+                    continue
+                durable.append(client_id)
+                for topic_filter in session.subscriptions:
+                    if is_group_filter(topic_filter):
+                        groups.add(topic_filter)
+            if durable:
+                out[owner] = (durable, groups)
+        return out
 
     def bind_owner(self, session: Session, owner: str | None) -> None:
         """``session`` (here, or a record of another replica's) belongs to ``owner``."""
@@ -973,7 +1016,11 @@ class Broker:
                 # (group_queues.enabled turned off since members subscribed): not routed.
                 if not self.persistent_path.keeps_groups:
                     continue
-                if message.qos and (
+                if message.qos and self.budget.over and self._group_over(group.members):
+                    # Every member's owner is over auth.max_bytes_per_owner: not stored.
+                    self.budget.refused(GROUP, BYTES_LIMIT)
+                    self.stats.drop("owner_budget")
+                elif message.qos and (
                     may_receive is None or any(may_receive(m.client_id) for m in group.members)
                 ):
                     target = GroupTarget(f"{group.name}/{group.topic_filter}")
@@ -1022,10 +1069,15 @@ class Broker:
         :meth:`PersistentPath.submit`.
         """
         persistent = []
+        over = self.budget.over  # empty unless an owner is over auth.max_bytes_per_owner
         for session, delivery in targets:
             if not retained and session.retained_sender:
                 session.retained_sender.live(delivery.message.topic)
             if isinstance(session, GroupTarget) or (session.durable and delivery.qos > 0):
+                if over and not isinstance(session, GroupTarget) and session.owner in over:
+                    self.budget.refused(SESSION, BYTES_LIMIT)  # not stored for it
+                    self.stats.drop("owner_budget")
+                    continue
                 persistent.append((session, delivery))
             else:
                 session.deliver(delivery)
@@ -1033,6 +1085,17 @@ class Broker:
             self.persistent_path.submit(persistent, on_accepted, on_settled)
         else:
             on_accepted(True)
+
+    def _group_over(self, members: Sequence[SubscriptionEntry]) -> bool:
+        """Is the owner of every member of a group over auth.max_bytes_per_owner?"""
+        over, sessions = self.budget.over, self.sessions
+        if not members:
+            return False
+        for member in members:
+            session = sessions.get(member.client_id)
+            if session is None or session.owner not in over:
+                return False
+        return True
 
     def _is_online(self, client_id: str) -> bool:
         session = self.sessions.get(client_id)
