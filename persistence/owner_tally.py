@@ -12,9 +12,9 @@ Bounded in cost: only owners whose stores, each at its own byte limit, could pas
 the budget are read (:func:`broker.budget.could_pass`); the queue counts of the
 owners with sessions are one ZMSCORE per :data:`CHUNK` owners, and the owners
 holding queues only are found by score (ZRANGEBYSCORE); the counters are read
-in pipelines of :data:`CHUNK` GETs (on a Redis Cluster the client splits a
-pipeline by node). Nothing of it runs on a message's way. Each replica runs its
-own tally and reaches the same answer.
+:data:`CHUNK` at a time, one MGET (on a Redis Cluster, one MGET per slot).
+Nothing of it runs on a message's way. Each replica runs its own tally and
+reaches the same answer.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING, cast
+
+from redis.asyncio.cluster import RedisCluster
 
 from broker.budget import Usage, could_pass
 from persistence.format import QUEUE_OWNERS_KEY, client_keys, owner_queues_key, queue_keys
@@ -136,35 +139,39 @@ class OwnerTally:
         held: dict[str, tuple[list[str], set[str]]],
         queues: dict[str, set[str]],
     ) -> dict[str, Usage]:
-        """Read the byte counters of ``owners``' stores, :data:`CHUNK` per round trip."""
-        keys: list[str] = []
-        spans: list[tuple[str, int, int, int]] = []  # owner, sessions, queues, groups
-        for owner in owners:
-            sessions, groups = held.get(owner, ([], set()))
-            owned = queues.get(owner, set())
-            keys += [client_keys(cid).bytes for cid in sessions]
-            keys += [queue_keys(q).bytes for q in owned]
-            keys += [queue_keys(g).bytes for g in groups]
-            spans.append((owner, len(sessions), len(owned), len(groups)))
-        values: list[int] = []
-        for start in range(0, len(keys), CHUNK):
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys[start : start + CHUNK]:
-                pipe.get(key)
-            values += [int(v or 0) for v in await pipe.execute()]
+        """Read the byte counters of ``owners``' stores, :data:`CHUNK` per round trip
+        (the keys made a chunk at a time: the event loop is held for one chunk's)."""
+        sums = {owner: [0, 0, 0] for owner in owners}
+        reads = iter(_counters(owners, held, queues))
+        redis = self._redis
+        while chunk := list(islice(reads, CHUNK)):
+            keys = [key for _, _, key in chunk]
+            if isinstance(redis, RedisCluster):  # one MGET per slot, side by side
+                values = await redis.mget_nonatomic(keys)
+            else:
+                values = await redis.mget(keys)
+            for (owner, kind, _), value in zip(chunk, values, strict=True):
+                if value:
+                    sums[owner][kind] += int(value)
         usage: dict[str, Usage] = {}
-        at = 0
-        for owner, n_sessions, n_queues, n_groups in spans:
-            s_end = at + n_sessions
-            q_end = s_end + n_queues
-            g_end = q_end + n_groups
-            usage[owner] = Usage(
-                sum(values[at:s_end]),
-                sum(values[s_end:q_end]),
-                sum(values[q_end:g_end]),
-                n_sessions,
-                n_queues,
-                n_groups,
-            )
-            at = g_end
+        for owner, (s_bytes, q_bytes, g_bytes) in sums.items():
+            sessions, groups = held.get(owner, ([], set()))
+            n_queues = len(queues.get(owner, ()))
+            usage[owner] = Usage(s_bytes, q_bytes, g_bytes, len(sessions), n_queues, len(groups))
         return usage
+
+
+def _counters(
+    owners: Sequence[str],
+    held: dict[str, tuple[list[str], set[str]]],
+    queues: dict[str, set[str]],
+) -> Iterator[tuple[str, int, str]]:
+    """(owner, 0 session / 1 queue / 2 group, its byte counter's key) of every store."""
+    for owner in owners:
+        sessions, groups = held.get(owner, ([], set()))
+        for client_id in sessions:
+            yield owner, 0, client_keys(client_id).bytes
+        for queue in queues.get(owner, ()):
+            yield owner, 1, queue_keys(queue).bytes
+        for group in groups:
+            yield owner, 2, queue_keys(group).bytes
