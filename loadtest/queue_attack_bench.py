@@ -20,7 +20,8 @@ Redis's ``used_memory`` before and after:
 - ``owner-fill``: mallory leaves ``--sessions`` persistent sessions subscribed to
   ``mallory/#`` offline, then publishes ``--publishes`` x 64 KiB to ``mallory/f``
   at QoS 1 (every session keeps a copy), with ``auth.max_bytes_per_owner`` at
-  ``--budget`` (0: off) and a tally every second.
+  ``--budget`` and a tally every second (0: neither set: the default 1 GiB, or
+  nothing in a checkout without the setting).
 
 ``owner-tally`` starts a redis-server of its own and measures, in this process, one
 tally of ``auth.max_bytes_per_owner`` over ``--sessions`` persistent sessions of
@@ -217,10 +218,12 @@ def ecq_fill(writes: int, size: int) -> None:
 
 
 def owner_fill(sessions: int, publishes: int, budget: int) -> None:
-    settings = {
-        "DEVICEMQ_AUTH_MAX_BYTES_PER_OWNER": str(budget),
-        "DEVICEMQ_AUTH_OWNER_TALLY_INTERVAL": "1",
-    }
+    settings = {}  # --budget 0: left at its default (1 GiB); an older checkout has none
+    if budget:
+        settings = {
+            "DEVICEMQ_AUTH_MAX_BYTES_PER_OWNER": str(budget),
+            "DEVICEMQ_AUTH_OWNER_TALLY_INTERVAL": "1",
+        }
     with _broker(**settings) as (port, redis_url):
         before = _settled(redis_url)
         for i in range(sessions):
