@@ -777,6 +777,10 @@ class Broker:
                 held.update(f for f in session.subscriptions if is_group_filter(f))
         return held
 
+    def sessions_owned(self, owner: str) -> int:
+        """How many sessions ``owner`` holds (auth.max_sessions_per_owner counts them)."""
+        return len(self._owned.get(owner, ()))
+
     def stores_by_owner(self) -> dict[str, tuple[list[str], set[str]]]:
         """Each owner's stores this broker knows of (other replicas' sessions included):
         the client ids of its durable sessions, and the group queues they are members

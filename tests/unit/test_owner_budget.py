@@ -250,3 +250,34 @@ def test_one_queue_over_max_queues_per_owner_is_refused(tmp_path: Path) -> None:
     bob, _ = connect(h, "bob-0", "bob", expiry=0)
     assert suback(bob, "$ECQ/bob-0/#") == 1  # another owner's count
     assert h.broker.budget.refusals == {("queue", "max_queues_per_owner"): 2}
+
+
+# -- the admin API (app/admin.py), in process ---------------------------------------------
+
+
+def test_an_operator_sees_what_one_owner_holds(tmp_path: Path) -> None:
+    import orjson
+
+    from app.admin import AdminApi
+    from app.http import Request
+
+    h, _ = harness(tmp_path)
+    device, _ = connect(h, "eve-1", "eve")
+    assert suback(device, "$queue/g/data/#") == 1
+    assert suback(device, "$ECQ/eve-1/#") == 1
+    h.broker.budget.settle({"eve": Usage(2**31, 5, 6, 1, 1, 1)}, {"eve": {"eve-1"}})
+    api = AdminApi(h.broker.settings, h.broker, "node-1", token="t")
+
+    async def get(path: str) -> Any:
+        request = Request("GET", "/api/v1/" + path, {}, {"authorization": "Bearer t"}, b"", "")
+        response = await api.handle(request)
+        assert response.status == 200
+        return orjson.loads(response.body)
+
+    eve = asyncio.run(get("owners/eve"))
+    assert eve["sessions"] == 1 and eve["queues"] == ["eve-1"]
+    assert eve["group_queues"] == ["$queue/g/data/#"]
+    assert eve["over_budget"] and eve["measured"]["bytes"] == 2**31 + 11
+    assert eve["max_bytes_per_owner"] == 2**30
+    bob = asyncio.run(get("owners/bob"))
+    assert bob["sessions"] == 0 and bob["measured"] is None and not bob["over_budget"]
