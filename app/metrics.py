@@ -120,6 +120,7 @@ KNOWN_REJECTIONS = (
     "auth_service_busy",
     "auth_chain_failed",
     "auth_service_unavailable",
+    "max_bytes_per_owner",  # a new persistent session of an owner over its budget
 )
 KNOWN_DROPS = (
     "queue_full",
