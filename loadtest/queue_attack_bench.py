@@ -127,7 +127,11 @@ def _broker(**settings: str) -> Iterator[tuple[int, str]]:
         yield port, f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(60)  # its consumer stores what Kafka still holds first
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
         subprocess.run(
             [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir", str(tmp)],
             capture_output=True,
