@@ -209,6 +209,9 @@ class Broker:
         self._owned: dict[str, set[str]] = {}
         # auth.max_bytes_per_owner: who is over, as the last tally (persistence) found
         self.budget = OwnerBudget(settings.auth.max_bytes_per_owner)
+        self._budget_log = LogLimiter(  # messages not stored for such an owner, 1 a second
+            logging.getLogger("devicemq.budget"), "messages not stored", rate=1.0, burst=5.0
+        )
         # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
         self.sys_topics = SysTopics(self, node_name(settings)) if settings.sys_interval else None
         # Refused before authentication (broker/blocklist.py); flapping adds to it.
@@ -931,6 +934,7 @@ class Broker:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
         self.refusal_log.flush(now)
+        self._budget_log.flush(now)
         if now - self._pruned >= PRUNE_INTERVAL:
             self._pruned = now
             self.blocklist.prune(self.wall_clock())
@@ -1022,8 +1026,7 @@ class Broker:
                     continue
                 if message.qos and self.budget.over and self._group_over(group.members):
                     # Every member's owner is over auth.max_bytes_per_owner: not stored.
-                    self.budget.refused(GROUP, BYTES_LIMIT)
-                    self.stats.drop("owner_budget")
+                    self._not_stored(GROUP, f"{group.name}/{group.topic_filter}", message)
                 elif message.qos and (
                     may_receive is None or any(may_receive(m.client_id) for m in group.members)
                 ):
@@ -1079,8 +1082,7 @@ class Broker:
                 session.retained_sender.live(delivery.message.topic)
             if isinstance(session, GroupTarget) or (session.durable and delivery.qos > 0):
                 if over and not isinstance(session, GroupTarget) and session.owner in over:
-                    self.budget.refused(SESSION, BYTES_LIMIT)  # not stored for it
-                    self.stats.drop("owner_budget")
+                    self._not_stored(SESSION, session.client_id, delivery.message)
                     continue
                 persistent.append((session, delivery))
             else:
@@ -1089,6 +1091,20 @@ class Broker:
             self.persistent_path.submit(persistent, on_accepted, on_settled)
         else:
             on_accepted(True)
+
+    def _not_stored(self, store: str, name: str, message: Message) -> None:
+        """A message for a store whose owner is over auth.max_bytes_per_owner is dropped
+        at routing: counted, and logged at a bounded rate."""
+        self.budget.refused(store, BYTES_LIMIT)
+        self.stats.drop("owner_budget")
+        self._budget_log.log(
+            self.clock(),
+            logging.INFO,
+            "message on %r not stored for %s %s: its owner is over auth.max_bytes_per_owner",
+            message.topic,
+            store,
+            name,
+        )
 
     def _group_over(self, members: Sequence[SubscriptionEntry]) -> bool:
         """Is the owner of every member of a group over auth.max_bytes_per_owner?"""

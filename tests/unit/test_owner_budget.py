@@ -181,8 +181,9 @@ def over(h: Harness, *owners: str, queues: Sequence[str] = ()) -> None:
 
 
 def test_an_owner_over_budget_gets_no_new_store_and_nothing_more_stored(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, "devicemq")
     h, path = harness(tmp_path)
     held, code = connect(h, "eve-1", "eve")  # before: her session, a member of a group
     assert code == 0
@@ -216,6 +217,10 @@ def test_an_owner_over_budget_gets_no_new_store_and_nothing_more_stored(
     assert isinstance(ack, PubAck) and ack.reason_code == 0
     assert sorted(path.stored) == ["$queue/g-both/data/#", "bob-1"]
     assert h.broker.stats.dropped["owner_budget"] == 2
+    logged = caplog.text
+    assert "not stored for session eve-1: its owner is over auth.max_bytes_per_owner" in logged
+    assert "not stored for group $queue/g-eve/data/#" in logged
+    assert "may not join '$queue/g-new/data/#': auth.max_bytes_per_owner reached" in logged
     # a write to her queue: 0x97, as a full queue
     sender.send(Publish("$ECQ/w/eve-1/k", b"x", qos=1, packet_id=2))
     (ack,) = sender.read()
