@@ -14,7 +14,8 @@ and again after it: two replicas claiming new queues of one owner at once both
 count theirs (ZINCRBY is atomic), and the one that took the count past the limit
 takes its claim back (owner_unclaim.lua) and is refused, so the limit holds
 exactly. A process that dies between the claim and the index leaves a claim
-unindexed: its owner's next claim of that queue indexes it.
+unindexed: its owner's next claim of that queue indexes it; one that dies
+between SADD and ZINCRBY leaves the queue uncounted (one more may be claimed).
 """
 
 from __future__ import annotations
