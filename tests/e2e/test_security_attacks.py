@@ -1391,7 +1391,7 @@ def _sample(text: str, name: str, labels: str = "") -> float:
 
 
 def test_one_owner_cannot_store_past_its_budget_across_sessions_groups_and_queues(
-    tmp_path: Path, broker_factory: Factory
+    tmp_path: Path, broker_factory: Factory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Issue 45, last bullet: each store had its own byte limit, nothing bounded what
     one owner holds over all of them. mallory's offline persistent session, a group
@@ -1399,6 +1399,10 @@ def test_one_owner_cannot_store_past_its_budget_across_sessions_groups_and_queue
     auth.max_bytes_per_owner (1 MB here) she gets no new session, membership or
     queue, nothing more is stored for her, writes to her queue are refused, and her
     session still resumes; dev8 on the same broker is not touched."""
+    from app import cli
+    from tests.e2e.admin import TOKEN
+
+    admin_port = free_port("127.0.0.1")
     broker = owners_broker(
         broker_factory,
         tmp_path,
@@ -1409,6 +1413,8 @@ def test_one_owner_cannot_store_past_its_budget_across_sessions_groups_and_queue
             "metrics.enabled": True,
             "metrics.host": "127.0.0.1",
             "metrics.port": free_port(),
+            "admin.port": admin_port,
+            "admin.token": TOKEN,
         },
     )
     expiry = _expiry(600)
@@ -1431,6 +1437,18 @@ def test_one_owner_cannot_store_past_its_budget_across_sessions_groups_and_queue
     while _sample(_metrics(broker), "devicemq_owners_over_budget") < 1:
         assert time.monotonic() < deadline, "the tally never found mallory over her budget"
         time.sleep(0.2)
+    # an operator sees what she holds (GET /api/v1/owners/mallory)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", f"http://127.0.0.1:{admin_port}", "--token-file", str(token_file)]
+    assert cli.main(["owners", "usage", "mallory", *common, "--json"]) == 0
+    usage = json.loads(capsys.readouterr().out)
+    assert usage["over_budget"] and usage["queues"] == ["mallory-q"]
+    assert usage["group_queues"] == ["$queue/gm/mallory/#"]
+    assert usage["sessions"] == 2  # mallory-1 kept, mallory-pub connected
+    assert usage["measured"]["bytes"] > 1_000_000
+    assert cli.main(["owners", "usage", "mallory", *common]) == 0
+    assert "OVER auth.max_bytes_per_owner" in capsys.readouterr().out
     # no new store of any kind
     second = as_user(broker, "mallory-2", "mallory")
     assert second.connect(clean_start=False, properties=expiry).reason_code == 0x97
