@@ -1,5 +1,5 @@
 """The admin HTTP API (``admin.*``): sessions and their backlog, the block list,
-retained messages, and the web console's files (README "Operating devicemq").
+retained messages, and the web console's files (docs/operating.md).
 
 It runs in the broker's event loop, beside the metrics server. Any replica
 answers any request: every replica holds the whole cluster's session table

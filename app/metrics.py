@@ -471,7 +471,7 @@ class BrokerCollector(Collector):
         )
 
     def _integrations(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:
-        """The audit count per integration rule (README "Topic-to-Kafka integration")."""
+        """The audit count per integration rule (docs/integrations.md)."""
         for index, what, doc in (
             (0, "produced", "Records an integration rule produced (Kafka acknowledged them)"),
             (1, "failed", "Records of an integration rule Kafka refused or never got"),

@@ -36,8 +36,8 @@ Every message a replica publishes on ``subscriptions``, ``stored`` and
 sequence number in that process (``tick`` repeats the last one). Pub/sub
 is at most once: a receiver that sees a sequence number skip (or a ``tick``
 ahead of what it heard) missed something, and catches up as after a lost
-connection (:meth:`ClusterState.resync`, and every connected durable
-outbox re-reads the store). A stored message thus reaches its client
+connection (:meth:`ClusterState.resync`, and every connected persistent
+session's store feed re-reads the store). A stored message thus reaches its client
 within about ``TICK_INTERVAL`` plus a page read, whatever pub/sub lost.
 
 The order of one replica's messages is kept (one Redis connection publishes
@@ -47,7 +47,7 @@ session it holds with a live connection except by ``conn`` (takeover); a
 remote record is changed only by its owner, except that an offline durable
 record is dropped by any replica that ended the session (it expired there).
 
-Semantics (README "Running several replicas"): persistent (durable) QoS 1/2
+Semantics (docs/deployment.md "Running several replicas"): persistent (durable) QoS 1/2
 deliveries still go through Kafka, whichever replica routes them, and the
 replica that stores them tells the replica holding the connection to re-read
 the store (``stored``). Everything else to a remote client (QoS 0, clean
@@ -430,7 +430,7 @@ class ClusterState:
 
     def receive(self, channel: str, payload: bytes) -> list[str]:
         """Apply a control message; returns the client ids of a ``stored`` notice
-        (their outboxes re-read the store: the persistence layer's business), or
+        (their sessions' store feeds re-read the store: the persistence layer's business), or
         the topics of a ``retained`` notice (re-read from Redis, likewise)."""
         change = orjson.loads(payload)
         if change.get("n") not in (None, self.node_id):

@@ -622,7 +622,7 @@ class MetricsSettings:
 
 @dataclass(frozen=True, slots=True)
 class AdminSettings:
-    """The admin HTTP API and web console (app/admin.py, README "Operating devicemq")."""
+    """The admin HTTP API and web console (app/admin.py, docs/operating.md)."""
 
     enabled: bool = setting(True, "Serve the admin HTTP API and web console")
     host: str = setting(
@@ -757,7 +757,7 @@ class GroupQueueSettings:
 
 @dataclass(frozen=True, slots=True)
 class ClusterSettings:
-    """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
+    """Several replicas on one Redis and one Kafka (broker/cluster.py, docs/deployment.md)."""
 
     enabled: bool = setting(
         False, "Share subscriptions, deliveries and takeovers with the other replicas"
@@ -1244,7 +1244,7 @@ def _unknown_variable(var: str, known: set[str]) -> str:
     close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
     if close:
         return f"not a devicemq setting (did you mean {close[0]}?)"
-    return "not a devicemq setting (README.md, Configuration; unset it)"
+    return "not a devicemq setting (docs/configuration.md; unset it)"
 
 
 # --------------------------------------------------------------------------

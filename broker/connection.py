@@ -2,7 +2,7 @@
 
 Bytes go in through :meth:`MQTTConnection.receive_data`; packets are decoded,
 dispatched to the handler of their type (``broker/handlers``), and whatever
-the broker sends back is encoded into an outbox that the I/O edge drains with
+the broker sends back is encoded into an output buffer that the I/O edge drains with
 :meth:`MQTTConnection.data_to_send`. The edge is told there is something to
 send through the ``on_output`` callback, once per batch, so one socket write
 carries many packets.

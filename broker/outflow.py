@@ -1,6 +1,6 @@
 """A session's outgoing QoS 1 and 2 flow, sans-IO (spec 4.3, 4.4, 4.9).
 
-One :class:`Outflow` per session holds the protocol rules every outbox shares:
+One :class:`Outflow` per session holds the protocol rules every feed shares:
 
 - the in-flight table and the window: at most the smaller of the configured
   cap and the client's Receive Maximum unacknowledged PUBLISH packets

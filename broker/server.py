@@ -77,7 +77,7 @@ class MQTTProtocol(asyncio.Protocol):
             self.conn.receive_data(data)
 
     def write(self, data: bytes) -> None:
-        """Bytes from the connection's outbox onto the wire (framed, for WebSockets)."""
+        """Bytes from the connection's output buffer onto the wire (framed, for WebSockets)."""
         assert self.transport is not None
         self.transport.write(data)
 
@@ -304,7 +304,7 @@ class BrokerServer:
         self._protocols.pop(conn, None)
 
     def schedule_flush(self, conn: MQTTConnection) -> None:
-        """Called by a connection whose outbox just became non-empty (or that closes)."""
+        """Called by a connection whose output buffer just became non-empty (or that closes)."""
         if not self._dirty:
             assert self._loop is not None
             self._loop.call_soon(self._flush)

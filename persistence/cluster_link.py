@@ -32,7 +32,7 @@ reconnect (an output buffer limit, a failover). Both are caught up
 (:meth:`ClusterLink.catch_up`): the confirmation of the re-subscription, or
 a gap in a sender's sequence numbers (``broker/cluster.py``, checked at
 least every ``TICK_INTERVAL`` by its ``tick``), starts a re-sync and makes
-every connected durable outbox re-read the store.
+every connected persistent session's store feed re-read the store.
 """
 
 from __future__ import annotations
@@ -214,8 +214,8 @@ class ClusterLink:
     def catch_up(self) -> None:
         """Messages from other replicas may have been lost: ask for their snapshots
         again (records nobody confirms within ``RESYNC_WINDOW`` are dropped), re-read
-        the retained messages, and make every connected durable outbox re-read the
-        store (a lost ``stored`` notice)."""
+        the retained messages, and make every connected persistent session's store
+        feed re-read the store (a lost ``stored`` notice)."""
         self.state.resync()
         if self._retained is not None:
             self._retained.resync()

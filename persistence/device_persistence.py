@@ -595,7 +595,7 @@ class DevicePersistence:
             side.stored(entries)
 
     def _room_for(self, client_id: str) -> int:
-        """How many just-stored messages the client's outbox would send at once."""
+        """How many just-stored messages the client's outflow would send at once."""
         assert self._broker is not None
         session = self._broker.sessions.get(client_id)
         if session is None:

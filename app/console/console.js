@@ -205,7 +205,7 @@ async function loadStats() {
   pairs.push(["stat-in-rate", "Received / s", rate("messages_received")]);
   pairs.push(["stat-out-rate", "Sent / s", rate("messages_sent")]);
   for (const rule of s.integrations || []) {
-    // the audit count of a topic-to-Kafka rule (README "Topic-to-Kafka integration")
+    // the audit count of a topic-to-Kafka rule (docs/integrations.md)
     const label = `Rule ${rule.name} → ${rule.kafka_topic}: produced / failed`;
     pairs.push(["stat-rule-" + rule.name, label, `${rule.produced} / ${rule.failed}`]);
   }

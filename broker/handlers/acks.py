@@ -24,7 +24,7 @@ def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
 def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
     """Answer with PUBREL (MQTT-4.3.3-4); a failure reason ends the flow instead.
 
-    The outbox sends the PUBREL of a message it holds: a persistent one only
+    The session's outflow sends the PUBREL of a message it holds: a persistent one only
     after the PUBREL stage is stored, so a crash cannot replay the PUBLISH.
     """
     assert conn.session is not None

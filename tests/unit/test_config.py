@@ -269,8 +269,7 @@ def test_every_setting_has_a_working_env_var() -> None:
         ),
         (
             "DEVICEMQ_SOMETHING_ELSE",
-            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting "
-            "(README.md, Configuration; unset it)",
+            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting (docs/configuration.md; unset it)",
         ),
     ],
 )

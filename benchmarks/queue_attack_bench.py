@@ -1,10 +1,11 @@
-"""What the queue attacks of issue 45 (findings 4 and 5) still cost: SECURITY.md's numbers.
+"""What the queue attacks (a group-queue amplification, an $ECQ queue filled) still cost:
+SECURITY.md's numbers.
 
-    python -m loadtest.queue_attack_bench amplify [--groups 1000] [--publishes 2] [--sessions 1]
-    python -m loadtest.queue_attack_bench ecq-fill [--writes 320] [--size 262144]
-    python -m loadtest.queue_attack_bench owner-fill [--sessions 10] [--publishes 200]
+    python -m benchmarks.queue_attack_bench amplify [--groups 1000] [--publishes 2] [--sessions 1]
+    python -m benchmarks.queue_attack_bench ecq-fill [--writes 320] [--size 262144]
+    python -m benchmarks.queue_attack_bench owner-fill [--sessions 10] [--publishes 200]
         [--budget 16777216]
-    python -m loadtest.queue_attack_bench owner-tally [--sessions 10000]
+    python -m benchmarks.queue_attack_bench owner-tally [--sessions 10000]
 
 Each starts ``devicemq run`` with persistence on (its embedded Redis and Kafka, in
 a temporary data dir, default settings otherwise) and measures the embedded
@@ -319,7 +320,7 @@ def owner_tally(sessions: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.queue_attack_bench", description=__doc__
+        prog="python -m benchmarks.queue_attack_bench", description=__doc__
     )
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("amplify")

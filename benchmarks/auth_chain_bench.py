@@ -1,4 +1,4 @@
-"""Micro-benchmark of one auth.chain decision: ``python -m loadtest.auth_chain_bench``.
+"""Micro-benchmark of one auth.chain decision: ``python -m benchmarks.auth_chain_bench``.
 
 Microseconds per CONNECT decided by ``Authenticator.authenticate`` (best of
 several repeats): a JWT password with HS256, RS256 and ES256, an HTTP check
