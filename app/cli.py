@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from broker import __version__
 from broker.config import ConfigError, Settings, load_settings
-from broker.logging_setup import setup_logging
+from edge.logging_setup import setup_logging
 
 __all__ = ["COMMANDS", "Command", "main"]
 

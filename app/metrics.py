@@ -106,7 +106,7 @@ KNOWN_REJECTIONS = (
     "topic_alias_invalid",
     "message_rate_too_high",
     "subscription_identifiers_not_supported",
-    # closes counted by name (broker/connection.py, broker/server.py, broker/external_auth.py)
+    # closes counted by name (broker/connection.py, edge/server.py, broker/external_auth.py)
     "flood_before_connack",
     "connect_timeout",
     "inflight_timeout",

@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.authentication import open_authentication
 from broker.config import ConfigError, Settings
 from broker.core import Broker
-from broker.server import BrokerServer
+from edge.server import BrokerServer
 
 if TYPE_CHECKING:
     from app.admin import AdminServer
@@ -128,12 +129,15 @@ async def _serve(
         from persistence.owner_store import RedisOwners
 
         owners = RedisOwners(persistence.store)
+    authenticator, authorizer = open_authentication(settings)
     broker = Broker(
         settings,
         persistent_path=persistence,
         keep_block=blocks.keep if blocks is not None else None,
         integration_sink=integrations,
         owners=owners,
+        authenticator=authenticator,
+        authorizer=authorizer,
     )
     link = None
     retained = None

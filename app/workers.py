@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from broker.config import ConfigError, Settings
-from broker.logging_setup import setup_logging
+from edge.logging_setup import setup_logging
 
 log = logging.getLogger("devicemq.workers")
 

@@ -47,7 +47,7 @@ from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.message import Message
 from broker.packets import Connect, Packet, Properties, Publish, Subscribe, Subscription
-from broker.websocket import OP_BINARY, OP_CONTINUATION, WebSocketServer, encode_frame
+from edge.websocket import OP_BINARY, OP_CONTINUATION, WebSocketServer, encode_frame
 
 # ------------------------------------------------------------------ in process
 

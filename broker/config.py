@@ -101,7 +101,7 @@ def setting(
 
 
 # The listeners' host default: empty means "decided by authentication" (SECURITY.md
-# "Defaults", broker/listeners.py effective_host): every interface once clients
+# "Defaults", edge/listeners.py effective_host): every interface once clients
 # must log in, this machine only while anyone may connect.
 _AUTO_HOST_DOC = "; empty: every interface if authentication is configured, else 127.0.0.1 only"
 

@@ -14,12 +14,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.codec import MAX_REMAINING_LENGTH, DecodeLimits, PacketDecoder, encode
 from broker.connection_state import ConnectionState, PendingAck, WillMessage
 from broker.errors import MQTTError
-from broker.handlers import HANDLERS
+from broker.handlers import HANDLERS, HandlerHost
 from broker.limits import bucket_or_none
 from broker.message import Delivery
 from broker.packets import (
@@ -36,13 +36,30 @@ from broker.packets import (
 
 if TYPE_CHECKING:
     from broker.acl import Grant
-    from broker.core import Broker
+    from broker.config import Settings
     from broker.session import Session
+    from broker.stats import BrokerStats
 
 log = logging.getLogger("devicemq.connection")
 
 MAX_PACKET_SIZE = MAX_REMAINING_LENGTH + 5
 _NO_PROPERTIES = Properties()
+
+
+class ConnectionHost(HandlerHost, Protocol):
+    """What a connection and its handlers use of the broker (``Broker`` is one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def call_soon(self) -> Callable[[Callable[[], None]], object] | None: ...
+    @property
+    def connections(self) -> set[MQTTConnection]: ...
+    def detach(self, conn: MQTTConnection, publish_will: bool) -> None: ...
 
 
 class MQTTConnection:
@@ -54,7 +71,7 @@ class MQTTConnection:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: ConnectionHost,
         peer: str,
         on_output: Callable[[MQTTConnection], None],
         on_input_flow: Callable[[bool], None] | None = None,

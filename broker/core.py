@@ -163,6 +163,8 @@ class Broker:
         keep_block: KeepBlock | None = None,
         integration_sink: IntegrationSink | None = None,
         owners: Owners | None = None,
+        authenticator: Authenticator | None = None,
+        authorizer: Authorizer | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -182,8 +184,12 @@ class Broker:
         # sets loop.call_soon); None: do it now (sans-IO tests).
         self.call_soon: Callable[[Callable[[], None]], object] | None = None
         self.stats = BrokerStats()
-        self.auth = Authenticator(settings.auth, clock)
-        self.acl = Authorizer(settings.auth.acl_file, clock, grants=bool(self.auth.chain))
+        # Built with their files and chain by the root (app/authentication.py); the
+        # defaults, for settings that name no file and no chain, do no I/O.
+        self.auth = authenticator or Authenticator(settings.auth, clock)
+        self.acl = authorizer or Authorizer(
+            settings.auth.acl_file, clock, grants=bool(self.auth.chain)
+        )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         per_source = settings.mqtt.max_connection_rate_per_source

@@ -82,7 +82,7 @@ class Outgoing:
     sent: bool = False
     marked: bool = False
     ref: object = None
-    side: Feed | None = None  # from the side feed (its identifier given here)
+    side: SideFeed | None = None  # from the side feed (its identifier given here)
     replay: bool = False  # seen before this flow (a rewind's copy): DUP on its first send
 
 
@@ -136,7 +136,20 @@ class Feed(Protocol):
 
 
 class SideFeed(Feed, Protocol):
-    """A feed beside the session's own: the queue its client consumes ($ECQ)."""
+    """A feed beside the session's own, whose messages get their identifiers here: the
+    queue its client consumes ($ECQ, :class:`QueueSide`) or its share of a group
+    queue ($queue)."""
+
+    @property
+    def decline(self) -> Callable[[Outgoing], None] | None:
+        """A group queue's: give back to the group a message this member may not or
+        cannot take, for another member (MQTT 5 section 3.1.2.24 lets a shared
+        subscription send it to one that can); None: the feed's messages are its
+        client's alone (an $ECQ queue's: its exclusive subscription decided)."""
+
+
+class QueueSide(SideFeed, Protocol):
+    """The side feed of the queue the session's client consumes ($ECQ)."""
 
     consuming: bool  # the client holds the queue's subscription (False: in flight only)
     restoring: bool  # reading what it had in flight before a restart: no ids meanwhile
@@ -168,16 +181,16 @@ class Outflow:
         self._gone: set[int] = set()  # refused by the mark: never to be sent
         self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
         self.last_progress = 0.0  # broker clock of the last acknowledgement (or resume)
-        self.side: SideFeed | None = None  # the queue the client consumes ($ECQ), if any
-        self.detached_side: SideFeed | None = None  # the last one, after an unsubscribe
+        self.side: QueueSide | None = None  # the queue the client consumes ($ECQ), if any
+        self.detached_side: QueueSide | None = None  # the last one, after an unsubscribe
         self._side_last = 0  # the last identifier given to a side message
         self._side_turn = False  # take from the side feed first next time
         # Taken from the feed, waiting for a side message to free their identifier.
         self._parked: deque[Outgoing] = deque()
-        self.groups: dict[str, Feed] = {}  # group queues the client is a member of, by filter
+        self.groups: dict[str, SideFeed] = {}  # group queues the client is a member of
         self._next_side = 0  # which side feed goes first next time (they take turns)
 
-    def attach_group(self, topic_filter: str, feed: Feed) -> None:
+    def attach_group(self, topic_filter: str, feed: SideFeed) -> None:
         """The client joined the group queue of ``topic_filter``: deliver from it too."""
         old = self.groups.get(topic_filter)
         if old is feed:
@@ -204,7 +217,7 @@ class Outflow:
         for feed in self.groups.values():
             feed.discard()
 
-    def attach_side(self, feed: SideFeed) -> None:
+    def attach_side(self, feed: QueueSide) -> None:
         """The client subscribed to its queue: deliver from it too."""
         if self.side is feed:
             return
@@ -216,7 +229,7 @@ class Outflow:
         feed.restart()
         self.pump()
 
-    def restore_side(self, feed: Feed, items: list[Outgoing]) -> list[Outgoing]:
+    def restore_side(self, feed: SideFeed, items: list[Outgoing]) -> list[Outgoing]:
         """``feed``'s messages in flight before this process (their packet ids from
         its record): in flight again, sent again under those ids with DUP
         (MQTT-4.4.0-1), before anything else takes an identifier (``_take`` waits
@@ -336,7 +349,7 @@ class Outflow:
         if any(f.restoring for f in (side, self.detached_side) if f is not None):
             return []  # the identifiers it had in flight before a restart come first
         groups = self.groups
-        sides: list[Feed] = []  # the common case, no queue at all: nothing more built
+        sides: list[SideFeed] = []  # the common case, no queue at all: nothing more built
         if side is not None or groups:
             sides = [side, *groups.values()] if side is not None else list(groups.values())
         if sides and getattr(self.feed, "replaying", False):
@@ -363,7 +376,7 @@ class Outflow:
             items = self._take_sides(sides, room)
         return items
 
-    def _take_sides(self, sides: list[Feed], n: int) -> list[Outgoing]:
+    def _take_sides(self, sides: list[SideFeed], n: int) -> list[Outgoing]:
         """Up to ``n`` from the first side feed in turn that has any."""
         count = len(sides)
         for offset in range(count):
@@ -451,7 +464,8 @@ class Outflow:
             conn.send(PubRel(item.packet_id))
             return
         may_receive = self._may_receive
-        decline = getattr(item.side, "decline", None)  # a group queue's: another member may
+        side = item.side
+        decline = side.decline if side is not None else None  # a group queue's
         if (
             (not item.sent or decline is not None)
             and may_receive is not None
@@ -519,7 +533,8 @@ class Outflow:
             (item.side or self.feed).sent(item, resend)
             return
         del self.inflight[item.packet_id]
-        decline = getattr(item.side, "decline", None)
+        side = item.side
+        decline = side.decline if side is not None else None
         if decline is not None:
             # A group queue's: another member may take it (MQTT 5 section 3.1.2.24
             # lets a shared subscription send it to one that can).

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.packets import PubAck, PubComp, PubRec, PubRel, ReasonCode
 
 if TYPE_CHECKING:
     from broker.connection import MQTTConnection
+    from broker.session import Session
 
 log = logging.getLogger("devicemq.acks")
+
+
+class AcksHost(Protocol):
+    """What the acknowledgement handlers use of the broker."""
+
+    def resume_retained(self, session: Session) -> None: ...
 
 
 def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.budget import BYTES_LIMIT, QUEUE
 from broker.connection_state import PendingAck
@@ -26,15 +26,60 @@ from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from broker.acl import Authorizer
+    from broker.config import Settings
     from broker.connection import MQTTConnection
+    from broker.group_queue import GroupTarget
+    from broker.integrations import IntegrationRecord
+    from broker.persistent_path import PersistentPath
+    from broker.retained import RetainedStore
+    from broker.stats import BrokerStats
 
 log = logging.getLogger("devicemq.publish")
+
+
+class PublishHost(Protocol):
+    """What the PUBLISH and PUBREL handlers use of the broker."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    @property
+    def retained(self) -> RetainedStore: ...
+    @property
+    def persistent_path(self) -> PersistentPath: ...
+    def resolve(self, message: Message) -> list[tuple[Session | GroupTarget, Delivery]]: ...
+    def dispatch(
+        self,
+        targets: Sequence[tuple[Session | GroupTarget, Delivery]],
+        on_accepted: Callable[[bool], None],
+        retained: bool = False,
+        on_settled: Callable[[bool], None] | None = None,
+    ) -> None: ...
+    def integration_records(
+        self, message: Message, client_id: str, username: str | None
+    ) -> list[IntegrationRecord]: ...
+    def integrate(
+        self,
+        records: Sequence[IntegrationRecord],
+        on_accepted: Callable[[bool], None],
+        on_settled: Callable[[bool], None] | None = None,
+        *,
+        best_effort: bool = False,
+    ) -> Refusal | None: ...
 
 
 def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     session = conn.session
     assert session is not None
-    broker = conn.broker
+    broker: PublishHost = conn.broker
     mqtt = broker.settings.mqtt
     qos = packet.qos
     broker.stats.messages_received[qos] += 1
@@ -210,7 +255,7 @@ def _to_queue(
 ) -> None:
     """A PUBLISH to an ``$ECQ/`` topic (broker/ecq.py): a write to a queue, or its
     consumer's rewind. Acknowledged as any persistent delivery: once Kafka has it."""
-    broker = conn.broker
+    broker: PublishHost = conn.broker
     if not broker.persistent_path.keeps_queues:
         # ecq.enabled false, or no persistence: a queue that a restart empties is none.
         log.warning(
@@ -455,7 +500,7 @@ def _denied(
     usual and dropped, as Mosquitto does, so the client does not re-send it
     forever. Acknowledgements keep their order behind stored ones.
     """
-    broker = conn.broker
+    broker: PublishHost = conn.broker
     broker.stats.drop(counter)
     log.debug("client %s may not publish to %r: dropped (%s)", conn.client_id, topic, counter)
     packet_id = packet.packet_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT
 from broker.ecq import (
@@ -29,15 +29,46 @@ from broker.packets import (
 from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
 
 if TYPE_CHECKING:
+    from broker.acl import Authorizer
+    from broker.cluster import ClusterState
+    from broker.config import Settings
     from broker.connection import MQTTConnection
+    from broker.persistent_path import PersistentPath
+    from broker.session import Session
+    from broker.stats import BrokerStats
+    from broker.topics import SubscriptionTree
 
 log = logging.getLogger("devicemq.subscribe")
+
+
+class SubscribeHost(Protocol):
+    """What the SUBSCRIBE and UNSUBSCRIBE handlers use of the broker."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    @property
+    def subscriptions(self) -> SubscriptionTree: ...
+    @property
+    def persistent_path(self) -> PersistentPath: ...
+    @property
+    def cluster(self) -> ClusterState | None: ...
+    def send_retained(
+        self, session: Session, topic_filter: str, qos: int, subscription_ids: tuple[int, ...]
+    ) -> None: ...
+    def claim_queue(self, conn: MQTTConnection, then: Callable[[str], None]) -> None: ...
+    def consume_queue(self, session: Session) -> bool: ...
+    def join_group(self, session: Session, topic_filter: str) -> None: ...
+    def group_queues_of(self, owner: str) -> set[str]: ...
 
 
 def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     session = conn.session
     assert session is not None and conn.client_id is not None
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     mqtt = broker.settings.mqtt
     properties = packet.properties
     subscription_id = None
@@ -182,7 +213,7 @@ def _add(conn: MQTTConnection, entry: SubscriptionEntry) -> bool:
     """The subscription in force (replacing the filter's older one); True: it is new."""
     session = conn.session
     assert session is not None
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     is_new = broker.subscriptions.add(entry)
     session.subscriptions[entry.topic_filter] = entry
     if broker.cluster is not None:
@@ -215,7 +246,7 @@ def _queue_refusal(
     subscribes to ``$ECQ/{cid}/#``, at QoS 1 or 2 (granted 1); anything else
     under ``$ECQ/`` is refused (0x87; 3.1.1 0x80).
     """
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     if verdict is SubscribeVerdict.REFUSED:
         broker.stats.drop("ecq_subscribe_refused")
         log.info("client %s may not subscribe to %r", conn.client_id, request.topic_filter)
@@ -242,7 +273,7 @@ def _queue_refusal(
 def _group_refusal(conn: MQTTConnection, request: Subscription) -> int | None:
     """The SUBACK failure code of a ``$queue/{group}/{filter}`` filter (a durable group
     queue, broker/group_queue.py), or None: accepted, at QoS 1 or 2 (granted 1)."""
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     if not broker.persistent_path.keeps_groups:
         log.warning(
             "client %s subscribed to %r: no group queues here "
@@ -269,7 +300,7 @@ def _membership_refusal(conn: MQTTConnection, request: Subscription) -> int | No
     topic_filter = request.topic_filter
     if topic_filter in session.subscriptions:
         return None  # a subscription replaced is no new membership
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     limits = broker.settings.group_queues
     per_client, per_owner = limits.max_groups_per_client, limits.max_groups_per_owner
     over = ""

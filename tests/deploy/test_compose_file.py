@@ -214,7 +214,7 @@ def test_dockerfile() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {p.removesuffix("*") for p in include}
-    assert packages == {"app", "broker", "persistence", "pipeline", "loadtest"}
+    assert packages == {"app", "broker", "edge", "persistence", "pipeline", "loadtest"}
     for package in sorted(packages):
         assert f"!{package}/" in ignore, f".dockerignore does not re-include {package}/"
 

@@ -48,7 +48,7 @@ from broker.packets import (
     Subscribe,
     Subscription,
 )
-from broker.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
+from edge.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
 from tests.conftest import admin_env, free_port
 from tests.e2e.clients import V311, Paho, Raw
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only

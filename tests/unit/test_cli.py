@@ -18,7 +18,7 @@ import pytest
 from app import cli
 from broker import __version__
 from broker.config import Settings
-from broker.logging_setup import setup_logging
+from edge.logging_setup import setup_logging
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def fake_server(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
-    """Replace broker.server with a stub whose run() records its settings."""
+    """Replace app.serve with a stub whose run() records its settings."""
     calls: list[Settings] = []
     module = types.ModuleType("app.serve")
     module.run = calls.append  # type: ignore[attr-defined]

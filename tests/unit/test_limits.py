@@ -36,7 +36,7 @@ from broker.packets import (
     Unsubscribe,
     Will,
 )
-from broker.server import BrokerServer
+from edge.server import BrokerServer
 from tests.unit.core_harness import V5, V311, Harness, payloads
 
 # ------------------------------------------------------------------ building blocks

@@ -42,7 +42,7 @@ def unshipped_imports(source: str, shipped: list[str]) -> list[str]:
 
 def test_the_wheel_ships_the_tools_and_not_the_tests() -> None:
     shipped = shipped_packages()
-    assert {"app", "broker", "persistence", "pipeline", "loadtest"} <= set(shipped)
+    assert {"app", "broker", "edge", "persistence", "pipeline", "loadtest"} <= set(shipped)
     assert "tests" not in shipped and "benchmarks" not in shipped
 
 

@@ -14,21 +14,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import signal
 import time
+from collections.abc import Callable
 from typing import cast
 
-from broker.auth import reload_on_sighup
 from broker.config import Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.limits import TokenBucket, source_key
-from broker.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
 from broker.packets import ReasonCode
-from broker.websocket import CLOSE_POLICY_VIOLATION, OriginPolicy, WebSocketServer, WsState
-from broker.websocket import Closed as WsClosed
-from broker.websocket import Data as WsData
+from edge.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
+from edge.websocket import CLOSE_POLICY_VIOLATION, OriginPolicy, WebSocketServer, WsState
+from edge.websocket import Closed as WsClosed
+from edge.websocket import Data as WsData
 
 log = logging.getLogger("devicemq.server")
+_auth_log = logging.getLogger("devicemq.auth")  # SIGHUP reloads the auth files
 
 TICK_INTERVAL = 0.5  # seconds between keep-alive / expiry sweeps
 SHUTDOWN_GRACE = 5.0  # seconds to let clients read their DISCONNECT
@@ -127,7 +129,7 @@ class MQTTProtocol(asyncio.Protocol):
 class WebSocketProtocol(MQTTProtocol):
     """MQTT inside binary WebSocket frames (listeners ``websocket`` and ``websocket_tls``).
 
-    The sans-IO :class:`~broker.websocket.WebSocketServer` does the HTTP
+    The sans-IO :class:`~edge.websocket.WebSocketServer` does the HTTP
     upgrade and the framing; the MQTT bytes it yields feed the same
     :class:`MQTTConnection` as a plain socket's.
     """
@@ -357,3 +359,31 @@ class BrokerServer:
                 self.broker.acl.maybe_reload()
             except Exception:  # a bug in one sweep must not stop the next
                 log.exception("periodic sweep failed")
+
+
+def reload_on_sighup(*reloaders: Callable[[], None]) -> bool:
+    """Run ``reloaders`` on SIGHUP (event-loop signal handler); False if not possible.
+
+    Called when the broker is built inside a running event loop on the main
+    thread (``devicemq run``); elsewhere (tests, threads) it does nothing.
+    """
+    if not hasattr(signal, "SIGHUP"):
+        return False
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+
+    def on_sighup() -> None:
+        _auth_log.info("SIGHUP: reloading the password and ACL files")
+        for reload in reloaders:
+            try:
+                reload()
+            except Exception:
+                _auth_log.exception("reload failed")
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+        return False
+    return True
