@@ -166,7 +166,7 @@ async def _serve(
         if persistence is not None:
             from persistence.owner_tally import OwnerTally
 
-            tally = OwnerTally(persistence.store, broker)
+            tally = OwnerTally(persistence.store, settings, broker.budget, broker.stores_by_owner)
             tally.start()
         if blocks is not None:
             await blocks.refresh(broker)  # the shared block list, before the first CONNECT

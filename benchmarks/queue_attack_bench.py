@@ -301,7 +301,7 @@ def owner_tally(sessions: int) -> None:
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0.01)
         longest = 0.0
-        await OwnerTally(store, broker).once()
+        await OwnerTally(store, settings, broker.budget, broker.stores_by_owner).once()
         stop = True
         await tick
         await store.aclose()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, cast
 
@@ -33,7 +33,12 @@ from persistence.format import QUEUE_OWNERS_KEY, client_keys, owner_queues_key, 
 from persistence.redis_store import RedisMessageStore
 
 if TYPE_CHECKING:
-    from broker.core import Broker
+    from broker.budget import OwnerBudget
+    from broker.config import Settings
+
+# Each owner's stores as the broker knows them: owner -> (client ids of its durable
+# sessions, the group queues they are members of); Broker.stores_by_owner.
+StoresByOwner = Callable[[], dict[str, tuple[list[str], set[str]]]]
 
 log = logging.getLogger("devicemq.budget")
 
@@ -45,10 +50,16 @@ def _text(value: bytes | str) -> str:
 
 
 class OwnerTally:
-    def __init__(self, store: RedisMessageStore, broker: Broker) -> None:
+    def __init__(
+        self,
+        store: RedisMessageStore,
+        settings: Settings,
+        budget: OwnerBudget,
+        stores_by_owner: StoresByOwner,
+    ) -> None:
         self._redis = store.redis
-        self._broker = broker
-        settings = broker.settings
+        self.budget = budget  # what the tally settles: the broker's
+        self._stores_by_owner = stores_by_owner
         self.interval = settings.auth.owner_tally_interval
         # Each store's own byte limit: sessions, $ECQ queues, group queues (0: none)
         self.limits = (
@@ -60,7 +71,7 @@ class OwnerTally:
 
     def start(self) -> None:
         """Tally every ``auth.owner_tally_interval`` seconds, the first one now."""
-        if self._broker.budget.limit and self._task is None:
+        if self.budget.limit and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
@@ -80,8 +91,8 @@ class OwnerTally:
     async def once(self) -> None:
         """One tally: the owners whose stores could pass the budget, read and settled."""
         started = time.perf_counter()
-        budget = self._broker.budget
-        held = self._broker.stores_by_owner()
+        budget = self.budget
+        held = self._stores_by_owner()
         counts = await self._queue_counts(held)
         candidates = [
             owner
@@ -105,7 +116,7 @@ class OwnerTally:
         """How many $ECQ queues each owner holds: those with sessions asked by name,
         the others found if they hold enough to pass the budget on queues alone."""
         per_queue = self.limits[1]
-        alone = self._broker.budget.limit // per_queue + 1 if per_queue else 1
+        alone = self.budget.limit // per_queue + 1 if per_queue else 1
         counts: dict[str, int] = {}
         found = cast(
             list[tuple[bytes, float]],

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from broker.acl import Authorizer
+    from broker.budget import OwnerBudget
     from broker.config import Settings
     from broker.connection import MQTTConnection
     from broker.group_queue import GroupTarget
@@ -55,6 +56,8 @@ class PublishHost(Protocol):
     def retained(self) -> RetainedStore: ...
     @property
     def persistent_path(self) -> PersistentPath: ...
+    @property
+    def budget(self) -> OwnerBudget: ...
     def resolve(self, message: Message) -> list[tuple[Session | GroupTarget, Delivery]]: ...
     def dispatch(
         self,

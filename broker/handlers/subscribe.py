@@ -30,6 +30,7 @@ from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
 
 if TYPE_CHECKING:
     from broker.acl import Authorizer
+    from broker.budget import OwnerBudget
     from broker.cluster import ClusterState
     from broker.config import Settings
     from broker.connection import MQTTConnection
@@ -56,6 +57,8 @@ class SubscribeHost(Protocol):
     def persistent_path(self) -> PersistentPath: ...
     @property
     def cluster(self) -> ClusterState | None: ...
+    @property
+    def budget(self) -> OwnerBudget: ...
     def send_retained(
         self, session: Session, topic_filter: str, qos: int, subscription_ids: tuple[int, ...]
     ) -> None: ...

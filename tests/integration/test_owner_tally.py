@@ -73,6 +73,10 @@ def _broker(limit: int) -> Broker:
     )
 
 
+def _tally(store: RedisMessageStore, broker: Broker) -> OwnerTally:
+    return OwnerTally(store, broker.settings, broker.budget, broker.stores_by_owner)
+
+
 def _session(broker: Broker, client_id: str, owner: str, *filters: str) -> None:
     entries = [SubscriptionEntry(client_id, f, 1) for f in filters]
     session = broker.restore_session(client_id, 600, entries, None)
@@ -96,7 +100,7 @@ async def test_the_tally_sums_an_owners_sessions_queues_and_groups(
     await redis.set(client_keys(f"{cid}-b1").bytes, 100)
     await redis.set(queue_keys(f"{cid}-q").bytes, 70)
     await redis.set(queue_keys(group).bytes, 20)
-    tally = OwnerTally(store, broker)
+    tally = _tally(store, broker)
     await tally.once()
     budget = broker.budget
     usage = budget.usage[eve]
@@ -109,7 +113,7 @@ async def test_the_tally_sums_an_owners_sessions_queues_and_groups(
     assert not budget.over and budget.usage[eve].total == 170
     relaxed = _broker(300)  # her 3 stores could hold 300: she is not read
     _session(relaxed, f"{cid}-e1", eve, group)
-    await OwnerTally(store, relaxed).once()
+    await _tally(store, relaxed).once()
     assert eve not in relaxed.budget.usage
 
 
@@ -127,7 +131,7 @@ async def test_a_tally_of_10000_sessions_of_one_owner_is_bounded(
     for client_id in ids:
         pipe.set(client_keys(client_id).bytes, 1)
     await pipe.execute()
-    tally = OwnerTally(store, broker)
+    tally = _tally(store, broker)
     started = time.perf_counter()
     await tally.once()
     took = time.perf_counter() - started
