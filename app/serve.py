@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -353,7 +354,10 @@ async def _open_persistence(
     compact_after = 0
     if endpoints is None:
         if not settings.cluster.enabled:  # other replicas' producers cannot be held
-            compact_after = settings.persistence.embedded_kafka_compact_after
+            config = settings.persistence
+            compact_after = config.embedded_kafka_compact_after
+            partitions = config.embedded_kafka_partitions
+            settings = replace(settings, persistence=replace(config, partitions=partitions))
         from app.embedded_services import EmbeddedServices
 
         running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)

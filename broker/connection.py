@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from broker.session import Session
     from broker.stats import BrokerStats
 
+# Seconds before a connection with no deadline of its own (no keep-alive, no
+# in-flight timeout) is looked at again.
+IDLE_RECHECK = 30.0
+RECHECK = 1.0  # seconds between looks at a deadline that may come any moment
+
 log = logging.getLogger("devicemq.connection")
 
 MAX_PACKET_SIZE = MAX_REMAINING_LENGTH + 5
@@ -60,6 +65,7 @@ class ConnectionHost(HandlerHost, Protocol):
     @property
     def connections(self) -> set[MQTTConnection]: ...
     def detach(self, conn: MQTTConnection, publish_will: bool) -> None: ...
+    def watch_connection(self, conn: MQTTConnection, when: float) -> None: ...
 
 
 class MQTTConnection:
@@ -133,6 +139,8 @@ class MQTTConnection:
         self._out: list[bytes] = []
         # Tracked from the start so Broker.tick() can enforce the connect timeout.
         broker.connections.add(self)
+        self.watched_at: float | None = None  # when Broker.tick looks at its deadlines
+        broker.watch_connection(self, now + broker.settings.mqtt.connect_timeout)
 
     @property
     def is_v5(self) -> bool:
@@ -375,23 +383,43 @@ class MQTTConnection:
         self.close_reason = self.close_reason or "connection_lost"
         self.close(publish_will=True)
 
-    def check_timeouts(self, now: float) -> None:
+    def check_timeouts(self, now: float) -> float | None:
+        """Enforce the deadlines that passed (connect timeout, keep-alive, in-flight
+        timeout); when to look again, None if the connection ended."""
         if self.state is ConnectionState.AWAITING_CONNECT:
-            if now - self.opened_at > self.broker.settings.mqtt.connect_timeout:
+            deadline = self.opened_at + self.broker.settings.mqtt.connect_timeout
+            if now > deadline:
                 self.broker.stats.reject("connect_timeout")
                 self.close(publish_will=False)
-        elif self.keep_alive and now - self.last_received > 1.5 * self.keep_alive:
-            log.info("client %s keep-alive timeout", self.client_id)
-            self.disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
-        else:
-            timeout = self.broker.settings.mqtt.inflight_timeout
-            session = self.session
-            if timeout and session is not None and session.outflow.stalled(now, timeout):
+                return None
+            return deadline
+        when = now + IDLE_RECHECK
+        if self.keep_alive:
+            deadline = self.last_received + 1.5 * self.keep_alive
+            if now > deadline:
+                log.info("client %s keep-alive timeout", self.client_id)
+                self.disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
+                return None
+            when = deadline
+        timeout = self.broker.settings.mqtt.inflight_timeout
+        session = self.session
+        if timeout and session is not None:
+            outflow = session.outflow
+            if outflow.stalled(now, timeout):
                 # It reads but never acknowledges: what it holds waits for a client
                 # that does (a persistent session keeps it), not for this one.
                 log.info("client %s left its whole window unacknowledged", self.client_id)
                 self.broker.stats.reject("inflight_timeout")
                 self.disconnect(ReasonCode.QUOTA_EXCEEDED)
+                return None
+            if not outflow.inflight:
+                when = min(when, now + timeout)  # a stall's clock starts with a message
+            else:
+                # The window may fill any moment: due when the last progress is
+                # ``timeout`` old, looked at every RECHECK seconds after that.
+                stall = outflow.last_progress + timeout
+                when = min(when, stall if stall > now else now + RECHECK)
+        return when
 
 
 __all__ = ["ConnectionState", "MQTTConnection", "PendingAck", "WillMessage"]

@@ -8,7 +8,10 @@ periodically to run keep-alive, will-delay and session-expiry deadlines.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -191,6 +194,16 @@ class Broker:
             settings.auth.acl_file, clock, grants=bool(self.auth.chain)
         )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
+        # Deadlines, earliest first, so a tick costs what is due, not one look at every
+        # connection and offline session (BENCHMARKS.md, "The fleet shape"):
+        # (when, seq, connection) and (when, seq, session); a session's live entry is
+        # the one at its ``watched_at`` (the others are stale, dropped when they come).
+        self._conn_due: list[tuple[float, int, MQTTConnection]] = []
+        self._session_due: list[tuple[float, int, Session]] = []
+        self._due_seq = itertools.count()
+        # Sessions whose retained messages are still being sent: the tick resumes them
+        # in case nothing else wakes them.
+        self._retained_waiting: set[Session] = set()
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         per_source = settings.mqtt.max_connection_rate_per_source
         self._connect_by_source = SourceBuckets(per_source) if per_source > 0 else None
@@ -628,6 +641,7 @@ class Broker:
             session.expires_at = self.clock() + expires_in
         self.sessions[client_id] = session
         self._detached.add(session)
+        self._watch_session(session)
         return session
 
     def _new_session(self, client_id: str, expiry_interval: int, durable: bool) -> Session:
@@ -836,6 +850,7 @@ class Broker:
         if session.expiry_interval != NEVER_EXPIRES:
             session.expires_at = now + session.expiry_interval
         self._detached.add(session)
+        self._watch_session(session)
 
     def forget_session(self, session: Session) -> None:
         """Forget a session on this broker only: its filters, queue, index entry,
@@ -953,14 +968,30 @@ class Broker:
                     now - since,
                     len(self._opening.get(client_id, ())),
                 )
-        for conn in list(self.connections):
-            conn.check_timeouts(now)
-            session = conn.session
-            if session is not None and session.retained_sender:
-                session.retained_sender.resume()  # in case nothing else woke it
-        for session in list(self._detached):
-            if session.retained_sender:
-                session.retained_sender.resume()  # its connection went while it waited
+        due = self._conn_due
+        connections = self.connections
+        while due and due[0][0] <= now:
+            when, _, conn = heapq.heappop(due)
+            if when != conn.watched_at or conn not in connections:
+                continue  # stale (watched again since), or it ended
+            conn.watched_at = None
+            next_look = conn.check_timeouts(now)
+            if next_look is not None and conn in connections:
+                # A deadline reached but not passed (the rules say "more than") is
+                # looked at again by the next tick.
+                self.watch_connection(conn, max(next_look, math.nextafter(now, math.inf)))
+        for session in list(self._retained_waiting):
+            sender = session.retained_sender
+            if sender:
+                sender.resume()  # in case nothing else woke it
+            else:
+                self._retained_waiting.discard(session)
+        sessions_due = self._session_due
+        while sessions_due and sessions_due[0][0] <= now:
+            when, _, session = heapq.heappop(sessions_due)
+            if when != session.watched_at or session not in self._detached:
+                continue  # stale: the session was watched again, or is back
+            session.watched_at = None
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
                 if will is not None:
@@ -968,6 +999,28 @@ class Broker:
             if session.expires_at is not None and now >= session.expires_at:
                 log.info("session %s expired", session.client_id)
                 self.end_session(session)
+            elif session in self._detached:
+                self._watch_session(session)
+
+    def watch_connection(self, conn: MQTTConnection, when: float) -> None:
+        """Look at ``conn``'s deadlines (connect timeout, keep-alive, in-flight timeout)
+        at ``when``, instead of when it was to be looked at before."""
+        if when == conn.watched_at:
+            return
+        conn.watched_at = when
+        heapq.heappush(self._conn_due, (when, next(self._due_seq), conn))
+
+    def _watch_session(self, session: Session) -> None:
+        """Queue the offline session's next deadline (its will delay or its expiry)."""
+        deadlines = [t for t in (session.will_at, session.expires_at) if t is not None]
+        if not deadlines:
+            session.watched_at = None
+            return
+        when = min(deadlines)
+        if when == session.watched_at:
+            return  # its entry is queued already
+        session.watched_at = when
+        heapq.heappush(self._session_due, (when, next(self._due_seq), session))
 
     # -- routing ------------------------------------------------------------------------
 
@@ -1061,6 +1114,7 @@ class Broker:
         if sender is None:
             sender = session.retained_sender = RetainedSender(self, session)
         sender.add(topic_filter, qos, subscription_ids)
+        self._retained_waiting.add(session)
 
     def resume_retained(self, session: Session) -> None:
         """The session's socket or queue drained: its retained messages may go on."""

@@ -48,6 +48,8 @@ class Session:
         self.expires_at: float | None = None  # set while no connection is attached
         self.pending_will: WillMessage | None = None  # a will waiting out its delay
         self.will_at: float | None = None
+        # The deadline the broker's tick has this session queued at (Broker.tick).
+        self.watched_at: float | None = None
         self.stats = stats
         self.outflow = Outflow(self, max_inflight, feed, may_receive)
         # Created persistent: deliveries and state go through the persistent path.

@@ -111,6 +111,7 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.conn.congested = True
         self.congested_since = asyncio.get_running_loop().time()
+        self.server.congested.add(self)
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
@@ -118,6 +119,7 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.conn.congested = False
         self.congested_since = None
+        self.server.congested.discard(self)
         if not self.transport.is_closing() and not self.conn.input_paused:
             self.transport.resume_reading()
         session = self.conn.session
@@ -200,6 +202,9 @@ class BrokerServer:
         self.settings = settings
         self.broker = broker or Broker(settings)
         self._protocols: dict[MQTTConnection, MQTTProtocol] = {}
+        # Connections whose transport asked to pause writing: the slow-consumer sweep
+        # looks at these only, not at every connection.
+        self.congested: set[MQTTProtocol] = set()
         self._dirty: list[MQTTConnection] = []
         self._servers: list[asyncio.Server] = []
         self.ports: dict[str, int] = {}  # listener name -> bound port (useful with port 0)
@@ -303,7 +308,9 @@ class BrokerServer:
         self._protocols[conn] = protocol
 
     def forget(self, conn: MQTTConnection) -> None:
-        self._protocols.pop(conn, None)
+        protocol = self._protocols.pop(conn, None)
+        if protocol is not None:
+            self.congested.discard(protocol)
 
     def schedule_flush(self, conn: MQTTConnection) -> None:
         """Called by a connection whose output buffer just became non-empty (or that closes)."""
@@ -342,7 +349,7 @@ class BrokerServer:
     def _check_slow_consumers(self) -> None:
         assert self._loop is not None
         deadline = self._loop.time() - self.settings.mqtt.slow_consumer_timeout
-        for protocol in list(self._protocols.values()):
+        for protocol in list(self.congested):
             since = protocol.congested_since
             if since is not None and since < deadline and protocol.transport is not None:
                 self._slow_consumer(protocol, "congested for mqtt.slow_consumer_timeout")

@@ -198,6 +198,7 @@ class DevicePersistence:
                 ),
                 compact_after,
                 hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
+                batch_threshold=config.embedded_kafka_compact_after_batches,
                 probe=self._probe,
                 after_compaction=self._empty_events_if_full,
             )

@@ -64,6 +64,7 @@ class ConnectHost(Protocol):
         self, conn: MQTTConnection, client_id: str, then: Callable[[str], None]
     ) -> None: ...
     def claim_queue(self, conn: MQTTConnection, then: Callable[[str], None]) -> None: ...
+    def watch_connection(self, conn: MQTTConnection, when: float) -> None: ...
     def open_session(
         self,
         conn: MQTTConnection,
@@ -325,6 +326,8 @@ def _opened(
     broker.acl.client_connected(client_id, conn.username, conn.grant)
     conn.will = will
     conn.state = ConnectionState.CONNECTED
+    # Its keep-alive (MQTT-3.1.2-22) and in-flight deadlines from the next tick on.
+    broker.watch_connection(conn, broker.clock())
     ack_properties = None
     if v5:
         ack_properties = Properties(
