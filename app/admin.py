@@ -347,6 +347,13 @@ OWNER_ROUTES = (
         "Release the client ID: the next owner to connect with it holds it",
         write=True,
     ),
+    Route(
+        "GET",
+        ("owners", "{owner}"),
+        "show_owner",
+        "What one owner holds (sessions, queues, group queues) and the bytes the last "
+        "tally of auth.max_bytes_per_owner measured",
+    ),
 )
 ROUTES = ROUTES + OWNER_ROUTES
 
@@ -1072,6 +1079,36 @@ class AdminApi:
             raise HttpError(404, f"nobody holds the client ID {client_id}")
         self._audit(client_id, "release_client_id", {"before": before})
         return json_response(200, {"client_id": client_id, "released": True, "before": before})
+
+    async def show_owner(self, request: Request, owner: str) -> Response:
+        """Live counts from this replica and Redis; bytes as the last tally found them
+        (null: it did not read this owner, whose stores could not pass the budget)."""
+        broker = self.broker
+        budget = broker.budget
+        usage = budget.usage.get(owner)
+        measured = None
+        if usage is not None:
+            measured = {
+                "bytes": usage.total,
+                "session_bytes": usage.session_bytes,
+                "queue_bytes": usage.queue_bytes,
+                "group_bytes": usage.group_bytes,
+            }
+        settings = broker.settings
+        return json_response(
+            200,
+            {
+                "owner": owner,
+                "sessions": broker.sessions_owned(owner),
+                "queues": sorted(await broker.owners.queues_of(owner)),
+                "group_queues": sorted(broker.group_queues_of(owner)),
+                "over_budget": owner in budget.over,
+                "measured": measured,
+                "max_bytes_per_owner": settings.auth.max_bytes_per_owner,
+                "max_queues_per_owner": settings.ecq.max_queues_per_owner,
+                "max_sessions_per_owner": settings.auth.max_sessions_per_owner,
+            },
+        )
 
     def _queues(self, client_id: str) -> QueueStore:
         if self.queues is None or self.rewind is None:

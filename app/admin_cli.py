@@ -6,6 +6,7 @@
     devicemq queues list [--kind ecq|group] | show|purge ID | rewind CLIENT_ID --seq N
     devicemq queues owner CLIENT_ID [--set OWNER | --clear]
     devicemq client-ids owner CLIENT_ID [--release]
+    devicemq owners usage OWNER
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
     devicemq retained list [--topic FILTER] [--limit N] [--all] | delete TOPIC
 
@@ -241,6 +242,15 @@ def add_client_ids_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_owners_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    usage = sub.add_parser(
+        "usage", help="what one owner holds, and the bytes auth.max_bytes_per_owner counts"
+    )
+    _common(usage)
+    usage.add_argument("owner", metavar="OWNER")
+
+
 # -- commands --------------------------------------------------------------------------------
 
 
@@ -435,6 +445,28 @@ def client_ids(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]
     left = answer["released_in"]
     until = f", free after {left:.0f} s unused" if left is not None else ""
     return answer, f"{cid}: {_owner_text(answer['owner'])}{until}"
+
+
+def owners(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    answer = client.call("GET", "owners/" + quote(args.owner, safe=""))
+    measured = answer["measured"]
+    if measured is None:
+        held = "not measured (its stores cannot pass the budget)"
+    else:
+        held = (
+            f"{measured['bytes']} bytes (sessions {measured['session_bytes']}, queues "
+            f"{measured['queue_bytes']}, group queues {measured['group_bytes']})"
+        )
+    over = ", OVER auth.max_bytes_per_owner" if answer["over_budget"] else ""
+    lines = [
+        f"{answer['owner']}: {held}{over}; budget {answer['max_bytes_per_owner']}",
+        f"sessions: {answer['sessions']} (at most {answer['max_sessions_per_owner']})",
+        f"queues: {len(answer['queues'])} (at most {answer['max_queues_per_owner']})"
+        + "".join(f"\n  {q}" for q in answer["queues"]),
+        f"group queues: {len(answer['group_queues'])}"
+        + "".join(f"\n  {g}" for g in answer["group_queues"]),
+    ]
+    return answer, "\n".join(lines)
 
 
 def _owner_text(owner: str | None) -> str:

@@ -228,6 +228,8 @@ def _admin_command(name: str) -> Command:
         "queues": "list, show, purge or rewind $ECQ queues and group queue stores, or show "
         "or change a queue's owner (the admin API)",
         "client-ids": "owner: show or release who holds a client ID (the admin API)",
+        "owners": "usage: what one owner holds and the bytes auth.max_bytes_per_owner "
+        "counts (the admin API)",
     }
     return Command(helps[name], add_arguments, handler)
 
@@ -375,6 +377,7 @@ COMMANDS: dict[str, Command] = {
     "retained": _admin_command("retained"),
     "queues": _admin_command("queues"),
     "client-ids": _admin_command("client-ids"),
+    "owners": _admin_command("owners"),
     "services": Command(
         "status or stop: the embedded Redis and Kafka of a data dir",
         _add_services_arguments,

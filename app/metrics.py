@@ -45,6 +45,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from app.http import ConnectionGate
 from broker import __version__
+from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT, SESSION
 from broker.stats import LATENCY_BUCKETS, Histogram
 from persistence.kafka_security import diagnose
 from persistence.redis_security import explain
@@ -119,11 +120,13 @@ KNOWN_REJECTIONS = (
     "auth_service_busy",
     "auth_chain_failed",
     "auth_service_unavailable",
+    "max_bytes_per_owner",  # a new persistent session of an owner over its budget
 )
 KNOWN_DROPS = (
     "queue_full",
     "ecq_full",
     "group_membership_quota",
+    "owner_budget",  # a message for an owner over auth.max_bytes_per_owner, not stored
     "queue_bytes_full",
     "qos0_congested",
     "expired",
@@ -145,6 +148,10 @@ KNOWN_DROPS = (
     "ecq_topic",
     "ecq_rewind",
 )
+
+
+STORE_KINDS = (SESSION, QUEUE, GROUP)  # owner_limit_refusals' labels
+OWNER_LIMITS = (BYTES_LIMIT, QUEUES_LIMIT)
 
 
 @functools.cache
@@ -407,6 +414,7 @@ class BrokerCollector(Collector):
             ),
             _from_zero(KNOWN_DROPS, stats.dropped),
         )
+        yield from self._budget(broker)
         yield _histogram(
             "delivery_latency_seconds",
             "Persistent delivery: publisher's PUBLISH to the first send to the subscriber",
@@ -431,6 +439,38 @@ class BrokerCollector(Collector):
             "persisted_replay_page_messages",
             "Stored messages read per Redis page when a session catches up or replays",
             [((), stats.replay_pages)],
+        )
+
+    def _budget(self, broker: Broker) -> Iterator[Metric]:
+        """The limits of one owner's stores together (broker/budget.py): no owner label
+        (there may be millions of owners)."""
+        budget = broker.budget
+        known = [(store, limit) for store in STORE_KINDS for limit in OWNER_LIMITS]
+        counts = dict.fromkeys(known, 0)
+        counts.update(budget.refusals)
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_owner_limit_refusals",
+                "New stores refused and messages not stored because their owner was at "
+                "auth.max_bytes_per_owner or ecq.max_queues_per_owner, by store kind and limit",
+                labels=["store", "limit"],
+            ),
+            sorted(counts.items()),
+        )
+        yield _gauge(
+            "owners_over_budget",
+            "Owners over auth.max_bytes_per_owner at the last tally",
+            len(budget.over),
+        )
+        yield _gauge(
+            "owner_tally_owners_read",
+            "Owners whose stores the last tally of auth.max_bytes_per_owner read",
+            budget.read,
+        )
+        yield _gauge(
+            "owner_tally_seconds",
+            "How long the last tally of auth.max_bytes_per_owner took",
+            budget.seconds,
         )
 
     def _integrations(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:

@@ -142,6 +142,7 @@ async def _serve(
     )
     link = None
     retained = None
+    tally = None  # auth.max_bytes_per_owner, measured (persistence/owner_tally.py)
     admin: AdminServer | None = None
     readiness: MetricsServer | None = None
     try:
@@ -163,6 +164,11 @@ async def _serve(
 
                 link = await open_cluster_link(settings, persistence, broker, retained)
                 persistence.start_consuming()
+        if persistence is not None:
+            from persistence.owner_tally import OwnerTally
+
+            tally = OwnerTally(persistence.store, settings, broker.budget, broker.stores_by_owner)
+            tally.start()
         if blocks is not None:
             await blocks.refresh(broker)  # the shared block list, before the first CONNECT
             blocks.start(broker)
@@ -209,6 +215,8 @@ async def _serve(
             await admin.stop()
         if blocks is not None:
             await blocks.close()
+        if tally is not None:
+            await tally.close()
         if owners is not None:
             await owners.close()
         if retained is not None:

@@ -345,6 +345,21 @@ class AuthSettings:
         "over it is refused 0x97 Quota exceeded (3.1.1: return code 3); 0: no limit",
         ge=0,
     )
+    max_bytes_per_owner: int = setting(
+        1024 * 1024 * 1024,
+        "Bytes of stored messages one owner (auth.session_owner, else the user name) may "
+        "hold over its persistent sessions, $ECQ queues and group queues, as the last "
+        "tally measured; over it: new sessions 0x97 (3.1.1: return code 3), new group "
+        "memberships and queue claims SUBACK 0x97 (3.1.1: 0x80), messages to its sessions "
+        "and writes to its queues not stored, until a tally finds it under; 0: no limit",
+        ge=0,
+    )
+    owner_tally_interval: float = setting(
+        10.0,
+        "Seconds between two tallies of the bytes owners hold (max_bytes_per_owner); "
+        "only owners whose stores could pass it are read",
+        gt=0,
+    )
     client_id_owner: str = setting(
         "first",
         "Who may use a client ID: username (the user name itself, or client_id_pattern; "
@@ -700,6 +715,12 @@ class EcqSettings:
         1_000_000,
         "Queues holding entries, in all; a write that would start one more is refused "
         "as over max_bytes; 0: no limit",
+        ge=0,
+    )
+    max_queues_per_owner: int = setting(
+        10_000,
+        "Queues one owner (auth.session_owner, else the user name) may hold (claimed by "
+        "its consumers); one more: SUBACK 0x97 Quota exceeded (3.1.1: 0x80); 0: no limit",
         ge=0,
     )
 

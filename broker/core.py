@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
+from broker.budget import BYTES_LIMIT, GROUP, QUEUES_LIMIT, SESSION, OwnerBudget
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.ecq import consumer_filter
 from broker.group_queue import GroupTarget, is_group_filter
@@ -132,10 +133,13 @@ def _ignore_claim(claim: Claim | None) -> None:
     """A claim refreshed as a connection ends: nobody waits on it."""
 
 
-def _refusal_of(claim: Claim | None) -> str:
-    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable")."""
+def _refusal_of(claim: Claim | None, quota: str = "") -> str:
+    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable", or
+    ``quota``: the owner may hold no more)."""
     if claim is None:
         return "unavailable"
+    if claim.quota:
+        return quota
     return "" if claim.granted else "not_owner"
 
 
@@ -222,6 +226,11 @@ class Broker:
         self._client_id_patterns = parse_patterns(settings.auth.client_id_pattern)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
+        # auth.max_bytes_per_owner: who is over, as the last tally (persistence) found
+        self.budget = OwnerBudget(settings.auth.max_bytes_per_owner)
+        self._budget_log = LogLimiter(  # messages not stored for such an owner, 1 a second
+            logging.getLogger("devicemq.budget"), "messages not stored", rate=1.0, burst=5.0
+        )
         # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
         self.sys_topics = SysTopics(self, node_name(settings)) if settings.sys_interval else None
         # Refused before authentication (broker/blocklist.py); flapping adds to it.
@@ -383,6 +392,12 @@ class Broker:
             return
         owner = self.owner_of(conn)
         existing = self.sessions.get(client_id)
+        if existing is None and expiry_interval and self._over_budget(owner):
+            # A new store for an owner over auth.max_bytes_per_owner (a session it holds
+            # resumes, or is replaced by a clean start).
+            self.budget.refused(SESSION, BYTES_LIMIT)
+            then(None, False, "owner_budget")
+            return
         if existing is not None and not self._may_own(existing.owner, owner):
             # Another owner's session (here, on another replica): not taken over,
             # not resumed, not ended by a clean start.
@@ -755,9 +770,19 @@ class Broker:
         if not self._names_clients:
             then("")  # every client is anonymous: nobody to bind the queue to
             return
+        identity = self.identity_of(conn)
+        most: int | None = self.settings.ecq.max_queues_per_owner or None
+        quota = QUEUES_LIMIT  # then("max_queues_per_owner"): one queue more than that
+        if self._over_budget(identity):
+            most, quota = 0, BYTES_LIMIT  # a queue it holds, not a new one
         self.owners.claim(
-            QUEUE, client_id, self.identity_of(conn), 0, lambda c: then(_refusal_of(c))
+            QUEUE, client_id, identity, 0, lambda c: then(_refusal_of(c, quota)), most
         )
+
+    def _over_budget(self, owner: str | None) -> bool:
+        """Is ``owner`` over auth.max_bytes_per_owner (the last tally)?"""
+        over = self.budget.over
+        return bool(over) and owner in over
 
     def _over_owner_quota(self, owner: str | None) -> bool:
         """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""
@@ -774,6 +799,31 @@ class Broker:
             if session is not None:
                 held.update(f for f in session.subscriptions if is_group_filter(f))
         return held
+
+    def sessions_owned(self, owner: str) -> int:
+        """How many sessions ``owner`` holds (auth.max_sessions_per_owner counts them)."""
+        return len(self._owned.get(owner, ()))
+
+    def stores_by_owner(self) -> dict[str, tuple[list[str], set[str]]]:
+        """Each owner's stores this broker knows of (other replicas' sessions included):
+        the client ids of its durable sessions, and the group queues they are members
+        of (each once). Read by the tally of auth.max_bytes_per_owner."""
+        out: dict[str, tuple[list[str], set[str]]] = {}
+        sessions = self.sessions
+        for owner, client_ids in self._owned.items():
+            durable: list[str] = []
+            groups: set[str] = set()
+            for client_id in client_ids:
+                session = sessions.get(client_id)
+                if session is None or not session.durable:
+                    continue
+                durable.append(client_id)
+                for topic_filter in session.subscriptions:
+                    if is_group_filter(topic_filter):
+                        groups.add(topic_filter)
+            if durable:
+                out[owner] = (durable, groups)
+        return out
 
     def bind_owner(self, session: Session, owner: str | None) -> None:
         """``session`` (here, or a record of another replica's) belongs to ``owner``."""
@@ -905,6 +955,7 @@ class Broker:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
         self.refusal_log.flush(now)
+        self._budget_log.flush(now)
         if now - self._pruned >= PRUNE_INTERVAL:
             self._pruned = now
             self.blocklist.prune(self.wall_clock())
@@ -1032,7 +1083,10 @@ class Broker:
                 # (group_queues.enabled turned off since members subscribed): not routed.
                 if not self.persistent_path.keeps_groups:
                     continue
-                if message.qos and (
+                if message.qos and self.budget.over and self._group_over(group.members):
+                    # Every member's owner is over auth.max_bytes_per_owner: not stored.
+                    self._not_stored(GROUP, f"{group.name}/{group.topic_filter}", message)
+                elif message.qos and (
                     may_receive is None or any(may_receive(m.client_id) for m in group.members)
                 ):
                     target = GroupTarget(f"{group.name}/{group.topic_filter}")
@@ -1082,10 +1136,14 @@ class Broker:
         :meth:`PersistentPath.submit`.
         """
         persistent = []
+        over = self.budget.over  # empty unless an owner is over auth.max_bytes_per_owner
         for session, delivery in targets:
             if not retained and session.retained_sender:
                 session.retained_sender.live(delivery.message.topic)
             if isinstance(session, GroupTarget) or (session.durable and delivery.qos > 0):
+                if over and not isinstance(session, GroupTarget) and session.owner in over:
+                    self._not_stored(SESSION, session.client_id, delivery.message)
+                    continue
                 persistent.append((session, delivery))
             else:
                 session.deliver(delivery)
@@ -1093,6 +1151,31 @@ class Broker:
             self.persistent_path.submit(persistent, on_accepted, on_settled)
         else:
             on_accepted(True)
+
+    def _not_stored(self, store: str, name: str, message: Message) -> None:
+        """A message for a store whose owner is over auth.max_bytes_per_owner is dropped
+        at routing: counted, and logged at a bounded rate."""
+        self.budget.refused(store, BYTES_LIMIT)
+        self.stats.drop("owner_budget")
+        self._budget_log.log(
+            self.clock(),
+            logging.INFO,
+            "message on %r not stored for %s %s: its owner is over auth.max_bytes_per_owner",
+            message.topic,
+            store,
+            name,
+        )
+
+    def _group_over(self, members: Sequence[SubscriptionEntry]) -> bool:
+        """Is the owner of every member of a group over auth.max_bytes_per_owner?"""
+        over, sessions = self.budget.over, self.sessions
+        if not members:
+            return False
+        for member in members:
+            session = sessions.get(member.client_id)
+            if session is None or session.owner not in over:
+                return False
+        return True
 
     def _is_online(self, client_id: str) -> bool:
         session = self.sessions.get(client_id)

@@ -298,6 +298,13 @@ def _opened(
                 f"{conn.username!r} holds auth.max_sessions_per_owner sessions already",
                 "max_sessions_per_owner",
             )
+        elif refused == "owner_budget":
+            refusal = ConnectRefused(
+                ReasonCode.QUOTA_EXCEEDED,
+                f"{conn.username!r} holds more stored messages than "
+                "auth.max_bytes_per_owner: no new persistent session",
+                "max_bytes_per_owner",
+            )
         else:
             refusal = ConnectRefused(
                 ReasonCode.SERVER_UNAVAILABLE, "the session store is unreachable"

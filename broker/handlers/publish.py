@@ -8,6 +8,7 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
+from broker.budget import BYTES_LIMIT, QUEUE
 from broker.connection_state import PendingAck
 from broker.ecq import (
     SEQ_PROPERTY,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from broker.acl import Authorizer
+    from broker.budget import OwnerBudget
     from broker.config import Settings
     from broker.connection import MQTTConnection
     from broker.group_queue import GroupTarget
@@ -54,6 +56,8 @@ class PublishHost(Protocol):
     def retained(self) -> RetainedStore: ...
     @property
     def persistent_path(self) -> PersistentPath: ...
+    @property
+    def budget(self) -> OwnerBudget: ...
     def resolve(self, message: Message) -> list[tuple[Session | GroupTarget, Delivery]]: ...
     def dispatch(
         self,
@@ -310,7 +314,11 @@ def _to_queue(
     delivery = Delivery(stored, 1, False, ())
     qos, packet_id = packet.qos, packet.packet_id
     if broker.persistent_path.queue_full(queue):
-        _queue_full(conn, packet, queue)
+        _queue_full(conn, packet, queue, "ecq.max_bytes, max_queues")
+        return
+    if queue in broker.budget.over_queues:  # its owner holds too much already
+        broker.budget.refused(QUEUE, BYTES_LIMIT)
+        _queue_full(conn, packet, queue, "auth.max_bytes_per_owner")
         return
     if qos == 0 or packet_id is None:
         broker.persistent_path.enqueue(queue, delivery, _no_ack)
@@ -326,13 +334,13 @@ def _to_queue(
     )
 
 
-def _queue_full(conn: MQTTConnection, packet: Publish, queue: str) -> None:
+def _queue_full(conn: MQTTConnection, packet: Publish, queue: str, limit: str) -> None:
     """A write to a full queue (ecq.max_bytes; or ecq.max_queues, a queue that could
-    not start) is refused: MQTT 5 hears 0x97 Quota exceeded; 3.1.1 has no failure
-    code, so its connection is closed, as for a store that failed; QoS 0 is dropped.
-    Counted as ``ecq_full``."""
+    not start; or its owner's auth.max_bytes_per_owner: ``limit``) is refused: MQTT 5
+    hears 0x97 Quota exceeded; 3.1.1 has no failure code, so its connection is
+    closed, as for a store that failed; QoS 0 is dropped. Counted as ``ecq_full``."""
     conn.broker.stats.drop("ecq_full")
-    log.info("client %s wrote to full queue %s (ecq.max_bytes, max_queues)", conn.client_id, queue)
+    log.info("client %s wrote to full queue %s (%s)", conn.client_id, queue, limit)
     if not packet.qos or packet.packet_id is None:
         return
     ack = conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.QUOTA_EXCEEDED)

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT
 from broker.ecq import (
     REWIND_PROPERTY,
     SubscribeVerdict,
@@ -29,6 +30,7 @@ from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
 
 if TYPE_CHECKING:
     from broker.acl import Authorizer
+    from broker.budget import OwnerBudget
     from broker.cluster import ClusterState
     from broker.config import Settings
     from broker.connection import MQTTConnection
@@ -55,6 +57,8 @@ class SubscribeHost(Protocol):
     def persistent_path(self) -> PersistentPath: ...
     @property
     def cluster(self) -> ClusterState | None: ...
+    @property
+    def budget(self) -> OwnerBudget: ...
     def send_retained(
         self, session: Session, topic_filter: str, qos: int, subscription_ids: tuple[int, ...]
     ) -> None: ...
@@ -177,7 +181,20 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     def claimed(refused: str) -> None:
         if conn.session is not session:
             return  # gone meanwhile: no SUBACK to send
-        if refused:
+        if refused in (BYTES_LIMIT, QUEUES_LIMIT):
+            # A new queue for an owner at its limit: 0x97 Quota exceeded (3.1.1: 0x80).
+            for i in queue.indexes:
+                reason_codes[i] = ReasonCode.QUOTA_EXCEEDED
+            broker.budget.refused(QUEUE, refused)
+            broker.stats.drop("ecq_subscribe_refused")
+            setting = "auth." if refused == BYTES_LIMIT else "ecq."
+            log.info(
+                "client %s may not claim its queue: its owner is at %s%s",
+                conn.client_id,
+                setting,
+                refused,
+            )
+        elif refused:
             # 0x87 Not authorized (3.1.1: 0x80), as for any filter the ACL refuses.
             code = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
             if refused == "unavailable":
@@ -279,7 +296,8 @@ def _membership_refusal(conn: MQTTConnection, request: Subscription) -> int | No
     membership over group_queues.max_groups_per_client, or one more distinct group
     queue than group_queues.max_groups_per_owner over the owner's sessions (this
     SUBSCRIBE's earlier filters are the session's already): each group queue keeps
-    every matching message once more."""
+    every matching message once more. Any new membership of an owner over
+    auth.max_bytes_per_owner, too."""
     session = conn.session
     assert session is not None
     topic_filter = request.topic_filter
@@ -290,18 +308,19 @@ def _membership_refusal(conn: MQTTConnection, request: Subscription) -> int | No
     per_client, per_owner = limits.max_groups_per_client, limits.max_groups_per_owner
     over = ""
     if per_client and sum(1 for f in session.subscriptions if is_group_filter(f)) >= per_client:
-        over = "max_groups_per_client"
+        over = "group_queues.max_groups_per_client"
     owner = session.owner
     if not over and per_owner and owner is not None:
         held = broker.group_queues_of(owner)
         if topic_filter not in held and len(held) >= per_owner:
-            over = "max_groups_per_owner"
+            over = "group_queues.max_groups_per_owner"
+    if not over and broker.budget.over and owner in broker.budget.over:
+        over = f"auth.{BYTES_LIMIT}"
+        broker.budget.refused(GROUP, BYTES_LIMIT)
     if not over:
         return None
     broker.stats.drop("group_membership_quota")
-    log.info(
-        "client %s may not join %r: group_queues.%s reached", conn.client_id, topic_filter, over
-    )
+    log.info("client %s may not join %r: %s reached", conn.client_id, topic_filter, over)
     return ReasonCode.QUOTA_EXCEEDED  # 0x80 in 3.1.1 (the codec maps it)
 
 
