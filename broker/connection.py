@@ -140,6 +140,7 @@ class MQTTConnection:
         # Tracked from the start so Broker.tick() can enforce the connect timeout.
         broker.connections.add(self)
         self.watched_at: float | None = None  # when Broker.tick looks at its deadlines
+        self.due_entry: list[Any] | None = None  # its entry in the tick's heap
         broker.watch_connection(self, now + broker.settings.mqtt.connect_timeout)
 
     @property

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
@@ -155,6 +155,15 @@ def _identity_of_session(session: Session) -> str | None:
     return session.owner if session.owner is not None else session.username
 
 
+def _unwatch(watched: MQTTConnection | Session) -> None:
+    """Drop ``watched``'s deadline from the tick's heap (its entry stays, empty)."""
+    entry = watched.due_entry
+    if entry is not None:
+        entry[2] = None
+        watched.due_entry = None
+    watched.watched_at = None
+
+
 class Broker:
     def __init__(
         self,
@@ -198,8 +207,11 @@ class Broker:
         # connection and offline session (BENCHMARKS.md, "The fleet shape"):
         # (when, seq, connection) and (when, seq, session); a session's live entry is
         # the one at its ``watched_at`` (the others are stale, dropped when they come).
-        self._conn_due: list[tuple[float, int, MQTTConnection]] = []
-        self._session_due: list[tuple[float, int, Session]] = []
+        # An entry is a list [when, seq, object]: the object is set to None when it is
+        # watched again or leaves (a closed connection, a session back or ended), so
+        # the heap never keeps it alive until its old deadline.
+        self._conn_due: list[list[Any]] = []
+        self._session_due: list[list[Any]] = []
         self._due_seq = itertools.count()
         # Sessions whose retained messages are still being sent: the tick resumes them
         # in case nothing else wakes them.
@@ -571,6 +583,7 @@ class Broker:
         session.will_at = None
         session.expires_at = None
         self._detached.discard(session)
+        _unwatch(session)
         session.connection = conn
         conn.session = session
         if session.owner is None:  # an unbound session is bound to its first owner
@@ -663,6 +676,7 @@ class Broker:
     def detach(self, conn: MQTTConnection, publish_will: bool) -> None:
         """The connection ended: start the will delay and the session expiry."""
         self.connections.discard(conn)
+        _unwatch(conn)
         session = conn.session
         will = conn.will
         conn.will = None
@@ -864,6 +878,7 @@ class Broker:
             del self.sessions[session.client_id]
         self.unbind_owner(session)
         self._detached.discard(session)
+        _unwatch(session)
 
     def end_session(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         """Discard a session; a will still waiting for its delay is sent now.
@@ -971,10 +986,10 @@ class Broker:
         due = self._conn_due
         connections = self.connections
         while due and due[0][0] <= now:
-            when, _, conn = heapq.heappop(due)
-            if when != conn.watched_at or conn not in connections:
-                continue  # stale (watched again since), or it ended
-            conn.watched_at = None
+            conn = heapq.heappop(due)[2]
+            if conn is None or conn not in connections:
+                continue  # watched again since, or it ended
+            conn.watched_at, conn.due_entry = None, None
             next_look = conn.check_timeouts(now)
             if next_look is not None and conn in connections:
                 # A deadline reached but not passed (the rules say "more than") is
@@ -988,10 +1003,10 @@ class Broker:
                 self._retained_waiting.discard(session)
         sessions_due = self._session_due
         while sessions_due and sessions_due[0][0] <= now:
-            when, _, session = heapq.heappop(sessions_due)
-            if when != session.watched_at or session not in self._detached:
-                continue  # stale: the session was watched again, or is back
-            session.watched_at = None
+            session = heapq.heappop(sessions_due)[2]
+            if session is None or session not in self._detached:
+                continue  # watched again since, back, or ended
+            session.watched_at, session.due_entry = None, None
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
                 if will is not None:
@@ -1007,20 +1022,24 @@ class Broker:
         at ``when``, instead of when it was to be looked at before."""
         if when == conn.watched_at:
             return
+        _unwatch(conn)
         conn.watched_at = when
-        heapq.heappush(self._conn_due, (when, next(self._due_seq), conn))
+        conn.due_entry = entry = [when, next(self._due_seq), conn]
+        heapq.heappush(self._conn_due, entry)
 
     def _watch_session(self, session: Session) -> None:
         """Queue the offline session's next deadline (its will delay or its expiry)."""
         deadlines = [t for t in (session.will_at, session.expires_at) if t is not None]
         if not deadlines:
-            session.watched_at = None
+            _unwatch(session)
             return
         when = min(deadlines)
         if when == session.watched_at:
             return  # its entry is queued already
+        _unwatch(session)
         session.watched_at = when
-        heapq.heappush(self._session_due, (when, next(self._due_seq), session))
+        session.due_entry = entry = [when, next(self._due_seq), session]
+        heapq.heappush(self._session_due, entry)
 
     # -- routing ------------------------------------------------------------------------
 

@@ -200,3 +200,23 @@ def test_a_delayed_will_fires_then_the_session_expires_later() -> None:
     assert "dev" in h.broker.sessions
     h.advance(5)
     assert "dev" not in h.broker.sessions
+
+
+def test_a_closed_connection_and_an_ended_session_are_not_kept_by_the_tick() -> None:
+    """The tick's deadlines held every connection until its old deadline (1.5 x keep
+    alive after CONNECT): 100,000 clients connecting and leaving within that time
+    were all kept in memory."""
+    import gc
+    import weakref
+
+    h = Harness()
+    c = h.connected("dev", keep_alive=60, session_expiry_interval=3600)
+    conn = weakref.ref(c.conn)
+    session = weakref.ref(h.broker.sessions["dev"])
+    c.conn.connection_lost()
+    again = h.connected("dev", keep_alive=60, clean_start=True)  # the old session ends
+    again.conn.connection_lost()
+    del c, again
+    gc.collect()
+    assert conn() is None
+    assert session() is None
