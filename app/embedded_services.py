@@ -145,6 +145,7 @@ S3_ACCESS_KEY = "devicemq"
 # port GRPC_OFFSET above; the S3 gateway's own port is the service's port.
 _S3_INNER_PORTS = ("s3_master", "s3_volume", "s3_filer")
 GRPC_OFFSET = 10_000
+S3_STOP_TIMEOUT = 2.0  # seconds SeaweedFS gets after SIGTERM (EmbeddedServices._stop_record)
 
 
 class ServiceError(RuntimeError):
@@ -831,7 +832,11 @@ class EmbeddedServices:
         pid = _int_or_none(record.get("pid"))
         port = _int_or_none(record.get("port"))
         if pid is not None and port is not None:
-            _terminate(pid, _BINARY_NAMES[name], port, self.stop_timeout)
+            # SeaweedFS's filer waits on its gRPC streams after a SIGTERM and rarely
+            # exits by itself; what it wrote is on disk already (it survives a
+            # SIGKILL: tests/e2e/test_host_restart.py), so it gets a short wait.
+            timeout = min(self.stop_timeout, S3_STOP_TIMEOUT) if name == "s3" else None
+            _terminate(pid, _BINARY_NAMES[name], port, timeout or self.stop_timeout)
             self._forget_child(pid)
 
     def _probe(self, name: ServiceName, port: int, timeout: float) -> bool:
