@@ -129,6 +129,7 @@ def test_with_the_memory_storage_the_acknowledged_messages_are_lost(
     """What docs/embedded-kafka.md states for the memory storage, measured: Tansu
     restarted empty, so what only it held is gone."""
     sent, got, broker = _acknowledged_then_host_dies(tmp_path, clients, names, storage)
+    print(f"memory storage: {len(got)} of {len(sent)} delivered after the host restart")
     try:
         assert len(got) < len(sent) // 2, f"memory kept {len(got)} of {len(sent)}"
         assert got == sent[: len(got)] or set(got) <= set(sent)
