@@ -1,5 +1,5 @@
 """The admin HTTP API (``admin.*``): sessions and their backlog, the block list,
-retained messages, and the web console's files (README "Operating devicemq").
+retained messages, and the web console's files (docs/operating.md).
 
 It runs in the broker's event loop, beside the metrics server. Any replica
 answers any request: every replica holds the whole cluster's session table
@@ -51,10 +51,12 @@ from broker.packets import ProtocolLevel
 from broker.session import NEVER_EXPIRES, Session
 from broker.topics import is_sys_topic, is_valid_topic_filter, is_valid_topic_name
 from broker.watched_file import FileChangeWatch
+from persistence.application_feed import ApplicationFeed, app_topic
 from persistence.session_rewind import RewindUnderWay
 
 if TYPE_CHECKING:
     from broker.core import Broker
+    from persistence.application_feed import ApplicationSessions
     from persistence.blocklist_store import BlockListStore
     from persistence.events import EventSink
     from persistence.queue_store import QueueStore
@@ -345,6 +347,13 @@ OWNER_ROUTES = (
         "Release the client ID: the next owner to connect with it holds it",
         write=True,
     ),
+    Route(
+        "GET",
+        ("owners", "{owner}"),
+        "show_owner",
+        "What one owner holds (sessions, queues, group queues) and the bytes the last "
+        "tally of auth.max_bytes_per_owner measured",
+    ),
 )
 ROUTES = ROUTES + OWNER_ROUTES
 
@@ -367,10 +376,13 @@ class AdminApi:
         rewind: Callable[[str, int], Awaitable[int]] | None = None,
         rewind_session: Callable[[str, float], Awaitable[Rewound]] | None = None,
         group_store: QueueStore | None = None,
+        applications: ApplicationSessions | None = None,
     ) -> None:
         """``queues``: the $ECQ store (None: no queues); ``rewind(client_id, seq)``
         makes entries pending again and has them delivered (persistence);
-        ``group_store``: where group queues are kept (None: no group queues)."""
+        ``group_store``: where group queues are kept (None: no group queues);
+        ``applications``: the APPLICATION sessions (None: none configured)."""
+        self.applications = applications
         self.queues = queues
         self.group_store = group_store
         self.rewind = rewind
@@ -544,6 +556,20 @@ class AdminApi:
         in_flight: list[int] | None = None
         if not isinstance(session, RemoteSession):
             in_flight = sorted(session.outflow.inflight)
+        apps = self.applications
+        if apps is not None and client_id in apps.kinds:
+            lag = await apps.lag(client_id)
+            committed = await apps.committed(client_id)
+            view["backlog_detail"] = {
+                "messages": None if lag is None else lag.messages,
+                "oldest_age": None
+                if lag is None or lag.oldest_age is None
+                else round(lag.oldest_age, 3),
+                "committed_offsets": {str(p): o for p, o in sorted(committed.items())},
+                "kafka_topic": app_topic(client_id),
+            }
+            view["in_flight_ids"] = in_flight
+            return json_response(200, view)
         if session.durable and self.store is not None:
             _, ends = await self.store.backlog_range(client_id)
             if ends is not None:
@@ -640,6 +666,9 @@ class AdminApi:
 
     async def rewind_session(self, request: Request, client_id: str) -> Response:
         session = self._session(client_id)
+        apps = self.applications
+        if apps is not None and client_id in apps.kinds:
+            return await self._rewind_application(request, session, apps)
         if not session.durable or self.rewind_session_to is None:
             raise HttpError(
                 409, f"{client_id} has no stored messages: its session is not persistent"
@@ -662,6 +691,45 @@ class AdminApi:
             "rewound": rewound.stored,
             "over_limit": rewound.over_limit,
             "oldest_in_kafka": rewound.oldest,
+        }
+        self._audit(client_id, "rewind_session", answer)
+        return json_response(200, answer)
+
+    async def _rewind_application(
+        self, request: Request, session: Session, apps: ApplicationSessions
+    ) -> Response:
+        """An APPLICATION session reads its topic again from an offset or a time."""
+        client_id = session.client_id
+        data = _json_body(request)
+        unknown = set(data) - {"since", "offset"}
+        if unknown:
+            field = sorted(unknown)[0]
+            raise HttpError(400, f"unknown field {field}", {"field": field})
+        if ("since" in data) == ("offset" in data):
+            raise HttpError(400, "give since or offset", {"field": "since"})
+        offset: int | None = None
+        since: float | None = None
+        if "offset" in data:
+            offset = data["offset"]
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise HttpError(400, "offset must be an integer >= 0", {"field": "offset"})
+        else:
+            since = _instant(data.get("since"))
+        feed = session.outflow.feed if not isinstance(session, RemoteSession) else None
+        try:
+            offsets = await apps.rewind(
+                client_id,
+                feed if isinstance(feed, ApplicationFeed) else None,
+                offset=offset,
+                since=since,
+            )
+        except KeyError:
+            raise HttpError(409, f"{client_id} is no APPLICATION session now") from None
+        answer = {
+            "client_id": client_id,
+            "since": since,
+            "offset": offset,
+            "offsets": {str(p): o for p, o in sorted(offsets.items())},
         }
         self._audit(client_id, "rewind_session", answer)
         return json_response(200, answer)
@@ -1012,6 +1080,36 @@ class AdminApi:
         self._audit(client_id, "release_client_id", {"before": before})
         return json_response(200, {"client_id": client_id, "released": True, "before": before})
 
+    async def show_owner(self, request: Request, owner: str) -> Response:
+        """Live counts from this replica and Redis; bytes as the last tally found them
+        (null: it did not read this owner, whose stores could not pass the budget)."""
+        broker = self.broker
+        budget = broker.budget
+        usage = budget.usage.get(owner)
+        measured = None
+        if usage is not None:
+            measured = {
+                "bytes": usage.total,
+                "session_bytes": usage.session_bytes,
+                "queue_bytes": usage.queue_bytes,
+                "group_bytes": usage.group_bytes,
+            }
+        settings = broker.settings
+        return json_response(
+            200,
+            {
+                "owner": owner,
+                "sessions": broker.sessions_owned(owner),
+                "queues": sorted(await broker.owners.queues_of(owner)),
+                "group_queues": sorted(broker.group_queues_of(owner)),
+                "over_budget": owner in budget.over,
+                "measured": measured,
+                "max_bytes_per_owner": settings.auth.max_bytes_per_owner,
+                "max_queues_per_owner": settings.ecq.max_queues_per_owner,
+                "max_sessions_per_owner": settings.auth.max_sessions_per_owner,
+            },
+        )
+
     def _queues(self, client_id: str) -> QueueStore:
         if self.queues is None or self.rewind is None:
             raise HttpError(409, "no $ECQ queues here: ecq.enabled and persistence are needed")
@@ -1099,7 +1197,14 @@ class AdminApi:
     async def _backlogs(self, sessions: list[Session]) -> list[int | None]:
         """Messages waiting for each: stored in Redis (persistent), queued in memory."""
         out: list[int | None] = [None] * len(sessions)
-        durable = [i for i, s in enumerate(sessions) if s.durable]
+        apps = self.applications
+        kinds = apps.kinds if apps is not None else set()
+        lags = [(i, s.client_id) for i, s in enumerate(sessions) if s.client_id in kinds]
+        if lags and apps is not None:  # in their topics: the messages after their commit
+            found = await asyncio.gather(*(apps.lag(cid) for _, cid in lags))
+            for (i, _), lag in zip(lags, found, strict=True):
+                out[i] = None if lag is None else lag.messages
+        durable = [i for i, s in enumerate(sessions) if s.durable and s.client_id not in kinds]
         if durable and self.store is not None:
             counts = await self.store.pending_counts([sessions[i].client_id for i in durable])
             for i, n in zip(durable, counts, strict=True):
@@ -1119,6 +1224,7 @@ class AdminApi:
             "peer": session.address,
             "protocol": _PROTOCOLS.get(session.protocol_level or 0),
             "persistent": session.durable,
+            "session_type": self._session_type(session),
             "session_expiry": None
             if session.expiry_interval == NEVER_EXPIRES
             else session.expiry_interval,
@@ -1130,6 +1236,13 @@ class AdminApi:
             if _connected(session) and remote
             else (self.broker.wall_clock() if _connected(session) else session.last_seen),
         }
+
+    def _session_type(self, session: Session) -> str | None:
+        """application or device for a persistent session (docs/application-sessions.md)."""
+        if not session.durable:
+            return None
+        apps = self.applications
+        return "application" if apps is not None and session.client_id in apps.kinds else "device"
 
     def _audit(self, client_id: str, action: str, detail: dict[str, Any]) -> None:
         log.info("admin: %s %s %s", action, client_id or "-", orjson.dumps(detail).decode())

@@ -2,10 +2,11 @@
 
     devicemq sessions list [--connected|--offline] [--persistent] [--prefix P] [--username U]
     devicemq sessions show|messages|kick|delete|purge CLIENT_ID
-    devicemq sessions rewind CLIENT_ID --since TIME
+    devicemq sessions rewind CLIENT_ID --since TIME | --offset N
     devicemq queues list [--kind ecq|group] | show|purge ID | rewind CLIENT_ID --seq N
     devicemq queues owner CLIENT_ID [--set OWNER | --clear]
     devicemq client-ids owner CLIENT_ID [--release]
+    devicemq owners usage OWNER
     devicemq blocked list | add KIND VALUE [--ttl S] [--reason R] | remove KIND VALUE
     devicemq retained list [--topic FILTER] [--limit N] [--all] | delete TOPIC
 
@@ -156,11 +157,17 @@ def add_sessions_arguments(p: argparse.ArgumentParser) -> None:
     )
     _common(rewind)
     rewind.add_argument("client_id", metavar="CLIENT_ID")
-    rewind.add_argument(
+    where = rewind.add_mutually_exclusive_group(required=True)
+    where.add_argument(
         "--since",
-        required=True,
         metavar="TIME",
         help="ISO 8601 with its zone (2026-11-26T06:00:00Z) or epoch seconds",
+    )
+    where.add_argument(
+        "--offset",
+        type=int,
+        metavar="N",
+        help="an APPLICATION session: read its topic again from offset N (each partition)",
     )
 
 
@@ -235,6 +242,15 @@ def add_client_ids_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_owners_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    usage = sub.add_parser(
+        "usage", help="what one owner holds, and the bytes auth.max_bytes_per_owner counts"
+    )
+    _common(usage)
+    usage.add_argument("owner", metavar="OWNER")
+
+
 # -- commands --------------------------------------------------------------------------------
 
 
@@ -291,6 +307,7 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
             "client_id",
             "connected",
             "persistent",
+            "session_type",
             "replica",
             "peer",
             "protocol",
@@ -328,6 +345,10 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
     if action == "delete":
         answer = client.call("DELETE", client.session_path(cid))
         return answer, f"{cid}: session ended, its stored messages deleted"
+    if action == "rewind" and args.offset is not None:
+        path = client.session_path(cid, "rewind")
+        answer = client.call("POST", path, body={"offset": args.offset}, timeout=REWIND_TIMEOUT)
+        return answer, f"{cid}: reads its topic again from offsets {answer['offsets']}"
     if action == "rewind":
         since: object = args.since  # an ISO 8601 time: the API reads it
         with contextlib.suppress(ValueError):
@@ -335,6 +356,8 @@ def sessions(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
         # It reads the client's Kafka partition from its start: more than a moment.
         path = client.session_path(cid, "rewind")
         answer = client.call("POST", path, body={"since": since}, timeout=REWIND_TIMEOUT)
+        if "offsets" in answer:  # an APPLICATION session's
+            return answer, f"{cid}: reads its topic again from offsets {answer['offsets']}"
         return answer, (
             f"{cid}: {answer['rewound']} of {answer['matched']} messages since the time given "
             f"stored again, {answer['over_limit']} beyond its limit's room "
@@ -422,6 +445,28 @@ def client_ids(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]
     left = answer["released_in"]
     until = f", free after {left:.0f} s unused" if left is not None else ""
     return answer, f"{cid}: {_owner_text(answer['owner'])}{until}"
+
+
+def owners(client: AdminClient, args: argparse.Namespace) -> tuple[Any, str]:
+    answer = client.call("GET", "owners/" + quote(args.owner, safe=""))
+    measured = answer["measured"]
+    if measured is None:
+        held = "not measured (its stores cannot pass the budget)"
+    else:
+        held = (
+            f"{measured['bytes']} bytes (sessions {measured['session_bytes']}, queues "
+            f"{measured['queue_bytes']}, group queues {measured['group_bytes']})"
+        )
+    over = ", OVER auth.max_bytes_per_owner" if answer["over_budget"] else ""
+    lines = [
+        f"{answer['owner']}: {held}{over}; budget {answer['max_bytes_per_owner']}",
+        f"sessions: {answer['sessions']} (at most {answer['max_sessions_per_owner']})",
+        f"queues: {len(answer['queues'])} (at most {answer['max_queues_per_owner']})"
+        + "".join(f"\n  {q}" for q in answer["queues"]),
+        f"group queues: {len(answer['group_queues'])}"
+        + "".join(f"\n  {g}" for g in answer["group_queues"]),
+    ]
+    return answer, "\n".join(lines)
 
 
 def _owner_text(owner: str | None) -> str:

@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from broker import __version__
 from broker.config import ConfigError, Settings, load_settings
-from broker.logging_setup import setup_logging
+from edge.logging_setup import setup_logging
 
 __all__ = ["COMMANDS", "Command", "main"]
 
@@ -223,12 +223,15 @@ def _admin_command(name: str) -> Command:
         return int(admin_cli.run(args, getattr(admin_cli, attribute)))
 
     helps = {
-        "sessions": "list, show, kick, delete or purge sessions (the admin API)",
+        "sessions": "list, show, kick, delete, purge or rewind sessions, or list a session's "
+        "stored messages (the admin API)",
         "blocked": "list, add or remove block-list entries (the admin API)",
         "retained": "list or delete retained messages (the admin API)",
         "queues": "list, show, purge or rewind $ECQ queues and group queue stores, or show "
         "or change a queue's owner (the admin API)",
-        "client-ids": "show or release who holds a client ID (the admin API)",
+        "client-ids": "owner: show or release who holds a client ID (the admin API)",
+        "owners": "usage: what one owner holds and the bytes auth.max_bytes_per_owner "
+        "counts (the admin API)",
     }
     return Command(helps[name], add_arguments, handler)
 
@@ -376,13 +379,14 @@ COMMANDS: dict[str, Command] = {
     "retained": _admin_command("retained"),
     "queues": _admin_command("queues"),
     "client-ids": _admin_command("client-ids"),
+    "owners": _admin_command("owners"),
     "services": Command(
-        "show or stop the embedded Redis and Kafka of a data dir",
+        "status or stop: the embedded Redis and Kafka of a data dir",
         _add_services_arguments,
         _services,
     ),
     "loadtest": Command(
-        "run a load scenario (p2p, fan-in, fan-out) against a broker",
+        "run a load scenario against a broker: p2p, fan-in, fan-out, fleet, ecq or group-queue",
         _add_loadtest_arguments,
         _loadtest,
     ),

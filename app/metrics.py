@@ -45,6 +45,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from app.http import ConnectionGate
 from broker import __version__
+from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT, SESSION
 from broker.stats import LATENCY_BUCKETS, Histogram
 from persistence.kafka_security import diagnose
 from persistence.redis_security import explain
@@ -105,7 +106,7 @@ KNOWN_REJECTIONS = (
     "topic_alias_invalid",
     "message_rate_too_high",
     "subscription_identifiers_not_supported",
-    # closes counted by name (broker/connection.py, broker/server.py, broker/external_auth.py)
+    # closes counted by name (broker/connection.py, edge/server.py, broker/external_auth.py)
     "flood_before_connack",
     "connect_timeout",
     "inflight_timeout",
@@ -119,11 +120,13 @@ KNOWN_REJECTIONS = (
     "auth_service_busy",
     "auth_chain_failed",
     "auth_service_unavailable",
+    "max_bytes_per_owner",  # a new persistent session of an owner over its budget
 )
 KNOWN_DROPS = (
     "queue_full",
     "ecq_full",
     "group_membership_quota",
+    "owner_budget",  # a message for an owner over auth.max_bytes_per_owner, not stored
     "queue_bytes_full",
     "qos0_congested",
     "expired",
@@ -145,6 +148,10 @@ KNOWN_DROPS = (
     "ecq_topic",
     "ecq_rewind",
 )
+
+
+STORE_KINDS = (SESSION, QUEUE, GROUP)  # owner_limit_refusals' labels
+OWNER_LIMITS = (BYTES_LIMIT, QUEUES_LIMIT)
 
 
 @functools.cache
@@ -236,6 +243,9 @@ class BrokerCollector(Collector):
         # partition -> committed offset read from Kafka (0: none yet) for partitions
         # this process has not committed itself
         self.committed: dict[int, int] = {}
+        # client ID -> (messages after its committed offsets, age of the oldest, s) of
+        # each APPLICATION session (persistence/application_feed.py)
+        self.application_lag: dict[str, tuple[int, float | None]] = {}
         self._refreshed = 0.0
         self._refresh_lock = asyncio.Lock()
         # What /ready last answered (MetricsServer probes it before each scrape):
@@ -404,6 +414,7 @@ class BrokerCollector(Collector):
             ),
             _from_zero(KNOWN_DROPS, stats.dropped),
         )
+        yield from self._budget(broker)
         yield _histogram(
             "delivery_latency_seconds",
             "Persistent delivery: publisher's PUBLISH to the first send to the subscriber",
@@ -430,8 +441,40 @@ class BrokerCollector(Collector):
             [((), stats.replay_pages)],
         )
 
+    def _budget(self, broker: Broker) -> Iterator[Metric]:
+        """The limits of one owner's stores together (broker/budget.py): no owner label
+        (there may be millions of owners)."""
+        budget = broker.budget
+        known = [(store, limit) for store in STORE_KINDS for limit in OWNER_LIMITS]
+        counts = dict.fromkeys(known, 0)
+        counts.update(budget.refusals)
+        yield _labelled(
+            CounterMetricFamily(
+                f"{PREFIX}_owner_limit_refusals",
+                "New stores refused and messages not stored because their owner was at "
+                "auth.max_bytes_per_owner or ecq.max_queues_per_owner, by store kind and limit",
+                labels=["store", "limit"],
+            ),
+            sorted(counts.items()),
+        )
+        yield _gauge(
+            "owners_over_budget",
+            "Owners over auth.max_bytes_per_owner at the last tally",
+            len(budget.over),
+        )
+        yield _gauge(
+            "owner_tally_owners_read",
+            "Owners whose stores the last tally of auth.max_bytes_per_owner read",
+            budget.read,
+        )
+        yield _gauge(
+            "owner_tally_seconds",
+            "How long the last tally of auth.max_bytes_per_owner took",
+            budget.seconds,
+        )
+
     def _integrations(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:
-        """The audit count per integration rule (README "Topic-to-Kafka integration")."""
+        """The audit count per integration rule (docs/integrations.md)."""
         for index, what, doc in (
             (0, "produced", "Records an integration rule produced (Kafka acknowledged them)"),
             (1, "failed", "Records of an integration rule Kafka refused or never got"),
@@ -655,6 +698,8 @@ class BrokerCollector(Collector):
             ),
             (((str(partition),), n) for partition, n in self.consumer_lag(persistence).items()),
         )
+        if persistence.apps is not None:
+            yield from self._applications(persistence)
         store = persistence.store
         yield _histogram(
             "redis_script_duration_seconds",
@@ -669,6 +714,33 @@ class BrokerCollector(Collector):
                 labels=["script"],
             ),
             _from_zero(redis_scripts(), store.script_errors),
+        )
+
+    def _applications(self, persistence: DevicePersistence) -> Iterator[Metric]:
+        apps = persistence.apps
+        assert apps is not None
+        yield _gauge("application_sessions", "APPLICATION sessions held", len(apps.kinds))
+        yield _counter(
+            "application_records_produced",
+            "Records produced to APPLICATION sessions' topics (acknowledged by Kafka)",
+            apps.produced,
+        )
+        lags = sorted(self.application_lag.items())
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_application_lag_messages",
+                "Messages of an APPLICATION session's topic after its committed offsets",
+                labels=["client_id"],
+            ),
+            (((cid,), lag[0]) for cid, lag in lags),
+        )
+        yield _labelled(
+            GaugeMetricFamily(
+                f"{PREFIX}_application_lag_seconds",
+                "Age of the oldest message after an APPLICATION session's committed offsets",
+                labels=["client_id"],
+            ),
+            (((cid,), lag[1]) for cid, lag in lags if lag[1] is not None),
         )
 
     def consumer_lag(self, persistence: DevicePersistence) -> dict[int, int]:
@@ -724,6 +796,16 @@ class BrokerCollector(Collector):
             total += sum(counts)
             largest = max([largest, *counts])
         self.backlog, self.backlog_client_max = total, largest
+        apps = persistence.apps
+        if apps is not None:
+            # All at once: the refresh has PROBE_TIMEOUT, the Redis backlog is set already.
+            ids = sorted(apps.kinds)
+            found = await asyncio.gather(*(apps.lag(cid) for cid in ids), return_exceptions=True)
+            self.application_lag = {
+                cid: (lag.messages, lag.oldest_age)
+                for cid, lag in zip(ids, found, strict=True)
+                if lag is not None and not isinstance(lag, BaseException)
+            }
 
 
 # --------------------------------------------------------------------------

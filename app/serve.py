@@ -15,12 +15,14 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.authentication import open_authentication
 from broker.config import ConfigError, Settings
 from broker.core import Broker
-from broker.server import BrokerServer
+from edge.server import BrokerServer
 
 if TYPE_CHECKING:
     from app.admin import AdminServer
@@ -129,15 +131,19 @@ async def _serve(
         from persistence.owner_store import RedisOwners
 
         owners = RedisOwners(persistence.store)
+    authenticator, authorizer = open_authentication(settings)
     broker = Broker(
         settings,
         persistent_path=persistence,
         keep_block=blocks.keep if blocks is not None else None,
         integration_sink=integrations,
         owners=owners,
+        authenticator=authenticator,
+        authorizer=authorizer,
     )
     link = None
     retained = None
+    tally = None  # auth.max_bytes_per_owner, measured (persistence/owner_tally.py)
     admin: AdminServer | None = None
     readiness: MetricsServer | None = None
     try:
@@ -159,6 +165,11 @@ async def _serve(
 
                 link = await open_cluster_link(settings, persistence, broker, retained)
                 persistence.start_consuming()
+        if persistence is not None:
+            from persistence.owner_tally import OwnerTally
+
+            tally = OwnerTally(persistence.store, settings, broker.budget, broker.stores_by_owner)
+            tally.start()
         if blocks is not None:
             await blocks.refresh(broker)  # the shared block list, before the first CONNECT
             blocks.start(broker)
@@ -205,6 +216,8 @@ async def _serve(
             await admin.stop()
         if blocks is not None:
             await blocks.close()
+        if tally is not None:
+            await tally.close()
         if owners is not None:
             await owners.close()
         if retained is not None:
@@ -257,6 +270,7 @@ async def _open_admin(
             if persistence is not None and persistence.groups is not None
             else None
         ),
+        applications=persistence.apps if persistence is not None else None,
     )
     admin = AdminServer(settings, api)
     await admin.start()
@@ -340,7 +354,10 @@ async def _open_persistence(
     compact_after = 0
     if endpoints is None:
         if not settings.cluster.enabled:  # other replicas' producers cannot be held
-            compact_after = settings.persistence.embedded_kafka_compact_after
+            config = settings.persistence
+            compact_after = config.embedded_kafka_compact_after
+            partitions = config.embedded_kafka_partitions
+            settings = replace(settings, persistence=replace(config, partitions=partitions))
         running = await asyncio.to_thread(_embedded(settings).ensure_running)
         endpoints = (running.redis_url, running.kafka_bootstrap)
         # Logged under the persistence logger, where this line always was.

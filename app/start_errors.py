@@ -32,7 +32,7 @@ def startup_error(settings: Settings, error: BaseException) -> str | None:
         errno.EADDRNOTAVAIL,
         errno.EACCES,
     ):
-        from broker.listeners import effective_host
+        from edge.listeners import effective_host
 
         where = f"{effective_host(settings, settings.listener.host)}:{settings.listener.port}"
         return f"cannot listen on {where}: {error.strerror}"

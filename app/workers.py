@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from broker.config import ConfigError, Settings
-from broker.logging_setup import setup_logging
+from edge.logging_setup import setup_logging
 
 log = logging.getLogger("devicemq.workers")
 
@@ -74,6 +74,11 @@ def check_workers(settings: Settings, count: int) -> None:
     if not settings.persistence.enabled:
         raise ConfigError(
             "workers share sessions through Redis and Kafka: enable persistence", name="workers"
+        )
+    if settings.application.client_ids:
+        raise ConfigError(
+            "APPLICATION sessions are not served by several workers yet (each is a replica)",
+            name="application.client_ids",
         )
     if settings.metrics.enabled and settings.metrics.port + count - 1 > 65535:
         raise ConfigError(

@@ -53,7 +53,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.config import ConfigError
 from broker.limits import is_loopback
 from broker.topics import is_sys_topic, is_valid_topic_filter, parse_shared, topic_matches
 from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
@@ -256,13 +255,23 @@ class Authorizer:
         clock: Callable[[], float] = time.monotonic,
         cache_size: int = CACHE_SIZE,
         grants: bool = False,
+        *,
+        acl: Acl | None = None,
     ) -> None:
+        """``acl``: the ACL file as read, by the composition root
+        (app/authentication.py ``open_authorizer``); this class re-reads it when it
+        changes."""
         self.path = Path(path) if path else None
+        if self.path is not None and acl is None:
+            raise ValueError(
+                "auth.acl_file is read at the composition root: "
+                "build the Authorizer with app.authentication.open_authorizer"
+            )
         self.file_active = self.path is not None
         # False: everything allowed, nothing checked
         self.active = self.file_active or grants
         self.clock = clock
-        self.acl = Acl()
+        self.acl = acl or Acl()
         self.cache_size = cache_size
         self._receive_cache: OrderedDict[tuple[str, str | None, Grant | None, str], bool] = (
             OrderedDict()
@@ -275,10 +284,6 @@ class Authorizer:
         self.grants: dict[str, Grant] = {}
         self._watch: FileChangeWatch | None = None
         if self.path is not None:
-            try:
-                self.acl = read_acl(self.path)
-            except AclError as e:
-                raise ConfigError(str(e), name="auth.acl_file") from None
             self._watch = FileChangeWatch(self.path, clock)
             log.info("ACL: %s", self.path)
 

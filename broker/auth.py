@@ -50,10 +50,9 @@ import hmac
 import logging
 import os
 import secrets
-import signal
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,8 +61,8 @@ from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
 
 from broker.acl import Grant
-from broker.config import AuthSettings, ConfigError
-from broker.external_auth import ChainMember, Credentials, Verdict, build_chain, certificate_subject
+from broker.config import AuthSettings
+from broker.external_auth import ChainMember, Credentials, Verdict, certificate_subject
 from broker.limits import SourceBuckets
 from broker.packets import ReasonCode
 from broker.watched_file import FileChangeWatch, content_lines, has_comment_marker
@@ -73,7 +72,6 @@ __all__ = [
     "Authenticator",
     "PasswordFileError",
     "certificate_identity",
-    "create_initial_password_file",
     "hash_password",
     "parse_password_file",
     "read_password_file",
@@ -178,39 +176,6 @@ def write_password_file(path: str | Path, users: Mapping[str, str]) -> None:
         raise
 
 
-def create_initial_password_file(settings: AuthSettings) -> bool:
-    """``auth.initial_user``: write the password file with that one user when it does
-    not exist yet; True if it was written. An existing file is never touched.
-
-    So a deployment configured only through its environment (docker-compose.yml)
-    starts with authentication on: DEVICEMQ_AUTH_INITIAL_PASSWORD comes from the
-    operator, only its hash reaches the disk.
-    """
-    if not settings.password_file or not settings.initial_user:
-        return False
-    path = Path(settings.password_file)
-    if path.exists():
-        log.info("%s exists: auth.initial_user %r not written", path, settings.initial_user)
-        return False
-    try:
-        check_username(settings.initial_user)
-    except ValueError as e:
-        raise ConfigError(str(e), name="auth.initial_user") from None
-    if not settings.initial_password:
-        raise ConfigError(
-            "empty: the initial user needs a password (DEVICEMQ_AUTH_INITIAL_PASSWORD)",
-            name="auth.initial_password",
-        )
-    try:
-        write_password_file(path, {settings.initial_user: hash_password(settings.initial_password)})
-    except OSError as e:
-        raise ConfigError(
-            f"cannot create {path}: {e.strerror or e}", name="auth.password_file"
-        ) from None
-    log.info("created %s with user %r (auth.initial_user)", path, settings.initial_user)
-    return True
-
-
 # --------------------------------------------------------------------------
 # Certificates
 # --------------------------------------------------------------------------
@@ -292,20 +257,32 @@ class Authenticator:
         settings: AuthSettings,
         clock: Callable[[], float] = time.monotonic,
         run_blocking: BlockingRunner | None = None,
+        *,
+        users: Mapping[str, str] | None = None,
+        chain: Sequence[ChainMember] | None = None,
     ) -> None:
+        """``users``: the password file as read, ``chain``: auth.chain's members as built;
+        both by the composition root (app/authentication.py ``open_authenticator``),
+        which does the file and network set-up; this class only decides, and
+        re-reads the password file when it changes."""
         self.settings = settings
         self.clock = clock
         self.run_blocking: BlockingRunner = run_blocking or self._run_in_thread
         self.password_path = Path(settings.password_file) if settings.password_file else None
         self.allow_anonymous = settings.allow_anonymous
-        self.chain: list[ChainMember] = build_chain(settings, clock)
+        if (settings.password_file and users is None) or (settings.chain_members and not chain):
+            raise ValueError(
+                "auth.password_file and auth.chain are set up at the composition root: "
+                "build the Authenticator with app.authentication.open_authenticator"
+            )
+        self.chain: list[ChainMember] = list(chain or ())
         if self.allow_anonymous is None:  # auto: only while nothing else can log in
             self.allow_anonymous = (
                 self.password_path is None
                 and not settings.use_identity_as_username
                 and not self.chain
             )
-        self.users: dict[str, str] = {}
+        self.users: dict[str, str] = dict(users or {})
         self._watch: FileChangeWatch | None = None
         self._cache: dict[str, _CacheEntry] = {}
         self._cache_key = secrets.token_bytes(32)  # never leaves this process
@@ -319,11 +296,6 @@ class Authenticator:
         rate = settings.max_verify_rate_per_source
         self._verify_by_source = SourceBuckets(rate) if rate > 0 else None
         if self.password_path is not None:
-            create_initial_password_file(settings)
-            try:
-                self.users = read_password_file(self.password_path)
-            except PasswordFileError as e:
-                raise ConfigError(str(e), name="auth.password_file") from None
             self._watch = FileChangeWatch(self.password_path, clock)
             log.info("%d users in %s", len(self.users), self.password_path)
         if self.allow_anonymous and settings.allow_anonymous is None:
@@ -652,31 +624,3 @@ def _safely(work: Callable[[], bool]) -> bool:
     except Exception:
         log.exception("password verification failed")
         return False
-
-
-def reload_on_sighup(*reloaders: Callable[[], None]) -> bool:
-    """Run ``reloaders`` on SIGHUP (event-loop signal handler); False if not possible.
-
-    Called when the broker is built inside a running event loop on the main
-    thread (``devicemq run``); elsewhere (tests, threads) it does nothing.
-    """
-    if not hasattr(signal, "SIGHUP"):
-        return False
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-
-    def on_sighup() -> None:
-        log.info("SIGHUP: reloading the password and ACL files")
-        for reload in reloaders:
-            try:
-                reload()
-            except Exception:
-                log.exception("reload failed")
-
-    try:
-        loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
-        return False
-    return True

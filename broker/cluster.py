@@ -36,8 +36,8 @@ Every message a replica publishes on ``subscriptions``, ``stored`` and
 sequence number in that process (``tick`` repeats the last one). Pub/sub
 is at most once: a receiver that sees a sequence number skip (or a ``tick``
 ahead of what it heard) missed something, and catches up as after a lost
-connection (:meth:`ClusterState.resync`, and every connected durable
-outbox re-reads the store). A stored message thus reaches its client
+connection (:meth:`ClusterState.resync`, and every connected persistent
+session's store feed re-reads the store). A stored message thus reaches its client
 within about ``TICK_INTERVAL`` plus a page read, whatever pub/sub lost.
 
 The order of one replica's messages is kept (one Redis connection publishes
@@ -47,7 +47,7 @@ session it holds with a live connection except by ``conn`` (takeover); a
 remote record is changed only by its owner, except that an offline durable
 record is dropped by any replica that ended the session (it expired there).
 
-Semantics (README "Running several replicas"): persistent (durable) QoS 1/2
+Semantics (docs/deployment.md "Running several replicas"): persistent (durable) QoS 1/2
 deliveries still go through Kafka, whichever replica routes them, and the
 replica that stores them tells the replica holding the connection to re-read
 the store (``stored``). Everything else to a remote client (QoS 0, clean
@@ -64,7 +64,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -77,9 +77,12 @@ from broker.stats import BrokerStats
 from broker.topics import SubscriptionEntry
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence, Sized
+
+    from broker.acl import Authorizer
     from broker.config import Settings
     from broker.connection_state import WillMessage
-    from broker.core import Broker
+    from broker.topics import SubscriptionTree
 
 log = logging.getLogger("devicemq.cluster")
 
@@ -92,6 +95,30 @@ RESYNC_WINDOW = 2.0  # seconds the snapshots of a re-sync have to confirm remote
 TICK_INTERVAL = 0.5  # seconds between a replica's ``tick`` (its last sequence number)
 
 Forward = Callable[[str, str, Delivery], None]
+
+
+class ClusterHost(Protocol):
+    """What the cluster state uses of the broker (``Broker`` is one)."""
+
+    @property
+    def sessions(self) -> dict[str, Session]: ...
+    @property
+    def connections(self) -> Sized: ...
+    @property
+    def subscriptions(self) -> SubscriptionTree: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    def add_block(self, entry: BlockEntry, *, share: bool = True) -> int: ...
+    def remove_block(self, key: str, *, share: bool = True) -> BlockEntry | None: ...
+    def kick(self, client_id: str, *, end_session: bool = False) -> bool: ...
+    def dispatch(
+        self, targets: Sequence[tuple[Session, Delivery]], on_accepted: Callable[[bool], None]
+    ) -> None: ...
+    def publish_will(self, will: WillMessage) -> None: ...
+    def bind_owner(self, session: Session, owner: str | None) -> None: ...
+    def forget_session(self, session: Session) -> None: ...
 
 
 class RemoteSession(Session):
@@ -152,7 +179,7 @@ class ClusterState:
     to be sent waits.
     """
 
-    def __init__(self, broker: Broker, node_id: str) -> None:
+    def __init__(self, broker: ClusterHost, node_id: str) -> None:
         self.broker = broker
         self.node_id = node_id
         self._wake: Callable[[], None] = _nothing  # the edge: data_to_send() has something
@@ -430,7 +457,7 @@ class ClusterState:
 
     def receive(self, channel: str, payload: bytes) -> list[str]:
         """Apply a control message; returns the client ids of a ``stored`` notice
-        (their outboxes re-read the store: the persistence layer's business), or
+        (their sessions' store feeds re-read the store: the persistence layer's business), or
         the topics of a ``retained`` notice (re-read from Redis, likewise)."""
         change = orjson.loads(payload)
         if change.get("n") not in (None, self.node_id):

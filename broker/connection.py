@@ -2,7 +2,7 @@
 
 Bytes go in through :meth:`MQTTConnection.receive_data`; packets are decoded,
 dispatched to the handler of their type (``broker/handlers``), and whatever
-the broker sends back is encoded into an outbox that the I/O edge drains with
+the broker sends back is encoded into an output buffer that the I/O edge drains with
 :meth:`MQTTConnection.data_to_send`. The edge is told there is something to
 send through the ``on_output`` callback, once per batch, so one socket write
 carries many packets.
@@ -14,12 +14,12 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.codec import MAX_REMAINING_LENGTH, DecodeLimits, PacketDecoder, encode
 from broker.connection_state import ConnectionState, PendingAck, WillMessage
 from broker.errors import MQTTError
-from broker.handlers import HANDLERS
+from broker.handlers import HANDLERS, HandlerHost
 from broker.limits import bucket_or_none
 from broker.message import Delivery
 from broker.packets import (
@@ -36,13 +36,36 @@ from broker.packets import (
 
 if TYPE_CHECKING:
     from broker.acl import Grant
-    from broker.core import Broker
+    from broker.config import Settings
     from broker.session import Session
+    from broker.stats import BrokerStats
+
+# Seconds before a connection with no deadline of its own (no keep-alive, no
+# in-flight timeout) is looked at again.
+IDLE_RECHECK = 30.0
+RECHECK = 1.0  # seconds between looks at a deadline that may come any moment
 
 log = logging.getLogger("devicemq.connection")
 
 MAX_PACKET_SIZE = MAX_REMAINING_LENGTH + 5
 _NO_PROPERTIES = Properties()
+
+
+class ConnectionHost(HandlerHost, Protocol):
+    """What a connection and its handlers use of the broker (``Broker`` is one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def call_soon(self) -> Callable[[Callable[[], None]], object] | None: ...
+    @property
+    def connections(self) -> set[MQTTConnection]: ...
+    def detach(self, conn: MQTTConnection, publish_will: bool) -> None: ...
+    def watch_connection(self, conn: MQTTConnection, when: float) -> None: ...
 
 
 class MQTTConnection:
@@ -54,7 +77,7 @@ class MQTTConnection:
 
     def __init__(
         self,
-        broker: Broker,
+        broker: ConnectionHost,
         peer: str,
         on_output: Callable[[MQTTConnection], None],
         on_input_flow: Callable[[bool], None] | None = None,
@@ -116,6 +139,9 @@ class MQTTConnection:
         self._out: list[bytes] = []
         # Tracked from the start so Broker.tick() can enforce the connect timeout.
         broker.connections.add(self)
+        self.watched_at: float | None = None  # when Broker.tick looks at its deadlines
+        self.due_entry: list[Any] | None = None  # its entry in the tick's heap
+        broker.watch_connection(self, now + broker.settings.mqtt.connect_timeout)
 
     @property
     def is_v5(self) -> bool:
@@ -358,23 +384,43 @@ class MQTTConnection:
         self.close_reason = self.close_reason or "connection_lost"
         self.close(publish_will=True)
 
-    def check_timeouts(self, now: float) -> None:
+    def check_timeouts(self, now: float) -> float | None:
+        """Enforce the deadlines that passed (connect timeout, keep-alive, in-flight
+        timeout); when to look again, None if the connection ended."""
         if self.state is ConnectionState.AWAITING_CONNECT:
-            if now - self.opened_at > self.broker.settings.mqtt.connect_timeout:
+            deadline = self.opened_at + self.broker.settings.mqtt.connect_timeout
+            if now > deadline:
                 self.broker.stats.reject("connect_timeout")
                 self.close(publish_will=False)
-        elif self.keep_alive and now - self.last_received > 1.5 * self.keep_alive:
-            log.info("client %s keep-alive timeout", self.client_id)
-            self.disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
-        else:
-            timeout = self.broker.settings.mqtt.inflight_timeout
-            session = self.session
-            if timeout and session is not None and session.outflow.stalled(now, timeout):
+                return None
+            return deadline
+        when = now + IDLE_RECHECK
+        if self.keep_alive:
+            deadline = self.last_received + 1.5 * self.keep_alive
+            if now > deadline:
+                log.info("client %s keep-alive timeout", self.client_id)
+                self.disconnect(ReasonCode.KEEP_ALIVE_TIMEOUT)
+                return None
+            when = deadline
+        timeout = self.broker.settings.mqtt.inflight_timeout
+        session = self.session
+        if timeout and session is not None:
+            outflow = session.outflow
+            if outflow.stalled(now, timeout):
                 # It reads but never acknowledges: what it holds waits for a client
                 # that does (a persistent session keeps it), not for this one.
                 log.info("client %s left its whole window unacknowledged", self.client_id)
                 self.broker.stats.reject("inflight_timeout")
                 self.disconnect(ReasonCode.QUOTA_EXCEEDED)
+                return None
+            if not outflow.inflight:
+                when = min(when, now + timeout)  # a stall's clock starts with a message
+            else:
+                # The window may fill any moment: due when the last progress is
+                # ``timeout`` old, looked at every RECHECK seconds after that.
+                stall = outflow.last_progress + timeout
+                when = min(when, stall if stall > now else now + RECHECK)
+        return when
 
 
 __all__ = ["ConnectionState", "MQTTConnection", "PendingAck", "WillMessage"]

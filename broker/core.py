@@ -8,16 +8,20 @@ periodically to run keep-alive, will-delay and session-expiry deadlines.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.acl import Authorizer
 from broker.auth import Authenticator, certificate_identity
 from broker.blocklist import BlockEntry, BlockList, FlapDetector
+from broker.budget import BYTES_LIMIT, GROUP, QUEUES_LIMIT, SESSION, OwnerBudget
 from broker.cluster import ClusterState, RemoteSession, node_id_of
 from broker.ecq import consumer_filter
 from broker.group_queue import GroupTarget, is_group_filter
@@ -129,10 +133,13 @@ def _ignore_claim(claim: Claim | None) -> None:
     """A claim refreshed as a connection ends: nobody waits on it."""
 
 
-def _refusal_of(claim: Claim | None) -> str:
-    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable")."""
+def _refusal_of(claim: Claim | None, quota: str = "") -> str:
+    """A claim's answer as a refusal ("" granted, "not_owner", "unavailable", or
+    ``quota``: the owner may hold no more)."""
     if claim is None:
         return "unavailable"
+    if claim.quota:
+        return quota
     return "" if claim.granted else "not_owner"
 
 
@@ -148,6 +155,15 @@ def _identity_of_session(session: Session) -> str | None:
     return session.owner if session.owner is not None else session.username
 
 
+def _unwatch(watched: MQTTConnection | Session) -> None:
+    """Drop ``watched``'s deadline from the tick's heap (its entry stays, empty)."""
+    entry = watched.due_entry
+    if entry is not None:
+        entry[2] = None
+        watched.due_entry = None
+    watched.watched_at = None
+
+
 class Broker:
     def __init__(
         self,
@@ -159,6 +175,8 @@ class Broker:
         keep_block: KeepBlock | None = None,
         integration_sink: IntegrationSink | None = None,
         owners: Owners | None = None,
+        authenticator: Authenticator | None = None,
+        authorizer: Authorizer | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -178,9 +196,26 @@ class Broker:
         # sets loop.call_soon); None: do it now (sans-IO tests).
         self.call_soon: Callable[[Callable[[], None]], object] | None = None
         self.stats = BrokerStats()
-        self.auth = Authenticator(settings.auth, clock)
-        self.acl = Authorizer(settings.auth.acl_file, clock, grants=bool(self.auth.chain))
+        # Built with their files and chain by the root (app/authentication.py); the
+        # defaults, for settings that name no file and no chain, do no I/O.
+        self.auth = authenticator or Authenticator(settings.auth, clock)
+        self.acl = authorizer or Authorizer(
+            settings.auth.acl_file, clock, grants=bool(self.auth.chain)
+        )
         self._detached: set[Session] = set()  # sessions waiting for expiry or a will delay
+        # Deadlines, earliest first, so a tick costs what is due, not one look at every
+        # connection and offline session (BENCHMARKS.md, "The fleet shape"):
+        # (when, seq, connection) and (when, seq, session); a session's live entry is
+        # the one at its ``watched_at`` (the others are stale, dropped when they come).
+        # An entry is a list [when, seq, object]: the object is set to None when it is
+        # watched again or leaves (a closed connection, a session back or ended), so
+        # the heap never keeps it alive until its old deadline.
+        self._conn_due: list[list[Any]] = []
+        self._session_due: list[list[Any]] = []
+        self._due_seq = itertools.count()
+        # Sessions whose retained messages are still being sent: the tick resumes them
+        # in case nothing else wakes them.
+        self._retained_waiting: set[Session] = set()
         self._connect_bucket = bucket_or_none(settings.mqtt.max_connection_rate, clock())
         per_source = settings.mqtt.max_connection_rate_per_source
         self._connect_by_source = SourceBuckets(per_source) if per_source > 0 else None
@@ -203,6 +238,11 @@ class Broker:
         self._client_id_patterns = parse_patterns(settings.auth.client_id_pattern)
         # owner -> client ids of the sessions it holds (local, stored, other replicas')
         self._owned: dict[str, set[str]] = {}
+        # auth.max_bytes_per_owner: who is over, as the last tally (persistence) found
+        self.budget = OwnerBudget(settings.auth.max_bytes_per_owner)
+        self._budget_log = LogLimiter(  # messages not stored for such an owner, 1 a second
+            logging.getLogger("devicemq.budget"), "messages not stored", rate=1.0, burst=5.0
+        )
         # $SYS topics and presence events (broker/sys_topics.py); sys_interval 0: none
         self.sys_topics = SysTopics(self, node_name(settings)) if settings.sys_interval else None
         # Refused before authentication (broker/blocklist.py); flapping adds to it.
@@ -364,6 +404,12 @@ class Broker:
             return
         owner = self.owner_of(conn)
         existing = self.sessions.get(client_id)
+        if existing is None and expiry_interval and self._over_budget(owner):
+            # A new store for an owner over auth.max_bytes_per_owner (a session it holds
+            # resumes, or is replaced by a clean start).
+            self.budget.refused(SESSION, BYTES_LIMIT)
+            then(None, False, "owner_budget")
+            return
         if existing is not None and not self._may_own(existing.owner, owner):
             # Another owner's session (here, on another replica): not taken over,
             # not resumed, not ended by a clean start.
@@ -537,6 +583,7 @@ class Broker:
         session.will_at = None
         session.expires_at = None
         self._detached.discard(session)
+        _unwatch(session)
         session.connection = conn
         conn.session = session
         if session.owner is None:  # an unbound session is bound to its first owner
@@ -607,6 +654,7 @@ class Broker:
             session.expires_at = self.clock() + expires_in
         self.sessions[client_id] = session
         self._detached.add(session)
+        self._watch_session(session)
         return session
 
     def _new_session(self, client_id: str, expiry_interval: int, durable: bool) -> Session:
@@ -628,6 +676,7 @@ class Broker:
     def detach(self, conn: MQTTConnection, publish_will: bool) -> None:
         """The connection ended: start the will delay and the session expiry."""
         self.connections.discard(conn)
+        _unwatch(conn)
         session = conn.session
         will = conn.will
         conn.will = None
@@ -735,9 +784,19 @@ class Broker:
         if not self._names_clients:
             then("")  # every client is anonymous: nobody to bind the queue to
             return
+        identity = self.identity_of(conn)
+        most: int | None = self.settings.ecq.max_queues_per_owner or None
+        quota = QUEUES_LIMIT  # then("max_queues_per_owner"): one queue more than that
+        if self._over_budget(identity):
+            most, quota = 0, BYTES_LIMIT  # a queue it holds, not a new one
         self.owners.claim(
-            QUEUE, client_id, self.identity_of(conn), 0, lambda c: then(_refusal_of(c))
+            QUEUE, client_id, identity, 0, lambda c: then(_refusal_of(c, quota)), most
         )
+
+    def _over_budget(self, owner: str | None) -> bool:
+        """Is ``owner`` over auth.max_bytes_per_owner (the last tally)?"""
+        over = self.budget.over
+        return bool(over) and owner in over
 
     def _over_owner_quota(self, owner: str | None) -> bool:
         """Would one more session be over auth.max_sessions_per_owner for ``owner``?"""
@@ -754,6 +813,31 @@ class Broker:
             if session is not None:
                 held.update(f for f in session.subscriptions if is_group_filter(f))
         return held
+
+    def sessions_owned(self, owner: str) -> int:
+        """How many sessions ``owner`` holds (auth.max_sessions_per_owner counts them)."""
+        return len(self._owned.get(owner, ()))
+
+    def stores_by_owner(self) -> dict[str, tuple[list[str], set[str]]]:
+        """Each owner's stores this broker knows of (other replicas' sessions included):
+        the client ids of its durable sessions, and the group queues they are members
+        of (each once). Read by the tally of auth.max_bytes_per_owner."""
+        out: dict[str, tuple[list[str], set[str]]] = {}
+        sessions = self.sessions
+        for owner, client_ids in self._owned.items():
+            durable: list[str] = []
+            groups: set[str] = set()
+            for client_id in client_ids:
+                session = sessions.get(client_id)
+                if session is None or not session.durable:
+                    continue
+                durable.append(client_id)
+                for topic_filter in session.subscriptions:
+                    if is_group_filter(topic_filter):
+                        groups.add(topic_filter)
+            if durable:
+                out[owner] = (durable, groups)
+        return out
 
     def bind_owner(self, session: Session, owner: str | None) -> None:
         """``session`` (here, or a record of another replica's) belongs to ``owner``."""
@@ -780,6 +864,7 @@ class Broker:
         if session.expiry_interval != NEVER_EXPIRES:
             session.expires_at = now + session.expiry_interval
         self._detached.add(session)
+        self._watch_session(session)
 
     def forget_session(self, session: Session) -> None:
         """Forget a session on this broker only: its filters, queue, index entry,
@@ -793,6 +878,7 @@ class Broker:
             del self.sessions[session.client_id]
         self.unbind_owner(session)
         self._detached.discard(session)
+        _unwatch(session)
 
     def end_session(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         """Discard a session; a will still waiting for its delay is sent now.
@@ -884,6 +970,7 @@ class Broker:
         """Run every deadline that has passed: connect timeout, keep-alive, wills, expiry."""
         now = self.clock()
         self.refusal_log.flush(now)
+        self._budget_log.flush(now)
         if now - self._pruned >= PRUNE_INTERVAL:
             self._pruned = now
             self.blocklist.prune(self.wall_clock())
@@ -896,14 +983,30 @@ class Broker:
                     now - since,
                     len(self._opening.get(client_id, ())),
                 )
-        for conn in list(self.connections):
-            conn.check_timeouts(now)
-            session = conn.session
-            if session is not None and session.retained_sender:
-                session.retained_sender.resume()  # in case nothing else woke it
-        for session in list(self._detached):
-            if session.retained_sender:
-                session.retained_sender.resume()  # its connection went while it waited
+        due = self._conn_due
+        connections = self.connections
+        while due and due[0][0] <= now:
+            conn = heapq.heappop(due)[2]
+            if conn is None or conn not in connections:
+                continue  # watched again since, or it ended
+            conn.watched_at, conn.due_entry = None, None
+            next_look = conn.check_timeouts(now)
+            if next_look is not None and conn in connections:
+                # A deadline reached but not passed (the rules say "more than") is
+                # looked at again by the next tick.
+                self.watch_connection(conn, max(next_look, math.nextafter(now, math.inf)))
+        for session in list(self._retained_waiting):
+            sender = session.retained_sender
+            if sender:
+                sender.resume()  # in case nothing else woke it
+            else:
+                self._retained_waiting.discard(session)
+        sessions_due = self._session_due
+        while sessions_due and sessions_due[0][0] <= now:
+            session = heapq.heappop(sessions_due)[2]
+            if session is None or session not in self._detached:
+                continue  # watched again since, back, or ended
+            session.watched_at, session.due_entry = None, None
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
                 if will is not None:
@@ -911,6 +1014,32 @@ class Broker:
             if session.expires_at is not None and now >= session.expires_at:
                 log.info("session %s expired", session.client_id)
                 self.end_session(session)
+            elif session in self._detached:
+                self._watch_session(session)
+
+    def watch_connection(self, conn: MQTTConnection, when: float) -> None:
+        """Look at ``conn``'s deadlines (connect timeout, keep-alive, in-flight timeout)
+        at ``when``, instead of when it was to be looked at before."""
+        if when == conn.watched_at:
+            return
+        _unwatch(conn)
+        conn.watched_at = when
+        conn.due_entry = entry = [when, next(self._due_seq), conn]
+        heapq.heappush(self._conn_due, entry)
+
+    def _watch_session(self, session: Session) -> None:
+        """Queue the offline session's next deadline (its will delay or its expiry)."""
+        deadlines = [t for t in (session.will_at, session.expires_at) if t is not None]
+        if not deadlines:
+            _unwatch(session)
+            return
+        when = min(deadlines)
+        if when == session.watched_at:
+            return  # its entry is queued already
+        _unwatch(session)
+        session.watched_at = when
+        session.due_entry = entry = [when, next(self._due_seq), session]
+        heapq.heappush(self._session_due, entry)
 
     # -- routing ------------------------------------------------------------------------
 
@@ -973,7 +1102,10 @@ class Broker:
                 # (group_queues.enabled turned off since members subscribed): not routed.
                 if not self.persistent_path.keeps_groups:
                     continue
-                if message.qos and (
+                if message.qos and self.budget.over and self._group_over(group.members):
+                    # Every member's owner is over auth.max_bytes_per_owner: not stored.
+                    self._not_stored(GROUP, f"{group.name}/{group.topic_filter}", message)
+                elif message.qos and (
                     may_receive is None or any(may_receive(m.client_id) for m in group.members)
                 ):
                     target = GroupTarget(f"{group.name}/{group.topic_filter}")
@@ -1001,6 +1133,7 @@ class Broker:
         if sender is None:
             sender = session.retained_sender = RetainedSender(self, session)
         sender.add(topic_filter, qos, subscription_ids)
+        self._retained_waiting.add(session)
 
     def resume_retained(self, session: Session) -> None:
         """The session's socket or queue drained: its retained messages may go on."""
@@ -1022,10 +1155,14 @@ class Broker:
         :meth:`PersistentPath.submit`.
         """
         persistent = []
+        over = self.budget.over  # empty unless an owner is over auth.max_bytes_per_owner
         for session, delivery in targets:
             if not retained and session.retained_sender:
                 session.retained_sender.live(delivery.message.topic)
             if isinstance(session, GroupTarget) or (session.durable and delivery.qos > 0):
+                if over and not isinstance(session, GroupTarget) and session.owner in over:
+                    self._not_stored(SESSION, session.client_id, delivery.message)
+                    continue
                 persistent.append((session, delivery))
             else:
                 session.deliver(delivery)
@@ -1033,6 +1170,31 @@ class Broker:
             self.persistent_path.submit(persistent, on_accepted, on_settled)
         else:
             on_accepted(True)
+
+    def _not_stored(self, store: str, name: str, message: Message) -> None:
+        """A message for a store whose owner is over auth.max_bytes_per_owner is dropped
+        at routing: counted, and logged at a bounded rate."""
+        self.budget.refused(store, BYTES_LIMIT)
+        self.stats.drop("owner_budget")
+        self._budget_log.log(
+            self.clock(),
+            logging.INFO,
+            "message on %r not stored for %s %s: its owner is over auth.max_bytes_per_owner",
+            message.topic,
+            store,
+            name,
+        )
+
+    def _group_over(self, members: Sequence[SubscriptionEntry]) -> bool:
+        """Is the owner of every member of a group over auth.max_bytes_per_owner?"""
+        over, sessions = self.budget.over, self.sessions
+        if not members:
+            return False
+        for member in members:
+            session = sessions.get(member.client_id)
+            if session is None or session.owner not in over:
+                return False
+        return True
 
     def _is_online(self, client_id: str) -> bool:
         session = self.sessions.get(client_id)

@@ -282,7 +282,7 @@ class JwtMember:
 
     def check(self, credentials: Credentials, source: str, answer: Answer) -> None:
         """Decided here, on the event loop: a signature check costs ~0.1 ms
-        (``python -m loadtest.auth_chain_bench``), less than a hand-over to a thread."""
+        (``python -m benchmarks.auth_chain_bench``), less than a hand-over to a thread."""
         header = _jwt_header(credentials.password)
         if header is None:
             answer(None)  # not a JWT (a password with two dots too): the next member's

@@ -1,6 +1,5 @@
 """Topic-to-Kafka integration rules: which published messages become records of the
-user's own Kafka topics, under which key, with which value (README "Topic-to-Kafka
-integration").
+user's own Kafka topics, under which key, with which value (docs/integrations.md).
 
 Sans-IO: this module decides the records; a :class:`IntegrationSink` (the Kafka
 one is persistence/integration_sink.py) produces them and says when Kafka has

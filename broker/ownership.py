@@ -33,10 +33,12 @@ MAX_TRACKED = 1_000_000  # claims MemoryOwners keeps at most (then the oldest go
 @dataclass(frozen=True, slots=True)
 class Claim:
     """The answer to a claim: ``granted``, or refused because ``holder`` holds it
-    (None when granted)."""
+    (None when granted), or because the owner may hold no more (``quota``: a queue
+    claim's ``most``)."""
 
     granted: bool
     holder: str | None = None
+    quota: bool = False
 
 
 # Called with the answer, or None if the store could not be reached.
@@ -48,11 +50,23 @@ class Owners(Protocol):
 
     ``ttl``: seconds a claim lasts after its last use (0: until released).
     ``owner`` None asks without claiming: granted only if nobody holds it.
+    ``most`` (queues only): how many queues the owner may hold with this one if it is
+    new to it (None: no limit; 0: no new one); one over it: ``Claim(False, quota=True)``.
+    Each owner's queues are indexed beside the claims (:meth:`queues_of`).
     """
 
     def claim(
-        self, kind: str, name: str, owner: str | None, ttl: float, done: ClaimDone
+        self,
+        kind: str,
+        name: str,
+        owner: str | None,
+        ttl: float,
+        done: ClaimDone,
+        most: int | None = None,
     ) -> None: ...
+
+    async def queues_of(self, owner: str) -> set[str]:
+        """The $ECQ queues ``owner`` holds."""
 
     async def holder(self, kind: str, name: str) -> tuple[str, float | None] | None:
         """(owner, seconds left, None: no deadline), or None: nobody holds it."""
@@ -101,33 +115,65 @@ class MemoryOwners:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._held: dict[tuple[str, str], tuple[str, float | None]] = {}
+        self._queues: dict[str, set[str]] = {}  # owner -> the queues it holds
 
     def _current(self, key: tuple[str, str]) -> tuple[str, float | None] | None:
         held = self._held.get(key)
         if held is not None and held[1] is not None and held[1] <= self._clock():
-            del self._held[key]
+            self._drop(key)
             return None
         return held
 
-    def claim(self, kind: str, name: str, owner: str | None, ttl: float, done: ClaimDone) -> None:
+    def claim(
+        self,
+        kind: str,
+        name: str,
+        owner: str | None,
+        ttl: float,
+        done: ClaimDone,
+        most: int | None = None,
+    ) -> None:
         key = (kind, name)
         held = self._current(key)
         if held is not None and held[0] != owner:
             done(Claim(False, held[0]))
             return
+        if (
+            held is None
+            and kind == QUEUE
+            and owner is not None
+            and most is not None
+            and len(self._queues.get(owner, ())) >= most
+        ):
+            done(Claim(False, quota=True))
+            return
         if owner is not None:
             self._keep(key, owner, ttl)
         done(Claim(True))
 
+    async def queues_of(self, owner: str) -> set[str]:
+        return set(self._queues.get(owner, ()))
+
     def _keep(self, key: tuple[str, str], owner: str, ttl: float) -> None:
-        self._held.pop(key, None)  # the newest last: the oldest go first when full
+        self._drop(key)  # the newest last: the oldest go first when full
         self._held[key] = (owner, self._clock() + ttl if ttl else None)
+        if key[0] == QUEUE:
+            self._queues.setdefault(owner, set()).add(key[1])
         if len(self._held) > MAX_TRACKED:
             now = self._clock()
             for k in [k for k, (_, until) in self._held.items() if until and until <= now]:
-                del self._held[k]
+                self._drop(k)
             while len(self._held) > MAX_TRACKED:
-                del self._held[next(iter(self._held))]
+                self._drop(next(iter(self._held)))
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        held = self._held.pop(key, None)
+        if held is not None and key[0] == QUEUE:
+            queues = self._queues.get(held[0])
+            if queues is not None:
+                queues.discard(key[1])
+                if not queues:
+                    del self._queues[held[0]]
 
     async def holder(self, kind: str, name: str) -> tuple[str, float | None] | None:
         held = self._current((kind, name))
@@ -139,7 +185,7 @@ class MemoryOwners:
         key = (kind, name)
         held = self._current(key)
         if owner is None:
-            self._held.pop(key, None)
+            self._drop(key)
         else:
             self._keep(key, owner, ttl)
         return held[0] if held is not None else None

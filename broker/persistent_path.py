@@ -22,7 +22,7 @@ from broker.group_queue import GroupTarget
 
 if TYPE_CHECKING:
     from broker.message import Delivery
-    from broker.outflow import Feed, SideFeed
+    from broker.outflow import Feed, QueueSide, SideFeed
     from broker.session import Session
     from broker.topics import SubscriptionEntry
 
@@ -127,7 +127,7 @@ class PersistentPath(Protocol):
         """Is ``queue`` at its byte limit (ecq.max_bytes), as far as this path knows now?
         A write to it is refused before it goes anywhere (0x97)."""
 
-    def queue_feed(self, session: Session) -> SideFeed | None:
+    def queue_feed(self, session: Session) -> QueueSide | None:
         """The side feed delivering the queue of ``session``'s client; None: no queues."""
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
@@ -135,7 +135,7 @@ class PersistentPath(Protocol):
 
     keeps_groups: bool  # serves durable group queues (broker/group_queue.py)
 
-    def group_feed(self, session: Session, topic_filter: str) -> Feed | None:
+    def group_feed(self, session: Session, topic_filter: str) -> SideFeed | None:
         """``session``'s share of the group queue ``topic_filter`` names (a side feed
         of its outflow); None: no group queues here."""
 
@@ -185,7 +185,7 @@ class InMemoryPersistentPath:
     def queue_full(self, queue: str) -> bool:
         return False
 
-    def queue_feed(self, session: Session) -> SideFeed | None:
+    def queue_feed(self, session: Session) -> QueueSide | None:
         return None
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
@@ -193,5 +193,5 @@ class InMemoryPersistentPath:
 
     keeps_groups = False
 
-    def group_feed(self, session: Session, topic_filter: str) -> Feed | None:
+    def group_feed(self, session: Session, topic_filter: str) -> SideFeed | None:
         return None

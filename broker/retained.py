@@ -22,13 +22,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
 
 if TYPE_CHECKING:
-    from broker.core import Broker
+    from collections.abc import Sequence
+
+    from broker.acl import Authorizer
     from broker.session import Session
 
 __all__ = ["RetainedSender", "RetainedStore", "retained_size"]
@@ -306,6 +308,27 @@ class _Job:
     since: int  # the sender's clock when queued: live messages after it supersede
 
 
+class SenderHost(Protocol):
+    """What a :class:`RetainedSender` uses of the broker (``Broker`` is one)."""
+
+    @property
+    def retained(self) -> RetainedStore: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def call_soon(self) -> Callable[[Callable[[], None]], object] | None: ...
+    @property
+    def sessions(self) -> dict[str, Session]: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    def dispatch(
+        self,
+        targets: Sequence[tuple[Session, Delivery]],
+        on_accepted: Callable[[bool], None],
+        retained: bool = False,
+    ) -> None: ...
+
+
 class RetainedSender:
     """A session's retained messages on their way after SUBSCRIBE.
 
@@ -324,7 +347,7 @@ class RetainedSender:
 
     __slots__ = ("_broker", "_clock", "_jobs", "_live", "_scheduled", "_session")
 
-    def __init__(self, broker: Broker, session: Session) -> None:
+    def __init__(self, broker: SenderHost, session: Session) -> None:
         self._broker = broker
         self._session = session
         self._jobs: deque[_Job] = deque()

@@ -8,7 +8,7 @@ connection that is currently attached, if any, is only a way to send bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.message import Delivery
 from broker.outflow import Feed, Outflow
@@ -48,6 +48,9 @@ class Session:
         self.expires_at: float | None = None  # set while no connection is attached
         self.pending_will: WillMessage | None = None  # a will waiting out its delay
         self.will_at: float | None = None
+        # The deadline the broker's tick has this session queued at (Broker.tick).
+        self.watched_at: float | None = None
+        self.due_entry: list[Any] | None = None  # its entry in that heap
         self.stats = stats
         self.outflow = Outflow(self, max_inflight, feed, may_receive)
         # Created persistent: deliveries and state go through the persistent path.

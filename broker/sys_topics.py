@@ -44,7 +44,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
@@ -53,10 +53,15 @@ from broker.cluster import RemoteSession, node_id_of
 from broker.message import Message
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from broker.config import Settings
     from broker.connection import MQTTConnection
-    from broker.core import Broker
+    from broker.group_queue import GroupTarget
+    from broker.message import Delivery
+    from broker.retained import RetainedStore
     from broker.session import Session
+    from broker.stats import BrokerStats
 
 __all__ = [
     "SysNumbers",
@@ -187,11 +192,32 @@ def _ignore(ok: bool) -> None:
     """QoS 0: nobody waits for these."""
 
 
+class SysHost(Protocol):
+    """What ``$SYS`` uses of the broker (``Broker`` is one)."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def wall_clock(self) -> Callable[[], float]: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def sessions(self) -> dict[str, Session]: ...
+    @property
+    def retained(self) -> RetainedStore: ...
+    def resolve(self, message: Message) -> list[tuple[Session | GroupTarget, Delivery]]: ...
+    def dispatch(
+        self,
+        targets: Sequence[tuple[Session | GroupTarget, Delivery]],
+        on_accepted: Callable[[bool], None],
+    ) -> None: ...
+
+
 class SysTopics:
     """Publishes the broker's ``$SYS`` messages through its own routing (sans IO:
     the caller says when; time comes from the broker's clocks)."""
 
-    def __init__(self, broker: Broker, node: str) -> None:
+    def __init__(self, broker: SysHost, node: str) -> None:
         self.broker = broker
         self.node = node
         self.wall: Callable[[], float] = broker.wall_clock

@@ -14,7 +14,15 @@ from typing import Any
 
 from loadtest.scenarios import SCENARIOS, LoadConfig
 
-__all__ = ["add_arguments", "config_from_args", "fleet_processes", "main", "run_command"]
+__all__ = [
+    "ALIASES",
+    "CHOICES",
+    "add_arguments",
+    "config_from_args",
+    "fleet_processes",
+    "main",
+    "run_command",
+]
 
 # fleet: the shape of TBMQ's persistent P2P benchmark, one publisher and one
 # persistent subscriber per device, 62-byte QoS 1 messages at 1 a second each
@@ -32,14 +40,25 @@ def _host_port(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+# Old names a scenario still answers to: ``shared-queue`` was the group queue's.
+ALIASES = {"shared-queue": "group-queue"}
+CHOICES = (*SCENARIOS, "fleet", "ecq", "group-queue")
+
+
+def _scenario(text: str) -> str:
+    return ALIASES.get(text, text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "scenario",
-        choices=(*SCENARIOS, "fleet", "ecq", "shared-queue"),
+        type=_scenario,
+        choices=CHOICES,
         help="p2p, fan-in or fan-out; fleet: the TBMQ benchmark's shape as a preset (p2p, "
         "--devices pairs, 62 B QoS 1 at 1 msg/s each, persistent subscribers; --storm: the "
         "reconnect storm, loadtest/storm.py); ecq: exclusive compacted queues "
-        "(loadtest/ecq.py); shared-queue: durable group queues (loadtest/shared_queue.py)",
+        "(loadtest/ecq.py); group-queue (or its old name shared-queue): durable group "
+        "queues (loadtest/group_queue.py)",
     )
     g = p.add_argument_group("fleet")
     g.add_argument(
@@ -117,19 +136,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10,
         help="unacknowledged PUBLISHes per publisher (default 10)",
     )
-    g = p.add_argument_group("ecq and shared-queue")
+    g = p.add_argument_group("ecq and group-queue")
     g.add_argument(
         "--queues",
         type=int,
-        help="ecq: queues, one consumer each (10); shared-queue: groups (4)",
+        help="ecq: queues, one consumer each (10); group-queue: groups (4)",
     )
-    g.add_argument("--members", type=int, default=4, help="shared-queue: members per group (4)")
+    g.add_argument("--members", type=int, default=4, help="group-queue: members per group (4)")
     g.add_argument(
         "--churn",
         type=float,
         default=0.0,
         metavar="S",
-        help="shared-queue: a member drops its connection every S seconds and comes back",
+        help="group-queue: a member drops its connection every S seconds and comes back",
     )
     g.add_argument(
         "--keys", type=int, default=1000, help="keys per queue (1000): fewer, more compaction"
@@ -294,10 +313,10 @@ def run_command(args: argparse.Namespace) -> int:
         from loadtest.ecq import run_from_args
 
         return run_from_args(args)
-    if args.scenario == "shared-queue":
-        from loadtest.shared_queue import run_from_args as run_shared_queue
+    if args.scenario == "group-queue":
+        from loadtest.group_queue import run_from_args as run_group_queue
 
-        return run_shared_queue(args)
+        return run_group_queue(args)
     if args.scenario == "fleet" and args.storm:
         from loadtest.storm import run_from_args as run_storm
 

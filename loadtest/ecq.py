@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import struct
-import sys
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.codec import PacketDecoder, encode
-from broker.packets import (
-    ConnAck,
-    Connect,
-    Disconnect,
-    Properties,
-    PubAck,
-    Publish,
-    SubAck,
-    Subscribe,
-    Subscription,
-)
+from broker.codec import encode
+from broker.packets import PubAck, Publish, SubAck, Subscribe, Subscription
+from loadtest.queue_load import Conn, drain, latency_summary, run_reported
 
 HEADER = struct.Struct(">IIIQ")  # queue, key, write number, send time (ns, monotonic)
 
@@ -63,59 +51,6 @@ class EcqConfig:
             raise ValueError("--duration must be > 0, --drain >= 0")
 
 
-class _Conn(asyncio.Protocol):
-    """One MQTT 5 connection through the project's codec."""
-
-    def __init__(self, client_id: str) -> None:
-        self.client_id = client_id
-        self.transport: asyncio.Transport | None = None
-        self.decoder = PacketDecoder(protocol_level=5)
-        self.waiter: asyncio.Future[object] | None = None
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    async def open(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.create_connection(lambda: self, host, port)
-        connack = await self.request(
-            Connect(
-                self.client_id,
-                protocol_level=5,
-                clean_start=True,
-                keep_alive=600,
-                properties=Properties(receive_maximum=65535),
-            )
-        )
-        if not isinstance(connack, ConnAck) or connack.reason_code:
-            raise RuntimeError(f"{self.client_id}: CONNECT refused: {connack!r}")
-
-    async def request(self, packet: Any) -> object:
-        assert self.transport is not None
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(encode(packet, 5))
-        return await asyncio.wait_for(self.waiter, 30)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-    def data_received(self, data: bytes) -> None:
-        for packet in self.decoder.feed(data):
-            self.packet(packet)
-
-    def packet(self, packet: object) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(packet)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.write(encode(Disconnect(), 5))
-            self.transport.close()
-
-
 @dataclass
 class _Counts:
     writes_acked: int = 0
@@ -124,7 +59,7 @@ class _Counts:
     latencies: list[float] = field(default_factory=list)  # seconds, write -> read
 
 
-class _Producer(_Conn):
+class _Producer(Conn):
     def __init__(self, client_id: str, index: int, config: EcqConfig, run: _Run) -> None:
         super().__init__(client_id)
         self.config, self.run = config, run
@@ -170,7 +105,7 @@ class _Producer(_Conn):
         super().packet(packet)
 
 
-class _Consumer(_Conn):
+class _Consumer(Conn):
     def __init__(self, client_id: str, index: int, run: _Run) -> None:
         super().__init__(client_id)
         self.index, self.run = index, run
@@ -244,12 +179,7 @@ async def run_ecq(config: EcqConfig) -> dict[str, Any]:
     elapsed = time.monotonic() - started
     for producer in producers:
         producer.running = False
-    drain_started = time.monotonic()
-    while (any(p.out for p in producers) or run.missing > 0) and (
-        time.monotonic() - drain_started < config.drain
-    ):
-        await asyncio.sleep(0.05)
-    drained_in = time.monotonic() - drain_started
+    drained_in = await drain(lambda: any(p.out for p in producers) or run.missing > 0, config.drain)
     for conn in [*producers, *consumers]:
         conn.close()
     lost = [
@@ -258,15 +188,6 @@ async def run_ecq(config: EcqConfig) -> dict[str, Any]:
         if run.latest_read.get((q, k), 0) < w
     ]
     counts = run.counts
-    latencies = sorted(counts.latencies)
-
-    def pct(p: float) -> float | None:
-        return (
-            round(latencies[min(len(latencies) - 1, int(p * len(latencies)))], 4)
-            if latencies
-            else None
-        )
-
     return {
         "config": vars(config),
         "seconds": round(elapsed, 2),
@@ -282,11 +203,7 @@ async def run_ecq(config: EcqConfig) -> dict[str, Any]:
         "lost": len(lost),
         "lost_examples": lost[:10],
         "drained_in_s": round(drained_in, 2),
-        "latency_s": {
-            "p50": pct(0.5),
-            "p99": pct(0.99),
-            "max": latencies[-1] if latencies else None,
-        },
+        "latency_s": latency_summary(counts.latencies),
     }
 
 
@@ -331,29 +248,3 @@ def run_from_args(args: argparse.Namespace) -> int:
         args.json,
         lambda r: r["lost"] == 0 and r["writes_refused"] == 0,
     )
-
-
-def run_reported(
-    config: Any,
-    run: Callable[[Any], Coroutine[Any, Any, dict[str, Any]]],
-    fmt: Callable[[dict[str, Any]], str],
-    json_path: str | None,
-    ok: Callable[[dict[str, Any]], bool],
-) -> int:
-    """Check ``config`` (exit 2), run it (exit 1 on a connection error), print the
-    result and write it as JSON; exit 0 if ``ok(result)``."""
-    try:
-        config.check()
-    except ValueError as e:
-        print(f"loadtest: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = asyncio.run(run(config))
-    except (RuntimeError, OSError, TimeoutError) as e:
-        print(f"loadtest: error: {e}", file=sys.stderr)
-        return 1
-    print(fmt(result))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if ok(result) else 1

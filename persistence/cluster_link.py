@@ -32,7 +32,7 @@ reconnect (an output buffer limit, a failover). Both are caught up
 (:meth:`ClusterLink.catch_up`): the confirmation of the re-subscription, or
 a gap in a sender's sequence numbers (``broker/cluster.py``, checked at
 least every ``TICK_INTERVAL`` by its ``tick``), starts a re-sync and makes
-every connected durable outbox re-read the store.
+every connected persistent session's store feed re-read the store.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class ClusterLink:
         self._redis = redis  # pub/sub and PUBLISH: one plain connection
         self._keys = keys if keys is not None else redis  # liveness keys (cluster-aware)
         self._prefix = prefix
-        self._broker = broker
+        self._clock = broker.clock
         self._persistence = persistence
         assert broker.cluster is not None, "the broker builds its ClusterState (cluster.enabled)"
         self.state: ClusterState = broker.cluster
@@ -214,8 +214,8 @@ class ClusterLink:
     def catch_up(self) -> None:
         """Messages from other replicas may have been lost: ask for their snapshots
         again (records nobody confirms within ``RESYNC_WINDOW`` are dropped), re-read
-        the retained messages, and make every connected durable outbox re-read the
-        store (a lost ``stored`` notice)."""
+        the retained messages, and make every connected persistent session's store
+        feed re-read the store (a lost ``stored`` notice)."""
         self.state.resync()
         if self._retained is not None:
             self._retained.resync()
@@ -223,13 +223,8 @@ class ClusterLink:
             self._resync_timer.cancel()  # the window restarts with the latest request
         loop = asyncio.get_running_loop()
         self._resync_timer = loop.call_later(RESYNC_WINDOW, self.state.resync_done)
-        connected = [
-            cid
-            for cid, session in self._broker.sessions.items()
-            if (session.durable or session.outflow.side is not None)
-            and session.connection is not None
-        ]
-        self._persistence.reread(connected)
+        feeds = self._persistence.feeds
+        feeds.reread(feeds.connected())
 
     # -- out ---------------------------------------------------------------------------
 
@@ -244,7 +239,7 @@ class ClusterLink:
         prefix = self._prefix
         queued = [(f"{prefix}:{channel}", payload) for channel, payload in control]
         if deliveries:
-            wall, now = time.time(), self._broker.clock()
+            wall, now = time.time(), self._clock()
             for node, items in deliveries.items():
                 channel = f"{prefix}:{DELIVER}{node}"
                 queued.append((channel, encode_deliveries(items, wall, now)))
@@ -313,13 +308,13 @@ class ClusterLink:
             data: bytes = message["data"]
             try:
                 if channel == self._mine:
-                    wall, now = time.time(), self._broker.clock()
+                    wall, now = time.time(), self._clock()
                     for client_id, delivery in decode_deliveries(data, wall, now):
                         self.state.delivered(client_id, delivery)
                 elif channel == subscriptions:
                     self.state.receive(SUBSCRIPTIONS, data)
                 elif channel == stored:
-                    self._persistence.reread(self.state.receive(STORED, data))
+                    self._persistence.feeds.reread(self.state.receive(STORED, data))
                 elif channel == retained:
                     topics = self.state.receive(RETAINED, data)
                     if topics and self._retained is not None:

@@ -80,6 +80,7 @@ class KafkaCompactor:
         replace_topic: Callable[[], Awaitable[object]],
         threshold: int,
         hold_limit: float = 2.0,
+        batch_threshold: int = 0,
         clock: Callable[[], float] = time.monotonic,
         probe: TopicProbe | None = None,
         after_compaction: Callable[[], Awaitable[object]] | None = None,
@@ -94,6 +95,7 @@ class KafkaCompactor:
         self._partitions = partitions
         self._replace_topic = replace_topic  # delete the topic, then create it again
         self.threshold = threshold
+        self.batch_threshold = batch_threshold
         self._hold_limit = hold_limit
         self._clock = clock
         self._probe = probe
@@ -113,7 +115,7 @@ class KafkaCompactor:
                 async with self._busy:
                     if await self.topic_lost():
                         done = await self.restore()
-                    elif self.threshold and self._consumer.records_held() >= self.threshold:
+                    elif self.due():
                         done = await self.compact()
                     else:
                         continue
@@ -124,6 +126,16 @@ class KafkaCompactor:
                 done = False
             if not done:
                 self._next_try = self._clock() + RETRY_AFTER
+
+    def due(self) -> bool:
+        """``threshold`` records held, or ``batch_threshold`` batches sent (at most):
+        a fetch from Tansu's memory store looks at every batch it holds, and at a
+        message a second per client most batches hold a record or two."""
+        if not self.threshold:
+            return False
+        if self._consumer.records_held() >= self.threshold:
+            return True
+        return bool(self.batch_threshold) and self._path.batches_sent >= self.batch_threshold
 
     async def topic_lost(self) -> bool:
         """A Kafka that forgets topics (Tansu) answers and does not list the topic, or
@@ -286,7 +298,7 @@ class KafkaCompactor:
                         )
                     return False
                 await asyncio.sleep(0.02)
-            dropped = consumer.records_held()
+            dropped, batches = consumer.records_held(), path.batches_sent
             stored_at = self._clock()
             await self._replace_topic()
             new_log = True
@@ -300,10 +312,11 @@ class KafkaCompactor:
                     log.exception("after emptying the kafka topic")
             now = self._clock()
             log.info(
-                "embedded kafka topic emptied: its %d records were all stored "
-                "(publishers held %.0f ms: %.0f until everything was stored, %.0f "
-                "replacing the topic)",
+                "embedded kafka topic emptied: its %d records (%d batches at most) were "
+                "all stored (publishers held %.0f ms: %.0f until everything was stored, "
+                "%.0f replacing the topic)",
                 dropped,
+                batches,
                 (now - held_at) * 1000,
                 (stored_at - held_at) * 1000,
                 (now - stored_at) * 1000,

@@ -1,10 +1,12 @@
 """The durable persistent path, assembled: Kafka producer, consumer, Redis store.
 
 :class:`DevicePersistence` is the :class:`broker.persistent_path.PersistentPath`
-of a running broker. :func:`open_persistence` connects it to the configured
-Redis and Kafka, or to embedded ones started under the data dir when neither
-is configured, and :meth:`DevicePersistence.close` drains it: everything
-acknowledged to a publisher is in Redis before it returns.
+of a running broker: it builds the parts and runs them; what the consumer stores
+reaches the live feeds through :class:`~persistence.feed_bridge.FeedBridge`.
+:func:`open_persistence` connects it to the configured Redis and Kafka, or to
+embedded ones started under the data dir when neither is configured, and
+:meth:`DevicePersistence.close` drains it: everything acknowledged to a
+publisher is in Redis before it returns.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from aiokafka.errors import KafkaError
 
 from broker.config import ConfigError, Settings
 from broker.ecq import QueueAddressee, consumer_filter
-from broker.group_queue import GroupTarget, is_group_store
+from broker.group_queue import GroupTarget
 from persistence import kafka_security
+from persistence.application_feed import ApplicationFeed, ApplicationSessions
 from persistence.coalescing import Retry
 from persistence.compaction import KafkaCompactor
 from persistence.consumer import LogResets, PersistenceConsumer, make_consumer, stop_consumer
 from persistence.events import NO_EVENTS, EventLog, EventSink, end_kind, open_event_log
-from persistence.format import StoredRecord
+from persistence.feed_bridge import FeedBridge
 from persistence.group_feed import GroupFeed, GroupQueues
 from persistence.kafka_path import (
     KafkaPersistentPath,
@@ -38,7 +41,7 @@ from persistence.kafka_path import (
 )
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.queue_feed import QueueAcks, QueueFeed
-from persistence.queue_store import QueueEntry, QueueStore
+from persistence.queue_store import QueueStore
 from persistence.redis_security import (
     Sentinels,
     connect_options,
@@ -56,8 +59,15 @@ if TYPE_CHECKING:
 
     from broker.core import Broker
     from broker.message import Delivery
-    from broker.persistent_path import DoneCallback, OpenedCallback, OpenRequest
+    from broker.persistent_path import (
+        DoneCallback,
+        OpenedCallback,
+        OpenedSession,
+        OpenRequest,
+    )
     from broker.session import Session
+    from broker.stats import BrokerStats
+    from broker.topics import SubscriptionTree
     from persistence.producers import RecordProducer
 
 log = logging.getLogger("devicemq.persistence")
@@ -146,10 +156,13 @@ class DevicePersistence:
         self.queues: QueueStore | None = queue_store if settings.ecq.enabled else None
         self.queue_acks = QueueAcks(self.queues) if self.queues is not None else None
         self.keeps_queues = self.queues is not None
+        # What the consumer stores goes to the live feeds this path made (the bridge).
+        self.feeds = FeedBridge()
         # None: group_queues.enabled false
         self.groups: GroupQueues | None = None
         if groups.enabled and queue_store is not None:
-            self.groups = GroupQueues(queue_store, groups.lease, self._announce_group)
+            self.groups = GroupQueues(queue_store, groups.lease, self.feeds.announce_group)
+        self.feeds.groups = self.groups
         self.keeps_groups = self.groups is not None
         # $ECQ queues seen at their byte limit: queue -> (full, when last looked, monotonic)
         self._full: dict[str, tuple[bool, float]] = {}
@@ -160,19 +173,22 @@ class DevicePersistence:
             consumer,
             config.topic,
             store,
-            self._stored,
+            self.feeds.stored,
             config.consumer_max_records,
             epoch,
-            self._room_for,
+            self.feeds.room_for,
             self.resets,
             queues=queue_store,
-            on_queue_stored=self._queue_stored,
+            on_queue_stored=self.feeds.queue_stored,
             on_queue_refused=self._queue_refused,
             watch=self._probe,
         )
         # Per process: in a cluster each replica counts its own partitions only.
         self.path.push_back(self.consumer.unstored, config.max_unstored_records)
-        self._broker: Broker | None = None
+        # The broker's, once attached: its counters (the feeds count), its subscriptions
+        # (whether a group queue still has members).
+        self._stats: BrokerStats | None = None
+        self._subscriptions: SubscriptionTree | None = None
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self.redis_connect: dict[str, Any] = {}  # and how (persistence/redis_security.py)
         self.redis_sentinels: Sentinels | None = None  # who names the master, if any
@@ -188,10 +204,30 @@ class DevicePersistence:
                 ),
                 compact_after,
                 hold_limit=0.8 * config.kafka_request_timeout_ms / 1000,
+                batch_threshold=config.embedded_kafka_compact_after_batches,
                 probe=self._probe,
                 after_compaction=self._empty_events_if_full,
             )
         self._compactor_task: asyncio.Task[None] | None = None
+        # APPLICATION sessions (persistence/application_feed.py); None: none configured.
+        self.apps: ApplicationSessions | None = None
+        if settings.application.client_ids:
+            self.apps = ApplicationSessions(
+                settings.application,
+                store.redis,
+                make_producer(
+                    bootstrap,
+                    config.kafka_request_timeout_ms,
+                    config.producer_linger_ms,
+                    config.kafka_client,
+                    security=security,
+                ),
+                bootstrap,
+                security,
+                timeout=config.kafka_request_timeout_ms / 1000,
+                clock=clock,
+                producer_id=producer_id,
+            )
 
     async def _empty_events_if_full(self) -> None:
         """The embedded Kafka keeps every record in memory, delivery events too (about
@@ -251,22 +287,62 @@ class DevicePersistence:
         on_accepted: DoneCallback,
         on_settled: DoneCallback | None = None,
     ) -> None:
-        self.path.submit(deliveries, on_accepted, on_settled)
+        apps = self.apps
+        if apps is None:
+            self.path.submit(deliveries, on_accepted, on_settled)
+            return
+        mine: list[tuple[Session, Delivery]] = []
+        others: list[tuple[Session | GroupTarget, Delivery]] = []
+        for target, delivery in deliveries:
+            if isinstance(getattr(getattr(target, "outflow", None), "feed", None), ApplicationFeed):
+                mine.append((target, delivery))  # type: ignore[arg-type]
+            else:
+                others.append((target, delivery))
+        if not mine:
+            self.path.submit(others, on_accepted, on_settled)
+        elif not others:
+            apps.submit(mine, on_accepted, on_settled)
+        else:
+            join = _Join(2, on_accepted, on_settled)
+            self.path.submit(others, join.accepted, join.settled)
+            apps.submit(mine, join.accepted, join.settled)
 
-    def feed_for(self, client_id: str) -> StoreFeed:
-        assert self._broker is not None
-        return StoreFeed(
+    def feed_for(self, client_id: str) -> StoreFeed | ApplicationFeed:
+        assert self._stats is not None
+        if self.apps is not None and client_id in self.apps.kinds:
+            return self.apps.feed(client_id)  # read from its topic: nothing to bridge
+        feed = StoreFeed(
             client_id,
             self.store,
             self.writer,
             self.settings.persistence.replay_page_size,
-            self._broker.stats,
+            self._stats,
             self._clock,
             events=self.events,
+            on_discard=self.feeds.session_ended,
         )
+        self.feeds.session_feed(feed)
+        return feed
 
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
-        self.sessions.open(client_id, request, done)
+        apps = self.apps
+        if apps is None:
+            self.sessions.open(client_id, request, done)
+            return
+
+        def opened(result: OpenedSession | None) -> None:
+            if result is None or result.refused:
+                done(result)
+                return
+            # Its kind (APPLICATION or DEVICE) and topic, before the session is made.
+            apps.opening(
+                client_id,
+                request.username,
+                result.resumed,
+                lambda ok: done(result if ok else None),
+            )
+
+        self.sessions.open(client_id, request, opened)
 
     def enqueue(
         self,
@@ -318,7 +394,7 @@ class DevicePersistence:
     def queue_feed(self, session: Session) -> QueueFeed | None:
         if self.queues is None or self.queue_acks is None:
             return None
-        assert self._broker is not None
+        assert self._stats is not None
 
         def subscription_ids() -> tuple[int, ...]:
             entry = session.subscriptions.get(consumer_filter(session.client_id))
@@ -328,7 +404,7 @@ class DevicePersistence:
             session.client_id,
             self.queues,
             self.queue_acks,
-            self._broker.stats,
+            self._stats,
             page_size=self.settings.persistence.replay_page_size,
             with_seq=True,  # a 3.1.1 PUBLISH carries no properties: the codec leaves it out
             clock=self._clock,
@@ -336,6 +412,7 @@ class DevicePersistence:
             subscription_ids=subscription_ids,
             # A persistent session's entries in flight are recorded under their ids.
             generation=session.generation if session.durable else None,
+            on_live=self.feeds.queue_live,
         )
 
     def group_feed(self, session: Session, topic_filter: str) -> GroupFeed | None:
@@ -343,7 +420,7 @@ class DevicePersistence:
         queues here."""
         if self.groups is None:
             return None
-        assert self._broker is not None
+        assert self._stats is not None
 
         def subscription_ids() -> tuple[int, ...]:
             entry = session.subscriptions.get(topic_filter)
@@ -353,17 +430,11 @@ class DevicePersistence:
             topic_filter,
             session.client_id,
             self.groups,
-            self._broker.stats,
+            self._stats,
             clock=self._clock,
             events=self.events,
             subscription_ids=subscription_ids,
         )
-
-    def _announce_group(self, store_id: str) -> None:
-        """Tell the other replicas' members of a group queue to claim."""
-        cluster = self._broker.cluster if self._broker is not None else None
-        if cluster is not None:
-            cluster.stored_elsewhere(store_id, queue=True)
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
         if self.queues is not None:
@@ -375,7 +446,7 @@ class DevicePersistence:
         assert self.queues is not None
         count = await self.queues.rewind(client_id, from_seq)
         log.info("queue of %s rewound to seq %d: %d entries again", client_id, from_seq, count)
-        self._queue_stored(client_id, [])  # the consumer re-reads, here or on its replica
+        self.feeds.queue_stored(client_id, [])  # the consumer re-reads, here or on its replica
         return count
 
     async def rewind_session(self, client_id: str, since: float) -> Rewound:
@@ -405,7 +476,7 @@ class DevicePersistence:
             rewound.matched,
             rewound.read,
         )
-        self._stored(client_id, list)  # its feed re-reads, here or on its replica
+        self.feeds.stored(client_id, list)  # its feed re-reads, here or on its replica
         return rewound
 
     async def _rewind_quietly(self, client_id: str, from_seq: int) -> None:
@@ -423,6 +494,8 @@ class DevicePersistence:
     def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
         self.events.session(session.client_id, end_kind(session, self._clock()))
         self.sessions.end(session.client_id, session.generation, on_ended)
+        if self.apps is not None:
+            self.apps.ended(session.client_id, session.generation)  # its topic goes
         if self.queues is not None and session.durable:
             task = asyncio.get_running_loop().create_task(
                 self._forget_inflight(session.client_id, session.generation)
@@ -467,21 +540,27 @@ class DevicePersistence:
         """Restore saved sessions into ``broker``, then start consuming (``consume``
         False: :meth:`start_consuming` later, once the cluster link knows which
         restored sessions are connected to other replicas)."""
-        self._broker = broker
+        self._stats = broker.stats
+        self._subscriptions = broker.subscriptions
+        self.feeds.attach(broker.cluster)
         if self._probe is not None:
             # Learn now whether this Kafka forgets topics (the path's vouching,
             # persistence/kafka_path.py); Kafka away: the compactor asks every second.
             with contextlib.suppress(Exception):
                 await self._probe.partitions()
+        if self.apps is not None:
+            await self.apps.load()  # before the sessions: their feeds are made with them
         restored = await self.sessions.restore(broker)
         log.info("restored %d persistent sessions from redis", restored)
+        if self.apps is not None:
+            await self.apps.forget_unrestored(broker.sessions)
         if consume:
             self.start_consuming()
 
     def start_consuming(self) -> None:
         """Store what Kafka holds: a stored message finds its session here, or its
         replica is told (``cluster.stored_elsewhere``), so the cluster comes first."""
-        assert self._broker is not None
+        assert self._stats is not None, "attach first"
         if self._consumer_task is None:
             self._consumer_task = asyncio.create_task(self.consumer.run())
             if self.event_log is not None:
@@ -495,8 +574,8 @@ class DevicePersistence:
     async def _sweep_groups(self, expiry: float) -> None:
         """Group stores whose group has had no members for group_queues.unused_expiry
         are deleted (persistence/group_feed.py GroupQueues.sweep)."""
-        assert self.groups is not None and self._broker is not None
-        tree = self._broker.subscriptions
+        assert self.groups is not None and self._subscriptions is not None
+        tree = self._subscriptions
         while True:
             await asyncio.sleep(min(60.0, expiry / 4))
             try:
@@ -511,6 +590,8 @@ class DevicePersistence:
         if self._compactor_task is not None:
             await _cancel(self._compactor_task)  # a compaction under way releases its hold
         await self.path.drain()
+        if self.apps is not None:
+            await self.apps.close()
         await self._wait_consumed()
         if self._consumer_task is not None:
             await _cancel(self._consumer_task)
@@ -562,62 +643,40 @@ class DevicePersistence:
                 return
             await asyncio.sleep(0.05)
 
-    def _stored(self, client_id: str, records: Callable[[], list[StoredRecord]]) -> None:
-        """Offer just-stored messages to the session if its client is connected here."""
-        assert self._broker is not None
-        session = self._broker.sessions.get(client_id)
-        if session is None or session.connection is None:
-            cluster = self._broker.cluster
-            if cluster is not None:  # connected to another replica: tell it to re-read
-                cluster.stored_elsewhere(client_id)
-            return
-        feed = session.outflow.feed
-        if isinstance(feed, StoreFeed):
-            feed.stored(records())
 
-    def _queue_stored(self, client_id: str, entries: list[QueueEntry]) -> None:
-        """Offer just-stored queue entries to their consumer if it reads them here
-        (empty: re-read, something was stored the feed did not see). A group queue's:
-        its members here claim them, and the other replicas' are told."""
-        assert self._broker is not None
-        if is_group_store(client_id):
-            if self.groups is not None:
-                self.groups.stored(client_id)
-            return
-        session = self._broker.sessions.get(client_id)
-        if session is None or session.connection is None:
-            cluster = self._broker.cluster
-            if cluster is not None:  # connected to another replica: tell it to re-read
-                cluster.stored_elsewhere(client_id, queue=True)
-            return
-        side = session.outflow.side
-        if isinstance(side, QueueFeed):
-            side.stored(entries)
+class _Join:
+    """One PUBLISH's deliveries made durable by two paths (the device path, the
+    APPLICATION sessions'): accepted when both are; settled when both are."""
 
-    def _room_for(self, client_id: str) -> int:
-        """How many just-stored messages the client's outbox would send at once."""
-        assert self._broker is not None
-        session = self._broker.sessions.get(client_id)
-        if session is None:
-            return 0
-        feed = session.outflow.feed
-        return feed.room() if isinstance(feed, StoreFeed) else 0
+    def __init__(
+        self, parts: int, on_accepted: DoneCallback, on_settled: DoneCallback | None
+    ) -> None:
+        self._accepts = parts
+        self._settles = 0  # parts that failed and have yet to settle
+        self._ok = True
+        self._settled_ok = True
+        self._on_accepted = on_accepted
+        self._on_settled = on_settled
 
-    def reread(self, client_ids: list[str]) -> None:
-        """Another replica stored messages for these clients: connected ones re-read."""
-        assert self._broker is not None
-        for client_id in client_ids:
-            if is_group_store(client_id) and self.groups is not None:
-                self.groups.stored(client_id, elsewhere=False)  # entries to claim
-                # (no continue: a client ID may begin with "$queue/" too)
-            session = self._broker.sessions.get(client_id)
-            if session is not None and session.connection is not None:
-                feed = session.outflow.feed
-                if isinstance(feed, StoreFeed):
-                    feed.stored([])
-                side = session.outflow.side
-                if isinstance(side, QueueFeed):
-                    side.stored([])
+    def accepted(self, ok: bool) -> None:
+        if not ok:
+            self._ok = False
+            self._settles += 1
+        self._accepts -= 1
+        if self._accepts == 0:
+            self._on_accepted(self._ok)
+            self._maybe_settled()
+
+    def settled(self, ok: bool) -> None:
+        self._settled_ok = self._settled_ok and ok
+        self._settles -= 1
+        self._maybe_settled()
+
+    def _maybe_settled(self) -> None:
+        if self._accepts or self._settles or self._ok or self._on_settled is None:
+            return
+        settled, self._on_settled = self._on_settled, None
+        settled(self._settled_ok)
 
 
 def _without_password(url: str) -> str:

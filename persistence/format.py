@@ -598,6 +598,17 @@ def queue_owner_key(client_id: str) -> str:
     return "{" + _tag(client_id) + "}_ecq_owner"
 
 
+# Owner -> how many $ECQ queues it holds (a sorted set: the owner tally asks only for
+# the owners with many, persistence/owner_tally.py), beside each owner's index.
+QUEUE_OWNERS_KEY = "devicemq:ecq:owners"
+
+
+def owner_queues_key(owner: str) -> str:
+    """The $ECQ queues ``owner`` holds (a set of client IDs), kept beside their claims
+    (:func:`queue_owner_key`) by persistence/owner_store.py; one key per owner."""
+    return "devicemq:ecq:owned:" + owner
+
+
 def packet_id_of(score: int) -> int:
     """The packet id that goes with a score: 1..65535, wrapping, never 0."""
     return (score - 1) % MAX_PACKET_ID + 1

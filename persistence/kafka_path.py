@@ -177,6 +177,9 @@ class KafkaPersistentPath:
         self._partitions: tuple[list[int], dict[bytes, int]] = ([], {})
         self.produce_errors = 0
         self.produced: dict[int, int] = {}  # partition -> highest offset acknowledged
+        # Produce batches at most (each round's partitions) since the log was made: a
+        # fetch from Tansu's memory store costs a look at every batch (compaction.py).
+        self.batches_sent = 0
         self._held = False  # records wait while the topic is emptied (persistence/compaction.py)
         self._recreating = False
         self.recreate_retry = Retry("kafka_topic_create")
@@ -306,6 +309,7 @@ class KafkaPersistentPath:
             submission.round = round_
         send, topic = self._producer.send, self._topic
         resends, self._batch = self._resends, batch
+        touched: set[int | None] = set()
         for submission in batch:
             if self._resends != resends:
                 # Everything out was sent again while a send waited: the rest of the
@@ -321,7 +325,9 @@ class KafkaPersistentPath:
                 for key, value in submission.records:
                     if submission.attempt != attempt:
                         break  # a log reset: sent again from the start
-                    future = await send(topic, value=value, key=key, partition=partition_of(key))
+                    partition = partition_of(key)
+                    touched.add(partition)
+                    future = await send(topic, value=value, key=key, partition=partition)
                     future.add_done_callback(partial(self._acked, submission, attempt))
                     if submission.attempt != attempt:
                         break  # sent again while this send waited: not this attempt's
@@ -339,6 +345,7 @@ class KafkaPersistentPath:
                         self._report(submission, False)
                     else:
                         self._maybe_settle(submission)
+        self.batches_sent += len(touched)
 
     @property
     def topic(self) -> str:
@@ -682,6 +689,7 @@ class KafkaPersistentPath:
         self._held = False
         if new_log:
             self.produced.clear()
+            self.batches_sent = 0
             self._logs_made += 1
         if not self._recreating:
             self._topic_ready.set()

@@ -188,6 +188,7 @@ class QueueFeed:
     """
 
     durable = True
+    decline = None  # its messages are its consumer's alone (broker/outflow.py SideFeed)
 
     def __init__(
         self,
@@ -203,10 +204,14 @@ class QueueFeed:
         events: EventSink = NO_EVENTS,
         subscription_ids: Callable[[], tuple[int, ...]] = tuple,
         generation: int | None = None,
+        on_live: Callable[[QueueFeed, bool], None] | None = None,
     ) -> None:
         """``subscription_ids()``: those of the queue's subscription now (MQTT-3.3.4-3).
         ``generation``: the persistent session's, whose entries in flight are recorded
-        under their packet ids (None: a session that ends with its connection)."""
+        under their packet ids (None: a session that ends with its connection).
+        ``on_live(feed, live)``: told when the outflow restarts it (True) and when it
+        is discarded (False; persistence/feed_bridge.py)."""
+        self._on_live = on_live
         self._subscription_ids = subscription_ids
         self._generation = generation
         # Until the record of what was in flight is read (a new process resuming the
@@ -327,6 +332,8 @@ class QueueFeed:
         broker) is read back first and handed to the outflow to send again."""
         self._epoch += 1
         self._active = True
+        if self._on_live is not None:
+            self._on_live(self, True)
         self._buffer.clear()
         self._cursor = 0
         self._caught_up = False
@@ -350,6 +357,8 @@ class QueueFeed:
         self._epoch += 1
         self._active = False
         self._buffer.clear()
+        if self._on_live is not None:
+            self._on_live(self, False)
 
     def queued(self) -> int:
         return len(self._buffer)

@@ -265,7 +265,7 @@ def explain(error: BaseException, options: dict[str, Any] | None = None) -> str:
         if isinstance(link, NoPermissionError):
             return (
                 f"the redis user may not run what devicemq needs ({link}): give it "
-                '~* &* +@all (README "Secured Redis")'
+                '~* &* +@all (docs/backends.md "Secured Redis")'
             )
         if isinstance(link, ssl.SSLError):
             return _tls(tls_failure.reason(link))

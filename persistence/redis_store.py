@@ -394,6 +394,8 @@ class PersistedMessageStore(Protocol):
 
     async def load_session(self, client_id: str) -> SessionState | None: ...
 
+    async def load_sessions(self, client_ids: Sequence[str]) -> list[SessionState | None]: ...
+
     async def end_session(self, client_id: str, generation: int = 0) -> int | None: ...
 
     async def expire_session(self, client_id: str, seconds: int, generation: int = 0) -> bool: ...
@@ -402,6 +404,14 @@ class PersistedMessageStore(Protocol):
 # ---------------------------------------------------------------------------
 # Redis implementation
 # ---------------------------------------------------------------------------
+
+
+def _session_state(data: bytes | None, generation: bytes | None) -> SessionState | None:
+    if data is None:
+        return None
+    state = SessionState.decode(data)
+    state.generation = int(generation or 0)
+    return state
 
 
 class _Script(NamedTuple):
@@ -1057,11 +1067,18 @@ class RedisMessageStore:
     async def load_session(self, client_id: str) -> SessionState | None:
         keys = client_keys(client_id)
         data, gen = await self.redis.execute_command("MGET", keys.session, keys.generation)
-        if data is None:
-            return None
-        state = SessionState.decode(data)
-        state.generation = int(gen or 0)
-        return state
+        return _session_state(data, gen)
+
+    async def load_sessions(self, client_ids: Sequence[str]) -> list[SessionState | None]:
+        """:meth:`load_session` of many clients in one pipeline (one MGET each, in the
+        client's slot): a restore of 100,000 sessions pays a round trip per chunk,
+        not one per session (BENCHMARKS.md, "The fleet shape")."""
+        pipe = self.redis.pipeline(transaction=False)
+        for client_id in client_ids:
+            keys = client_keys(client_id)
+            pipe.execute_command("MGET", keys.session, keys.generation)
+        replies = await pipe.execute()
+        return [_session_state(data, gen) for data, gen in replies]
 
     async def expire_session(self, client_id: str, seconds: int, generation: int = 0) -> bool:
         """Disconnected: every key of the client expires in ``seconds``

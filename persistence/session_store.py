@@ -37,7 +37,8 @@ log = logging.getLogger("devicemq.sessions")
 SAVE_ATTEMPTS = 20
 SLOW_OPERATION = 2.0  # seconds: a session write (or open) this slow is logged
 OPEN_ATTEMPTS = 6  # a CONNECT waits at most this many tries for Redis
-RESTORE_CONCURRENCY = 50
+RESTORE_CONCURRENCY = 50  # ends of expired sessions written at once
+RESTORE_CHUNK = 1000  # sessions read per Redis pipeline at a restore
 # Redis keeps a disconnected session's keys this much longer than the session
 # lasts: the broker deletes them itself when the session expires, and that delete
 # must still find the refs to remove the message strings (whose TTL is their own,
@@ -134,41 +135,58 @@ class SessionStateStore:
         """Recreate every durable session saved in Redis; expired ones are deleted."""
         entries = await self._store.indexed_sessions()
         now = self._wall_clock()
-        gate = asyncio.Semaphore(RESTORE_CONCURRENCY)
         restored = 0
-
-        async def restore_one(raw: bytes, deadline: float) -> None:
-            nonlocal restored
-            client_id = raw.decode()
-            async with gate:
-                state = await self._store.load_session(client_id)
+        ended: list[tuple[str, int]] = []  # expired or missing: their keys go
+        for start in range(0, len(entries), RESTORE_CHUNK):
+            chunk = entries[start : start + RESTORE_CHUNK]
+            client_ids = [raw.decode() for raw, _ in chunk]
+            states = await self._store.load_sessions(client_ids)
+            for client_id, (_, deadline), state in zip(client_ids, chunk, states, strict=True):
                 if state is None or deadline <= now:
-                    await self._end(client_id, 0 if state is None else state.generation)
-                    return
-            expiry = NEVER_EXPIRES if state.expiry_interval is None else state.expiry_interval
-            if math.isinf(deadline):
-                # Saved while connected: the broker died under it; expiry starts now.
-                expires_in = None if expiry == NEVER_EXPIRES else float(expiry)
-            else:
-                expires_in = deadline - now
-            if expires_in is not None and expires_in <= 0:
-                # Expiry 0: it ended with its connection, which the crash closed; the
-                # end was not written yet. Restored, a resume would find it present.
-                async with gate:
-                    await self._end(client_id, state.generation)
-                return
-            restored_session = broker.restore_session(
-                client_id, expiry, _entries(client_id, state), expires_in
-            )
-            restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
-            restored_session.generation = state.generation
-            broker.bind_owner(restored_session, state.owner)
-            restored_session.username = state.username
-            broker.acl.client_connected(client_id, state.username)
-            restored += 1
+                    ended.append((client_id, 0 if state is None else state.generation))
+                elif self._restore_one(broker, client_id, deadline, now, state, ended):
+                    restored += 1
+            await asyncio.sleep(0)  # a chunk at a time: the loop is not held for all
+        gate = asyncio.Semaphore(RESTORE_CONCURRENCY)
 
-        await asyncio.gather(*(restore_one(raw, score) for raw, score in entries))
+        async def end(client_id: str, generation: int) -> None:
+            async with gate:
+                await self._end(client_id, generation)
+
+        await asyncio.gather(*(end(client_id, gen) for client_id, gen in ended))
         return restored
+
+    def _restore_one(
+        self,
+        broker: Broker,
+        client_id: str,
+        deadline: float,
+        now: float,
+        state: SessionState,
+        ended: list[tuple[str, int]],
+    ) -> bool:
+        """Recreate one stored session in ``broker``; False (and in ``ended``) if its
+        expiry passed while no broker held it."""
+        expiry = NEVER_EXPIRES if state.expiry_interval is None else state.expiry_interval
+        if math.isinf(deadline):
+            # Saved while connected: the broker died under it; expiry starts now.
+            expires_in = None if expiry == NEVER_EXPIRES else float(expiry)
+        else:
+            expires_in = deadline - now
+        if expires_in is not None and expires_in <= 0:
+            # Expiry 0: it ended with its connection, which the crash closed; the
+            # end was not written yet. Restored, a resume would find it present.
+            ended.append((client_id, state.generation))
+            return False
+        restored_session = broker.restore_session(
+            client_id, expiry, _entries(client_id, state), expires_in
+        )
+        restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
+        restored_session.generation = state.generation
+        broker.bind_owner(restored_session, state.owner)
+        restored_session.username = state.username
+        broker.acl.client_connected(client_id, state.username)
+        return True
 
     # -- the per-client queue ---------------------------------------------------------
 

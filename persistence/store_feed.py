@@ -178,9 +178,12 @@ class StoreFeed:
         clock: Callable[[], float],
         wall_clock: Callable[[], float] = time.time,
         events: EventSink = NO_EVENTS,
+        on_discard: Callable[[StoreFeed], None] | None = None,
     ) -> None:
+        """``on_discard``: told when the session ends (persistence/feed_bridge.py)."""
         self.client_id = client_id
         self.outflow: Outflow | None = None
+        self._on_discard = on_discard
         self._store = store
         self._writer = writer
         self._page_size = page_size
@@ -258,6 +261,8 @@ class StoreFeed:
         self._epoch += 1
         self._buffer.clear()
         self._reserved.clear()
+        if self._on_discard is not None:
+            self._on_discard(self)
 
     def queued(self) -> int:
         return len(self._buffer)

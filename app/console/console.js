@@ -205,7 +205,7 @@ async function loadStats() {
   pairs.push(["stat-in-rate", "Received / s", rate("messages_received")]);
   pairs.push(["stat-out-rate", "Sent / s", rate("messages_sent")]);
   for (const rule of s.integrations || []) {
-    // the audit count of a topic-to-Kafka rule (README "Topic-to-Kafka integration")
+    // the audit count of a topic-to-Kafka rule (docs/integrations.md)
     const label = `Rule ${rule.name} → ${rule.kafka_topic}: produced / failed`;
     pairs.push(["stat-rule-" + rule.name, label, `${rule.produced} / ${rule.failed}`]);
   }
@@ -290,6 +290,7 @@ async function openSession(clientId) {
   facts($("detail-facts"), [
     ["detail-state", "State", s.connected ? "connected" : "offline"],
     ["detail-persistent", "Persistent", s.persistent ? "yes" : "no"],
+    ["detail-session-type", "Session type", text(s.session_type)],
     ["detail-backlog", "Backlog", text(s.backlog)],
     ["detail-in-flight", "In flight", text(s.in_flight)],
     ["detail-oldest", "Oldest stored", duration(backlog.oldest_age)],

@@ -7,19 +7,24 @@ table the connection uses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.errors import MQTTError
-from broker.handlers.acks import handle_puback, handle_pubcomp, handle_pubrec
-from broker.handlers.connect import handle_connect
-from broker.handlers.disconnect import handle_disconnect
+from broker.handlers.acks import AcksHost, handle_puback, handle_pubcomp, handle_pubrec
+from broker.handlers.connect import ConnectHost, handle_connect
+from broker.handlers.disconnect import DisconnectHost, handle_disconnect
 from broker.handlers.ping import handle_pingreq
-from broker.handlers.publish import handle_publish, handle_pubrel
-from broker.handlers.subscribe import handle_subscribe, handle_unsubscribe
+from broker.handlers.publish import PublishHost, handle_publish, handle_pubrel
+from broker.handlers.subscribe import SubscribeHost, handle_subscribe, handle_unsubscribe
 from broker.packets import PacketType, ReasonCode
 
 if TYPE_CHECKING:
     from broker.connection import MQTTConnection
+
+
+class HandlerHost(ConnectHost, PublishHost, SubscribeHost, AcksHost, DisconnectHost, Protocol):
+    """What the handlers use of the broker, each module's view (``ConnectHost`` ...)
+    together: the connection holds the broker as one (broker/connection.py)."""
 
 
 def reject_server_packet(conn: MQTTConnection, packet: Any) -> None:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.packets import PubAck, PubComp, PubRec, PubRel, ReasonCode
 
 if TYPE_CHECKING:
     from broker.connection import MQTTConnection
+    from broker.session import Session
 
 log = logging.getLogger("devicemq.acks")
+
+
+class AcksHost(Protocol):
+    """What the acknowledgement handlers use of the broker."""
+
+    def resume_retained(self, session: Session) -> None: ...
 
 
 def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
@@ -24,7 +31,7 @@ def handle_puback(conn: MQTTConnection, packet: PubAck) -> None:
 def handle_pubrec(conn: MQTTConnection, packet: PubRec) -> None:
     """Answer with PUBREL (MQTT-4.3.3-4); a failure reason ends the flow instead.
 
-    The outbox sends the PUBREL of a message it holds: a persistent one only
+    The session's outflow sends the PUBREL of a message it holds: a persistent one only
     after the PUBREL stage is stored, so a crash cannot replay the PUBLISH.
     """
     assert conn.session is not None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.auth import AuthResult
 from broker.connection_state import ConnectionState, WillMessage
@@ -17,10 +17,66 @@ from broker.session import Session
 from broker.topics import is_valid_topic_name
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from broker.acl import Authorizer
+    from broker.auth import Authenticator
     from broker.blocklist import BlockEntry
+    from broker.cluster import ClusterState
+    from broker.config import Settings
     from broker.connection import MQTTConnection
+    from broker.limits import LogLimiter
+    from broker.persistent_path import PersistentPath
+    from broker.stats import BrokerStats
+    from broker.topics import SubscriptionTree
 
 log = logging.getLogger("devicemq.connect")
+
+
+class ConnectHost(Protocol):
+    """What the CONNECT handler uses of the broker."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def auth(self) -> Authenticator: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    @property
+    def refusal_log(self) -> LogLimiter: ...
+    @property
+    def subscriptions(self) -> SubscriptionTree: ...
+    @property
+    def persistent_path(self) -> PersistentPath: ...
+    @property
+    def cluster(self) -> ClusterState | None: ...
+    def connect_allowed(self, source: str) -> str | None: ...
+    def blocked(self, client_id: str, username: str | None, address: str) -> BlockEntry | None: ...
+    def flapping(self, client_id: str) -> BlockEntry | None: ...
+    def ban(self, entry: BlockEntry) -> None: ...
+    def assign_client_id(self) -> str: ...
+    def client_id_refusal(self, conn: MQTTConnection, client_id: str) -> str: ...
+    def claim_client_id(
+        self, conn: MQTTConnection, client_id: str, then: Callable[[str], None]
+    ) -> None: ...
+    def claim_queue(self, conn: MQTTConnection, then: Callable[[str], None]) -> None: ...
+    def watch_connection(self, conn: MQTTConnection, when: float) -> None: ...
+    def open_session(
+        self,
+        conn: MQTTConnection,
+        client_id: str,
+        clean_start: bool,
+        expiry_interval: int,
+        then: Callable[[Session | None, bool, str], None],
+    ) -> None: ...
+    def consume_queue(self, session: Session) -> bool: ...
+    def join_group(self, session: Session, topic_filter: str) -> None: ...
+    def restore_queue_inflight(self, session: Session) -> None: ...
+
 
 # 3.1.1 has six return codes; 5.0 reasons without an equivalent close the socket.
 _V3_RETURN_CODES = {
@@ -119,7 +175,7 @@ def _banned(entry: BlockEntry) -> ConnectRefused:
 
 
 def _accept(conn: MQTTConnection, packet: Connect) -> None:
-    broker = conn.broker
+    broker: ConnectHost = conn.broker
     mqtt = broker.settings.mqtt
     v5 = conn.is_v5
     properties = packet.properties or Properties()
@@ -242,13 +298,20 @@ def _opened(
                 f"{conn.username!r} holds auth.max_sessions_per_owner sessions already",
                 "max_sessions_per_owner",
             )
+        elif refused == "owner_budget":
+            refusal = ConnectRefused(
+                ReasonCode.QUOTA_EXCEEDED,
+                f"{conn.username!r} holds more stored messages than "
+                "auth.max_bytes_per_owner: no new persistent session",
+                "max_bytes_per_owner",
+            )
         else:
             refusal = ConnectRefused(
                 ReasonCode.SERVER_UNAVAILABLE, "the session store is unreachable"
             )
         _refuse(conn, refusal)
         return
-    broker = conn.broker
+    broker: ConnectHost = conn.broker
     client_id = session.client_id
     # Counted only now that the client proved who it is and may use the client ID and
     # its session: nobody gets another client banned by connecting with its ID.
@@ -263,6 +326,8 @@ def _opened(
     broker.acl.client_connected(client_id, conn.username, conn.grant)
     conn.will = will
     conn.state = ConnectionState.CONNECTED
+    # Its keep-alive (MQTT-3.1.2-22) and in-flight deadlines from the next tick on.
+    broker.watch_connection(conn, broker.clock())
     ack_properties = None
     if v5:
         ack_properties = Properties(
@@ -303,7 +368,7 @@ def _resume_queue(conn: MQTTConnection, session: Session) -> None:
     its read rule and its owner still let this client (broker/ownership.py); else the
     subscription goes, as if refused at SUBSCRIBE, and the entries wait for the
     owner. An unreachable claim store delivers nothing until the next connection."""
-    broker = conn.broker
+    broker: ConnectHost = conn.broker
 
     def claimed(refused: str) -> None:
         topic_filter = consumer_filter(session.client_id)
@@ -371,7 +436,7 @@ def _will(conn: MQTTConnection, packet: Connect, client_id: str) -> WillMessage 
 
 def _count_refusal(conn: MQTTConnection, refusal: ConnectRefused, note: str = "") -> None:
     """Every refusal is counted; its log line goes through the rate-limited log."""
-    broker = conn.broker
+    broker: ConnectHost = conn.broker
     broker.stats.reject(refusal.counter)
     broker.refusal_log.log(
         broker.clock(), logging.INFO, "connection from %s refused: %s%s", conn.peer, refusal, note

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from broker.errors import MQTTError
 from broker.packets import Disconnect, ReasonCode
 
 if TYPE_CHECKING:
+    from broker.config import Settings
     from broker.connection import MQTTConnection
+
+
+class DisconnectHost(Protocol):
+    """What the DISCONNECT handler uses of the broker."""
+
+    @property
+    def settings(self) -> Settings: ...
 
 
 def handle_disconnect(conn: MQTTConnection, packet: Disconnect) -> None:

@@ -6,8 +6,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from broker.budget import BYTES_LIMIT, QUEUE
 from broker.connection_state import PendingAck
 from broker.ecq import (
     SEQ_PROPERTY,
@@ -25,15 +26,63 @@ from broker.packets import PubAck, PubComp, Publish, PubRec, PubRel, ReasonCode
 from broker.session import Session
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from broker.acl import Authorizer
+    from broker.budget import OwnerBudget
+    from broker.config import Settings
     from broker.connection import MQTTConnection
+    from broker.group_queue import GroupTarget
+    from broker.integrations import IntegrationRecord
+    from broker.persistent_path import PersistentPath
+    from broker.retained import RetainedStore
+    from broker.stats import BrokerStats
 
 log = logging.getLogger("devicemq.publish")
+
+
+class PublishHost(Protocol):
+    """What the PUBLISH and PUBREL handlers use of the broker."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    @property
+    def retained(self) -> RetainedStore: ...
+    @property
+    def persistent_path(self) -> PersistentPath: ...
+    @property
+    def budget(self) -> OwnerBudget: ...
+    def resolve(self, message: Message) -> list[tuple[Session | GroupTarget, Delivery]]: ...
+    def dispatch(
+        self,
+        targets: Sequence[tuple[Session | GroupTarget, Delivery]],
+        on_accepted: Callable[[bool], None],
+        retained: bool = False,
+        on_settled: Callable[[bool], None] | None = None,
+    ) -> None: ...
+    def integration_records(
+        self, message: Message, client_id: str, username: str | None
+    ) -> list[IntegrationRecord]: ...
+    def integrate(
+        self,
+        records: Sequence[IntegrationRecord],
+        on_accepted: Callable[[bool], None],
+        on_settled: Callable[[bool], None] | None = None,
+        *,
+        best_effort: bool = False,
+    ) -> Refusal | None: ...
 
 
 def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     session = conn.session
     assert session is not None
-    broker = conn.broker
+    broker: PublishHost = conn.broker
     mqtt = broker.settings.mqtt
     qos = packet.qos
     broker.stats.messages_received[qos] += 1
@@ -209,7 +258,7 @@ def _to_queue(
 ) -> None:
     """A PUBLISH to an ``$ECQ/`` topic (broker/ecq.py): a write to a queue, or its
     consumer's rewind. Acknowledged as any persistent delivery: once Kafka has it."""
-    broker = conn.broker
+    broker: PublishHost = conn.broker
     if not broker.persistent_path.keeps_queues:
         # ecq.enabled false, or no persistence: a queue that a restart empties is none.
         log.warning(
@@ -265,7 +314,11 @@ def _to_queue(
     delivery = Delivery(stored, 1, False, ())
     qos, packet_id = packet.qos, packet.packet_id
     if broker.persistent_path.queue_full(queue):
-        _queue_full(conn, packet, queue)
+        _queue_full(conn, packet, queue, "ecq.max_bytes, max_queues")
+        return
+    if queue in broker.budget.over_queues:  # its owner holds too much already
+        broker.budget.refused(QUEUE, BYTES_LIMIT)
+        _queue_full(conn, packet, queue, "auth.max_bytes_per_owner")
         return
     if qos == 0 or packet_id is None:
         broker.persistent_path.enqueue(queue, delivery, _no_ack)
@@ -281,13 +334,13 @@ def _to_queue(
     )
 
 
-def _queue_full(conn: MQTTConnection, packet: Publish, queue: str) -> None:
+def _queue_full(conn: MQTTConnection, packet: Publish, queue: str, limit: str) -> None:
     """A write to a full queue (ecq.max_bytes; or ecq.max_queues, a queue that could
-    not start) is refused: MQTT 5 hears 0x97 Quota exceeded; 3.1.1 has no failure
-    code, so its connection is closed, as for a store that failed; QoS 0 is dropped.
-    Counted as ``ecq_full``."""
+    not start; or its owner's auth.max_bytes_per_owner: ``limit``) is refused: MQTT 5
+    hears 0x97 Quota exceeded; 3.1.1 has no failure code, so its connection is
+    closed, as for a store that failed; QoS 0 is dropped. Counted as ``ecq_full``."""
     conn.broker.stats.drop("ecq_full")
-    log.info("client %s wrote to full queue %s (ecq.max_bytes, max_queues)", conn.client_id, queue)
+    log.info("client %s wrote to full queue %s (%s)", conn.client_id, queue, limit)
     if not packet.qos or packet.packet_id is None:
         return
     ack = conn.expect_ack(packet.packet_id, packet.qos, ReasonCode.QUOTA_EXCEEDED)
@@ -450,7 +503,7 @@ def _denied(
     usual and dropped, as Mosquitto does, so the client does not re-send it
     forever. Acknowledgements keep their order behind stored ones.
     """
-    broker = conn.broker
+    broker: PublishHost = conn.broker
     broker.stats.drop(counter)
     log.debug("client %s may not publish to %r: dropped (%s)", conn.client_id, topic, counter)
     packet_id = packet.packet_id

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT
 from broker.ecq import (
     REWIND_PROPERTY,
     SubscribeVerdict,
@@ -28,15 +29,49 @@ from broker.packets import (
 from broker.topics import SHARE_PREFIX, SubscriptionEntry, is_valid_topic_filter
 
 if TYPE_CHECKING:
+    from broker.acl import Authorizer
+    from broker.budget import OwnerBudget
+    from broker.cluster import ClusterState
+    from broker.config import Settings
     from broker.connection import MQTTConnection
+    from broker.persistent_path import PersistentPath
+    from broker.session import Session
+    from broker.stats import BrokerStats
+    from broker.topics import SubscriptionTree
 
 log = logging.getLogger("devicemq.subscribe")
+
+
+class SubscribeHost(Protocol):
+    """What the SUBSCRIBE and UNSUBSCRIBE handlers use of the broker."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def stats(self) -> BrokerStats: ...
+    @property
+    def acl(self) -> Authorizer: ...
+    @property
+    def subscriptions(self) -> SubscriptionTree: ...
+    @property
+    def persistent_path(self) -> PersistentPath: ...
+    @property
+    def cluster(self) -> ClusterState | None: ...
+    @property
+    def budget(self) -> OwnerBudget: ...
+    def send_retained(
+        self, session: Session, topic_filter: str, qos: int, subscription_ids: tuple[int, ...]
+    ) -> None: ...
+    def claim_queue(self, conn: MQTTConnection, then: Callable[[str], None]) -> None: ...
+    def consume_queue(self, session: Session) -> bool: ...
+    def join_group(self, session: Session, topic_filter: str) -> None: ...
+    def group_queues_of(self, owner: str) -> set[str]: ...
 
 
 def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     session = conn.session
     assert session is not None and conn.client_id is not None
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     mqtt = broker.settings.mqtt
     properties = packet.properties
     subscription_id = None
@@ -146,7 +181,20 @@ def handle_subscribe(conn: MQTTConnection, packet: Subscribe) -> None:
     def claimed(refused: str) -> None:
         if conn.session is not session:
             return  # gone meanwhile: no SUBACK to send
-        if refused:
+        if refused in (BYTES_LIMIT, QUEUES_LIMIT):
+            # A new queue for an owner at its limit: 0x97 Quota exceeded (3.1.1: 0x80).
+            for i in queue.indexes:
+                reason_codes[i] = ReasonCode.QUOTA_EXCEEDED
+            broker.budget.refused(QUEUE, refused)
+            broker.stats.drop("ecq_subscribe_refused")
+            setting = "auth." if refused == BYTES_LIMIT else "ecq."
+            log.info(
+                "client %s may not claim its queue: its owner is at %s%s",
+                conn.client_id,
+                setting,
+                refused,
+            )
+        elif refused:
             # 0x87 Not authorized (3.1.1: 0x80), as for any filter the ACL refuses.
             code = ReasonCode.NOT_AUTHORIZED if conn.is_v5 else ReasonCode.UNSPECIFIED_ERROR
             if refused == "unavailable":
@@ -168,7 +216,7 @@ def _add(conn: MQTTConnection, entry: SubscriptionEntry) -> bool:
     """The subscription in force (replacing the filter's older one); True: it is new."""
     session = conn.session
     assert session is not None
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     is_new = broker.subscriptions.add(entry)
     session.subscriptions[entry.topic_filter] = entry
     if broker.cluster is not None:
@@ -201,7 +249,7 @@ def _queue_refusal(
     subscribes to ``$ECQ/{cid}/#``, at QoS 1 or 2 (granted 1); anything else
     under ``$ECQ/`` is refused (0x87; 3.1.1 0x80).
     """
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     if verdict is SubscribeVerdict.REFUSED:
         broker.stats.drop("ecq_subscribe_refused")
         log.info("client %s may not subscribe to %r", conn.client_id, request.topic_filter)
@@ -228,7 +276,7 @@ def _queue_refusal(
 def _group_refusal(conn: MQTTConnection, request: Subscription) -> int | None:
     """The SUBACK failure code of a ``$queue/{group}/{filter}`` filter (a durable group
     queue, broker/group_queue.py), or None: accepted, at QoS 1 or 2 (granted 1)."""
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     if not broker.persistent_path.keeps_groups:
         log.warning(
             "client %s subscribed to %r: no group queues here "
@@ -248,29 +296,31 @@ def _membership_refusal(conn: MQTTConnection, request: Subscription) -> int | No
     membership over group_queues.max_groups_per_client, or one more distinct group
     queue than group_queues.max_groups_per_owner over the owner's sessions (this
     SUBSCRIBE's earlier filters are the session's already): each group queue keeps
-    every matching message once more."""
+    every matching message once more. Any new membership of an owner over
+    auth.max_bytes_per_owner, too."""
     session = conn.session
     assert session is not None
     topic_filter = request.topic_filter
     if topic_filter in session.subscriptions:
         return None  # a subscription replaced is no new membership
-    broker = conn.broker
+    broker: SubscribeHost = conn.broker
     limits = broker.settings.group_queues
     per_client, per_owner = limits.max_groups_per_client, limits.max_groups_per_owner
     over = ""
     if per_client and sum(1 for f in session.subscriptions if is_group_filter(f)) >= per_client:
-        over = "max_groups_per_client"
+        over = "group_queues.max_groups_per_client"
     owner = session.owner
     if not over and per_owner and owner is not None:
         held = broker.group_queues_of(owner)
         if topic_filter not in held and len(held) >= per_owner:
-            over = "max_groups_per_owner"
+            over = "group_queues.max_groups_per_owner"
+    if not over and broker.budget.over and owner in broker.budget.over:
+        over = f"auth.{BYTES_LIMIT}"
+        broker.budget.refused(GROUP, BYTES_LIMIT)
     if not over:
         return None
     broker.stats.drop("group_membership_quota")
-    log.info(
-        "client %s may not join %r: group_queues.%s reached", conn.client_id, topic_filter, over
-    )
+    log.info("client %s may not join %r: %s reached", conn.client_id, topic_filter, over)
     return ReasonCode.QUOTA_EXCEEDED  # 0x80 in 3.1.1 (the codec maps it)
 
 

@@ -2,8 +2,8 @@
 
 A scenario is a preset of the load tool's own (``loadtest.scenarios``): the
 same loader, options fixed so that every side gets the same load. The sizes
-are settable (:class:`Sizes`); the defaults are the shapes of issue 41 and
-fit a 2-core machine that also runs the loader.
+are settable (:class:`Sizes`); the defaults are the shapes the hot path is
+measured in (BENCHMARKS.md) and fit a 2-core machine that also runs the loader.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def make_scenario(
         title = f"fan-out {pubs}x{subs}, clean"
         return Scenario(name, title, config, persistent=False, paced=False)
     if name == "fleet":
-        # issue 39's shape (TBMQ's): a 62-byte QoS 1 message a second from each
+        # the fleet's shape (TBMQ's): a 62-byte QoS 1 message a second from each
         # device to its own persistent subscriber
         n = sizes.devices
         config = replace(

@@ -7,8 +7,8 @@ persistent run its embedded Redis and Kafka. From these:
 
 - **us/msg**: server CPU microseconds per delivered message;
 - **in+out/core**: messages received plus messages delivered per second of
-  server CPU: the "in + out messages per server core" of issue 39 (TBMQ
-  reports ~8,900).
+  server CPU: the "in + out messages per server core" TBMQ reports
+  (~8,900).
 
 Per scenario and side, each figure's median over the rounds (and for msg/s
 its min..max). The **speed** ratio of head to base is msg/s head/base; for a
@@ -16,7 +16,7 @@ paced scenario (``fleet``, ``fan-in``: the rate is the offer, the same on
 both sides) it is the lower of that and the cost ratio us/msg base/head, so
 that a side which keeps up at a higher cost, or falls behind the offer, is
 slower. Below :data:`FLAG_BELOW` it is flagged: a drop of more than 5% is to
-be explained or undone (issue 41).
+be explained or undone.
 """
 
 from __future__ import annotations

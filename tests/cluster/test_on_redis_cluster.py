@@ -14,7 +14,7 @@ and the embedded Kafka-protocol broker.
   (two replicas, then three: partitions rebalance), lose nothing.
 - A ``stored`` notice lost with a replica's pub/sub connection does not stall a
   delivery (issue 16, 3): the re-subscription (or a gap in the sender's sequence
-  numbers) makes every connected durable outbox re-read the store.
+  numbers) makes every connected persistent session's store feed re-read the store.
 """
 
 from __future__ import annotations

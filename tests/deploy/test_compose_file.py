@@ -214,7 +214,7 @@ def test_dockerfile() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {p.removesuffix("*") for p in include}
-    assert packages == {"app", "broker", "persistence", "pipeline", "loadtest"}
+    assert packages == {"app", "broker", "edge", "persistence", "pipeline", "loadtest"}
     for package in sorted(packages):
         assert f"!{package}/" in ignore, f".dockerignore does not re-include {package}/"
 
@@ -248,7 +248,7 @@ def test_grafana_provisioning() -> None:
 
 
 def test_dashboard_shows_the_silent_trouble() -> None:
-    """Issue 40: every counter README says to watch for silent trouble is on a panel
+    """Issue 40: every counter docs/metrics.md says to watch for silent trouble is on a panel
     of the dashboard's "Silent trouble" row (the panels below the row's header)."""
     dashboard = json.loads((GRAFANA / "dashboards/devicemq.json").read_text())
     panels = sorted(dashboard["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
@@ -271,7 +271,7 @@ def test_dashboard_shows_the_silent_trouble() -> None:
 
 
 def test_the_commented_secured_kafka_example_names_real_settings() -> None:
-    """docker-compose.yml's commented SASL/TLS example (README "Secured Kafka"):
+    """docker-compose.yml's commented SASL/TLS example (docs/backends.md "Secured Kafka"):
     uncommented, every variable is a devicemq setting and every value loads."""
     example: dict[str, str] = {}
     for line in COMPOSE_FILE.read_text(encoding="utf-8").splitlines():

@@ -1,4 +1,4 @@
-"""Take docs/console.png, the admin console's picture in the README: a broker with
+"""Take docs/console.png, the admin console's picture in docs/operating.md: a broker with
 a few sessions (some with a backlog), a block-list entry and retained messages,
 seen in headless Chromium at 1280x800.
 

@@ -168,7 +168,8 @@ def _persisted_events(broker: BrokerProcess) -> int:
         )
         await consumer.start()
         try:
-            tps = [TopicPartition("devicemq.events", p) for p in range(12)]
+            partitions = consumer.partitions_for_topic("devicemq.events") or set()
+            tps = [TopicPartition("devicemq.events", p) for p in partitions]
             consumer.assign(tps)
             ends = await consumer.end_offsets(tps)
             found, seen = 0, 0
@@ -216,3 +217,31 @@ def test_compactions_are_counted_in_metrics(broker_factory, clients, names):
         return float(line.split()[-1])
 
     _wait_for(lambda: compactions() >= 1, 30, "no compaction counted")
+
+
+def test_many_small_batches_empty_the_topic_before_many_records_would(
+    broker_factory, clients, names
+):
+    """A fetch from Tansu's memory store looks at every batch it holds: at a message a
+    second per client most batches hold one record, and with a record threshold
+    alone the fetches of the fleet shape slowed to seconds before the topic was
+    emptied. Each publish here waits for its PUBACK: a batch of its own."""
+    broker = broker_factory(
+        {
+            "persistence.embedded_kafka_compact_after": 1_000_000,
+            "persistence.embedded_kafka_compact_after_batches": 100,
+        }
+    )
+    sub = _persistent(clients, broker, names.client("sub"))
+    sub.subscribe(names.topic("#"), qos=1)
+    pub = clients.paho(broker, names.client("pub"))
+    pub.connect()
+    sent = [b"%d" % i for i in range(150)]
+    for payload in sent:
+        assert pub.publish(names.topic("m"), payload, qos=1) == 0
+    _wait_for(
+        lambda: "embedded kafka topic emptied" in broker.log(),
+        30,
+        "the embedded kafka topic was never emptied by its batches",
+    )
+    assert [m.payload for m in sub.get_n(len(sent), timeout=60)] == sent

@@ -279,7 +279,7 @@ def test_jwt_login_claims_and_key_rotation(
     wait_for_log(broker, "JWKS reloaded: 1 keys")
     assert code(token(new)) == 0
     assert code(token(old)) == 0x86
-    # mosquitto_pub logs in with its token as the password (README's example).
+    # mosquitto_pub logs in with its token as the password (docs/authentication.md's example).
     watcher = paho(clients, broker, "w", "dev", sending(token(new, "w", acl=["read d/#"])))
     assert watcher.connect().reason_code == 0
     assert watcher.subscribe("d/#", 1) == [1]

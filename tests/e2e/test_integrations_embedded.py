@@ -1,6 +1,6 @@
 """Integration rules on the one-command broker: with no Kafka configured (and
 persistence off), ``devicemq run`` starts its embedded Kafka for the rules and
-creates their topics there (README "Topic-to-Kafka integration"). The rules on a
+creates their topics there (docs/integrations.md). The rules on a
 Kafka of the user's: tests/faults/test_integrations.py."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from broker.codec import PacketDecoder, encode
 from broker.packets import ConnAck, Connect
-from broker.websocket import OP_BINARY, OP_PING, OP_PONG, OP_TEXT, encode_frame
+from edge.websocket import OP_BINARY, OP_PING, OP_PONG, OP_TEXT, encode_frame
 from tests.conftest import free_port
 from tests.e2e.conftest import HOST, BrokerProcess, devicemq_only, start_broker
 from tests.pki import Pki, make_pki

@@ -48,7 +48,7 @@ from broker.packets import (
     Subscribe,
     Subscription,
 )
-from broker.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
+from edge.websocket import OP_BINARY, OP_CONTINUATION, encode_frame
 from tests.conftest import admin_env, free_port
 from tests.e2e.clients import V311, Paho, Raw
 from tests.e2e.conftest import BrokerProcess, Clients, Names, devicemq_only
@@ -1365,3 +1365,174 @@ def test_metrics_stay_on_this_host_and_idle_sockets_are_capped(
     finally:
         for sock in idle:
             sock.close()
+
+
+# ------------------------------ issue 45, the last bullet: one owner's stores, together
+
+BUDGET_ACL = (
+    "user alice\ntopic write $ECQ/w/#\n"
+    "user mallory\ntopic readwrite mallory/#\ntopic read $ECQ/mallory-q/#\n"
+    "topic read $ECQ/mallory-q2/#\n"
+    "user dev8\ntopic readwrite dev8/#\ntopic read $ECQ/dev-8/#\n"
+)
+
+
+def _metrics(broker: BrokerProcess) -> str:
+    port = broker.settings["metrics.port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _sample(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_one_owner_cannot_store_past_its_budget_across_sessions_groups_and_queues(
+    tmp_path: Path, broker_factory: Factory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 45, last bullet: each store had its own byte limit, nothing bounded what
+    one owner holds over all of them. mallory's offline persistent session, a group
+    queue of hers and her $ECQ queue take 64 KiB values; over
+    auth.max_bytes_per_owner (1 MB here) she gets no new session, membership or
+    queue, nothing more is stored for her, writes to her queue are refused, and her
+    session still resumes; dev8 on the same broker is not touched."""
+    from app import cli
+    from tests.e2e.admin import TOKEN
+
+    admin_port = free_port("127.0.0.1")
+    broker = owners_broker(
+        broker_factory,
+        tmp_path,
+        BUDGET_ACL,
+        **{
+            "auth.max_bytes_per_owner": 1_000_000,
+            "auth.owner_tally_interval": 0.2,
+            "metrics.enabled": True,
+            "metrics.host": "127.0.0.1",
+            "metrics.port": free_port(),
+            "admin.port": admin_port,
+            "admin.token": TOKEN,
+        },
+    )
+    expiry = _expiry(600)
+    held = as_user(broker, "mallory-1", "mallory")
+    assert held.connect(clean_start=False, properties=expiry).reason_code == 0
+    assert held.subscribe([("mallory/#", 1), ("$queue/gm/mallory/#", 1)]) == [1, 1]
+    held.disconnect()
+    consumer = as_user(broker, "mallory-q", "mallory")
+    assert consumer.connect().reason_code == 0
+    assert consumer.subscribe("$ECQ/mallory-q/#", 1) == [1]
+    consumer.disconnect()
+    # her queue alone stays under the budget (262 kB); with her session's and her
+    # group's copies of 6 more (393 kB each) she is over it (1.05 MB)
+    _write_queue(broker, "mallory-q", *(os.urandom(64 * 1024) for _ in range(4)))
+    publisher = as_user(broker, "mallory-pub", "mallory")
+    assert publisher.connect().reason_code == 0
+    for _ in range(6):
+        assert publisher.publish("mallory/fill", os.urandom(64 * 1024), qos=1) == 0
+    deadline = time.monotonic() + 30
+    while _sample(_metrics(broker), "devicemq_owners_over_budget") < 1:
+        assert time.monotonic() < deadline, "the tally never found mallory over her budget"
+        time.sleep(0.2)
+    # an operator sees what she holds (GET /api/v1/owners/mallory)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    common = ["--url", f"http://127.0.0.1:{admin_port}", "--token-file", str(token_file)]
+    assert cli.main(["owners", "usage", "mallory", *common, "--json"]) == 0
+    usage = json.loads(capsys.readouterr().out)
+    assert usage["over_budget"] and usage["queues"] == ["mallory-q"]
+    assert usage["group_queues"] == ["$queue/gm/mallory/#"]
+    assert usage["sessions"] == 2  # mallory-1 kept, mallory-pub connected
+    assert usage["measured"]["bytes"] > 1_000_000
+    assert cli.main(["owners", "usage", "mallory", *common]) == 0
+    assert "OVER auth.max_bytes_per_owner" in capsys.readouterr().out
+    # no new store of any kind
+    second = as_user(broker, "mallory-2", "mallory")
+    assert second.connect(clean_start=False, properties=expiry).reason_code == 0x97
+    v3 = as_user(broker, "mallory-3", "mallory", version=V311)
+    # 3.1.1 return code 3, which paho reports as 0x88 Server unavailable
+    assert v3.connect(clean_start=False).reason_code == 0x88
+    consumer2 = as_user(broker, "mallory-q2", "mallory")
+    assert consumer2.connect().reason_code == 0  # a clean session is no store
+    assert consumer2.subscribe("$ECQ/mallory-q2/#", 1) == [0x97]
+    assert consumer2.subscribe("$queue/gm2/mallory/#", 1) == [0x97]
+    consumer2.disconnect()
+    # nothing more stored for her; her queue refuses writes as a full one
+    before = _metrics(broker)
+    dropped = 'reason="owner_budget"'
+    assert publisher.publish("mallory/fill", b"more", qos=1) == 0
+    after = _metrics(broker)
+    assert _sample(after, "devicemq_publish_dropped_total", dropped) == (
+        _sample(before, "devicemq_publish_dropped_total", dropped) + 2  # her session, her group
+    )
+    writer = as_user(broker, "writer-budget", "alice")
+    assert writer.connect().reason_code == 0
+    assert writer.publish("$ECQ/w/mallory-q/k", b"more", qos=1) == 0x97
+    writer.disconnect()
+    refusals = "devicemq_owner_limit_refusals_total"
+    for store, least in (("session", 3), ("group", 2), ("queue", 2)):
+        labels = f'limit="max_bytes_per_owner",store="{store}"'
+        assert _sample(after if store != "queue" else _metrics(broker), refusals, labels) >= least
+    log = broker.log()
+    assert "over auth.max_bytes_per_owner" in log
+    assert "may not claim its queue: its owner is at auth.max_bytes_per_owner" in log
+    # her session resumes, and takes its backlog: a later tally finds her under
+    resumed = as_user(broker, "mallory-1", "mallory")
+    connack = resumed.connect(clean_start=False, properties=expiry)
+    assert connack.reason_code == 0 and connack.session_present
+    assert len(resumed.get_n(6)) == 6
+    resumed.disconnect()
+    while "under auth.max_bytes_per_owner again" not in broker.log():
+        assert time.monotonic() < deadline + 30, "mallory never came back under her budget"
+        time.sleep(0.2)
+    assert second.connect(clean_start=False, properties=expiry).reason_code == 0
+    second.disconnect()
+    # dev8 on the same broker: a session, a group, a queue, and its messages stored
+    dev8 = as_user(broker, "dev-8", "dev8")
+    assert dev8.connect(clean_start=False, properties=expiry).reason_code == 0
+    assert dev8.subscribe([("dev8/#", 1), ("$queue/g8/dev8/#", 1)]) == [1, 1]
+    assert dev8.subscribe("$ECQ/dev-8/#", 1) == [1]
+    dev8.disconnect()
+    sender = as_user(broker, "dev8-pub", "dev8")
+    assert sender.connect().reason_code == 0
+    assert sender.publish("dev8/t", b"kept", qos=1) == 0
+    sender.disconnect()
+    again = as_user(broker, "dev-8", "dev8")
+    assert again.connect(clean_start=False, properties=expiry).reason_code == 0
+    assert sorted(m.payload for m in again.get_n(2)) == [b"kept", b"kept"]  # own and group
+    again.disconnect()
+    publisher.disconnect()
+
+
+def test_one_owner_cannot_claim_queues_without_bound(
+    tmp_path: Path, broker_factory: Factory
+) -> None:
+    """Issue 45, last bullet: ecq.max_queues was broker-wide only, so one user could
+    claim every $ECQ queue the broker would start. With ecq.max_queues_per_owner 2,
+    dev8's third queue is refused 0x97 (3.1.1: 0x80), its own are still granted,
+    and another user's queue is not counted against it."""
+    acl = "user dev8\ntopic read $ECQ/#\nuser dev9\ntopic read $ECQ/#\n"
+    broker = owners_broker(broker_factory, tmp_path, acl, **{"ecq.max_queues_per_owner": 2})
+    codes = []
+    for i in range(3):
+        device = as_user(broker, f"dev8-{i}", "dev8")
+        assert device.connect().reason_code == 0
+        codes.append(device.subscribe(f"$ECQ/dev8-{i}/#", 1))
+        device.disconnect()
+    assert codes == [[1], [1], [0x97]]
+    v3 = as_user(broker, "dev8-2", "dev8", version=V311)
+    assert v3.connect().reason_code == 0
+    assert v3.subscribe("$ECQ/dev8-2/#", 1) == [0x80]
+    v3.disconnect()
+    again = as_user(broker, "dev8-0", "dev8")
+    assert again.connect().reason_code == 0
+    assert again.subscribe("$ECQ/dev8-0/#", 1) == [1]
+    again.disconnect()
+    other = as_user(broker, "dev9-0", "dev9")
+    assert other.connect().reason_code == 0
+    assert other.subscribe("$ECQ/dev9-0/#", 1) == [1]
+    other.disconnect()
+    assert "ecq.max_queues_per_owner" in broker.log()

@@ -1,4 +1,4 @@
-"""$SYS topics against a real broker process (broker/sys_topics.py, README "$SYS topics"):
+"""$SYS topics against a real broker process (broker/sys_topics.py, docs/metrics.md "$SYS topics"):
 read with the real ``mosquitto_sub`` and with paho-mqtt.
 
 Nothing here sleeps and hopes: every check waits for the value it expects,

@@ -1,6 +1,5 @@
 """Topic-to-Kafka integration rules end to end: ``devicemq run`` processes, real
-paho clients, Tansu, records read back with aiokafka (README "Topic-to-Kafka
-integration").
+paho clients, Tansu, records read back with aiokafka (docs/integrations.md).
 
 The rules' topics are made by the tests, as a user makes theirs: devicemq creates
 none on a Kafka it did not start. Kafka outages are driven by pausing Tansu

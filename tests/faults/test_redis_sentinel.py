@@ -5,7 +5,7 @@ The master is killed (SIGKILL) while publishers are acknowledged and the
 consumer stores: the Sentinel promotes the replica, the broker's clients find
 it through the Sentinel, and an offline persistent session gets every message
 its publisher had acknowledged. ``persistence.redis_wait: replicas`` is what
-makes that hold (README "Redis Sentinel"): Kafka offsets are committed only for
+makes that hold (docs/backends.md "Redis Sentinel"): Kafka offsets are committed only for
 saves a replica has, so what the dead master alone held is read from Kafka
 again and stored on the new one.
 """

@@ -28,7 +28,7 @@ with atheris.instrument_imports(include=["broker"]):
     import broker.handlers  # instrumented for coverage feedback
     from broker.codec import PacketDecoder
     from broker.errors import MQTTError
-    from broker.websocket import WebSocketServer
+    from edge.websocket import WebSocketServer
     from tests.fuzz.test_connection_fuzz import STATES, _check, _prepare
     from tests.unit.core_harness import Harness
 

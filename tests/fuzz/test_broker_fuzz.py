@@ -30,7 +30,7 @@ import pytest
 from broker.codec import PacketDecoder, encode
 from broker.errors import MQTTError
 from broker.packets import Connect, Publish, Subscribe, Subscription
-from broker.websocket import OP_BINARY, OP_CLOSE, OP_CONTINUATION, OP_PING, encode_frame
+from edge.websocket import OP_BINARY, OP_CLOSE, OP_CONTINUATION, OP_PING, encode_frame
 from tests.conftest import free_port
 from tests.e2e.conftest import HOST, BrokerProcess, devicemq_only, start_broker
 from tests.fuzz.streams import V5, V311, mutate, random_stream

@@ -1,6 +1,6 @@
 """Throwaway local redis-server processes: one server, or a 3-master cluster.
 
-Used by the integration tests' fixtures and by loadtest/redis_store_bench.py.
+Used by the integration tests' fixtures and by benchmarks/redis_store_bench.py.
 Each server listens on 127.0.0.1 only, keeps nothing on disk worth keeping
 (no RDB, no AOF) and is stopped by its own PID.
 """

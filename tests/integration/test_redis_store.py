@@ -440,6 +440,26 @@ async def test_paged_load_walks_everything_in_order(store: RedisMessageStore, ci
     assert (await store.load_page(cid, 250, 10)).records == []
 
 
+async def test_sessions_load_in_one_pipeline_across_slots(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """load_sessions answers as load_session does for each client, in order, the
+    clients' keys in many Cluster slots; a missing one is None."""
+    ids = [f"{cid}-{i}" for i in range(40)]
+    for i, client_id in enumerate(ids[:30]):
+        state = SessionState(expiry_interval=60 + i, last_seen=1700000000.0, owner=f"o{i}")
+        assert (
+            await store.open_session(client_id, resume=True, generation=7 + i, state=state) is None
+        )
+    loaded = await store.load_sessions(ids)
+    assert loaded == [await store.load_session(client_id) for client_id in ids]
+    assert [s.expiry_interval if s else None for s in loaded] == [60 + i for i in range(30)] + [
+        None
+    ] * 10
+    assert [s.generation for s in loaded if s] == [7 + i for i in range(30)]
+    assert await store.load_sessions([]) == []
+
+
 async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> None:
     keys = client_keys(cid)
     state = SessionState(

@@ -153,13 +153,13 @@ def test_ecq_delivers_the_latest_value_of_every_key_through_the_command_line(
     assert result["writes_acked"] > 40  # keys written more than once: compaction is possible
 
 
-def test_shared_queue_delivers_every_message_while_members_drop_their_connections(
+def test_group_queue_delivers_every_message_while_members_drop_their_connections(
     persistent_broker: Broker, tmp_path: Path
 ) -> None:
-    out_json = tmp_path / "shared.json"
+    out_json = tmp_path / "group.json"
     code = main(
         [
-            "shared-queue",
+            "group-queue",
             "--queues=2",
             "--members=3",
             "--publishers=2",

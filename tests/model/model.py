@@ -55,7 +55,7 @@ After Redis lost writes it had acknowledged (the ``failover`` scenario: the
 Sentinel promoted a replica that had been cut off), only ``lost`` (and
 ``ecq-lost``, ``group-lost``), ``unexpected`` and ``broker`` are checked from
 then on: with ``redis_wait: replicas`` nothing acknowledged may
-be lost (README "Redis Sentinel"), but Redis forgot deliveries, packet ids
+be lost (docs/backends.md "Redis Sentinel"), but Redis forgot deliveries, packet ids
 and session changes it had acknowledged, so a message may come again without
 DUP, a packet id may be handed out again, a session may be as it was, and
 (seed 9700, not analysed yet: tests/model/FINDINGS.md) a message may come
@@ -309,7 +309,7 @@ class Model:
         self.fault_log: list[tuple[float, str]] = []  # every fault injected, pauses too
         self.redis_paused: list[tuple[float, float]] = []  # [start, end) of pauses
         # The embedded Kafka wrote over offsets it had handed out (AlreadyExists in its
-        # log) after a restart: README "What is guaranteed" (set by the runner).
+        # log) after a restart: docs/guarantees.md "What is guaranteed" (set by the runner).
         self.kafka_reused_offsets = False
         self._redis_pause_start: float | None = None
         self.stats = Stats()
@@ -651,7 +651,7 @@ class Model:
         for inc, route, eff in owed:
             if route == DIRECT:
                 if self.config.cluster and not inc.persistent:
-                    continue  # clean sessions of another replica: at most once (README)
+                    continue  # clean sessions of another replica: at most once (docs/deployment.md)
                 msg.obs.append(Ob(msg, route, [inc], eff))
         groups = {route for _, route, _ in owed if route != DIRECT}
         for route in groups:

@@ -160,8 +160,8 @@ class QueueModel:
 
     def _excuse(self, msg: Msg) -> str | None:
         """What the session promises excuse too (tests/model/model.py): a Kafka that
-        restarted empty and handed the write's offset out again (README "What is
-        guaranteed": replicas cannot hold a topic Kafka lost)."""
+        restarted empty and handed the write's offset out again (docs/guarantees.md
+        "What is guaranteed": replicas cannot hold a topic Kafka lost)."""
         model = self.model
         if model.kafka_reused_offsets and any(
             kind == "restart_kafka" and at <= (msg.acked_at or at) for at, kind in model.fault_log

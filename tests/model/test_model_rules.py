@@ -119,7 +119,7 @@ def _one_owed(model: Model, clock: Clock, payload: bytes) -> None:
 
 
 def test_kafka_reusing_offsets_excuses_only_what_was_acknowledged_after_its_restart() -> None:
-    """README: the embedded Kafka, restarted, can write over offsets it acknowledged.
+    """docs/guarantees.md: the embedded Kafka, restarted, can write over offsets it acknowledged.
     Only messages acknowledged after a Kafka restart are excused, and only when
     Tansu's log shows it happened."""
     clock = Clock()

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from app.authentication import open_authentication
 from broker.codec import PacketDecoder, encode
 from broker.config import MqttSettings, Settings
 from broker.connection import MQTTConnection
@@ -265,9 +266,12 @@ class Harness:
         if settings is None:
             settings = make_settings(**mqtt)
         self.clock = FakeClock()
+        authenticator, authorizer = open_authentication(settings, self.clock)
         self.broker = Broker(
             settings,
             clock=self.clock,
+            authenticator=authenticator,
+            authorizer=authorizer,
             persistent_path=persistent_path,
             wall_clock=self.clock,
             integration_sink=integration_sink,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from app.authentication import open_authorizer
 from broker.acl import (
     DENY,
     READ,
@@ -60,7 +61,7 @@ pattern readwrite users/%u/#
 def authorizer(tmp_path: Path, text: str = ACL) -> Authorizer:
     path = tmp_path / "acl"
     path.write_text(text)
-    return Authorizer(str(path))
+    return open_authorizer(str(path))
 
 
 # ------------------------------------------------------------------ the file
@@ -144,7 +145,7 @@ def test_parse_errors_name_the_line(text: str, message: str) -> None:
 
 def test_bad_file_at_start_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"auth\.acl_file"):
-        Authorizer(str(tmp_path / "missing"))
+        open_authorizer(str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="line 1"):
         authorizer(tmp_path, "nonsense here")
 
@@ -169,7 +170,7 @@ def test_a_deny_rule_fails_closed_on_values_it_cannot_substitute() -> None:
         assert fw.resolve(bad, None) == "devices/#"
     assert Rule(DENY, "%u/x/%c").resolve("c1", "a/b") == "#"
     assert Rule(DENY, "users/%u/#").resolve("c1", None) is None  # no user: not about it
-    acl = Authorizer("", grants=True)
+    acl = open_authorizer("", grants=True)
     grant = Grant((Rule(READ | WRITE, "devices/#"), Rule(DENY, "devices/%c/fw")))
     for client_id in ("d1", "d+1", "d/1"):
         acl.client_connected(client_id, "dev", grant)
@@ -250,7 +251,7 @@ def test_subscribe_decisions(tmp_path: Path) -> None:
 def test_receive_decisions_are_cached_and_bounded(tmp_path: Path) -> None:
     path = tmp_path / "acl"
     path.write_text(ACL)
-    a = Authorizer(str(path), cache_size=4)
+    a = open_authorizer(str(path), cache_size=4)
     a.client_connected("c1", "alice")
     assert a.can_receive("c1", "alice/x")
     assert not a.can_receive("c1", "alice/secret/x")
@@ -274,7 +275,7 @@ def test_receive_for_a_client_whose_user_is_unknown(tmp_path: Path) -> None:
 
 
 def test_no_acl_allows_everything() -> None:
-    a = Authorizer("")
+    a = open_authorizer("")
     assert not a.active
     assert a.can_publish("c", None, "x")
     assert a.can_subscribe("c", None, "#")
@@ -285,12 +286,12 @@ def test_acl_reloads_when_it_changes(tmp_path: Path) -> None:
     now = [0.0]
     path = tmp_path / "acl"
     path.write_text("pattern readwrite a/%c\n")
-    a = Authorizer(str(path), clock=lambda: now[0])
+    a = open_authorizer(str(path), clock=lambda: now[0])
     a.client_connected("c1", None)
     assert a.can_receive("c1", "a/c1")
     path.write_text("pattern readwrite b/%c\n")
     os.utime(path, ns=(1, 1))
-    # The server's sweep asks (broker/server.py); the checks themselves never stat.
+    # The server's sweep asks (edge/server.py); the checks themselves never stat.
     assert a.can_receive("c1", "a/c1")
     now[0] += 0.5
     a.maybe_reload()

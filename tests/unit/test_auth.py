@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from app import cli
+from app.authentication import open_authenticator
 from broker.auth import (
     Authenticator,
     AuthResult,
@@ -187,7 +188,7 @@ def test_settings_defaults_and_env() -> None:
 
 
 def test_anonymous_auto_allowed_without_password_file() -> None:
-    auth = Authenticator(AuthSettings())
+    auth = open_authenticator(AuthSettings())
     assert auth.allow_anonymous
     assert decide(auth, None, None) == AuthResult(True, None)
     # Without a password file nothing vouches for a user name: the client is anonymous.
@@ -195,25 +196,25 @@ def test_anonymous_auto_allowed_without_password_file() -> None:
 
 
 def test_anonymous_auto_refused_with_password_file(tmp_path: Path) -> None:
-    auth = Authenticator(AuthSettings(password_file=str(password_file(tmp_path))))
+    auth = open_authenticator(AuthSettings(password_file=str(password_file(tmp_path))))
     assert not auth.allow_anonymous
     result = decide(auth, None, None)
     assert not result.ok and result.reason == 0x87
-    explicit = Authenticator(
+    explicit = open_authenticator(
         AuthSettings(password_file=str(password_file(tmp_path)), allow_anonymous=True)
     )
     assert decide(explicit, None, None).ok
 
 
 def test_anonymous_refused_explicitly_without_file() -> None:
-    auth = Authenticator(AuthSettings(allow_anonymous=False))
+    auth = open_authenticator(AuthSettings(allow_anonymous=False))
     assert decide(auth, None, None).reason == 0x87
     assert decide(auth, "bob", b"x").reason == 0x86
 
 
 def test_password_checks(tmp_path: Path) -> None:
     runner = Runner()
-    auth = Authenticator(
+    auth = open_authenticator(
         AuthSettings(password_file=str(password_file(tmp_path)), allow_anonymous=True),
         run_blocking=runner,
     )
@@ -231,7 +232,7 @@ def test_password_checks(tmp_path: Path) -> None:
 def test_successful_verification_is_cached_for_a_while(tmp_path: Path) -> None:
     clock, runner = Clock(), Runner()
     path = password_file(tmp_path)
-    auth = Authenticator(
+    auth = open_authenticator(
         AuthSettings(password_file=str(path), verify_cache_seconds=60), clock, runner
     )
     assert decide(auth, "alice", ALICE_PW.encode()).ok
@@ -249,7 +250,7 @@ def test_successful_verification_is_cached_for_a_while(tmp_path: Path) -> None:
 def test_cache_off(tmp_path: Path) -> None:
     runner = Runner()
     settings = AuthSettings(password_file=str(password_file(tmp_path)), verify_cache_seconds=0)
-    auth = Authenticator(settings, run_blocking=runner)
+    auth = open_authenticator(settings, run_blocking=runner)
     for _ in range(2):
         assert decide(auth, "alice", ALICE_PW.encode()).ok
     assert runner.calls == 2
@@ -258,11 +259,11 @@ def test_cache_off(tmp_path: Path) -> None:
 def test_password_file_reloads_when_it_changes(tmp_path: Path) -> None:
     clock, runner = Clock(), Runner()
     path = password_file(tmp_path)
-    auth = Authenticator(AuthSettings(password_file=str(path)), clock, runner)
+    auth = open_authenticator(AuthSettings(password_file=str(path)), clock, runner)
     assert decide(auth, "alice", ALICE_PW.encode()).ok
     write_password_file(path, {"bob": ALICE_HASH})
     os.utime(path, ns=(1, 1))  # make sure the mtime differs whatever the clock granularity
-    # The server's sweep asks (broker/server.py), at most one look a second;
+    # The server's sweep asks (edge/server.py), at most one look a second;
     # a password check itself never stats the file.
     assert decide(auth, "alice", ALICE_PW.encode()).ok
     clock.now += 0.5
@@ -286,7 +287,7 @@ def test_password_file_reloads_when_it_changes(tmp_path: Path) -> None:
 def test_changed_hash_invalidates_cache(tmp_path: Path) -> None:
     clock, runner = Clock(), Runner()
     path = password_file(tmp_path)
-    auth = Authenticator(AuthSettings(password_file=str(path)), clock, runner)
+    auth = open_authenticator(AuthSettings(password_file=str(path)), clock, runner)
     assert decide(auth, "alice", ALICE_PW.encode()).ok
     auth.users["alice"] = hash_password("new")  # as if the file were reloaded
     assert not decide(auth, "alice", ALICE_PW.encode()).ok
@@ -294,17 +295,17 @@ def test_changed_hash_invalidates_cache(tmp_path: Path) -> None:
 
 def test_bad_password_file_at_start_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"auth.password_file: .*cannot read"):
-        Authenticator(AuthSettings(password_file=str(tmp_path / "missing")))
+        open_authenticator(AuthSettings(password_file=str(tmp_path / "missing")))
     (tmp_path / "bad").write_text("alice:plain\n")
     with pytest.raises(ConfigError, match="line 1"):
-        Authenticator(AuthSettings(password_file=str(tmp_path / "bad")))
+        open_authenticator(AuthSettings(password_file=str(tmp_path / "bad")))
 
 
 def test_certificate_identity_as_username(tmp_path: Path) -> None:
     settings = AuthSettings(
         password_file=str(password_file(tmp_path)), use_identity_as_username=True
     )
-    auth = Authenticator(settings)
+    auth = open_authenticator(settings)
     assert not auth.allow_anonymous
     cert = {"subject": ((("commonName", "device-7"),),)}
     # The certificate decides; a user name and password in CONNECT are ignored.
@@ -312,14 +313,14 @@ def test_certificate_identity_as_username(tmp_path: Path) -> None:
     assert decide(auth, None, None, {"subject": ()}).reason == 0x87
     # Without a certificate (plain listener) the password file applies.
     assert decide(auth, "alice", ALICE_PW.encode()).ok
-    san = Authenticator(dataclasses.replace(settings, certificate_identity="san"))
+    san = open_authenticator(dataclasses.replace(settings, certificate_identity="san"))
     assert decide(san, None, None, {"subjectAltName": (("DNS", "d.example"),)}).username == (
         "d.example"
     )
 
 
 async def test_verification_runs_in_a_thread_off_the_event_loop(tmp_path: Path) -> None:
-    auth = Authenticator(AuthSettings(password_file=str(password_file(tmp_path))))
+    auth = open_authenticator(AuthSettings(password_file=str(password_file(tmp_path))))
     loop_thread = threading.get_ident()
     seen: list[int] = []
     original = auth.run_blocking
@@ -567,7 +568,7 @@ def test_initial_user_creates_a_missing_password_file(
     settings = load_settings(env=env)
     assert "s3cret" not in repr(settings)  # a debug log of the settings does not show it
     with caplog.at_level("DEBUG"):
-        auth = Authenticator(settings.auth)
+        auth = open_authenticator(settings.auth)
     assert "s3cret" not in caplog.text
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert "s3cret" not in path.read_text()
@@ -575,7 +576,7 @@ def test_initial_user_creates_a_missing_password_file(
     assert not auth.allow_anonymous
     # An existing file is left alone: a changed password in the environment does nothing.
     changed = dict(env, DEVICEMQ_AUTH_INITIAL_PASSWORD="other")
-    again = Authenticator(load_settings(env=changed).auth)
+    again = open_authenticator(load_settings(env=changed).auth)
     assert decide(again, "admin", b"s3cret-from-env").ok
     assert not decide(again, "admin", b"other").ok
 
@@ -583,10 +584,10 @@ def test_initial_user_creates_a_missing_password_file(
 def test_initial_user_without_password_is_a_config_error(tmp_path: Path) -> None:
     settings = AuthSettings(password_file=str(tmp_path / "pw"), initial_user="admin")
     with pytest.raises(ConfigError, match=r"auth\.initial_password"):
-        Authenticator(settings)
+        open_authenticator(settings)
     bad = AuthSettings(password_file=str(tmp_path / "pw"), initial_user="a:b", initial_password="x")
     with pytest.raises(ConfigError, match=r"auth\.initial_user"):
-        Authenticator(bad)
+        open_authenticator(bad)
     assert not (tmp_path / "pw").exists()
 
 

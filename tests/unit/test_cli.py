@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import io
 import logging
@@ -19,7 +18,7 @@ import pytest
 from app import cli
 from broker import __version__
 from broker.config import Settings
-from broker.logging_setup import setup_logging
+from edge.logging_setup import setup_logging
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +38,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def fake_server(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
-    """Replace broker.server with a stub whose run() records its settings."""
+    """Replace app.serve with a stub whose run() records its settings."""
     calls: list[Settings] = []
     module = types.ModuleType("app.serve")
     module.run = calls.append  # type: ignore[attr-defined]
@@ -349,21 +348,3 @@ def test_pipeline_errors_of_other_modules_are_not_hidden(tmp_path: Path) -> None
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "devicemq[pipeline]" not in result.stderr
     assert "No module named 'pipeline.common'" in result.stderr
-
-
-def test_readmes_synopsis_names_every_command() -> None:
-    """README "Command line" lists each command of the table (issue 40: queues was
-    missing), and each admin command with its every subcommand."""
-    readme = (Path(cli.__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Command line\n", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
-    rows = [line.split() for line in section.splitlines() if line.startswith("devicemq ")]
-    listed = {row[1]: row[2] if len(row) > 2 else "" for row in rows}
-    missing = sorted(set(cli.COMMANDS) - set(listed))
-    assert not missing, f"README's synopsis lacks: {missing}"
-    from app import admin_cli
-
-    for command in ("sessions", "blocked", "retained", "queues"):
-        parser = argparse.ArgumentParser()
-        getattr(admin_cli, f"add_{command}_arguments")(parser)
-        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        assert set(listed[command].split("|")) == set(sub.choices), command

@@ -19,6 +19,7 @@ class Path:
         self.held = False
         self.releases: list[bool] = []
         self.produced: dict[int, int] = {0: 9}
+        self.batches_sent = 3
 
     def hold(self) -> None:
         self.held = True
@@ -75,6 +76,30 @@ def test_a_consumer_that_does_not_catch_up_keeps_the_topic_and_publishers_go_on(
     assert replaced == [] and consumer.recreated == 0
     assert path.releases == [False] and not path.held
     assert compactor.stats.deferred == 1
+
+
+def test_batches_past_their_threshold_empty_a_topic_of_few_records() -> None:
+    """A fetch from Tansu's memory store looks at every batch it holds: at a message a
+    second per client, 10,000 batches held a record or two each, and the record
+    threshold alone let fetches slow to seconds (BENCHMARKS.md, "The fleet shape")."""
+    path, consumer = Path(), Consumer(catches_up_after=0.0)
+
+    async def replace() -> None:
+        pass
+
+    stand_in: Any = (path, consumer)
+    compactor = KafkaCompactor(
+        stand_in[0], stand_in[1], 1, replace, threshold=100, hold_limit=0.3, batch_threshold=5
+    )
+    path.batches_sent = 4
+    assert not compactor.due()  # 10 records of 100, 4 batches of 5
+    path.batches_sent = 5
+    assert compactor.due()
+    compactor.batch_threshold = 0
+    assert not compactor.due()  # records only
+    compactor.threshold = 0
+    compactor.batch_threshold = 5
+    assert not compactor.due()  # 0: never, whatever the batches
 
 
 def test_a_failed_replace_releases_the_publishers() -> None:

@@ -256,7 +256,45 @@ def test_env_override(var: str, text: str, name: str, expected: object) -> None:
 def test_every_setting_has_a_working_env_var() -> None:
     for spec in setting_specs().values():
         text = str(spec.default).lower() if spec.type is bool else str(spec.default)
+        if spec.type is tuple:
+            text = yaml.safe_dump(list(spec.default), default_flow_style=True)
         assert load_settings(env={spec.env_var: text}) == Settings(), spec.name
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('["^backend-", "^etl-[0-9]+$"]', ("^backend-", "^etl-[0-9]+$")),
+        ("[]", ()),
+        ("", ()),
+        ("^backend-", ("^backend-",)),  # not a list: one expression
+    ],
+)
+def test_a_list_setting_from_the_environment(text: str, expected: tuple[str, ...]) -> None:
+    s = load_settings(env={"DEVICEMQ_APPLICATION_CLIENT_IDS": text})
+    assert s.application.client_ids == expected
+
+
+def test_a_list_setting_from_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "application:\n  client_ids: ['^svc-']\n  usernames: [backend]\n")
+    s = load_settings(path, env={})
+    assert s.application.client_ids == ("^svc-",)
+    assert s.application.usernames == ("backend",)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('["^ok", "(unclosed"]', "'(unclosed' is not a regular expression"),
+        ("[1, 2]", "expected a list of strings, got a list"),
+        ('["a"', "expected a list such as"),
+    ],
+)
+def test_a_bad_list_setting_names_itself(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"DEVICEMQ_APPLICATION_CLIENT_IDS": text})
+    assert err.value.name == "application.client_ids"
+    assert message in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -269,8 +307,7 @@ def test_every_setting_has_a_working_env_var() -> None:
         ),
         (
             "DEVICEMQ_SOMETHING_ELSE",
-            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting "
-            "(README.md, Configuration; unset it)",
+            "env DEVICEMQ_SOMETHING_ELSE: not a devicemq setting (docs/configuration.md; unset it)",
         ),
     ],
 )
@@ -509,3 +546,20 @@ def test_a_complex_yaml_key_in_the_rules_variable_is_one_line_naming_it() -> Non
     assert error_of(env=env) == (
         "env DEVICEMQ_INTEGRATIONS: line 1: a key must be a name, not a list"
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DEVICEMQ_PERSISTENCE_ENABLED": "false"}, "need persistence.enabled"),
+        ({"DEVICEMQ_CLUSTER_ENABLED": "true"}, "not served by replicas yet"),
+    ],
+)
+def test_application_sessions_need_persistence_and_one_broker(
+    env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(env={"DEVICEMQ_APPLICATION_CLIENT_IDS": "^app-", **env})
+    assert err.value.name == "application.client_ids"
+    assert message in str(err.value)
+    load_settings(env=env)  # without APPLICATION sessions: fine

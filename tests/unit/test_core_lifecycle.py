@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.packets import Disconnect, PingReq, PingResp, ReasonCode, Will
+from broker.packets import Disconnect, PingReq, PingResp, Properties, ReasonCode, Will
 from tests.unit.core_harness import V311, Harness, payloads
 
 
@@ -155,3 +155,68 @@ def test_v311_keep_alive_above_max_is_refused_not_silently_shortened() -> None:
     ok.connect("dev", keep_alive=30)
     h.advance(44)
     assert not ok.closed
+
+
+# -- the tick looks at what is due, not at every connection (Broker.tick) ----------------
+
+
+def test_short_keep_alive_is_enforced_before_the_connect_timeout_would_look() -> None:
+    """The first look at a connection is at its connect timeout; a CONNECT with a
+    keep-alive shorter than that moves the look forward (MQTT-3.1.2-22)."""
+    h = Harness(connect_timeout=30.0)
+    c = h.connected("dev", keep_alive=2)
+    h.advance(3)
+    assert not c.closed
+    h.advance(0.5)
+    assert c.closed
+
+
+def test_a_session_detached_twice_expires_at_its_second_deadline() -> None:
+    """The first detach's deadline is stale once the client came back and left again."""
+    h = Harness()
+    c = h.connected("dev", session_expiry_interval=10)
+    c.conn.connection_lost()
+    h.advance(5)
+    again = h.connected("dev", session_expiry_interval=10, clean_start=False)
+    h.advance(1)
+    again.conn.connection_lost()  # expires at +16 now, not at +10
+    h.advance(6)
+    assert "dev" in h.broker.sessions
+    h.advance(5)
+    assert "dev" not in h.broker.sessions
+
+
+def test_a_delayed_will_fires_then_the_session_expires_later() -> None:
+    h = Harness()
+    watcher = h.connected("w")
+    watcher.subscribe("wills/dev")
+    will = Will("wills/dev", b"gone", properties=Properties(will_delay_interval=3))
+    c = h.connected("dev", session_expiry_interval=8, will=will)
+    c.conn.connection_lost()
+    h.advance(2)
+    assert watcher.read() == []
+    h.advance(1.5)
+    assert payloads(watcher.read()) == [b"gone"]
+    assert "dev" in h.broker.sessions
+    h.advance(5)
+    assert "dev" not in h.broker.sessions
+
+
+def test_a_closed_connection_and_an_ended_session_are_not_kept_by_the_tick() -> None:
+    """The tick's deadlines held every connection until its old deadline (1.5 x keep
+    alive after CONNECT): 100,000 clients connecting and leaving within that time
+    were all kept in memory."""
+    import gc
+    import weakref
+
+    h = Harness()
+    c = h.connected("dev", keep_alive=60, session_expiry_interval=3600)
+    conn = weakref.ref(c.conn)
+    session = weakref.ref(h.broker.sessions["dev"])
+    c.conn.connection_lost()
+    again = h.connected("dev", keep_alive=60, clean_start=True)  # the old session ends
+    again.conn.connection_lost()
+    del c, again
+    gc.collect()
+    assert conn() is None
+    assert session() is None

@@ -165,7 +165,7 @@ def test_on_output_called_once_per_batch() -> None:
     c.send(Connect("c"))
     before = c.outputs
     c.send_raw(encode(PingReq(), V5) * 5)
-    assert c.outputs == before  # outbox still holds the CONNACK: no new notification
+    assert c.outputs == before  # the output buffer still holds the CONNACK: no new notification
     c.read()
     c.send_raw(encode(PingReq(), V5) * 5)
     assert c.outputs == before + 1

@@ -28,13 +28,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from broker.acl import READ, WRITE, Authorizer, Grant, Rule
+from app.authentication import open_authenticator, open_authorizer
+from broker.acl import READ, WRITE, Grant, Rule
 from broker.auth import Authenticator, AuthResult, write_password_file
 from broker.config import AuthSettings, ConfigError, Settings, load_settings
 from broker.core import owner_policy
 from broker.external_auth import HttpMember, certificate_subject
-from broker.listeners import authentication_configured
 from broker.packets import ReasonCode
+from edge.listeners import authentication_configured
 from tests.auth_service import (
     SECRET,
     AuthService,
@@ -80,7 +81,7 @@ def secret_file(tmp_path: Path) -> Path:
 
 
 def jwt_auth(secret_file: Path, **more: Any) -> Authenticator:
-    return Authenticator(AuthSettings(chain="jwt", jwt_secret_file=str(secret_file), **more))
+    return open_authenticator(AuthSettings(chain="jwt", jwt_secret_file=str(secret_file), **more))
 
 
 # --------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_public_key_used_as_hs256_secret_is_refused(tmp_path: Path) -> None:
     key = SigningKey.new("k1")
     jwks = tmp_path / "jwks.json"
     write_jwks(jwks, key)
-    auth = Authenticator(AuthSettings(chain="jwt", jwt_jwks_file=str(jwks)))
+    auth = open_authenticator(AuthSettings(chain="jwt", jwt_jwks_file=str(jwks)))
     assert decide(auth, "dev", key.sign(claims("c1", "dev"))).ok
     public = jwt.get_algorithm_by_name("RS256").to_jwk(key.private.public_key()).encode()
     header = base64.urlsafe_b64encode(b'{"alg":"HS256","kid":"k1","typ":"JWT"}').rstrip(b"=")
@@ -212,7 +213,7 @@ def test_jwks_keys_by_kid_and_rotation_by_rewriting_the_file(
     jwks = tmp_path / "jwks.json"
     write_jwks(jwks, old)
     clock = Clock()
-    auth = Authenticator(AuthSettings(chain="jwt", jwt_jwks_file=str(jwks)), clock)
+    auth = open_authenticator(AuthSettings(chain="jwt", jwt_jwks_file=str(jwks)), clock)
     assert decide(auth, "dev", old.sign(claims("c1", "dev"))).ok
     assert decide(auth, "dev", old.sign(claims("c1", "dev"), kid=None)).ok  # the only key
     refused(decide(auth, "dev", new.sign(claims("c1", "dev"))), BAD, "no key for kid '2026'")
@@ -252,7 +253,7 @@ def test_the_secret_file_is_reloaded_too(secret_file: Path) -> None:
 def test_the_password_file_comes_first_and_other_passwords_pass_on(
     tmp_path: Path, secret_file: Path
 ) -> None:
-    auth = Authenticator(
+    auth = open_authenticator(
         AuthSettings(
             password_file=str(password_file(tmp_path, alice=ALICE_HASH)),
             chain="jwt",
@@ -294,7 +295,7 @@ def test_a_name_the_file_does_not_hold_costs_what_a_file_user_costs(
         settings = AuthSettings(
             password_file=str(passwd), chain=member, max_verify_rate_per_source=1, **chain[member]
         )
-        auth = Authenticator(settings, Clock(), hasher)
+        auth = open_authenticator(settings, Clock(), hasher)
         codes = [int(decide(auth, username, password).reason) for _ in range(count)]
         return codes, hasher.hashes
 
@@ -319,7 +320,7 @@ def test_a_name_the_file_does_not_hold_costs_what_a_file_user_costs(
 def start_error(tmp_path: Path, env: dict[str, str]) -> str:
     settings = load_settings(env=env)
     with pytest.raises(ConfigError) as caught:
-        Authenticator(settings.auth)
+        open_authenticator(settings.auth)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -423,10 +424,10 @@ def test_every_setting_of_a_member_not_in_the_chain_stops_the_start(secret_file:
         default = next(f.default for f in dataclasses.fields(AuthSettings) if f.name == name)
         settings = AuthSettings(**{**members[member], name: changed(default)})  # type: ignore[arg-type]
         with pytest.raises(ConfigError) as caught:
-            Authenticator(settings)
+            open_authenticator(settings)
         assert str(caught.value) == f"auth.{name}: set, but auth.chain has no {member}"
     # At its default it is no setting at all.
-    assert Authenticator(AuthSettings(http_timeout_seconds=5.0, jwt_audience=""))
+    assert open_authenticator(AuthSettings(http_timeout_seconds=5.0, jwt_audience=""))
 
 
 def test_an_empty_member_list_is_no_chain_anywhere() -> None:
@@ -436,7 +437,7 @@ def test_an_empty_member_list_is_no_chain_anywhere() -> None:
     assert settings.auth.chain_members == ()
     assert not authentication_configured(settings) and owner_policy(settings) == "none"
     with pytest.raises(ConfigError, match=r"auth\.chain: ' , ' names no member"):
-        Authenticator(settings.auth)
+        open_authenticator(settings.auth)
 
 
 def test_a_jwks_reload_that_fails_keeps_its_keys_and_the_other_reloads(
@@ -448,7 +449,7 @@ def test_a_jwks_reload_that_fails_keeps_its_keys_and_the_other_reloads(
     passwd = password_file(tmp_path, alice=ALICE_HASH)
     clock = Clock()
     settings = AuthSettings(password_file=str(passwd), chain="jwt", jwt_jwks_file=str(jwks))
-    auth = Authenticator(settings, clock)
+    auth = open_authenticator(settings, clock)
     # A kid that is a list, and a new user in the password file, in one sweep.
     jwks.write_text(json.dumps({"keys": [{**key.public_jwk(), "kid": ["k1"]}]}))
     write_password_file(passwd, {"alice": ALICE_HASH, "bob": ALICE_HASH})
@@ -476,7 +477,9 @@ def service() -> Iterator[AuthService]:
 
 def http_auth(url: str, clock: Clock | None = None, **more: Any) -> Authenticator:
     settings = AuthSettings(chain="http", http_url=url, **more)
-    return Authenticator(settings, clock) if clock is not None else Authenticator(settings)
+    if clock is None:
+        return open_authenticator(settings)
+    return open_authenticator(settings, clock)
 
 
 CERT = {
@@ -822,7 +825,7 @@ async def test_a_trickling_service_frees_its_request_at_the_deadline() -> None:
 
 
 def test_a_grant_restricts_its_client_without_an_acl_file() -> None:
-    acl = Authorizer("", grants=True)
+    acl = open_authorizer("", grants=True)
     assert acl.active
     grant = Grant((Rule(READ | WRITE, "devices/%c/#"), Rule(0, "devices/%c/secret")))
     acl.client_connected("c1", "dev", grant)
@@ -847,7 +850,7 @@ def test_a_grant_restricts_its_client_without_an_acl_file() -> None:
 def test_a_grant_and_the_acl_file_combine(tmp_path: Path) -> None:
     path = tmp_path / "acl"
     path.write_text("user dev\ntopic read news/#\ntopic deny devices/+/fw\n")
-    acl = Authorizer(str(path), grants=True)
+    acl = open_authorizer(str(path), grants=True)
     acl.client_connected(
         "c1", "dev", Grant((Rule(READ | WRITE, "devices/%u/#"), Rule(0, "news/x")))
     )

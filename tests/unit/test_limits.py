@@ -36,7 +36,7 @@ from broker.packets import (
     Unsubscribe,
     Will,
 )
-from broker.server import BrokerServer
+from edge.server import BrokerServer
 from tests.unit.core_harness import V5, V311, Harness, payloads
 
 # ------------------------------------------------------------------ building blocks
@@ -558,3 +558,22 @@ def test_a_client_that_never_acknowledges_its_window_is_disconnected() -> None:
     assert h.broker.stats.connections_rejected["inflight_timeout"] == 1
     again = h.connected("sub", session_expiry_interval=60, clean_start=False)
     assert len(again.pending) == 2  # kept for the session's next connection, DUP
+
+
+def test_a_client_idle_longer_than_the_timeout_is_not_stalled_by_its_next_window() -> None:
+    """The in-flight timeout's clock ran from the last acknowledgement: a client that
+    received nothing for longer than mqtt.inflight_timeout was disconnected 0x97 at
+    the next tick after its window filled, before it could acknowledge."""
+    h = Harness(max_inflight=2, inflight_timeout=30)
+    sub = h.connected("sub", session_expiry_interval=60)
+    sub.subscribe("t", qos=1)
+    pub = h.connected("pub")
+    h.advance(100)  # nothing to receive, longer than the timeout
+    for i in range(2):
+        pub.publish_acked("t", b"%d" % i)
+    assert len(sub.read()) == 2  # its window is full now
+    h.advance(1)
+    assert not sub.closed
+    h.advance(29.5)
+    assert sub.closed  # 30 s of a full window unacknowledged
+    assert h.broker.stats.connections_rejected["inflight_timeout"] == 1

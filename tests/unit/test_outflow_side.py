@@ -28,6 +28,7 @@ class SideFeed:
     """A queue-like side feed: messages without identifiers, no marks to wait for."""
 
     durable = True
+    decline = None
 
     def __init__(self) -> None:
         self.consuming = True

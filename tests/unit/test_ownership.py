@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
+from app.authentication import open_authentication
 from broker.auth import hash_password, write_password_file
 from broker.config import AuthSettings, ConfigError, FlappingSettings, Settings, TlsSettings
 from broker.core import Broker, client_id_policy
@@ -246,7 +247,15 @@ async def test_an_operator_shows_and_releases_a_client_id_and_a_queue_needs_queu
     from app.http import HttpError, Request
 
     settings = harness(tmp_path).broker.settings
-    broker = Broker(settings, clock=FakeClock(), wall_clock=FakeClock())
+    clock = FakeClock()
+    authenticator, authorizer = open_authentication(settings, clock)
+    broker = Broker(
+        settings,
+        clock=clock,
+        wall_clock=FakeClock(),
+        authenticator=authenticator,
+        authorizer=authorizer,
+    )
     api = AdminApi(settings, broker, "node-1", token="t")
 
     async def call(method: str, path: str, body: bytes = b"") -> tuple[int, Any]:

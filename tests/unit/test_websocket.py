@@ -1,4 +1,4 @@
-"""broker.websocket: the sans-IO WebSocket server, and broker.listeners' TLS context."""
+"""edge.websocket: the sans-IO WebSocket server, and edge.listeners' TLS context."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.config import ConfigError, ListenerSettings, Settings, TlsSettings, WebsocketSettings
-from broker.listeners import Framing, build_ssl_context, listener_specs
-from broker.websocket import (
+from edge.listeners import Framing, build_ssl_context, listener_specs
+from edge.websocket import (
     MAX_HANDSHAKE_SIZE,
     OP_BINARY,
     OP_CLOSE,
@@ -348,7 +348,7 @@ def test_listeners_without_a_host_are_loopback_only_without_authentication() -> 
     """Issue 19 (secure by default), as Mosquitto 2: nobody configured logins, so the
     broker is not put on the network unless a host is asked for explicitly."""
     from broker.config import AuthSettings
-    from broker.listeners import effective_host
+    from edge.listeners import effective_host
 
     ws = WebsocketSettings(enabled=True)
     open_broker = Settings(websocket=ws)

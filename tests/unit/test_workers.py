@@ -18,7 +18,13 @@ from app.workers import (
     worker_count,
     worker_settings,
 )
-from broker.config import ConfigError, MetricsSettings, PersistenceSettings, Settings
+from broker.config import (
+    ApplicationSettings,
+    ConfigError,
+    MetricsSettings,
+    PersistenceSettings,
+    Settings,
+)
 
 
 def _with_workers(text: str) -> Settings:
@@ -44,6 +50,18 @@ def test_several_workers_need_persistence_and_room_for_their_metrics_ports() -> 
     high = dataclasses.replace(Settings(), metrics=MetricsSettings(enabled=True, port=65535))
     with pytest.raises(ConfigError, match=r"metrics\.port"):
         check_workers(high, 2)
+
+
+def test_several_workers_refuse_application_sessions() -> None:
+    """Each worker is a cluster replica, and replicas do not route to APPLICATION
+    sessions yet (persistence/application_feed.py): refused, naming the setting."""
+    apps = dataclasses.replace(
+        Settings(), application=ApplicationSettings(client_ids=("^backend-",))
+    )
+    check_workers(apps, 1)
+    with pytest.raises(ConfigError) as err:
+        check_workers(apps, 2)
+    assert err.value.name == "application.client_ids"
 
 
 def test_each_worker_is_a_replica_sharing_the_ports_with_its_own_metrics() -> None:

@@ -12,7 +12,7 @@ when it is measured. One JSON line per run. The rate is better compared with
 ``python -m loadtest.ab --head-setting persistence.embedded_kafka_storage=s3``
 (alternating sides, CPU per message); this is for what that does not show.
 
-    python -m loadtest.embedded_storage_bench --storage memory --storage s3 \\
+    python -m benchmarks.embedded_storage_bench --storage memory --storage s3 \\
         --storage memory --storage s3 --pairs 100 --duration 10
 """
 
@@ -161,7 +161,7 @@ def run_one(storage: str, pairs: int, duration: float, workdir: Path) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.embedded_storage_bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.embedded_storage_bench")
     parser.add_argument(
         "--storage", action="append", choices=("memory", "s3"), help="repeatable, in order"
     )

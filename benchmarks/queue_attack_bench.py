@@ -1,7 +1,11 @@
-"""What the queue attacks of issue 45 (findings 4 and 5) still cost: SECURITY.md's numbers.
+"""What the queue attacks (a group-queue amplification, an $ECQ queue filled) still cost:
+SECURITY.md's numbers.
 
-    python -m loadtest.queue_attack_bench amplify [--groups 1000] [--publishes 2] [--sessions 1]
-    python -m loadtest.queue_attack_bench ecq-fill [--writes 320] [--size 262144]
+    python -m benchmarks.queue_attack_bench amplify [--groups 1000] [--publishes 2] [--sessions 1]
+    python -m benchmarks.queue_attack_bench ecq-fill [--writes 320] [--size 262144]
+    python -m benchmarks.queue_attack_bench owner-fill [--sessions 10] [--publishes 200]
+        [--budget 16777216]
+    python -m benchmarks.queue_attack_bench owner-tally [--sessions 10000]
 
 Each starts ``devicemq run`` with persistence on (its embedded Redis and Kafka, in
 a temporary data dir, default settings otherwise) and measures the embedded
@@ -13,7 +17,17 @@ Redis's ``used_memory`` before and after:
   ``--publishes`` x 64 KiB to ``mallory/amp`` at QoS 1: every group queue
   keeps a copy;
 - ``ecq-fill``: one client writes ``--writes`` values of ``--size`` bytes to
-  ``$ECQ/w/nobody-ever/k{i}`` at QoS 1, a queue whose consumer never connects.
+  ``$ECQ/w/nobody-ever/k{i}`` at QoS 1, a queue whose consumer never connects;
+- ``owner-fill``: mallory leaves ``--sessions`` persistent sessions subscribed to
+  ``mallory/#`` offline, then publishes ``--publishes`` x 64 KiB to ``mallory/f``
+  at QoS 1 (every session keeps a copy), with ``auth.max_bytes_per_owner`` at
+  ``--budget`` and a tally every second (0: neither set: the default 1 GiB, or
+  nothing in a checkout without the setting).
+
+``owner-tally`` starts a redis-server of its own and measures, in this process, one
+tally of ``auth.max_bytes_per_owner`` over ``--sessions`` persistent sessions of
+one owner (persistence/owner_tally.py): its duration and the longest time it held
+the event loop.
 
 It prints the SUBACK / PUBACK codes counted and the growth. Settings this
 version does not have are simply absent, so the same command runs in an older
@@ -41,6 +55,7 @@ from broker.codec import PacketDecoder, encode
 from broker.packets import (
     Connect,
     Packet,
+    Properties,
     PubAck,
     Publish,
     SubAck,
@@ -54,12 +69,15 @@ KIB = 1024
 class _Client:
     """A blocking MQTT 5 client over a socket, devicemq's codec on both sides."""
 
-    def __init__(self, port: int, client_id: str, user: str | None = None) -> None:
+    def __init__(self, port: int, client_id: str, user: str | None = None, expiry: int = 0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), 30)
         self.decoder = PacketDecoder(protocol_level=5)
         self.ready: collections.deque[Packet] = collections.deque()
         password = f"{user}-pw".encode() if user else None
-        connect = Connect(client_id, protocol_level=5, username=user, password=password)
+        properties = Properties(session_expiry_interval=expiry) if expiry else None
+        connect = Connect(
+            client_id, protocol_level=5, username=user, password=password, properties=properties
+        )
         self.sock.sendall(encode(connect, 5))
         connack = self.recv()
         assert getattr(connack, "reason_code", 1) == 0, connack
@@ -82,13 +100,14 @@ class _Client:
 
 
 @contextmanager
-def _broker() -> Iterator[tuple[int, str]]:
+def _broker(**settings: str) -> Iterator[tuple[int, str]]:
     """``devicemq run`` with persistence in a temporary data dir: (MQTT port, the
     embedded Redis's URL, with the password it asks for: DATA/services/redis.password)."""
     tmp = Path(tempfile.mkdtemp(prefix="devicemq-queue-attack-"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
     env.update(DEVICEMQ_PERSISTENCE_ENABLED="true", DEVICEMQ_ADMIN_ENABLED="false")
+    env.update(settings)
     from broker.auth import hash_password, write_password_file
 
     users = ("mallory", "alice")
@@ -109,7 +128,11 @@ def _broker() -> Iterator[tuple[int, str]]:
         yield port, f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(60)  # its consumer stores what Kafka still holds first
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
         subprocess.run(
             [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir", str(tmp)],
             capture_output=True,
@@ -199,9 +222,105 @@ def ecq_fill(writes: int, size: int) -> None:
     )
 
 
+def owner_fill(sessions: int, publishes: int, budget: int) -> None:
+    settings = {}  # --budget 0: left at its default (1 GiB); an older checkout has none
+    if budget:
+        settings = {
+            "DEVICEMQ_AUTH_MAX_BYTES_PER_OWNER": str(budget),
+            "DEVICEMQ_AUTH_OWNER_TALLY_INTERVAL": "1",
+        }
+    with _broker(**settings) as (port, redis_url):
+        before = _settled(redis_url)
+        for i in range(sessions):
+            member = _Client(port, f"mallory-{i}", "mallory", expiry=3600)
+            member.sock.sendall(encode(Subscribe(1, [Subscription("mallory/#", 1)]), 5))
+            member.until(SubAck)
+            member.close()
+        publisher = _Client(port, "mallory-pub", "mallory")
+        acks: collections.Counter[int] = collections.Counter()
+        started = time.perf_counter()
+        for i in range(publishes):
+            value = Publish("mallory/f", os.urandom(64 * KIB), 1, packet_id=i % 65535 + 1)
+            publisher.sock.sendall(encode(value, 5))
+            ack = publisher.until(PubAck)
+            assert isinstance(ack, PubAck)
+            acks[ack.reason_code] += 1
+        took = time.perf_counter() - started
+        publisher.close()
+        after = _settled(redis_url)
+    print(
+        f"owner-fill: {sessions} sessions, {publishes} x 64 KiB in {took:.1f} s, budget "
+        f"{budget} bytes, PUBACK codes {dict(acks)}: Redis grew by {(after - before) / 1e6:.1f} MB"
+    )
+
+
+def owner_tally(sessions: int) -> None:
+    import asyncio
+    import dataclasses
+
+    from broker.config import AuthSettings, Settings
+    from broker.core import Broker
+    from persistence.format import client_keys
+    from persistence.owner_tally import OwnerTally
+    from persistence.redis_store import RedisMessageStore
+
+    binary = shutil.which("redis-server")
+    assert binary, "owner-tally needs redis-server on the PATH"
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+
+    async def measure() -> tuple[float, float]:
+        store = RedisMessageStore.from_url(f"redis://127.0.0.1:{port}/0")
+        for _ in range(100):
+            try:
+                await store.ping()
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        settings = dataclasses.replace(Settings(), auth=AuthSettings(max_bytes_per_owner=1))
+        broker = Broker(settings)
+        pipe = store.redis.pipeline(transaction=False)
+        for i in range(sessions):
+            session = broker.restore_session(f"fleet-{i}", 3600, [], None)
+            broker.bind_owner(session, "fleet")
+            pipe.set(client_keys(f"fleet-{i}").bytes, 100)
+        await pipe.execute()
+        longest, stop = 0.0, False
+
+        async def ticker() -> None:
+            nonlocal longest
+            last = time.perf_counter()
+            while not stop:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                longest, last = max(longest, now - last), now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        longest = 0.0
+        await OwnerTally(store, settings, broker.budget, broker.stores_by_owner).once()
+        stop = True
+        await tick
+        await store.aclose()
+        return broker.budget.seconds, longest
+
+    try:
+        took, held = asyncio.run(measure())
+    finally:
+        server.terminate()
+        server.wait(10)
+    print(
+        f"owner-tally: {sessions} sessions of one owner read in {took * 1000:.0f} ms, "
+        f"the event loop held at most {held * 1000:.1f} ms at once"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.queue_attack_bench", description=__doc__
+        prog="python -m benchmarks.queue_attack_bench", description=__doc__
     )
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("amplify")
@@ -211,11 +330,21 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("ecq-fill")
     p.add_argument("--writes", type=int, default=320)
     p.add_argument("--size", type=int, default=256 * KIB)
+    p = sub.add_parser("owner-fill")
+    p.add_argument("--sessions", type=int, default=10)
+    p.add_argument("--publishes", type=int, default=200)
+    p.add_argument("--budget", type=int, default=16 * KIB * KIB)
+    p = sub.add_parser("owner-tally")
+    p.add_argument("--sessions", type=int, default=10_000)
     args = parser.parse_args(argv)
     if args.what == "amplify":
         amplify(args.groups, args.publishes, args.sessions)
-    else:
+    elif args.what == "ecq-fill":
         ecq_fill(args.writes, args.size)
+    elif args.what == "owner-fill":
+        owner_fill(args.sessions, args.publishes, args.budget)
+    else:
+        owner_tally(args.sessions)
 
 
 if __name__ == "__main__":

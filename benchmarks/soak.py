@@ -1,8 +1,8 @@
 """Soak test: QoS 1 traffic to persistent subscribers for a long time while
 faults are injected, then count what was acknowledged and never arrived.
 
-    python -m loadtest.soak                      # 1 hour, a fault every 60 s
-    python -m loadtest.soak --duration 300 --fault-interval 20 --pairs 20
+    python -m benchmarks.soak                      # 1 hour, a fault every 60 s
+    python -m benchmarks.soak --duration 300 --fault-interval 20 --pairs 20
 
 Not part of the test suite. It starts ``devicemq run`` itself (embedded
 Redis and Kafka-protocol broker under ``--data-dir``) and cycles through
@@ -384,7 +384,9 @@ def _lost(stats: Stats) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic (1 h)")
     p.add_argument("--fault-interval", type=float, default=60.0, help="seconds between faults")
     p.add_argument(

@@ -1,6 +1,6 @@
 """What the admin API's listings cost the broker's event loop with many sessions.
 
-    python -m loadtest.admin_bench [--sessions 1000000]
+    python -m benchmarks.admin_bench [--sessions 1000000]
 
 Fills a broker (in this process, no sockets) with that many sessions and times
 ``GET /api/v1/sessions`` (a first page, a client-ID prefix, a cursor halfway)

@@ -1,4 +1,4 @@
-"""Micro-benchmark of one auth.chain decision: ``python -m loadtest.auth_chain_bench``.
+"""Micro-benchmark of one auth.chain decision: ``python -m benchmarks.auth_chain_bench``.
 
 Microseconds per CONNECT decided by ``Authenticator.authenticate`` (best of
 several repeats): a JWT password with HS256, RS256 and ES256, an HTTP check
@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from app.authentication import open_authenticator
 from broker.auth import Authenticator, AuthResult
 from broker.config import AuthSettings
 from tests.auth_service import SECRET, SigningKey, claims, hs256, running_service, write_jwks
@@ -43,7 +44,7 @@ def main() -> None:
         rs, es = SigningKey.new("rs", "RS256"), SigningKey.new("es", "ES256")
         write_jwks(jwks, rs, es)
         settings = AuthSettings(chain="jwt", jwt_secret_file=str(secret), jwt_jwks_file=str(jwks))
-        auth = Authenticator(settings)
+        auth = open_authenticator(settings)
         token = claims("c1", "dev", acl=["readwrite devices/%c/#"])
         rows.append(("jwt HS256", _us_per_call(auth, "dev", hs256(token).encode(), 2000)))
         rows.append(("jwt RS256", _us_per_call(auth, "dev", rs.sign(token).encode(), 2000)))
@@ -51,11 +52,11 @@ def main() -> None:
     with running_service() as service:
         service.allow("dev", acl=["readwrite devices/%c/#"])
         base = AuthSettings(chain="http", http_url=service.url, max_verify_rate_per_source=0)
-        rows.append(("http, cached", _us_per_call(Authenticator(base), "dev", b"pw", 5000)))
+        rows.append(("http, cached", _us_per_call(open_authenticator(base), "dev", b"pw", 5000)))
         uncached = AuthSettings(
             chain="http", http_url=service.url, max_verify_rate_per_source=0, http_cache_seconds=0
         )
-        rows.append(("http, asked", _us_per_call(Authenticator(uncached), "dev", b"pw", 200)))
+        rows.append(("http, asked", _us_per_call(open_authenticator(uncached), "dev", b"pw", 200)))
     print(f"{'decision':<16}{'us per CONNECT':>16}")
     for name, us in rows:
         print(f"{name:<16}{us:>16.1f}")

@@ -1,12 +1,12 @@
-"""What the attacks of issue 19 still cost: the numbers in SECURITY.md.
+"""What the attacks the broker was hardened against still cost: the numbers in SECURITY.md.
 
-    python -m loadtest.attack_bench retained [--retained 100000]
-    python -m loadtest.attack_bench decode
-    python -m loadtest.attack_bench overlap [--filters 1000] [--ids]
-    python -m loadtest.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
+    python -m benchmarks.attack_bench retained [--retained 100000]
+    python -m benchmarks.attack_bench decode
+    python -m benchmarks.attack_bench overlap [--filters 1000] [--ids]
+    python -m benchmarks.attack_bench flood {bad-password,bad-password-no-wait,anonymous,
                                            stranger} [--seconds 10]
-    python -m loadtest.attack_bench admin-retained [--retained 100000]
-    python -m loadtest.attack_bench admin-guess [--seconds 5]
+    python -m benchmarks.attack_bench admin-retained [--retained 100000]
+    python -m benchmarks.attack_bench admin-guess [--seconds 5]
 
 ``admin-guess`` starts ``devicemq run`` with an admin token and sends wrong tokens
 from 127.0.0.9 with four threads: how many were compared (401) and how many
@@ -17,8 +17,9 @@ API in this process, with a task beside it that counts the event loop's turns.
 (no sockets: the event-loop time a packet costs); ``flood`` starts ``devicemq
 run`` (a password file, persistence off, metrics on), floods it with CONNECTs
 from 127.0.0.5 with four threads and reads the broker's CPU time from /proc;
-``flood stranger`` (issue 45) has flapping on, alice connected as ``dev-9``,
-and mallory's CONNECTs name ``dev-9`` with her own password.
+``flood stranger`` (a stranger trying to get a device banned) has flapping on,
+alice connected as ``dev-9``, and mallory's CONNECTs name ``dev-9`` with her
+own password.
 Times depend on the machine and on what else runs on it.
 """
 
@@ -46,7 +47,7 @@ from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.message import Message
 from broker.packets import Connect, Packet, Properties, Publish, Subscribe, Subscription
-from broker.websocket import OP_BINARY, OP_CONTINUATION, WebSocketServer, encode_frame
+from edge.websocket import OP_BINARY, OP_CONTINUATION, WebSocketServer, encode_frame
 
 # ------------------------------------------------------------------ in process
 
@@ -293,12 +294,12 @@ def flood(mode: str, seconds: float) -> None:
 
 def admin_retained(count: int) -> None:
     """The admin API's listing of every retained message: its total time, the
-    longest event-loop step during it, and the loop's turns (issue 45 #13)."""
+    longest event-loop step during it, and the loop's turns."""
     import asyncio
 
     from app.admin import AdminApi
     from app.http import Request
-    from loadtest.admin_bench import measure_request
+    from benchmarks.admin_bench import measure_request
 
     settings = Settings()
     broker = Broker(settings)
@@ -379,7 +380,7 @@ def admin_guess(seconds: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.attack_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attack_bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("retained")
     p.add_argument("--retained", type=int, default=100_000)

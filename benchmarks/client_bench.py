@@ -1,4 +1,4 @@
-"""Micro-benchmark of the load generator's hot paths: ``python -m loadtest.client_bench``.
+"""Micro-benchmark of the load generator's hot paths: ``python -m benchmarks.client_bench``.
 
 Pure Python cost per message, no sockets (best of several repeats), for a
 batch of 100 QoS 1 PUBLISHes with a 64-byte payload, on MQTT 3.1.1 and 5:

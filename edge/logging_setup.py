@@ -47,7 +47,7 @@ def _one_line(text: str) -> str:
 
 
 class TextFormatter(logging.Formatter):
-    """``2024-05-01T12:00:00.123Z INFO broker.server: message key=value``."""
+    """``2024-05-01T12:00:00.123Z INFO devicemq.server: message key=value``."""
 
     def format(self, record: logging.LogRecord) -> str:
         line = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"

@@ -1,7 +1,7 @@
 """The persistent path's two Kafka producers against Tansu (not a test).
 
-    python -m loadtest.kafka_producer_bench                  # both, 200,000 records each
-    python -m loadtest.kafka_producer_bench --client confluent --records 500000
+    python -m benchmarks.kafka_producer_bench                  # both, 200,000 records each
+    python -m benchmarks.kafka_producer_bench --client confluent --records 500000
 
 It starts its own Tansu on a free 127.0.0.1 port (stopped by PID at the end),
 makes a topic of 4 partitions and hands it records of 140 bytes from 100 keys
@@ -62,7 +62,7 @@ async def _produce(bootstrap: str, client: str, records: int) -> tuple[float, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.kafka_producer_bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kafka_producer_bench")
     parser.add_argument("--client", choices=("aiokafka", "confluent", "both"), default="both")
     parser.add_argument("--records", type=int, default=200_000)
     args = parser.parse_args()

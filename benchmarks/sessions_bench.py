@@ -10,7 +10,7 @@ Against a running devicemq (``--pid`` names its process for RSS):
 4. ``replay-0`` reconnects and the time until it has received (and acked)
    its whole backlog is measured.
 
-Not a test: ``python -m loadtest.sessions_bench --port 1883 --pid PID``.
+Not a test: ``python -m benchmarks.sessions_bench --port 1883 --pid PID``.
 """
 
 from __future__ import annotations

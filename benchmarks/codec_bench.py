@@ -1,4 +1,4 @@
-"""Micro-benchmark of the hot codec paths: ``python -m loadtest.codec_bench``.
+"""Micro-benchmark of the hot codec paths: ``python -m benchmarks.codec_bench``.
 
 Reports nanoseconds per operation (best of several timeit repeats, so the
 number is what the code costs, not what the machine was busy with) for a

@@ -1,5 +1,5 @@
-"""``devicemq loadtest shared-queue``: durable group queues under load ($queue,
-broker/group_queue.py).
+"""``devicemq loadtest group-queue``: durable group queues under load ($queue,
+broker/group_queue.py). ``shared-queue``, its first name, still runs it.
 
 ``--queues`` groups, each with ``--members`` members (MQTT 5, persistent
 sessions, subscribed to ``$queue/{group}/{topic}/#`` before the load starts,
@@ -35,13 +35,13 @@ from broker.packets import (
     Subscribe,
     Subscription,
 )
-from loadtest.ecq import _Conn, run_reported
+from loadtest.queue_load import Conn, drain, latency_summary, run_reported
 
 HEADER = struct.Struct(">IQQ")  # group, message number, send time (ns, monotonic)
 
 
 @dataclass
-class SharedQueueConfig:
+class GroupQueueConfig:
     host: str = "127.0.0.1"
     port: int = 1883
     queues: int = 4  # groups
@@ -75,12 +75,12 @@ class _Counts:
 
 
 class _Run:
-    def __init__(self, config: SharedQueueConfig) -> None:
+    def __init__(self, config: GroupQueueConfig) -> None:
         self.config = config
         tag = f"{random.Random(config.seed).getrandbits(32):08x}"
         self.tag = tag
-        self.topics = [f"sq-{tag}/{g}" for g in range(config.queues)]
-        self.filters = [f"$queue/g{g}/sq-{tag}/{g}/#" for g in range(config.queues)]
+        self.topics = [f"gq-{tag}/{g}" for g in range(config.queues)]
+        self.filters = [f"$queue/g{g}/gq-{tag}/{g}/#" for g in range(config.queues)]
         self.counts = _Counts()
         self.acked: set[tuple[int, int]] = set()
         self.read_once: set[tuple[int, int]] = set()
@@ -103,7 +103,7 @@ class _Run:
                 self.counts.latencies.append((time.monotonic_ns() - sent) / 1e9)
 
 
-class _Member(_Conn):
+class _Member(Conn):
     def __init__(self, client_id: str, group: int, run: _Run) -> None:
         super().__init__(client_id)
         self.group, self.run = group, run
@@ -148,7 +148,7 @@ class _Member(_Conn):
         super().packet(packet)
 
 
-class _Producer(_Conn):
+class _Producer(Conn):
     def __init__(self, client_id: str, index: int, run: _Run) -> None:
         super().__init__(client_id)
         self.index, self.run = index, run
@@ -190,7 +190,7 @@ class _Producer(_Conn):
         super().packet(packet)
 
 
-async def _churn(config: SharedQueueConfig, run: _Run, members: list[_Member]) -> None:
+async def _churn(config: GroupQueueConfig, run: _Run, members: list[_Member]) -> None:
     """One member at a time drops its connection and comes back half a second later."""
     turn = 0
     while True:
@@ -203,17 +203,17 @@ async def _churn(config: SharedQueueConfig, run: _Run, members: list[_Member]) -
         await member.join(config.host, config.port, first=False)
 
 
-async def run_shared_queue(config: SharedQueueConfig) -> dict[str, Any]:
+async def run_group_queue(config: GroupQueueConfig) -> dict[str, Any]:
     config.check()
     run = _Run(config)
     members = [
-        _Member(f"sq-{run.tag}-g{g}-m{m}", g, run)
+        _Member(f"gq-{run.tag}-g{g}-m{m}", g, run)
         for g in range(config.queues)
         for m in range(config.members)
     ]
     for member in members:
         await member.join(config.host, config.port, first=True)
-    producers = [_Producer(f"sq-{run.tag}-p{i}", i, run) for i in range(config.publishers)]
+    producers = [_Producer(f"gq-{run.tag}-p{i}", i, run) for i in range(config.publishers)]
     for producer in producers:
         await producer.open(config.host, config.port)
     run.measuring = True
@@ -234,25 +234,13 @@ async def run_shared_queue(config: SharedQueueConfig) -> dict[str, Any]:
         for member in members:  # one dropped at the cancel comes back
             if member.transport is None:
                 await member.join(config.host, config.port, first=False)
-    drain_started = time.monotonic()
-    while (any(p.out for p in producers) or run.missing()) and (
-        time.monotonic() - drain_started < config.drain
-    ):
-        await asyncio.sleep(0.05)
-    drained_in = time.monotonic() - drain_started
+    drained_in = await drain(
+        lambda: any(p.out for p in producers) or run.missing() > 0, config.drain
+    )
     for conn in [*producers, *members]:
         conn.close()
     lost = sorted(run.acked - run.read_once)
     counts = run.counts
-    latencies = sorted(counts.latencies)
-
-    def pct(p: float) -> float | None:
-        return (
-            round(latencies[min(len(latencies) - 1, int(p * len(latencies)))], 4)
-            if latencies
-            else None
-        )
-
     return {
         "config": vars(config),
         "seconds": round(elapsed, 2),
@@ -267,11 +255,7 @@ async def run_shared_queue(config: SharedQueueConfig) -> dict[str, Any]:
         "lost": len(lost),
         "lost_examples": lost[:10],
         "drained_in_s": round(drained_in, 2),
-        "latency_s": {
-            "p50": pct(0.5),
-            "p99": pct(0.99),
-            "max": latencies[-1] if latencies else None,
-        },
+        "latency_s": latency_summary(counts.latencies),
     }
 
 
@@ -297,9 +281,9 @@ def format_result(r: dict[str, Any]) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """``devicemq loadtest shared-queue``: the options it shares with the other
+    """``devicemq loadtest group-queue``: the options it shares with the other
     scenarios (loadtest/cli.py), with its own defaults where they differ."""
-    config = SharedQueueConfig(
+    config = GroupQueueConfig(
         host=args.host,
         port=args.port,
         queues=args.queues if args.queues is not None else 4,
@@ -314,7 +298,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     return run_reported(
         config,
-        run_shared_queue,
+        run_group_queue,
         format_result,
         args.json,
         lambda r: not r["lost"] and not r["refused"] and not r["duplicates_without_dup"],

@@ -1,6 +1,7 @@
 """Does a fetch from the embedded Kafka skip offsets while producers race?
 
-Issue 16, finding 4: Tansu numbers a produce request's batch before it writes
+The cause of the 4 messages a two-replica run lost (BENCHMARKS.md, "Two
+replicas on one host"): Tansu numbers a produce request's batch before it writes
 it, so a fetch in between can return a later batch without the earlier one.
 This starts a Tansu of its own (memory storage, as `devicemq run` does),
 writes one partition from several producers (as replicas do; one producer
@@ -11,8 +12,8 @@ A race, not a test: run it a few times. ``--storage s3``: the Tansu, with
 its S3 store, of a temporary data dir of the embedded services
 (persistence.embedded_kafka_storage: s3, docs/embedded-kafka.md).
 
-    python -m loadtest.kafka_holes_bench --seconds 30 --producers 4 --busy
-    python -m loadtest.kafka_holes_bench --seconds 15 --storage s3
+    python -m benchmarks.kafka_holes_bench --seconds 30 --producers 4 --busy
+    python -m benchmarks.kafka_holes_bench --seconds 15 --storage s3
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.kafka_holes_bench")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kafka_holes_bench")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--producers", type=int, default=4)
     parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")

@@ -14,21 +14,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import signal
 import time
+from collections.abc import Callable
 from typing import cast
 
-from broker.auth import reload_on_sighup
 from broker.config import Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
 from broker.limits import TokenBucket, source_key
-from broker.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
 from broker.packets import ReasonCode
-from broker.websocket import CLOSE_POLICY_VIOLATION, OriginPolicy, WebSocketServer, WsState
-from broker.websocket import Closed as WsClosed
-from broker.websocket import Data as WsData
+from edge.listeners import Framing, ListenerSpec, authentication_configured, listener_specs
+from edge.websocket import CLOSE_POLICY_VIOLATION, OriginPolicy, WebSocketServer, WsState
+from edge.websocket import Closed as WsClosed
+from edge.websocket import Data as WsData
 
 log = logging.getLogger("devicemq.server")
+_auth_log = logging.getLogger("devicemq.auth")  # SIGHUP reloads the auth files
 
 TICK_INTERVAL = 0.5  # seconds between keep-alive / expiry sweeps
 SHUTDOWN_GRACE = 5.0  # seconds to let clients read their DISCONNECT
@@ -77,7 +79,7 @@ class MQTTProtocol(asyncio.Protocol):
             self.conn.receive_data(data)
 
     def write(self, data: bytes) -> None:
-        """Bytes from the connection's outbox onto the wire (framed, for WebSockets)."""
+        """Bytes from the connection's output buffer onto the wire (framed, for WebSockets)."""
         assert self.transport is not None
         self.transport.write(data)
 
@@ -109,6 +111,7 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.conn.congested = True
         self.congested_since = asyncio.get_running_loop().time()
+        self.server.congested.add(self)
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
@@ -116,6 +119,7 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.conn.congested = False
         self.congested_since = None
+        self.server.congested.discard(self)
         if not self.transport.is_closing() and not self.conn.input_paused:
             self.transport.resume_reading()
         session = self.conn.session
@@ -127,7 +131,7 @@ class MQTTProtocol(asyncio.Protocol):
 class WebSocketProtocol(MQTTProtocol):
     """MQTT inside binary WebSocket frames (listeners ``websocket`` and ``websocket_tls``).
 
-    The sans-IO :class:`~broker.websocket.WebSocketServer` does the HTTP
+    The sans-IO :class:`~edge.websocket.WebSocketServer` does the HTTP
     upgrade and the framing; the MQTT bytes it yields feed the same
     :class:`MQTTConnection` as a plain socket's.
     """
@@ -198,6 +202,9 @@ class BrokerServer:
         self.settings = settings
         self.broker = broker or Broker(settings)
         self._protocols: dict[MQTTConnection, MQTTProtocol] = {}
+        # Connections whose transport asked to pause writing: the slow-consumer sweep
+        # looks at these only, not at every connection.
+        self.congested: set[MQTTProtocol] = set()
         self._dirty: list[MQTTConnection] = []
         self._servers: list[asyncio.Server] = []
         self.ports: dict[str, int] = {}  # listener name -> bound port (useful with port 0)
@@ -301,10 +308,12 @@ class BrokerServer:
         self._protocols[conn] = protocol
 
     def forget(self, conn: MQTTConnection) -> None:
-        self._protocols.pop(conn, None)
+        protocol = self._protocols.pop(conn, None)
+        if protocol is not None:
+            self.congested.discard(protocol)
 
     def schedule_flush(self, conn: MQTTConnection) -> None:
-        """Called by a connection whose outbox just became non-empty (or that closes)."""
+        """Called by a connection whose output buffer just became non-empty (or that closes)."""
         if not self._dirty:
             assert self._loop is not None
             self._loop.call_soon(self._flush)
@@ -340,7 +349,7 @@ class BrokerServer:
     def _check_slow_consumers(self) -> None:
         assert self._loop is not None
         deadline = self._loop.time() - self.settings.mqtt.slow_consumer_timeout
-        for protocol in list(self._protocols.values()):
+        for protocol in list(self.congested):
             since = protocol.congested_since
             if since is not None and since < deadline and protocol.transport is not None:
                 self._slow_consumer(protocol, "congested for mqtt.slow_consumer_timeout")
@@ -357,3 +366,31 @@ class BrokerServer:
                 self.broker.acl.maybe_reload()
             except Exception:  # a bug in one sweep must not stop the next
                 log.exception("periodic sweep failed")
+
+
+def reload_on_sighup(*reloaders: Callable[[], None]) -> bool:
+    """Run ``reloaders`` on SIGHUP (event-loop signal handler); False if not possible.
+
+    Called when the broker is built inside a running event loop on the main
+    thread (``devicemq run``); elsewhere (tests, threads) it does nothing.
+    """
+    if not hasattr(signal, "SIGHUP"):
+        return False
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+
+    def on_sighup() -> None:
+        _auth_log.info("SIGHUP: reloading the password and ACL files")
+        for reload in reloaders:
+            try:
+                reload()
+            except Exception:
+                _auth_log.exception("reload failed")
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+        return False
+    return True

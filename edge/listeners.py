@@ -16,7 +16,7 @@ Both TLS listeners use the certificates of the ``tls`` section. A listener
 without a ``host`` listens on 127.0.0.1 only unless authentication is
 configured (:func:`effective_host`, SECURITY.md "Defaults"). All of them
 feed the same :class:`~broker.connection.MQTTConnection` and session layer;
-the WebSocket ones go through :mod:`broker.websocket` first.
+the WebSocket ones go through :mod:`edge.websocket` first.
 
 TLS defaults (:func:`build_ssl_context`): a ``PROTOCOL_TLS_SERVER`` context,
 TLS 1.2 or newer, Python's cipher defaults (forward-secret AEAD), no

@@ -1,6 +1,6 @@
 """How SubscriptionTree.match() scales with unrelated subscriptions.
 
-Run: ``python -m loadtest.match_bench``. One topic is matched against a tree
+Run: ``python -m benchmarks.match_bench``. One topic is matched against a tree
 holding the same few matching subscriptions plus 10, 10k or 100k unrelated
 ones. The unrelated filters share the topic's first level, add siblings at its
 second level and hang under the root's '+', so they widen exactly the nodes

@@ -1,9 +1,9 @@
 """Throughput of RedisMessageStore.save_many against local Redis (not a test).
 
-    python -m loadtest.redis_store_bench                 # single and cluster
-    python -m loadtest.redis_store_bench --mode single --clients 200 --batch 50 \\
+    python -m benchmarks.redis_store_bench                 # single and cluster
+    python -m benchmarks.redis_store_bench --mode single --clients 200 --batch 50 \\
         --batches 20
-    python -m loadtest.redis_store_bench --url redis://127.0.0.1:6379   # a running Redis
+    python -m benchmarks.redis_store_bench --url redis://127.0.0.1:6379   # a running Redis
 
 It starts its own redis-server (and a 3-master cluster) on free 127.0.0.1
 ports, stops them by PID at the end, and prints msg/s for:

@@ -1,0 +1,996 @@
+"""APPLICATION sessions: a persistent session served from a Kafka topic of its own.
+
+A DEVICE session (the default) keeps its messages in Redis, one write per
+message, at most ``persistence.max_messages_per_client`` of them. An
+APPLICATION session (``application.client_ids``, docs/application-sessions.md)
+is the backend that subscribes to the whole fleet: its messages go to its own
+Kafka topic (:func:`app_topic`), its backlog is bounded by that topic's
+retention, and it is read straight from Kafka while its client is connected.
+
+- **Produce.** :meth:`ApplicationSessions.submit` encodes each delivery as the
+  persistent path does (persistence/delivery_codec.py, the session's generation
+  in it) and sends it to the session's topic; the publisher's PUBACK/PUBREC
+  waits for Kafka's acknowledgement (acks=all), under the same deadline
+  (``persistence.kafka_request_timeout_ms``). Nothing is written to Redis.
+- **Read.** Each connected session has a reader of its own: a consumer with
+  no group that is *assigned* the topic's partitions and seeks to the offsets
+  stored in Redis (``{cid}_app_offsets``). No group: a group join stalls for
+  half its session timeout on Tansu, one group per session would be one more
+  coordinator round per connect, and the session is served by the one broker
+  its client is connected to anyway; the offsets live beside the session's
+  other keys, fenced by its generation, and go with it.
+- **Identifiers.** Packet ids are given at the first send, within the window
+  (Receive Maximum) the outflow keeps (broker/outflow.py).
+- **Progress.** Before a message's first send, ``{cid}_app_inflight`` records
+  ``partition:offset -> packet id`` (one write for every message of a pump,
+  and one write at a time per session: under load the batches grow, not the
+  writes); PUBREC rewrites it ``id:r`` before the PUBREL goes out; an id given
+  to a later message turns the older field ``-`` (that flow had completed).
+  The committed offset of a partition moves only past messages that are done
+  (PUBACK, PUBCOMP, dropped, not this generation's), in order, and the fields
+  below it are deleted in the same write.
+- **Reconnect.** Everything from the committed offset is read again: a message
+  with a field goes again under its id with DUP (MQTT-4.4.0-1), one at ``id:r``
+  gets only its PUBREL again (so a QoS 2 message whose PUBREC was recorded is
+  never delivered twice), one at ``-`` is skipped, the others are new.
+  Acknowledged messages after an unacknowledged one come again (with DUP):
+  that is the price of one offset per partition.
+- **Copies.** Records are named (producer id, sequence number) as the device
+  path's are; the reader skips one at or below the last it read from that
+  producer in that partition (``{cid}_app_seen`` keeps it as of the commit),
+  so a record Kafka took twice is delivered once.
+- **Rewind.** :meth:`ApplicationSessions.rewind` moves the committed offsets
+  back (never forward), remembering the old ones (``{cid}_app_replay``: a
+  message below it is sent again with DUP) and forgetting the copies' marks;
+  a connected client's outflow resumes as on a reconnect.
+- **End.** A session that ends (expiry, clean start) has its topic and keys
+  deleted (:meth:`ApplicationSessions.ended`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import time
+import zlib
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+
+from broker.outflow import Outgoing
+from persistence.delivery_codec import encode_delivery, stored_delivery
+from persistence.format import client_keys, decode_record
+from persistence.kafka_security import PLAINTEXT, KafkaSecurity
+
+if TYPE_CHECKING:
+    from broker.config import ApplicationSettings
+    from broker.message import Delivery
+    from broker.outflow import Outflow
+    from broker.persistent_path import DoneCallback
+    from broker.session import Session
+
+log = logging.getLogger("devicemq.application")
+
+TOPIC_PREFIX = "devicemq.app."
+REGISTRY = "devicemq:app:sessions"  # hash: client id -> generation of its APPLICATION session
+SAFE_LENGTH = 180  # characters of the client ID kept in a topic name (Kafka allows 249)
+READ_WAIT_MS = 200  # a reader's longest wait for records (then it looks at its connection)
+RETRY_FIRST, RETRY_MOST = 0.5, 2.0  # seconds between tries of a write or a read that failed
+DONE = "-"  # an inflight field whose flow completed (its id went to a later message)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+# KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
+# KEYS[4] {cid}_app_seen
+# ARGV: generation, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k fields,
+# s, s ("producer:partition", seq) pairs
+# Fenced by the generation: a late write of an ended session takes nothing of the next.
+_PROGRESS_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local i = 2
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]); i = i + 2 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HDEL', KEYS[3], ARGV[i]); i = i + 1 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
+return 1
+"""
+
+
+# KEYS as above, KEYS[5] {cid}_app_replay; ARGV: generation, n, n (partition, offset).
+# A partition moves back only (to at most its committed offset); what it passes over was
+# seen: DUP when sent again. The copies' marks go: the rewound records are read again.
+_REWIND_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return nil end
+local out = {}
+local n = tonumber(ARGV[2])
+for k = 0, n - 1 do
+  local p, target = ARGV[3 + 2 * k], tonumber(ARGV[4 + 2 * k])
+  local old = tonumber(redis.call('HGET', KEYS[2], p) or '0')
+  if target < old then
+    local seen = tonumber(redis.call('HGET', KEYS[5], p) or '0')
+    redis.call('HSET', KEYS[5], p, math.max(seen, old))
+    redis.call('HSET', KEYS[2], p, target)
+  else
+    target = old
+  end
+  out[#out + 1] = target
+end
+redis.call('DEL', KEYS[4])
+return out
+"""
+
+
+def app_topic(client_id: str) -> str:
+    """The Kafka topic of ``client_id``'s APPLICATION session: the client ID with every
+    character Kafka does not allow (and '.') as '_', cut to :data:`SAFE_LENGTH`, then a
+    hash of the whole ID, so two IDs never share a topic."""
+    safe = _UNSAFE.sub("_", client_id)[:SAFE_LENGTH]
+    digest = hashlib.sha256(client_id.encode()).hexdigest()[:12]
+    return f"{TOPIC_PREFIX}{safe}.{digest}"
+
+
+@dataclass(slots=True, frozen=True)
+class AppKeys:
+    generation: str  # the session's generation (persistence/lua/open_session.lua)
+    offsets: str  # hash: partition -> the next offset to read (committed)
+    inflight: str  # hash: "partition:offset" -> packet id, "id:r" (PUBREL stage), "-"
+    seen: str  # hash: "producer:partition" -> the last seq below the committed offset
+    replay: str  # hash: partition -> the committed offset before a rewind (DUP below it)
+
+
+def app_keys(client_id: str) -> AppKeys:
+    """The APPLICATION session's keys, in its client's slot."""
+    generation = client_keys(client_id).generation
+    prefix = generation.removesuffix("_generation")
+    return AppKeys(
+        generation,
+        prefix + "_app_offsets",
+        prefix + "_app_inflight",
+        prefix + "_app_seen",
+        prefix + "_app_replay",
+    )
+
+
+class Classifier:
+    """Which new persistent sessions are APPLICATION sessions."""
+
+    def __init__(self, client_ids: Sequence[str], usernames: Sequence[str]) -> None:
+        self._ids = [re.compile(p) for p in client_ids]
+        self._users = [re.compile(p) for p in usernames]
+
+    @property
+    def active(self) -> bool:
+        return bool(self._ids)
+
+    def is_application(self, client_id: str, username: str | None) -> bool:
+        if not any(p.match(client_id) for p in self._ids):
+            return False
+        if not self._users:
+            return True
+        return username is not None and any(p.match(username) for p in self._users)
+
+
+LAG_READ = 1.0  # seconds a look at a session's lag may read for
+
+
+class Lag(NamedTuple):
+    messages: int  # after the committed offsets
+    oldest_age: float | None  # seconds since the oldest of them was published
+
+
+class _Submission:
+    __slots__ = ("failed", "on_accepted", "on_settled", "out", "records", "reported")
+
+    def __init__(
+        self,
+        records: list[tuple[str, int, bytes, bytes]],
+        on_accepted: DoneCallback,
+        on_settled: DoneCallback | None,
+    ) -> None:
+        self.records = records  # (topic, partition, key, value)
+        self.on_accepted = on_accepted
+        self.on_settled = on_settled
+        self.out = len(records)  # no answer from Kafka yet
+        self.reported = False
+        self.failed = False
+
+
+class ApplicationSessions:
+    """The APPLICATION sessions of this broker: which they are, their topics, their
+    producing. ``producer`` is a producer of their own (persistence/producers.py): on
+    the device path's, a send to a topic it did not know would replace what its
+    metadata holds (aiokafka names only the topics it was asked for), and the
+    device path would stall while it learns its own topic again."""
+
+    def __init__(
+        self,
+        settings: ApplicationSettings,
+        redis: Any,
+        producer: Any,
+        bootstrap: str,
+        security: KafkaSecurity = PLAINTEXT,
+        timeout: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        producer_id: int = 0,
+    ) -> None:
+        """``producer_id`` names this process's records with a sequence number: a record
+        Kafka took twice (a produce retried after a lost answer) is read once."""
+        self.settings = settings
+        self.producer_id = producer_id
+        self._seq = 0
+        self.classifier = Classifier(settings.client_ids, settings.usernames)
+        self.redis = redis
+        self._producer = producer
+        self.bootstrap = bootstrap
+        self.security = security
+        self._timeout = timeout
+        self._clock = clock
+        self.kinds: set[str] = set()  # client IDs whose session is an APPLICATION one
+        self.progress_script = redis.register_script(_PROGRESS_LUA)
+        self._rewind_script = redis.register_script(_REWIND_LUA)
+        self._chains: dict[str, asyncio.Future[None]] = {}  # per client: topic work in order
+        self._pending: deque[_Submission] = deque()
+        self._sender: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.produced = 0
+        self.failed = 0
+
+    # -- which sessions --------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Start the producer; learn the APPLICATION sessions Redis holds (before
+        sessions are restored)."""
+        await self._producer.start()
+        names = await self.redis.hkeys(REGISTRY)
+        self.kinds = {n.decode() if isinstance(n, bytes) else n for n in names}
+
+    async def forget_unrestored(self, restored: Collection[str]) -> None:
+        """Sessions ended while no broker ran (expired): their topics go too."""
+        for client_id in sorted(self.kinds - set(restored)):
+            await self._serial(client_id, partial(self._delete_quietly, client_id, None))
+
+    def opening(
+        self, client_id: str, username: str | None, resumed: bool, done: Callable[[bool], None]
+    ) -> None:
+        """A durable session was opened (``resumed``: a stored one): a resumed session
+        keeps the kind it was made with; a new one is an APPLICATION session if the
+        classifier says so, and gets its topic (made anew) before ``done(True)``."""
+
+        async def work() -> None:
+            if resumed:
+                if client_id in self.kinds or await self.redis.hexists(REGISTRY, client_id):
+                    self.kinds.add(client_id)
+                    await self._create(client_id)  # Kafka may have lost it; else nothing
+                return
+            was = client_id in self.kinds or await self.redis.hexists(REGISTRY, client_id)
+            if was:
+                await self._delete(client_id, None)  # an earlier session's, left over
+            if self.classifier.is_application(client_id, username):
+                generation = await self.redis.get(app_keys(client_id).generation)
+                await self._create(client_id)
+                await self.redis.hset(REGISTRY, client_id, generation or b"0")
+                self.kinds.add(client_id)
+
+        async def run() -> None:
+            try:
+                await self._serial(client_id, work)
+            except Exception as error:
+                log.warning("opening APPLICATION session %s failed: %s", client_id, error)
+                done(False)
+                return
+            done(True)
+
+        self._spawn(run())
+
+    def ended(self, client_id: str, generation: int) -> None:
+        """The session ended: its topic and keys go (unless a newer one opened)."""
+        if client_id not in self.kinds:
+            return
+        self._spawn(self._serial(client_id, partial(self._delete_quietly, client_id, generation)))
+
+    async def _delete_quietly(self, client_id: str, generation: int | None) -> None:
+        """:meth:`_delete`; a failure is logged: the topic stays listed in the registry
+        and goes at the next start, or when a new session of the client ID opens."""
+        try:
+            await self._delete(client_id, generation)
+        except Exception as error:
+            log.warning("deleting the topic of APPLICATION session %s failed: %s", client_id, error)
+
+    async def _delete(self, client_id: str, generation: int | None) -> None:
+        keys = app_keys(client_id)
+        if generation is not None:
+            held = await self.redis.hget(REGISTRY, client_id)
+            if held is not None and int(held) > generation:
+                return  # a newer session holds the topic now
+        admin = await self._admin()
+        try:
+            response = await admin.delete_topics([app_topic(client_id)])
+            for _name, code, *_ in response.topic_error_codes:
+                if code and code != 3:  # 3: unknown topic, gone already
+                    raise for_code(code)(f"cannot delete kafka topic {app_topic(client_id)}")
+        finally:
+            await admin.close()
+        self._forget_topic(app_topic(client_id))
+        await self.redis.delete(keys.offsets, keys.inflight, keys.seen, keys.replay)
+        await self.redis.hdel(REGISTRY, client_id)
+        self.kinds.discard(client_id)
+        log.info("APPLICATION session %s ended: topic %s deleted", client_id, app_topic(client_id))
+
+    def _forget_topic(self, topic: str) -> None:
+        """The producer stops naming a deleted topic in its metadata requests: Tansu
+        would create it again, at its default size, at the next refresh."""
+        client = getattr(getattr(self._producer, "producer", None), "client", None)
+        topics = getattr(client, "_topics", None)
+        if client is not None and isinstance(topics, set) and topic in topics:
+            client.set_topics(topics - {topic})
+
+    async def _create(self, client_id: str) -> None:
+        topic = app_topic(client_id)
+        retention = str(int(self.settings.retention * 1000))
+        admin = await self._admin()
+        try:
+            new = NewTopic(
+                topic, self.settings.partitions, 1, topic_configs={"retention.ms": retention}
+            )
+            try:
+                response = await admin.create_topics([new])
+            except TopicAlreadyExistsError:
+                return
+            for _name, code, *_ in response.topic_errors:
+                error = for_code(code)
+                if code and error is not TopicAlreadyExistsError:
+                    raise error(f"cannot create kafka topic {topic}")
+                if not code:
+                    log.info("created kafka topic %s for an APPLICATION session", topic)
+        finally:
+            await admin.close()
+
+    async def _admin(self) -> AIOKafkaAdminClient:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **self.security.aiokafka())
+        await admin.start()
+        return admin
+
+    async def _serial(self, client_id: str, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work`` after every earlier one of ``client_id`` (an end, then an open)."""
+        before = self._chains.get(client_id)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._chains[client_id] = mine
+        try:
+            if before is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(before)
+            await work()
+        finally:
+            mine.set_result(None)
+            if self._chains.get(client_id) is mine:
+                del self._chains[client_id]
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- producing -------------------------------------------------------------------
+
+    def submit(
+        self,
+        deliveries: Sequence[tuple[Session, Delivery]],
+        on_accepted: DoneCallback,
+        on_settled: DoneCallback | None = None,
+    ) -> None:
+        """Produce each delivery to its session's topic; ``on_accepted(ok)`` once Kafka
+        acknowledged them all (or one failed, or the deadline passed; then
+        ``on_settled(ok)`` once every record has its answer)."""
+        wall, now = time.time(), self._clock()
+        partitions, producer, seq = self.settings.partitions, self.producer_id, self._seq
+        records = []
+        for session, delivery in deliveries:
+            topic = delivery.message.topic.encode()
+            partition = zlib.crc32(topic) % partitions if partitions > 1 else 0
+            seq += 1
+            value = encode_delivery(
+                delivery, wall, now, producer=producer, seq=seq, generation=session.generation
+            )
+            records.append((app_topic(session.client_id), partition, topic, value))
+        self._seq = seq
+        self._pending.append(_Submission(records, on_accepted, on_settled))
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._send_pending())
+
+    async def _send_pending(self) -> None:
+        """Hand the records over in submission order (one partition's stay in order)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                submission = self._pending.popleft()
+                loop.call_later(self._timeout, self._expire, submission)
+                for topic, partition, key, value in submission.records:
+                    try:
+                        future = await self._producer.send(
+                            topic, value=value, key=key, partition=partition
+                        )
+                    except KafkaError as error:
+                        log.warning("producing to %s failed: %s", topic, error)
+                        submission.out -= 1
+                        submission.failed = True
+                        self._answered(submission)
+                        continue
+                    future.add_done_callback(lambda f, s=submission: self._acked(s, f))
+        finally:
+            self._sender = None
+
+    def _acked(self, submission: _Submission, future: asyncio.Future[Any]) -> None:
+        submission.out -= 1
+        if future.cancelled() or future.exception() is not None:
+            submission.failed = True
+        self._answered(submission)
+
+    def _answered(self, submission: _Submission) -> None:
+        if submission.failed and not submission.reported:
+            self._report(submission, False)
+        if submission.out == 0:
+            if not submission.reported:
+                self._report(submission, True)
+            elif submission.on_settled is not None:
+                settled, submission.on_settled = submission.on_settled, None
+                settled(not submission.failed)
+
+    def _expire(self, submission: _Submission) -> None:
+        if not submission.reported:
+            self._report(submission, False)
+
+    def _report(self, submission: _Submission, ok: bool) -> None:
+        submission.reported = True
+        if ok:
+            self.produced += len(submission.records)
+        else:
+            self.failed += 1
+        submission.on_accepted(ok)
+        if not ok and submission.out == 0 and submission.on_settled is not None:
+            settled, submission.on_settled = submission.on_settled, None
+            settled(not submission.failed)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def feed(self, client_id: str) -> ApplicationFeed:
+        return ApplicationFeed(client_id, self)
+
+    def consumer(self) -> AIOKafkaConsumer:
+        """A reader's Kafka client: no group, partitions assigned, nothing committed."""
+        return AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",  # below the log start (retention): from there
+            fetch_max_wait_ms=50,
+            **self.security.aiokafka(),
+        )
+
+    async def rewind(
+        self,
+        client_id: str,
+        feed: ApplicationFeed | None,
+        *,
+        offset: int | None = None,
+        since: float | None = None,
+    ) -> dict[int, int]:
+        """Deliver ``client_id``'s messages again from ``offset`` (each partition) or from
+        the first published at or after ``since`` (epoch seconds), as far as the topic
+        still holds them; never forward past the committed offsets. ``feed``: the
+        session's, if this broker holds it: it stops reading meanwhile and, if its
+        client is connected, starts again from there (what is in flight is sent again,
+        under its ids, with DUP). Returns partition -> the offset it reads from now."""
+        if client_id not in self.kinds:
+            raise KeyError(client_id)
+        partitions = range(self.settings.partitions)
+        if since is not None:
+            targets = await self._offsets_since(client_id, since)
+        else:
+            targets = dict.fromkeys(partitions, max(0, offset or 0))
+        if feed is not None:
+            await feed.pause()
+        try:
+            keys = app_keys(client_id)
+            generation = await self.redis.get(keys.generation)
+            args: list[Any] = [generation, len(targets)]
+            for partition, target in sorted(targets.items()):
+                args += [partition, target]
+            done = await self._rewind_script(
+                keys=[keys.generation, keys.offsets, keys.inflight, keys.seen, keys.replay],
+                args=args,
+            )
+        finally:
+            if feed is not None:
+                feed.resume()
+        if done is None:
+            raise KeyError(client_id)  # the session ended meanwhile
+        return {p: int(o) for p, o in zip(sorted(targets), done, strict=True)}
+
+    async def _offsets_since(self, client_id: str, since: float) -> dict[int, int]:
+        """Per partition: the first offset published at or after ``since`` (the end if
+        none), read from the start (the records are in publish order)."""
+        topic = app_topic(client_id)
+        consumer = self.consumer()
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(self.settings.partitions)]
+            consumer.assign(tps)
+            for tp in tps:
+                consumer.seek(tp, 0)
+            found: dict[int, int] = {}
+            idle = 0
+            while len(found) < len(tps) and idle < 5:
+                got = await consumer.getmany(timeout_ms=200, max_records=5000)
+                idle = 0 if any(got.values()) else idle + 1
+                for tp, records in got.items():
+                    if tp.partition in found or not records:
+                        continue
+                    for record in records:
+                        stored = decode_record(0, 0, record.value).message
+                        if stored is not None and stored.publish_time >= since:
+                            found[tp.partition] = record.offset
+                            break
+                    else:
+                        highwater = consumer.highwater(tp)
+                        if highwater is not None and records[-1].offset + 1 >= highwater:
+                            found[tp.partition] = highwater  # all older: from the end
+                    if tp.partition in found:
+                        consumer.pause(tp)
+            for tp in tps:
+                found.setdefault(tp.partition, consumer.highwater(tp) or 0)
+            return found
+        finally:
+            await consumer.stop()
+
+    async def committed(self, client_id: str) -> dict[int, int]:
+        """Partition -> the committed offset (the next one not done with)."""
+        raw = await self.redis.hgetall(app_keys(client_id).offsets)
+        return {int(p): int(o) for p, o in raw.items()}
+
+    async def lag(self, client_id: str) -> Lag | None:
+        """How far behind ``client_id``'s session is: the messages after its committed
+        offsets and the age of the oldest of them (None: not an APPLICATION session).
+        The high watermark comes from a fetch: Tansu answers ListOffsets with a count
+        of batches (pipeline/kafka_source.py)."""
+        if client_id not in self.kinds:
+            return None
+        topic = app_topic(client_id)
+        committed = await self.committed(client_id)
+        consumer = self.consumer()
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(self.settings.partitions)]
+            consumer.assign(tps)
+            for tp in tps:
+                consumer.seek(tp, committed.get(tp.partition, 0))
+            first: dict[int, tuple[int, float]] = {}  # partition -> (offset, publish time)
+            deadline = time.monotonic() + LAG_READ
+            while time.monotonic() < deadline:
+                got = await consumer.getmany(timeout_ms=100, max_records=len(tps))
+                for tp, records in got.items():
+                    if records and tp.partition not in first:
+                        stored = decode_record(0, 0, records[0].value).message
+                        published = stored.publish_time if stored is not None else time.time()
+                        first[tp.partition] = (records[0].offset, published)
+                if all(
+                    tp.partition in first
+                    or (
+                        consumer.highwater(tp) is not None
+                        and consumer.highwater(tp) <= committed.get(tp.partition, 0)
+                    )
+                    for tp in tps
+                ):
+                    break  # every partition has its oldest, or nothing after the commit
+            messages = 0
+            for tp in tps:
+                highwater = consumer.highwater(tp)
+                if tp.partition in first and highwater is not None:
+                    messages += max(0, highwater - first[tp.partition][0])
+            oldest = min((t for _, t in first.values()), default=None)
+            return Lag(messages, None if oldest is None else max(0.0, time.time() - oldest))
+        finally:
+            await consumer.stop()
+
+    async def close(self) -> None:
+        """Wait for what was handed to Kafka, then stop."""
+        while self._pending or self._sender is not None:
+            await asyncio.sleep(0.01)
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        with contextlib.suppress(KafkaError):
+            await self._producer.stop()
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Progress writes asked and not yet handed to Redis, with who waits for them."""
+
+    offsets: dict[int, int] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
+    set_fields: dict[str, str] = field(default_factory=dict)
+    del_fields: set[str] = field(default_factory=set)
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def set(self, name: str, value: str) -> None:
+        self.del_fields.discard(name)
+        self.set_fields[name] = value
+
+    def delete(self, name: str) -> None:
+        self.set_fields.pop(name, None)
+        self.del_fields.add(name)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.offsets or self.set_fields or self.del_fields or self.seen or self.callbacks
+        )
+
+
+class _Ref:
+    """Where a message is in the topic, and whether it is done with."""
+
+    __slots__ = ("done", "offset", "partition", "producer", "seq")
+
+    def __init__(self, partition: int, offset: int) -> None:
+        self.partition = partition
+        self.offset = offset
+        self.done = False
+        self.producer = 0  # the record's name (0: none)
+        self.seq = 0
+
+
+class ApplicationFeed:
+    """An APPLICATION session's messages, read from its Kafka topic (see the module)."""
+
+    durable = True
+
+    def __init__(self, client_id: str, apps: ApplicationSessions) -> None:
+        self.client_id = client_id
+        self._apps = apps
+        self._topic = app_topic(client_id)
+        self._keys = app_keys(client_id)
+        self._partitions = apps.settings.partitions
+        self._read_ahead = apps.settings.read_ahead
+        self.outflow: Outflow | None = None
+        self._epoch = 0
+        self._buffer: deque[Outgoing] = deque()
+        self._order: dict[int, deque[_Ref]] = {}  # per partition, read and not yet committed
+        self.committed: dict[int, int] = {}  # per partition: next offset not done with
+        self.read_to: dict[int, int] = {}  # per partition: next offset to read
+        self._fields: dict[int, deque[int]] = {}  # per partition: offsets with a field, in order
+        self._field_of_id: dict[int, tuple[int, int]] = {}  # packet id -> its latest field
+        self._known: dict[tuple[int, int], str] = {}  # fields read back, not reached yet
+        # (producer, partition) -> the last seq read; a record at or below it is a copy
+        self._seen: dict[tuple[int, int], int] = {}
+        self._replay: dict[int, int] = {}  # partition -> below it, seen before a rewind
+        self._reserved: set[int] = set()  # their ids: not given to new messages
+        self._last_id = 0
+        self._generation: bytes | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._asked = _Progress()
+        self._writer: asyncio.Task[None] | None = None
+        self._written = asyncio.Event()
+        self._written.set()
+        self.write_errors = 0
+
+    # -- Feed ------------------------------------------------------------------------
+
+    def offer(self, delivery: Delivery) -> None:
+        """A message routed in memory (not through the persistent path): to the topic,
+        with nobody waiting for it."""
+        session = self.outflow._session if self.outflow is not None else None
+        if session is not None:
+            self._apps.submit([(session, delivery)], _ignore)
+
+    def take(self, n: int) -> list[Outgoing]:
+        outflow = self.outflow
+        assert outflow is not None
+        buffer = self._buffer
+        items: list[Outgoing] = []
+        while buffer and len(items) < n:
+            item = buffer.popleft()
+            self._reserved.discard(item.packet_id)
+            if item.packet_id == 0 or item.packet_id in outflow.inflight:
+                item.packet_id = self._next_id(outflow)
+            items.append(item)
+        if len(buffer) < self._read_ahead // 2 + 1:
+            self._room.set()
+        return items
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        # Recorded before the first send: sent again after any crash, it has DUP
+        # (MQTT-3.3.1-1) and its packet id (MQTT-4.4.0-1).
+        asked = self._asked
+        for item in items:
+            ref = item.ref
+            assert isinstance(ref, _Ref)
+            self._record(ref, str(item.packet_id), item.packet_id)
+        ids = [item.packet_id for item in items]
+        asked.callbacks.append(lambda: done(ids))
+        self._schedule()
+
+    def release(self, item: Outgoing, done: Callable[[], None]) -> None:
+        ref = item.ref
+        assert isinstance(ref, _Ref)
+        self._record(ref, f"{item.packet_id}:r", item.packet_id)
+        self._asked.callbacks.append(done)
+        self._schedule()
+
+    def finished(self, item: Outgoing) -> None:
+        self._done(item)
+
+    def undeliverable(self, item: Outgoing) -> None:
+        self._done(item)
+
+    def sent(self, item: Outgoing, dup: bool) -> None:
+        pass
+
+    def restart(self) -> None:
+        self._stop()
+        self._reader = asyncio.get_running_loop().create_task(self._read(self._epoch))
+
+    async def pause(self) -> None:
+        """Stop reading and wait until every progress write landed (a rewind)."""
+        self._stop()
+        await self._written.wait()
+
+    def resume(self) -> None:
+        """After a rewind: a connected client gets what is in flight again (under its
+        ids, DUP) and the rest from the rewound offsets."""
+        outflow = self.outflow
+        if outflow is not None and outflow.connection is not None:
+            outflow.resume()
+
+    def discard(self) -> None:
+        self._stop()
+
+    def queued(self) -> int:
+        return len(self._buffer)
+
+    # -- progress --------------------------------------------------------------------
+
+    def _next_id(self, outflow: Outflow) -> int:
+        packet_id = outflow.next_packet_id(self._last_id)
+        while packet_id in self._reserved:
+            packet_id = outflow.next_packet_id(packet_id)
+        self._last_id = packet_id
+        return packet_id
+
+    def _record(self, ref: _Ref, value: str, packet_id: int) -> None:
+        """Ask for ``partition:offset -> value``; an older field of the same id is done."""
+        name = f"{ref.partition}:{ref.offset}"
+        asked = self._asked
+        older = self._field_of_id.get(packet_id)
+        where = (ref.partition, ref.offset)
+        if older is not None and older != where and older[1] >= self.committed.get(older[0], 0):
+            asked.set(f"{older[0]}:{older[1]}", DONE)  # that flow completed: never again
+        self._field_of_id[packet_id] = where
+        offsets = self._fields.setdefault(ref.partition, deque())
+        if not offsets or offsets[-1] < ref.offset:
+            offsets.append(ref.offset)
+        asked.set(name, value)
+
+    def _done(self, item: Outgoing) -> None:
+        ref = item.ref
+        if not isinstance(ref, _Ref) or ref.done:
+            return
+        ref.done = True
+        self._advance(ref.partition)
+
+    def _advance(self, partition: int) -> None:
+        """Commit past every message of ``partition`` that is done, in order."""
+        order = self._order.get(partition)
+        if not order or not order[0].done:
+            return
+        asked = self._asked
+        while order and order[0].done:
+            head = order.popleft()
+            if head.producer:  # past the commit: read again from there, it is a copy
+                asked.seen[f"{head.producer}:{partition}"] = head.seq
+        committed = head.offset + 1
+        self.committed[partition] = committed
+        asked.offsets[partition] = committed
+        fields = self._fields.get(partition)
+        while fields and fields[0] < committed:
+            asked.delete(f"{partition}:{fields.popleft()}")
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._writer is None and self._generation is not None:
+            self._written.clear()
+            self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        """One write at a time; what is asked meanwhile goes into the next."""
+        wait = RETRY_FIRST
+        try:
+            while self._asked:
+                asked, self._asked = self._asked, _Progress()
+                args: list[Any] = [self._generation, len(asked.offsets)]
+                for partition, offset in asked.offsets.items():
+                    args += [partition, offset]
+                args.append(len(asked.set_fields))
+                for name, value in asked.set_fields.items():
+                    args += [name, value]
+                args.append(len(asked.del_fields))
+                args += list(asked.del_fields)
+                args.append(len(asked.seen))
+                for name, seq in asked.seen.items():
+                    args += [name, seq]
+                app = self._keys
+                keys = [app.generation, app.offsets, app.inflight, app.seen]
+                while True:
+                    try:
+                        await self._apps.progress_script(keys=keys, args=args)
+                        break
+                    except Exception as error:  # Redis away: messages wait for their marks
+                        self.write_errors += 1
+                        log.warning("progress of %s not written: %s", self.client_id, error)
+                        await asyncio.sleep(wait)
+                        wait = min(wait * 2, RETRY_MOST)
+                wait = RETRY_FIRST
+                for callback in asked.callbacks:
+                    callback()
+        finally:
+            self._writer = None
+            self._written.set()
+
+    # -- the reader ------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        self._epoch += 1
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        self._buffer.clear()
+        self._order.clear()
+        self._known.clear()
+        self._reserved.clear()
+        self._room.set()
+
+    def _connected(self, epoch: int) -> bool:
+        outflow = self.outflow
+        return epoch == self._epoch and outflow is not None and outflow.connection is not None
+
+    async def _read(self, epoch: int) -> None:
+        """Read from the committed offsets while the client is connected."""
+        await self._written.wait()  # the last connection's progress is in Redis first
+        wait = RETRY_FIRST
+        while self._connected(epoch):
+            try:
+                await self._load(epoch)
+                break
+            except Exception as error:
+                log.warning("reading the progress of %s failed: %s", self.client_id, error)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, RETRY_MOST)
+        while self._connected(epoch):
+            consumer = self._apps.consumer()
+            try:
+                await consumer.start()
+                tps = [TopicPartition(self._topic, p) for p in range(self._partitions)]
+                consumer.assign(tps)
+                for tp in tps:
+                    consumer.seek(tp, self.read_to.get(tp.partition, 0))
+                wait = RETRY_FIRST
+                while self._connected(epoch):
+                    room = self._read_ahead - len(self._buffer)
+                    if room <= 0:
+                        self._room.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._room.wait(), READ_WAIT_MS / 1000)
+                        continue
+                    got = await consumer.getmany(timeout_ms=READ_WAIT_MS, max_records=room)
+                    if not self._connected(epoch):
+                        return
+                    for tp, records in got.items():
+                        for record in records:
+                            self._add(tp.partition, record.offset, record.value)
+                    if got and self.outflow is not None:
+                        self.outflow.pump()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # Kafka away: read again from where it was
+                log.warning("reading the topic of %s failed: %s", self.client_id, error)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, RETRY_MOST)
+            finally:
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+
+    async def _load(self, epoch: int) -> None:
+        redis = self._apps.redis
+        keys = self._keys
+        generation, offsets, inflight, seen, replay = await asyncio.gather(
+            redis.get(keys.generation),
+            redis.hgetall(keys.offsets),
+            redis.hgetall(keys.inflight),
+            redis.hgetall(keys.seen),
+            redis.hgetall(keys.replay),
+        )
+        if epoch != self._epoch:
+            return
+        self._replay = {int(p): int(o) for p, o in replay.items()}
+        self._seen = {}
+        for name, seq in seen.items():
+            producer, partition = (int(x) for x in name.split(b":"))
+            self._seen[(producer, partition)] = int(seq)
+        self._generation = generation
+        self.committed = {int(p): int(o) for p, o in offsets.items()}
+        self.read_to = dict(self.committed)
+        self._order = {}
+        self._fields = {}
+        self._field_of_id = {}
+        known: dict[tuple[int, int], str] = {}
+        for name, value in sorted(
+            ((n.decode(), v.decode()) for n, v in inflight.items()),
+            key=lambda nv: tuple(int(x) for x in nv[0].split(":")),
+        ):
+            partition, offset = (int(x) for x in name.split(":"))
+            known[(partition, offset)] = value
+            self._fields.setdefault(partition, deque()).append(offset)
+            if value != DONE:
+                packet_id = int(value.split(":")[0])
+                self._reserved.add(packet_id)
+                self._field_of_id[packet_id] = (partition, offset)
+        self._known = known
+
+    def _add(self, partition: int, offset: int, value: bytes) -> None:
+        """A record read: to the buffer, or done with at once (not this session's, or
+        its flow completed before)."""
+        self.read_to[partition] = offset + 1
+        if offset < self.committed.get(partition, 0):
+            return  # read again after a Kafka error: done with already
+        ref = _Ref(partition, offset)
+        self._order.setdefault(partition, deque()).append(ref)
+        known = self._known.pop((partition, offset), None)
+        try:
+            stored = decode_record(0, 0, value).message
+        except ValueError:
+            stored = None
+        generation = int(self._generation or 0)
+        if stored is not None and stored.producer:
+            name = (stored.producer, partition)
+            if stored.seq <= self._seen.get(name, 0):
+                stored = None  # Kafka took it twice: read once
+            else:
+                self._seen[name] = ref.seq = stored.seq
+                ref.producer = stored.producer
+        if stored is None or stored.generation != generation or known == DONE:
+            ref.done = True
+            self._advance(partition)
+            return
+        delivery = stored_delivery(stored, time.time(), self._apps_clock())
+        if known is None:  # new, or a rewind's copy of what was seen: DUP
+            item = Outgoing(0, delivery, ref=ref, replay=offset < self._replay.get(partition, 0))
+        elif known.endswith(":r"):  # PUBREC recorded: only the PUBREL is left
+            # MQTT-4.4.0-1: the PUBREL again, never the PUBLISH (QoS 2: once)
+            item = Outgoing(int(known[:-2]), None, sent=True, marked=True, ref=ref)
+        else:  # may have been seen: again under its id (MQTT-4.4.0-1), DUP (MQTT-3.3.1-1),
+            # whatever its expiry, as a DEVICE session's message marked sent
+            item = Outgoing(int(known), delivery, sent=True, marked=True, ref=ref)
+        self._buffer.append(item)
+
+    def _apps_clock(self) -> float:
+        outflow = self.outflow
+        conn = outflow.connection if outflow is not None else None
+        return conn.broker.clock() if conn is not None else time.monotonic()
+
+
+def _ignore(ok: bool) -> None:
+    """Nobody waits for this one."""
