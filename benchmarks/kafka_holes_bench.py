@@ -8,9 +8,12 @@ writes one partition from several producers (as replicas do; one producer
 keeps one request in flight and never races itself), reads it with a plain
 consumer that follows its fetches as aiokafka does, and counts the offsets it
 skipped, then reads each hole again to see whether the records are there.
-A race, not a test: run it a few times.
+A race, not a test: run it a few times. ``--storage s3``: the Tansu, with
+its S3 store, of a temporary data dir of the embedded services
+(persistence.embedded_kafka_storage: s3, docs/embedded-kafka.md).
 
     python -m benchmarks.kafka_holes_bench --seconds 30 --producers 4 --busy
+    python -m benchmarks.kafka_holes_bench --seconds 15 --storage s3
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import argparse
 import asyncio
 import subprocess
 import sys
+import tempfile
 import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import TopicPartition
 
-from app.embedded_services import find_tansu, free_port
+from app.embedded_services import EmbeddedServices, find_tansu, free_port
 
 TOPIC = "holes"
 
@@ -92,7 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--producers", type=int, default=4)
     parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
+    parser.add_argument(
+        "--storage", choices=("memory", "s3"), default="memory", help="Tansu's storage"
+    )
     args = parser.parse_args(argv)
+    if args.storage == "s3":
+        with tempfile.TemporaryDirectory(prefix="holes-s3-") as data_dir:
+            services = EmbeddedServices(data_dir, kafka_storage="s3")
+            try:
+                bootstrap = services.ensure_running().kafka_bootstrap
+                sent, fetched, holes, there = asyncio.run(
+                    run(bootstrap, args.seconds, args.producers)
+                )
+            finally:
+                services.stop()
+        _report(args, sent, fetched, holes, there)
+        return 0
     url = f"tcp://127.0.0.1:{free_port()}"
     tansu = subprocess.Popen(
         [
@@ -121,12 +140,18 @@ def main(argv: list[str] | None = None) -> int:
             if process is not None:
                 process.terminate()
                 process.wait()
-    print(
-        f"{args.producers} producers, {args.seconds:g} s: sent {sent}, fetched {fetched}, "
-        f"{len(holes)} fetches skipped offsets (records there when read again: {there}) "
-        f"{holes[:5]}"
-    )
+    _report(args, sent, fetched, holes, there)
     return 0
+
+
+def _report(
+    args: argparse.Namespace, sent: int, fetched: int, holes: list[tuple[int, int]], there: int
+) -> None:
+    print(
+        f"{args.storage}, {args.producers} producers, {args.seconds:g} s: sent {sent}, "
+        f"fetched {fetched}, {len(holes)} fetches skipped offsets (records there when read "
+        f"again: {there}) {holes[:5]}"
+    )
 
 
 if __name__ == "__main__":

