@@ -934,8 +934,16 @@ class EmbeddedServices:
                 _terminate(pid, _BINARY_NAMES[name], port, self.stop_timeout)
                 self._forget_child(pid)
                 return False
-            if time.monotonic() >= deadline or not pid_is_service(pid, _BINARY_NAMES[name], port):
-                return False
+            if not pid_is_service(pid, _BINARY_NAMES[name], port):
+                return False  # it ended meanwhile: started again on its data
+            if time.monotonic() >= deadline:
+                # Alive and ours, silent (stopped, swapping, loading a huge AOF): a
+                # second one on the same data would write the same files.
+                raise ServiceError(
+                    f"the embedded {name} (pid {pid}, port {port}) is running but has "
+                    f"not answered for {self.start_timeout:g} s; not starting a second "
+                    f"one on its data: wait, or stop it (devicemq services stop)"
+                )
             time.sleep(0.05)
 
     def _other_credentials(self, port: int) -> bool:

@@ -769,3 +769,37 @@ def test_s3_storage_without_seaweedfs_is_a_one_line_error_saying_what_to_install
         find_weed()
     with pytest.raises(ServiceError, match=r"persistence\.embedded_kafka_storage is s3"):
         EmbeddedServices(data_dir, kafka_storage="s3").ensure_running()
+
+
+def test_a_recorded_service_alive_but_silent_is_an_error_not_a_second_start(
+    data_dir: Path,
+) -> None:
+    """A Redis that did not answer within the start timeout (here stopped with
+    SIGSTOP, as a paused or swapping one) was taken for gone: a second Redis was
+    started on the same AOF directory, two processes writing the same files."""
+    services = EmbeddedServices(data_dir, start_timeout=1.0)
+    services.ensure_running()
+    pids = _pids(services)
+    os.kill(pids["redis"], signal.SIGSTOP)
+    try:
+        with pytest.raises(ServiceError, match=r"redis .* running but has not answered"):
+            EmbeddedServices(data_dir, start_timeout=1.0).ensure_running()
+        assert _pids(services) == pids  # nothing started, nothing replaced
+        redis_servers = [
+            pid
+            for pid in subprocess.run(
+                ["pgrep", "redis-server"], capture_output=True, text=True
+            ).stdout.split()
+            if _cwd(int(pid)).startswith(str(data_dir))
+        ]
+        assert redis_servers == [str(pids["redis"])], "a second redis-server on the data"
+    finally:
+        os.kill(pids["redis"], signal.SIGCONT)
+    assert EmbeddedServices(data_dir).ensure_running().redis_reused
+
+
+def _cwd(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
