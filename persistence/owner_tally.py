@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 # sessions, the group queues they are members of); Broker.stores_by_owner.
 StoresByOwner = Callable[[], dict[str, tuple[list[str], set[str]]]]
 
+CLOSE_TIMEOUT = 2.0  # seconds a shutdown waits for a tally under way to end
+
 log = logging.getLogger("devicemq.budget")
 
 CHUNK = 1000  # commands per pipeline round trip
@@ -74,11 +76,14 @@ class OwnerTally:
         if self.budget.limit and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Stop tallying; a tally under way gets ``timeout`` seconds to end after its
+        cancel (one waiting on a Redis that does not answer held a worker's drain
+        for its whole 60 s under load: tests/cluster/test_workers.py)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=timeout)
 
     async def _run(self) -> None:
         while True:
