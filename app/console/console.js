@@ -36,11 +36,20 @@ async function api(method, path, query, body) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
   }
+  const url = "/api/v1/" + path + (search ? "?" + search : "");
   let response;
   try {
-    response = await fetch("/api/v1/" + path + (search ? "?" + search : ""), init);
+    response = await fetch(url, init);
   } catch (e) {
-    throw new ApiError(0, "cannot reach the admin API: " + e.message);
+    // A GET is asked once more: the browser may have sent it on a kept-alive
+    // connection the server had just closed (idle, or pushed out by
+    // admin.max_connections_per_source). A write is never sent twice.
+    if (method !== "GET") throw new ApiError(0, "cannot reach the admin API: " + e.message);
+    try {
+      response = await fetch(url, init);
+    } catch (again) {
+      throw new ApiError(0, "cannot reach the admin API: " + again.message);
+    }
   }
   let data = null;
   try {
