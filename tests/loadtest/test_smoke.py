@@ -175,5 +175,7 @@ def test_group_queue_delivers_every_message_while_members_drop_their_connections
     assert code == 0, result
     assert result["lost"] == 0 and result["refused"] == 0
     assert result["duplicates_without_dup"] == 0
-    assert result["dropped_connections"] >= 3  # members left with messages in flight
+    # Members left with messages in flight: how many times in 3 s depends on the
+    # machine's load (CI saw 2 once); one is what the run needs to mean anything.
+    assert result["dropped_connections"] >= 1
     assert result["reads"] > 0
