@@ -156,10 +156,19 @@ KAFKA_STORAGES: tuple[KafkaStorage, ...] = ("memory", "s3")
 S3_CLUSTER_ID = "devicemq-s3"
 S3_BUCKET = "devicemq"
 S3_ACCESS_KEY = "devicemq"
-# SeaweedFS's other listeners (master, volume server, filer), each with its gRPC
-# port GRPC_OFFSET above; the S3 gateway's own port is the service's port.
-_S3_INNER_PORTS = ("s3_master", "s3_volume", "s3_filer")
-GRPC_OFFSET = 10_000
+# SeaweedFS's other listeners: master, volume server and filer, and the gRPC port of
+# each and of the S3 gateway, all chosen by free_port (left to SeaweedFS, a gRPC port
+# is the HTTP port + 10,000: in the kernel's ephemeral range, where an outgoing
+# connection may take it first). The S3 gateway's own port is the service's port.
+_S3_INNER_PORTS = (
+    "s3_master",
+    "s3_master_grpc",
+    "s3_volume",
+    "s3_volume_grpc",
+    "s3_filer",
+    "s3_filer_grpc",
+    "s3_grpc",
+)
 S3_STOP_TIMEOUT = 2.0  # seconds SeaweedFS gets after SIGTERM (EmbeddedServices._stop_record)
 
 
@@ -353,10 +362,14 @@ def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
     """
     low = _ephemeral_low()
     share = _port_share()
+    # The paired port stays below the ephemeral range too; the range spans at
+    # least one _SHARE_PERIOD so that every worker has ports in it.
+    bottom = max(1024, low - _SHARE_PERIOD - max(also_free_at, 2_000))
+    top = max(bottom + _SHARE_PERIOD, low - also_free_at)
     for _ in range(400):
-        port = random.randrange(max(1024, low - 12_000), low)
+        port = random.randrange(bottom, top)
         while not _in_share(port, share):
-            port = random.randrange(max(1024, low - 12_000), low)
+            port = random.randrange(bottom, top)
         if port in _HANDED_OUT or (also_free_at and port + also_free_at in _HANDED_OUT):
             continue
         if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
@@ -370,6 +383,16 @@ def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
         s.bind((host, 0))
         chosen: int = s.getsockname()[1]
         return chosen
+
+
+def _said_address_in_use(log_path: Path, since: int) -> bool:
+    """Whether a service's log, from byte ``since`` on, tells of a port taken."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(since)
+            return b"address already in use" in f.read(1 << 20)
+    except OSError:
+        return False
 
 
 def _bindable(port: int) -> bool:
@@ -977,17 +1000,16 @@ class EmbeddedServices:
             json.dump(config, f)
         os.replace(tmp, self.s3_config_path)
 
-    def _s3_inner_ports(self) -> dict[str, int]:
-        """SeaweedFS's master, volume and filer ports: the recorded ones when they (and
-        their gRPC ports) are free, else new ones, recorded."""
+    def _s3_inner_ports(self, fresh: bool = False) -> dict[str, int]:
+        """SeaweedFS's inner ports (_S3_INNER_PORTS): the recorded ones when free and
+        not ``fresh`` (the last start lost one to another listener), else new ones,
+        recorded."""
         ports = _read_json(self.ports_path)
         chosen: dict[str, int] = {}
         for key in _S3_INNER_PORTS:
-            port = _int_or_none(ports.get(key))
-            if port is None or not (
-                _port_frees_up(port) and _port_frees_up(port + GRPC_OFFSET, 0.0)
-            ):
-                port = free_port(also_free_at=GRPC_OFFSET)
+            port = None if fresh else _int_or_none(ports.get(key))
+            if port is None or not _port_frees_up(port, 0.0):
+                port = free_port()
             chosen[key] = port
         if any(ports.get(k) != v for k, v in chosen.items()):
             ports.update(chosen)
@@ -1004,7 +1026,9 @@ class EmbeddedServices:
             "AWS_SECRET_ACCESS_KEY": self.s3_password() or "",
         }
 
-    def _argv(self, name: ServiceName, binary: str, port: int) -> list[str]:
+    def _argv(
+        self, name: ServiceName, binary: str, port: int, fresh_inner: bool = False
+    ) -> list[str]:
         if name == "redis":
             return [
                 binary,
@@ -1019,7 +1043,7 @@ class EmbeddedServices:
                 "--protected-mode", "yes",
             ]  # fmt: skip
         if name == "s3":
-            inner = self._s3_inner_ports()
+            inner = self._s3_inner_ports(fresh_inner)
             return [
                 binary,
                 "server",
@@ -1027,11 +1051,15 @@ class EmbeddedServices:
                 f"-ip={HOST}",
                 f"-ip.bind={HOST}",
                 f"-master.port={inner['s3_master']}",
+                f"-master.port.grpc={inner['s3_master_grpc']}",
                 f"-volume.port={inner['s3_volume']}",
+                f"-volume.port.grpc={inner['s3_volume_grpc']}",
                 "-filer",
                 f"-filer.port={inner['s3_filer']}",
+                f"-filer.port.grpc={inner['s3_filer_grpc']}",
                 "-s3",
                 f"-s3.port={port}",
+                f"-s3.port.grpc={inner['s3_grpc']}",
                 f"-s3.config={self.s3_config_path}",
                 "-s3.port.iceberg=0",  # no Iceberg catalog, no Lance namespace:
                 "-s3.port.lance=0",  # each would take a fixed port
@@ -1060,7 +1088,7 @@ class EmbeddedServices:
         log_path = self.services_dir / f"{'tansu' if name == 'kafka' else name}.log"
         ports = [recorded] if recorded is not None and _port_frees_up(recorded) else []
         while len(ports) < 3:
-            ports.append(free_port(also_free_at=GRPC_OFFSET) if name == "s3" else free_port())
+            ports.append(free_port())
         failure = ""
         env: dict[str, str] = {}
         extra: dict[str, Any] = {}
@@ -1074,8 +1102,10 @@ class EmbeddedServices:
             extra = {"storage": "s3", "s3_port": s3_port}
         else:
             extra = {"storage": "memory"}
+        lost_inner_port = False
         for port in ports:
-            argv = self._argv(name, binary, port)
+            argv = self._argv(name, binary, port, fresh_inner=lost_inner_port)
+            log_start = log_path.stat().st_size if log_path.exists() else 0
             proc = self._spawn(argv, log_path, env)
             started_at = _now_iso()
             failure = self._wait_ready(name, proc, port)
@@ -1090,7 +1120,10 @@ class EmbeddedServices:
                     **extra,
                 }
             self._kill_child(proc)
-            if port_is_free(port):
+            # SeaweedFS binds seven more ports than its own: another listener may take
+            # one between our choice and its bind (it names the port it lost).
+            lost_inner_port = name == "s3" and _said_address_in_use(log_path, log_start)
+            if port_is_free(port) and not lost_inner_port:
                 break  # not a port race: retrying on another port will not help
         raise ServiceError(f"embedded {_LABELS[name]} {failure} (see {log_path})")
 

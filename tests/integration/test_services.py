@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from app.embedded_services import (
+    HOST,
     EmbeddedServices,
     ServiceError,
     ServiceStatus,
@@ -710,6 +711,49 @@ def test_s3_storage_keeps_the_log_across_a_stop_and_its_secret_stays_in_0600_fil
     # The topic and its records are there after Tansu and its store started again;
     # the next record comes after them (no offset used twice).
     assert _produce_and_read(again.kafka_bootstrap, "kept", [b"c"]) == [b"a", b"b", b"c"]
+
+
+def test_seaweedfs_starts_again_on_new_ports_when_another_listener_took_an_inner_one(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SeaweedFS binds seven ports besides its own, each free when chosen: another
+    listener may take one before it binds (CI saw it exit 255 so). It starts again
+    on new inner ports; its own port was free, which alone would end the tries."""
+    from app import embedded_services
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind((HOST, free_port()))
+    taken.listen()
+    stolen = taken.getsockname()[1]
+    services = EmbeddedServices(data_dir, kafka_storage="s3")
+    services.services_dir.mkdir(parents=True, exist_ok=True)
+    services.ports_path.write_text(json.dumps({"s3_master": stolen}))
+    # The port was free when checked; the listener took it after (the race, driven).
+    frees_up = embedded_services._port_frees_up
+    monkeypatch.setattr(
+        embedded_services,
+        "_port_frees_up",
+        lambda port, timeout=2.0: port == stolen or frees_up(port, timeout),
+    )
+    try:
+        services.ensure_running()
+    finally:
+        taken.close()
+    log = (services.services_dir / "s3.log").read_text(errors="replace")
+    assert f"{stolen}: bind: address already in use" in log
+    assert json.loads(services.ports_path.read_text())["s3_master"] != stolen
+    assert all(s.running and s.responding for s in services.status())
+
+
+def test_a_port_paired_with_another_keeps_both_below_the_ephemeral_range() -> None:
+    """A Redis Cluster node's bus port (port + 10,000) must not be one an outgoing
+    connection can take first."""
+    from app import embedded_services
+
+    low = embedded_services._ephemeral_low()
+    for _ in range(200):
+        port = free_port(also_free_at=10_000)
+        assert port + 10_000 < low and port >= 1024
 
 
 def test_only_the_memory_store_is_told_to_be_a_tansu_that_forgets_topics(
