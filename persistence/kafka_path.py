@@ -726,6 +726,14 @@ class KafkaPersistentPath:
         if round_.timer is not None:
             round_.timer.cancel()
             round_.timer = None
+        # A round and its submissions point at each other: let go of both now, or
+        # every PUBLISH leaves a cycle only the garbage collector frees (at 2,000
+        # msg/s, a young collection of ~50,000 objects every few seconds, 40-150 ms
+        # with the event loop held: BENCHMARKS.md, "The fleet shape, third round").
+        for submission in round_.submissions:
+            if submission.round is round_:
+                submission.round = None
+        round_.submissions = []
         if self._latency_observer is not None:
             self._latency_observer(time.perf_counter() - round_.started)
         self._open_rounds -= 1

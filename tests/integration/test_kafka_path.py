@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 
 import pytest
@@ -91,6 +92,41 @@ async def test_each_clients_records_keep_submission_order_when_sends_wait(
         values = by_key[session.client_id.encode()]
         payloads = [decode_record(1, 1, v).message.payload for v in values]  # type: ignore[union-attr]
         assert payloads == [f"{session.client_id}:{n}".encode() for n in range(PER_CLIENT)]
+
+
+async def test_acknowledged_publishes_leave_nothing_for_the_garbage_collector(
+    tansu: str,  # noqa: F811
+) -> None:
+    """Once Kafka acknowledged them, a PUBLISH's records are freed by reference
+    counting: a cycle per PUBLISH (a round and its submissions pointing at each
+    other) made the cyclic collector hold the event loop 40-150 ms every few
+    seconds at 2,000 msg/s (BENCHMARKS.md, "The fleet shape, third round")."""
+    topic = f"cycles-{uuid.uuid4().hex[:8]}"
+    assert await ensure_topic(tansu, topic, 3)
+    producer = Aiokafka(AIOKafkaProducer(bootstrap_servers=tansu, acks="all"))
+    await producer.start()
+    path = KafkaPersistentPath(producer, topic)
+    session = _session("client-gc")
+    outcomes: list[bool] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for n in range(200):
+            delivery = Delivery(Message("t", b"%d" % n, 1, False), 1, False)
+            path.submit([(session, delivery)], outcomes.append)
+            if n % 20 == 0:
+                await asyncio.sleep(0)
+        await path.drain()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free, kept to be seen
+        gc.collect()
+        cyclic = [o for o in gc.garbage if type(o).__name__ in ("_Submission", "_Round")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        await producer.stop()
+    assert outcomes == [True] * 200
+    assert cyclic == []
 
 
 async def test_records_acknowledged_into_a_topic_kafka_lost_are_sent_again() -> None:
