@@ -103,6 +103,7 @@ before a WAIT: ``persistence.redis_wait``).
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field
 from enum import Enum
@@ -632,4 +633,13 @@ def partition_of(client_id: str, partitions: int) -> int:
     """The partition of a client's records among ``partitions``: Kafka's default
     partitioner on the client id as key, as the producers (persistence/kafka_path.py)
     give it; the delivery events of the client go to the same one (persistence/events.py)."""
-    return int(murmur2(client_id.encode()) & 0x7FFFFFFF) % partitions
+    if partitions == 1:  # the embedded Kafka of a single broker
+        return 0
+    return _key_hash(client_id) % partitions
+
+
+@functools.lru_cache(maxsize=65_536)
+def _key_hash(client_id: str) -> int:
+    """murmur2 is pure Python (~2 us a key): asked per client per event flush, so
+    remembered for as many clients as a broker commonly serves."""
+    return int(murmur2(client_id.encode()) & 0x7FFFFFFF)
