@@ -84,7 +84,13 @@ class Runner:
         self.tag = f"r{random.getrandbits(32):08x}"
         self.system = System(root, plan.replicas, plan.settings)
         self.model = Model(
-            Config(plan.limit, plan.max_inflight, plan.default_ttl, plan.replicas > 1)
+            Config(
+                plan.limit,
+                plan.max_inflight,
+                plan.default_ttl,
+                plan.replicas > 1,
+                application=plan.application,
+            )
         )
         self.model.ignore = set(ignore)
         self.scheduler = Scheduler()
@@ -595,6 +601,16 @@ class Runner:
         with self.model.lock:
             return bool(self.model._trim_excused(obs))
 
+    def _app_topic_lost(self, cid: str, msg: Msg) -> bool:
+        """Did ``msg`` go with ``cid``'s APPLICATION session's topic (Kafka restarted
+        empty after it was acknowledged)?"""
+        inc = self.model.clients[cid].inc
+        return (
+            inc is not None
+            and inc.application
+            and self.model.kafka_lost_since(msg.acked_at or msg.sent_at)
+        )
+
     def _pubrels_missing(self, start: float, strict: bool) -> bool:
         """QoS 2 ids held from before the drain's reconnect and not released again."""
         missing = False
@@ -615,6 +631,8 @@ class Runner:
                         strict and msg is not None and self._maybe_trimmed(sub.cid, msg)
                     ):
                         continue  # the PUBREC may not have reached the broker: like a queued one
+                    if msg is not None and self._app_topic_lost(sub.cid, msg):
+                        continue  # as above, and the message went with the topic
                 missing = True
                 if strict:
                     what = "PUBREL" if held.stage == "rel" else "PUBREL or the PUBLISH"
