@@ -231,12 +231,13 @@ def _application_clients(
 ) -> list[str]:
     """The subscribers that get APPLICATION sessions (docs/application-sessions.md),
     from a generator of their own, so a seed's operations stay what they were. None
-    with replicas (refused at start); drawn (``wanted`` None) in about half the plans
-    but those of "wrap" (its ~65k copies would go through Kafka) and "failover"."""
-    if replicas > 1 or wanted is False:
+    with replicas (refused at start) nor in "wrap" (its ~65k copies for one session
+    outlast the drain through Kafka: seed 306 of the first run still received at its
+    end); drawn (``wanted`` None) in about half the plans but those of "failover"."""
+    if replicas > 1 or wanted is False or scenario == "wrap":
         return []
     rnd = random.Random(f"application-{seed}")
-    drawn = rnd.random() >= 0.5 and scenario not in ("wrap", "failover")
+    drawn = rnd.random() >= 0.5 and scenario != "failover"
     if not (wanted or drawn):
         return []
     count = rnd.randint(1, max(1, len(subscribers) - 1))

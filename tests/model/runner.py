@@ -601,16 +601,6 @@ class Runner:
         with self.model.lock:
             return bool(self.model._trim_excused(obs))
 
-    def _app_topic_lost(self, cid: str, msg: Msg) -> bool:
-        """Did ``msg`` go with ``cid``'s APPLICATION session's topic (Kafka restarted
-        empty after it was acknowledged)?"""
-        inc = self.model.clients[cid].inc
-        return (
-            inc is not None
-            and inc.application
-            and self.model.kafka_lost_since(msg.acked_at or msg.sent_at)
-        )
-
     def _pubrels_missing(self, start: float, strict: bool) -> bool:
         """QoS 2 ids held from before the drain's reconnect and not released again."""
         missing = False
@@ -631,8 +621,6 @@ class Runner:
                         strict and msg is not None and self._maybe_trimmed(sub.cid, msg)
                     ):
                         continue  # the PUBREC may not have reached the broker: like a queued one
-                    if msg is not None and self._app_topic_lost(sub.cid, msg):
-                        continue  # as above, and the message went with the topic
                 missing = True
                 if strict:
                     what = "PUBREL" if held.stage == "rel" else "PUBREL or the PUBLISH"
