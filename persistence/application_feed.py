@@ -35,6 +35,14 @@ retention, and it is read straight from Kafka while its client is connected.
   never delivered twice), one at ``-`` is skipped, the others are new.
   Acknowledged messages after an unacknowledged one come again (with DUP):
   that is the price of one offset per partition.
+- **A log that went back.** Kafka may lose the topic (the embedded one on
+  memory storage restarted empty) and start its offsets at 0 again. The
+  committed offset is kept with the name of the record just below it
+  (``{cid}_app_tail``); after a connect that record is read first, and another
+  one there, a record below what was read, or a log end below it means a new
+  log: the partition is read from its start, the fields of the old log go, and
+  the packet ids they held get a PUBREL at the next connect (``{cid}_app_lost``)
+  before they are given again (:meth:`ApplicationSessions.log_went_back`).
 - **Copies.** Records are named (producer id, sequence number) as the device
   path's are; the reader skips one at or below the last it read from that
   producer in that partition (``{cid}_app_seen`` keeps it as of the commit),
@@ -280,6 +288,11 @@ class ApplicationSessions:
         self._chains: dict[str, asyncio.Future[None]] = {}  # per client: topic work in order
         self._pending: deque[_Submission] = deque()
         self._sender: asyncio.Task[None] | None = None
+        # Topics made sure of (listed by Kafka) since the producer's last closed
+        # connection: a Kafka restarted empty acknowledges records for a topic it no
+        # longer has and loses them (finding 32), so each is made again first.
+        self._ensured: set[str] = set()
+        self._topic_clients: dict[str, str] = {}  # topic -> its client ID
         self._background: set[asyncio.Task[None]] = set()
         self.produced = 0
         self.failed = 0
@@ -289,6 +302,7 @@ class ApplicationSessions:
     async def load(self) -> None:
         """Start the producer; learn the APPLICATION sessions Redis holds (before
         sessions are restored)."""
+        self._watch_connections()
         await self._producer.start()
         names = await self.redis.hkeys(REGISTRY)
         self.kinds = {n.decode() if isinstance(n, bytes) else n for n in names}
@@ -360,12 +374,41 @@ class ApplicationSessions:
         finally:
             await admin.close()
         self._forget_topic(app_topic(client_id))
+        self._ensured.discard(app_topic(client_id))
+        self._topic_clients.pop(app_topic(client_id), None)
         await self.redis.delete(
             keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost
         )
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
         log.info("APPLICATION session %s ended: topic %s deleted", client_id, app_topic(client_id))
+
+    def _watch_connections(self) -> None:
+        """A closed connection of the producer (a Kafka restart closes them all) makes
+        every topic be made sure of again before records go to it. aiokafka's client
+        only; with the confluent one nothing is watched (docs/application-sessions.md)."""
+        client = getattr(getattr(self._producer, "producer", None), "client", None)
+        closed = getattr(client, "_on_connection_closed", None)
+        if client is None or closed is None:
+            return
+
+        def on_closed(conn: Any, reason: Any) -> None:
+            self._ensured.clear()
+            closed(conn, reason)
+
+        client._on_connection_closed = on_closed  # read when a connection is made
+
+    async def _ensure(self, topic: str) -> None:
+        """Make ``topic`` again if Kafka lost it (a session's own, still held)."""
+        client_id = self._topic_clients.get(topic)
+        if client_id is None or client_id not in self.kinds:
+            return
+        try:
+            await self._create(client_id)
+        except Exception as error:  # Kafka away: the records' sends fail, or it comes back
+            log.warning("making sure of kafka topic %s failed: %s", topic, error)
+            return
+        self._ensured.add(topic)
 
     def _forget_topic(self, topic: str) -> None:
         """The producer stops naming a deleted topic in its metadata requests: Tansu
@@ -442,7 +485,9 @@ class ApplicationSessions:
             value = encode_delivery(
                 delivery, wall, now, producer=producer, seq=seq, generation=session.generation
             )
-            records.append((app_topic(session.client_id), partition, topic, value))
+            name = app_topic(session.client_id)
+            self._topic_clients[name] = session.client_id
+            records.append((name, partition, topic, value))
         self._seq = seq
         self._pending.append(_Submission(records, on_accepted, on_settled))
         if self._sender is None:
@@ -455,6 +500,8 @@ class ApplicationSessions:
             while self._pending:
                 submission = self._pending.popleft()
                 loop.call_later(self._timeout, self._expire, submission)
+                for name in {record[0] for record in submission.records} - self._ensured:
+                    await self._ensure(name)
                 for topic, partition, key, value in submission.records:
                     try:
                         future = await self._producer.send(
@@ -790,6 +837,8 @@ class ApplicationFeed:
         # offset, read first after a connect: is the log still the one the offset is of?
         self._unverified: dict[int, tuple[int, str]] = {}
         self._tail: dict[int, str] = {}
+        self._last: dict[int, str] = {}  # partition -> "producer:seq" of the last record read
+        self._broken = False  # the reader's Kafka connection closed: is the log the same?
         self._frozen = False  # paused (a rewind, a reset): nothing is written meanwhile
         # partition -> logs found gone back so far: a message of an earlier one is
         # stale, its progress is not recorded (its offset names a record of the new one)
@@ -1036,6 +1085,7 @@ class ApplicationFeed:
             self.outflow.pump()  # the lost ids' PUBRELs
         while self._connected(epoch):
             consumer = self._apps.consumer()
+            self._watch(consumer)
             try:
                 await consumer.start()
                 tps = [TopicPartition(self._topic, p) for p in range(self._partitions)]
@@ -1043,6 +1093,7 @@ class ApplicationFeed:
                 for tp in tps:
                     check = self._unverified.get(tp.partition)
                     consumer.seek(tp, check[0] if check else self.read_to.get(tp.partition, 0))
+                self._broken = False
                 wait = RETRY_FIRST
                 while self._connected(epoch):
                     room = self._read_ahead - len(self._buffer)
@@ -1054,6 +1105,11 @@ class ApplicationFeed:
                     got = await consumer.getmany(timeout_ms=READ_WAIT_MS, max_records=room)
                     if not self._connected(epoch):
                         return
+                    if self._broken:  # Kafka may have restarted empty: these may be a new log's
+                        self._broken = False
+                        for tp in tps:
+                            consumer.seek(tp, self._verify_again(tp.partition))
+                        continue  # read again from the record below what was read
                     for tp, records in got.items():
                         for record in records:
                             if not self._add(tp.partition, record.offset, record.value):
@@ -1127,6 +1183,34 @@ class ApplicationFeed:
             self._reserved.add(raw_id)
             self._buffer.append(Outgoing(raw_id, None, sent=True, marked=True, ref=_LostId(raw_id)))
 
+    def _watch(self, consumer: AIOKafkaConsumer) -> None:
+        """A closed connection of the reader (a Kafka restart closes it) makes it check
+        that the log is the one it read before it takes more of it: a Kafka restarted
+        empty may have a new log there, already longer than what was read."""
+        client = getattr(consumer, "_client", None)
+        closed = getattr(client, "_on_connection_closed", None)
+        if client is None or closed is None:
+            return
+
+        def on_closed(conn: Any, reason: Any) -> None:
+            self._broken = True
+            closed(conn, reason)
+
+        client._on_connection_closed = on_closed  # read when a connection is made
+
+    def _verify_again(self, partition: int) -> int:
+        """Where to read ``partition`` from so that its last record read is read (and
+        compared) first; the offset to seek to."""
+        check = self._unverified.get(partition)
+        if check is not None:
+            return check[0]
+        read_to = self.read_to.get(partition, 0)
+        last = self._last.get(partition)
+        if read_to == 0 or last is None:
+            return read_to
+        self._unverified[partition] = (read_to - 1, last)
+        return read_to - 1
+
     def _went_back(self, partition: int) -> None:
         """The partition's log went back: what was read of it is stale from now on
         (nothing more of it is recorded), and the progress is reset
@@ -1158,11 +1242,13 @@ class ApplicationFeed:
                 return False
             if offset == at:
                 self.read_to[partition] = offset + 1
+                self._last[partition] = name
                 return True  # the same log: done with already
             # past it (retention took it): nothing to compare, the commit is below
         if offset < self.read_to.get(partition, 0):
             return False  # below what was read: a new log
         self.read_to[partition] = offset + 1
+        self._last[partition] = name
         ref = _Ref(partition, offset, name, self._logs.get(partition, 0))
         self._order.setdefault(partition, deque()).append(ref)
         known = self._known.pop((partition, offset), None)

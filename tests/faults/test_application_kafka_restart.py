@@ -1,10 +1,12 @@
 """APPLICATION sessions (docs/application-sessions.md) when Kafka loses their topic.
 
-The model checker's finding 31 (tests/model/FINDINGS.md): Tansu restarted on
+The model checker's findings 31 and 32 (tests/model/FINDINGS.md). 31: Tansu restarted on
 memory storage keeps no topic; the session's topic is made again, empty, and
 its new records take offsets from 0 again, below the committed offset that
 Redis keeps. The reader skipped them as done with: messages acknowledged to
-their publishers after the restart never reached the session. Here Redis,
+their publishers after the restart never reached the session. 32: until the topic
+was made again Tansu acknowledged records for it and lost them, and a connected
+reader read on from its position in the new log. Here Redis,
 Tansu and the broker are real processes (tests/model/system.py), and Tansu is
 killed and started empty at a point the test chooses.
 """
@@ -104,10 +106,9 @@ def test_an_offline_session_gets_what_was_published_after_kafka_lost_its_topic(
     only the record below it tells (the session keeps its name, ``{cid}_app_tail``)
     that it is another log. On the code before, the session got the last 10 of them.
 
-    The session comes once between the restart and the publishes: before that its
-    topic is not made again, and a Tansu restarted empty acknowledges records sent to
-    a topic it does not have and loses them (docs/application-sessions.md, "Not
-    yet"; tests/model/FINDINGS.md, finding 32)."""
+    The session comes once between the restart and the publishes (its CONNECT makes
+    its topic again), so that only the committed offset is in question here; without
+    that visit see the next tests (finding 32)."""
     system = System(tmp_path / "system", 1, SETTINGS)
     try:
         system.start()
@@ -131,6 +132,8 @@ def test_an_offline_session_gets_what_was_published_after_kafka_lost_its_topic(
         assert [p.payload for p in got] == [f"after:{n}".encode() for n in range(20)]
         assert not any(p.dup for p in got)  # never sent before
         assert sub.recv_or_none(1.0) is None
+        metrics = system.metrics(0) or {}
+        assert metrics.get("devicemq_application_log_resets_total") == 1, metrics
         sub.close()
     finally:
         system.stop()
@@ -180,6 +183,89 @@ def test_a_connected_session_reads_the_new_log_and_a_held_qos2_id_gets_its_pubre
         assert sub.recv() == PubRel(held)
         sub.send(PubComp(held))
         assert sub.recv_or_none(2.0) is None  # the new ones were completed: not again
+        sub.close()
+    finally:
+        system.stop()
+
+
+def _acked_all(raw: Raw, count: int, timeout: float = 20.0) -> list[Publish]:
+    """``count`` QoS 1 PUBLISHes, each PUBACKed; a PUBREL (a released id) answered."""
+    got: list[Publish] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        packet = raw.recv_or_none(max(0.1, deadline - time.monotonic()))
+        assert packet is not None, f"only {[p.payload for p in got]} within {timeout} s"
+        if isinstance(packet, PubRel):
+            raw.send(PubComp(packet.packet_id))
+            continue
+        assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+        raw.send(PubAck(packet.packet_id))
+        got.append(packet)
+    return got
+
+
+def test_what_is_published_before_anything_made_the_topic_again_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Finding 32: offline, Kafka restarts empty and 20 messages come at once. Tansu
+    acknowledged records for a topic it no longer listed and lost them (the
+    session, back, got nothing), and the offsets it had handed out were taken when
+    the topic was made (AlreadyExists in its log: later produces failed). The
+    producer now makes the topic again after its connection broke, before it sends
+    to it."""
+    system = System(tmp_path / "system", 1, SETTINGS)
+    try:
+        system.start()
+        sub = _connect(system, clean=True)
+        _subscribe(sub, 1)
+        _publish(system, "before", 3)
+        _read(sub, 3)
+        wait_until(lambda: _committed(system) == 3, 10, "the commit at 3")
+        sub.send(Disconnect())
+        sub.close()
+
+        system.restart_kafka()
+        _publish(system, "after", 20)
+        sub = _connect(system, clean=False)
+        got = _acked_all(sub, 20)
+        assert [p.payload for p in got] == [f"after:{n}".encode() for n in range(20)]
+        _publish(system, "later", 2)
+        assert [p.payload for p in _acked_all(sub, 2)] == [b"later:0", b"later:1"]
+        sub.close()
+    finally:
+        system.stop()
+
+
+def test_a_connected_reader_checks_the_log_after_its_connection_broke(tmp_path: Path) -> None:
+    """Connected, 3 read; Kafka restarts empty and 5 messages come at once: the new log
+    is longer than what the reader had read before it fetches again. It reads the
+    record below its position again (its connection broke), finds another one, and
+    reads the new log from its start: all 5, not the last 2. On a reconnect the 5,
+    held unacknowledged, come again under their ids with DUP."""
+    system = System(tmp_path / "system", 1, SETTINGS)
+    try:
+        system.start()
+        sub = _connect(system, clean=True)
+        _subscribe(sub, 1)
+        _publish(system, "before", 3)
+        _read(sub, 3)
+        system.restart_kafka()
+        _publish(system, "after", 5)
+        held: list[Publish] = []
+        while len(held) < 5:
+            packet = sub.recv_or_none(10.0)
+            assert packet is not None, f"only {[p.payload for p in held]}"
+            assert isinstance(packet, Publish), packet
+            held.append(packet)  # not acknowledged
+        assert [p.payload for p in held] == [f"after:{n}".encode() for n in range(5)]
+        assert sub.recv_or_none(1.0) is None
+        sub.close()
+
+        sub = _connect(system, clean=False)
+        again = _acked_all(sub, 5)
+        assert [(p.payload, p.packet_id, p.dup) for p in again] == [
+            (p.payload, p.packet_id, True) for p in held
+        ]
         sub.close()
     finally:
         system.stop()

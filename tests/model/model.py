@@ -70,11 +70,9 @@ topic lives in Kafka only: a Kafka restart here is Tansu restarted empty
 (memory storage), which loses the topic and what was in it (documented under
 "Not yet"), so a message acknowledged before a ``restart_kafka`` and not
 received before it is excused for them, and so is a packet id the client held
-for one of them given to a new message (``id-reuse``); so is, for now, one
-published after it before anything made the topic again (finding 32, open:
-Tansu acknowledges records for a topic it lost, and loses them). Everything
-else acknowledged after it is owed, in order, QoS 2 once, and a QoS 2 id held
-from before gets its PUBREL (``pubrel``).
+for one of them given to a new message (``id-reuse``). Everything acknowledged
+after it is owed, in order, QoS 2 once, and a QoS 2 id held from before gets
+its PUBREL (``pubrel``) (findings 31 and 32).
 
 Exclusive compacted queues have their own promises (``ecq-lost``,
 ``ecq-again``, ``ecq-exclusive``): ``tests/model/queues.py``.
@@ -110,9 +108,6 @@ TTL_MARGIN = 0.5  # s: an expiry counted from our send, the broker counts from i
 # the session over (seed 1549): the takeover resumes it, as MQTT-3.1.4-3 says.
 CLOSE_RACE = 0.5
 CLOSED_NO_EXPIRY = "connection closed (no session expiry)"
-# s after a Kafka restart within which a connected APPLICATION session's reader may not
-# have named its topic yet (its fetches fail, it asks for metadata; Tansu makes it then)
-READER_NAMES_TOPIC = 2.0
 
 Route = tuple[str, ...]  # ("d",) direct, or ("s", group, inner filter)
 DIRECT: Route = ("d",)
@@ -287,7 +282,6 @@ class ClientState:
     incs: list[Inc] = field(default_factory=list)
     conn: int = 0  # connections so far (CONNACKs)
     conn_started: dict[int, float] = field(default_factory=dict)  # conn -> CONNACK time
-    conn_closed: dict[int, float] = field(default_factory=dict)  # conn -> when it ended
     connected: bool = False
     pending_clean: bool = False
     pending_expiry: int = 0
@@ -531,7 +525,6 @@ class Model:
                 return
             self.log(f"{cid} closed conn={conn}")
             state.connected = False
-            state.conn_closed[conn] = self.clock()
             now = self.clock()
             inc = state.inc
             if inc is None or inc.ended is not None:
@@ -950,29 +943,7 @@ class Model:
             return "kafka reused offsets"
         if any(i.application for i in ob.incs) and self.kafka_lost_since(msg.acked_at or now):
             return "application topic lost"
-        if any(self._topic_not_made_again(i, msg) for i in ob.incs if i.application):
-            return "application topic not made again"
         return None
-
-    def _topic_not_made_again(self, inc: Inc, msg: Msg) -> bool:
-        """Published after Kafka restarted empty, before anything made the APPLICATION
-        session's topic again: Tansu acknowledges records sent to a topic it does not
-        have and loses them (finding 32, open). Made again by the session's next
-        CONNECT (before its CONNACK), or soon after the restart by its reader, if it
-        was connected then (its metadata requests name the topic)."""
-        acked = msg.acked_at
-        restarts = [t for t, kind in self.fault_log if kind == "restart_kafka"]
-        if acked is None or not restarts or restarts[0] > acked:
-            return False
-        restart = max(t for t in restarts if t <= acked)
-        state = self.clients[inc.cid]
-        if any(restart <= t <= msg.sent_at for t in state.conn_started.values()):
-            return False  # its CONNECT made the topic again
-        connected = any(
-            t <= restart and state.conn_closed.get(c, float("inf")) > restart
-            for c, t in state.conn_started.items()
-        )
-        return not connected or msg.sent_at < restart + READER_NAMES_TOPIC
 
     def kafka_lost_since(self, at: float) -> bool:
         """Did Kafka restart empty (Tansu, memory storage) at or after ``at``? An
