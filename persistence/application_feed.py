@@ -1158,6 +1158,8 @@ class ApplicationFeed:
         self._unverified = {
             p: (o - 1, tails[p]) for p, o in self.committed.items() if o > 0 and p in tails
         }
+        # the record below where it reads from now: the tail, or unknown (a rewind)
+        self._last = {p: tails[p] for p in self.committed if p in tails}
         self._order = {}
         self._fields = {}
         self._field_of_id = {}
