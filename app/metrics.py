@@ -725,6 +725,12 @@ class BrokerCollector(Collector):
             "Records produced to APPLICATION sessions' topics (acknowledged by Kafka)",
             apps.produced,
         )
+        yield _counter(
+            "application_log_resets",
+            "Partitions of APPLICATION sessions' topics found gone back (Kafka lost them): "
+            "read again from their start",
+            apps.log_resets,
+        )
         lags = sorted(self.application_lag.items())
         yield _labelled(
             GaugeMetricFamily(

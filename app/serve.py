@@ -277,7 +277,8 @@ async def _open_admin(
     return admin
 
 
-PersistedNumbers = Callable[[], Awaitable[tuple[int | None, int | None]]]
+AppLag = dict[str, tuple[int, float | None]]
+PersistedNumbers = Callable[[], Awaitable[tuple[int | None, int | None, AppLag | None]]]
 
 
 def _admin_health(
@@ -307,10 +308,12 @@ def _admin_health(
 def _persisted_numbers(
     broker: Broker, persistence: DevicePersistence | None, metrics: MetricsServer | None
 ) -> PersistedNumbers | None:
-    """$SYS's backlog and consumer lag (None without persistence), from the metrics
-    collector. The backlog is counted in Redis (a round trip per 1,000 persistent
-    sessions, seconds of the loop for a few hundred thousand): only when /metrics is
-    served, whose count $SYS shares; without it $SYS has the lag alone."""
+    """$SYS's backlog, consumer lag and APPLICATION sessions' lag (None without
+    persistence), from the metrics collector. The backlog is counted in Redis (a
+    round trip per 1,000 persistent sessions, seconds of the loop for a few hundred
+    thousand) and the APPLICATION lag read from Kafka (a connection per session):
+    only when /metrics is served, whose counts $SYS shares; without it $SYS has the
+    consumer lag alone."""
     if persistence is None:
         return None
     from app.metrics import BrokerCollector
@@ -321,12 +324,13 @@ def _persisted_numbers(
         collector = BrokerCollector()
         collector.attach(broker, persistence)
 
-    async def numbers() -> tuple[int | None, int | None]:
+    async def numbers() -> tuple[int | None, int | None, AppLag | None]:
         lag = sum(collector.consumer_lag(persistence).values())
         if metrics is None:
-            return None, lag
+            return None, lag, None
         await collector.refresh_if_stale()
-        return collector.backlog, lag
+        apps = dict(collector.application_lag) if persistence.apps is not None else None
+        return collector.backlog, lag, apps
 
     return numbers
 
@@ -337,8 +341,8 @@ async def _publish_sys(
     """Publish $SYS/broker/... now and every ``interval`` seconds, until cancelled."""
     while True:
         try:
-            backlog, lag = await persisted() if persisted is not None else (None, None)
-            sys_topics.publish_numbers(backlog, lag)
+            backlog, lag, apps = await persisted() if persisted is not None else (None,) * 3
+            sys_topics.publish_numbers(backlog, lag, apps)
         except Exception:  # a bug must not end $SYS for good; one line in the log
             log.exception("$SYS topics not published")
         await asyncio.sleep(interval)

@@ -171,6 +171,12 @@ class RetainedStore:
         self._node(message.topic).message = message
         self._own[message.topic] = message
 
+    def drop_own(self, topic: str) -> None:
+        """Remove one of the broker's own retained messages (:meth:`keep_own`)."""
+        if self._own.pop(topic, None) is None or topic in self._by_topic:
+            return
+        self._clear(topic)
+
     def _node(self, topic: str) -> _Node:
         node = self._root
         for level in topic.split("/"):
@@ -198,6 +204,10 @@ class RetainedStore:
         if topic not in self._by_topic:
             return
         self._forget(topic)
+        self._clear(topic)
+
+    def _clear(self, topic: str) -> None:
+        """No message at ``topic`` in the tree; the levels left empty go."""
         levels = topic.split("/")
         path = [self._root]
         for level in levels:

@@ -13,7 +13,15 @@ messages, the ones ``mqtt.max_retained_*`` limit); with persistence also
 ``$SYS/broker/devicemq/persisted/backlog`` (messages in Redis for the durable
 sessions, as ``devicemq_persisted_backlog_messages``) and
 ``$SYS/broker/devicemq/kafka/consumer_lag`` (records of this broker's
-partitions not yet stored, summed over them).
+partitions not yet stored, summed over them); with APPLICATION sessions
+(docs/application-sessions.md) and /metrics served (the lag is read from
+Kafka, at most every 5 s, and shared with /metrics)
+``$SYS/broker/devicemq/application/sessions`` and, per session,
+``$SYS/broker/devicemq/application/{client_id}/lag/messages`` (messages after
+its committed offsets) and ``.../lag/seconds`` (age of the oldest of them; 0:
+none), the client ID one level as in the presence topics. A session that
+ended gets a zero-length retained message on its two topics, which removes
+them (MQTT-3.3.1-10), as a client deletes a retained message.
 
 They describe the broker the subscriber is connected to. They are this
 process's own: kept in memory outside the retained limits, ``len`` and Redis
@@ -53,7 +61,7 @@ from broker.cluster import RemoteSession, node_id_of
 from broker.message import Message
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from broker.config import Settings
     from broker.connection import MQTTConnection
@@ -96,6 +104,9 @@ class SysNumbers:
     retained: int
     persisted_backlog: int | None = None  # None: persistence off, or not counted yet
     kafka_consumer_lag: int | None = None
+    # client ID -> (messages after its committed offsets, age of the oldest in s) of
+    # each APPLICATION session; None: none configured, or not counted
+    application_lag: Mapping[str, tuple[int, float | None]] | None = None
 
 
 def sys_messages(numbers: SysNumbers, version: str = __version__) -> list[tuple[str, bytes]]:
@@ -120,7 +131,21 @@ def sys_messages(numbers: SysNumbers, version: str = __version__) -> list[tuple[
         values.append(("devicemq/persisted/backlog", n.persisted_backlog))
     if n.kafka_consumer_lag is not None:
         values.append(("devicemq/kafka/consumer_lag", n.kafka_consumer_lag))
+    if n.application_lag is not None:
+        values.append(("devicemq/application/sessions", len(n.application_lag)))
+        for client_id, (messages, age) in sorted(n.application_lag.items()):
+            lag = application_lag_topic(client_id)
+            if len((BROKER_PREFIX + lag).encode()) + len("/seconds") > MAX_TOPIC_BYTES:
+                continue  # a client ID near 64 KiB: no topic can name it
+            values.append((f"{lag}/messages", messages))
+            values.append((f"{lag}/seconds", f"{age or 0.0:.1f}"))
     return [(BROKER_PREFIX + name, str(value).encode()) for name, value in values]
+
+
+def application_lag_topic(client_id: str) -> str:
+    """``devicemq/application/{client_id}/lag`` (under ``$SYS/broker/``), the client
+    ID one level, escaped as in :func:`presence_topic`."""
+    return f"devicemq/application/{client_id.translate(_ESCAPES)}/lag"
 
 
 def node_name(settings: Settings) -> str:
@@ -222,8 +247,14 @@ class SysTopics:
         self.node = node
         self.wall: Callable[[], float] = broker.wall_clock
         self.started = broker.clock()
+        self._published: set[str] = set()  # topics of the last publish_numbers
 
-    def numbers(self, backlog: int | None = None, lag: int | None = None) -> SysNumbers:
+    def numbers(
+        self,
+        backlog: int | None = None,
+        lag: int | None = None,
+        application: Mapping[str, tuple[int, float | None]] | None = None,
+    ) -> SysNumbers:
         """This broker's numbers now; other replicas' sessions are not counted."""
         broker = self.broker
         stats = broker.stats
@@ -246,20 +277,39 @@ class SysTopics:
             retained=len(broker.retained),
             persisted_backlog=backlog,
             kafka_consumer_lag=lag,
+            application_lag=application,
         )
 
-    def publish_numbers(self, backlog: int | None = None, lag: int | None = None) -> None:
-        """Publish ``$SYS/broker/...``: kept retained here, sent to sessions connected here."""
+    def publish_numbers(
+        self,
+        backlog: int | None = None,
+        lag: int | None = None,
+        application: Mapping[str, tuple[int, float | None]] | None = None,
+    ) -> None:
+        """Publish ``$SYS/broker/...``: kept retained here, sent to sessions connected here.
+        A topic of the last publish that is not in this one (an APPLICATION session that
+        ended) is removed: a zero-length retained message (MQTT-3.3.1-10)."""
         broker = self.broker
-        for topic, payload in sys_messages(self.numbers(backlog, lag)):
+        messages = sys_messages(self.numbers(backlog, lag, application))
+        published = {topic for topic, _ in messages}
+        for topic in sorted(self._published - published):
+            broker.retained.drop_own(topic)
+            self._send(Message(topic, b"", 0, True))
+        self._published = published
+        for topic, payload in messages:
             message = Message(topic, payload, 0, True)
             broker.retained.keep_own(message)
-            targets = [
-                (session, delivery)
-                for session, delivery in broker.resolve(message)
-                if not isinstance(session, RemoteSession)
-            ]
-            broker.dispatch(targets, _ignore)
+            self._send(message)
+
+    def _send(self, message: Message) -> None:
+        """To the sessions connected here (``$SYS/broker`` is this process's own)."""
+        broker = self.broker
+        targets = [
+            (session, delivery)
+            for session, delivery in broker.resolve(message)
+            if not isinstance(session, RemoteSession)
+        ]
+        broker.dispatch(targets, _ignore)
 
     def connected(self, conn: MQTTConnection, session: Session, clean_start: bool) -> None:
         payload = connected_payload(

@@ -35,6 +35,14 @@ retention, and it is read straight from Kafka while its client is connected.
   never delivered twice), one at ``-`` is skipped, the others are new.
   Acknowledged messages after an unacknowledged one come again (with DUP):
   that is the price of one offset per partition.
+- **A log that went back.** Kafka may lose the topic (the embedded one on
+  memory storage restarted empty) and start its offsets at 0 again. The
+  committed offset is kept with the name of the record just below it
+  (``{cid}_app_tail``); after a connect that record is read first, and another
+  one there, a record below what was read, or a log end below it means a new
+  log: the partition is read from its start, the fields of the old log go, and
+  the packet ids they held get a PUBREL at the next connect (``{cid}_app_lost``)
+  before they are given again (:meth:`ApplicationSessions.log_went_back`).
 - **Copies.** Records are named (producer id, sequence number) as the device
   path's are; the reader skips one at or below the last it read from that
   producer in that partition (``{cid}_app_seen`` keeps it as of the commit),
@@ -68,7 +76,7 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
 from broker.outflow import Outgoing
 from persistence.delivery_codec import encode_delivery, stored_delivery
-from persistence.format import client_keys, decode_record
+from persistence.format import APP_TOPIC_PREFIX, client_keys, decode_record
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 
 if TYPE_CHECKING:
@@ -80,7 +88,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devicemq.application")
 
-TOPIC_PREFIX = "devicemq.app."
+TOPIC_PREFIX = APP_TOPIC_PREFIX
 REGISTRY = "devicemq:app:sessions"  # hash: client id -> generation of its APPLICATION session
 SAFE_LENGTH = 180  # characters of the client ID kept in a topic name (Kafka allows 249)
 READ_WAIT_MS = 200  # a reader's longest wait for records (then it looks at its connection)
@@ -90,9 +98,9 @@ DONE = "-"  # an inflight field whose flow completed (its id went to a later mes
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
-# KEYS[4] {cid}_app_seen
+# KEYS[4] {cid}_app_seen  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
 # ARGV: generation, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k fields,
-# s, s ("producer:partition", seq) pairs
+# s, s ("producer:partition", seq) pairs, t, t (partition, "producer:seq") pairs, l, l ids
 # Fenced by the generation: a late write of an ended session takes nothing of the next.
 _PROGRESS_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -105,13 +113,42 @@ n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HDEL', KEYS[3], ARGV[i]); i = i + 1 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1]); i = i + 2 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HDEL', KEYS[6], ARGV[i]); i = i + 1 end
+return 1
+"""
+
+# KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
+# KEYS[4] {cid}_app_replay  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
+# ARGV: generation, partition. The partition's log went back (Kafka lost it): read the
+# new log from its start; the fields name offsets of the old one and go, and the packet
+# ids they held (not completed) wait in {cid}_app_lost for a PUBREL each.
+_RESET_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local p = ARGV[2]
+redis.call('HSET', KEYS[2], p, 0)
+redis.call('HDEL', KEYS[4], p)
+redis.call('HDEL', KEYS[5], p)
+local prefix = p .. ':'
+local fields = redis.call('HGETALL', KEYS[3])
+for i = 1, #fields, 2 do
+  local name, value = fields[i], fields[i + 1]
+  if string.sub(name, 1, #prefix) == prefix then
+    local id = string.match(value, '^(%d+)')
+    if id then redis.call('HSET', KEYS[6], id, '1') end
+    redis.call('HDEL', KEYS[3], name)
+  end
+end
 return 1
 """
 
 
-# KEYS as above, KEYS[5] {cid}_app_replay; ARGV: generation, n, n (partition, offset).
-# A partition moves back only (to at most its committed offset); what it passes over was
-# seen: DUP when sent again. The copies' marks go: the rewound records are read again.
+# KEYS as above, KEYS[5] {cid}_app_replay, KEYS[6] {cid}_app_tail; ARGV: generation, n,
+# n (partition, offset). A partition moves back only (to at most its committed offset);
+# what it passes over was seen: DUP when sent again. The copies' marks go: the rewound
+# records are read again; so does the tail (it names the record below the old offset).
 _REWIND_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return nil end
 local out = {}
@@ -123,6 +160,7 @@ for k = 0, n - 1 do
     local seen = tonumber(redis.call('HGET', KEYS[5], p) or '0')
     redis.call('HSET', KEYS[5], p, math.max(seen, old))
     redis.call('HSET', KEYS[2], p, target)
+    redis.call('HDEL', KEYS[6], p)
   else
     target = old
   end
@@ -149,6 +187,8 @@ class AppKeys:
     inflight: str  # hash: "partition:offset" -> packet id, "id:r" (PUBREL stage), "-"
     seen: str  # hash: "producer:partition" -> the last seq below the committed offset
     replay: str  # hash: partition -> the committed offset before a rewind (DUP below it)
+    tail: str  # hash: partition -> "producer:seq" of the record just below the committed offset
+    lost: str  # hash: packet id -> 1, in flight for a record of a log that went back
 
 
 def app_keys(client_id: str) -> AppKeys:
@@ -161,6 +201,8 @@ def app_keys(client_id: str) -> AppKeys:
         prefix + "_app_inflight",
         prefix + "_app_seen",
         prefix + "_app_replay",
+        prefix + "_app_tail",
+        prefix + "_app_lost",
     )
 
 
@@ -241,9 +283,16 @@ class ApplicationSessions:
         self.kinds: set[str] = set()  # client IDs whose session is an APPLICATION one
         self.progress_script = redis.register_script(_PROGRESS_LUA)
         self._rewind_script = redis.register_script(_REWIND_LUA)
+        self._reset_script = redis.register_script(_RESET_LUA)
+        self.log_resets = 0  # partitions of sessions' topics found gone back (Kafka lost them)
         self._chains: dict[str, asyncio.Future[None]] = {}  # per client: topic work in order
         self._pending: deque[_Submission] = deque()
         self._sender: asyncio.Task[None] | None = None
+        # Topics made sure of (listed by Kafka) since the producer's last closed
+        # connection: a Kafka restarted empty acknowledges records for a topic it no
+        # longer has and loses them (finding 32), so each is made again first.
+        self._ensured: set[str] = set()
+        self._topic_clients: dict[str, str] = {}  # topic -> its client ID
         self._background: set[asyncio.Task[None]] = set()
         self.produced = 0
         self.failed = 0
@@ -253,6 +302,7 @@ class ApplicationSessions:
     async def load(self) -> None:
         """Start the producer; learn the APPLICATION sessions Redis holds (before
         sessions are restored)."""
+        self._watch_connections()
         await self._producer.start()
         names = await self.redis.hkeys(REGISTRY)
         self.kinds = {n.decode() if isinstance(n, bytes) else n for n in names}
@@ -324,10 +374,41 @@ class ApplicationSessions:
         finally:
             await admin.close()
         self._forget_topic(app_topic(client_id))
-        await self.redis.delete(keys.offsets, keys.inflight, keys.seen, keys.replay)
+        self._ensured.discard(app_topic(client_id))
+        self._topic_clients.pop(app_topic(client_id), None)
+        await self.redis.delete(
+            keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost
+        )
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
         log.info("APPLICATION session %s ended: topic %s deleted", client_id, app_topic(client_id))
+
+    def _watch_connections(self) -> None:
+        """A closed connection of the producer (a Kafka restart closes them all) makes
+        every topic be made sure of again before records go to it. aiokafka's client
+        only; with the confluent one nothing is watched (docs/application-sessions.md)."""
+        client = getattr(getattr(self._producer, "producer", None), "client", None)
+        closed = getattr(client, "_on_connection_closed", None)
+        if client is None or closed is None:
+            return
+
+        def on_closed(conn: Any, reason: Any) -> None:
+            self._ensured.clear()
+            closed(conn, reason)
+
+        client._on_connection_closed = on_closed  # read when a connection is made
+
+    async def _ensure(self, topic: str) -> None:
+        """Make ``topic`` again if Kafka lost it (a session's own, still held)."""
+        client_id = self._topic_clients.get(topic)
+        if client_id is None or client_id not in self.kinds:
+            return
+        try:
+            await self._create(client_id)
+        except Exception as error:  # Kafka away: the records' sends fail, or it comes back
+            log.warning("making sure of kafka topic %s failed: %s", topic, error)
+            return
+        self._ensured.add(topic)
 
     def _forget_topic(self, topic: str) -> None:
         """The producer stops naming a deleted topic in its metadata requests: Tansu
@@ -404,7 +485,9 @@ class ApplicationSessions:
             value = encode_delivery(
                 delivery, wall, now, producer=producer, seq=seq, generation=session.generation
             )
-            records.append((app_topic(session.client_id), partition, topic, value))
+            name = app_topic(session.client_id)
+            self._topic_clients[name] = session.client_id
+            records.append((name, partition, topic, value))
         self._seq = seq
         self._pending.append(_Submission(records, on_accepted, on_settled))
         if self._sender is None:
@@ -417,6 +500,8 @@ class ApplicationSessions:
             while self._pending:
                 submission = self._pending.popleft()
                 loop.call_later(self._timeout, self._expire, submission)
+                for name in {record[0] for record in submission.records} - self._ensured:
+                    await self._ensure(name)
                 for topic, partition, key, value in submission.records:
                     try:
                         future = await self._producer.send(
@@ -509,7 +594,14 @@ class ApplicationSessions:
             for partition, target in sorted(targets.items()):
                 args += [partition, target]
             done = await self._rewind_script(
-                keys=[keys.generation, keys.offsets, keys.inflight, keys.seen, keys.replay],
+                keys=[
+                    keys.generation,
+                    keys.offsets,
+                    keys.inflight,
+                    keys.seen,
+                    keys.replay,
+                    keys.tail,
+                ],
                 args=args,
             )
         finally:
@@ -518,6 +610,51 @@ class ApplicationSessions:
         if done is None:
             raise KeyError(client_id)  # the session ended meanwhile
         return {p: int(o) for p, o in zip(sorted(targets), done, strict=True)}
+
+    def log_went_back(self, feed: ApplicationFeed, partition: int) -> None:
+        """``feed``'s reader found ``partition`` of its topic shorter than what the
+        session had read (Kafka lost the topic: the embedded one restarted on memory
+        storage, or it was deleted and made again). The session reads the new log
+        from its start; its progress, which names offsets of the old log, goes, and
+        the packet ids it held get a PUBREL each at the next connect
+        (ApplicationFeed._load), unless their flows end on the connection they are
+        in flight on."""
+        client_id = feed.client_id
+        self.log_resets += 1
+        log.warning(
+            "partition %d of %s went back (Kafka lost it): APPLICATION session %s reads "
+            "it again from its start; the messages it held are lost",
+            partition,
+            app_topic(client_id),
+            client_id,
+        )
+
+        async def work() -> None:
+            await feed.pause()
+            try:
+                keys = app_keys(client_id)
+                generation = await self.redis.get(keys.generation)
+                await self._reset_script(
+                    keys=[
+                        keys.generation,
+                        keys.offsets,
+                        keys.inflight,
+                        keys.replay,
+                        keys.tail,
+                        keys.lost,
+                    ],
+                    args=[generation, partition],
+                )
+            finally:
+                feed.reread()
+
+        async def run() -> None:
+            try:
+                await self._serial(client_id, work)
+            except Exception as error:  # Redis away: the reader finds it again
+                log.warning("resetting the progress of %s failed: %s", client_id, error)
+
+        self._spawn(run())
 
     async def _offsets_since(self, client_id: str, since: float) -> dict[int, int]:
         """Per partition: the first offset published at or after ``since`` (the end if
@@ -624,6 +761,8 @@ class _Progress:
     seen: dict[str, int] = field(default_factory=dict)
     set_fields: dict[str, str] = field(default_factory=dict)
     del_fields: set[str] = field(default_factory=set)
+    tail: dict[int, str] = field(default_factory=dict)  # partition -> "producer:seq"
+    lost_done: set[int] = field(default_factory=set)  # lost ids that got their PUBCOMP
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     def set(self, name: str, value: str) -> None:
@@ -636,21 +775,38 @@ class _Progress:
 
     def __bool__(self) -> bool:
         return bool(
-            self.offsets or self.set_fields or self.del_fields or self.seen or self.callbacks
+            self.offsets
+            or self.set_fields
+            or self.del_fields
+            or self.seen
+            or self.lost_done
+            or self.callbacks
         )
 
 
 class _Ref:
     """Where a message is in the topic, and whether it is done with."""
 
-    __slots__ = ("done", "offset", "partition", "producer", "seq")
+    __slots__ = ("done", "log", "name", "offset", "partition", "producer", "seq")
 
-    def __init__(self, partition: int, offset: int) -> None:
+    def __init__(self, partition: int, offset: int, name: str = "0:0", log: int = 0) -> None:
         self.partition = partition
         self.offset = offset
+        self.log = log  # the partition's log it was read from (ApplicationFeed._logs)
         self.done = False
-        self.producer = 0  # the record's name (0: none)
+        self.producer = 0  # the record's name, if it is not a copy (0: none, or a copy)
         self.seq = 0
+        self.name = name  # "producer:seq" of the record, copy or not: the log's fingerprint
+
+
+class _LostId:
+    """A packet id held for a record of a log that went back (``{cid}_app_lost``):
+    it gets a PUBREL, and is free once the client answers PUBCOMP."""
+
+    __slots__ = ("packet_id",)
+
+    def __init__(self, packet_id: int) -> None:
+        self.packet_id = packet_id
 
 
 class ApplicationFeed:
@@ -677,6 +833,16 @@ class ApplicationFeed:
         # (producer, partition) -> the last seq read; a record at or below it is a copy
         self._seen: dict[tuple[int, int], int] = {}
         self._replay: dict[int, int] = {}  # partition -> below it, seen before a rewind
+        # partition -> (offset, "producer:seq") of the record just below the committed
+        # offset, read first after a connect: is the log still the one the offset is of?
+        self._unverified: dict[int, tuple[int, str]] = {}
+        self._tail: dict[int, str] = {}
+        self._last: dict[int, str] = {}  # partition -> "producer:seq" of the last record read
+        self._broken = False  # the reader's Kafka connection closed: is the log the same?
+        self._frozen = False  # paused (a rewind, a reset): nothing is written meanwhile
+        # partition -> logs found gone back so far: a message of an earlier one is
+        # stale, its progress is not recorded (its offset names a record of the new one)
+        self._logs: dict[int, int] = {}
         self._reserved: set[int] = set()  # their ids: not given to new messages
         self._last_id = 0
         self._generation: bytes | None = None
@@ -719,7 +885,8 @@ class ApplicationFeed:
         for item in items:
             ref = item.ref
             assert isinstance(ref, _Ref)
-            self._record(ref, str(item.packet_id), item.packet_id)
+            if not self._stale(ref):  # a stale one goes unrecorded: its log is gone
+                self._record(ref, str(item.packet_id), item.packet_id)
         ids = [item.packet_id for item in items]
         asked.callbacks.append(lambda: done(ids))
         self._schedule()
@@ -727,11 +894,18 @@ class ApplicationFeed:
     def release(self, item: Outgoing, done: Callable[[], None]) -> None:
         ref = item.ref
         assert isinstance(ref, _Ref)
+        if self._stale(ref):  # its id is in {cid}_app_lost: a PUBREL at the next connect
+            done()
+            return
         self._record(ref, f"{item.packet_id}:r", item.packet_id)
         self._asked.callbacks.append(done)
         self._schedule()
 
     def finished(self, item: Outgoing) -> None:
+        if isinstance(item.ref, _LostId):
+            self._asked.lost_done.add(item.ref.packet_id)
+            self._schedule()
+            return
         self._done(item)
 
     def undeliverable(self, item: Outgoing) -> None:
@@ -745,16 +919,30 @@ class ApplicationFeed:
         self._reader = asyncio.get_running_loop().create_task(self._read(self._epoch))
 
     async def pause(self) -> None:
-        """Stop reading and wait until every progress write landed (a rewind)."""
+        """Stop reading and wait until every progress write landed (a rewind, a reset);
+        what is asked from then on is not written (the progress is being replaced)."""
         self._stop()
         await self._written.wait()
+        self._frozen = True
 
     def resume(self) -> None:
-        """After a rewind: a connected client gets what is in flight again (under its
-        ids, DUP) and the rest from the rewound offsets."""
+        """After a rewind or a reset: a connected client gets what is in flight again
+        (under its ids, DUP) and the rest from the progress as it is now."""
+        self._frozen = False
+        self._asked = _Progress()  # asked while paused: of the progress replaced
         outflow = self.outflow
         if outflow is not None and outflow.connection is not None:
             outflow.resume()
+
+    def reread(self) -> None:
+        """After a reset: read again from the progress as it is now. What is in flight
+        stays so: its flows end on this connection (MQTT-4.4.0-2: nothing is sent
+        again on it)."""
+        self._frozen = False
+        self._schedule()
+        outflow = self.outflow
+        if outflow is not None and outflow.connection is not None:
+            self.restart()
 
     def discard(self) -> None:
         self._stop()
@@ -785,11 +973,19 @@ class ApplicationFeed:
             offsets.append(ref.offset)
         asked.set(name, value)
 
+    def _stale(self, ref: _Ref) -> bool:
+        """Was ``ref`` read from a log that went back since?"""
+        return ref.log != self._logs.get(ref.partition, 0)
+
     def _done(self, item: Outgoing) -> None:
         ref = item.ref
         if not isinstance(ref, _Ref) or ref.done:
             return
         ref.done = True
+        if self._stale(ref):  # its flow ended: its id is no longer lost
+            self._asked.lost_done.add(item.packet_id)
+            self._schedule()
+            return
         self._advance(ref.partition)
 
     def _advance(self, partition: int) -> None:
@@ -805,13 +1001,14 @@ class ApplicationFeed:
         committed = head.offset + 1
         self.committed[partition] = committed
         asked.offsets[partition] = committed
+        asked.tail[partition] = self._tail[partition] = head.name
         fields = self._fields.get(partition)
         while fields and fields[0] < committed:
             asked.delete(f"{partition}:{fields.popleft()}")
         self._schedule()
 
     def _schedule(self) -> None:
-        if self._writer is None and self._generation is not None:
+        if self._writer is None and self._generation is not None and not self._frozen:
             self._written.clear()
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
@@ -832,8 +1029,13 @@ class ApplicationFeed:
                 args.append(len(asked.seen))
                 for name, seq in asked.seen.items():
                     args += [name, seq]
+                args.append(len(asked.tail))
+                for partition, name in asked.tail.items():
+                    args += [partition, name]
+                args.append(len(asked.lost_done))
+                args += sorted(asked.lost_done)
                 app = self._keys
-                keys = [app.generation, app.offsets, app.inflight, app.seen]
+                keys = [app.generation, app.offsets, app.inflight, app.seen, app.tail, app.lost]
                 while True:
                     try:
                         await self._apps.progress_script(keys=keys, args=args)
@@ -879,14 +1081,19 @@ class ApplicationFeed:
                 log.warning("reading the progress of %s failed: %s", self.client_id, error)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, RETRY_MOST)
+        if self._buffer and self._connected(epoch) and self.outflow is not None:
+            self.outflow.pump()  # the lost ids' PUBRELs
         while self._connected(epoch):
             consumer = self._apps.consumer()
+            self._watch(consumer)
             try:
                 await consumer.start()
                 tps = [TopicPartition(self._topic, p) for p in range(self._partitions)]
                 consumer.assign(tps)
                 for tp in tps:
-                    consumer.seek(tp, self.read_to.get(tp.partition, 0))
+                    check = self._unverified.get(tp.partition)
+                    consumer.seek(tp, check[0] if check else self.read_to.get(tp.partition, 0))
+                self._broken = False
                 wait = RETRY_FIRST
                 while self._connected(epoch):
                     room = self._read_ahead - len(self._buffer)
@@ -898,9 +1105,20 @@ class ApplicationFeed:
                     got = await consumer.getmany(timeout_ms=READ_WAIT_MS, max_records=room)
                     if not self._connected(epoch):
                         return
+                    if self._broken:  # Kafka may have restarted empty: these may be a new log's
+                        self._broken = False
+                        for tp in tps:
+                            consumer.seek(tp, self._verify_again(tp.partition))
+                        continue  # read again from the record below what was read
                     for tp, records in got.items():
                         for record in records:
-                            self._add(tp.partition, record.offset, record.value)
+                            if not self._add(tp.partition, record.offset, record.value):
+                                self._went_back(tp.partition)
+                                return
+                    for tp in tps:
+                        if self._shorter(tp.partition, consumer.highwater(tp)):
+                            self._went_back(tp.partition)
+                            return
                     if got and self.outflow is not None:
                         self.outflow.pump()
             except asyncio.CancelledError:
@@ -916,15 +1134,18 @@ class ApplicationFeed:
     async def _load(self, epoch: int) -> None:
         redis = self._apps.redis
         keys = self._keys
-        generation, offsets, inflight, seen, replay = await asyncio.gather(
+        generation, offsets, inflight, seen, replay, tail, lost = await asyncio.gather(
             redis.get(keys.generation),
             redis.hgetall(keys.offsets),
             redis.hgetall(keys.inflight),
             redis.hgetall(keys.seen),
             redis.hgetall(keys.replay),
+            redis.hgetall(keys.tail),
+            redis.hgetall(keys.lost),
         )
         if epoch != self._epoch:
             return
+        self._tail = {int(p): name.decode() for p, name in tail.items()}
         self._replay = {int(p): int(o) for p, o in replay.items()}
         self._seen = {}
         for name, seq in seen.items():
@@ -933,6 +1154,12 @@ class ApplicationFeed:
         self._generation = generation
         self.committed = {int(p): int(o) for p, o in offsets.items()}
         self.read_to = dict(self.committed)
+        tails = self._tail
+        self._unverified = {
+            p: (o - 1, tails[p]) for p, o in self.committed.items() if o > 0 and p in tails
+        }
+        # the record below where it reads from now: the tail, or unknown (a rewind)
+        self._last = {p: tails[p] for p in self.committed if p in tails}
         self._order = {}
         self._fields = {}
         self._field_of_id = {}
@@ -949,32 +1176,96 @@ class ApplicationFeed:
                 self._reserved.add(packet_id)
                 self._field_of_id[packet_id] = (partition, offset)
         self._known = known
+        inflight = self.outflow.inflight if self.outflow is not None else {}
+        for raw_id in sorted(int(i) for i in lost):
+            if raw_id in inflight:
+                continue  # its flow goes on, on this connection (ApplicationFeed.reread)
+            # Held for a record Kafka lost: a PUBREL, QoS 2's last step (MQTT-4.4.0-1; a
+            # client holding no QoS 2 flow of the id answers PUBCOMP), before it goes again.
+            self._reserved.add(raw_id)
+            self._buffer.append(Outgoing(raw_id, None, sent=True, marked=True, ref=_LostId(raw_id)))
 
-    def _add(self, partition: int, offset: int, value: bytes) -> None:
+    def _watch(self, consumer: AIOKafkaConsumer) -> None:
+        """A closed connection of the reader (a Kafka restart closes it) makes it check
+        that the log is the one it read before it takes more of it: a Kafka restarted
+        empty may have a new log there, already longer than what was read."""
+        client = getattr(consumer, "_client", None)
+        closed = getattr(client, "_on_connection_closed", None)
+        if client is None or closed is None:
+            return
+
+        def on_closed(conn: Any, reason: Any) -> None:
+            self._broken = True
+            closed(conn, reason)
+
+        client._on_connection_closed = on_closed  # read when a connection is made
+
+    def _verify_again(self, partition: int) -> int:
+        """Where to read ``partition`` from so that its last record read is read (and
+        compared) first; the offset to seek to."""
+        check = self._unverified.get(partition)
+        if check is not None:
+            return check[0]
+        read_to = self.read_to.get(partition, 0)
+        last = self._last.get(partition)
+        if read_to == 0 or last is None:
+            return read_to
+        self._unverified[partition] = (read_to - 1, last)
+        return read_to - 1
+
+    def _went_back(self, partition: int) -> None:
+        """The partition's log went back: what was read of it is stale from now on
+        (nothing more of it is recorded), and the progress is reset
+        (:meth:`ApplicationSessions.log_went_back`)."""
+        self._logs[partition] = self._logs.get(partition, 0) + 1
+        self._apps.log_went_back(self, partition)
+
+    def _shorter(self, partition: int, highwater: int | None) -> bool:
+        """Does the partition's log end below what was read of it (it went back)?"""
+        if highwater is None:
+            return False
+        check = self._unverified.get(partition)
+        expected = check[0] + 1 if check is not None else self.read_to.get(partition, 0)
+        return highwater < expected
+
+    def _add(self, partition: int, offset: int, value: bytes) -> bool:
         """A record read: to the buffer, or done with at once (not this session's, or
-        its flow completed before)."""
-        self.read_to[partition] = offset + 1
-        if offset < self.committed.get(partition, 0):
-            return  # read again after a Kafka error: done with already
-        ref = _Ref(partition, offset)
-        self._order.setdefault(partition, deque()).append(ref)
-        known = self._known.pop((partition, offset), None)
+        its flow completed before). False: the log went back (Kafka lost it); the
+        record is not taken."""
         try:
             stored = decode_record(0, 0, value).message
         except ValueError:
             stored = None
+        name = f"{stored.producer}:{stored.seq}" if stored is not None else "0:0"
+        check = self._unverified.pop(partition, None)
+        if check is not None:  # the first record after a connect: the one below the commit?
+            at, expected = check
+            if offset < at or (offset == at and name != expected):
+                return False
+            if offset == at:
+                self.read_to[partition] = offset + 1
+                self._last[partition] = name
+                return True  # the same log: done with already
+            # past it (retention took it): nothing to compare, the commit is below
+        if offset < self.read_to.get(partition, 0):
+            return False  # below what was read: a new log
+        self.read_to[partition] = offset + 1
+        self._last[partition] = name
+        ref = _Ref(partition, offset, name, self._logs.get(partition, 0))
+        self._order.setdefault(partition, deque()).append(ref)
+        known = self._known.pop((partition, offset), None)
         generation = int(self._generation or 0)
         if stored is not None and stored.producer:
-            name = (stored.producer, partition)
-            if stored.seq <= self._seen.get(name, 0):
+            producer = (stored.producer, partition)
+            if stored.seq <= self._seen.get(producer, 0):
                 stored = None  # Kafka took it twice: read once
             else:
-                self._seen[name] = ref.seq = stored.seq
+                self._seen[producer] = ref.seq = stored.seq
                 ref.producer = stored.producer
         if stored is None or stored.generation != generation or known == DONE:
             ref.done = True
             self._advance(partition)
-            return
+            return True
         delivery = stored_delivery(stored, time.time(), self._apps_clock())
         if known is None:  # new, or a rewind's copy of what was seen: DUP
             item = Outgoing(0, delivery, ref=ref, replay=offset < self._replay.get(partition, 0))
@@ -985,6 +1276,7 @@ class ApplicationFeed:
             # whatever its expiry, as a DEVICE session's message marked sent
             item = Outgoing(int(known), delivery, sent=True, marked=True, ref=ref)
         self._buffer.append(item)
+        return True
 
     def _apps_clock(self) -> float:
         outflow = self.outflow

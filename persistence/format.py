@@ -169,6 +169,8 @@ _U32 = struct.Struct(">I")
 _ID_U8 = struct.Struct(">BB")
 _ID_U32 = struct.Struct(">BI")
 
+# The Kafka topics of APPLICATION sessions (persistence/application_feed.py, app_topic)
+APP_TOPIC_PREFIX = "devicemq.app."
 SESSIONS_INDEX = "devicemq:sessions"
 PRODUCERS_KEY = "devicemq:producers"
 BLOCKED_KEY = "devicemq:blocked"  # block-list entries: hash of key -> JSON (blocklist_store.py)

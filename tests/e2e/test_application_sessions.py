@@ -64,6 +64,7 @@ def app_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProce
             "metrics.port": free_port("127.0.0.1"),
             "admin.port": free_port("127.0.0.1"),
             "admin.token": TOKEN,
+            "sys_interval": 1.0,
         },
     )
     try:
@@ -422,6 +423,30 @@ def _metric(broker: BrokerProcess, name: str, client_id: str) -> float | None:
     return None if found is None else float(found.group(1))
 
 
+def _sys_lag(broker: BrokerProcess, client_id: str, messages: bytes) -> dict[str, bytes]:
+    """$SYS's lag of ``client_id``'s session (``messages`` and ``seconds``), read until
+    it says ``messages`` (published every second; the first values are the retained
+    ones, possibly of the count before), or for 10 s."""
+    watcher = Raw(broker)
+    try:
+        assert watcher.connect(_name("sys")).reason_code == 0  # type: ignore[attr-defined]
+        _subscribe(watcher, f"$SYS/broker/devicemq/application/{client_id}/lag/+", 0)
+        values: dict[str, bytes] = {}
+        deadline = time.monotonic() + 10
+        last = ""
+        # each publish has messages, then seconds: the seconds of the same count
+        while (values.get("messages") != messages or last != "seconds") and (
+            time.monotonic() < deadline
+        ):
+            packet = watcher.recv(timeout=5)
+            assert isinstance(packet, Publish), packet
+            last = packet.topic.rsplit("/", 1)[1]
+            values[last] = packet.payload
+        return values
+    finally:
+        watcher.close()
+
+
 def test_the_lag_is_in_metrics_and_the_admin_session_view(app_broker: BrokerProcess) -> None:
     prefix, app = _name("t"), _name("app")
     raw, _ = _connect(app_broker, app, clean=True)
@@ -445,6 +470,8 @@ def test_the_lag_is_in_metrics_and_the_admin_session_view(app_broker: BrokerProc
     ):
         assert time.monotonic() < deadline, "no lag (250 messages, a second old) in /metrics"
         time.sleep(0.5)
+    in_sys = _sys_lag(app_broker, app, b"250")  # $SYS carries it too
+    assert in_sys.get("messages") == b"250" and float(in_sys.get("seconds", 0)) >= 1.0, in_sys
 
     raw, _ = _connect(app_broker, app, clean=False)
     _read_all(raw, 250)
@@ -455,6 +482,7 @@ def test_the_lag_is_in_metrics_and_the_admin_session_view(app_broker: BrokerProc
         assert time.monotonic() < deadline, "the lag stayed after everything was acknowledged"
         time.sleep(0.2)
     raw.disconnect()
+    assert _sys_lag(app_broker, app, b"0").get("messages") == b"0"
 
 
 def test_qos2_in_its_pubrel_stage_survives_a_broker_killed(

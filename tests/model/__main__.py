@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=80, help="operations per run")
     parser.add_argument("--runs", type=int, help="stop after this many runs")
     parser.add_argument("--scenario", choices=SCENARIOS, help="force one scenario")
+    parser.add_argument(
+        "--application",
+        choices=("drawn", "on", "off"),
+        default="drawn",
+        help="APPLICATION sessions for some subscribers: as the seed draws, always, never",
+    )
     parser.add_argument("--shrink-minutes", type=float, default=5.0)
     parser.add_argument(
         "--shrink-kind", help="the violation kind to shrink for (default: the first one's)"
@@ -58,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = 0
     print(f"model checker: replicas {args.replicas}, {args.ops} ops per run, files in {root}")
     while time.monotonic() < deadline and (args.runs is None or runs < args.runs):
-        plan = make_plan(seed, args.replicas, args.ops, args.scenario)
+        application = {"drawn": None, "on": True, "off": False}[args.application]
+        plan = make_plan(seed, args.replicas, args.ops, args.scenario, application)
         directory = root / f"seed-{seed}"
         result = run_plan(plan, directory, log=lambda s: None, ignore=ignore)
         runs += 1
@@ -118,6 +125,7 @@ def describe_failure(result: Result, minutes: float) -> str:
         f"(reproduce: python -m tests.model --seed {plan.seed} --replicas {plan.replicas} "
         f"--ops {len(plan.ops)} --runs 1"
         + (f" --scenario {plan.scenario}" if plan.scenario else "")
+        + (" --application on" if plan.application else " --application off")
         + ")",
         plan.describe(),
     ]

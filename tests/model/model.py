@@ -61,6 +61,19 @@ DUP, a packet id may be handed out again, a session may be as it was, and
 (seed 9700, not analysed yet: tests/model/FINDINGS.md) a message may come
 after later ones.
 
+APPLICATION sessions (``Config.application``: the client ids that
+``application.client_ids`` matches; docs/application-sessions.md) are held to
+the same promises, with two differences. Nothing is trimmed: their backlog is
+bounded by the Kafka topic's retention, not by ``limit``, so no ``lost`` is
+excused as trimmed, nor a ``pubrel`` as "may have been trimmed". And the
+topic lives in Kafka only: a Kafka restart here is Tansu restarted empty
+(memory storage), which loses the topic and what was in it (documented under
+"Not yet"), so a message acknowledged before a ``restart_kafka`` and not
+received before it is excused for them, and so is a packet id the client held
+for one of them given to a new message (``id-reuse``). Everything acknowledged
+after it is owed, in order, QoS 2 once, and a QoS 2 id held from before gets
+its PUBREL (``pubrel``) (findings 31 and 32).
+
 Exclusive compacted queues have their own promises (``ecq-lost``,
 ``ecq-again``, ``ecq-exclusive``): ``tests/model/queues.py``.
 
@@ -149,6 +162,10 @@ class Inc:
     # ever had an expiry > 0: its messages went to the store, where the per-client
     # limit trims them, even if a later resume set its expiry to 0
     was_persistent: bool = False
+    # an APPLICATION session (made persistent by a client id application.client_ids
+    # matches; a resume keeps the type it was made with): its messages wait in a
+    # Kafka topic of its own, never trimmed
+    application: bool = False
 
     def __post_init__(self) -> None:
         self.was_persistent = self.expiry > 0
@@ -278,6 +295,7 @@ class Config:
     max_inflight: int  # mqtt.max_inflight
     default_ttl: float | None  # persistence.default_message_ttl when it is short
     cluster: bool
+    application: frozenset[str] = frozenset()  # client ids of APPLICATION sessions
 
 
 @dataclass
@@ -479,6 +497,7 @@ class Model:
                     )
                 self._end(inc, now, "not present on resume")
             new = Inc(cid, len(state.incs) + 1, state.pending_expiry, now, saved_at=now)
+            new.application = new.persistent and cid in self.config.application
             state.incs.append(new)
             state.inc = new
             return state.conn
@@ -710,7 +729,9 @@ class Model:
             if msg is None:
                 self.violate("unexpected", f"{cid} received unknown payload {payload!r}")
                 return None
-            if held is not None and held != payload:
+            if held is not None and held != payload and self._held_went_with_topic(state, held):
+                self.log(f"{cid}: id {packet_id} held for a message of a lost topic, given again")
+            elif held is not None and held != payload:
                 self.violate(
                     "id-reuse",
                     f"{cid} (connection {conn}) got packet id {packet_id} for {msg.name()} "
@@ -750,6 +771,19 @@ class Model:
                         f"connection {conn})",
                     )
             return copy
+
+    def _held_went_with_topic(self, state: ClientState, held: bytes) -> bool:
+        """Was the message the client holds under an id one of an APPLICATION session's
+        topic that Kafka lost (restarted empty after it was acknowledged)? Its flow can
+        end no more (the client holds a QoS 1 id until the message comes again, and it
+        cannot): its id is given again."""
+        inc, msg = state.inc, self.msgs.get(held)
+        return (
+            inc is not None
+            and inc.application
+            and msg is not None
+            and self.kafka_lost_since(msg.acked_at or msg.sent_at)
+        )
 
     def _group_chose_qos0(
         self,
@@ -907,7 +941,14 @@ class Model:
             kind == "restart_kafka" and at <= (msg.acked_at or now) for at, kind in self.fault_log
         ):
             return "kafka reused offsets"
+        if any(i.application for i in ob.incs) and self.kafka_lost_since(msg.acked_at or now):
+            return "application topic lost"
         return None
+
+    def kafka_lost_since(self, at: float) -> bool:
+        """Did Kafka restart empty (Tansu, memory storage) at or after ``at``? An
+        APPLICATION session's topic and the messages in it went with it."""
+        return any(kind == "restart_kafka" and t >= at for t, kind in self.fault_log)
 
     def check_losses(self, before: float) -> list[Ob]:
         """Report obligations (answered before ``before``) neither met nor excused."""
@@ -967,10 +1008,12 @@ class Model:
         """
         threshold = self.config.limit - self.config.max_inflight
         if threshold <= 0:
-            return set(obs)
+            return {ob for ob in obs if not any(inc.application for inc in ob.incs)}
         wanted: dict[Inc, list[tuple[Ob, Msg]]] = {}
         for ob in obs:
             for inc in ob.incs:
+                if inc.application:
+                    continue  # its topic keeps everything (retention, not a count)
                 if inc.was_persistent:  # not .persistent: a resume with expiry 0 keeps the store
                     wanted.setdefault(inc, []).append((ob, ob.msg))
         out: set[Ob] = set()

@@ -12,7 +12,9 @@ trouble (``SCENARIOS``); every scenario still draws from every operation.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,15 @@ class Plan:
     @property
     def max_inflight(self) -> int:
         return int(str(self.settings["mqtt.max_inflight"]))
+
+    @property
+    def application(self) -> frozenset[str]:
+        """The subscribers whose new persistent sessions are APPLICATION sessions
+        (``application.client_ids``, matched as the broker matches them)."""
+        patterns = json.loads(str(self.settings.get("application.client_ids", "[]")))
+        return frozenset(
+            c.cid for c in self.subscribers if any(re.match(p, c.cid) for p in patterns)
+        )
 
     @property
     def default_ttl(self) -> float | None:
@@ -156,7 +167,15 @@ _BIAS: dict[str, dict[str, int]] = {
 }
 
 
-def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None) -> Plan:
+def make_plan(
+    seed: int,
+    replicas: int,
+    n_ops: int,
+    scenario: str | None = None,
+    application: bool | None = None,
+) -> Plan:
+    """``application``: whether some subscribers get APPLICATION sessions (None: the
+    seed draws it, see :func:`_application_clients`)."""
     rnd = random.Random(seed)
     scenario = scenario or ROTATION[seed % len(ROTATION)]
     max_inflight = rnd.choice((4, 8, 16)) if scenario != "wrap" else 32
@@ -197,7 +216,32 @@ def make_plan(seed: int, replicas: int, n_ops: int, scenario: str | None = None)
     plan = Plan(seed, replicas, scenario, settings, subscribers, publishers)
     gen = _Generator(rnd, plan)
     plan.ops = gen.generate(n_ops)
+    chosen = _application_clients(seed, replicas, scenario, subscribers, application)
+    if chosen:
+        settings["application.client_ids"] = json.dumps([f"^{c}$" for c in chosen])
     return plan
+
+
+def _application_clients(
+    seed: int,
+    replicas: int,
+    scenario: str,
+    subscribers: list[ClientSpec],
+    wanted: bool | None,
+) -> list[str]:
+    """The subscribers that get APPLICATION sessions (docs/application-sessions.md),
+    from a generator of their own, so a seed's operations stay what they were. None
+    with replicas (refused at start) nor in "wrap" (its ~65k copies for one session
+    outlast the drain through Kafka: seed 306 of the first run still received at its
+    end); drawn (``wanted`` None) in about half the plans but those of "failover"."""
+    if replicas > 1 or wanted is False or scenario == "wrap":
+        return []
+    rnd = random.Random(f"application-{seed}")
+    drawn = rnd.random() >= 0.5 and scenario != "failover"
+    if not (wanted or drawn):
+        return []
+    count = rnd.randint(1, max(1, len(subscribers) - 1))
+    return sorted(rnd.sample([c.cid for c in subscribers], count))
 
 
 class _Generator:

@@ -84,7 +84,13 @@ class Runner:
         self.tag = f"r{random.getrandbits(32):08x}"
         self.system = System(root, plan.replicas, plan.settings)
         self.model = Model(
-            Config(plan.limit, plan.max_inflight, plan.default_ttl, plan.replicas > 1)
+            Config(
+                plan.limit,
+                plan.max_inflight,
+                plan.default_ttl,
+                plan.replicas > 1,
+                application=plan.application,
+            )
         )
         self.model.ignore = set(ignore)
         self.scheduler = Scheduler()

@@ -35,6 +35,13 @@ FIXED = [
     # never read (finding 26)
     (1264, 1, 14, "kafka"),
 ]
+# (seed, replicas, operations, scenario) with APPLICATION sessions (``--application on``);
+# the ones above keep the DEVICE sessions their findings were about.
+APPLICATION = [
+    # s0 committed at 5, Kafka restarted empty, s0 came back (its topic made again) and
+    # a QoS 2 message took offset 0 of the new log: skipped as committed (finding 31)
+    (301, 1, 40, "mixed"),
+]
 CHEAP = ("mixed", "faults", "expiry", "clean", "kafka", "queues")  # "wrap" floods ~65k
 
 
@@ -42,7 +49,8 @@ def _check(result: Result) -> None:
     plan = result.plan
     replay = (
         f"python -m tests.model --seed {plan.seed} --replicas {plan.replicas} "
-        f"--ops {len(plan.ops)} --scenario {plan.scenario} --runs 1"
+        f"--ops {len(plan.ops)} --scenario {plan.scenario} --runs 1 "
+        f"--application {'on' if plan.application else 'off'}"
     )
     assert result.error is None, f"{replay}\n{result.error}"
     if result.violations:
@@ -61,13 +69,28 @@ def _check(result: Result) -> None:
     ("seed", "replicas", "ops", "scenario"), FIXED, ids=[f"seed{s[0]}-{s[1]}b" for s in FIXED]
 )
 def test_fixed_seed(tmp_path: Path, seed: int, replicas: int, ops: int, scenario: str) -> None:
-    result = run_plan(make_plan(seed, replicas, ops, scenario), tmp_path / "run", log=print)
+    plan = make_plan(seed, replicas, ops, scenario, application=False)
+    result = run_plan(plan, tmp_path / "run", log=print)
     print(
         f"seed {seed}: {result.executed} ops, {result.published} published, "
         f"{result.checked} owed deliveries checked, faults {result.faults}, "
         f"{result.seconds:.0f} s"
     )
     _check(result)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("seed", "replicas", "ops", "scenario"),
+    APPLICATION,
+    ids=[f"seed{s[0]}-{s[1]}b-application" for s in APPLICATION],
+)
+def test_fixed_seed_with_application_sessions(
+    tmp_path: Path, seed: int, replicas: int, ops: int, scenario: str
+) -> None:
+    plan = make_plan(seed, replicas, ops, scenario, application=True)
+    assert plan.application, "the plan has no APPLICATION session"
+    _check(run_plan(plan, tmp_path / "run", log=print))
 
 
 @pytest.mark.timeout(240)

@@ -52,10 +52,15 @@ def _lost_names(model: Model, clock: Clock) -> set[str]:
     return {ob.msg.name() for ob in model.check_losses(clock.now)}
 
 
-def _lost_after_resume(count: int, expiry: int) -> set[str]:
-    """``count`` messages crowd s1 (limit 15, 4 in flight); it resumes with ``expiry``."""
+def _lost_after_resume(count: int, expiry: int, application: bool = False) -> set[str]:
+    """``count`` messages crowd s1 (limit 15, 4 in flight); it resumes with ``expiry``.
+    ``application``: s1's session is an APPLICATION one."""
     clock = Clock()
-    model = Model(Config(limit=15, max_inflight=4, default_ttl=None, cluster=False), clock)
+    apps = frozenset({"s1"} if application else ())
+    model = Model(
+        Config(limit=15, max_inflight=4, default_ttl=None, cluster=False, application=apps),
+        clock,
+    )
     _crowd(model, clock, count)
     model.connect_sent("s1", clean_start=False, expiry=expiry)
     model.connack("s1", session_present=True)
@@ -72,6 +77,54 @@ def test_trim_still_excuses_after_a_resume_with_expiry_0() -> None:
     """Seed 216: the messages were stored (and trimmed) while the session had an
     expiry; resuming it with expiry 0 does not make them owed beyond the limit."""
     assert _lost_after_resume(20, 0) == {f"r:p1:{n}" for n in range(11, 21)}
+
+
+def test_an_application_session_is_never_excused_as_trimmed() -> None:
+    """Its messages wait in its Kafka topic, bounded by retention, not by the limit
+    (docs/application-sessions.md): 20 stored, 4 received, 16 lost."""
+    assert _lost_after_resume(20, 600, application=True) == {f"r:p1:{n}" for n in range(5, 21)}
+
+
+def _restart_then_publish(connect_between: bool) -> set[str]:
+    """s1 (APPLICATION, subscribed) got 1 of 3; Kafka restarts empty; it comes back
+    (or not) and leaves; 2 more are published. The losses reported."""
+    clock = Clock()
+    config = Config(15, 4, None, cluster=False, application=frozenset({"s1"}))
+    model = Model(config, clock)
+    model.add_client("s1", 5, paho=False)
+    model.add_client("p1", 5, paho=False)
+    model.connect_sent("s1", clean_start=False, expiry=600)
+    conn = model.connack("s1", session_present=False)
+    model.suback(model.subscribe_sent("s1", [("m/a", 1, None)]), [1])
+    clock.tick()
+
+    def publish(seq: int) -> None:
+        msg = model.publish_sent("p1", seq, 1, f"r:p1:{seq}".encode(), "m/a", 1, None, 0)
+        clock.tick(0.01)
+        model.publish_answered(msg, ok=True)
+
+    for seq in (1, 2, 3):
+        publish(seq)
+    model.received("s1", conn, 1, b"r:p1:1", 1, False, (), None, False)
+    model.connection_closed("s1", conn)
+    clock.tick(1)
+    model.fault("restart_kafka")
+    clock.tick(1)
+    if connect_between:
+        model.connect_sent("s1", clean_start=False, expiry=600)
+        model.connection_closed("s1", model.connack("s1", session_present=True))
+    clock.tick(3)
+    for seq in (4, 5):
+        publish(seq)
+    return _lost_names(model, clock)
+
+
+def test_an_application_topic_lost_by_kafka_excuses_what_it_held_not_what_came_after() -> None:
+    """2 and 3 were in the topic Kafka lost: excused. 4 and 5 came after the restart:
+    owed, whether or not the session came back in between (finding 32: the broker
+    makes the topic again before it sends to it)."""
+    assert _restart_then_publish(connect_between=True) == {"r:p1:4", "r:p1:5"}
+    assert _restart_then_publish(connect_between=False) == {"r:p1:4", "r:p1:5"}
 
 
 def test_under_the_limit_nothing_is_excused() -> None:

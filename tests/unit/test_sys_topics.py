@@ -181,6 +181,46 @@ def test_own_retained_messages_are_outside_the_limits_and_not_shared() -> None:
     assert by_topic(publishes(watcher.pending)) == {"$SYS/broker/retained messages/count": b"1"}
 
 
+def test_application_sessions_lag_per_session_and_removed_when_the_session_is_gone() -> None:
+    h = sys_harness()
+    sys_topics = h.broker.sys_topics
+    assert sys_topics is not None
+    watcher = local_watcher(h)
+    watcher.subscribe("$SYS/broker/devicemq/application/#")
+    sys_topics.publish_numbers(None, 0, {"backend-1": (250, 3.26), "etl/2": (0, None)})
+    prefix = "$SYS/broker/devicemq/application"
+    assert by_topic(publishes(watcher.read())) == {
+        f"{prefix}/sessions": b"2",
+        f"{prefix}/backend-1/lag/messages": b"250",
+        f"{prefix}/backend-1/lag/seconds": b"3.3",
+        f"{prefix}/etl%2F2/lag/messages": b"0",  # the client ID one level
+        f"{prefix}/etl%2F2/lag/seconds": b"0.0",  # nothing waits
+    }
+    sys_topics.publish_numbers(None, 0, {"backend-1": (0, None)})  # etl/2's session ended
+    live = publishes(watcher.read())
+    gone = [p for p in live if p.payload == b""]
+    assert sorted(p.topic for p in gone) == [
+        f"{prefix}/etl%2F2/lag/messages",
+        f"{prefix}/etl%2F2/lag/seconds",
+    ]
+    assert by_topic([p for p in live if p.payload])[f"{prefix}/sessions"] == b"1"
+    late = h.client(V5, peer="127.0.0.1")
+    late.connect("late")
+    late.subscribe("$SYS/broker/devicemq/application/#")
+    assert by_topic(publishes(late.pending)) == {  # retained: the ended session's are gone
+        f"{prefix}/sessions": b"1",
+        f"{prefix}/backend-1/lag/messages": b"0",
+        f"{prefix}/backend-1/lag/seconds": b"0.0",
+    }
+    sys_topics.publish_numbers()  # not counted (no /metrics): none, and the rest go
+    assert {p.topic for p in publishes(late.read()) if p.payload == b""} == {
+        f"{prefix}/sessions",
+        f"{prefix}/backend-1/lag/messages",
+        f"{prefix}/backend-1/lag/seconds",
+    }
+    assert h.broker.retained.matching("$SYS/broker/devicemq/#", h.clock.now) == []
+
+
 def test_sys_interval_0_publishes_no_sys_topics() -> None:
     h = sys_harness(sys_interval=0.0)
     assert h.broker.sys_topics is None
