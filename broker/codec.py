@@ -492,13 +492,13 @@ def _decode_publish(
 _AckType = type[PubAck] | type[PubRec] | type[PubRel] | type[PubComp]
 
 
-def _ack_decoder(cls: _AckType) -> _Decoder:
+def _ack_decoder(cls: _AckType, context: int) -> _Decoder:
     """PUBACK, PUBREC, PUBREL, PUBCOMP (3.4-3.7) share one layout.
 
     In MQTT 5 the reason code and the properties may be left off (3.4.2.1):
     a remaining length of 2 means Success, of 3 means no properties.
+    ``context`` is its packet type number (where its properties are checked).
     """
-    context = int(cls.type)
 
     def decode(
         buf: bytes, pos: int, end: int, first: int, v5: bool, limits: DecodeLimits
@@ -664,10 +664,10 @@ _BY_TYPE: tuple[_Decoder | None, ...] = (
     None,  # CONNECT is decoded by PacketDecoder itself: it sets the level
     _decode_connack,
     _decode_publish,
-    _ack_decoder(PubAck),
-    _ack_decoder(PubRec),
-    _ack_decoder(PubRel),
-    _ack_decoder(PubComp),
+    _ack_decoder(PubAck, _PUBACK),
+    _ack_decoder(PubRec, _PUBREC),
+    _ack_decoder(PubRel, _PUBREL),
+    _ack_decoder(PubComp, _PUBCOMP),
     _decode_subscribe,
     _decode_suback,
     _decode_unsubscribe,

@@ -221,7 +221,7 @@ class MQTTConnection:
             self.protocol_violation(error)
 
     def _dispatch(self, packet: Packet) -> None:
-        HANDLERS[packet.type](self, packet)
+        HANDLERS[type(packet)](self, packet)
 
     # -- output -----------------------------------------------------------------------
 

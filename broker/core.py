@@ -1003,9 +1003,12 @@ class Broker:
                 self._retained_waiting.discard(session)
         sessions_due = self._session_due
         while sessions_due and sessions_due[0][0] <= now:
-            session = heapq.heappop(sessions_due)[2]
-            if session is None or session not in self._detached:
+            # its own name: ``session`` above is a Session, and None is no Session
+            # (compiled with mypyc the assignment of None raised TypeError)
+            popped: Session | None = heapq.heappop(sessions_due)[2]
+            if popped is None or popped not in self._detached:
                 continue  # watched again since, back, or ended
+            session = popped
             session.watched_at, session.due_entry = None, None
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None

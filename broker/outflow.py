@@ -81,7 +81,7 @@ class Outgoing:
     delivery: Delivery | None
     sent: bool = False
     marked: bool = False
-    ref: object = None
+    ref: object | None = None  # (not bare `object`: mypyc looks that name up in the module)
     side: SideFeed | None = None  # from the side feed (its identifier given here)
     replay: bool = False  # seen before this flow (a rewind's copy): DUP on its first send
 

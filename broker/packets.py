@@ -5,6 +5,11 @@ the session layer (packets -> routing decisions). They carry no behaviour and
 no I/O. One class per packet type, field names as in the MQTT 5.0 spec; MQTT
 3.1.1 packets use the same classes with ``properties=None`` and reason codes
 mapped by the codec.
+
+Each packet's ``type`` (its :class:`PacketType`) is a read-only property, not
+a class attribute: compiled with mypyc (docs/development.md), a dataclass's
+class attributes become fields, and a ``ClassVar`` one too, which ``__init__``
+then cannot set.
 """
 
 from __future__ import annotations
@@ -153,7 +158,10 @@ class Connect:
     will: Will | None = None
     properties: Properties | None = None
     protocol_name: str = "MQTT"  # "MQIsdp" for protocol level 3
-    type = PacketType.CONNECT
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.CONNECT
 
 
 @dataclass(slots=True)
@@ -163,7 +171,10 @@ class ConnAck:
     session_present: bool = False
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.CONNACK
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.CONNACK
 
 
 @dataclass(slots=True)
@@ -177,7 +188,10 @@ class Publish:
     dup: bool = False
     packet_id: int | None = None  # present iff qos > 0
     properties: Properties | None = None
-    type = PacketType.PUBLISH
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PUBLISH
 
 
 @dataclass(slots=True)
@@ -185,7 +199,10 @@ class PubAck:
     packet_id: int
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.PUBACK
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PUBACK
 
 
 @dataclass(slots=True)
@@ -193,7 +210,10 @@ class PubRec:
     packet_id: int
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.PUBREC
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PUBREC
 
 
 @dataclass(slots=True)
@@ -201,7 +221,10 @@ class PubRel:
     packet_id: int
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.PUBREL
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PUBREL
 
 
 @dataclass(slots=True)
@@ -209,7 +232,10 @@ class PubComp:
     packet_id: int
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.PUBCOMP
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PUBCOMP
 
 
 @dataclass(slots=True)
@@ -228,7 +254,10 @@ class Subscribe:
     packet_id: int
     subscriptions: list[Subscription] = field(default_factory=list)
     properties: Properties | None = None
-    type = PacketType.SUBSCRIBE
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.SUBSCRIBE
 
 
 @dataclass(slots=True)
@@ -238,7 +267,10 @@ class SubAck:
     packet_id: int
     reason_codes: list[int] = field(default_factory=list)
     properties: Properties | None = None
-    type = PacketType.SUBACK
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.SUBACK
 
 
 @dataclass(slots=True)
@@ -246,7 +278,10 @@ class Unsubscribe:
     packet_id: int
     topic_filters: list[str] = field(default_factory=list)
     properties: Properties | None = None
-    type = PacketType.UNSUBSCRIBE
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.UNSUBSCRIBE
 
 
 @dataclass(slots=True)
@@ -256,31 +291,44 @@ class UnsubAck:
     packet_id: int
     reason_codes: list[int] = field(default_factory=list)
     properties: Properties | None = None
-    type = PacketType.UNSUBACK
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.UNSUBACK
 
 
 @dataclass(slots=True)
 class PingReq:
-    type = PacketType.PINGREQ
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PINGREQ
 
 
 @dataclass(slots=True)
 class PingResp:
-    type = PacketType.PINGRESP
+    @property
+    def type(self) -> PacketType:
+        return PacketType.PINGRESP
 
 
 @dataclass(slots=True)
 class Disconnect:
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.DISCONNECT
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.DISCONNECT
 
 
 @dataclass(slots=True)
 class Auth:
     reason_code: int = 0
     properties: Properties | None = None
-    type = PacketType.AUTH
+
+    @property
+    def type(self) -> PacketType:
+        return PacketType.AUTH
 
 
 Packet = (

@@ -16,7 +16,24 @@ from broker.handlers.disconnect import DisconnectHost, handle_disconnect
 from broker.handlers.ping import handle_pingreq
 from broker.handlers.publish import PublishHost, handle_publish, handle_pubrel
 from broker.handlers.subscribe import SubscribeHost, handle_subscribe, handle_unsubscribe
-from broker.packets import PacketType, ReasonCode
+from broker.packets import (
+    Auth,
+    ConnAck,
+    Connect,
+    Disconnect,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    ReasonCode,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+)
 
 if TYPE_CHECKING:
     from broker.connection import MQTTConnection
@@ -33,20 +50,22 @@ def reject_server_packet(conn: MQTTConnection, packet: Any) -> None:
     raise MQTTError(ReasonCode.PROTOCOL_ERROR, f"a client may not send {packet.type.name}")
 
 
-HANDLERS: dict[PacketType, Callable[[MQTTConnection, Any], None]] = {
-    PacketType.CONNECT: handle_connect,
-    PacketType.PUBLISH: handle_publish,
-    PacketType.PUBACK: handle_puback,
-    PacketType.PUBREC: handle_pubrec,
-    PacketType.PUBREL: handle_pubrel,
-    PacketType.PUBCOMP: handle_pubcomp,
-    PacketType.SUBSCRIBE: handle_subscribe,
-    PacketType.UNSUBSCRIBE: handle_unsubscribe,
-    PacketType.PINGREQ: handle_pingreq,
-    PacketType.DISCONNECT: handle_disconnect,
-    PacketType.CONNACK: reject_server_packet,
-    PacketType.SUBACK: reject_server_packet,
-    PacketType.UNSUBACK: reject_server_packet,
-    PacketType.PINGRESP: reject_server_packet,
-    PacketType.AUTH: reject_server_packet,
+# By packet class, not by ``packet.type``: ``type(packet)`` costs what a class
+# attribute did, while ``type``, now a property (broker/packets.py), costs a call.
+HANDLERS: dict[type[Any], Callable[[MQTTConnection, Any], None]] = {
+    Connect: handle_connect,
+    Publish: handle_publish,
+    PubAck: handle_puback,
+    PubRec: handle_pubrec,
+    PubRel: handle_pubrel,
+    PubComp: handle_pubcomp,
+    Subscribe: handle_subscribe,
+    Unsubscribe: handle_unsubscribe,
+    PingReq: handle_pingreq,
+    Disconnect: handle_disconnect,
+    ConnAck: reject_server_packet,
+    SubAck: reject_server_packet,
+    UnsubAck: reject_server_packet,
+    PingResp: reject_server_packet,
+    Auth: reject_server_packet,
 }

@@ -18,9 +18,11 @@ else ``~/.cache/devicemq-ab``):
   match this interpreter and this recipe, or whose Python does not import the
   tree, is rebuilt.
 
-A revision runs as pure Python from its files: nothing is compiled. (When
-hot modules are compiled, e.g. with mypyc, building them here is one more step
-of the recipe, and :data:`RECIPE` goes up.)
+A revision runs as pure Python from its files. :func:`compiled` makes a copy of
+a tree (a revision's or the working tree) with the hot modules compiled by
+mypyc (``loadtest.ab.compiled``), run by this interpreter with ``PYTHONPATH``
+set to it: a revision's is kept in ``<cache>/<sha>.mypyc/``, the working
+tree's is made again each time in ``<cache>/working-tree.mypyc/``.
 
 The revision's own entry point (``[project.scripts] devicemq`` of its
 pyproject.toml: ``broker.cli:main`` in November 2026, ``app.cli:main`` later)
@@ -41,7 +43,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BuildError", "Tree", "build", "cache_root", "resolve", "working_tree"]
+__all__ = ["BuildError", "Tree", "build", "cache_root", "compiled", "resolve", "working_tree"]
 
 # Bump when what a build produces changes: caches of an older recipe are rebuilt.
 RECIPE = 1
@@ -265,3 +267,36 @@ def build(repo: Path, rev: str, cache: Path | None = None) -> tuple[Tree, bool]:
     if tree is None:
         raise BuildError(f"{rev}: built into {dest}, but it does not run: {why}")
     return tree, True
+
+
+def compiled(tree: Tree, cache: Path | None = None) -> tuple[Tree, bool]:
+    """A copy of ``tree`` with its hot modules compiled (``loadtest.ab.compiled``),
+    reused from the cache for a revision built before; also whether it was
+    compiled now."""
+    from loadtest.ab import compiled as mypyc
+
+    cache = cache or cache_root()
+    revision = tree.pythonpath is None  # a cached build of a commit (else the working tree)
+    dest = cache / (f"{tree.sha}.mypyc" if revision and tree.sha else "working-tree.mypyc")
+    stamp = dest / "compiled.json"
+    record = {"recipe": RECIPE, "sha": tree.sha, "modules": list(mypyc.MODULES)}
+    label = f"{tree.label}, compiled"
+    made = Tree(label, dest, sys.executable, str(dest), tree.entry, tree.sha)
+    if revision:
+        try:
+            reusable = json.loads(stamp.read_text()) == record
+        except (OSError, ValueError):
+            reusable = False
+        if reusable and mypyc.not_compiled(dest) is None:
+            return made, False
+    try:
+        if revision:
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(tree.root, dest)
+        else:
+            mypyc.copy_tree(tree.root, dest)
+        mypyc.compile_tree(dest)
+    except (mypyc.CompileError, OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"{tree.label}: {e}") from None
+    stamp.write_text(json.dumps(record) + "\n")
+    return made, True

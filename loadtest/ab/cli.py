@@ -3,6 +3,7 @@
     python -m loadtest.ab --base main                      # the working tree against main
     python -m loadtest.ab --base bfd873c --scenario p2p-memory --rounds 2 --mosquitto
     python -m loadtest.ab --base main --head HEAD~1 --scenario fleet --devices 2000
+    python -m loadtest.ab --base HEAD --head-compiled      # mypyc-compiled against pure Python
 
 The base (and ``--head REV``) is built once into a cache (``loadtest.ab.build``);
 the head is by default the working tree this package is in, uncommitted changes
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.ab import brokers
-from loadtest.ab.build import BuildError, Tree, build, cache_root, working_tree
+from loadtest.ab.build import BuildError, Tree, build, cache_root, compiled, working_tree
 from loadtest.ab.plan import (
     DEFAULT_SCENARIOS,
     SCENARIOS,
@@ -85,6 +86,13 @@ def parser() -> argparse.ArgumentParser:
     head.add_argument(
         "--head-tree", metavar="PATH", type=Path, help="a source tree as it is on disk"
     )
+    for side in ("base", "head"):
+        p.add_argument(
+            f"--{side}-compiled",
+            action="store_true",
+            help=f"the {side} with its hot modules compiled by mypyc, in a copy "
+            "(loadtest/ab/compiled.py; needs a C compiler)",
+        )
     p.add_argument(
         "--mosquitto",
         action="store_true",
@@ -367,6 +375,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             trees["head"], built["head"] = build(REPO, args.head, args.cache_dir)
         else:
             trees["head"] = head
+        for side in ("base", "head"):
+            if getattr(args, f"{side}_compiled"):
+                if not args.quiet:
+                    print(f"{side}: compiling with mypyc (minutes)", file=sys.stderr, flush=True)
+                trees[side], built[side] = compiled(trees[side], args.cache_dir)
         spent = time.monotonic() - started
     except BuildError as e:
         print(f"loadtest.ab: error: {e}", file=sys.stderr)

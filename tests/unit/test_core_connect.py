@@ -313,7 +313,7 @@ def test_connack_is_the_first_packet_sent() -> None:
     c = h.client()
     c.send(Connect("c", properties=Properties(session_expiry_interval=10)))
     data = c.conn.data_to_send()
-    assert PacketDecoder(protocol_level=V5).feed(data)[0].type == ConnAck.type
+    assert isinstance(PacketDecoder(protocol_level=V5).feed(data)[0], ConnAck)
 
 
 def test_client_id_length_is_counted_in_utf8_bytes() -> None:
