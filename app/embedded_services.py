@@ -42,7 +42,9 @@ Files under ``DATA/services/``: ``lock`` (the flock), ``redis.log`` and
 start), ``ports.json`` (``{"redis": P, "kafka": Q}``: the ports chosen once,
 kept across ``stop``), ``redis.password`` and ``redis.conf`` (kept across
 ``stop``), and ``state.json``, present while services are
-believed running (written atomically: temporary file, fsync, rename)::
+believed running (written atomically: temporary file, fsync, rename; a
+process is recorded as soon as it is spawned, before it answers, so one whose
+starter was killed meanwhile is still found, never joined by a second one)::
 
     {
       "version": 1,
@@ -749,9 +751,8 @@ class EmbeddedServices:
                     # and started again on what is configured now.
                     self._stop_record(name, record)
                 reused[name] = False
-                services[name] = self._start(name, self._recorded_port(name, record), services)
                 state["version"] = STATE_VERSION
-                self._write_state(state)
+                self._start(name, self._recorded_port(name, record), state)
                 self._record_port(name, services[name]["port"])
             return ServiceEndpoints(
                 redis_url=redis_url(services["redis"]["port"], self.redis_password()),
@@ -1081,9 +1082,14 @@ class EmbeddedServices:
             *storage,
         ]  # fmt: skip
 
-    def _start(
-        self, name: ServiceName, recorded: int | None, services: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _start(self, name: ServiceName, recorded: int | None, state: dict[str, Any]) -> None:
+        """Start ``name`` and record it in ``state`` (written to state.json). Each
+        process is recorded as soon as it is spawned, before it answers: a starter
+        killed while it waits (a broker SIGKILLed during its start) leaves it
+        recorded, so the next start waits for it or reuses it, and ``stop`` stops
+        it, rather than a second one starting on the same data next to it."""
+        services: dict[str, Any] = state["services"]
+        before = services.get(name)
         binary = self._binary(name)
         log_path = self.services_dir / f"{'tansu' if name == 'kafka' else name}.log"
         ports = [recorded] if recorded is not None and _port_frees_up(recorded) else []
@@ -1107,19 +1113,24 @@ class EmbeddedServices:
             argv = self._argv(name, binary, port, fresh_inner=lost_inner_port)
             log_start = log_path.stat().st_size if log_path.exists() else 0
             proc = self._spawn(argv, log_path, env)
-            started_at = _now_iso()
+            services[name] = {
+                "pid": proc.pid,
+                "port": port,
+                "binary": binary,
+                "argv": argv,
+                "started_at": _now_iso(),
+                "log": str(log_path),
+                **extra,
+            }
+            self._write_state(state)
             failure = self._wait_ready(name, proc, port)
             if not failure:
-                return {
-                    "pid": proc.pid,
-                    "port": port,
-                    "binary": binary,
-                    "argv": argv,
-                    "started_at": started_at,
-                    "log": str(log_path),
-                    **extra,
-                }
+                return
             self._kill_child(proc)
+            services[name] = before
+            if before is None:
+                del services[name]
+            self._write_state(state)
             # SeaweedFS binds seven more ports than its own: another listener may take
             # one between our choice and its bind (it names the port it lost).
             lost_inner_port = name == "s3" and _said_address_in_use(log_path, log_start)

@@ -28,3 +28,12 @@ def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield driver
     finally:
         driver.quit()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` hands out the heaviest files first (tests/scheduling.py)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from tests.scheduling import HeaviestFirst
+
+    return HeaviestFirst(config, log)

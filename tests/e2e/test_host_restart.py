@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -184,6 +185,30 @@ def test_with_the_s3_storage_a_crash_of_tansu_or_its_store_loses_nothing(tmp_pat
                 sub.disconnect()
             finally:
                 again.proc.send_signal(signal.SIGTERM)  # its services stay for the next round
-                again.proc.wait(30)
+                try:
+                    again.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    again.proc.kill()
+                    again.proc.wait(10)
+                    raise
     finally:
         EmbeddedServices(data_dir).stop()
+    # Two redis-server processes were seen left in this data dir after a CI run.
+    assert not _left_running(data_dir), "a service of the data dir outlived its stop"
+
+
+def _left_running(data_dir: Path) -> list[str]:
+    """The Redis, S3 store and Tansu processes still working in ``data_dir`` (each
+    runs in its services/ or data directory there), by name."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            name = (proc / "comm").read_text().strip()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if name in ("redis-server", "weed", "tansu") and cwd.startswith(str(data_dir)):
+            left.append(f"{name} {proc.name}")
+    return left

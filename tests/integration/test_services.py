@@ -842,6 +842,74 @@ def test_a_recorded_service_alive_but_silent_is_an_error_not_a_second_start(
     assert EmbeddedServices(data_dir).ensure_running().redis_reused
 
 
+def test_a_redis_whose_starter_was_killed_is_reused_not_joined_by_a_second(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """The starting process (a broker the e2e harness SIGKILLs when its start takes
+    too long) killed while its Redis comes up: that Redis lives on, unrecorded,
+    and the next start put a second redis-server on the same AOF directory. The
+    Redis here holds itself (SIGSTOP) before it execs, so the starter is killed
+    deterministically while it waits for it."""
+    held = tmp_path / "redis-server"  # the name pid_is_service looks for
+    held.write_text(
+        f'#!/bin/sh\necho $$ > "{tmp_path}/pid"\nkill -STOP $$\nexec {find_redis_server()} "$@"\n'
+    )
+    held.chmod(0o755)
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from app.embedded_services import EmbeddedServices as E; "
+            "E(sys.argv[1], redis_binary=sys.argv[2], start_timeout=60).ensure_running()",
+            str(data_dir),
+            str(held),
+        ],
+        cwd=REPO,
+    )
+    pid = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not pid or _state(pid) != "T":  # spawned, holding before it execs
+            assert time.monotonic() < deadline and starter.poll() is None, "not spawned"
+            with contextlib.suppress(OSError, ValueError):
+                pid = int((tmp_path / "pid").read_text())
+            time.sleep(0.01)
+        argv = _cmdline(pid)
+        port = int(argv[argv.index("--port") + 1])
+        starter.kill()
+        starter.wait(10)
+        os.kill(pid, signal.SIGCONT)  # it execs redis-server and listens on its port
+        deadline = time.monotonic() + 30
+        while not redis_ready(port, HOST, 1.0, EmbeddedServices(data_dir).redis_password()):
+            assert time.monotonic() < deadline, "the held Redis never answered"
+            time.sleep(0.02)
+        again = EmbeddedServices(data_dir).ensure_running()
+        assert again.redis_reused and _redis_port(again.redis_url) == port
+        assert _redis_servers_on(data_dir) == [pid], "a second redis-server on the data"
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait(10)
+        for orphan in [pid, *_redis_servers_on(data_dir)]:
+            with contextlib.suppress(ProcessLookupError):
+                if orphan:
+                    os.kill(orphan, signal.SIGCONT)
+                    os.kill(orphan, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _redis_servers_on(data_dir: Path) -> list[int]:
+    """The redis-server processes working in ``data_dir`` (Redis chdirs to its --dir)."""
+    found = subprocess.run(["pgrep", "redis-server"], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split() if _cwd(int(p)).startswith(str(data_dir))]
+
+
 def _cwd(pid: int) -> str:
     try:
         return os.readlink(f"/proc/{pid}/cwd")

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline.class_archive import PREFIX, SUFFIX, ClassArchive
 from tests.pipeline.conftest import REPO, Workload
 
@@ -27,6 +29,9 @@ def _audit(workload: Workload, tmp_path: Path) -> subprocess.CompletedProcess[st
     )
 
 
+# Two cold JVMs, the first writing ~200 MB at its exit: 60 s in CI, and past the
+# default 120 s (a hang's limit) on a machine at load 15.
+@pytest.mark.timeout(300)
 def test_the_first_job_writes_the_archive_and_the_next_maps_it(
     workload: Workload, tmp_path: Path
 ) -> None:

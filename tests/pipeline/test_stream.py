@@ -53,9 +53,17 @@ UPDATES = 3
 GRACE = 2.0  # a message stored this recently may be gone from Redis before its event is read
 
 
+BURST = 10  # messages published back to back: the reader's queue can pass its limit
+PAUSE = 0.1  # seconds between bursts: at most 100 messages a second
+
+
 class Load:
     """A publisher sending QoS 1 to the connected client in a thread, each message
-    waited for (PUBACK: it is in Kafka), counting them."""
+    waited for (PUBACK: it is in Kafka), counting them; in bursts of :data:`BURST`
+    every :data:`PAUSE` seconds. Unpaced, it sent 1,800 messages during one update
+    on a busy machine (more, the faster the machine), all delivered and audited
+    while Spark ran; a few hundred across the update are load enough: messages
+    are in flight while it reads, and stored and acknowledged after it."""
 
     def __init__(self, publisher: mqtt.Client) -> None:
         self.publisher = publisher
@@ -67,6 +75,8 @@ class Load:
         while not self._stop.is_set():
             _publish(self.publisher, f"live/{self.sent % 5}", b"x" * 32)
             self.sent += 1
+            if self.sent % BURST == 0:
+                self._stop.wait(PAUSE)
 
     def start(self) -> None:
         self._thread.start()
