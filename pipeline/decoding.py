@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from persistence.format import header_fields
+from persistence.format import EVENT_LAYOUTS, EVENTS_LAYOUT, event_fields, header_fields
 
 __all__ = [
     "EVENT_COLUMNS",
@@ -54,6 +54,16 @@ MARKS = {"expired": 1, "dropped": 2, "trimmed": 4, "purged": 8, "compacted": 16}
 _FACTS = frozenset(("acked", "delivered", "deliveries", "marks", "epart", "eoff", "idx"))
 # events about a stored message whose order does not matter: folded per message
 FOLDED = {"acked", "delivered", *MARKS}
+# The positional layouts (persistence/format.py) of those that name a score, by number:
+# (ev, the index of ``sc`` in the event's array, the array's length). An expiry at
+# arrival is the record's, not a stored message's: not among them.
+_FOLDS = {
+    number: (ev, 3 + names.index("sc"), 3 + len(names))
+    for number, (ev, fixed, names) in enumerate(EVENT_LAYOUTS)
+    if ev in FOLDED
+    and "sc" in names
+    and (ev != "expired" or fixed.get("at") in ("delivery", "retention"))
+}
 
 _ARROW_TYPES = {
     "string": "string",
@@ -142,6 +152,33 @@ def _event_structs(values: Sequence[bytes | None]) -> tuple[Any, list[int], list
     return structs, source, idx
 
 
+def _record_events(value: bytes | None) -> tuple[list[Any], bool]:
+    """(the events of one record of the events topic, whether they are positional):
+    arrays of a layout (persistence/format.py, "Delivery event record"), or the
+    objects of the keyed records written before it. Not JSON or not an array:
+    none."""
+    if value is None:
+        return [], False
+    try:
+        decoded = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return [], False
+    if not isinstance(decoded, list):
+        return [], False
+    if decoded and decoded[0] == EVENTS_LAYOUT and type(decoded[0]) is int:
+        return [e for e in decoded[1:] if _known(e)], True
+    return [e for e in decoded if isinstance(e, dict)], False
+
+
+def _known(event: Any) -> bool:
+    return (
+        type(event) is list
+        and bool(event)
+        and type(event[0]) is int
+        and 0 <= event[0] < len(EVENT_LAYOUTS)
+    )
+
+
 def _event_dicts(
     values: Sequence[bytes | None],
 ) -> tuple[list[dict[str, Any]], list[int], list[int]]:
@@ -149,22 +186,17 @@ def _event_dicts(
     index in that value).
 
     A value that is not a JSON array gives no event, an element that is not an
-    object is skipped, keys outside the schema are left out; a field of another
-    type fails the job (the broker writes them, persistence/events.py: a wrong
-    type is a bug to see, not to count around)."""
+    object (keyed records) or an array of a known layout (positional) is
+    skipped, keys outside the schema are left out; a field of another type, or a
+    positional event of the wrong length, fails the job (the broker writes them,
+    persistence/events.py: a wrong type is a bug to see, not to count around)."""
     found: list[dict[str, Any]] = []
     source: list[int] = []
     idx: list[int] = []
     for i, value in enumerate(values):
-        if value is None:
-            continue
-        try:
-            decoded = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            continue
-        if not isinstance(decoded, list):
-            continue
-        events = [e for e in decoded if isinstance(e, dict)]
+        events, positional = _record_events(value)
+        if positional:
+            events = [event_fields(e) for e in events]
         n = len(events)
         found.extend(events)
         source.extend([i] * n)
@@ -204,45 +236,74 @@ def folded_batch(
     and unfolded events, add up to the same (pipeline/accounting.py)."""
     import pyarrow as pa
 
-    found, source, idx = _event_dicts(values)
     kept: list[dict[str, Any]] = []
     # (client, score) -> the row its facts are folded into: its persisted event, or
     # a message row made where the first of them was. The facts and the position
     # are written into the dicts, and Arrow reads them all at once.
     owner: dict[tuple[Any, Any], dict[str, Any]] = {}
-    for event, i, n in zip(found, source, idx, strict=True):
-        ev, sc = event.get("ev"), event.get("sc")
-        # an expiry at arrival is the record's, not the stored message's: kept as it is
-        if (
-            sc is not None
-            and ev in FOLDED
-            and (ev != "expired" or event.get("at") in ("delivery", "retention"))
-        ):
-            key = (event.get("cid"), sc)
-            row = owner.get(key)
-            if row is None:
-                row = owner[key] = {"ev": "message", "cid": key[0], "sc": sc}
-                row.update(epart=partitions[i], eoff=offsets[i], idx=n, deliveries=0, marks=0)
-                kept.append(row)
-            elif row.get("deliveries") is None:  # a persisted event's first fact
-                row["deliveries"], row["marks"] = 0, 0
-            if ev == "acked":
-                row["acked"] = least(row.get("acked"), event.get("ts"))
-            elif ev == "delivered":
-                row["delivered"] = least(row.get("delivered"), event.get("ts"))
-                row["deliveries"] += 1
-            else:
-                row["marks"] |= MARKS[ev]
-            continue
-        if not _FACTS.isdisjoint(event):  # facts come from the fold only
-            for name in _FACTS:
-                event.pop(name, None)
-        event["epart"], event["eoff"], event["idx"] = partitions[i], offsets[i], n
-        if ev == "persisted" and sc is not None:
-            owner.setdefault((event.get("cid"), sc), event)
-        kept.append(event)
+    for i, value in enumerate(values):
+        events, positional = _record_events(value)
+        for n, event in enumerate(events):
+            if positional:
+                # a fact of a message read from its array: no dict made for it
+                fold = _FOLDS.get(event[0])
+                if fold is not None:
+                    ev, at, length = fold
+                    if len(event) != length:
+                        raise ValueError(f"a {ev} event of {len(event)} fields: {event!r}")
+                    if event[at] is not None:
+                        _fold(owner, kept, ev, event[1], event[at], event[2], partitions[i],
+                              offsets[i], n)  # fmt: skip
+                        continue
+                event = event_fields(event)
+            ev, sc = event.get("ev"), event.get("sc")
+            # an expiry at arrival is the record's, not the stored message's: kept as is
+            if (
+                sc is not None
+                and ev in FOLDED
+                and (ev != "expired" or event.get("at") in ("delivery", "retention"))
+            ):
+                _fold(owner, kept, ev, event.get("cid"), sc, event.get("ts"), partitions[i],
+                      offsets[i], n)  # fmt: skip
+                continue
+            if not _FACTS.isdisjoint(event):  # facts come from the fold only
+                for name in _FACTS:
+                    event.pop(name, None)
+            event["epart"], event["eoff"], event["idx"] = partitions[i], offsets[i], n
+            if ev == "persisted" and sc is not None:
+                owner.setdefault((event.get("cid"), sc), event)
+            kept.append(event)
     folded = pa.array(kept, pa.struct(list(arrow_schema(FOLDED_COLUMNS))))
     return pa.RecordBatch.from_struct_array(folded)
+
+
+def _fold(
+    owner: dict[tuple[Any, Any], dict[str, Any]],
+    kept: list[dict[str, Any]],
+    ev: str,
+    cid: Any,
+    sc: Any,
+    ts: Any,
+    part: int,
+    off: int,
+    n: int,
+) -> None:
+    """The fact ``ev`` (at ``ts``) of the message (``cid``, ``sc``) into its row."""
+    key = (cid, sc)
+    row = owner.get(key)
+    if row is None:
+        row = owner[key] = {"ev": "message", "cid": cid, "sc": sc}
+        row.update(epart=part, eoff=off, idx=n, deliveries=0, marks=0)
+        kept.append(row)
+    elif row.get("deliveries") is None:  # a persisted event's first fact
+        row["deliveries"], row["marks"] = 0, 0
+    if ev == "acked":
+        row["acked"] = least(row.get("acked"), ts)
+    elif ev == "delivered":
+        row["delivered"] = least(row.get("delivered"), ts)
+        row["deliveries"] += 1
+    else:
+        row["marks"] |= MARKS[ev]
 
 
 def least(a: Any, b: Any) -> Any:
