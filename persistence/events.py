@@ -1,6 +1,6 @@
 """Delivery events: what happened to every persisted message, for the audit pipeline.
 
-The broker appends compact orjson events to the Kafka topic ``devicemq.events``
+The broker appends compact positional events to the Kafka topic ``devicemq.events``
 (``events.topic``), each client's in the partition its client id would be
 keyed to (``partition_of`` of persistence/format.py, Kafka's default
 partitioner), so one client's events stay in one partition, in the order they
@@ -47,20 +47,30 @@ An entry that retention removed unacknowledged is ``expired`` (``at``:
 ``at`` ``arrival``.
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
-carries a JSON array of the events of one flush for one partition's clients,
-each client's in order (a send costs far more than encoding: one per partition
-and flush, not per client or event; with thousands of devices a message each,
-one per client was the broker's largest cost, BENCHMARKS.md "The fleet shape"),
-split into several records of at most 256 KiB when a flush is larger. Its key
-is empty: readers take the client from each event's ``cid``. Should the
-producer not know the topic's partitions, a flush writes a record per client,
-keyed by its id, as before. A record Kafka refuses is counted in a ``gap`` event: the audit sees
-a gap, never a false ``lost``.
+carries the events of one flush for one partition's clients, in the order they
+happened (so each client's in order), laid out by position: ``[2, event, ...]``,
+each event an array of its layout's number, ``cid``, ``ts`` and the layout's
+fields (persistence/format.py, "Delivery event record" and ``EVENT_LAYOUTS``:
+which layout is which kind, and with which fields in which order). A layout
+stands for the kind and its fixed fields (``expired`` ``at`` ``delivery`` is
+one, ``at`` ``arrival`` another), so neither field names nor kinds are written;
+records written before 2026-11-29 hold the same events as JSON objects by name,
+and :func:`persistence.format.decode_event_record` reads both, as the pipeline
+does. A record per partition and flush, not per client or event (a send costs
+far more than encoding; with thousands of devices a message each, one per
+client was the broker's largest cost, BENCHMARKS.md "The fleet shape"), split
+into several records of at most 256 KiB when a flush is larger. Its key is
+empty: readers take the client from each event's ``cid``. Should the producer
+not know the topic's partitions, a flush writes a record per client, keyed by
+its id, as before. A record Kafka refuses is counted in a ``gap`` event: the
+audit sees a gap, never a false ``lost``.
 
-Off the hot path: an emitting call appends a tuple to a list and returns;
-one task wakes every ``interval`` seconds, encodes what accumulated and hands
-it to its own producer (acks=1: an event is a record, not a promise to a
-publisher). Nothing on the delivery path ever awaits it. The buffer is
+Off the hot path: an emitting call appends the event's tuple, as it will be
+written, to a list and returns (a consumer's save is unfolded into its events
+at the flush); one task wakes every ``interval`` seconds, encodes what
+accumulated (one ``orjson.dumps`` per record: no dict, no per-event work but
+finding its partition) and hands it to its own producer (acks=1: an event is a
+record, not a promise to a publisher). Nothing on the delivery path ever awaits it. The buffer is
 bounded: while Kafka is too slow, events over ``max_buffer`` are counted in
 :attr:`EventLog.dropped` and a ``gap`` event tells the audit about them.
 """
