@@ -136,7 +136,7 @@ def _copy_events_as_before(bootstrap: str, topic: str) -> None:
             consumer.assign(tps)
             ends = await consumer.end_offsets(tps)
             records: dict[int, list[bytes]] = {p: [] for p in partitions}
-            while any(await consumer.position(tp) < ends[tp] for tp in tps):
+            while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
                 for tp, got in (await consumer.getmany(timeout_ms=2000)).items():
                     records[tp.partition] += [r.value for r in got if r.value is not None]
         finally:
