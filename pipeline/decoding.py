@@ -4,13 +4,14 @@ Pure functions (no Spark, no I/O), run inside the Spark workers: by the Python
 Kafka source on the batches it has just fetched (one pass, no second trip
 through the JVM), or as Arrow UDFs over the raw rows of another source
 (pipeline/common.py). Records' columns are built field
-by field from plain Python lists; events, decoded by orjson and made dicts by
-their layout (persistence/format.py, "Delivery event record": positional
-arrays, or the keyed objects of the records written before them, read as they
-are), become one Arrow struct array whose fields are the columns (Arrow reads
-the dicts itself, faster than Python lists a field at a time). The audit's
-fold takes a message's facts (delivered, acked, ...) from the arrays, no dict
-made for them.
+by field from plain Python lists; events, decoded by orjson (persistence/
+format.py, "Delivery event record": positional arrays, or the keyed objects
+of the records written before them), become one Arrow struct array whose
+fields are the columns: each event a tuple in the schema's order, taken from
+its array by one itemgetter per layout, or from its object (Arrow reads the
+tuples itself, faster than Python lists a field at a time). The audit's fold
+takes a message's facts (delivered, acked, ...) from the arrays, no dict made
+for them; the rows it keeps are dicts, the facts written into them.
 """
 
 from __future__ import annotations
