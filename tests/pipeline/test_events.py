@@ -75,11 +75,9 @@ def _record(pid: int, score: int, expiry: float | None = None) -> StoredRecord:
 def test_header_fields_read_the_stored_format() -> None:
     assert header_fields(_value("a/b", b"12345", expiry=160.0)) == ("a/b", 5, 100.0, 160.0)
     assert header_fields(_value("a", b"")) == ("a", 0, 100.0, None)
-    # the one-step read of the current version, and the general one, agree on every
-    # kind of buffer and on version 1; a value too short for its header is refused
+    # the one-step read of the current version and the general one (version 1) agree;
+    # a value too short for its header is refused
     value = _value("a/b", b"12345", expiry=160.0)
-    for buffer in (bytearray(value), memoryview(value)):
-        assert header_fields(buffer) == ("a/b", 5, 100.0, 160.0)  # type: ignore[arg-type]
     v1 = struct.pack(">BBBddqHI", 1, 0x08, 1, 100.0, 160.0, 0, 3, 0) + b"a/b12345"
     assert header_fields(v1) == ("a/b", 5, 100.0, 160.0)
     for short in (value[:20], b""):
