@@ -22,7 +22,7 @@ from persistence.events import EventLog
 from persistence.format import Stage, StoredMessage, StoredRecord, encode_message
 from persistence.redis_store import Assigned, ClientBatch, SaveResult
 
-PARTITIONS = 12
+PARTITIONS = 12  # of the events topic (--partitions)
 
 
 class KeepingProducer:
@@ -32,8 +32,10 @@ class KeepingProducer:
         self.values: list[bytes] = []
         self._done: asyncio.Future[None] | None = None
 
+    partitions = PARTITIONS
+
     async def partitions_for(self, topic: str) -> set[int]:
-        return set(range(PARTITIONS))
+        return set(range(self.partitions))
 
     async def send(
         self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None
@@ -88,11 +90,18 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=62, help="payload bytes (62)")
     parser.add_argument("--flushes", type=int, default=50, help="flushes per repeat (50)")
     parser.add_argument("--repeat", type=int, default=7, help="repeats, the best kept (7)")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=PARTITIONS,
+        help=f"of the events topic ({PARTITIONS}; 1: the embedded Kafka of `devicemq run`)",
+    )
     args = parser.parse_args()
     work = _workload(args.clients, args.payload)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     producer = KeepingProducer()
+    producer.partitions = args.partitions
     log = EventLog(producer, "devicemq.events", epoch=1)
     messages = args.clients * args.flushes
     best_emit = best_flush = float("inf")

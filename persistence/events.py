@@ -441,6 +441,17 @@ class EventLog:
         """
         epoch = self.epoch_of()
         groups: dict[Any, list[_Entry]] = {}
+        if partitions == 1:  # the embedded Kafka of a single broker: one group
+            single: list[_Entry] = []
+            groups[0] = single
+            for entry in entries:
+                if entry[0] >= 0:
+                    single.append(entry)
+                elif entry[0] == _STORED:
+                    self._stored_events(entry, epoch, single)
+                else:
+                    self._queue_stored_events(entry, epoch, single)
+            entries = ()
         where: dict[str, Any] = {}  # client id -> its group, for this flush
         for entry in entries:
             cid = entry[1]

@@ -262,6 +262,19 @@ async def test_the_same_calls_give_the_events_the_broker_wrote_before() -> None:
         ]
         assert got == keyed[str(partitions)]
         assert all(orjson.loads(v)[0] == EVENTS_LAYOUT for _p, _k, v in await calls(partitions))
+
+    # one partition (the embedded Kafka of a single broker): one record, and each
+    # client's events as in the records of twelve
+    def by_client(sent: list[tuple[int | None, bytes | None, bytes]]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for _p, _k, value in sent:
+            for event in decode_event_record(value):
+                out.setdefault(event["cid"], []).append(event)
+        return out
+
+    single = await calls(1)
+    assert [p for p, _k, _v in single] == [0, None]  # the events, then the gap's record
+    assert by_client(single) == by_client(await calls(12))
     # and a keyed record is read as it was written
     for _p, _k, events in keyed["12"]:
         assert decode_event_record(orjson.dumps(events)) == events
