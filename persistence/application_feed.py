@@ -67,7 +67,7 @@ import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -171,6 +171,7 @@ return out
 """
 
 
+@lru_cache(maxsize=4096)  # asked per message routed (submit): a SHA-256 each, uncached
 def app_topic(client_id: str) -> str:
     """The Kafka topic of ``client_id``'s APPLICATION session: the client ID with every
     character Kafka does not allow (and '.') as '_', cut to :data:`SAFE_LENGTH`, then a
