@@ -75,6 +75,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
 from broker.outflow import Outgoing
+from broker.packets import ReasonCode
 from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import APP_TOPIC_PREFIX, client_keys, decode_record
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
@@ -98,13 +99,18 @@ DONE = "-"  # an inflight field whose flow completed (its id went to a later mes
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
-# KEYS[4] {cid}_app_seen  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
-# ARGV: generation, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k fields,
-# s, s ("producer:partition", seq) pairs, t, t (partition, "producer:seq") pairs, l, l ids
-# Fenced by the generation: a late write of an ended session takes nothing of the next.
+# KEYS[4] {cid}_app_seen  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost  KEYS[7] {cid}_app_owner
+# ARGV: generation, owner, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k
+# fields, s, s ("producer:partition", seq) pairs, t, t (partition, "producer:seq") pairs,
+# l, l ids
+# Fenced twice. By the generation: a late write of an ended session takes nothing of the
+# next (0). By the owner (_LOAD_LUA): a connection that lost the session to a newer one
+# (a takeover, on another broker or this one) writes nothing over the progress that one
+# read and goes on from (-1).
 _PROGRESS_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local i = 2
+if redis.call('GET', KEYS[7]) ~= ARGV[2] then return -1 end
+local i = 3
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
@@ -120,13 +126,29 @@ for _ = 1, n do redis.call('HDEL', KEYS[6], ARGV[i]); i = i + 1 end
 return 1
 """
 
+# KEYS[1] {cid}_generation  KEYS[2..7] {cid}_app_offsets, _inflight, _seen, _replay, _tail,
+# _lost  KEYS[8] {cid}_app_owner
+# A connection starts serving the session: it becomes the owner (a number that only grows,
+# so the newest reader holds it) and reads the progress in the same step, so no write of
+# an earlier owner lands between its read and its own writes. Returns {owner, generation
+# ('' if none), then the six hashes flat}.
+_LOAD_LUA = """
+local owner = redis.call('INCR', KEYS[8])
+local out = {owner, redis.call('GET', KEYS[1]) or ''}
+for k = 2, 7 do out[#out + 1] = redis.call('HGETALL', KEYS[k]) end
+return out
+"""
+
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
 # KEYS[4] {cid}_app_replay  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
-# ARGV: generation, partition. The partition's log went back (Kafka lost it): read the
-# new log from its start; the fields name offsets of the old one and go, and the packet
-# ids they held (not completed) wait in {cid}_app_lost for a PUBREL each.
+# KEYS[7] {cid}_app_owner
+# ARGV: generation, partition, owner. The partition's log went back (Kafka lost it): read
+# the new log from its start; the fields name offsets of the old one and go, and the packet
+# ids they held (not completed) wait in {cid}_app_lost for a PUBREL each. Fenced by the
+# generation (0) and the owner (-1) as _PROGRESS_LUA.
 _RESET_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('GET', KEYS[7]) ~= ARGV[3] then return -1 end
 local p = ARGV[2]
 redis.call('HSET', KEYS[2], p, 0)
 redis.call('HDEL', KEYS[4], p)
@@ -190,6 +212,7 @@ class AppKeys:
     replay: str  # hash: partition -> the committed offset before a rewind (DUP below it)
     tail: str  # hash: partition -> "producer:seq" of the record just below the committed offset
     lost: str  # hash: packet id -> 1, in flight for a record of a log that went back
+    owner: str  # the number of the connection serving the session (_LOAD_LUA): a fence
 
 
 def app_keys(client_id: str) -> AppKeys:
@@ -204,6 +227,7 @@ def app_keys(client_id: str) -> AppKeys:
         prefix + "_app_replay",
         prefix + "_app_tail",
         prefix + "_app_lost",
+        prefix + "_app_owner",
     )
 
 
@@ -285,6 +309,8 @@ class ApplicationSessions:
         self.progress_script = redis.register_script(_PROGRESS_LUA)
         self._rewind_script = redis.register_script(_REWIND_LUA)
         self._reset_script = redis.register_script(_RESET_LUA)
+        self.load_script = redis.register_script(_LOAD_LUA)
+        self.fenced = 0  # progress writes refused: their connection had lost the session
         self.log_resets = 0  # partitions of sessions' topics found gone back (Kafka lost them)
         self._chains: dict[str, asyncio.Future[None]] = {}  # per client: topic work in order
         self._pending: deque[_Submission] = deque()
@@ -378,7 +404,7 @@ class ApplicationSessions:
         self._ensured.discard(app_topic(client_id))
         self._topic_clients.pop(app_topic(client_id), None)
         await self.redis.delete(
-            keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost
+            keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost, keys.owner
         )
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
@@ -635,7 +661,7 @@ class ApplicationSessions:
             try:
                 keys = app_keys(client_id)
                 generation = await self.redis.get(keys.generation)
-                await self._reset_script(
+                done = await self._reset_script(
                     keys=[
                         keys.generation,
                         keys.offsets,
@@ -643,10 +669,16 @@ class ApplicationSessions:
                         keys.replay,
                         keys.tail,
                         keys.lost,
+                        keys.owner,
                     ],
-                    args=[generation, partition],
+                    args=[generation, partition, feed.owner],
                 )
-            finally:
+            except BaseException:
+                feed.reread()
+                raise
+            if done == -1:
+                feed.taken_over()  # another connection serves it now: it reads the log
+            else:
                 feed.reread()
 
         async def run() -> None:
@@ -847,6 +879,10 @@ class ApplicationFeed:
         self._reserved: set[int] = set()  # their ids: not given to new messages
         self._last_id = 0
         self._generation: bytes | None = None
+        # Its number as the session's owner ({cid}_app_owner), taken at each load: a
+        # progress write with an older one is refused (another connection took over).
+        self.owner = 0
+        self._loading: int | None = None  # the epoch whose load is under way: no writes
         self._reader: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
         self._asked = _Progress()
@@ -1009,7 +1045,12 @@ class ApplicationFeed:
         self._schedule()
 
     def _schedule(self) -> None:
-        if self._writer is None and self._generation is not None and not self._frozen:
+        if (
+            self._writer is None
+            and self._generation is not None
+            and not self._frozen
+            and self._loading is None
+        ):
             self._written.clear()
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
@@ -1019,7 +1060,7 @@ class ApplicationFeed:
         try:
             while self._asked:
                 asked, self._asked = self._asked, _Progress()
-                args: list[Any] = [self._generation, len(asked.offsets)]
+                args: list[Any] = [self._generation, self.owner, len(asked.offsets)]
                 for partition, offset in asked.offsets.items():
                     args += [partition, offset]
                 args.append(len(asked.set_fields))
@@ -1036,10 +1077,18 @@ class ApplicationFeed:
                 args.append(len(asked.lost_done))
                 args += sorted(asked.lost_done)
                 app = self._keys
-                keys = [app.generation, app.offsets, app.inflight, app.seen, app.tail, app.lost]
+                keys = [
+                    app.generation,
+                    app.offsets,
+                    app.inflight,
+                    app.seen,
+                    app.tail,
+                    app.lost,
+                    app.owner,
+                ]
                 while True:
                     try:
-                        await self._apps.progress_script(keys=keys, args=args)
+                        written = await self._apps.progress_script(keys=keys, args=args)
                         break
                     except Exception as error:  # Redis away: messages wait for their marks
                         self.write_errors += 1
@@ -1047,11 +1096,37 @@ class ApplicationFeed:
                         await asyncio.sleep(wait)
                         wait = min(wait * 2, RETRY_MOST)
                 wait = RETRY_FIRST
+                if written == -1:
+                    # Another connection serves the session now and reads the progress
+                    # as it stood: nothing of this one is written, nothing more is sent.
+                    self._asked = _Progress()
+                    self.taken_over()
+                    return
                 for callback in asked.callbacks:
                     callback()
         finally:
             self._writer = None
             self._written.set()
+
+    def taken_over(self) -> None:
+        """A write was refused: a newer connection of the client (on another broker, or
+        a later one here) took the session over and goes on from the progress in
+        Redis. This one stops reading and its client is disconnected (0x8E, as for a
+        takeover on one broker); nothing asked on it is sent: its marks were not
+        written. Its next connection loads the session again."""
+        self._apps.fenced += 1
+        self._generation = None  # nothing more is written until a load makes it owner again
+        log.warning(
+            "APPLICATION session %s is served by a newer connection: this one (owner %d) "
+            "stops, its progress not written",
+            self.client_id,
+            self.owner,
+        )
+        self._stop()
+        outflow = self.outflow
+        conn = outflow.connection if outflow is not None else None
+        if conn is not None:
+            conn.disconnect(ReasonCode.SESSION_TAKEN_OVER)
 
     # -- the reader ------------------------------------------------------------------
 
@@ -1072,16 +1147,22 @@ class ApplicationFeed:
 
     async def _read(self, epoch: int) -> None:
         """Read from the committed offsets while the client is connected."""
-        await self._written.wait()  # the last connection's progress is in Redis first
-        wait = RETRY_FIRST
-        while self._connected(epoch):
-            try:
-                await self._load(epoch)
-                break
-            except Exception as error:
-                log.warning("reading the progress of %s failed: %s", self.client_id, error)
-                await asyncio.sleep(wait)
-                wait = min(wait * 2, RETRY_MOST)
+        self._loading = epoch  # what is asked meanwhile is written as the new owner
+        try:
+            await self._written.wait()  # the last connection's progress is in Redis first
+            wait = RETRY_FIRST
+            while self._connected(epoch):
+                try:
+                    await self._load(epoch)
+                    break
+                except Exception as error:
+                    log.warning("reading the progress of %s failed: %s", self.client_id, error)
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, RETRY_MOST)
+        finally:
+            if self._loading == epoch:
+                self._loading = None
+                self._schedule()
         if self._buffer and self._connected(epoch) and self.outflow is not None:
             self.outflow.pump()  # the lost ids' PUBRELs
         while self._connected(epoch):
@@ -1133,19 +1214,25 @@ class ApplicationFeed:
                     await consumer.stop()
 
     async def _load(self, epoch: int) -> None:
-        redis = self._apps.redis
         keys = self._keys
-        generation, offsets, inflight, seen, replay, tail, lost = await asyncio.gather(
-            redis.get(keys.generation),
-            redis.hgetall(keys.offsets),
-            redis.hgetall(keys.inflight),
-            redis.hgetall(keys.seen),
-            redis.hgetall(keys.replay),
-            redis.hgetall(keys.tail),
-            redis.hgetall(keys.lost),
+        got = await self._apps.load_script(
+            keys=[
+                keys.generation,
+                keys.offsets,
+                keys.inflight,
+                keys.seen,
+                keys.replay,
+                keys.tail,
+                keys.lost,
+                keys.owner,
+            ]
         )
         if epoch != self._epoch:
-            return
+            return  # a later connection loads it again (and owns it then)
+        owner, raw_generation, *hashes = got
+        offsets, inflight, seen, replay, tail, lost = (_pairs(flat) for flat in hashes)
+        generation = raw_generation or None
+        self.owner = int(owner)
         self._tail = {int(p): name.decode() for p, name in tail.items()}
         self._replay = {int(p): int(o) for p, o in replay.items()}
         self._seen = {}
@@ -1283,6 +1370,11 @@ class ApplicationFeed:
         outflow = self.outflow
         conn = outflow.connection if outflow is not None else None
         return conn.broker.clock() if conn is not None else time.monotonic()
+
+
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    """A hash as a script returns it (HGETALL: field, value, ...) as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _ignore(ok: bool) -> None:
