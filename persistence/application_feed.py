@@ -167,12 +167,15 @@ return 1
 """
 
 
-# KEYS as above, KEYS[5] {cid}_app_replay, KEYS[6] {cid}_app_tail; ARGV: generation, n,
-# n (partition, offset). A partition moves back only (to at most its committed offset);
-# what it passes over was seen: DUP when sent again. The copies' marks go: the rewound
-# records are read again; so does the tail (it names the record below the old offset).
+# KEYS as above, KEYS[5] {cid}_app_replay, KEYS[6] {cid}_app_tail, KEYS[7] {cid}_app_owner;
+# ARGV: generation, n, n (partition, offset). A partition moves back only (to at most its
+# committed offset); what it passes over was seen: DUP when sent again. The copies' marks
+# go: the rewound records are read again; so does the tail (it names the record below the
+# old offset). The owner number goes up: a connection serving the session (here, or on
+# another replica) writes nothing more over the rewound progress; it loads it again.
 _REWIND_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return nil end
+redis.call('INCR', KEYS[7])
 local out = {}
 local n = tonumber(ARGV[2])
 for k = 0, n - 1 do
@@ -320,6 +323,9 @@ class ApplicationSessions:
         # longer has and loses them (finding 32), so each is made again first.
         self._ensured: set[str] = set()
         self._topic_clients: dict[str, str] = {}  # topic -> its client ID
+        # Client IDs of APPLICATION sessions held by other replicas that this one
+        # routed to (their topics are made sure of as this replica's own)
+        self._remote: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self.produced = 0
         self.failed = 0
@@ -333,6 +339,15 @@ class ApplicationSessions:
         await self._producer.start()
         names = await self.redis.hkeys(REGISTRY)
         self.kinds = {n.decode() if isinstance(n, bytes) else n for n in names}
+
+    def is_application(self, session: Session) -> bool:
+        """Is ``session`` (held here, or another replica's remote record) an APPLICATION
+        one? Its feed, or what its replica said (broker/cluster.py ``ap``)."""
+        return session.application or session.client_id in self.kinds
+
+    async def _known(self, client_id: str) -> bool:
+        """An APPLICATION session of this broker, or of another replica (the registry)."""
+        return client_id in self.kinds or bool(await self.redis.hexists(REGISTRY, client_id))
 
     async def forget_unrestored(self, restored: Collection[str]) -> None:
         """Sessions ended while no broker ran (expired): their topics go too."""
@@ -403,6 +418,7 @@ class ApplicationSessions:
         self._forget_topic(app_topic(client_id))
         self._ensured.discard(app_topic(client_id))
         self._topic_clients.pop(app_topic(client_id), None)
+        self._remote.discard(client_id)
         await self.redis.delete(
             keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost, keys.owner
         )
@@ -428,7 +444,7 @@ class ApplicationSessions:
     async def _ensure(self, topic: str) -> None:
         """Make ``topic`` again if Kafka lost it (a session's own, still held)."""
         client_id = self._topic_clients.get(topic)
-        if client_id is None or client_id not in self.kinds:
+        if client_id is None or (client_id not in self.kinds and client_id not in self._remote):
             return
         try:
             await self._create(client_id)
@@ -514,6 +530,8 @@ class ApplicationSessions:
             )
             name = app_topic(session.client_id)
             self._topic_clients[name] = session.client_id
+            if session.connection is None and session.client_id not in self.kinds:
+                self._remote.add(session.client_id)  # held by another replica
             records.append((name, partition, topic, value))
         self._seq = seq
         self._pending.append(_Submission(records, on_accepted, on_settled))
@@ -604,8 +622,10 @@ class ApplicationSessions:
         still holds them; never forward past the committed offsets. ``feed``: the
         session's, if this broker holds it: it stops reading meanwhile and, if its
         client is connected, starts again from there (what is in flight is sent again,
-        under its ids, with DUP). Returns partition -> the offset it reads from now."""
-        if client_id not in self.kinds:
+        under its ids, with DUP). Returns partition -> the offset it reads from now.
+        Held by another replica: its connection loses the session (the owner fence,
+        _REWIND_LUA) and its client, connecting again, reads from there."""
+        if not await self._known(client_id):
             raise KeyError(client_id)
         partitions = range(self.settings.partitions)
         if since is not None:
@@ -628,6 +648,7 @@ class ApplicationSessions:
                     keys.seen,
                     keys.replay,
                     keys.tail,
+                    keys.owner,
                 ],
                 args=args,
             )
@@ -735,7 +756,7 @@ class ApplicationSessions:
         offsets and the age of the oldest of them (None: not an APPLICATION session).
         The high watermark comes from a fetch: Tansu answers ListOffsets with a count
         of batches (pipeline/kafka_source.py)."""
-        if client_id not in self.kinds:
+        if not await self._known(client_id):
             return None
         topic = app_topic(client_id)
         committed = await self.committed(client_id)
@@ -846,6 +867,7 @@ class ApplicationFeed:
     """An APPLICATION session's messages, read from its Kafka topic (see the module)."""
 
     durable = True
+    application = True  # Session.application
 
     def __init__(self, client_id: str, apps: ApplicationSessions) -> None:
         self.client_id = client_id
