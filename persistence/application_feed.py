@@ -388,10 +388,25 @@ class ApplicationSessions:
         self._spawn(run())
 
     def ended(self, client_id: str, generation: int) -> None:
-        """The session ended: its topic and keys go (unless a newer one opened)."""
-        if client_id not in self.kinds:
+        """The session ended: its topic and keys go (unless a newer one opened). One
+        that another replica made (a remote record here, which expired here) is known
+        from the registry."""
+        if client_id in self.kinds:
+            self._spawn(
+                self._serial(client_id, partial(self._delete_quietly, client_id, generation))
+            )
             return
-        self._spawn(self._serial(client_id, partial(self._delete_quietly, client_id, generation)))
+
+        async def if_registered() -> None:
+            try:
+                known = await self._known(client_id)
+            except Exception as error:  # Redis away: the next start deletes it
+                log.warning("ending APPLICATION session %s: %s", client_id, error)
+                return
+            if known:
+                await self._delete_quietly(client_id, generation)
+
+        self._spawn(self._serial(client_id, if_registered))
 
     async def _delete_quietly(self, client_id: str, generation: int | None) -> None:
         """:meth:`_delete`; a failure is logged: the topic stays listed in the registry
