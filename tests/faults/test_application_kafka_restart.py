@@ -269,3 +269,47 @@ def test_a_connected_reader_checks_the_log_after_its_connection_broke(tmp_path: 
         sub.close()
     finally:
         system.stop()
+
+
+def test_a_publish_for_an_application_session_fails_when_kafka_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    """Kafka paused: the record for the session's topic gets no answer, and the
+    publisher hears 0x80 once ``persistence.kafka_request_timeout_ms`` passed (not
+    before, not never); Kafka back, the next publishes go through and reach the
+    session. The refused one may reach it too, once, before them: the producer had
+    handed it over when the deadline passed (a failed PUBACK promises nothing
+    either way; the publisher may send it again)."""
+    settings = {**SETTINGS, "persistence.kafka_request_timeout_ms": 3000}
+    system = System(tmp_path / "system", 1, settings)
+    try:
+        system.start()
+        sub = _connect(system, clean=True)
+        _subscribe(sub, 1)
+        _publish(system, "before", 3)
+        assert [p.payload for p in _read(sub, 3)] == [f"before:{n}".encode() for n in range(3)]
+
+        pub = Raw(SimpleNamespace(address=system.address(0)))
+        assert pub.connect("pub-paused").reason_code == 0  # type: ignore[attr-defined]
+        system.pause_kafka()
+        try:
+            started = time.monotonic()
+            pub.send(Publish(TOPIC, b"paused", 1, packet_id=1))
+            ack = pub.recv(timeout=30)
+            waited = time.monotonic() - started
+        finally:
+            system.resume_kafka()
+        assert isinstance(ack, PubAck) and ack.reason_code == 0x80, ack
+        assert 2.5 <= waited <= 10, waited  # the deadline, give or take a look at it
+        pub.send(Disconnect())
+        pub.close()
+
+        _publish(system, "after", 3)
+        got = [p.payload for p in _read(sub, 3, timeout=60)]
+        if got[0] == b"paused":
+            got = got[1:] + [p.payload for p in _read(sub, 1, timeout=60)]
+        assert got == [f"after:{n}".encode() for n in range(3)]
+        assert sub.recv_or_none(1.0) is None
+        sub.close()
+    finally:
+        system.stop()
