@@ -101,9 +101,11 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
 # KEYS[4] {cid}_app_seen  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost  KEYS[7] {cid}_app_owner
+# KEYS[8] {cid}_app_names
 # ARGV: generation, owner, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k
-# fields, s, s ("producer:partition", seq) pairs, t, t (partition, "producer:seq") pairs,
-# l, l ids
+# fields (deleted, with their names), s, s ("producer:partition", seq) pairs, t, t
+# (partition, "producer:seq") pairs, l, l ids, r, r (field, "producer:seq") pairs: the
+# record a field was written for (finding 33)
 # Fenced twice. By the generation: a late write of an ended session takes nothing of the
 # next (0). By the owner (_LOAD_LUA): a connection that lost the session to a newer one
 # (a takeover, on another broker or this one) writes nothing over the progress that one
@@ -117,32 +119,37 @@ for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do redis.call('HDEL', KEYS[3], ARGV[i]); i = i + 1 end
+for _ = 1, n do
+  redis.call('HDEL', KEYS[3], ARGV[i]); redis.call('HDEL', KEYS[8], ARGV[i]); i = i + 1
+end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HDEL', KEYS[6], ARGV[i]); i = i + 1 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[8], ARGV[i], ARGV[i + 1]); i = i + 2 end
 return 1
 """
 
 # KEYS[1] {cid}_generation  KEYS[2..7] {cid}_app_offsets, _inflight, _seen, _replay, _tail,
-# _lost  KEYS[8] {cid}_app_owner
+# _lost  KEYS[8] {cid}_app_owner  KEYS[9] {cid}_app_names
 # A connection starts serving the session: it becomes the owner (a number that only grows,
 # so the newest reader holds it) and reads the progress in the same step, so no write of
 # an earlier owner lands between its read and its own writes. Returns {owner, generation
-# ('' if none), then the six hashes flat}.
+# ('' if none), then the seven hashes flat}.
 _LOAD_LUA = """
 local owner = redis.call('INCR', KEYS[8])
 local out = {owner, redis.call('GET', KEYS[1]) or ''}
 for k = 2, 7 do out[#out + 1] = redis.call('HGETALL', KEYS[k]) end
+out[#out + 1] = redis.call('HGETALL', KEYS[9])
 return out
 """
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
 # KEYS[4] {cid}_app_replay  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
-# KEYS[7] {cid}_app_owner
+# KEYS[7] {cid}_app_owner  KEYS[8] {cid}_app_names
 # ARGV: generation, partition, owner. The partition's log went back (Kafka lost it): read
 # the new log from its start; the fields name offsets of the old one and go, and the packet
 # ids they held (not completed) wait in {cid}_app_lost for a PUBREL each. Fenced by the
@@ -162,6 +169,7 @@ for i = 1, #fields, 2 do
     local id = string.match(value, '^(%d+)')
     if id then redis.call('HSET', KEYS[6], id, '1') end
     redis.call('HDEL', KEYS[3], name)
+    redis.call('HDEL', KEYS[8], name)
   end
 end
 return 1
@@ -217,6 +225,7 @@ class AppKeys:
     tail: str  # hash: partition -> "producer:seq" of the record just below the committed offset
     lost: str  # hash: packet id -> 1, in flight for a record of a log that went back
     owner: str  # the number of the connection serving the session (_LOAD_LUA): a fence
+    names: str  # hash: "partition:offset" -> "producer:seq" of the record a field is for
 
 
 def app_keys(client_id: str) -> AppKeys:
@@ -232,6 +241,7 @@ def app_keys(client_id: str) -> AppKeys:
         prefix + "_app_tail",
         prefix + "_app_lost",
         prefix + "_app_owner",
+        prefix + "_app_names",
     )
 
 
@@ -441,7 +451,14 @@ class ApplicationSessions:
         self._topic_clients.pop(app_topic(client_id), None)
         self._remote.discard(client_id)
         await self.redis.delete(
-            keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost, keys.owner
+            keys.offsets,
+            keys.inflight,
+            keys.seen,
+            keys.replay,
+            keys.tail,
+            keys.lost,
+            keys.owner,
+            keys.names,
         )
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
@@ -736,6 +753,7 @@ class ApplicationSessions:
                         keys.tail,
                         keys.lost,
                         keys.owner,
+                        keys.names,
                     ],
                     args=[generation, partition, feed.owner],
                 )
@@ -865,6 +883,7 @@ class _Progress:
     del_fields: set[str] = field(default_factory=set)
     tail: dict[int, str] = field(default_factory=dict)  # partition -> "producer:seq"
     lost_done: set[int] = field(default_factory=set)  # lost ids that got their PUBCOMP
+    names: dict[str, str] = field(default_factory=dict)  # field -> its record's name
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     def set(self, name: str, value: str) -> None:
@@ -873,6 +892,7 @@ class _Progress:
 
     def delete(self, name: str) -> None:
         self.set_fields.pop(name, None)
+        self.names.pop(name, None)
         self.del_fields.add(name)
 
     def __bool__(self) -> bool:
@@ -933,6 +953,7 @@ class ApplicationFeed:
         self._fields: dict[int, deque[int]] = {}  # per partition: offsets with a field, in order
         self._field_of_id: dict[int, tuple[int, int]] = {}  # packet id -> its latest field
         self._known: dict[tuple[int, int], str] = {}  # fields read back, not reached yet
+        self._names: dict[tuple[int, int], str] = {}  # their records' names (finding 33)
         # (producer, partition) -> the last seq read; a record at or below it is a copy
         self._seen: dict[tuple[int, int], int] = {}
         self._replay: dict[int, int] = {}  # partition -> below it, seen before a rewind
@@ -1079,6 +1100,8 @@ class ApplicationFeed:
         if not offsets or offsets[-1] < ref.offset:
             offsets.append(ref.offset)
         asked.set(name, value)
+        if ref.name != "0:0":  # which record this field is for: is the log the same?
+            asked.names[name] = ref.name
 
     def _stale(self, ref: _Ref) -> bool:
         """Was ``ref`` read from a log that went back since?"""
@@ -1146,6 +1169,9 @@ class ApplicationFeed:
                     args += [partition, name]
                 args.append(len(asked.lost_done))
                 args += sorted(asked.lost_done)
+                args.append(len(asked.names))
+                for name, record in asked.names.items():
+                    args += [name, record]
                 app = self._keys
                 keys = [
                     app.generation,
@@ -1155,6 +1181,7 @@ class ApplicationFeed:
                     app.tail,
                     app.lost,
                     app.owner,
+                    app.names,
                 ]
                 while True:
                     try:
@@ -1208,6 +1235,7 @@ class ApplicationFeed:
         self._buffer.clear()
         self._order.clear()
         self._known.clear()
+        self._names.clear()
         self._reserved.clear()
         self._room.set()
 
@@ -1295,12 +1323,13 @@ class ApplicationFeed:
                 keys.tail,
                 keys.lost,
                 keys.owner,
+                keys.names,
             ]
         )
         if epoch != self._epoch:
             return  # a later connection loads it again (and owns it then)
         owner, raw_generation, *hashes = got
-        offsets, inflight, seen, replay, tail, lost = (_pairs(flat) for flat in hashes)
+        offsets, inflight, seen, replay, tail, lost, names = (_pairs(flat) for flat in hashes)
         generation = raw_generation or None
         self.owner = int(owner)
         self._tail = {int(p): name.decode() for p, name in tail.items()}
@@ -1334,6 +1363,10 @@ class ApplicationFeed:
                 self._reserved.add(packet_id)
                 self._field_of_id[packet_id] = (partition, offset)
         self._known = known
+        self._names = {}
+        for name, record in names.items():
+            partition, offset = (int(x) for x in name.split(b":"))
+            self._names[(partition, offset)] = record.decode()
         inflight = self.outflow.inflight if self.outflow is not None else {}
         for raw_id in sorted(int(i) for i in lost):
             if raw_id in inflight:
@@ -1407,6 +1440,14 @@ class ApplicationFeed:
             # past it (retention took it): nothing to compare, the commit is below
         if offset < self.read_to.get(partition, 0):
             return False  # below what was read: a new log
+        was = self._names.get((partition, offset))
+        if was is not None and was != name:
+            # Another record where a field's was (sent, perhaps seen): a new log, whose
+            # offsets start below the old one's fields (nothing committed: no tail to
+            # compare; finding 33)
+            return False
+        if was is not None:
+            del self._names[(partition, offset)]
         self.read_to[partition] = offset + 1
         self._last[partition] = name
         ref = _Ref(partition, offset, name, self._logs.get(partition, 0))
