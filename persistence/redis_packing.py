@@ -33,16 +33,16 @@ class _HiredisPacking:
         # As redis-py's own packers: a first argument with spaces is split
         # ("CONFIG GET"), and a value hiredis cannot pack is redis-py's DataError.
         first = args[0]
-        if isinstance(first, str):
-            args = (*first.encode().split(), *args[1:])
-        elif b" " in first:
+        if (" " in first) if isinstance(first, str) else (b" " in first):
             args = (*first.split(), *args[1:])
-        if any(isinstance(arg, (bytearray, memoryview)) for arg in args):
+        try:
+            return [_pack(args)]  # type: ignore[misc]  # set: see packed_by_hiredis
+        except TypeError:  # a buffer hiredis does not take, or a value nothing packs
             args = tuple(
                 bytes(arg) if isinstance(arg, (bytearray, memoryview)) else arg for arg in args
             )
         try:
-            return [_pack(args)]  # type: ignore[misc]  # set: see packed_by_hiredis
+            return [_pack(args)]  # type: ignore[misc]
         except TypeError as error:
             raise DataError(str(error)) from error
 
