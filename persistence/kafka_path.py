@@ -170,7 +170,6 @@ class KafkaPersistentPath:
         self._resends = 0  # times everything out was sent again (_send_again)
         self._batch: list[_Submission] = []  # being handed to the producer (_send)
         self._sender: asyncio.Task[None] | None = None
-        self._waiting_timer: asyncio.TimerHandle | None = None  # see _watch_waiting
         self._open_rounds = 0
         self._idle: asyncio.Event | None = None  # set when nothing is pending or open
         self._partitioner = DefaultPartitioner()
@@ -220,26 +219,6 @@ class KafkaPersistentPath:
         self._pending.append(_Submission(records, on_accepted, on_settled, now, self._submissions))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
-        if self._waiting_timer is None:
-            self._watch_waiting()
-
-    def _watch_waiting(self) -> None:
-        """A deadline for publishes not handed to the producer yet: behind a send
-        that waits for room (a frozen Kafka fills aiokafka's one batch per
-        partition), a hold or a push back. A round's timer starts only when it is
-        handed over; these fail at the same deadline, unsent (:meth:`_fail_held`)."""
-        oldest = next(
-            (s for s in self._pending if s.on_accepted is not None and not s.attempt), None
-        )
-        if oldest is None:
-            self._waiting_timer = None
-            return
-        delay = max(0.0, oldest.submitted + self._timeout - self._clock())
-        self._waiting_timer = asyncio.get_running_loop().call_later(delay, self._waited)
-
-    def _waited(self) -> None:
-        self._fail_held("kafka did not take the records within the deadline")
-        self._watch_waiting()
 
     def push_back(self, unstored: Callable[[], int], limit: int) -> None:
         """Hold each batch while ``unstored()``, the records Kafka has that the
@@ -328,71 +307,44 @@ class KafkaPersistentPath:
             round_.timer = loop.call_at(loop.time() + self._timeout, self._expire, round_)
         for submission in batch:  # all of it: a log reset may withdraw any (_send_again)
             submission.round = round_
-        topic = self._topic
+        send, topic = self._producer.send, self._topic
         resends, self._batch = self._resends, batch
-        # The round's records by partition, each partition's in submission order:
-        # one send (one batch) per partition. A record whose partition is not known
-        # yet (no metadata) goes alone, the producer choosing.
-        by_partition: dict[int | None, list[tuple[_Submission, int, bytes, bytes]]] = {}
         touched: set[int | None] = set()
         for submission in batch:
+            if self._resends != resends:
+                # Everything out was sent again while a send waited: the rest of the
+                # batch waits its turn in order, not into the log that went back
+                # (tests/model/FINDINGS.md, finding 29).
+                break
+            attempt = submission.attempt
             if not submission.records:
                 if submission.on_accepted is not None:
                     self._report(submission, True)
                 continue
-            attempt = submission.attempt
-            for key, value in submission.records:
-                entries = by_partition.get(partition := partition_of(key))
-                if entries is None:
-                    entries = by_partition[partition] = []
-                entries.append((submission, attempt, key, value))
-        for partition, entries in by_partition.items():
-            if self._resends != resends:
-                # Everything out was sent again while a send waited: the rest of the
-                # round waits its turn in order, not into the log that went back
-                # (tests/model/FINDINGS.md, finding 29).
-                break
-            # Records sent again since the round began are not this attempt's.
-            entries = [e for e in entries if e[0].attempt == e[1]]
-            if not entries:
-                continue
             try:
-                if partition is None:
-                    for submission, attempt, key, value in entries:
-                        future = await self._producer.send(topic, value, key, None)
-                        future.add_done_callback(partial(self._acked, submission, attempt))
-                        if submission.attempt == attempt:
-                            submission.outstanding += 1
-                            submission.handed += 1
-                else:
-                    records = [(key, value) for _, _, key, value in entries]
-                    while records:
-                        # Filled before the answer can come (it comes through the loop).
-                        taken: list[tuple[_Submission, int]] = []
-                        answer = partial(self._acked_many, partition, taken)
-                        count = await self._producer.send_many(topic, partition, records, answer)
-                        taken += [(s, a) for s, a, _, _ in entries[:count]]
-                        for submission, attempt in taken:
-                            if submission.attempt == attempt:  # not sent again meanwhile
-                                submission.outstanding += 1
-                                submission.handed += 1
-                        entries, records = entries[count:], records[count:]
-                        if records and self._resends != resends:
-                            break  # as below: the rest waits its turn
-                touched.add(partition)
+                for key, value in submission.records:
+                    if submission.attempt != attempt:
+                        break  # a log reset: sent again from the start
+                    partition = partition_of(key)
+                    touched.add(partition)
+                    future = await send(topic, value=value, key=key, partition=partition)
+                    future.add_done_callback(partial(self._acked, submission, attempt))
+                    if submission.attempt != attempt:
+                        break  # sent again while this send waited: not this attempt's
+                    submission.outstanding += 1
+                    submission.handed += 1
             except (KafkaError, AssertionError) as error:
                 if isinstance(error, AssertionError) and "Unrecognized partition" not in str(error):
                     raise
                 # aiokafka's "Unrecognized partition": the chosen partition left the
                 # producer's metadata during the round.
                 self._failed(error)
-                for submission, attempt, _, _ in entries:
-                    if submission.attempt == attempt and not submission.failed:
-                        submission.failed = True
-                        if submission.on_accepted is not None:
-                            self._report(submission, False)
-                        else:
-                            self._maybe_settle(submission)
+                if submission.attempt == attempt:
+                    submission.failed = True
+                    if submission.on_accepted is not None:
+                        self._report(submission, False)
+                    else:
+                        self._maybe_settle(submission)
         self.batches_sent += len(touched)
 
     @property
@@ -488,11 +440,11 @@ class KafkaPersistentPath:
         await asyncio.sleep(self._size_retry)
         self._size_retry = min(self._size_retry * 2, VOUCH_TIMEOUT)
 
-    def _fail_held(self, reason: str = "") -> None:
-        """Publishes held (by :meth:`_size_topic`, behind a waiting send) past their
-        deadline are reported failed and never sent: none of their records was
-        handed to the producer. One sent before (a log reset sends it again) may
-        be in Kafka already, and waits to be sent again."""
+    def _fail_held(self) -> None:
+        """Publishes held by :meth:`_size_topic` past their deadline (Kafka away for
+        longer, say) are reported failed and never sent: none of their records
+        was handed to the producer. One sent before (a log reset sends it again)
+        may be in Kafka already, and waits to be sent again."""
         deadline = self._clock() - self._timeout
         kept: list[_Submission] = []
         held, self._pending = self._pending, []  # a callback below may submit more
@@ -502,56 +454,27 @@ class KafkaPersistentPath:
                 kept.append(submission)
                 continue
             submission.on_accepted = None
-            self._failed(
-                TimeoutError(reason or f"kafka topic {self._topic} not usable within the deadline")
-            )
+            self._failed(TimeoutError(f"kafka topic {self._topic} not usable within the deadline"))
             on_accepted(False)
             if submission.on_settled is not None:
                 submission.on_settled(False)  # nothing of it can be taken
         self._pending[:0] = kept
 
-    def _acked_many(
-        self,
-        partition: int,
-        taken: list[tuple[_Submission, int]],
-        answer: list[int] | BaseException,
-    ) -> None:
-        """Kafka's answer for one :meth:`RecordProducer.send_many`, record by record."""
-        if isinstance(answer, BaseException):
-            for submission, attempt in taken:
-                self._answered(submission, attempt, partition, -1, answer)
-            return
-        for (submission, attempt), offset in zip(taken, answer, strict=True):
-            self._answered(submission, attempt, partition, offset, None)
-
     def _acked(
         self, submission: _Submission, attempt: int, future: asyncio.Future[RecordMetadata]
     ) -> None:
-        """Kafka's answer for one record sent alone (its partition the producer's choice)."""
         if future.cancelled():
-            self._answered(submission, attempt, -1, -1, KafkaError("produce cancelled"))
-        elif (error := future.exception()) is not None:  # retrieved even when ignored
-            self._answered(submission, attempt, -1, -1, error)
+            error: BaseException | None = KafkaError("produce cancelled")
         else:
-            metadata = future.result()
-            self._answered(submission, attempt, metadata.partition, metadata.offset, None)
-
-    def _answered(
-        self,
-        submission: _Submission,
-        attempt: int,
-        partition: int,
-        offset: int,
-        error: BaseException | None,
-    ) -> None:
-        """Kafka's answer for one record: ``error``, or where Kafka put it."""
+            error = future.exception()  # retrieved even when ignored below
         if attempt != submission.attempt:
             return  # an answer for records sent again since
         submission.outstanding -= 1
         if error is None:
-            highest = self.produced.get(partition, -1)
-            if offset > highest:
-                self.produced[partition] = offset
+            metadata = future.result()
+            highest = self.produced.get(metadata.partition, -1)
+            if metadata.offset > highest:
+                self.produced[metadata.partition] = metadata.offset
                 probe = self._probe
                 if probe is not None and submission not in self._unvouched and not probe.vouches():
                     # After a broken connection: this record may be in a log that
@@ -565,7 +488,7 @@ class KafkaPersistentPath:
                 # offset in one log, so the log was reset (seed 1153: the first
                 # record after a restart of the embedded Kafka took offset 0 again,
                 # the only offset used before, and was skipped as stored).
-                self._log_went_back(partition, offset, submission)
+                self._log_went_back(metadata.partition, metadata.offset, submission)
                 return
         elif isinstance(error, TOPIC_GONE) and submission.attempt < RESEND_ATTEMPTS:
             # The topic is gone or half made (a Kafka restarted empty): create it

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
@@ -52,11 +51,6 @@ class Produced(NamedTuple):
     offset: int
 
 
-# Kafka's answer for records taken by one RecordProducer.send_many: their offsets, or
-# the error all of them failed with.
-Answer = Callable[[list[int] | BaseException], None]
-
-
 class RecordProducer(Protocol):
     """What the persistent path needs of a Kafka producer."""
 
@@ -71,14 +65,6 @@ class RecordProducer(Protocol):
     ) -> asyncio.Future[Any]:
         """Take a record (waiting while the producer is full); the future is Kafka's
         answer: something with ``partition`` and ``offset``, or an aiokafka error."""
-
-    async def send_many(
-        self, topic: str, partition: int, records: Sequence[tuple[bytes, bytes]], answer: Answer
-    ) -> int:
-        """Take the first of (key, value) ``records`` for one partition, in order: at
-        least one, and no more than go in one wait for room (a caller may have to
-        stop sending meanwhile). Answers how many were taken; ``answer`` hears
-        Kafka's answer for them later: each one's offset, or an aiokafka error."""
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
         """The topic's partitions as last seen, None before they are known."""
@@ -99,24 +85,6 @@ class Aiokafka:
         self.stop = producer.stop
         self.send = producer.send  # keyword-compatible
 
-    async def send_many(
-        self, topic: str, partition: int, records: Sequence[tuple[bytes, bytes]], answer: Answer
-    ) -> int:
-        """One batch, built in C, and one future for it, where :meth:`send` costs a
-        future, a callback and twenty-odd microseconds of Python per record
-        (BENCHMARKS.md, "The fleet shape"). Its records take consecutive offsets.
-        As many as the batch holds (``max_batch_size``), one at least."""
-        producer = self.producer
-        batch = producer.create_batch()
-        count = 0
-        for key, value in records:
-            if batch.append(key=key, value=value, timestamp=None) is None:
-                break  # full (an empty batch takes any record)
-            count += 1
-        sent = await producer.send_batch(batch, topic, partition=partition)
-        sent.add_done_callback(partial(_offsets, answer, count))
-        return count
-
     def partitions_for_topic(self, topic: str) -> set[int] | None:
         partitions: set[int] | None = self.producer.client.cluster.partitions_for_topic(topic)
         return partitions
@@ -128,18 +96,6 @@ class Aiokafka:
         client = self.producer.client
         await client.add_topic(topic)  # its metadata requests name the topics it has
         await client.force_metadata_update()
-
-
-def _offsets(answer: Answer, count: int, sent: asyncio.Future[Any]) -> None:
-    """Kafka's answer for the batch of one :meth:`Aiokafka.send_many`: a record's
-    offset is the batch's first plus its place in it."""
-    if sent.cancelled():
-        answer(KafkaError("produce cancelled"))
-    elif (error := sent.exception()) is not None:
-        answer(error)
-    else:
-        base = sent.result().offset
-        answer(list(range(base, base + count)))
 
 
 def aiokafka_error(error: Any) -> KafkaError:
@@ -233,56 +189,24 @@ class Confluent:
     async def send(
         self, topic: str, value: bytes, key: bytes | None, partition: int | None
     ) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        report = partial(self._delivered, future)
         while True:
             try:
-                return self._produce(topic, value, key, partition)
+                self._producer.produce(
+                    topic, value, key, -1 if partition is None else partition, on_delivery=report
+                )
+                break
             except BufferError:
                 self._producer.poll(0)
                 await asyncio.sleep(0.005)  # librdkafka's queue is full: wait for room
-
-    def _produce(
-        self, topic: str, value: bytes, key: bytes | None, partition: int | None
-    ) -> asyncio.Future[Any]:
-        """Hand one record to librdkafka; BufferError: its queue is full."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        try:
-            self._producer.produce(
-                topic,
-                value,
-                key,
-                -1 if partition is None else partition,
-                on_delivery=partial(self._delivered, future),
-            )
-        except KafkaException as error:
-            if error.args[0].code() == Rd._UNKNOWN_PARTITION and self._refresher is not None:
-                asyncio.get_running_loop().create_task(self._read_metadata())
-            raise aiokafka_error(error.args[0]) from None
+            except KafkaException as error:
+                if error.args[0].code() == Rd._UNKNOWN_PARTITION and self._refresher is not None:
+                    asyncio.get_running_loop().create_task(self._read_metadata())
+                raise aiokafka_error(error.args[0]) from None
         self._outstanding += 1
         self._wake.set()
         return future
-
-    async def send_many(
-        self, topic: str, partition: int, records: Sequence[tuple[bytes, bytes]], answer: Answer
-    ) -> int:
-        """librdkafka batches on its own: a record each, as long as its queue takes
-        them without a wait (the first may wait), one answer for those taken."""
-        sent = [await self.send(topic, records[0][1], records[0][0], partition)]
-        for key, value in records[1:]:
-            try:
-                sent.append(self._produce(topic, value, key, partition))
-            except BufferError:
-                break
-
-        def answered(done: asyncio.Future[list[Produced]]) -> None:
-            if done.cancelled():
-                answer(KafkaError("produce cancelled"))
-            elif (error := done.exception()) is not None:
-                answer(error)
-            else:
-                answer([produced.offset for produced in done.result()])
-
-        asyncio.gather(*sent).add_done_callback(answered)
-        return len(sent)
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
         return self._partitions.get(topic)

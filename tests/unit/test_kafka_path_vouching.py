@@ -41,20 +41,6 @@ class Producer:
         self.sent.append((future, partition))
         return future
 
-    async def send_many(
-        self, topic: str, partition: int, records: list[tuple[bytes, bytes]], answer: Any
-    ) -> int:
-        """One record at a time, each answered by the test as :meth:`send`'s."""
-        key, value = records[0]
-        future = await self.send(topic, value, key, partition)
-
-        def answered(done: asyncio.Future[Any]) -> None:
-            error = done.exception()
-            answer(error if error is not None else [done.result().offset])
-
-        future.add_done_callback(answered)
-        return 1
-
     def ack(self, i: int, offset: int) -> None:
         future, _ = self.sent[i]
         future.set_result(RecordMetadata("t", 0, None, offset, 0, None, 0))
