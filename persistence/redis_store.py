@@ -96,6 +96,7 @@ from persistence.format import (
     pubrel_value,
     record_id,
 )
+from persistence.redis_packing import packed_by_hiredis
 from persistence.redis_security import Sentinels, redis_client
 
 __all__ = [
@@ -511,7 +512,9 @@ class RedisMessageStore:
         client: RedisClient
         options = dict(connect or {})
         if cluster:
-            client = RedisCluster.from_url(url, decode_responses=False, **options)
+            client = packed_by_hiredis(
+                RedisCluster.from_url(url, decode_responses=False, **options)
+            )
         else:
             client = redis_client(url, options, sentinels, max_connections=POOL_CONNECTIONS)
         return cls(client, **kwargs)
