@@ -7,7 +7,7 @@ consumer, the delivery events, and the pipeline (pipeline/common.py). Pure
 functions, no I/O.
 
 Message value (the Kafka record value of ``devicemq.device.persisted`` and,
-unchanged, the Redis string of a stored message)
+behind an 8-byte deadline, a stored message's entry in Redis)
 ------------------------------------------------------------------------------
 A fixed header, big-endian (``struct`` format ``>BBBddQQQHI``, 49 bytes), then
 the topic (UTF-8), the properties, the payload::
@@ -44,10 +44,10 @@ topic, ``0x09`` correlation data, each u16 length + bytes; ``0x26`` user
 property, u16 length + key, u16 length + value (repeated, order kept);
 ``0x0B`` subscription identifier, u32 (repeated).
 
-The flags byte is byte 1 so the SENT bit can be set in Redis with ``SETBIT
-key 15 1``. After PUBREC the message is rewritten as the 2-byte value ``02
-03`` (SENT | PUBREL): only the packet id is needed to resend PUBREL, so the
-payload's memory is released.
+The flags byte is byte 1 (the SENT bit is set in Redis by the scripts of
+persistence/lua/). After PUBREC the message is rewritten as the 2-byte value
+``02 03`` (SENT | PUBREL): only the packet id is needed to resend PUBREL, so
+the payload's memory is released.
 
 Redis keys
 ----------
@@ -57,13 +57,22 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_messages``
     sorted set; member = packet id as a decimal string, score = the client's
     counter (``{cid}_last_score``).
-``{cid}_messages_<packetId>``
-    string: the message value above.
-``{cid}_last_packet_id``, ``{cid}_last_score``
-    the last packet id (1..65535) and score handed out; they outlive a
-    session that ends, with its generation tombstone, and the next session
-    counts on from them (a late acknowledgement of the old session then names
-    no message of the new one).
+``{cid}_values``
+    hash; field = packet id, value = the entry: the message's deadline (a
+    big-endian f64, ms since the epoch; 0: none, it lives as long as the
+    session, as a message sent does) then the message value above. Expired
+    entries are dropped as they are met (persistence/lua/lib.lua). One small
+    hash per client stays one listpack (Redis ``hash-max-listpack-entries``
+    and ``-value``; the embedded Redis raises the latter to 512), a few bytes
+    per message beyond its value. Before it (up to a7dfed5) each message was a
+    string ``{cid}_messages_<packetId>`` with its own TTL, and the last packet
+    id had a key ``{cid}_last_packet_id``: a client stored so is moved to the
+    hash when a script first touches it (``upgrade`` in lib.lua).
+``{cid}_last_score``
+    the last score handed out (the last packet id is its
+    :func:`packet_id_of`); it outlives a session that ends, with its
+    generation tombstone, and the next session counts on from it (a late
+    acknowledgement of the old session then names no message of the new one).
 ``{cid}_seen``
     hash, ``<producer>:<partition>`` -> the last ``seq`` stored from that
     producer through that partition (records of one producer reach a
@@ -132,6 +141,7 @@ __all__ = [
     "client_keys",
     "decode_record",
     "encode_message",
+    "entry_live",
     "epoch_key",
     "header_fields",
     "is_queue_record",
@@ -316,6 +326,18 @@ def encode_message(
         len(props),
     )
     return b"".join((header, topic, props, m.payload))
+
+
+_DEADLINE = struct.Struct(">d")
+
+
+def entry_live(entry: bytes | None, now_ms: float) -> bool:
+    """A ``{cid}_values`` entry (deadline, then the value) still holds a message at
+    ``now_ms`` (ms since the epoch): its deadline is 0 (none) or later."""
+    if not entry or len(entry) < _DEADLINE.size:
+        return False
+    (deadline,) = _DEADLINE.unpack_from(entry)
+    return bool(deadline == 0 or deadline > now_ms)
 
 
 def is_queue_record(value: bytes) -> bool:
@@ -533,7 +555,7 @@ class ClientKeys(NamedTuple):
     """A client's keys, in the order the Lua scripts take them (KEYS[1..7])."""
 
     messages: str
-    last_packet_id: str
+    values: str
     last_score: str
     seen: str
     session: str
@@ -541,6 +563,8 @@ class ClientKeys(NamedTuple):
     bytes: str
 
     def message(self, packet_id: int) -> str:
+        """The string of one message in the layout before the values hash (up to
+        a7dfed5), read once by the upgrade (persistence/lua/lib.lua)."""
         return f"{self.messages}_{packet_id}"
 
 
@@ -622,7 +646,7 @@ def client_keys(client_id: str) -> ClientKeys:
     p = "{" + _tag(client_id) + "}"
     return ClientKeys(
         p + "_messages",
-        p + "_last_packet_id",
+        p + "_values",
         p + "_last_score",
         p + "_seen",
         p + "_session",

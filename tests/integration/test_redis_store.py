@@ -6,6 +6,7 @@ Every test taking ``store`` runs twice: ``[single]`` and ``[cluster]``.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 import uuid
 from typing import Any
@@ -65,6 +66,19 @@ async def cmd(store: RedisMessageStore, *args: Any) -> Any:
     return await store.redis.execute_command(*args)
 
 
+async def entry_ttl(store: RedisMessageStore, cid: str, packet_id: int) -> int:
+    """A stored message's time left in ms, as PTTL tells a key's: -2 not stored, -1 no
+    deadline of its own (in flight: it lives as long as the values hash)."""
+    entry = await cmd(store, "HGET", client_keys(cid).values, packet_id)
+    if entry is None:
+        return -2
+    (deadline,) = struct.unpack_from(">d", entry)
+    if deadline == 0:
+        return -1
+    seconds, micros = await cmd(store, "TIME")
+    return int(deadline - (int(seconds) * 1000 + int(micros) // 1000))
+
+
 # --------------------------------------------------------------- pure parts
 
 
@@ -99,7 +113,7 @@ def test_keys_share_one_slot_and_odd_ids_stay_distinct() -> None:
     seen = set()
     for cid in ids:
         keys = client_keys(cid)
-        slots = {key_slot(k.encode()) for k in (*keys, keys.message(65535))}
+        slots = {key_slot(k.encode()) for k in (*keys, keys.message(65535))}  # old strings too
         assert len(slots) == 1, cid
         seen.add(keys.messages)
     assert len(seen) == len(ids)
@@ -121,9 +135,9 @@ async def test_save_then_load_round_trip(store: RedisMessageStore, cid: str) -> 
         (i, i, Stage.PUBLISH, False) for i in range(1, 6)
     ]
     assert await store.pending_count(cid) == 5
-    # strings carry the default TTL (7 days)
-    ttl = await cmd(store, "TTL", client_keys(cid).message(1))
-    assert 7 * 86400 - 5 < ttl <= 7 * 86400
+    # entries carry the default TTL (7 days) as their deadline
+    ttl = await entry_ttl(store, cid, 1)
+    assert (7 * 86400 - 5) * 1000 < ttl <= 7 * 86400 * 1000
 
 
 async def test_packet_ids_wrap_past_65535_without_gap_reuse_or_zero(
@@ -159,7 +173,7 @@ async def test_wrap_skips_an_id_still_stored_never_overwrites_it(
         res = await store.save_batch(cid, msgs(offset, n), partition=0, limit=65535)
         await store.ack_many(cid, [a.packet_id for a in res.assigned if a])
         offset += n
-    assert (await cmd(store, "GET", client_keys(cid).last_packet_id)) == b"65535"
+    assert (await cmd(store, "GET", client_keys(cid).last_score)) == b"65535"  # id 65535
     res = await store.save_batch(cid, msgs(offset, 2), partition=0, limit=65535)
     # id 1 (score 65536) is skipped: the score moves on, the id is not reused
     assert res.assigned == [Assigned(2, 65537), Assigned(3, 65538)]
@@ -193,7 +207,7 @@ async def test_trim_to_limit_removes_the_oldest_and_counts_them(
     recs = (await store.load_page(cid, 0, 100)).records
     assert [r.packet_id for r in recs] == [4, 5, 6, 7, 8]
     for pid in (1, 2, 3):
-        assert await cmd(store, "EXISTS", client_keys(cid).message(pid)) == 0
+        assert await entry_ttl(store, cid, pid) == -2
     # a second batch trims exactly what it needs, oldest first
     res = await store.save_batch(cid, msgs(8, 2), partition=0, limit=5)
     assert res.trimmed_ids == [4, 5]
@@ -211,7 +225,7 @@ async def test_message_expiry_drops_the_ref_lazily_on_load(
     now = time.time()
     batch = [msg(0), msg(1, expiry=now + 1), msg(2)]
     res = await store.save_batch(cid, batch, partition=0)
-    pttl = await cmd(store, "PTTL", client_keys(cid).message(2))
+    pttl = await entry_ttl(store, cid, 2)
     assert 0 < pttl <= 1000
     await asyncio.sleep(1.2)
     assert await store.pending_count(cid) == 3  # the ref is still there
@@ -231,14 +245,16 @@ async def test_already_expired_message_is_not_stored_but_its_offset_counts(
     assert again.duplicates == 2
 
 
-async def test_pubrel_rewrite_keeps_the_remaining_ttl(store: RedisMessageStore, cid: str) -> None:
-    """Without a session (orphaned data) a rewrite keeps the string's own TTL."""
+async def test_pubrel_rewrite_lives_with_the_client_keys(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Without a session (orphaned data) the PUBREL stage lives as long as the values
+    hash, which expires with the client's other keys."""
     await store.save_batch(cid, [msg(0, qos=2, expiry=time.time() + 1), msg(1, qos=2)], 0)
-    key = client_keys(cid).message(1)
-    before = await cmd(store, "PTTL", key)
+    assert await entry_ttl(store, cid, 1) > 0
     assert await store.mark_pubrel(cid, 1)
-    after = await cmd(store, "PTTL", key)
-    assert 0 < after <= before
+    assert await entry_ttl(store, cid, 1) == -1
+    assert 0 < await cmd(store, "PTTL", client_keys(cid).values) <= 7 * 86400 * 1000
     recs = (await store.load_page(cid, 0, 10)).records
     assert (recs[0].packet_id, recs[0].stage, recs[0].sent, recs[0].message) == (
         1,
@@ -250,7 +266,7 @@ async def test_pubrel_rewrite_keeps_the_remaining_ttl(store: RedisMessageStore, 
     # nothing to rewrite: not resurrected
     assert await store.ack(cid, 1)
     assert not await store.mark_pubrel(cid, 1)
-    assert await cmd(store, "EXISTS", key) == 0
+    assert await entry_ttl(store, cid, 1) == -2
 
 
 async def test_a_sent_message_and_its_pubrel_stage_outlive_the_message_expiry(
@@ -263,34 +279,35 @@ async def test_a_sent_message_and_its_pubrel_stage_outlive_the_message_expiry(
     expires = time.time() + 1
     await store.save_batch(cid, [msg(0, qos=2, expiry=expires), msg(1, qos=1, expiry=expires)], 0)
     assert await store.mark_sent(cid, [1]) == [1]
-    assert await cmd(store, "PTTL", client_keys(cid).message(1)) == -1
+    assert await entry_ttl(store, cid, 1) == -1
+    assert await cmd(store, "PTTL", client_keys(cid).values) == -1
     assert await store.mark_pubrel(cid, 1)
     await asyncio.sleep(1.2)
     recs = (await store.load_page(cid, 0, 10)).records
     assert [(r.packet_id, r.stage) for r in recs] == [(1, Stage.PUBREL)]  # 2 expired unsent
     # disconnected: sent messages expire with the session, not before
     await store.save_session(cid, SessionState(60, time.time()), ttl=60)
-    ttl = await cmd(store, "PTTL", client_keys(cid).message(1))
+    assert await entry_ttl(store, cid, 1) == -1
+    ttl = await cmd(store, "PTTL", client_keys(cid).values)
     assert 59_000 < ttl <= 60_000
     await store.expire_session(cid, 30)
-    assert 29_000 < await cmd(store, "PTTL", client_keys(cid).message(1)) <= 30_000
+    assert 29_000 < await cmd(store, "PTTL", client_keys(cid).values) <= 30_000
 
 
-async def test_mark_sent_sets_dup_keeps_ttl_and_creates_nothing(
-    store: RedisMessageStore, cid: str
-) -> None:
-    """Without a session the mark keeps each string's TTL (orphaned data expires);
-    a message no longer stored is not recreated, and its ref goes."""
+async def test_mark_sent_sets_dup_and_creates_nothing(store: RedisMessageStore, cid: str) -> None:
+    """Marked, a message loses its own deadline and lives as long as the values hash
+    (orphaned data still expires with it); a message no longer stored is not
+    recreated, and its ref goes."""
     await store.save_batch(cid, [msg(0, expiry=time.time() + 60), msg(1), msg(2)], 0)
-    before = await cmd(store, "PTTL", client_keys(cid).message(1))
+    assert 0 < await entry_ttl(store, cid, 1) <= 60_000
     assert await store.mark_sent(cid, [1, 3, 99]) == [1, 3]
-    after = await cmd(store, "PTTL", client_keys(cid).message(1))
-    assert 0 < after <= before
+    assert await entry_ttl(store, cid, 1) == -1
+    assert await cmd(store, "PTTL", client_keys(cid).values) > 0
     recs = (await store.load_page(cid, 0, 10)).records
     assert [r.sent for r in recs] == [True, False, True]
     assert [r.message for r in recs] == [msg(0, expiry=recs[0].message.expiry), msg(1), msg(2)]  # type: ignore[union-attr]
-    assert await cmd(store, "EXISTS", client_keys(cid).message(99)) == 0
-    await cmd(store, "DEL", client_keys(cid).message(2))  # expired, or trimmed
+    assert await entry_ttl(store, cid, 99) == -2
+    await cmd(store, "HDEL", client_keys(cid).values, 2)  # expired, or trimmed
     assert await store.mark_sent(cid, [2]) == []
     assert await store.pending_count(cid) == 2
 
@@ -367,7 +384,6 @@ async def test_replayed_batch_stores_nothing_twice(store: RedisMessageStore, cid
     again = await store.save_batch(cid, msgs(100, 10), partition=3)
     assert again.assigned == [None] * 10
     assert again.duplicates == 10
-    assert await cmd(store, "GET", keys.last_packet_id) == b"10"
     assert await cmd(store, "GET", keys.last_score) == b"10"
     # overlapping retry: only the new tail is stored
     tail = await store.save_batch(cid, msgs(105, 10), partition=3)
@@ -480,12 +496,9 @@ async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> N
     await store.save_batch(cid, msgs(0, 5, generation=1000), partition=0)
     assert await store.end_session(cid, 1000) == 5
     assert await store.load_session(cid) is None
-    for key in (keys.messages, keys.seen, keys.session):
+    for key in (keys.messages, keys.values, keys.seen, keys.session):
         assert await cmd(store, "EXISTS", key) == 0
-    for key in (keys.last_packet_id, keys.last_score):  # kept with the tombstone
-        assert await cmd(store, "TTL", key) > 0
-    for pid in range(1, 6):
-        assert await cmd(store, "EXISTS", keys.message(pid)) == 0
+    assert await cmd(store, "TTL", keys.last_score) > 0  # kept with the tombstone
     # a tombstone generation stays (with a TTL): a record of the ended session still in
     # Kafka is dropped, never stored into the next session (finding 3)
     assert await cmd(store, "GET", keys.generation) == b"1001"
@@ -565,7 +578,7 @@ async def test_keys_of_a_client_without_a_session_expire_with_their_messages(
 ) -> None:
     keys = client_keys(cid)
     await store.save_batch(cid, msgs(0, 2), partition=0)
-    for key in (keys.messages, keys.last_packet_id, keys.last_score, keys.seen):
+    for key in (keys.messages, keys.values, keys.last_score, keys.seen):
         ttl = await cmd(store, "TTL", key)
         assert 7 * 86400 - 5 < ttl <= 7 * 86400
 
