@@ -98,11 +98,27 @@ local function release_bytes(bytes_key, set_key, freed)
   end
 end
 
--- Delete every stored message of the client (the set and the values hash, and
--- the strings of the old layout); returns how many refs the set held.
+-- Delete every stored message of the client (the set and the values hash, or
+-- the strings of the layout before); returns how many refs the set held.
 local function delete_messages(set_key, values_key)
-  upgrade(set_key, values_key)
-  local count = redis.call('ZCARD', set_key)
-  redis.call('DEL', set_key, values_key)
-  return count
+  if redis.call('EXISTS', values_key) == 1 then
+    local count = redis.call('ZCARD', set_key)
+    redis.call('DEL', set_key, values_key)
+    return count
+  end
+  local refs = redis.call('ZRANGE', set_key, 0, -1)
+  do
+    local chunk = {}
+    for i = 1, #refs do
+      chunk[#chunk + 1] = set_key .. '_' .. refs[i]
+      if #chunk == 500 then
+        redis.call('DEL', unpack(chunk))
+        chunk = {}
+      end
+    end
+    if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
+    redis.call('DEL', set_key:sub(1, -10) .. '_last_packet_id')
+  end
+  redis.call('DEL', set_key)
+  return #refs
 end

@@ -932,3 +932,80 @@ async def test_progress_of_many_clients_costs_a_mark_and_an_ack_call_per_redis_o
     for c in clients:
         (left,) = await all_records(store, c)
         assert left.score == first[c][0].score and left.sent  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------- the layout before
+
+
+def old_last_packet_id(cid: str) -> str:
+    return client_keys(cid).messages.removesuffix("_messages") + "_last_packet_id"
+
+
+async def write_old_layout(store: RedisMessageStore, cid: str) -> list[bytes]:
+    """What a7dfed5's scripts left for a connected client: a string per message
+    ({cid}_messages_<id>: 1 sent, 2 in its PUBREL stage, both without a TTL; 3 and
+    5 never sent, with their TTL; 4 expired, its string gone, its ref left),
+    {cid}_last_packet_id, and the rest as now."""
+    keys = client_keys(cid)
+    await store.save_session(cid, SessionState(None, time.time()))
+    values = [encode_message(msg(i), sent=(i == 0)) for i in range(5)]
+    await cmd(store, "SET", keys.message(1), values[0])
+    await cmd(store, "SET", keys.message(2), b"\x02\x03")
+    await cmd(store, "SET", keys.message(3), values[2], "PX", 60_000)
+    await cmd(store, "SET", keys.message(5), values[4], "PX", 120_000)
+    for pid in range(1, 6):
+        await cmd(store, "ZADD", keys.messages, pid, pid)
+    await cmd(store, "SET", old_last_packet_id(cid), 5)
+    await cmd(store, "SET", keys.last_score, 5)
+    return values
+
+
+@pytest.mark.parametrize("first", ["load", "ack", "mark", "save", "purge", "end", "pubrel"])
+async def test_messages_stored_by_the_layout_before_are_delivered(
+    store: RedisMessageStore, cid: str, first: str
+) -> None:
+    """Data written by a7dfed5 (a string per message) is read after the upgrade,
+    whichever operation touches the client first: it is moved into the values hash
+    with its state (sent, PUBREL stage, time left) and the old keys go."""
+    keys = client_keys(cid)
+    values = await write_old_layout(store, cid)
+    if first == "ack":
+        assert await store.ack_many(cid, [3], [3]) == 1
+    elif first == "mark":
+        assert await store.mark_sent(cid, [3, 4], [3, 4]) == [3]
+    elif first == "save":
+        res = await store.save_batch(cid, [msg(9, seq=99)], partition=0)
+        assert res.assigned == [Assigned(6, 6)]  # ids and scores go on
+    elif first == "purge":
+        assert await store.purge(cid) == [(3, 3), (5, 5)]  # the sent and PUBREL stay
+    elif first == "end":
+        assert await store.end_session(cid) == 5
+        assert await cmd(store, "EXISTS", keys.messages, keys.values, keys.message(1)) == 0
+        return
+    elif first == "pubrel":
+        assert await store.mark_pubrel(cid, 5)
+    records = await all_records(store, cid)
+    for pid in range(1, 6):
+        assert await cmd(store, "EXISTS", keys.message(pid)) == 0  # moved, or expired
+    assert await cmd(store, "EXISTS", old_last_packet_id(cid)) == 0
+    got = [(r.packet_id, r.stage, r.sent) for r in records]
+    expected = {
+        "load": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True), (3, Stage.PUBLISH, False),
+                 (5, Stage.PUBLISH, False)],
+        "ack": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True), (5, Stage.PUBLISH, False)],
+        "mark": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True), (3, Stage.PUBLISH, True),
+                 (5, Stage.PUBLISH, False)],
+        "save": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True), (3, Stage.PUBLISH, False),
+                 (5, Stage.PUBLISH, False), (6, Stage.PUBLISH, False)],
+        "purge": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True)],
+        "pubrel": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True), (3, Stage.PUBLISH, False),
+                   (5, Stage.PUBREL, True)],
+    }[first]  # fmt: skip
+    assert got == expected
+    by_id = {r.packet_id: r for r in records}
+    assert by_id[1].message == decode_record(1, 1, values[0]).message
+    if 3 in by_id and not by_id[3].sent:
+        assert by_id[3].message == msg(2)
+        assert 55_000 < await entry_ttl(store, cid, 3) <= 60_000  # its time left kept
+    assert await entry_ttl(store, cid, 1) == -1  # sent: lives with the session
+    assert await store.pending_count(cid) == len(expected)
