@@ -38,7 +38,11 @@ the topic (UTF-8), the properties, the payload::
 
 Version 1 (``>BBBddqHI``, 33 bytes: an unused Kafka offset instead of
 producer, seq and generation) is still read: its records have no id and no
-generation. The properties are MQTT 5 property identifiers with fixed-width
+generation. Version 3 (``>BBBddHI``, 25 bytes) is how a client's entry in
+Redis keeps a message (:func:`stored_value`): producer, seq and generation
+name a record only until the save script has stored it (duplicates, ended
+sessions), so the 24 bytes are not kept for each stored message; read back,
+they are 0. The properties are MQTT 5 property identifiers with fixed-width
 values: ``0x01`` u8 payload format; ``0x03`` content type, ``0x08`` response
 topic, ``0x09`` correlation data, each u16 length + bytes; ``0x26`` user
 property, u16 length + key, u16 length + value (repeated, order kept);
@@ -151,6 +155,7 @@ __all__ = [
     "queue_keys",
     "record_id",
     "resets_key",
+    "stored_value",
 ]
 
 MAX_PACKET_ID = 65_535
@@ -165,6 +170,8 @@ FLAG_REPLAY = 0x20
 
 _HEADER = struct.Struct(">BBBddQQQHI")
 _HEADER_V1 = struct.Struct(">BBBddqHI")
+_HEADER_V3 = struct.Struct(">BBBddHI")
+STORED_VERSION = 3
 _PUBREL_VALUE = bytes((VERSION, FLAG_SENT | FLAG_PUBREL))
 
 _P_PAYLOAD_FORMAT = 0x01
@@ -342,7 +349,16 @@ def entry_live(entry: bytes | None, now_ms: float) -> bool:
 
 def is_queue_record(value: bytes) -> bool:
     """The value is a message for an exclusive compacted queue (FLAG_QUEUE)."""
-    return len(value) > 1 and value[0] == VERSION and bool(value[1] & FLAG_QUEUE)
+    return len(value) > 1 and value[0] in (VERSION, STORED_VERSION) and bool(value[1] & FLAG_QUEUE)
+
+
+def stored_value(value: bytes) -> bytes:
+    """A version 2 value as a client's ``{cid}_values`` entry keeps it: version 3,
+    without producer, seq and generation (see the module docstring); any other
+    value unchanged."""
+    if len(value) >= _HEADER.size and value[0] == VERSION:
+        return b"".join((b"\x03", value[1:19], value[43:]))
+    return value
 
 
 def pubrel_value() -> bytes:
@@ -396,6 +412,10 @@ def _header(value: bytes) -> tuple[int, float, float | None, int, int, int, int,
     if version == VERSION and len(value) >= _HEADER.size:
         _, flags, _q, published, expiry, producer, seq, gen, tlen, plen = _HEADER.unpack_from(value)
         size = _HEADER.size
+    elif version == STORED_VERSION and len(value) >= _HEADER_V3.size:
+        _, flags, _q, published, expiry, tlen, plen = _HEADER_V3.unpack_from(value)
+        producer = seq = gen = 0
+        size = _HEADER_V3.size
     elif version == 1 and len(value) >= _HEADER_V1.size:
         _, flags, _q, published, expiry, _off, tlen, plen = _HEADER_V1.unpack_from(value)
         producer = seq = gen = 0
@@ -437,7 +457,7 @@ def decode_record(
     ``marked``: the store holds it marked sent though this value is not
     (see :attr:`StoredRecord.marked`).
     """
-    if len(value) < 2 or value[0] not in (1, VERSION):
+    if len(value) < 2 or value[0] not in (1, VERSION, STORED_VERSION):
         raise ValueError(f"unknown stored message format (packet id {packet_id})")
     flags = value[1]
     sent = bool(flags & FLAG_SENT)
@@ -503,15 +523,23 @@ class SessionState:
     username: str | None = None  # who last connected with it (ACL user rules, %u)
 
     def encode(self) -> bytes:
+        # "q", "o" and "u" are left out when empty: one per durable session, the
+        # bytes count (BENCHMARKS.md, "The fleet's size"); decode reads them absent.
+        doc: dict[str, Any] = {
+            "v": 1,
+            "e": self.expiry_interval,
+            "l": self.last_seen,
+            "p": self.protocol_level,
+        }
+        if self.qos2_received:
+            doc["q"] = list(self.qos2_received)
+        if self.owner is not None:
+            doc["o"] = self.owner
+        if self.username is not None:
+            doc["u"] = self.username
         return orjson.dumps(
             {
-                "v": 1,
-                "e": self.expiry_interval,
-                "l": self.last_seen,
-                "p": self.protocol_level,
-                "q": list(self.qos2_received),
-                "o": self.owner,
-                "u": self.username,
+                **doc,
                 "s": [
                     [
                         f,

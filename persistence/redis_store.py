@@ -103,6 +103,7 @@ from persistence.format import (
     epoch_key,
     packet_id_of,
     record_id,
+    stored_value,
 )
 from persistence.redis_security import Sentinels, redis_client
 
@@ -827,13 +828,13 @@ class RedisMessageStore:
         pack = _SAVE_META.pack
         for m in batch.messages:
             if isinstance(m, StoredMessage):
-                value = encode_message(m)
+                value = stored_value(encode_message(m))
                 meta += pack(
                     m.producer, m.seq, m.generation, self._ttl_ms(m.expiry, now), len(value)
                 )
             else:
-                value = m
                 rid = record_id(m)
+                value = stored_value(m)
                 ttl = self._ttl_ms(rid.expiry, now)
                 meta += pack(rid.producer, rid.seq, rid.generation, ttl, len(value))
             values.append(value)

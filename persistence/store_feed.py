@@ -222,8 +222,11 @@ class StoreFeed:
             items.append(self._outgoing(buffer.popleft()))
         if buffer and not ahead:
             self._mark_ahead()
-        if not buffer and not self._caught_up and not self._loading:
-            self._load()
+        if not self._caught_up and not self._loading:
+            outflow = self.outflow
+            if not buffer or (outflow is not None and len(buffer) <= outflow.window()):
+                # What is left goes in one window: read the next page meanwhile.
+                self._load()
         return items
 
     def mark(self, items: list[Outgoing], done: MarksDone) -> None:
