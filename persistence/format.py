@@ -98,9 +98,11 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_id_owner``, ``{cid}_ecq_owner``
     who holds the client ID (:func:`client_id_owner_key`) and whose its queue is
     (:func:`queue_owner_key`): an owner's name (persistence/owner_store.py).
-``{cid}_bytes``
+``{cid}_values`` field ``b`` (:data:`BYTES_FIELD`)
     the size of the messages stored (values as stored), for the per-client
     byte limit; messages that expire unread still count until the set empties.
+    Before (up to a7dfed5) it was a key of its own, ``{cid}_bytes``
+    (:attr:`ClientKeys.bytes`, still passed to the scripts, which move it).
 
 ``cid`` is the client id itself, except that ``%`` and ``}`` are written
 ``%25`` and ``%7D`` and the empty id is written ``%``: a ``}`` would end the
@@ -189,6 +191,7 @@ _ID_U32 = struct.Struct(">BI")
 # The Kafka topics of APPLICATION sessions (persistence/application_feed.py, app_topic)
 APP_TOPIC_PREFIX = "devicemq.app."
 SESSIONS_INDEX = "devicemq:sessions"
+BYTES_FIELD = "b"  # a client's stored bytes: this field of its {cid}_values hash
 PRODUCERS_KEY = "devicemq:producers"
 BLOCKED_KEY = "devicemq:blocked"  # block-list entries: hash of key -> JSON (blocklist_store.py)
 RETAINED_KEY = "devicemq:retained"

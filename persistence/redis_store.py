@@ -868,7 +868,7 @@ class RedisMessageStore:
         """An operator empties the backlog: every message never sent is deleted (those
         in flight stay until acknowledged); returns their (packet id, score)."""
         keys = client_keys(client_id)
-        reply = await self._eval(_PURGE, (keys.messages, keys.bytes, keys.values), ())
+        reply = await self._eval(_PURGE, (keys.messages, keys.values), ())
         return [(int(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
 
     async def backlog_range(
@@ -917,7 +917,7 @@ class RedisMessageStore:
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
         pairs = list(zip(ids, wanted, strict=True))
-        script_keys, args = _progress_call([((keys.messages, keys.values, keys.bytes), pairs)])
+        script_keys, args = _progress_call([((keys.messages, keys.values), pairs)])
         (removed,) = await self._eval(_ACK, script_keys, args)
         return int(removed)
 
@@ -1001,9 +1001,8 @@ class RedisMessageStore:
                 pipe.execute_command("EVALSHA", _PUBREL.sha, 2, keys_.messages, keys_.values, *ids)
         for group in self._by_slot(
             [
-                ((k.messages, k.values, k.bytes), acked, cid)
+                ((client_keys(cid).messages, client_keys(cid).values), acked, cid)
                 for cid, acked in acks.items()
-                for k in (client_keys(cid),)
             ]
         ):
             keys, args = _progress_call([(k, pairs) for k, pairs, _cid in group])

@@ -2,8 +2,8 @@
 -- many clients in one call (one per flush of delivery progress, per Redis Cluster
 -- slot: persistence/redis_store.py, write_progress).
 --
--- For client j (1-based) of ARGV[1] clients: KEYS[3j-2] {cid}_messages,
--- KEYS[3j-1] {cid}_values, KEYS[3j] {cid}_bytes; after ARGV[1], each client's
+-- For client j (1-based) of ARGV[1] clients: KEYS[2j-1] {cid}_messages,
+-- KEYS[2j] {cid}_values (its field 'b' the byte count); after ARGV[1], each client's
 -- pair count n, then its n pairs: packet id, score (the score the sender read
 -- the message with; 0: not checked). An id whose ref has another score now
 -- belongs to a newer message (the one acknowledged was trimmed and its id
@@ -13,8 +13,8 @@
 local removed_by_client = {}
 local at = 2
 for j = 1, tonumber(ARGV[1]) do
-  local set_key = KEYS[3 * j - 2]
-  local values_key = KEYS[3 * j - 1]
+  local set_key = KEYS[2 * j - 1]
+  local values_key = KEYS[2 * j]
   upgrade(set_key, values_key)
   local n = tonumber(ARGV[at])
   local removed = 0
@@ -32,7 +32,7 @@ for j = 1, tonumber(ARGV[1]) do
       if entry then redis.call('HDEL', values_key, id) end
     end
   end
-  release_bytes(KEYS[3 * j], set_key, freed)
+  release_bytes(values_key, set_key, freed)
   removed_by_client[j] = removed
   at = at + 1 + 2 * n
 end

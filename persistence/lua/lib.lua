@@ -82,19 +82,27 @@ local function upgrade(set_key, values_key)
     end
   end
   if #old > 0 then redis.call('DEL', unpack(old)) end
+  local prefix = set_key:sub(1, -10)  -- '{cid}': set_key is '{cid}_messages'
   if redis.call('EXISTS', values_key) == 1 then
+    local bytes = tonumber(redis.call('GET', prefix .. '_bytes') or '0')
+    if bytes > 0 then redis.call('HSET', values_key, 'b', string.format('%.0f', bytes)) end
     local pttl = redis.call('PTTL', set_key)
     if pttl > 0 then redis.call('PEXPIRE', values_key, pttl) end
   end
-  redis.call('DEL', set_key:sub(1, -10) .. '_last_packet_id')
+  redis.call('DEL', prefix .. '_last_packet_id', prefix .. '_bytes')
 end
 
--- Take ``freed`` bytes off the byte count ``bytes_key`` of the set ``set_key``
--- (its TTL kept); an empty set, or a count gone below 0, is 0.
-local function release_bytes(bytes_key, set_key, freed)
-  if freed > 0 and redis.call('EXISTS', bytes_key) == 1 then
-    local left = redis.call('DECRBY', bytes_key, freed)
-    if left < 0 or redis.call('ZCARD', set_key) == 0 then redis.call('SET', bytes_key, 0, 'KEEPTTL') end
+-- The size of the values stored (for the byte limit) is field 'b' of the values
+-- hash (absent: 0); a key of its own per client cost more than the count.
+-- Take ``freed`` bytes off it; an empty set, or a count gone to 0 or below, is 0.
+local function release_bytes(values_key, set_key, freed)
+  if freed > 0 then
+    local left = tonumber(redis.call('HGET', values_key, 'b') or '0') - freed
+    if left <= 0 or redis.call('ZCARD', set_key) == 0 then
+      redis.call('HDEL', values_key, 'b')
+    else
+      redis.call('HSET', values_key, 'b', string.format('%.0f', left))
+    end
   end
 end
 
@@ -119,6 +127,6 @@ local function delete_messages(set_key, values_key)
     if #chunk > 0 then redis.call('DEL', unpack(chunk)) end
     redis.call('DEL', set_key:sub(1, -10) .. '_last_packet_id')
   end
-  redis.call('DEL', set_key)
+  redis.call('DEL', set_key, set_key:sub(1, -10) .. '_bytes')
   return #refs
 end

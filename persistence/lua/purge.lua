@@ -1,7 +1,7 @@
 -- devicemq: an operator purges a client's backlog: every stored message never
 -- sent goes, with its entry; the session stays.
 --
--- KEYS[1] {cid}_messages   KEYS[2] {cid}_bytes   KEYS[3] {cid}_values
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_values (its field 'b' the byte count)
 -- Messages marked sent (in flight) stay until the client acknowledges them: their
 -- packet ids are taken, and freeing one could let a newer message take it, which
 -- the client's late PUBACK would then remove (redis_store.py, "In flight until
@@ -12,7 +12,7 @@
 -- Returns the (id, score) pairs removed, flattened, in score order.
 
 local set_key = KEYS[1]
-local values_key = KEYS[3]
+local values_key = KEYS[2]
 upgrade(set_key, values_key)
 local now = now_ms()
 local refs = redis.call('ZRANGE', set_key, 0, -1, 'WITHSCORES')
@@ -31,5 +31,5 @@ for j = 1, #refs, 2 do
     removed[#removed + 1] = refs[j + 1]
   end
 end
-release_bytes(KEYS[2], set_key, freed)
+release_bytes(values_key, set_key, freed)
 return removed

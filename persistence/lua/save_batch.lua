@@ -9,7 +9,8 @@
 --   4 {cid}_seen            hash: '<producer>:<partition>' -> last seq stored
 --   5 {cid}_session         session state (only its TTL is read here)
 --   6 {cid}_generation      generation of the client's current session
---   7 {cid}_bytes           size of the values stored
+--   7 {cid}_bytes           (the layout before: the size of the values stored, now
+--                           field 'b' of {cid}_values, lib.lua)
 -- The last packet id handed out is the last score's (no key of its own).
 --
 -- ARGV[1] c, the number of clients   ARGV[2] limit (1..65535)   ARGV[3] default TTL
@@ -93,7 +94,7 @@ local function save_client(k, partition, n, meta, premark, values)
   end
   local card = redis.call('ZCARD', set_key)
   local bytes = 0
-  if card > 0 then bytes = tonumber(redis.call('GET', k[7]) or '0') end
+  if card > 0 then bytes = tonumber(redis.call('HGET', values_key, 'b') or '0') end
   local bytes_changed = false
   local check = n >= 65535
   if card > 0 then
@@ -198,7 +199,11 @@ local function save_client(k, partition, n, meta, premark, values)
     redis.call('SET', k[3], score)
   end
   if bytes_changed then
-    redis.call('SET', k[7], string.format('%.0f', bytes))
+    if bytes > 0 and card > 0 then
+      redis.call('HSET', values_key, 'b', string.format('%.0f', bytes))
+    else
+      redis.call('HDEL', values_key, 'b')
+    end
   end
   local any_seen = false
   for f in pairs(seen_changed) do
@@ -221,7 +226,7 @@ local function save_client(k, partition, n, meta, premark, values)
   -- TTL (client gone, session expiring) they expire with it; with no session
   -- key at all (orphaned data) they last at least as long as the messages just
   -- stored, and at least the default TTL, then vanish.
-  local lifetime_keys = {k[1], k[2], k[3], k[4], k[6], k[7]}
+  local lifetime_keys = {k[1], k[2], k[3], k[4], k[6]}
   if session_ttl > 0 then
     for _, key in ipairs(lifetime_keys) do redis.call('PEXPIRE', key, session_ttl) end
   elseif session_ttl == -2 and (stored > 0 or any_seen or gen_changed or bytes_changed) then

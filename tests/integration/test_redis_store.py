@@ -564,11 +564,12 @@ async def test_session_expiry_takes_every_key_and_reconnect_persists(
     await store.open_session(cid, resume=True, generation=1, state=state)
     await store.save_batch(cid, msgs(0, 3, generation=state.generation), partition=0)
     assert await store.expire_session(cid, 100, state.generation)
-    for key in keys:
+    live = [key for key in keys if key != keys.bytes]  # the count is in keys.values now
+    for key in live:
         assert 0 < await cmd(store, "TTL", key) <= 100
     # back online: everything persistent again
     await store.save_session(cid, state)
-    for key in keys:
+    for key in live:
         assert await cmd(store, "TTL", key) == -1
     # gone for good: the keys expire with the session
     assert await store.expire_session(cid, 1, state.generation)
@@ -687,7 +688,7 @@ async def test_bytes_per_client_are_limited_like_messages(
     res = await small.save_batch(cid, big, partition=0)
     assert res.trimmed_ids == [1, 2]
     assert [r.packet_id for r in await all_records(small, cid)] == [3, 4, 5]
-    size = int(await cmd(small, "GET", keys.bytes))
+    size = int(await cmd(small, "HGET", keys.values, "b") or 0)
     assert 2700 < size <= 3000
     assert await small.mark_sent(cid, [3]) == [3]  # in flight: never trimmed
     res = await small.save_batch(cid, [msg(5, payload=b"y" * 900)], partition=0)
@@ -696,7 +697,7 @@ async def test_bytes_per_client_are_limited_like_messages(
     assert (res.saved, res.unstored, res.trimmed_ids) == (0, [0], [])  # too big alone
     assert [r.packet_id for r in await all_records(small, cid)] == [3, 5, 6]
     await small.ack_many(cid, [3, 5, 6])
-    assert int(await cmd(small, "GET", keys.bytes)) == 0
+    assert int(await cmd(small, "HGET", keys.values, "b") or 0) == 0
 
 
 async def test_redis_wait_sees_every_earlier_save_on_a_replica() -> None:
@@ -949,6 +950,10 @@ def old_last_packet_id(cid: str) -> str:
     return client_keys(cid).messages.removesuffix("_messages") + "_last_packet_id"
 
 
+def old_bytes(cid: str) -> str:
+    return client_keys(cid).messages.removesuffix("_messages") + "_bytes"
+
+
 async def write_old_layout(store: RedisMessageStore, cid: str) -> list[bytes]:
     """What a7dfed5's scripts left for a connected client: a string per message
     ({cid}_messages_<id>: 1 sent, 2 in its PUBREL stage, both without a TTL; 3 and
@@ -964,6 +969,7 @@ async def write_old_layout(store: RedisMessageStore, cid: str) -> list[bytes]:
     for pid in range(1, 6):
         await cmd(store, "ZADD", keys.messages, pid, pid)
     await cmd(store, "SET", old_last_packet_id(cid), 5)
+    await cmd(store, "SET", old_bytes(cid), len(values[0]) + 2 + len(values[2]) + len(values[4]))
     await cmd(store, "SET", keys.last_score, 5)
     return values
 
@@ -995,7 +1001,10 @@ async def test_messages_stored_by_the_layout_before_are_delivered(
     records = await all_records(store, cid)
     for pid in range(1, 6):
         assert await cmd(store, "EXISTS", keys.message(pid)) == 0  # moved, or expired
-    assert await cmd(store, "EXISTS", old_last_packet_id(cid)) == 0
+    assert await cmd(store, "EXISTS", old_last_packet_id(cid), old_bytes(cid)) == 0
+    if first == "load":  # the byte count moved into the values hash
+        count = len(values[0]) + 2 + len(values[2]) + len(values[4])
+        assert int(await cmd(store, "HGET", keys.values, "b")) == count
     got = [(r.packet_id, r.stage, r.sent) for r in records]
     expected = {
         "load": [(1, Stage.PUBLISH, True), (2, Stage.PUBREL, True), (3, Stage.PUBLISH, False),
