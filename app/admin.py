@@ -557,7 +557,7 @@ class AdminApi:
         if not isinstance(session, RemoteSession):
             in_flight = sorted(session.outflow.inflight)
         apps = self.applications
-        if apps is not None and client_id in apps.kinds:
+        if apps is not None and apps.is_application(session):
             lag = await apps.lag(client_id)
             committed = await apps.committed(client_id)
             view["backlog_detail"] = {
@@ -667,7 +667,7 @@ class AdminApi:
     async def rewind_session(self, request: Request, client_id: str) -> Response:
         session = self._session(client_id)
         apps = self.applications
-        if apps is not None and client_id in apps.kinds:
+        if apps is not None and apps.is_application(session):
             return await self._rewind_application(request, session, apps)
         if not session.durable or self.rewind_session_to is None:
             raise HttpError(
@@ -731,6 +731,11 @@ class AdminApi:
             "offset": offset,
             "offsets": {str(p): o for p, o in sorted(offsets.items())},
         }
+        if isinstance(session, RemoteSession) and session.online:
+            # Its replica's connection lost the session with the rewind (the owner
+            # fence, docs/application-sessions.md): it lets the client go now, and the
+            # client, connecting again, reads from the rewound offsets.
+            self.broker.kick(client_id)
         self._audit(client_id, "rewind_session", answer)
         return json_response(200, answer)
 
@@ -1198,13 +1203,13 @@ class AdminApi:
         """Messages waiting for each: stored in Redis (persistent), queued in memory."""
         out: list[int | None] = [None] * len(sessions)
         apps = self.applications
-        kinds = apps.kinds if apps is not None else set()
-        lags = [(i, s.client_id) for i, s in enumerate(sessions) if s.client_id in kinds]
+        mine = {i for i, s in enumerate(sessions) if apps is not None and apps.is_application(s)}
+        lags = [(i, sessions[i].client_id) for i in sorted(mine)]
         if lags and apps is not None:  # in their topics: the messages after their commit
             found = await asyncio.gather(*(apps.lag(cid) for _, cid in lags))
             for (i, _), lag in zip(lags, found, strict=True):
                 out[i] = None if lag is None else lag.messages
-        durable = [i for i, s in enumerate(sessions) if s.durable and s.client_id not in kinds]
+        durable = [i for i, s in enumerate(sessions) if s.durable and i not in mine]
         if durable and self.store is not None:
             counts = await self.store.pending_counts([sessions[i].client_id for i in durable])
             for i, n in zip(durable, counts, strict=True):
@@ -1242,7 +1247,7 @@ class AdminApi:
         if not session.durable:
             return None
         apps = self.applications
-        return "application" if apps is not None and session.client_id in apps.kinds else "device"
+        return "application" if apps is not None and apps.is_application(session) else "device"
 
     def _audit(self, client_id: str, action: str, detail: dict[str, Any]) -> None:
         log.info("admin: %s %s %s", action, client_id or "-", orjson.dumps(detail).decode())

@@ -27,7 +27,7 @@ import functools
 import importlib.resources
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -46,6 +46,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from app.http import ConnectionGate
 from broker import __version__
 from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT, SESSION
+from broker.cluster import RemoteSession
 from broker.stats import LATENCY_BUCKETS, Histogram
 from persistence.kafka_security import diagnose
 from persistence.redis_security import explain
@@ -719,7 +720,8 @@ class BrokerCollector(Collector):
     def _applications(self, persistence: DevicePersistence) -> Iterator[Metric]:
         apps = persistence.apps
         assert apps is not None
-        yield _gauge("application_sessions", "APPLICATION sessions held", len(apps.kinds))
+        held = apps.kinds if self.broker is None else held_applications(self.broker, apps.kinds)
+        yield _gauge("application_sessions", "APPLICATION sessions held", len(held))
         yield _counter(
             "application_records_produced",
             "Records produced to APPLICATION sessions' topics (acknowledged by Kafka)",
@@ -805,13 +807,24 @@ class BrokerCollector(Collector):
         apps = persistence.apps
         if apps is not None:
             # All at once: the refresh has PROBE_TIMEOUT, the Redis backlog is set already.
-            ids = sorted(apps.kinds)
+            ids = held_applications(broker, apps.kinds)
             found = await asyncio.gather(*(apps.lag(cid) for cid in ids), return_exceptions=True)
             self.application_lag = {
                 cid: (lag.messages, lag.oldest_age)
                 for cid, lag in zip(ids, found, strict=True)
                 if lag is not None and not isinstance(lag, BaseException)
             }
+
+
+def held_applications(broker: Broker, kinds: Collection[str]) -> list[str]:
+    """The APPLICATION sessions this broker holds, sorted: with replicas, one held by
+    another replica (a remote record here) is that replica's to report."""
+    return sorted(
+        cid
+        for cid in kinds
+        if (session := broker.sessions.get(cid)) is not None
+        and not isinstance(session, RemoteSession)
+    )
 
 
 # --------------------------------------------------------------------------

@@ -75,11 +75,6 @@ def check_workers(settings: Settings, count: int) -> None:
         raise ConfigError(
             "workers share sessions through Redis and Kafka: enable persistence", name="workers"
         )
-    if settings.application.client_ids:
-        raise ConfigError(
-            "APPLICATION sessions are not served by several workers yet (each is a replica)",
-            name="application.client_ids",
-        )
     if settings.metrics.enabled and settings.metrics.port + count - 1 > 65535:
         raise ConfigError(
             f"worker i serves metrics on metrics.port + i: {settings.metrics.port} + {count - 1}"

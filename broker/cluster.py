@@ -15,11 +15,13 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 ``[filter, qos, no_local, retain_as_published, retain_handling, sub_id]``):
 
 - ``conn``: ``c`` connected on ``n`` (``d`` durable, ``k`` clean start, ``s``
-  its subscriptions, ``g`` its session generation, ``o`` its owner; ``a``,
+  its subscriptions, ``g`` its session generation, ``o`` its owner, ``ap``
+  an APPLICATION session (docs/application-sessions.md); ``a``,
   ``p``, ``t`` its address, protocol level and connect time, for operators): whoever
   holds a connection for ``c`` disconnects it with 0x8E and everyone records
   ``c`` as remote on ``n``;
-- ``sub`` / ``unsub``: one subscription added / removed by ``c``'s owner;
+- ``sub`` / ``unsub``: one subscription added / removed by ``c``'s owner
+  (``sub`` with ``d``, ``g``, ``o``, ``u``, ``ap`` as ``conn``);
 - ``off``: ``c``'s durable session lost its connection on ``n`` (kept);
 - ``end``: ``c``'s session ended on ``n`` (its subscriptions go);
 - ``sync``: ``n`` just started: every replica answers with ``snaps``, the
@@ -139,6 +141,11 @@ class RemoteSession(Session):
         self.node = node
         self.online = online
         self._forward = forward
+        self._application = False  # what its replica said (``ap``)
+
+    @property
+    def application(self) -> bool:
+        return self._application
 
     def deliver(self, delivery: Delivery) -> None:
         self._forward(self.node, self.client_id, delivery)
@@ -222,6 +229,7 @@ class ClusterState:
             a=session.address,
             p=session.protocol_level,
             t=session.connected_at,
+            ap=session.application,
         )
 
     def subscribed(self, session: Session, entry: SubscriptionEntry) -> None:
@@ -233,6 +241,7 @@ class ClusterState:
             g=session.generation,
             o=session.owner,
             u=session.username,
+            ap=session.application,
         )
 
     def unsubscribed(self, session: Session, topic_filter: str) -> None:
@@ -505,7 +514,7 @@ class ClusterState:
             for cid, durable, entries, *rest in change["l"]:
                 if self._unconfirmed:
                     self._unconfirmed.discard(cid)
-                generation, owner, username, address, protocol, since = [
+                generation, owner, username, address, protocol, since, application = [
                     *rest,
                     0,
                     None,
@@ -513,7 +522,8 @@ class ClusterState:
                     None,
                     None,
                     None,
-                ][:6]
+                    False,
+                ][:7]
                 self._snapshot(
                     {
                         "n": change["n"],
@@ -526,6 +536,7 @@ class ClusterState:
                         "a": address,
                         "p": protocol,
                         "t": since,
+                        "ap": application,
                     }
                 )
         return []
@@ -572,6 +583,8 @@ class ClusterState:
         if isinstance(record, RemoteSession):
             if record.node != change["n"]:
                 return  # stale: someone else owns it now
+            if "ap" in change:
+                record._application = bool(change["ap"])
         elif record is not None and record.connection is not None:
             return  # connected here
         else:
@@ -584,6 +597,7 @@ class ClusterState:
                     "g": change.get("g", 0),
                     "o": change.get("o"),
                     "u": change.get("u"),
+                    "ap": change.get("ap"),
                 }
             )
         entry = entry_of(cid, change["e"])
@@ -614,6 +628,7 @@ class ClusterState:
                 s.address,
                 s.protocol_level,
                 s.connected_at,
+                s.application,
             ]
             for s in self.broker.sessions.values()
             if not isinstance(s, RemoteSession) and s.connection is not None
@@ -639,6 +654,9 @@ class ClusterState:
             cid, change["n"], bool(change["d"]), True, broker.stats, self.forward
         )
         record.generation = int(change.get("g") or 0)
+        # An APPLICATION session's messages are produced to its topic by whichever
+        # replica routes them (persistence/device_persistence.py submit).
+        record._application = bool(change.get("ap"))
         broker.sessions[cid] = record
         broker.bind_owner(record, change.get("o"))
         record.username = change.get("u")

@@ -1313,18 +1313,13 @@ def _check_integrations(settings: Settings) -> None:
 
 
 def _check_application(settings: Settings) -> None:
-    """APPLICATION sessions live in Kafka (persistence), served by the one broker their
-    client is connected to: replicas do not route to them yet."""
+    """APPLICATION sessions live in Kafka (persistence). With replicas each is served by
+    the one its client is connected to (an owner fence in Redis, docs/application-sessions.md)."""
     if not settings.application.client_ids:
         return
     if not settings.persistence.enabled:
         raise ConfigError(
             "APPLICATION sessions need persistence.enabled", name="application.client_ids"
-        )
-    if settings.cluster.enabled:
-        raise ConfigError(
-            "APPLICATION sessions are not served by replicas yet (cluster.enabled)",
-            name="application.client_ids",
         )
 
 

@@ -49,6 +49,15 @@ log = logging.getLogger("devicemq.connection")
 
 MAX_PACKET_SIZE = MAX_REMAINING_LENGTH + 5
 _NO_PROPERTIES = Properties()
+# Enum members as module constants, for the per-message path: on Python 3.11 the
+# metaclass's __getattr__ makes each look-up of a member on an Enum class cost
+# about 120 ns, against 11 for a global (BENCHMARKS.md, "Enum members").
+_AWAITING_CONNECT, _CONNECTED, _CLOSED = (
+    ConnectionState.AWAITING_CONNECT,
+    ConnectionState.CONNECTED,
+    ConnectionState.CLOSED,
+)
+_MQTT_5 = ProtocolLevel.MQTT_5
 
 
 class ConnectionHost(HandlerHost, Protocol):
@@ -104,7 +113,7 @@ class MQTTConnection:
             limits=DecodeLimits(mqtt.max_user_properties, mqtt.max_topic_filters_per_packet),
             pause_after_connect=True,
         )
-        self.state = ConnectionState.AWAITING_CONNECT
+        self.state = _AWAITING_CONNECT
         self.protocol_level: int = ProtocolLevel.MQTT_3_1_1
         self.client_id: str | None = None
         # Who the client is once authenticated (None: anonymous); see broker/auth.py.
@@ -145,19 +154,19 @@ class MQTTConnection:
 
     @property
     def is_v5(self) -> bool:
-        return self.protocol_level == ProtocolLevel.MQTT_5
+        return self.protocol_level == _MQTT_5
 
     @property
     def accepts_publish(self) -> bool:
         """CONNACK went out and the connection is open: the first packet the server
         sends is CONNACK (MQTT-3.2.0-1), so nothing is delivered before it, even to
         a session attached while its CONNACK waits for the store."""
-        return self.state is ConnectionState.CONNECTED
+        return self.state is _CONNECTED
 
     # -- input ------------------------------------------------------------------------
 
     def receive_data(self, data: bytes) -> None:
-        if self.state is ConnectionState.CLOSED:
+        if self.state is _CLOSED:
             return
         self.last_received = self.broker.clock()
         self.broker.stats.bytes_received += len(data)
@@ -190,7 +199,7 @@ class MQTTConnection:
 
     def _input_resumed(self) -> None:
         """The acknowledgements went out: handle what waited, in order, then read on."""
-        if self.state is ConnectionState.CLOSED:
+        if self.state is _CLOSED:
             return
         try:
             stashed = self._stashed
@@ -212,7 +221,7 @@ class MQTTConnection:
         """CONNACK was sent: the client may now send packets up to mqtt.max_packet_size;
         decode and handle what arrived meanwhile, in order."""
         self._holding = False
-        if self.state is ConnectionState.CLOSED:
+        if self.state is _CLOSED:
             return
         self.decoder.max_packet_size = self.broker.settings.mqtt.max_packet_size
         try:
@@ -325,7 +334,7 @@ class MQTTConnection:
         pending = self.pending_acks
         while pending and pending[0].done:
             head = pending.popleft()
-            if self.state is not ConnectionState.CONNECTED:
+            if self.state is not _CONNECTED:
                 continue
             if not head.ok:
                 if not self.is_v5:
@@ -356,7 +365,7 @@ class MQTTConnection:
     def protocol_violation(self, error: MQTTError) -> None:
         log.info("client %s (%s) protocol error: %s", self.client_id or "-", self.peer, error)
         self.broker.stats.reject(error.reason_code.name.lower())  # before or after CONNECT
-        if self.state is ConnectionState.AWAITING_CONNECT:
+        if self.state is _AWAITING_CONNECT:
             if error.reason_code is ReasonCode.UNSUPPORTED_PROTOCOL_VERSION:
                 # Answered in the 3.1.1 form, which every client version can read.
                 self._write(encode(ConnAck(False, 1), ProtocolLevel.MQTT_3_1_1))
@@ -367,14 +376,14 @@ class MQTTConnection:
     def disconnect(self, reason: ReasonCode) -> None:
         """Server-initiated end: DISCONNECT with a reason (5.0 only), then close."""
         self.close_reason = self.close_reason or reason.name.lower()
-        if self.state is ConnectionState.CONNECTED and self.is_v5:
+        if self.state is _CONNECTED and self.is_v5:
             self.send(Disconnect(reason))
         self.close(publish_will=True)
 
     def close(self, publish_will: bool) -> None:
-        if self.state is ConnectionState.CLOSED:
+        if self.state is _CLOSED:
             return
-        self.state = ConnectionState.CLOSED
+        self.state = _CLOSED
         self.close_requested = True
         self._on_output(self)
         self.broker.detach(self, publish_will)
@@ -387,7 +396,7 @@ class MQTTConnection:
     def check_timeouts(self, now: float) -> float | None:
         """Enforce the deadlines that passed (connect timeout, keep-alive, in-flight
         timeout); when to look again, None if the connection ended."""
-        if self.state is ConnectionState.AWAITING_CONNECT:
+        if self.state is _AWAITING_CONNECT:
             deadline = self.opened_at + self.broker.settings.mqtt.connect_timeout
             if now > deadline:
                 self.broker.stats.reject("connect_timeout")

@@ -67,6 +67,18 @@ class OutgoingState(Enum):
     AWAIT_PUBCOMP = 4  # PUBREL sent
 
 
+# The members as module constants, for the per-message path: on Python 3.11 the
+# metaclass's __getattr__ makes each look-up of a member on an Enum class cost
+# about 120 ns, against 11 for a global (BENCHMARKS.md, "Enum members").
+_MARKING, _AWAIT_PUBACK, _AWAIT_PUBREC, _RELEASING, _AWAIT_PUBCOMP = (
+    OutgoingState.MARKING,
+    OutgoingState.AWAIT_PUBACK,
+    OutgoingState.AWAIT_PUBREC,
+    OutgoingState.RELEASING,
+    OutgoingState.AWAIT_PUBCOMP,
+)
+
+
 @dataclass(slots=True)
 class Outgoing:
     """One message as the outflow handles it.
@@ -240,7 +252,7 @@ class Outflow:
             if item.packet_id in self.inflight:
                 continue  # not while it read: the record is read before anything goes
             item.side = feed
-            self._enter(item.packet_id, OutgoingMessage(item, OutgoingState.AWAIT_PUBACK))
+            self._enter(item.packet_id, OutgoingMessage(item, _AWAIT_PUBACK))
             self._resend.append(item.packet_id)
             taken.append(item)
         self.pump()
@@ -286,7 +298,7 @@ class Outflow:
                     self._session.stats.drop("not_authorized_receive")
                     return
                 item = feed.take_now(delivery)
-                entry = OutgoingMessage(item, OutgoingState.MARKING)
+                entry = OutgoingMessage(item, _MARKING)
                 self._enter(item.packet_id, entry)
                 self._send(conn, entry)
                 return
@@ -305,12 +317,12 @@ class Outflow:
             side = {
                 p: e
                 for p, e in self.inflight.items()
-                if e.item.side is not None and e.state is not OutgoingState.MARKING
+                if e.item.side is not None and e.state is not _MARKING
             }
             never_sent = [
                 e.item
                 for e in self.inflight.values()
-                if e.item.side is not None and e.state is OutgoingState.MARKING
+                if e.item.side is not None and e.state is _MARKING
             ]
             self.inflight.clear()
             self._marking.clear()
@@ -421,24 +433,24 @@ class Outflow:
 
     def acknowledge(self, packet_id: int) -> bool:
         """PUBACK: the QoS 1 flow ends. False if no such message is in flight."""
-        return self._finish(packet_id, OutgoingState.AWAIT_PUBACK)
+        return self._finish(packet_id, _AWAIT_PUBACK)
 
     def received(self, packet_id: int, failed: bool) -> bool:
         """PUBREC: the QoS 2 flow moves to PUBREL, or ends if the client refused it."""
         entry = self.inflight.get(packet_id)
-        if entry is None or entry.state is not OutgoingState.AWAIT_PUBREC:
+        if entry is None or entry.state is not _AWAIT_PUBREC:
             return False
         if failed:
-            return self._finish(packet_id, OutgoingState.AWAIT_PUBREC)
+            return self._finish(packet_id, _AWAIT_PUBREC)
         self._progress()
-        entry.state = OutgoingState.RELEASING
+        entry.state = _RELEASING
         epoch = self._epoch
         self.feed.release(entry.item, lambda: self._released(packet_id, epoch))
         return True
 
     def completed(self, packet_id: int) -> bool:
         """PUBCOMP: the QoS 2 flow ends."""
-        return self._finish(packet_id, OutgoingState.AWAIT_PUBCOMP)
+        return self._finish(packet_id, _AWAIT_PUBCOMP)
 
     def pending(self) -> int:
         """Messages not yet acknowledged, in flight or waiting."""
@@ -496,7 +508,7 @@ class Outflow:
     def _admit(self, conn: MQTTConnection, item: Outgoing, to_mark: list[Outgoing]) -> None:
         """A message from the feed enters the table: sent now, or after its mark."""
         if item.delivery is None:  # only PUBREL is left (MQTT-4.4.0-1)
-            self._enter(item.packet_id, OutgoingMessage(item, OutgoingState.AWAIT_PUBCOMP))
+            self._enter(item.packet_id, OutgoingMessage(item, _AWAIT_PUBCOMP))
             conn.send(PubRel(item.packet_id))
             return
         may_receive = self._may_receive
@@ -516,7 +528,7 @@ class Outflow:
             else:
                 (item.side or self.feed).undeliverable(item)
             return
-        entry = OutgoingMessage(item, OutgoingState.MARKING)
+        entry = OutgoingMessage(item, _MARKING)
         self._enter(item.packet_id, entry)
         if (item.sent or item.marked) and not self._marking:
             self._send(conn, entry)
@@ -562,9 +574,7 @@ class Outflow:
         assert delivery is not None
         resend = item.sent
         if conn.send_delivery(delivery, item.packet_id, dup=resend or item.replay, resend=resend):
-            entry.state = (
-                OutgoingState.AWAIT_PUBACK if delivery.qos == 1 else OutgoingState.AWAIT_PUBREC
-            )
+            entry.state = _AWAIT_PUBACK if delivery.qos == 1 else _AWAIT_PUBREC
             item.sent = True
             (item.side or self.feed).sent(item, resend)
             return
@@ -585,17 +595,17 @@ class Outflow:
     def _send_again(self, conn: MQTTConnection, packet_id: int) -> None:
         """Re-send on a new connection what was in flight on an earlier one."""
         entry = self.inflight[packet_id]
-        if entry.state in (OutgoingState.AWAIT_PUBCOMP, OutgoingState.RELEASING):
-            if entry.state is OutgoingState.AWAIT_PUBCOMP:
+        if entry.state in (_AWAIT_PUBCOMP, _RELEASING):
+            if entry.state is _AWAIT_PUBCOMP:
                 conn.send(PubRel(packet_id))
             return
         self._send(conn, entry)
 
     def _released(self, packet_id: int, epoch: int) -> None:
         entry = self.inflight.get(packet_id)
-        if epoch != self._epoch or entry is None or entry.state is not OutgoingState.RELEASING:
+        if epoch != self._epoch or entry is None or entry.state is not _RELEASING:
             return  # the next connection re-sends PUBREL from the record
-        entry.state = OutgoingState.AWAIT_PUBCOMP
+        entry.state = _AWAIT_PUBCOMP
         conn = self._session.connection
         if conn is not None and conn.accepts_publish:
             conn.send(PubRel(packet_id))

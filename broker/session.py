@@ -80,6 +80,13 @@ class Session:
         persistent path holds the session."""
         return self.expiry_interval > 0
 
+    @property
+    def application(self) -> bool:
+        """An APPLICATION session (docs/application-sessions.md): its messages go to a
+        Kafka topic of its own, not to Redis. Its feed says so here; a replica that
+        holds it as a remote record is told (broker/cluster.py)."""
+        return bool(getattr(self.outflow.feed, "application", False))
+
     def deliver(self, delivery: Delivery) -> None:
         """QoS 0 goes out now or never: a session may keep it (spec 3.1.2.4), this
         one does not, as Mosquitto by default. QoS 1 and 2 go to the outflow."""

@@ -67,7 +67,7 @@ import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -75,6 +75,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
 from broker.outflow import Outgoing
+from broker.packets import ReasonCode
 from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import APP_TOPIC_PREFIX, client_keys, decode_record
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
@@ -91,6 +92,7 @@ log = logging.getLogger("devicemq.application")
 TOPIC_PREFIX = APP_TOPIC_PREFIX
 REGISTRY = "devicemq:app:sessions"  # hash: client id -> generation of its APPLICATION session
 SAFE_LENGTH = 180  # characters of the client ID kept in a topic name (Kafka allows 249)
+DEADLINE_TICK = 0.5  # seconds between two looks at the producing deadlines
 READ_WAIT_MS = 200  # a reader's longest wait for records (then it looks at its connection)
 RETRY_FIRST, RETRY_MOST = 0.5, 2.0  # seconds between tries of a write or a read that failed
 DONE = "-"  # an inflight field whose flow completed (its id went to a later message)
@@ -98,35 +100,63 @@ DONE = "-"  # an inflight field whose flow completed (its id went to a later mes
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
-# KEYS[4] {cid}_app_seen  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
-# ARGV: generation, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k fields,
-# s, s ("producer:partition", seq) pairs, t, t (partition, "producer:seq") pairs, l, l ids
-# Fenced by the generation: a late write of an ended session takes nothing of the next.
+# KEYS[4] {cid}_app_seen  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost  KEYS[7] {cid}_app_owner
+# KEYS[8] {cid}_app_names
+# ARGV: generation, owner, n, n (partition, offset) pairs, m, m (field, value) pairs, k, k
+# fields (deleted, with their names), s, s ("producer:partition", seq) pairs, t, t
+# (partition, "producer:seq") pairs, l, l ids, r, r (field, "producer:seq") pairs: the
+# record a field was written for (finding 33)
+# Fenced twice. By the generation: a late write of an ended session takes nothing of the
+# next (0). By the owner (_LOAD_LUA): a connection that lost the session to a newer one
+# (a takeover, on another broker or this one) writes nothing over the progress that one
+# read and goes on from (-1).
 _PROGRESS_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local i = 2
+if redis.call('GET', KEYS[7]) ~= ARGV[2] then return -1 end
+local i = 3
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do redis.call('HDEL', KEYS[3], ARGV[i]); i = i + 1 end
+for _ = 1, n do
+  redis.call('HDEL', KEYS[3], ARGV[i]); redis.call('HDEL', KEYS[8], ARGV[i]); i = i + 1
+end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[5], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HDEL', KEYS[6], ARGV[i]); i = i + 1 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[8], ARGV[i], ARGV[i + 1]); i = i + 2 end
 return 1
+"""
+
+# KEYS[1] {cid}_generation  KEYS[2..7] {cid}_app_offsets, _inflight, _seen, _replay, _tail,
+# _lost  KEYS[8] {cid}_app_owner  KEYS[9] {cid}_app_names
+# A connection starts serving the session: it becomes the owner (a number that only grows,
+# so the newest reader holds it) and reads the progress in the same step, so no write of
+# an earlier owner lands between its read and its own writes. Returns {owner, generation
+# ('' if none), then the seven hashes flat}.
+_LOAD_LUA = """
+local owner = redis.call('INCR', KEYS[8])
+local out = {owner, redis.call('GET', KEYS[1]) or ''}
+for k = 2, 7 do out[#out + 1] = redis.call('HGETALL', KEYS[k]) end
+out[#out + 1] = redis.call('HGETALL', KEYS[9])
+return out
 """
 
 # KEYS[1] {cid}_generation  KEYS[2] {cid}_app_offsets  KEYS[3] {cid}_app_inflight
 # KEYS[4] {cid}_app_replay  KEYS[5] {cid}_app_tail  KEYS[6] {cid}_app_lost
-# ARGV: generation, partition. The partition's log went back (Kafka lost it): read the
-# new log from its start; the fields name offsets of the old one and go, and the packet
-# ids they held (not completed) wait in {cid}_app_lost for a PUBREL each.
+# KEYS[7] {cid}_app_owner  KEYS[8] {cid}_app_names
+# ARGV: generation, partition, owner. The partition's log went back (Kafka lost it): read
+# the new log from its start; the fields name offsets of the old one and go, and the packet
+# ids they held (not completed) wait in {cid}_app_lost for a PUBREL each. Fenced by the
+# generation (0) and the owner (-1) as _PROGRESS_LUA.
 _RESET_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('GET', KEYS[7]) ~= ARGV[3] then return -1 end
 local p = ARGV[2]
 redis.call('HSET', KEYS[2], p, 0)
 redis.call('HDEL', KEYS[4], p)
@@ -139,18 +169,22 @@ for i = 1, #fields, 2 do
     local id = string.match(value, '^(%d+)')
     if id then redis.call('HSET', KEYS[6], id, '1') end
     redis.call('HDEL', KEYS[3], name)
+    redis.call('HDEL', KEYS[8], name)
   end
 end
 return 1
 """
 
 
-# KEYS as above, KEYS[5] {cid}_app_replay, KEYS[6] {cid}_app_tail; ARGV: generation, n,
-# n (partition, offset). A partition moves back only (to at most its committed offset);
-# what it passes over was seen: DUP when sent again. The copies' marks go: the rewound
-# records are read again; so does the tail (it names the record below the old offset).
+# KEYS as above, KEYS[5] {cid}_app_replay, KEYS[6] {cid}_app_tail, KEYS[7] {cid}_app_owner;
+# ARGV: generation, n, n (partition, offset). A partition moves back only (to at most its
+# committed offset); what it passes over was seen: DUP when sent again. The copies' marks
+# go: the rewound records are read again; so does the tail (it names the record below the
+# old offset). The owner number goes up: a connection serving the session (here, or on
+# another replica) writes nothing more over the rewound progress; it loads it again.
 _REWIND_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return nil end
+redis.call('INCR', KEYS[7])
 local out = {}
 local n = tonumber(ARGV[2])
 for k = 0, n - 1 do
@@ -171,6 +205,7 @@ return out
 """
 
 
+@lru_cache(maxsize=4096)  # asked per message routed (submit): a SHA-256 each, uncached
 def app_topic(client_id: str) -> str:
     """The Kafka topic of ``client_id``'s APPLICATION session: the client ID with every
     character Kafka does not allow (and '.') as '_', cut to :data:`SAFE_LENGTH`, then a
@@ -189,6 +224,8 @@ class AppKeys:
     replay: str  # hash: partition -> the committed offset before a rewind (DUP below it)
     tail: str  # hash: partition -> "producer:seq" of the record just below the committed offset
     lost: str  # hash: packet id -> 1, in flight for a record of a log that went back
+    owner: str  # the number of the connection serving the session (_LOAD_LUA): a fence
+    names: str  # hash: "partition:offset" -> "producer:seq" of the record a field is for
 
 
 def app_keys(client_id: str) -> AppKeys:
@@ -203,6 +240,8 @@ def app_keys(client_id: str) -> AppKeys:
         prefix + "_app_replay",
         prefix + "_app_tail",
         prefix + "_app_lost",
+        prefix + "_app_owner",
+        prefix + "_app_names",
     )
 
 
@@ -284,15 +323,25 @@ class ApplicationSessions:
         self.progress_script = redis.register_script(_PROGRESS_LUA)
         self._rewind_script = redis.register_script(_REWIND_LUA)
         self._reset_script = redis.register_script(_RESET_LUA)
+        self.load_script = redis.register_script(_LOAD_LUA)
+        self.fenced = 0  # progress writes refused: their connection had lost the session
         self.log_resets = 0  # partitions of sessions' topics found gone back (Kafka lost them)
         self._chains: dict[str, asyncio.Future[None]] = {}  # per client: topic work in order
         self._pending: deque[_Submission] = deque()
+        # Submissions handed to the producer, oldest first, with their deadlines: one
+        # timer looks at them (a timer per submission cost ~3% of the broker at 2,000
+        # msg/s), at most every DEADLINE_TICK seconds, so a deadline may pass that late.
+        self._waiting: deque[tuple[float, _Submission]] = deque()
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._sender: asyncio.Task[None] | None = None
         # Topics made sure of (listed by Kafka) since the producer's last closed
         # connection: a Kafka restarted empty acknowledges records for a topic it no
         # longer has and loses them (finding 32), so each is made again first.
         self._ensured: set[str] = set()
         self._topic_clients: dict[str, str] = {}  # topic -> its client ID
+        # Client IDs of APPLICATION sessions held by other replicas that this one
+        # routed to (their topics are made sure of as this replica's own)
+        self._remote: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self.produced = 0
         self.failed = 0
@@ -306,6 +355,15 @@ class ApplicationSessions:
         await self._producer.start()
         names = await self.redis.hkeys(REGISTRY)
         self.kinds = {n.decode() if isinstance(n, bytes) else n for n in names}
+
+    def is_application(self, session: Session) -> bool:
+        """Is ``session`` (held here, or another replica's remote record) an APPLICATION
+        one? Its feed, or what its replica said (broker/cluster.py ``ap``)."""
+        return session.application or session.client_id in self.kinds
+
+    async def _known(self, client_id: str) -> bool:
+        """An APPLICATION session of this broker, or of another replica (the registry)."""
+        return client_id in self.kinds or bool(await self.redis.hexists(REGISTRY, client_id))
 
     async def forget_unrestored(self, restored: Collection[str]) -> None:
         """Sessions ended while no broker ran (expired): their topics go too."""
@@ -346,10 +404,25 @@ class ApplicationSessions:
         self._spawn(run())
 
     def ended(self, client_id: str, generation: int) -> None:
-        """The session ended: its topic and keys go (unless a newer one opened)."""
-        if client_id not in self.kinds:
+        """The session ended: its topic and keys go (unless a newer one opened). One
+        that another replica made (a remote record here, which expired here) is known
+        from the registry."""
+        if client_id in self.kinds:
+            self._spawn(
+                self._serial(client_id, partial(self._delete_quietly, client_id, generation))
+            )
             return
-        self._spawn(self._serial(client_id, partial(self._delete_quietly, client_id, generation)))
+
+        async def if_registered() -> None:
+            try:
+                known = await self._known(client_id)
+            except Exception as error:  # Redis away: the next start deletes it
+                log.warning("ending APPLICATION session %s: %s", client_id, error)
+                return
+            if known:
+                await self._delete_quietly(client_id, generation)
+
+        self._spawn(self._serial(client_id, if_registered))
 
     async def _delete_quietly(self, client_id: str, generation: int | None) -> None:
         """:meth:`_delete`; a failure is logged: the topic stays listed in the registry
@@ -376,8 +449,16 @@ class ApplicationSessions:
         self._forget_topic(app_topic(client_id))
         self._ensured.discard(app_topic(client_id))
         self._topic_clients.pop(app_topic(client_id), None)
+        self._remote.discard(client_id)
         await self.redis.delete(
-            keys.offsets, keys.inflight, keys.seen, keys.replay, keys.tail, keys.lost
+            keys.offsets,
+            keys.inflight,
+            keys.seen,
+            keys.replay,
+            keys.tail,
+            keys.lost,
+            keys.owner,
+            keys.names,
         )
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
@@ -401,7 +482,7 @@ class ApplicationSessions:
     async def _ensure(self, topic: str) -> None:
         """Make ``topic`` again if Kafka lost it (a session's own, still held)."""
         client_id = self._topic_clients.get(topic)
-        if client_id is None or client_id not in self.kinds:
+        if client_id is None or (client_id not in self.kinds and client_id not in self._remote):
             return
         try:
             await self._create(client_id)
@@ -487,6 +568,8 @@ class ApplicationSessions:
             )
             name = app_topic(session.client_id)
             self._topic_clients[name] = session.client_id
+            if session.connection is None and session.client_id not in self.kinds:
+                self._remote.add(session.client_id)  # held by another replica
             records.append((name, partition, topic, value))
         self._seq = seq
         self._pending.append(_Submission(records, on_accepted, on_settled))
@@ -499,9 +582,18 @@ class ApplicationSessions:
         try:
             while self._pending:
                 submission = self._pending.popleft()
-                loop.call_later(self._timeout, self._expire, submission)
-                for name in {record[0] for record in submission.records} - self._ensured:
-                    await self._ensure(name)
+                self._waiting.append((loop.time() + self._timeout, submission))
+                if self._deadline_timer is None:
+                    self._deadline_timer = loop.call_later(
+                        min(DEADLINE_TICK, self._timeout), self._deadlines
+                    )
+                ensured = self._ensured
+                tried: set[str] = set()
+                for record in submission.records:
+                    name = record[0]
+                    if name not in ensured and name not in tried:
+                        tried.add(name)
+                        await self._ensure(name)
                 for topic, partition, key, value in submission.records:
                     try:
                         future = await self._producer.send(
@@ -533,9 +625,24 @@ class ApplicationSessions:
                 settled, submission.on_settled = submission.on_settled, None
                 settled(not submission.failed)
 
-    def _expire(self, submission: _Submission) -> None:
-        if not submission.reported:
-            self._report(submission, False)
+    def _deadlines(self) -> None:
+        """Fail the submissions whose deadline passed; forget the answered ones."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        waiting = self._waiting
+        while waiting:
+            deadline, submission = waiting[0]
+            if submission.out == 0 and submission.reported:
+                waiting.popleft()  # answered: nothing to wait for
+            elif deadline <= now:
+                waiting.popleft()
+                if not submission.reported:
+                    self._report(submission, False)
+            else:
+                break
+        self._deadline_timer = (
+            loop.call_later(min(DEADLINE_TICK, self._timeout), self._deadlines) if waiting else None
+        )
 
     def _report(self, submission: _Submission, ok: bool) -> None:
         submission.reported = True
@@ -577,8 +684,10 @@ class ApplicationSessions:
         still holds them; never forward past the committed offsets. ``feed``: the
         session's, if this broker holds it: it stops reading meanwhile and, if its
         client is connected, starts again from there (what is in flight is sent again,
-        under its ids, with DUP). Returns partition -> the offset it reads from now."""
-        if client_id not in self.kinds:
+        under its ids, with DUP). Returns partition -> the offset it reads from now.
+        Held by another replica: its connection loses the session (the owner fence,
+        _REWIND_LUA) and its client, connecting again, reads from there."""
+        if not await self._known(client_id):
             raise KeyError(client_id)
         partitions = range(self.settings.partitions)
         if since is not None:
@@ -601,6 +710,7 @@ class ApplicationSessions:
                     keys.seen,
                     keys.replay,
                     keys.tail,
+                    keys.owner,
                 ],
                 args=args,
             )
@@ -634,7 +744,7 @@ class ApplicationSessions:
             try:
                 keys = app_keys(client_id)
                 generation = await self.redis.get(keys.generation)
-                await self._reset_script(
+                done = await self._reset_script(
                     keys=[
                         keys.generation,
                         keys.offsets,
@@ -642,10 +752,17 @@ class ApplicationSessions:
                         keys.replay,
                         keys.tail,
                         keys.lost,
+                        keys.owner,
+                        keys.names,
                     ],
-                    args=[generation, partition],
+                    args=[generation, partition, feed.owner],
                 )
-            finally:
+            except BaseException:
+                feed.reread()
+                raise
+            if done == -1:
+                feed.taken_over()  # another connection serves it now: it reads the log
+            else:
                 feed.reread()
 
         async def run() -> None:
@@ -702,7 +819,7 @@ class ApplicationSessions:
         offsets and the age of the oldest of them (None: not an APPLICATION session).
         The high watermark comes from a fetch: Tansu answers ListOffsets with a count
         of batches (pipeline/kafka_source.py)."""
-        if client_id not in self.kinds:
+        if not await self._known(client_id):
             return None
         topic = app_topic(client_id)
         committed = await self.committed(client_id)
@@ -751,6 +868,9 @@ class ApplicationSessions:
             await asyncio.gather(*self._background, return_exceptions=True)
         with contextlib.suppress(KafkaError):
             await self._producer.stop()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
 
 
 @dataclass(slots=True)
@@ -763,6 +883,7 @@ class _Progress:
     del_fields: set[str] = field(default_factory=set)
     tail: dict[int, str] = field(default_factory=dict)  # partition -> "producer:seq"
     lost_done: set[int] = field(default_factory=set)  # lost ids that got their PUBCOMP
+    names: dict[str, str] = field(default_factory=dict)  # field -> its record's name
     callbacks: list[Callable[[], None]] = field(default_factory=list)
 
     def set(self, name: str, value: str) -> None:
@@ -771,6 +892,7 @@ class _Progress:
 
     def delete(self, name: str) -> None:
         self.set_fields.pop(name, None)
+        self.names.pop(name, None)
         self.del_fields.add(name)
 
     def __bool__(self) -> bool:
@@ -813,6 +935,7 @@ class ApplicationFeed:
     """An APPLICATION session's messages, read from its Kafka topic (see the module)."""
 
     durable = True
+    application = True  # Session.application
 
     def __init__(self, client_id: str, apps: ApplicationSessions) -> None:
         self.client_id = client_id
@@ -830,6 +953,7 @@ class ApplicationFeed:
         self._fields: dict[int, deque[int]] = {}  # per partition: offsets with a field, in order
         self._field_of_id: dict[int, tuple[int, int]] = {}  # packet id -> its latest field
         self._known: dict[tuple[int, int], str] = {}  # fields read back, not reached yet
+        self._names: dict[tuple[int, int], str] = {}  # their records' names (finding 33)
         # (producer, partition) -> the last seq read; a record at or below it is a copy
         self._seen: dict[tuple[int, int], int] = {}
         self._replay: dict[int, int] = {}  # partition -> below it, seen before a rewind
@@ -846,6 +970,10 @@ class ApplicationFeed:
         self._reserved: set[int] = set()  # their ids: not given to new messages
         self._last_id = 0
         self._generation: bytes | None = None
+        # Its number as the session's owner ({cid}_app_owner), taken at each load: a
+        # progress write with an older one is refused (another connection took over).
+        self.owner = 0
+        self._loading: int | None = None  # the epoch whose load is under way: no writes
         self._reader: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
         self._asked = _Progress()
@@ -972,6 +1100,8 @@ class ApplicationFeed:
         if not offsets or offsets[-1] < ref.offset:
             offsets.append(ref.offset)
         asked.set(name, value)
+        if ref.name != "0:0":  # which record this field is for: is the log the same?
+            asked.names[name] = ref.name
 
     def _stale(self, ref: _Ref) -> bool:
         """Was ``ref`` read from a log that went back since?"""
@@ -1008,7 +1138,12 @@ class ApplicationFeed:
         self._schedule()
 
     def _schedule(self) -> None:
-        if self._writer is None and self._generation is not None and not self._frozen:
+        if (
+            self._writer is None
+            and self._generation is not None
+            and not self._frozen
+            and self._loading is None
+        ):
             self._written.clear()
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
@@ -1018,7 +1153,7 @@ class ApplicationFeed:
         try:
             while self._asked:
                 asked, self._asked = self._asked, _Progress()
-                args: list[Any] = [self._generation, len(asked.offsets)]
+                args: list[Any] = [self._generation, self.owner, len(asked.offsets)]
                 for partition, offset in asked.offsets.items():
                     args += [partition, offset]
                 args.append(len(asked.set_fields))
@@ -1034,11 +1169,23 @@ class ApplicationFeed:
                     args += [partition, name]
                 args.append(len(asked.lost_done))
                 args += sorted(asked.lost_done)
+                args.append(len(asked.names))
+                for name, record in asked.names.items():
+                    args += [name, record]
                 app = self._keys
-                keys = [app.generation, app.offsets, app.inflight, app.seen, app.tail, app.lost]
+                keys = [
+                    app.generation,
+                    app.offsets,
+                    app.inflight,
+                    app.seen,
+                    app.tail,
+                    app.lost,
+                    app.owner,
+                    app.names,
+                ]
                 while True:
                     try:
-                        await self._apps.progress_script(keys=keys, args=args)
+                        written = await self._apps.progress_script(keys=keys, args=args)
                         break
                     except Exception as error:  # Redis away: messages wait for their marks
                         self.write_errors += 1
@@ -1046,11 +1193,37 @@ class ApplicationFeed:
                         await asyncio.sleep(wait)
                         wait = min(wait * 2, RETRY_MOST)
                 wait = RETRY_FIRST
+                if written == -1:
+                    # Another connection serves the session now and reads the progress
+                    # as it stood: nothing of this one is written, nothing more is sent.
+                    self._asked = _Progress()
+                    self.taken_over()
+                    return
                 for callback in asked.callbacks:
                     callback()
         finally:
             self._writer = None
             self._written.set()
+
+    def taken_over(self) -> None:
+        """A write was refused: a newer connection of the client (on another broker, or
+        a later one here) took the session over and goes on from the progress in
+        Redis. This one stops reading and its client is disconnected (0x8E, as for a
+        takeover on one broker); nothing asked on it is sent: its marks were not
+        written. Its next connection loads the session again."""
+        self._apps.fenced += 1
+        self._generation = None  # nothing more is written until a load makes it owner again
+        log.warning(
+            "APPLICATION session %s is served by a newer connection: this one (owner %d) "
+            "stops, its progress not written",
+            self.client_id,
+            self.owner,
+        )
+        self._stop()
+        outflow = self.outflow
+        conn = outflow.connection if outflow is not None else None
+        if conn is not None:
+            conn.disconnect(ReasonCode.SESSION_TAKEN_OVER)
 
     # -- the reader ------------------------------------------------------------------
 
@@ -1062,6 +1235,7 @@ class ApplicationFeed:
         self._buffer.clear()
         self._order.clear()
         self._known.clear()
+        self._names.clear()
         self._reserved.clear()
         self._room.set()
 
@@ -1071,16 +1245,22 @@ class ApplicationFeed:
 
     async def _read(self, epoch: int) -> None:
         """Read from the committed offsets while the client is connected."""
-        await self._written.wait()  # the last connection's progress is in Redis first
-        wait = RETRY_FIRST
-        while self._connected(epoch):
-            try:
-                await self._load(epoch)
-                break
-            except Exception as error:
-                log.warning("reading the progress of %s failed: %s", self.client_id, error)
-                await asyncio.sleep(wait)
-                wait = min(wait * 2, RETRY_MOST)
+        self._loading = epoch  # what is asked meanwhile is written as the new owner
+        try:
+            await self._written.wait()  # the last connection's progress is in Redis first
+            wait = RETRY_FIRST
+            while self._connected(epoch):
+                try:
+                    await self._load(epoch)
+                    break
+                except Exception as error:
+                    log.warning("reading the progress of %s failed: %s", self.client_id, error)
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, RETRY_MOST)
+        finally:
+            if self._loading == epoch:
+                self._loading = None
+                self._schedule()
         if self._buffer and self._connected(epoch) and self.outflow is not None:
             self.outflow.pump()  # the lost ids' PUBRELs
         while self._connected(epoch):
@@ -1132,19 +1312,26 @@ class ApplicationFeed:
                     await consumer.stop()
 
     async def _load(self, epoch: int) -> None:
-        redis = self._apps.redis
         keys = self._keys
-        generation, offsets, inflight, seen, replay, tail, lost = await asyncio.gather(
-            redis.get(keys.generation),
-            redis.hgetall(keys.offsets),
-            redis.hgetall(keys.inflight),
-            redis.hgetall(keys.seen),
-            redis.hgetall(keys.replay),
-            redis.hgetall(keys.tail),
-            redis.hgetall(keys.lost),
+        got = await self._apps.load_script(
+            keys=[
+                keys.generation,
+                keys.offsets,
+                keys.inflight,
+                keys.seen,
+                keys.replay,
+                keys.tail,
+                keys.lost,
+                keys.owner,
+                keys.names,
+            ]
         )
         if epoch != self._epoch:
-            return
+            return  # a later connection loads it again (and owns it then)
+        owner, raw_generation, *hashes = got
+        offsets, inflight, seen, replay, tail, lost, names = (_pairs(flat) for flat in hashes)
+        generation = raw_generation or None
+        self.owner = int(owner)
         self._tail = {int(p): name.decode() for p, name in tail.items()}
         self._replay = {int(p): int(o) for p, o in replay.items()}
         self._seen = {}
@@ -1176,6 +1363,10 @@ class ApplicationFeed:
                 self._reserved.add(packet_id)
                 self._field_of_id[packet_id] = (partition, offset)
         self._known = known
+        self._names = {}
+        for name, record in names.items():
+            partition, offset = (int(x) for x in name.split(b":"))
+            self._names[(partition, offset)] = record.decode()
         inflight = self.outflow.inflight if self.outflow is not None else {}
         for raw_id in sorted(int(i) for i in lost):
             if raw_id in inflight:
@@ -1249,6 +1440,14 @@ class ApplicationFeed:
             # past it (retention took it): nothing to compare, the commit is below
         if offset < self.read_to.get(partition, 0):
             return False  # below what was read: a new log
+        was = self._names.get((partition, offset))
+        if was is not None and was != name:
+            # Another record where a field's was (sent, perhaps seen): a new log, whose
+            # offsets start below the old one's fields (nothing committed: no tail to
+            # compare; finding 33)
+            return False
+        if was is not None:
+            del self._names[(partition, offset)]
         self.read_to[partition] = offset + 1
         self._last[partition] = name
         ref = _Ref(partition, offset, name, self._logs.get(partition, 0))
@@ -1282,6 +1481,11 @@ class ApplicationFeed:
         outflow = self.outflow
         conn = outflow.connection if outflow is not None else None
         return conn.broker.clock() if conn is not None else time.monotonic()
+
+
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    """A hash as a script returns it (HGETALL: field, value, ...) as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _ignore(ok: bool) -> None:

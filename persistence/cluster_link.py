@@ -62,6 +62,7 @@ from broker.message import Delivery
 from persistence.coalescing import CoalescingWriter, Retry
 from persistence.delivery_codec import encode_delivery, stored_delivery
 from persistence.format import decode_record
+from persistence.redis_packing import packed_by_hiredis
 from persistence.redis_security import redis_client
 
 if TYPE_CHECKING:
@@ -365,7 +366,7 @@ async def open_cluster_link(
     redis = redis_client(url, connect, persistence.redis_sentinels, client_name=name)
     keys: Redis | RedisCluster | None = None
     if settings.persistence.redis_cluster:
-        keys = RedisCluster.from_url(url, decode_responses=False, **connect)
+        keys = packed_by_hiredis(RedisCluster.from_url(url, decode_responses=False, **connect))
     link = ClusterLink(
         redis,
         settings.cluster.channel_prefix,

@@ -294,7 +294,8 @@ class DevicePersistence:
         mine: list[tuple[Session, Delivery]] = []
         others: list[tuple[Session | GroupTarget, Delivery]] = []
         for target, delivery in deliveries:
-            if isinstance(getattr(getattr(target, "outflow", None), "feed", None), ApplicationFeed):
+            # held here (its feed reads the topic) or by another replica, which said so
+            if getattr(target, "application", False):
                 mine.append((target, delivery))  # type: ignore[arg-type]
             else:
                 others.append((target, delivery))

@@ -1,6 +1,6 @@
 """Delivery events: what happened to every persisted message, for the audit pipeline.
 
-The broker appends compact orjson events to the Kafka topic ``devicemq.events``
+The broker appends compact positional events to the Kafka topic ``devicemq.events``
 (``events.topic``), each client's in the partition its client id would be
 keyed to (``partition_of`` of persistence/format.py, Kafka's default
 partitioner), so one client's events stay in one partition, in the order they
@@ -47,20 +47,30 @@ An entry that retention removed unacknowledged is ``expired`` (``at``:
 ``at`` ``arrival``.
 
 Every event has ``ev``, ``cid`` and ``ts`` (epoch seconds). A Kafka record
-carries a JSON array of the events of one flush for one partition's clients,
-each client's in order (a send costs far more than encoding: one per partition
-and flush, not per client or event; with thousands of devices a message each,
-one per client was the broker's largest cost, BENCHMARKS.md "The fleet shape"),
-split into several records of at most 256 KiB when a flush is larger. Its key
-is empty: readers take the client from each event's ``cid``. Should the
-producer not know the topic's partitions, a flush writes a record per client,
-keyed by its id, as before. A record Kafka refuses is counted in a ``gap`` event: the audit sees
-a gap, never a false ``lost``.
+carries the events of one flush for one partition's clients, in the order they
+happened (so each client's in order), laid out by position: ``[2, event, ...]``,
+each event an array of its layout's number, ``cid``, ``ts`` and the layout's
+fields (persistence/format.py, "Delivery event record" and ``EVENT_LAYOUTS``:
+which layout is which kind, and with which fields in which order). A layout
+stands for the kind and its fixed fields (``expired`` ``at`` ``delivery`` is
+one, ``at`` ``arrival`` another), so neither field names nor kinds are written;
+records written before 2026-11-29 hold the same events as JSON objects by name,
+and :func:`persistence.format.decode_event_record` reads both, as the pipeline
+does. A record per partition and flush, not per client or event (a send costs
+far more than encoding; with thousands of devices a message each, one per
+client was the broker's largest cost, BENCHMARKS.md "The fleet shape"), split
+into several records of at most 256 KiB when a flush is larger. Its key is
+empty: readers take the client from each event's ``cid``. Should the producer
+not know the topic's partitions, a flush writes a record per client, keyed by
+its id, as before. A record Kafka refuses is counted in a ``gap`` event: the
+audit sees a gap, never a false ``lost``.
 
-Off the hot path: an emitting call appends a tuple to a list and returns;
-one task wakes every ``interval`` seconds, encodes what accumulated and hands
-it to its own producer (acks=1: an event is a record, not a promise to a
-publisher). Nothing on the delivery path ever awaits it. The buffer is
+Off the hot path: an emitting call appends the event's tuple, as it will be
+written, to a list and returns (a consumer's save is unfolded into its events
+at the flush); one task wakes every ``interval`` seconds, encodes what
+accumulated (one ``orjson.dumps`` per record: no dict, no per-event work but
+finding its partition) and hands it to its own producer (acks=1: an event is a
+record, not a promise to a publisher). Nothing on the delivery path ever awaits it. The buffer is
 bounded: while Kafka is too slow, events over ``max_buffer`` are counted in
 :attr:`EventLog.dropped` and a ``gap`` event tells the audit about them.
 """
@@ -76,8 +86,41 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from persistence.format import header_fields, partition_of
+from persistence.format import (
+    EV_ACKED,
+    EV_ADMIN,
+    EV_CONNECTED,
+    EV_DELIVERED,
+    EV_DISCARDED_ARRIVAL,
+    EV_DISCONNECTED,
+    EV_DROPPED,
+    EV_DUPLICATE,
+    EV_EXPIRED_ARRIVAL,
+    EV_EXPIRED_DELIVERY,
+    EV_GAP,
+    EV_PERSISTED,
+    EV_PURGED,
+    EV_Q_ACKED,
+    EV_Q_COMPACTED,
+    EV_Q_DELIVERED,
+    EV_Q_DROPPED,
+    EV_Q_EXPIRED,
+    EV_Q_PERSISTED,
+    EV_Q_PURGED,
+    EV_Q_REFUSED,
+    EV_Q_TRIMMED,
+    EV_SESSION_ENDED,
+    EV_SESSION_EXPIRED,
+    EV_TRIMMED,
+    EV_TRIMMED_ARRIVAL,
+    EVENTS_LAYOUT,
+    header_fields,
+    partition_of,
+)
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
+from persistence.queue_store import DUPLICATE as QUEUE_DUPLICATE
+from persistence.queue_store import REFUSED, RETENTION
+from persistence.redis_store import DISCARDED, DUPLICATE, UNSTORED
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -164,8 +207,24 @@ class NullEvents:
 
 NO_EVENTS = NullEvents()
 
-# Buffered entries: (kind, client id, time, details). Encoding waits for the flush.
-_Entry = tuple[str, str, float, Any]
+# Buffered entries: (layout number, client id, time, its fields...), the event as it is
+# written (persistence/format.py, "Delivery event record"), or a consumer's save to
+# unfold at the flush: (_STORED or _QUEUE_STORED, client id, time, batch, result).
+_Entry = tuple[Any, ...]
+_STORED, _QUEUE_STORED = -1, -2
+_SESSION_KINDS = {
+    "connected": EV_CONNECTED,
+    "disconnected": EV_DISCONNECTED,
+    "session_expired": EV_SESSION_EXPIRED,
+    "session_ended": EV_SESSION_ENDED,
+}
+_QUEUE_KINDS = {
+    "delivered": EV_Q_DELIVERED,
+    "acked": EV_Q_ACKED,
+    "discarded": EV_Q_DROPPED,  # too large for the client (expired: not asked)
+    "purged": EV_Q_PURGED,
+}
+_RECORD_START = b"[%d," % EVENTS_LAYOUT  # a record: the layout, then its events
 
 
 class EventLog:
@@ -206,28 +265,47 @@ class EventLog:
         self._flushing = asyncio.Lock()  # a flush and a rotation never overlap
 
     # -- EventSink (hot path: append and return) ----------------------------------------
+    # Each call appends the event as it will be written: the flush only sorts the
+    # entries by partition and encodes them, field names and kinds are never written.
 
-    def _add(self, kind: str, client_id: str, details: Any) -> None:
-        if len(self._buffer) >= self._max_buffer:
-            self.dropped += 1
-            self._gap += 1
-            return
-        self._buffer.append((kind, client_id, self._clock(), details))
+    def _full(self) -> bool:
+        if len(self._buffer) < self._max_buffer:
+            return False
+        self.dropped += 1
+        self._gap += 1
+        return True
 
     def stored(self, batch: ClientBatch, result: SaveResult) -> None:
-        self._add("stored", batch.client_id, (batch, result))
+        if not self._full():
+            self._buffer.append((_STORED, batch.client_id, self._clock(), batch, result))
 
     def delivered(self, client_id: str, record: StoredRecord) -> None:
-        self._add("delivered", client_id, (record.packet_id, record.score, record.sent))
+        if not self._full():
+            self._buffer.append(
+                (
+                    EV_DELIVERED,
+                    client_id,
+                    self._clock(),
+                    record.packet_id,
+                    record.score,
+                    record.sent,
+                )
+            )
 
     def acked(self, client_id: str, record: StoredRecord) -> None:
-        self._add("acked", client_id, (record.packet_id, record.score))
+        if not self._full():
+            self._buffer.append(
+                (EV_ACKED, client_id, self._clock(), record.packet_id, record.score)
+            )
 
     def discarded(self, client_id: str, record: StoredRecord) -> None:
+        if self._full():
+            return
         message = record.message
         expiry = None if message is None else message.expiry
-        expired = expiry is not None and expiry <= self._clock()
-        self._add("expired" if expired else "dropped", client_id, (record.packet_id, record.score))
+        now = self._clock()
+        layout = EV_EXPIRED_DELIVERY if expiry is not None and expiry <= now else EV_DROPPED
+        self._buffer.append((layout, client_id, now, record.packet_id, record.score))
 
     def session(self, client_id: str, kind: str) -> None:
         """``connected``/``disconnected`` (only on a change), ``session_expired``/``_ended``."""
@@ -238,19 +316,29 @@ class EventLog:
             self._connected[client_id] = now
         else:
             self._connected.pop(client_id, None)
-        self._add(kind, client_id, None)
+        if not self._full():
+            self._buffer.append((_SESSION_KINDS[kind], client_id, self._clock()))
 
     def purged(self, client_id: str, packet_id: int, score: int) -> None:
-        self._add("purged", client_id, (packet_id, score))
+        if not self._full():
+            self._buffer.append((EV_PURGED, client_id, self._clock(), packet_id, score))
 
     def admin(self, client_id: str, action: str, detail: Any) -> None:
-        self._add("admin", client_id, {"action": action, "detail": detail})
+        if not self._full():
+            self._buffer.append((EV_ADMIN, client_id, self._clock(), action, detail))
 
     def queue_stored(self, batch: QueueBatch, result: QueueSaveResult) -> None:
-        self._add("queue_stored", batch.client_id, (batch, result))
+        if not self._full():
+            self._buffer.append((_QUEUE_STORED, batch.client_id, self._clock(), batch, result))
 
     def queue(self, client_id: str, kind: str, seq: int, key: str, dup: bool = False) -> None:
-        self._add("queue", client_id, (kind, seq, key, dup))
+        if self._full():
+            return
+        layout = _QUEUE_KINDS[kind]
+        if layout == EV_Q_DELIVERED:
+            self._buffer.append((layout, client_id, self._clock(), -seq, key, dup))
+        else:
+            self._buffer.append((layout, client_id, self._clock(), -seq, key))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -297,8 +385,8 @@ class EventLog:
         entries, self._buffer = self._buffer, []
         records = self.encode(entries, await self._partitions())
         if self._gap:
-            gap = {"ev": "gap", "cid": "", "ts": self._clock(), "n": self._gap}
-            records.append((None, b"", orjson.dumps([gap])))
+            gap = (EV_GAP, "", self._clock(), self._gap)
+            records.append((None, b"", orjson.dumps([EVENTS_LAYOUT, gap])))
             self._gap = 0
         futures = []
         sizes = []
@@ -343,169 +431,120 @@ class EventLog:
     def encode(
         self, entries: Sequence[_Entry], partitions: int = 0
     ) -> list[tuple[int | None, bytes, bytes]]:
-        """Buffered entries -> (partition, key, JSON array of events) records: one per
-        partition of ``partitions`` holding its clients' events, each client's in
-        order; with ``partitions`` 0, one per client keyed by its id.
+        """Buffered entries -> (partition, key, events record) records: one per
+        partition of ``partitions`` holding its clients' events, in the order they
+        happened (so each client's in order); with ``partitions`` 0, one per client
+        keyed by its id.
 
         A Kafka send costs far more than encoding: per partition, not per client or
         event, the cost of a flush does not grow with the clients it covers.
         """
-        by_client: dict[str, list[dict[str, Any]]] = {}
-        for kind, client_id, ts, details in entries:
-            out = by_client.get(client_id)
+        epoch = self.epoch_of()
+        groups: dict[Any, list[_Entry]] = {}
+        if partitions == 1:  # the embedded Kafka of a single broker: one group
+            single: list[_Entry] = []
+            groups[0] = single
+            for entry in entries:
+                if entry[0] >= 0:
+                    single.append(entry)
+                elif entry[0] == _STORED:
+                    self._stored_events(entry, epoch, single)
+                else:
+                    self._queue_stored_events(entry, epoch, single)
+            entries = ()
+        where: dict[str, Any] = {}  # client id -> its group, for this flush
+        for entry in entries:
+            cid = entry[1]
+            group = where.get(cid)
+            if group is None:
+                group = where[cid] = partition_of(cid, partitions) if partitions else cid
+            out = groups.get(group)
             if out is None:
-                out = by_client[client_id] = []
-            base: dict[str, Any] = {"ev": kind, "cid": client_id, "ts": ts}
-            if kind == "stored":
-                out.extend(self._stored_events(client_id, ts, details))
-            elif kind == "queue_stored":
-                out.extend(self._queue_stored_events(client_id, ts, details))
-            elif kind == "queue":
-                what, seq, key, dup = details
-                event = {**base, "ev": what, "pid": 0, "sc": -seq, "q": key}
-                if what == "delivered":
-                    event["dup"] = dup
-                elif what == "discarded":
-                    event["ev"] = "dropped"  # too large for the client (expired: not asked)
-                out.append(event)
-            elif kind == "delivered":
-                pid, score, dup = details
-                out.append({**base, "pid": pid, "sc": score, "dup": dup})
-            elif kind == "admin":
-                out.append({**base, **details})
-            elif details is not None:
-                pid, score = details
-                if kind == "expired":
-                    base["at"] = "delivery"
-                out.append({**base, "pid": pid, "sc": score})
+                out = groups[group] = []
+            if entry[0] >= 0:
+                out.append(entry)
+            elif entry[0] == _STORED:
+                self._stored_events(entry, epoch, out)
             else:
-                out.append(base)
+                self._queue_stored_events(entry, epoch, out)
         records: list[tuple[int | None, bytes, bytes]] = []
-        if not partitions:
-            for cid, events in by_client.items():
-                if events:
-                    key = cid.encode()
-                    records.extend((None, key, value) for value in _records(events))
-            return records
-        by_partition: dict[int, list[dict[str, Any]]] = {}
-        for cid, events in by_client.items():
-            if events:
-                by_partition.setdefault(partition_of(cid, partitions), []).extend(events)
-        for partition, events in by_partition.items():
-            records.extend((partition, b"", value) for value in _records(events))
+        for group, events in groups.items():
+            if not events:
+                continue
+            if partitions:
+                records.extend((group, b"", value) for value in _records(events))
+            else:
+                key = group.encode()
+                records.extend((None, key, value) for value in _records(events))
         return records
 
-    def _stored_events(
-        self, client_id: str, ts: float, details: tuple[ClientBatch, SaveResult]
-    ) -> list[dict[str, Any]]:
-        from persistence.redis_store import DISCARDED, DUPLICATE, UNSTORED
-
-        batch, result = details
+    def _stored_events(self, entry: _Entry, epoch: int, out: list[_Entry]) -> None:
+        _, client_id, ts, batch, result = entry
         partition = int(batch.partition)
-        epoch = self.epoch_of()
         offsets = batch.offsets
-        events: list[dict[str, Any]] = []
         outcomes = result.outcomes
         for i, value in enumerate(batch.messages):
             if not isinstance(value, bytes):
                 continue  # only the consumer's raw records are reported
             outcome = outcomes[i]
-            base = {
-                "cid": client_id,
-                "ts": ts,
-                "part": partition,
-                "off": offsets[i] if offsets is not None else -1,
-                "ep": epoch,
-            }
+            offset = offsets[i] if offsets is not None else -1
             if outcome == DUPLICATE:
                 # Stored before (a record read again, or produced twice).
-                events.append({"ev": "duplicate", **base})
+                out.append((EV_DUPLICATE, client_id, ts, partition, offset, epoch))
                 continue
             topic, size, published, expiry = header_fields(value)
-            where = {"topic": topic, "size": size, "pub": published}
             if outcome > 0:
                 assigned = result.assigned[i]
                 assert assigned is not None
-                events.append(
-                    {
-                        "ev": "persisted",
-                        **base,
-                        "pid": assigned.packet_id,
-                        "sc": assigned.score,
-                        **where,
-                        "exp": expiry if expiry is not None else ts + self._default_ttl,
-                    }
-                )
-            elif outcome == DISCARDED:
-                # Routed for a session that had ended when it arrived.
-                events.append({"ev": "discarded", "at": "arrival", **base, **where})
+                if expiry is None:
+                    expiry = ts + self._default_ttl
+                out.append(
+                    (EV_PERSISTED, client_id, ts, assigned.packet_id, assigned.score,
+                     partition, offset, epoch, topic, size, published, expiry)
+                )  # fmt: skip
+                continue
+            if outcome == DISCARDED:
+                layout = EV_DISCARDED_ARRIVAL  # routed for a session that had ended
             elif outcome == UNSTORED:
-                # Over the limit with every stored message in flight: not stored.
-                events.append({"ev": "trimmed", "at": "arrival", **base, **where})
+                layout = EV_TRIMMED_ARRIVAL  # over the limit, every stored one in flight
             else:
-                events.append({"ev": "expired", "at": "arrival", **base, **where})
+                layout = EV_EXPIRED_ARRIVAL
+            out.append((layout, client_id, ts, partition, offset, epoch, topic, size, published))
         if result.trimmed_ids:
-            events.append({"ev": "trimmed", "cid": client_id, "ts": ts, "pids": result.trimmed_ids})
-        return events
+            out.append((EV_TRIMMED, client_id, ts, result.trimmed_ids))
 
-    def _queue_stored_events(
-        self, client_id: str, ts: float, details: tuple[QueueBatch, QueueSaveResult]
-    ) -> list[dict[str, Any]]:
-        from persistence.queue_store import DUPLICATE, REFUSED, RETENTION
-
-        batch, result = details
-        epoch, offsets = self.epoch_of(), batch.offsets
-        events: list[dict[str, Any]] = []
+    def _queue_stored_events(self, entry: _Entry, epoch: int, out: list[_Entry]) -> None:
+        _, client_id, ts, batch, result = entry
+        partition, offsets = int(batch.partition), batch.offsets
         for i, value in enumerate(batch.values):
-            base = {
-                "cid": client_id,
-                "ts": ts,
-                "part": int(batch.partition),
-                "off": offsets[i] if offsets else -1,
-                "ep": epoch,
-            }
+            offset = offsets[i] if offsets else -1
             seq = result.seqs[i]
-            if seq == DUPLICATE:
-                events.append({"ev": "duplicate", **base})
+            if seq == QUEUE_DUPLICATE:
+                out.append((EV_DUPLICATE, client_id, ts, partition, offset, epoch))
                 continue
             if seq == REFUSED:  # not stored: the queue was at its byte limit
-                events.append({"ev": "trimmed", "at": "arrival", **base})
+                out.append((EV_Q_REFUSED, client_id, ts, partition, offset, epoch))
                 continue
             topic, size, published, _expiry = header_fields(value)
-            events.append(
-                {
-                    "ev": "persisted",
-                    **base,
-                    "pid": 0,
-                    "sc": -seq,
-                    "q": result.keys[i],
-                    "topic": topic,
-                    "size": size,
-                    "pub": published,
-                    "exp": None,
-                }
-            )
+            key = result.keys[i]
+            out.append(
+                (EV_Q_PERSISTED, client_id, ts, -seq, key, partition, offset, epoch,
+                 topic, size, published)
+            )  # fmt: skip
             if result.replaced[i]:
-                events.append(
-                    {"ev": "compacted", "cid": client_id, "ts": ts, "pid": 0,
-                     "sc": -result.replaced[i], "by": -seq, "q": result.keys[i]}
-                )  # fmt: skip
+                out.append((EV_Q_COMPACTED, client_id, ts, -result.replaced[i], -seq, key))
         for removed in result.removed:
             if not removed.pending:
                 continue  # acknowledged already: only what a rewind could give went
-            kind = "expired" if removed.why == RETENTION else "trimmed"
-            events.append(
-                {"ev": kind, "at": "retention" if kind == "expired" else "queue", "cid": client_id,
-                 "ts": ts, "pid": 0, "sc": -removed.seq, "q": removed.key}
-            )  # fmt: skip
-        return events
+            layout = EV_Q_EXPIRED if removed.why == RETENTION else EV_Q_TRIMMED
+            out.append((layout, client_id, ts, -removed.seq, removed.key))
 
 
-def _records(events: list[dict[str, Any]]) -> list[bytes]:
-    """Events (one client's, or one partition's clients') as JSON arrays of at most
+def _records(events: list[_Entry]) -> list[bytes]:
+    """Events (one client's, or one partition's clients') as records of at most
     :data:`MAX_RECORD_BYTES` each, in order: one record per flush would outgrow Kafka's
     request size for a busy flush (a single event is far smaller than the limit)."""
-    value = orjson.dumps(events)
+    value = _RECORD_START + orjson.dumps(events)[1:]
     if len(value) <= MAX_RECORD_BYTES or len(events) == 1:
         return [value]
     half = len(events) // 2

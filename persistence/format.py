@@ -114,6 +114,25 @@ the restore at start-up), :data:`PRODUCERS_KEY` (producer ids handed out),
 :func:`resets_key` (log resets announced per partition), :data:`RETAINED_KEY`
 (retained messages, topic -> message value), :data:`WAIT_FENCE_KEY` (written
 before a WAIT: ``persistence.redis_wait``).
+
+Delivery event record (the Kafka record value of ``devicemq.events``)
+------------------------------------------------------------------------------
+A JSON array: the number :data:`EVENTS_LAYOUT` (2), then one array per event,
+in order. An event's array is its layout number, the client id, the time
+(epoch seconds), then the fields its layout names (:data:`EVENT_LAYOUTS`)::
+
+    [2, [1, "dev-7", 1764000000.127, 11, 1000011, false], [2, "dev-7", ...]]
+
+is a ``delivered`` event (``pid`` 11, ``sc`` 1000011, ``dup`` false), then an
+``acked`` one. A layout gives the event kind (``ev``) and fixed fields (an
+``expired`` at ``delivery`` and one at ``arrival`` are two layouts): no field
+name, no kind string, nothing the reader knows already is written per event
+(issue 41: the keyed form was a tenth of the broker's CPU in the fleet shape).
+Numbers are never renumbered or reused; a new kind or variant takes the next.
+The records written before this layout (until 2026-11-28) are a JSON array of
+objects, one per event with its fields by name (``{"ev": "acked", "cid": ...,
+"ts": ..., "pid": ..., "sc": ...}``); :func:`decode_event_record` reads both, and
+gives both as those objects. The fields are described in persistence/events.py.
 """
 
 from __future__ import annotations
@@ -130,6 +149,8 @@ from aiokafka.partitioner import murmur2
 from broker.ecq import PREFIX as ECQ_PREFIX
 
 __all__ = [
+    "EVENTS_LAYOUT",
+    "EVENT_LAYOUTS",
     "FLAG_SENT",
     "MAX_PACKET_ID",
     "PRODUCERS_KEY",
@@ -145,10 +166,12 @@ __all__ = [
     "StoredRecord",
     "SubscriptionState",
     "client_keys",
+    "decode_event_record",
     "decode_record",
     "encode_message",
     "entry_live",
     "epoch_key",
+    "event_fields",
     "header_fields",
     "is_queue_record",
     "packet_id_of",
@@ -174,6 +197,7 @@ _HEADER = struct.Struct(">BBBddQQQHI")
 _HEADER_V1 = struct.Struct(">BBBddqHI")
 _HEADER_V3 = struct.Struct(">BBBddHI")
 STORED_VERSION = 3
+_HEADER_SIZE = _HEADER.size
 _PUBREL_VALUE = bytes((VERSION, FLAG_SENT | FLAG_PUBREL))
 
 _P_PAYLOAD_FORMAT = 0x01
@@ -220,6 +244,11 @@ class Stage(Enum):
 
     PUBLISH = "publish"  # PUBLISH to (re)send
     PUBREL = "pubrel"  # QoS 2 after PUBREC: only PUBREL is left to send
+
+
+# Module constants for the per-record path: on Python 3.11 a look-up of a member on
+# an Enum class costs about 120 ns (BENCHMARKS.md, "Enum members").
+_PUBLISH, _PUBREL = Stage.PUBLISH, Stage.PUBREL
 
 
 @dataclass(slots=True)
@@ -446,6 +475,18 @@ def record_id(value: bytes) -> RecordId:
 
 def header_fields(value: bytes) -> tuple[str, int, float, float | None]:
     """(topic, payload size, publish time, expiry) of a value, without decoding it all."""
+    if value and value[0] == VERSION and len(value) >= _HEADER_SIZE:
+        # the current version in one step: once per stored message for its event
+        _, flags, _q, published, expiry, _p, _s, _g, topic_len, props_len = _HEADER.unpack_from(
+            value
+        )
+        end = _HEADER_SIZE + topic_len
+        return (
+            str(value[_HEADER_SIZE:end], "utf-8", "replace"),
+            len(value) - end - props_len,
+            published,
+            expiry if flags & FLAG_HAS_EXPIRY else None,
+        )
     _flags, published, expiry, _p, _s, _g, topic_len, props_len, start = _header(value)
     topic = bytes(value[start : start + topic_len]).decode("utf-8", "replace")
     size = len(value) - start - topic_len - props_len
@@ -465,7 +506,7 @@ def decode_record(
     flags = value[1]
     sent = bool(flags & FLAG_SENT)
     if flags & FLAG_PUBREL:
-        return StoredRecord(packet_id, score, Stage.PUBREL, True, None)
+        return StoredRecord(packet_id, score, _PUBREL, True, None)
     _f, published, expiry, producer, seq, generation, topic_len, props_len, pos = _header(value)
     qos = value[2]
     topic = value[pos : pos + topic_len].decode()
@@ -485,7 +526,7 @@ def decode_record(
         **props,
     )
     return StoredRecord(
-        packet_id, score, Stage.PUBLISH, sent, message, marked, bool(flags & FLAG_REPLAY)
+        packet_id, score, _PUBLISH, sent, message, marked, bool(flags & FLAG_REPLAY)
     )
 
 
@@ -700,3 +741,79 @@ def _key_hash(client_id: str) -> int:
     """murmur2 is pure Python (~2 us a key): asked per client per event flush, so
     remembered for as many clients as a broker commonly serves."""
     return int(murmur2(client_id.encode()) & 0x7FFFFFFF)
+
+
+# -- delivery events (module docstring: "Delivery event record") -------------------------
+
+EVENTS_LAYOUT = 2  # first element of a positional events record; keyed records have none
+# The event layouts by number: (ev, fixed fields, the fields after number, cid and ts).
+(
+    EV_PERSISTED, EV_DELIVERED, EV_ACKED, EV_EXPIRED_DELIVERY, EV_DROPPED, EV_PURGED,
+    EV_DUPLICATE, EV_EXPIRED_ARRIVAL, EV_DISCARDED_ARRIVAL, EV_TRIMMED_ARRIVAL, EV_TRIMMED,
+    EV_CONNECTED, EV_DISCONNECTED, EV_SESSION_EXPIRED, EV_SESSION_ENDED, EV_ADMIN, EV_GAP,
+    EV_Q_PERSISTED, EV_Q_REFUSED, EV_Q_COMPACTED, EV_Q_EXPIRED, EV_Q_TRIMMED,
+    EV_Q_DELIVERED, EV_Q_ACKED, EV_Q_DROPPED, EV_Q_PURGED,
+) = range(26)  # fmt: skip
+_ARRIVED = ("part", "off", "ep", "topic", "size", "pub")
+EVENT_LAYOUTS: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
+    ("persisted", {}, ("pid", "sc", "part", "off", "ep", "topic", "size", "pub", "exp")),
+    ("delivered", {}, ("pid", "sc", "dup")),
+    ("acked", {}, ("pid", "sc")),
+    ("expired", {"at": "delivery"}, ("pid", "sc")),
+    ("dropped", {}, ("pid", "sc")),  # too large for the client
+    ("purged", {}, ("pid", "sc")),
+    ("duplicate", {}, ("part", "off", "ep")),
+    ("expired", {"at": "arrival"}, _ARRIVED),
+    ("discarded", {"at": "arrival"}, _ARRIVED),
+    ("trimmed", {"at": "arrival"}, _ARRIVED),
+    ("trimmed", {}, ("pids",)),  # by the per-client limit, oldest first
+    ("connected", {}, ()),
+    ("disconnected", {}, ()),
+    ("session_expired", {}, ()),
+    ("session_ended", {}, ()),
+    ("admin", {}, ("action", "detail")),
+    ("gap", {}, ("n",)),
+    # a queue's entries (broker/ecq.py, group queues): pid 0, sc the negated sequence, q its key
+    ("persisted", {"pid": 0, "exp": None},
+     ("sc", "q", "part", "off", "ep", "topic", "size", "pub")),
+    ("trimmed", {"at": "arrival"}, ("part", "off", "ep")),  # refused at the byte limit
+    ("compacted", {"pid": 0}, ("sc", "by", "q")),
+    ("expired", {"at": "retention", "pid": 0}, ("sc", "q")),
+    ("trimmed", {"at": "queue", "pid": 0}, ("sc", "q")),
+    ("delivered", {"pid": 0}, ("sc", "q", "dup")),
+    ("acked", {"pid": 0}, ("sc", "q")),
+    ("dropped", {"pid": 0}, ("sc", "q")),
+    ("purged", {"pid": 0}, ("sc", "q")),
+)  # fmt: skip
+# (ev, the names of an event's array after its number, fixed fields), per layout
+_LAYOUT_NAMES = tuple((ev, ("cid", "ts", *names), fixed) for ev, fixed, names in EVENT_LAYOUTS)
+
+
+def decode_event_record(value: bytes) -> list[dict[str, Any]]:
+    """The events of a record of ``devicemq.events`` as objects with their fields by
+    name, in order, whichever its layout (positional or keyed, the module docstring).
+
+    Not JSON, or not an array: no event (ValueError for bad JSON, as orjson's). An
+    element that is not an object (keyed) or an array of a known layout (positional)
+    is skipped; an array of the wrong length is a ValueError."""
+    decoded = orjson.loads(value)
+    if not isinstance(decoded, list):
+        return []
+    if decoded and decoded[0] == EVENTS_LAYOUT and type(decoded[0]) is int:
+        return [event for event in map(event_fields, decoded[1:]) if event is not None]
+    return [e for e in decoded if isinstance(e, dict)]
+
+
+def event_fields(event: Any) -> dict[str, Any] | None:
+    """One positional event as its object (None: not an array of a known layout)."""
+    if type(event) is not list or not event:
+        return None
+    number = event[0]
+    if type(number) is not int or not 0 <= number < len(_LAYOUT_NAMES):
+        return None
+    ev, names, fixed = _LAYOUT_NAMES[number]
+    fields = dict(zip(names, event[1:], strict=True))
+    fields["ev"] = ev
+    if fixed:
+        fields.update(fixed)
+    return fields

@@ -170,6 +170,7 @@ class KafkaPersistentPath:
         self._resends = 0  # times everything out was sent again (_send_again)
         self._batch: list[_Submission] = []  # being handed to the producer (_send)
         self._sender: asyncio.Task[None] | None = None
+        self._waiting_timer: asyncio.TimerHandle | None = None  # see _watch_waiting
         self._open_rounds = 0
         self._idle: asyncio.Event | None = None  # set when nothing is pending or open
         self._partitioner = DefaultPartitioner()
@@ -219,6 +220,27 @@ class KafkaPersistentPath:
         self._pending.append(_Submission(records, on_accepted, on_settled, now, self._submissions))
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send_pending())
+        if self._waiting_timer is None:
+            self._watch_waiting()
+
+    def _watch_waiting(self) -> None:
+        """A deadline for publishes not handed to the producer yet: behind a send
+        that waits for room (a frozen Kafka: the partition's next batch full, and
+        aiokafka waits up to its own :data:`BATCH_TTL_MS`), a hold or a push back.
+        A round's timer starts only when it is handed over; these fail at their
+        own deadline, never sent (:meth:`_fail_held`)."""
+        oldest = next(
+            (s for s in self._pending if s.on_accepted is not None and not s.attempt), None
+        )
+        if oldest is None:
+            self._waiting_timer = None
+            return
+        delay = max(0.0, oldest.submitted + self._timeout - self._clock())
+        self._waiting_timer = asyncio.get_running_loop().call_later(delay, self._waited)
+
+    def _waited(self) -> None:
+        self._fail_held("kafka did not take the records within the deadline")
+        self._watch_waiting()
 
     def push_back(self, unstored: Callable[[], int], limit: int) -> None:
         """Hold each batch while ``unstored()``, the records Kafka has that the
@@ -440,11 +462,11 @@ class KafkaPersistentPath:
         await asyncio.sleep(self._size_retry)
         self._size_retry = min(self._size_retry * 2, VOUCH_TIMEOUT)
 
-    def _fail_held(self) -> None:
-        """Publishes held by :meth:`_size_topic` past their deadline (Kafka away for
-        longer, say) are reported failed and never sent: none of their records
-        was handed to the producer. One sent before (a log reset sends it again)
-        may be in Kafka already, and waits to be sent again."""
+    def _fail_held(self, reason: str = "") -> None:
+        """Publishes held (by :meth:`_size_topic`, behind a waiting send) past their
+        deadline are reported failed and never sent: none of their records was
+        handed to the producer. One sent before (a log reset sends it again) may
+        be in Kafka already, and waits to be sent again."""
         deadline = self._clock() - self._timeout
         kept: list[_Submission] = []
         held, self._pending = self._pending, []  # a callback below may submit more
@@ -454,7 +476,9 @@ class KafkaPersistentPath:
                 kept.append(submission)
                 continue
             submission.on_accepted = None
-            self._failed(TimeoutError(f"kafka topic {self._topic} not usable within the deadline"))
+            self._failed(
+                TimeoutError(reason or f"kafka topic {self._topic} not usable within the deadline")
+            )
             on_accepted(False)
             if submission.on_settled is not None:
                 submission.on_settled(False)  # nothing of it can be taken

@@ -30,6 +30,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from broker.config import ConfigError, PersistenceSettings
 from persistence import secret_files, tls_failure
+from persistence.redis_packing import packed_by_hiredis
 
 PREFIX = "persistence.redis"  # of the settings (persistence/secret_files.py)
 
@@ -110,6 +111,21 @@ def redis_client(
     found_by: Sentinels | None = None,
     *,
     max_connections: int | None = None,
+    **extra: Any,
+) -> Redis:
+    """A client of the Redis at ``url``, or of the master ``found_by`` names (see
+    :func:`_client`), whose connections pack commands with hiredis."""
+    return packed_by_hiredis(
+        _client(url, connect, found_by, max_connections=max_connections, **extra)
+    )
+
+
+def _client(
+    url: str,
+    connect: dict[str, Any],
+    found_by: Sentinels | None,
+    *,
+    max_connections: int | None,
     **extra: Any,
 ) -> Redis:
     """A client of the Redis at ``url``, or of the master ``found_by`` names, with

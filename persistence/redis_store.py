@@ -105,6 +105,7 @@ from persistence.format import (
     record_id,
     stored_value,
 )
+from persistence.redis_packing import packed_by_hiredis
 from persistence.redis_security import Sentinels, redis_client
 
 __all__ = [
@@ -519,7 +520,9 @@ class RedisMessageStore:
         client: RedisClient
         options = dict(connect or {})
         if cluster:
-            client = RedisCluster.from_url(url, decode_responses=False, **options)
+            client = packed_by_hiredis(
+                RedisCluster.from_url(url, decode_responses=False, **options)
+            )
         else:
             client = redis_client(url, options, sentinels, max_connections=POOL_CONNECTIONS)
         return cls(client, **kwargs)

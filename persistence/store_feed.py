@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from broker.stats import BrokerStats
 
 log = logging.getLogger("devicemq.outflow")
+_PUBREL = Stage.PUBREL  # per record: a look-up on the Enum class costs ~120 ns on 3.11
 
 
 MarksDone = Callable[[Collection[int]], None]
@@ -328,7 +329,7 @@ class StoreFeed:
     # -- internals -----------------------------------------------------------------------
 
     def _outgoing(self, record: StoredRecord) -> Outgoing:
-        if record.stage is Stage.PUBREL:
+        if record.stage is _PUBREL:
             return Outgoing(record.packet_id, None, sent=True, ref=record)
         assert record.message is not None
         # Stored marked for this connection and never sent: a first send, no DUP.

@@ -147,13 +147,20 @@ def freeze(proc: subprocess.Popen[bytes] | int, timeout: float = 10.0) -> None:
     pid = proc if isinstance(proc, int) else proc.pid
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
-    while True:
-        with open(f"/proc/{pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
+    while not _stopped(pid):
         if time.monotonic() >= deadline:
             raise RuntimeError(f"process {pid} did not stop within {timeout} s")
         time.sleep(0.001)
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` stopped: /proc/PID/stat shows the first thread only,
+    and each thread of a multi-threaded server (Tansu's) stops on its own."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                return False
+    return True
 
 
 def bootstrap_of(proc: subprocess.Popen[bytes]) -> str:

@@ -4,12 +4,17 @@
     python -m loadtest.ab --base bfd873c --scenario p2p-memory --rounds 2 --mosquitto
     python -m loadtest.ab --base main --head HEAD~1 --scenario fleet --devices 2000
     python -m loadtest.ab --base HEAD --head-compiled      # mypyc-compiled against pure Python
+    python -m loadtest.ab --base main --scenario fan-in --scenario fan-in-application --fan-in 100x1
+                                      # APPLICATION sessions against in memory, same load
 
 The base (and ``--head REV``) is built once into a cache (``loadtest.ab.build``);
 the head is by default the working tree this package is in, uncommitted changes
 included. Every run starts a fresh broker (``loadtest.ab.brokers``), waits for it
 to be ready, runs one scenario with this tree's loader (the same loader for every
 side) and stops it. Rounds alternate the sides' order (``loadtest.ab.plan``).
+``fan-in-application`` is ``fan-in`` with APPLICATION subscribers: run with
+``fan-in``, each side's ratio of the two, round by round, is printed below the
+table.
 
 Exit status: 0 when every run completed and its per-message check passed and
 nothing was flagged; 3 when a head/base speed ratio is flagged (below 0.95);
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +55,7 @@ from loadtest.ab.summary import (
     compare,
     cores_between,
     format_table,
+    paired_ratios,
     record_from_result,
     summarize_side,
 )
@@ -247,7 +254,7 @@ class _Session:
                     self.trees[side],
                     scenario.persistent,
                     workdir,
-                    settings=self.settings.get(side),
+                    settings={**scenario.settings, **self.settings.get(side, {})},
                 )
             try:
                 config = replace(scenario.config, port=broker.port, seed=seed, label=side)
@@ -351,6 +358,28 @@ def _document(
     }
 
 
+# scenario -> the one it is measured against, round by round, on the same side
+PAIRED = {"fan-in-application": "fan-in"}
+
+
+def _paired_lines(scenarios: Sequence[Scenario], records: Sequence[RunRecord]) -> list[str]:
+    """A line per side for each scenario run together with its reference
+    (``fan-in-application`` with ``fan-in``): delivered msg/s over the
+    reference's, per round and the median."""
+    names = {s.name for s in scenarios}
+    lines = []
+    for scenario, reference in PAIRED.items():
+        if scenario not in names or reference not in names:
+            continue
+        for side, ratios in paired_ratios(records, scenario, reference).items():
+            each = ", ".join(f"{r:.2f}" for r in ratios)
+            lines.append(
+                f"{scenario} / {reference}, {side}: {statistics.median(ratios):.2f}x "
+                f"(delivered msg/s, median of the rounds: {each})"
+            )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -414,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows = [(s.title, s.paced, sides_, cs) for s, sides_, cs in results]
     print(format_table(rows))
+    paired = _paired_lines(scenarios, session.records)
+    if paired:
+        print("\n" + "\n".join(paired))
     if args.markdown:
         command = "python -m loadtest.ab " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.markdown).write_text(

@@ -9,7 +9,7 @@ measured in (BENCHMARKS.md) and fit a 2-core machine that also runs the loader.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from loadtest.scenarios import LoadConfig
 
@@ -27,7 +27,12 @@ __all__ = [
 
 SIDES = ("base", "head", "mosquitto")
 
-SCENARIOS = ("p2p-memory", "p2p-persistent", "fan-in", "fan-out", "fleet")
+SCENARIOS = ("p2p-memory", "p2p-persistent", "fan-in", "fan-in-application", "fan-out", "fleet")
+
+# The loader's subscribers are ``lt-<run id>-s<n>`` (loadtest/scenarios.py): in
+# ``fan-in-application`` every one of them gets an APPLICATION session
+# (docs/application-sessions.md), its messages in a Kafka topic of its own.
+APPLICATION_SUBSCRIBERS = "^lt-[0-9a-f]+-s[0-9]+$"
 DEFAULT_SCENARIOS = ("p2p-memory", "p2p-persistent")
 
 
@@ -59,6 +64,9 @@ class Scenario:
     config: LoadConfig  # the load, without a target (port) or seed yet
     persistent: bool  # the broker keeps sessions in Redis through Kafka
     paced: bool  # publishers keep a fixed rate (the offer): the speed weighs the cost too
+    # DEVICEMQ_* settings the scenario needs of every devicemq side (before a
+    # side's own --base-setting / --head-setting)
+    settings: dict[str, str] = field(default_factory=dict)
 
 
 def make_scenario(
@@ -97,6 +105,24 @@ def make_scenario(
         config = replace(load, scenario=name, publishers=pubs, subscribers=subs, rate=rate)
         title = f"fan-in {pubs}x{subs} x {rate:g} msg/s" if rate else f"fan-in {pubs}x{subs}"
         return Scenario(name, title, config, persistent=False, paced=rate > 0)
+    if name == "fan-in-application":
+        # the same load as fan-in, its subscribers APPLICATION sessions: run both
+        # in one invocation and the summary gives their ratio (the goal of
+        # docs/application-sessions.md: at least 0.8x the in-memory fan-in)
+        pubs, subs = sizes.fan_in
+        rate = sizes.fan_in_rate
+        config = replace(
+            load,
+            scenario="fan-in",
+            publishers=pubs,
+            subscribers=subs,
+            rate=rate,
+            persistent=True,
+            drain=timing.persistent_drain,
+        )
+        title = f"app. fan-in {pubs}x{subs}" + (f" x {rate:g}/s" if rate else "")
+        settings = {"DEVICEMQ_APPLICATION_CLIENT_IDS": APPLICATION_SUBSCRIBERS}
+        return Scenario(name, title, config, persistent=True, paced=rate > 0, settings=settings)
     if name == "fan-out":
         pubs, subs = sizes.fan_out
         config = replace(load, scenario=name, publishers=pubs, subscribers=subs)

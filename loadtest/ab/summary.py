@@ -35,6 +35,7 @@ __all__ = [
     "compare",
     "cores_between",
     "format_table",
+    "paired_ratios",
     "record_from_result",
     "summarize_side",
 ]
@@ -220,6 +221,24 @@ def compare(
         speed=speed,
         flagged=flag and speed is not None and speed < FLAG_BELOW,
     )
+
+
+def paired_ratios(
+    records: Sequence[RunRecord], scenario: str, reference: str
+) -> dict[str, list[float]]:
+    """Per side, delivered msg/s of ``scenario`` over that of ``reference`` in the
+    same round: the two ran back to back on the same tree (``fan-in-application``
+    against ``fan-in``), so each ratio pairs runs that saw the same machine. Only
+    rounds where both checked out (nothing lost) count."""
+    done = {(r.scenario, r.side, r.round): r for r in records if r.ok and r.delivered}
+    out: dict[str, list[float]] = {}
+    for (name, side, round_), record in sorted(done.items()):
+        if name != scenario:
+            continue
+        ref = done.get((reference, side, round_))
+        if ref is not None:
+            out.setdefault(side, []).append(record.delivered / ref.delivered)
+    return out
 
 
 # -- the table ------------------------------------------------------------------------

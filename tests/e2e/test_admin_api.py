@@ -26,6 +26,7 @@ from paho.mqtt.packettypes import PacketTypes
 from app import cli
 from app.admin_cli import AdminClient
 from app.embedded_services import EmbeddedServices
+from persistence.format import decode_event_record
 from tests.conftest import free_port
 from tests.e2e.admin import (
     ADMINISTRATIVE_ACTION,
@@ -506,7 +507,8 @@ def _events(broker: BrokerProcess, client_id: str) -> list[dict[str, Any]]:
             while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
                 for records in (await consumer.getmany(timeout_ms=2000)).values():
                     for record in records:
-                        found += [e for e in orjson.loads(record.value) if e["cid"] == client_id]
+                        events = decode_event_record(record.value)
+                        found += [e for e in events if e["cid"] == client_id]
             return found
         finally:
             await consumer.stop()

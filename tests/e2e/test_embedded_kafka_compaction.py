@@ -158,7 +158,7 @@ def test_the_events_topic_is_emptied_with_it_once_full(broker_factory, clients, 
 
 def _persisted_events(broker: BrokerProcess) -> int:
     """``persisted`` events in the events topic of the broker's embedded Kafka."""
-    import orjson
+    from persistence.format import decode_event_record
 
     kafka = next(s for s in EmbeddedServices(broker.data_dir).status() if s.name == "kafka")
 
@@ -180,7 +180,7 @@ def _persisted_events(broker: BrokerProcess) -> int:
                 for records in batches.values():
                     for record in records:
                         seen += 1
-                        events = orjson.loads(record.value)
+                        events = decode_event_record(record.value)
                         found += sum(1 for e in events if e["ev"] == "persisted")
             return found
         finally:

@@ -269,3 +269,94 @@ def test_a_connected_reader_checks_the_log_after_its_connection_broke(tmp_path: 
         sub.close()
     finally:
         system.stop()
+
+
+def test_a_new_log_below_an_unacknowledged_window_is_told_from_the_old_one(
+    tmp_path: Path,
+) -> None:
+    """Finding 33: three messages sent and never acknowledged (nothing committed:
+    offset 0, so no record below it to compare); Kafka restarts empty; the next
+    three publishes take offsets 0-2 of the new log, where the old log's fields
+    (packet ids, "may have been seen") still are. Each field keeps the name of its
+    record: another record there is a new log, read from its start, its messages new
+    (no DUP). On the code before, they came with DUP under the old ids."""
+    system = System(tmp_path / "system", 1, SETTINGS)
+    try:
+        system.start()
+        sub = _connect(system, clean=True)
+        _subscribe(sub, 1)
+        _publish(system, "before", 3)
+        first = [sub.recv(timeout=20) for _ in range(3)]  # not acknowledged
+        assert [p.payload for p in first] == [f"before:{n}".encode() for n in range(3)]  # type: ignore[union-attr]
+        sub.close()  # the network went
+
+        system.restart_kafka()
+        sub = _connect(system, clean=False)  # its topic is made again, empty
+        released = []
+        packet = sub.recv_or_none(2.0)
+        while isinstance(packet, PubRel):  # the old log's ids, released (lost, see 31)
+            released.append(packet.packet_id)
+            sub.send(PubComp(packet.packet_id))
+            packet = sub.recv_or_none(1.0)
+        assert packet is None, packet
+        _publish(system, "after", 3)
+        got = []
+        while len(got) < 3:
+            packet = sub.recv(timeout=20)
+            if isinstance(packet, PubRel):
+                released.append(packet.packet_id)
+                sub.send(PubComp(packet.packet_id))
+                continue
+            assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+            sub.send(PubAck(packet.packet_id))
+            got.append(packet)
+        assert [p.payload for p in got] == [f"after:{n}".encode() for n in range(3)]
+        assert not any(p.dup for p in got), got  # never sent before
+        assert sub.recv_or_none(1.0) is None
+        sub.close()
+    finally:
+        system.stop()
+
+
+def test_a_publish_for_an_application_session_fails_when_kafka_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    """Kafka paused: the record for the session's topic gets no answer, and the
+    publisher hears 0x80 once ``persistence.kafka_request_timeout_ms`` passed (not
+    before, not never); Kafka back, the next publishes go through and reach the
+    session. The refused one may reach it too, once, before them: the producer had
+    handed it over when the deadline passed (a failed PUBACK promises nothing
+    either way; the publisher may send it again)."""
+    settings = {**SETTINGS, "persistence.kafka_request_timeout_ms": 3000}
+    system = System(tmp_path / "system", 1, settings)
+    try:
+        system.start()
+        sub = _connect(system, clean=True)
+        _subscribe(sub, 1)
+        _publish(system, "before", 3)
+        assert [p.payload for p in _read(sub, 3)] == [f"before:{n}".encode() for n in range(3)]
+
+        pub = Raw(SimpleNamespace(address=system.address(0)))
+        assert pub.connect("pub-paused").reason_code == 0  # type: ignore[attr-defined]
+        system.pause_kafka()
+        try:
+            started = time.monotonic()
+            pub.send(Publish(TOPIC, b"paused", 1, packet_id=1))
+            ack = pub.recv(timeout=30)
+            waited = time.monotonic() - started
+        finally:
+            system.resume_kafka()
+        assert isinstance(ack, PubAck) and ack.reason_code == 0x80, ack
+        assert 2.5 <= waited <= 10, waited  # the deadline, give or take a look at it
+        pub.send(Disconnect())
+        pub.close()
+
+        _publish(system, "after", 3)
+        got = [p.payload for p in _read(sub, 3, timeout=60)]
+        if got[0] == b"paused":
+            got = got[1:] + [p.payload for p in _read(sub, 1, timeout=60)]
+        assert got == [f"after:{n}".encode() for n in range(3)]
+        assert sub.recv_or_none(1.0) is None
+        sub.close()
+    finally:
+        system.stop()

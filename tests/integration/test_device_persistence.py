@@ -16,7 +16,7 @@ from broker.message import Delivery, Message
 from persistence import device_persistence
 from persistence.device_persistence import DevicePersistence, open_persistence
 from tests.integration.redis_servers import RedisServer, follow
-from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
+from tests.kafka_fixtures import bootstrap_of, freeze, start_tansu, stop_tansu
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ async def test_a_publisher_hears_failure_within_the_timeout_while_kafka_is_froze
         )
         await _durable_session(persistence, broker, "dev")
         session = broker.sessions["dev"]
-        os.kill(tansu.pid, signal.SIGSTOP)
+        freeze(tansu)
         try:
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -174,6 +174,47 @@ async def test_a_publisher_hears_failure_within_the_timeout_while_kafka_is_froze
         assert not any(ok for ok, _ in answers), "no success while Kafka was frozen"
         # Measured here: ~1.55 s with the bound, ~3.0 s without it (aiokafka's own
         # expiry of queued batches). The bound: timeout + submit spread + slack.
+        assert max(t for _, t in answers) < 1.0 + 0.5 + 0.8
+        await persistence.close()
+    finally:
+        stop_tansu(tansu)
+
+
+async def test_publishes_behind_a_full_batch_hear_failure_within_the_timeout(
+    redis: RedisServer,
+) -> None:
+    """Kafka frozen: the request in flight never returns, the next batch of the
+    partition fills (aiokafka: 512 KiB) and the path's send waits for room, up to
+    aiokafka's own 300 s. Publishes submitted behind that send were not handed
+    over yet, so no round's deadline covered them: they waited as long. They fail
+    at their own deadline now, never sent."""
+    tansu = start_tansu()
+    try:
+        persistence, broker = await _open(
+            redis.url, bootstrap_of(tansu), kafka_request_timeout_ms=1000
+        )
+        await _durable_session(persistence, broker, "dev")
+        session = broker.sessions["dev"]
+        freeze(tansu)
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            answers: list[tuple[bool, float]] = []
+            count = 900  # 900 KiB: past one full batch behind the one in flight
+            for i in range(count):
+                message = Message("devices/x", b"%d" % i + b"x" * 1024, 1, False)
+                broker.dispatch(
+                    [(session, Delivery(message, 1, False))],
+                    lambda ok: answers.append((ok, loop.time() - started)),
+                )
+                if i % 100 == 99:
+                    await asyncio.sleep(0.01)
+            while len(answers) < count and loop.time() - started < 10:
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(tansu.pid, signal.SIGCONT)
+        assert len(answers) == count, f"{count - len(answers)} publishers got no answer in 10 s"
+        assert not any(ok for ok, _ in answers), "no success while Kafka was frozen"
         assert max(t for _, t in answers) < 1.0 + 0.5 + 0.8
         await persistence.close()
     finally:

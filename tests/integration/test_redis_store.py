@@ -1026,3 +1026,22 @@ async def test_messages_stored_by_the_layout_before_are_delivered(
         assert 55_000 < await entry_ttl(store, cid, 3) <= 60_000  # its time left kept
     assert await entry_ttl(store, cid, 1) == -1  # sent: lives with the session
     assert await store.pending_count(cid) == len(expected)
+
+
+async def test_the_stores_connections_pack_with_hiredis(store: RedisMessageStore, cid: str) -> None:
+    """persistence/redis_packing.py: a save wave's call is packed by hiredis, on every
+    node of a cluster too, and Redis reads what it packed."""
+    from redis.asyncio import Redis
+
+    from persistence.redis_packing import _HiredisPacking
+
+    payloads = [b"\x00\xff%d" % i * 40 for i in range(3)]
+    batch = [msg(i, payload=p) for i, p in enumerate(payloads)]
+    await store.save_many([ClientBatch(cid, batch, 0)])
+    records = await all_records(store, cid)
+    assert [r.message.payload for r in records if r.message] == payloads
+    if isinstance(store.redis, Redis):
+        used = [store.redis.connection_pool.connection_class]
+    else:
+        used = [node.connection_class for node in store.redis.get_nodes()]
+    assert used and all(issubclass(cls, _HiredisPacking) for cls in used), used

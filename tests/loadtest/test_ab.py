@@ -3,10 +3,19 @@ their flag, the table (loadtest/ab/plan.py, loadtest/ab/summary.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from loadtest.ab.cli import parser, summaries
-from loadtest.ab.plan import Sizes, Timing, make_scenario, schedule, sides_for
+from loadtest.ab.plan import (
+    APPLICATION_SUBSCRIBERS,
+    Sizes,
+    Timing,
+    make_scenario,
+    schedule,
+    sides_for,
+)
 from loadtest.ab.summary import (
     FLAG_BELOW,
     RunRecord,
@@ -14,9 +23,11 @@ from loadtest.ab.summary import (
     compare,
     cores_between,
     format_table,
+    paired_ratios,
     record_from_result,
     summarize_side,
 )
+from loadtest.scenarios import make_plan
 
 SIZES, TIMING = Sizes(), Timing()
 
@@ -277,3 +288,31 @@ def test_a_side_gets_settings_of_its_own() -> None:
     assert args.base_setting == []
     with pytest.raises(SystemExit):
         parser().parse_args(["--base", "HEAD", "--base-setting", "no-equals-sign"])
+
+
+def test_the_application_fan_in_is_the_fan_in_with_application_subscribers() -> None:
+    sizes = Sizes(fan_in=(9, 1), fan_in_rate=30.0)
+    plain = make_scenario("fan-in", sizes, TIMING)
+    app = make_scenario("fan-in-application", sizes, TIMING)
+    c = app.config.resolved()
+    assert (c.scenario, c.publishers, c.subscribers, c.rate, c.qos) == ("fan-in", 9, 1, 30.0, 1)
+    assert c.persistent and app.persistent and app.paced and not plain.settings
+    assert c.drain == TIMING.persistent_drain
+    assert app.settings == {"DEVICEMQ_APPLICATION_CLIENT_IDS": APPLICATION_SUBSCRIBERS}
+    # the expression matches the loader's subscribers, not its publishers
+    plan = make_plan(c)
+    assert all(re.match(APPLICATION_SUBSCRIBERS, s.client_id) for s in plan.subscribers)
+    assert not any(re.match(APPLICATION_SUBSCRIBERS, p.client_id) for p in plan.publishers)
+
+
+def test_the_application_fan_in_is_paired_with_the_fan_in_round_by_round() -> None:
+    records = [
+        _run("head", 2000, scenario="fan-in", round_=0),
+        _run("head", 1800, scenario="fan-in-application", round_=0),
+        _run("head", 1000, scenario="fan-in", round_=1),
+        _run("head", 900, scenario="fan-in-application", round_=1),
+        _run("base", 2000, scenario="fan-in", round_=0),
+        _run("base", 100, scenario="fan-in-application", round_=0, ok=False),  # lost some
+    ]
+    ratios = paired_ratios(records, "fan-in-application", "fan-in")
+    assert ratios == {"head": [pytest.approx(0.9), pytest.approx(0.9)]}

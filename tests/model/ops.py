@@ -233,8 +233,10 @@ def _application_clients(
     from a generator of their own, so a seed's operations stay what they were. None
     with replicas (refused at start) nor in "wrap" (its ~65k copies for one session
     outlast the drain through Kafka: seed 306 of the first run still received at its
-    end); drawn (``wanted`` None) in about half the plans but those of "failover"."""
-    if replicas > 1 or wanted is False or scenario == "wrap":
+    end); drawn (``wanted`` None) in about half the plans but those of "failover".
+    With replicas only when asked (``--application on``): the seeds the suite runs
+    with replicas draw none, as before replicas served them."""
+    if (replicas > 1 and not wanted) or wanted is False or scenario == "wrap":
         return []
     rnd = random.Random(f"application-{seed}")
     drawn = rnd.random() >= 0.5 and scenario != "failover"

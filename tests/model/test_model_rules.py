@@ -304,3 +304,36 @@ def test_a_redis_restart_delays_the_acknowledgement_writes() -> None:
     back-off (the c's follow 2 s later): excused only with the restart."""
     assert _acked_then_crowded(2.0, restart=True) == {f"r:p1:c{n}" for n in range(5, 13)}
     assert _acked_then_crowded(2.0, restart=False) == {f"r:p1:c{n}" for n in range(3, 13)}
+
+
+def _group_write_twice(ambiguous: bool) -> list[str]:
+    """Group g0 (durable, $queue): s1 joins; p2's QoS 1 write reaches s1 twice, the
+    second time without DUP. ``ambiguous``: p2 may have sent it twice (paho sends
+    an unanswered PUBLISH again after a reconnect). The violations reported."""
+    clock = Clock()
+    model = Model(Config(limit=100, max_inflight=4, default_ttl=None, cluster=False), clock)
+    model.add_client("p2", 5, paho=True)
+    model.add_client("s1", 5, paho=False)
+    model.connect_sent("s1", clean_start=False, expiry=600)
+    conn = model.connack("s1", session_present=False)
+    model.groups.joining("s1", "g0")
+    model.groups.joined("s1", "g0")
+    clock.tick()
+    msg = model.publish_sent("p2", 1, 1, b"r:p2:1", "gq/g0/w", 1, None, 0)
+    msg.ambiguous = ambiguous
+    clock.tick()
+    for _ in range(2):
+        model.groups.received("s1", conn, "gq/g0/w", b"r:p2:1", dup=False)
+        clock.tick()
+    return [v.kind for v in model.violations]
+
+
+def test_a_group_write_its_publisher_sent_twice_may_arrive_twice_without_dup() -> None:
+    """Finding 30: paho sent ten QoS 1 writes again after the Kafka path's deadline
+    closed its connection; both publications reached the group. Two publications
+    are two deliveries (MQTT-3.3.1-3), as the session model excuses already."""
+    assert _group_write_twice(ambiguous=True) == []
+
+
+def test_a_group_write_sent_once_and_delivered_twice_without_dup_is_a_violation() -> None:
+    assert _group_write_twice(ambiguous=False) == ["group-dup"]

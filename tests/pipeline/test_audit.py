@@ -116,6 +116,76 @@ def test_events_folded_as_read_account_as_the_events_one_by_one(
     assert got[0].exceptAll(got[1]).count() == 0 and got[1].exceptAll(got[0]).count() == 0
 
 
+def _copy_events_as_before(bootstrap: str, topic: str) -> None:
+    """``topic``: the events topic's records, partition for partition, the first half
+    of each partition's as the broker wrote them before the positional layout (keyed
+    objects, persistence/format.py "Delivery event record"), the rest as they are:
+    history, then a broker upgraded."""
+    import orjson
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from persistence.format import EVENTS_LAYOUT, decode_event_record
+
+    async def copy() -> None:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            partitions = sorted(consumer.partitions_for_topic(EVENTS) or ())
+            tps = [TopicPartition(EVENTS, p) for p in partitions]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            records: dict[int, list[bytes]] = {p: [] for p in partitions}
+            while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+                for tp, got in (await consumer.getmany(timeout_ms=2000)).items():
+                    records[tp.partition] += [r.value for r in got if r.value is not None]
+        finally:
+            await consumer.stop()
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, len(partitions), 1)])
+        finally:
+            await admin.close()
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await producer.start()
+        try:
+            kept = 0
+            for partition, values in records.items():
+                for i, value in enumerate(values):
+                    if i < len(values) // 2:
+                        assert orjson.loads(value)[0] == EVENTS_LAYOUT
+                        value = orjson.dumps(decode_event_record(value))
+                    else:
+                        kept += 1
+                    await producer.send_and_wait(topic, value, partition=partition)
+            assert kept and sum(map(len, records.values())) > kept  # both layouts
+        finally:
+            await producer.stop()
+
+    asyncio.run(copy())
+
+
+def test_events_written_before_the_positional_layout_are_read_as_before(
+    spark: Any, workload: Workload
+) -> None:
+    # the audit reads history: an events topic whose older records are the keyed
+    # objects of the broker before, the newer ones positional, accounts exactly
+    # as the topic of the positional records alone
+    mixed = "devicemq.events.upgraded"
+    _copy_events_as_before(workload.endpoints.bootstrap, mixed)
+    got = [
+        run_audit(
+            spark, workload.endpoints, persisted_topic=PERSISTED, events_topic=topic,
+            window=Window(),
+        ).summary
+        for topic in (EVENTS, mixed)
+    ]  # fmt: skip
+    _check_totals(got[1]["totals"])
+    for part in ("totals", "clients", "lost_messages", "latency_seconds", "delivered"):
+        assert got[1][part] == got[0][part], part
+
+
 def test_the_messages_written_by_the_tasks_are_the_ones_kept_in_spark(
     spark: Any, workload: Workload, tmp_path: Path
 ) -> None:

@@ -171,6 +171,41 @@ def test_the_udf_lists_hold_the_same_events_per_record() -> None:
     assert all(set(e) == set(names) for events in lists for e in events)
 
 
+def test_the_records_of_before_and_the_positional_ones_give_the_same_tables() -> None:
+    """Keyed records (the broker before, tests/pipeline/data/events_keyed.json) and the
+    positional records of today for the same calls: the same rows, folded or not, and
+    the same lists from the connector's UDF, each layout apart and in one fetch."""
+    import asyncio
+
+    from tests.pipeline.event_calls import calls
+
+    keyed = orjson.loads((Path(__file__).parent / "data" / "events_keyed.json").read_bytes())
+    before = [orjson.dumps(events) for _p, _k, events in keyed["12"]]
+    now = [value for _p, _k, value in asyncio.run(calls(12))]
+    assert len(before) == len(now) > 1 and before != now
+    parts, offsets = [p for p, _k, _e in keyed["12"]], list(range(len(now)))
+    for decode in (event_batch, folded_batch):
+        rows = decode(now, parts, offsets).to_pylist()
+        assert decode(before, parts, offsets).to_pylist() == rows
+        assert {r["ev"] for r in rows} >= {"persisted", "admin", "gap", "trimmed"}
+        # history then an upgraded broker, in one fetch
+        mixed = before[:2] + now[2:]
+        assert decode(mixed, parts, offsets).to_pylist() == rows
+    assert (
+        event_lists(pa.array(before, pa.binary())).to_pylist()
+        == event_lists(pa.array(now, pa.binary())).to_pylist()
+    )
+
+
+def test_a_positional_event_of_the_wrong_length_fails() -> None:
+    short = orjson.dumps([2, [2, "c", 1.0, 4]])  # acked without its score
+    long = orjson.dumps([2, [1, "c", 1.0, 4, 5, False, "more"]])
+    for value in (short, long):
+        for decode in (event_batch, folded_batch):
+            with pytest.raises(ValueError):
+                decode([value], [0], [0])
+
+
 def test_the_sources_tables_equal_the_udfs_over_the_raw_rows(
     spark: Any, workload: Workload
 ) -> None:

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import struct
+from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from persistence.events import EventLog, end_kind
 from persistence.format import (
+    EV_DELIVERED,
+    EVENTS_LAYOUT,
     Stage,
     StoredMessage,
     StoredRecord,
+    decode_event_record,
     encode_message,
     header_fields,
     partition_of,
 )
 from persistence.redis_store import Assigned, ClientBatch, SaveResult
+
+DATA = Path(__file__).parent / "data"
 
 
 class FakeProducer:
@@ -50,7 +58,7 @@ class FakeProducer:
         self.stopped = True
 
     def events(self) -> list[dict[str, Any]]:
-        return [e for _t, _k, v in self.sent for e in orjson.loads(v)]
+        return [e for _t, _k, v in self.sent for e in decode_event_record(v)]
 
 
 def _value(topic: str, payload: bytes, expiry: float | None = None) -> bytes:
@@ -67,6 +75,14 @@ def _record(pid: int, score: int, expiry: float | None = None) -> StoredRecord:
 def test_header_fields_read_the_stored_format() -> None:
     assert header_fields(_value("a/b", b"12345", expiry=160.0)) == ("a/b", 5, 100.0, 160.0)
     assert header_fields(_value("a", b"")) == ("a", 0, 100.0, None)
+    # the one-step read of the current version and the general one (version 1) agree;
+    # a value too short for its header is refused
+    value = _value("a/b", b"12345", expiry=160.0)
+    v1 = struct.pack(">BBBddqHI", 1, 0x08, 1, 100.0, 160.0, 0, 3, 0) + b"a/b12345"
+    assert header_fields(v1) == ("a/b", 5, 100.0, 160.0)
+    for short in (value[:20], b""):
+        with pytest.raises(ValueError):
+            header_fields(short)
 
 
 async def test_events_are_batched_encoded_and_in_their_clients_partition() -> None:
@@ -200,7 +216,7 @@ async def test_a_fleets_flush_is_a_record_per_partition_not_per_client() -> None
     seen: dict[str, list[str]] = {}
     for (_t, key, value), partition in zip(producer.sent, producer.partitions_sent, strict=True):
         assert key is None
-        for event in orjson.loads(value):
+        for event in decode_event_record(value):
             assert partition_of(event["cid"], 12) == partition
             seen.setdefault(event["cid"], []).append(event["ev"])
     assert seen == {cid: ["delivered", "acked"] for cid in clients}
@@ -214,3 +230,59 @@ async def test_a_producer_that_cannot_tell_the_partitions_gets_a_record_per_clie
     await log.flush()
     assert [k for _t, k, _v in producer.sent] == [b"a", b"b"]
     assert producer.partitions_sent == [None, None]
+
+
+async def test_a_record_is_positional_events_after_its_layout() -> None:
+    """persistence/format.py "Delivery event record": the layout number, then an array
+    per event, its layout's number first; no field names, no kind strings."""
+    producer = FakeProducer(partitions=1)
+    log = EventLog(producer, "ev", clock=lambda: 500.5)
+    record = _record(11, 1011)
+    record.sent = True
+    log.delivered("c1", record)
+    log.acked("c4", _record(3, 3))
+    await log.flush()
+    [(_t, _k, value)] = producer.sent
+    assert orjson.loads(value) == [EVENTS_LAYOUT, [EV_DELIVERED, "c1", 500.5, 11, 1011, True],
+                                   [2, "c4", 500.5, 3, 3]]  # fmt: skip
+    assert b'"ev"' not in value and b"acked" not in value
+
+
+async def test_the_same_calls_give_the_events_the_broker_wrote_before() -> None:
+    """The keyed records of the code before (a7dfed5, tests/pipeline/event_calls.py,
+    every kind and variant of event) and the positional ones of today for the same
+    calls are the same records of the same events, in the same order."""
+    from tests.pipeline.event_calls import calls
+
+    keyed = orjson.loads((DATA / "events_keyed.json").read_bytes())
+    for partitions in (12, 0):
+        got = [
+            [p, k.decode() if k is not None else None, decode_event_record(v)]
+            for p, k, v in await calls(partitions)
+        ]
+        assert got == keyed[str(partitions)]
+        assert all(orjson.loads(v)[0] == EVENTS_LAYOUT for _p, _k, v in await calls(partitions))
+
+    # one partition (the embedded Kafka of a single broker): one record, and each
+    # client's events as in the records of twelve
+    def by_client(sent: list[tuple[int | None, bytes | None, bytes]]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for _p, _k, value in sent:
+            for event in decode_event_record(value):
+                out.setdefault(event["cid"], []).append(event)
+        return out
+
+    single = await calls(1)
+    assert [p for p, _k, _v in single] == [0, None]  # the events, then the gap's record
+    assert by_client(single) == by_client(await calls(12))
+    # and a keyed record is read as it was written
+    for _p, _k, events in keyed["12"]:
+        assert decode_event_record(orjson.dumps(events)) == events
+
+
+def test_a_record_that_is_not_one_gives_no_event() -> None:
+    assert decode_event_record(b"{}") == [] and decode_event_record(b"[]") == []
+    # a layout this code does not know, or a non-array, is skipped (as a non-object was)
+    assert decode_event_record(orjson.dumps([2, [999, "c", 1.0], "x", [2, "c", 1.0, 4, 5]])) == [
+        {"ev": "acked", "cid": "c", "ts": 1.0, "pid": 4, "sc": 5}
+    ]

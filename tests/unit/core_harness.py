@@ -19,6 +19,7 @@ from broker.codec import PacketDecoder, encode
 from broker.config import MqttSettings, Settings
 from broker.connection import MQTTConnection
 from broker.core import Broker
+from broker.group_queue import GroupTarget
 from broker.integrations import IntegrationSink
 from broker.message import Delivery
 from broker.packets import (
@@ -42,6 +43,7 @@ from broker.packets import (
 from broker.persistent_path import AcceptedCallback, InMemoryPersistentPath, PersistentPath
 from broker.session import Session
 
+Addressed = tuple[Session | GroupTarget, Delivery]
 V311 = 4
 V5 = 5
 
@@ -219,13 +221,13 @@ class DeferredPersistentPath(InMemoryPersistentPath):
 
     def __init__(self) -> None:
         self.pending: list[
-            tuple[Sequence[tuple[Session, Delivery]], AcceptedCallback, AcceptedCallback | None]
+            tuple[Sequence[Addressed], AcceptedCallback, AcceptedCallback | None]
         ] = []
-        self.unsettled: list[tuple[Sequence[tuple[Session, Delivery]], AcceptedCallback]] = []
+        self.unsettled: list[tuple[Sequence[Addressed], AcceptedCallback]] = []
 
     def submit(
         self,
-        deliveries: Sequence[tuple[Session, Delivery]],
+        deliveries: Sequence[Addressed],
         on_accepted: AcceptedCallback,
         on_settled: AcceptedCallback | None = None,
     ) -> None:
@@ -236,8 +238,7 @@ class DeferredPersistentPath(InMemoryPersistentPath):
         not stored), or with None later by :meth:`settle` (a store that timed out)."""
         deliveries, on_accepted, on_settled = self.pending.pop(index)
         if ok:
-            for session, delivery in deliveries:
-                session.deliver(delivery)
+            _deliver(deliveries)
         on_accepted(ok)
         if ok or on_settled is None:
             return
@@ -250,9 +251,14 @@ class DeferredPersistentPath(InMemoryPersistentPath):
         """The late outcome of a failed submission: stored after all, or not."""
         deliveries, on_settled = self.unsettled.pop(index)
         if ok:
-            for session, delivery in deliveries:
-                session.deliver(delivery)
+            _deliver(deliveries)
         on_settled(ok)
+
+
+def _deliver(deliveries: Sequence[Addressed]) -> None:
+    for session, delivery in deliveries:
+        if isinstance(session, Session):  # no group queues without persistence
+            session.deliver(delivery)
 
 
 class Harness:

@@ -3,12 +3,15 @@ by hand (what one sends, the other receives), as the Redis pub/sub edge does."""
 
 from __future__ import annotations
 
+import orjson
+
 from broker.blocklist import make_entry
 from broker.cluster import ClusterState, RemoteSession
 from broker.config import ClusterSettings, Settings
 from broker.connection import ConnectionState, MQTTConnection
 from broker.core import Broker
 from broker.message import Delivery, Message
+from broker.outflow import MemoryFeed
 from broker.topics import SubscriptionEntry
 
 
@@ -144,3 +147,43 @@ def test_an_offline_session_of_a_gone_replica_is_ended_from_here() -> None:
     assert "dev" not in a.broker.sessions
     pump(a, c)  # b is gone: only c hears it
     assert "dev" not in c.broker.sessions
+
+
+class _ApplicationFeed(MemoryFeed):
+    application = True  # as persistence/application_feed.py ApplicationFeed
+
+
+def test_every_replica_learns_that_a_session_is_an_application_one() -> None:
+    """``conn``, ``sub`` and the ``snaps`` of a re-sync each say so: whichever of
+    them a replica heard, a message it routes goes to the session's topic
+    (persistence/device_persistence.py submit asks ``Session.application``)."""
+    b = Node("b")
+    b.connect("app", expiry=3600)
+    b.connect("dev", expiry=3600)
+    session = b.broker.sessions["app"]
+    session.outflow.feed = _ApplicationFeed(10, b.broker.stats)
+    assert session.application and not b.broker.sessions["dev"].application
+    b.state.opened(session, False)
+    b.subscribe("app", "t/#")
+    control, _ = b.state.data_to_send()
+    by_op = {orjson.loads(p)["op"]: (c, p) for c, p in control if orjson.loads(p)["op"] != "conn"}
+    conns = [(c, p) for c, p in control if orjson.loads(p)["op"] == "conn"]
+
+    heard_conn = Node("a")
+    for channel, payload in conns:
+        heard_conn.state.receive(channel, payload)
+    assert heard_conn.broker.sessions["app"].application
+    assert not heard_conn.broker.sessions["dev"].application
+
+    heard_sub = Node("c")  # the conn was lost: the sub installs the record
+    heard_sub.state.receive(*by_op["sub"])
+    record = heard_sub.broker.sessions["app"]
+    assert isinstance(record, RemoteSession) and record.application
+
+    b.state._answer_sync()
+    heard_snaps = Node("d")
+    for channel, payload in b.state.data_to_send()[0]:
+        if orjson.loads(payload)["op"] == "snaps":
+            heard_snaps.state.receive(channel, payload)
+    assert heard_snaps.broker.sessions["app"].application
+    assert not heard_snaps.broker.sessions["dev"].application

@@ -52,16 +52,16 @@ def test_several_workers_need_persistence_and_room_for_their_metrics_ports() -> 
         check_workers(high, 2)
 
 
-def test_several_workers_refuse_application_sessions() -> None:
-    """Each worker is a cluster replica, and replicas do not route to APPLICATION
-    sessions yet (persistence/application_feed.py): refused, naming the setting."""
+def test_several_workers_serve_application_sessions() -> None:
+    """Each worker is a cluster replica, and replicas serve APPLICATION sessions (one
+    at a time each, docs/application-sessions.md): not refused any more."""
     apps = dataclasses.replace(
-        Settings(), application=ApplicationSettings(client_ids=("^backend-",))
+        Settings(),
+        persistence=dataclasses.replace(Settings().persistence, enabled=True),
+        application=ApplicationSettings(client_ids=("^backend-",)),
     )
     check_workers(apps, 1)
-    with pytest.raises(ConfigError) as err:
-        check_workers(apps, 2)
-    assert err.value.name == "application.client_ids"
+    check_workers(apps, 2)
 
 
 def test_each_worker_is_a_replica_sharing_the_ports_with_its_own_metrics() -> None:

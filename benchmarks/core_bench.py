@@ -1,0 +1,77 @@
+"""CPU per message of the sans-IO broker core, no sockets: ``python -m benchmarks.core_bench``.
+
+The p2p shape in memory (``--pairs`` publishers, each with its own clean QoS 1
+subscriber on its own topic, MQTT 5): every round, each publisher's PUBLISH
+bytes go into its connection (``receive_data``), every subscriber's output is
+read and decoded and its PUBACK fed back. It prints microseconds of this
+process's CPU per message (publish to PUBACK both ways), best of ``--repeat``
+runs: what the core costs, without the machine's other work, which a load test
+on this 2-core machine cannot separate (loadtest.ab's msg/s moved +-10% between
+rounds of the same code). Sockets, the event loop and the loader are left out:
+compare two trees with it, not with a load test's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from broker.codec import encode
+from broker.packets import PubAck, Publish
+from tests.unit.core_harness import V5, Harness
+
+
+def _setup(pairs: int) -> tuple[Harness, list, list]:  # type: ignore[type-arg]
+    harness = Harness()
+    pubs, subs = [], []
+    for i in range(pairs):
+        sub = harness.connected(f"sub-{i}", level=V5)
+        sub.subscribe(f"bench/{i}", qos=1)
+        subs.append(sub)
+        pubs.append(harness.connected(f"pub-{i}", level=V5))
+    return harness, pubs, subs
+
+
+_PUBACKS = {i: encode(PubAck(i), V5) for i in range(1, 65536)}
+
+
+def _round(pubs: list, subs: list, frames: list[list[bytes]], n: int) -> int:  # type: ignore[type-arg]
+    """One PUBLISH per publisher, delivered and acknowledged both ways."""
+    for pub, frame in zip(pubs, frames[n % len(frames)], strict=True):
+        pub.conn.receive_data(frame)
+    delivered = 0
+    for sub in subs:
+        for packet in sub.read():
+            if isinstance(packet, Publish) and packet.packet_id is not None:
+                sub.conn.receive_data(_PUBACKS[packet.packet_id])
+                delivered += 1
+    for pub in pubs:
+        pub.conn.data_to_send()  # its PUBACK
+    return delivered
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=200, help="messages per publisher per run")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    _harness, pubs, subs = _setup(args.pairs)
+    # Packet ids cycle through a few values: the window never fills.
+    frames = [
+        [encode(Publish(f"bench/{i}", bytes(64), 1, packet_id=k), V5) for i in range(args.pairs)]
+        for k in range(1, 9)
+    ]
+    _round(pubs, subs, frames, 0)  # warm-up
+    best = float("inf")
+    for _ in range(args.repeat):
+        cpu = time.process_time()
+        delivered = sum(_round(pubs, subs, frames, n) for n in range(args.rounds))
+        cpu = time.process_time() - cpu
+        assert delivered == args.pairs * args.rounds, delivered
+        best = min(best, cpu / delivered)
+    print(f"{args.pairs} pairs, {args.rounds} rounds: {best * 1e6:.2f} us of CPU per message")
+
+
+if __name__ == "__main__":
+    main()
