@@ -351,7 +351,11 @@ class StoreFeed:
         Marked, a message may have been seen as far as the store knows: should
         the client go before they are sent, the next connection sends them with
         DUP and as re-sends (MQTT-4.4.0-1), as it does the messages :meth:`room`
-        has stored marked; at most one window of them.
+        has stored marked; at most one window of them. A message with an expiry is
+        not marked ahead: a mark drops its deadline (a re-send goes whatever its
+        age), so one that expired behind the full window while the client was away
+        would go out on the next connection, though its onward delivery never
+        started (MQTT-3.3.2-5); it is marked when it goes, as before.
         """
         outflow = self.outflow
         if outflow is None:
@@ -360,6 +364,8 @@ class StoreFeed:
             (record.packet_id, record.score)
             for record in islice(self._buffer, outflow.window())
             if not (record.sent or record.marked or record.stage is Stage.PUBREL)
+            and record.message is not None
+            and record.message.expiry is None  # MQTT-3.3.2-5
             and self._reserved.get(record.packet_id) != record.score
         ]
         if pairs:
