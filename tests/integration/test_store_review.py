@@ -75,3 +75,28 @@ async def test_an_upgraded_disconnected_clients_hash_expires_with_its_session(
     assert 490_000 < await store.redis.pttl(keys.values) <= 500_000
     await store.save_session(cid, SessionState(None, time.time()))  # reconnected
     assert await store.redis.pttl(keys.values) == -1
+
+
+@pytest.mark.parametrize("meets", ["load", "mark", "purge"])
+async def test_an_expired_message_gives_its_bytes_back_where_it_is_met(
+    store: RedisMessageStore, cid: str, meets: str
+) -> None:
+    """An entry whose deadline passed is dropped where a script meets it (load_page,
+    mark_sent, purge); its bytes stayed in the count, so while anything else stayed
+    stored every expired message inflated it for good, and the byte limit trimmed
+    unsent messages before the values stored reached it."""
+    small = RedisMessageStore(store.redis, max_bytes=3000)
+    expiring = StoredMessage("t/0", b"x" * 900, 1, producer=1, seq=1, expiry=time.time() + 0.3)
+    await small.save_batch(cid, [expiring, _msg(1, 900, qos=1)], partition=0)
+    assert await small.mark_sent(cid, [2]) == [2]  # in flight: stays through a purge
+    time.sleep(0.5)  # message 1's expiry passes (a deadline, not a race)
+    if meets == "load":
+        assert [r.packet_id for r in (await small.load_page(cid, 0, 10)).records] == [2]
+    elif meets == "mark":
+        assert await small.mark_sent(cid, [1]) == []
+    else:
+        assert await small.purge(cid) == []
+    assert await store.pending_count(cid) == 1
+    # One ~950-byte message stored; two more fit under 3000 bytes.
+    res = await small.save_batch(cid, [_msg(2, 900, qos=1), _msg(3, 900, qos=1)], partition=0)
+    assert res.trimmed_ids == []
