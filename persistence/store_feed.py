@@ -12,9 +12,9 @@ module keeps only the paging and the Redis writes, through one
   DUP on every message that may have been seen; a message stored for a client
   that can take it at once is stored marked (:meth:`StoreFeed.room`), saving
   the separate write; while a backlog waits behind a full window, the next
-  window's worth is marked ahead (:meth:`StoreFeed.take`), so that as the
-  client's acknowledgements open the window the next messages go out at once,
-  not one Redis round trip later;
+  window's worth (of messages without an expiry: MQTT-3.3.2-5) is marked ahead
+  (:meth:`StoreFeed.take`), so that as the client's acknowledgements open the
+  window the next messages go out at once, not one Redis round trip later;
 - PUBACK and PUBCOMP delete it; PUBREC rewrites it as PUBREL, keeping its
   lifetime (a sent message lives as long as the session).
 
