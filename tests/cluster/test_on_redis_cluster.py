@@ -46,6 +46,7 @@ from tests.cluster.test_replicas import (
     wait_until,
 )
 from tests.e2e.clients import Raw
+from tests.kafka_fixtures import freeze
 
 EXPIRY = Properties(session_expiry_interval=600)
 # A stored message reaches its connected client within this, whatever pub/sub lost
@@ -119,7 +120,7 @@ def test_a_stale_detached_copy_is_not_resumed(replicas: Replicas) -> None:
             raw.send(Subscribe(1, [Subscription(old_topic, qos=1)]))
             assert isinstance(raw.recv(), SubAck)
         time.sleep(0.3)  # r1 keeps the detached copy; the others learn it is offline
-        os.kill(r1.proc.pid, signal.SIGSTOP)
+        freeze(r1.proc.pid)
         try:
             replicas.kill_pubsub("r1")  # what r0 says now never reaches r1
             with Raw(replicas.nodes[0]) as raw:
@@ -180,7 +181,7 @@ def test_a_notice_lost_with_the_pubsub_connection_is_caught_up(replicas: Replica
             sub.subscribe(topic, 1)
         for sub in subs:
             probe(pub, sub, topic, 1, 30)
-        os.kill(r1.proc.pid, signal.SIGSTOP)
+        freeze(r1.proc.pid)
         try:
             replicas.kill_pubsub("r1")
             pub.client.publish(topic, b"while-away", 1).wait_for_publish(10)

@@ -25,6 +25,7 @@ from paho.mqtt.properties import Properties as PahoProperties
 
 from app.embedded_services import EmbeddedServices, ServiceStatus
 from tests.e2e.conftest import BrokerProcess, devicemq_only, start_broker
+from tests.kafka_fixtures import freeze
 
 pytestmark = devicemq_only("the embedded services are devicemq's")
 
@@ -80,7 +81,7 @@ def _acknowledged_then_host_dies(
             assert running["s3"].responding, "no S3 store under the s3 storage"
         redis_pid = running["redis"].pid
         assert redis_pid is not None
-        os.kill(redis_pid, signal.SIGSTOP)  # Redis stores nothing: Kafka holds them all
+        freeze(redis_pid)  # Redis stores nothing: Kafka holds them all
         pub = clients.paho(broker, names.client("pub"))
         pub.connect(timeout=30)
         sent = []
@@ -157,7 +158,7 @@ def test_with_the_s3_storage_a_crash_of_tansu_or_its_store_loses_nothing(tmp_pat
                 running = _services(data_dir)
                 redis_pid = running["redis"].pid
                 assert redis_pid is not None
-                os.kill(redis_pid, signal.SIGSTOP)
+                freeze(redis_pid)
                 try:
                     pub = clients.paho(broker, names.client("pub"))
                     pub.connect(timeout=30)

@@ -23,6 +23,7 @@ from tests.faults.checker import (
     wait_until,
 )
 from tests.faults.conftest import Stack
+from tests.kafka_fixtures import freeze
 
 
 def _grows(pubs: list[Publisher], by: int, timeout: float, what: str) -> None:
@@ -78,7 +79,7 @@ def test_kafka_unreachable_for_a_while(stack_factory) -> None:  # type: ignore[n
         sub.subscribe(topic + "/#", qos=1)
         start_publishers(pubs, stack, topic)
         _grows(pubs, 200, 15, "traffic before the Kafka stall")
-        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        freeze(stack.tansu_pid)
         paused = True
         time.sleep(5.0)
         os.kill(stack.tansu_pid, signal.SIGCONT)
@@ -135,7 +136,7 @@ def test_a_311_publisher_is_not_read_while_kafka_owes_it_receive_maximum(stack_f
         sub.recv()
     payload = b"x" * 65536
     pub = Raw(stack.broker, level=4)
-    os.kill(stack.tansu_pid, signal.SIGSTOP)
+    freeze(stack.tansu_pid)
     try:
         pub.connect(stack.client("pub"), clean_start=True)
         pub.sock.settimeout(2.0)
@@ -175,7 +176,7 @@ def test_a_retained_message_is_acknowledged_only_once_redis_has_it(stack_factory
     pub = Raw(stack.broker, level=5)
     try:
         pub.connect(stack.client("pub"))
-        os.kill(stack.redis.proc.pid, signal.SIGSTOP)
+        freeze(stack.redis.proc.pid)
         try:
             pub.send(Publish(topic, b"on", qos=1, retain=True, packet_id=1))
             assert pub.recv_or_none(timeout=1.5) is None, "acknowledged before Redis had it"

@@ -59,6 +59,7 @@ from broker.packets import (
 )
 from tests.faults.checker import Publisher, RawSubscriber, parse, wait_until
 from tests.faults.conftest import HOST, Stack
+from tests.kafka_fixtures import freeze
 from tests.model.system import System, parse_metrics
 
 TOPIC = "promise"
@@ -342,7 +343,7 @@ def test_a_topic_tansu_made_at_its_own_size_while_the_broker_was_stopped_is_made
         sub, pub = _settled_subscriber(system)
         broker = system.brokers[0].proc
         assert broker is not None
-        os.kill(broker.pid, signal.SIGSTOP)
+        freeze(broker.pid)
         try:
             system.restart_kafka()
             system.name_topic()
@@ -586,7 +587,7 @@ def test_qos2_once_when_kafka_stalls_past_the_produce_timeout(stack_factory) -> 
         sub.connect(subscribe=[(topic, 2)])
         pub.connect(clean_start=False)
         _qos2(pub, Publish(topic, b"warm", 2, False, False, 1))  # the producer is connected
-        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        freeze(stack.tansu_pid)
         paused = True
         message = Publish(topic, b"once", 2, False, False, 7)
         pub.send(message)
@@ -675,7 +676,7 @@ def test_v311_publisher_is_bounded_while_kafka_stalls(stack_factory) -> None:  #
         sub.close()  # persistent and away: every message goes to Kafka
         pub.connect()
         before = _metrics(port).get(received, 0.0)
-        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        freeze(stack.tansu_pid)
         paused = True
         assert pub.sock is not None
         pub.sock.setblocking(False)

@@ -33,6 +33,7 @@ from tests.faults.checker import (
     wait_until,
 )
 from tests.faults.conftest import HOST, Stack
+from tests.kafka_fixtures import freeze
 
 HTTP_TIMEOUT = 5.0  # longer than the broker's readiness probe timeout (2 s)
 
@@ -182,7 +183,7 @@ def test_ready_while_kafka_is_stalled(stack_factory) -> None:  # type: ignore[no
     paused = False
     try:
         _grows(pubs, 200, 15, "traffic before the Kafka stall")
-        os.kill(stack.tansu_pid, signal.SIGSTOP)
+        freeze(stack.tansu_pid)
         paused = True
         started = time.monotonic()
         body = wait_ready(port, 503, 6, naming="kafka")

@@ -43,10 +43,12 @@ from tests.faults.checker import (
 )
 from tests.faults.conftest import REPO, Stack
 from tests.faults.test_readiness import metrics_settings, wait_ready
+from tests.kafka_fixtures import freeze
 
 INTRUDER = r"""
 import asyncio, json, sys
 from aiokafka import AIOKafkaConsumer
+from tests.kafka_fixtures import freeze
 
 async def main(bootstrap, topic, group, seconds):
     consumer = AIOKafkaConsumer(
@@ -166,7 +168,7 @@ def test_rebalance_during_load(stack_factory, kafka, exit_mode: str) -> None:  #
         # Redis paused while the intruder joins: the broker's consumer is stuck storing
         # a batch when its partitions are revoked.
         assert stack.redis.proc is not None
-        os.kill(stack.redis.proc.pid, signal.SIGSTOP)
+        freeze(stack.redis.proc.pid)
         redis_paused = True
         intruder = Intruder(kafka[0], topic_name, group, seconds)
         wait_until(lambda: intruder.total >= 50, 15, f"the intruder fetching: {intruder.events}")

