@@ -7,7 +7,7 @@ context (``tests/deploy/dockerignore.py`` applies the ``.dockerignore`` rules to
 a copy of the tree) is built by ``pip wheel --no-deps`` (with build isolation,
 as in the image: the venv's own setuptools, 65.5 here, is older than
 pyproject.toml's ``setuptools>=68``, so pip fetches setuptools from the package
-index or its cache, as ``.ci/run``'s own install, by uv or pip, does), installed with
+index or its cache, as ``.ci/run``'s own ``pip install`` does), installed with
 ``pip install --no-deps --target``, and its ``devicemq`` console script and the
 Dockerfile's import line are run from it.
 The dependencies come from the test's own environment; they are PyPI wheels the
