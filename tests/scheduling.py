@@ -7,8 +7,11 @@ first (longest-processing-time first), by :data:`SECONDS` measured per file; a
 file not listed counts :data:`PER_TEST` seconds a test. The files of
 :data:`ONE_UNIT_PER_TEST` hold no module-scoped fixture and each test is a
 minute's job: their tests are handed out one by one, so both processes share
-them. Every other file stays whole in one process (its module-scoped fixtures
-are set up once).
+them. The folders of :data:`ONE_UNIT_PER_FOLDER` go whole to one process: their
+session-scoped fixtures are started once, not once in each process (for
+tests/pipeline a SparkSession, whose cold JVM makes the first jobs slow, and
+the workload's Tansu, Redis and devicemq). Every other file stays whole in one
+process (its module-scoped fixtures are set up once).
 
 The numbers: a whole run's seconds per file (setup + call + teardown of its
 tests summed; 15 min on 2 cores, nothing else running), the files above 6 s;
@@ -24,7 +27,9 @@ from xdist.scheduler import LoadFileScheduling
 
 PER_TEST = 0.05
 
-ONE_UNIT_PER_TEST = frozenset({"tests/model/test_model.py", "tests/pipeline/test_stream.py"})
+ONE_UNIT_PER_TEST = frozenset({"tests/model/test_model.py"})
+
+ONE_UNIT_PER_FOLDER = ("tests/pipeline/",)
 
 SECONDS: dict[str, float] = {
     "tests/pipeline/test_stream.py": 193,
@@ -94,15 +99,27 @@ def _file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _folder(file: str) -> str | None:
+    """The folder of :data:`ONE_UNIT_PER_FOLDER` that holds ``file``, if any."""
+    return next((f for f in ONE_UNIT_PER_FOLDER if file.startswith(f)), None)
+
+
 class HeaviestFirst(LoadFileScheduling):
     """``--dist loadfile``, the heaviest remaining unit handed out first."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return nodeid if _file(nodeid) in ONE_UNIT_PER_TEST else _file(nodeid)
+        file = _file(nodeid)
+        return nodeid if file in ONE_UNIT_PER_TEST else _folder(file) or file
 
     def _cost(self, scope: str) -> float:
         file = _file(scope)
         tests = len(self.workqueue[scope])
+        if scope in ONE_UNIT_PER_FOLDER:
+            files = {_file(nodeid) for nodeid in self.workqueue[scope]}
+            listed = sum(SECONDS.get(f, 0.0) for f in files)
+            return listed + PER_TEST * sum(
+                1 for nodeid in self.workqueue[scope] if _file(nodeid) not in SECONDS
+            )
         if file not in SECONDS:
             return PER_TEST * tests
         if file in ONE_UNIT_PER_TEST:
