@@ -354,6 +354,16 @@ class Outflow:
         if conn is None:
             return
         resend = self._resend
+        feed = self.feed
+        if (
+            type(feed) is MemoryFeed
+            and not feed.queue
+            and not resend
+            and not self._parked
+            and self.side is None
+            and not self.groups
+        ):
+            return  # nothing waits to go (the common case after an acknowledgement)
         to_mark: list[Outgoing] = []
         while True:
             room = self._room(conn)
@@ -386,7 +396,8 @@ class Outflow:
     def _take(self, room: int) -> list[Outgoing]:
         """The next messages: the session's feed and the side feeds take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
-        if any(f.restoring for f in (side, self.detached_side) if f is not None):
+        detached = self.detached_side
+        if (side is not None and side.restoring) or (detached is not None and detached.restoring):
             return []  # the identifiers it had in flight before a restart come first
         groups = self.groups
         sides: list[SideFeed] = []  # the common case, no queue at all: nothing more built
@@ -494,7 +505,10 @@ class Outflow:
     def _room(self, conn: MQTTConnection) -> int:
         if conn.congested or not conn.accepts_publish:
             return 0
-        window = min(self.max_inflight, conn.client_receive_maximum)
+        window = self.max_inflight
+        receive_maximum = conn.client_receive_maximum
+        if receive_maximum < window:
+            window = receive_maximum
         return window - (len(self.inflight) - len(self._resend))
 
     def _admit(self, conn: MQTTConnection, item: Outgoing, to_mark: list[Outgoing]) -> None:
@@ -696,7 +710,7 @@ class MemoryFeed:
         outflow = self.outflow
         assert outflow is not None
         packet_id = self._last_packet_id = outflow.next_packet_id(self._last_packet_id)
-        return Outgoing(packet_id, delivery, marked=True)
+        return Outgoing(packet_id, delivery, False, True)  # marked: memory records nothing
 
     def take(self, n: int) -> list[Outgoing]:
         queue, outflow = self.queue, self.outflow
