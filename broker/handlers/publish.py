@@ -102,7 +102,7 @@ def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
     if packet.properties is not None and packet.properties.subscription_identifiers:
         # Only the server puts Subscription Identifiers in a PUBLISH (MQTT-3.3.4-6).
         raise MQTTError(ReasonCode.PROTOCOL_ERROR, "subscription identifier in a client PUBLISH")
-    topic = _resolve_topic(conn, packet)
+    topic = packet.topic if packet.properties is None else _resolve_topic(conn, packet)
     packet_id = packet.packet_id
     if qos == 2 and packet_id in session.incoming_qos2:
         # Already counted in the Receive Maximum: a re-send is not a new message.
