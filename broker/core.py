@@ -1098,10 +1098,11 @@ class Broker:
             def may_receive(client_id: str) -> bool:
                 return can_receive(client_id, topic)
 
-        # zip and map, not a comprehension: no Python frame per PUBLISH (Python 3.11).
-        targets: list[tuple[Session | GroupTarget, Delivery]] = list(
-            zip(map(sessions.__getitem__, by_client), by_client.values(), strict=True)
-        )
+        # A loop, not a comprehension: no Python frame per PUBLISH on Python 3.11 (for
+        # one target, 3.1k against 4.0k instructions; zip(strict=True) took 7.6k).
+        targets: list[tuple[Session | GroupTarget, Delivery]] = []
+        for cid, delivery in by_client.items():
+            targets.append((sessions[cid], delivery))
         for group in match.groups:
             if group.queue:
                 # A durable group queue keeps it once for the group (broker/group_queue.py),
