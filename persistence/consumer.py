@@ -218,6 +218,7 @@ class LogResets:
         # Announcements not written yet: the epoch goes up by one per announcement,
         # however many one write carries (the consumer counts its own up at once).
         self._unwritten = 0
+        self._writes_begun = 0  # tells a look whether a write overlapped its read
 
     @property
     def retry(self) -> Retry:
@@ -244,6 +245,7 @@ class LogResets:
         self._disowned.add(partition)
 
     async def _write(self, partitions: dict[int, bool]) -> dict[int, bool]:
+        self._writes_begun += 1
         ordered = sorted(partitions)
         announcements, self._unwritten = max(self._unwritten, 1), 0
         try:
@@ -275,6 +277,21 @@ class LogResets:
         pipe.get(self._epoch_key)
         counts, epoch = await pipe.execute()
         return {int(k): int(v) for k, v in counts.items()}, int(epoch or 0)
+
+    async def look(self) -> tuple[dict[int, int], int] | None:
+        """:meth:`read`, for a consumer's look at what others announced; ``None`` when
+        a write of this process's own overlapped it. Redis may have applied that
+        write and answered the read before the write's answer came back, so its
+        step is not remembered as this process's yet and would be taken for
+        another's: a compaction's new log read twice (CI saw it). The next look
+        reads again, and the step is known by then."""
+        if self._writer.busy:
+            return None
+        begun = self._writes_begun
+        answer = await self.read()
+        if self._writer.busy or self._writes_begun != begun:
+            return None
+        return answer
 
     def announced_by_others(self, known: dict[int, int], counts: dict[int, int]) -> set[int]:
         """Partitions whose count went from ``known`` to ``counts`` by another's
@@ -681,7 +698,10 @@ class PersistenceConsumer:
         """Rewind the assigned partitions whose log reset was announced since last time."""
         if self._resets is None:
             return
-        counts, epoch = await self._resets.read()
+        answer = await self._resets.look()
+        if answer is None:
+            return  # an own announcement was being written: the next look tells
+        counts, epoch = answer
         known, self._known_resets = self._known_resets, counts
         self._epoch = max(self._epoch, epoch)
         if known is None:
