@@ -59,9 +59,10 @@ Invariants
   Entries never sent have a deadline of their own (message expiry, at most
   ``default_ttl``); an expired entry is dropped with its ref where a script
   meets it (:meth:`RedisMessageStore.load_page`, marks, trims), and counts
-  toward the limits until then, as an expired ref did before; its bytes stay
-  in Redis until then too (a string expired on its own before), within the
-  per-client limits, or until the session's keys expire.
+  toward the limits until then, as an expired ref did before (its size then
+  leaves the byte count); its bytes stay in Redis until then too (a string
+  expired on its own before), within the per-client limits, or until the
+  session's keys expire.
 * **Layout**: a client's messages are one sorted set and one hash
   (persistence/format.py, ``{cid}_values``): ~140 B of Redis memory per
   stored 64-byte message where a string per message cost ~240 B

@@ -12,9 +12,9 @@ module keeps only the paging and the Redis writes, through one
   DUP on every message that may have been seen; a message stored for a client
   that can take it at once is stored marked (:meth:`StoreFeed.room`), saving
   the separate write; while a backlog waits behind a full window, the next
-  window's worth is marked ahead (:meth:`StoreFeed.take`), so that as the
-  client's acknowledgements open the window the next messages go out at once,
-  not one Redis round trip later;
+  window's worth (of messages without an expiry: MQTT-3.3.2-5) is marked ahead
+  (:meth:`StoreFeed.take`), so that as the client's acknowledgements open the
+  window the next messages go out at once, not one Redis round trip later;
 - PUBACK and PUBCOMP delete it; PUBREC rewrites it as PUBREL, keeping its
   lifetime (a sent message lives as long as the session).
 
@@ -351,7 +351,11 @@ class StoreFeed:
         Marked, a message may have been seen as far as the store knows: should
         the client go before they are sent, the next connection sends them with
         DUP and as re-sends (MQTT-4.4.0-1), as it does the messages :meth:`room`
-        has stored marked; at most one window of them.
+        has stored marked; at most one window of them. A message with an expiry is
+        not marked ahead: a mark drops its deadline (a re-send goes whatever its
+        age), so one that expired behind the full window while the client was away
+        would go out on the next connection, though its onward delivery never
+        started (MQTT-3.3.2-5); it is marked when it goes, as before.
         """
         outflow = self.outflow
         if outflow is None:
@@ -360,6 +364,8 @@ class StoreFeed:
             (record.packet_id, record.score)
             for record in islice(self._buffer, outflow.window())
             if not (record.sent or record.marked or record.stage is Stage.PUBREL)
+            and record.message is not None
+            and record.message.expiry is None  # MQTT-3.3.2-5
             and self._reserved.get(record.packet_id) != record.score
         ]
         if pairs:

@@ -4,9 +4,9 @@
 -- ARGV[1] after_score (exclusive)   ARGV[2] page size
 --
 -- Refs whose entry has expired (its deadline passed, lib.lua) are removed, with
--- the entry, here (lazily) and do not count toward the page. Only messages
--- never sent can expire: a sent one lives as long as the session
--- (mark_sent.lua).
+-- the entry, here (lazily) and do not count toward the page; their size leaves
+-- the byte count. Only messages never sent can expire: a sent one lives as long
+-- as the session (mark_sent.lua).
 -- Returns {dropped, last_score, id, score, value, id, ...}: last_score is the
 -- client's counter when the page was read, so a reader that got a short page
 -- knows every message stored later has a higher score.
@@ -20,6 +20,7 @@ local cursor = '(' .. ARGV[1]
 local out = {0, tonumber(redis.call('GET', KEYS[2]) or '0')}
 local got = 0
 local dropped = 0
+local freed = 0  -- expired entries' bytes leave the count (field 'b') with them
 while got < want do
   local ask = want - got
   if ask > 500 then ask = 500 end  -- HMGET's arguments: a bounded unpack
@@ -39,11 +40,13 @@ while got < want do
     else
       redis.call('ZREM', set_key, id)
       if entry then redis.call('HDEL', values_key, id) end
+      freed = freed + value_size(entry)
       dropped = dropped + 1
     end
     cursor = '(' .. refs[j + 1]
   end
   if #refs < 2 * ask then break end
 end
+release_bytes(values_key, set_key, freed)
 out[1] = dropped
 return out

@@ -26,6 +26,7 @@ for j = 1, tonumber(ARGV[1]) do
   upgrade(set_key, values_key)
   local n = tonumber(ARGV[at])
   local marked = {}
+  local freed = 0  -- expired entries' bytes leave the count with them
   for i = at + 1, at + 2 * n, 2 do
     local id = ARGV[i]
     local want = tonumber(ARGV[i + 1])
@@ -43,9 +44,11 @@ for j = 1, tonumber(ARGV[1]) do
       else
         redis.call('ZREM', set_key, id)
         if entry then redis.call('HDEL', values_key, id) end
+        freed = freed + value_size(entry)
       end
     end
   end
+  release_bytes(values_key, set_key, freed)
   marked_by_client[j] = marked
   at = at + 1 + 2 * n
 end

@@ -21,6 +21,7 @@ local freed = 0
 for j = 1, #refs, 2 do
   local entry = redis.call('HGET', values_key, refs[j])
   if not live(entry, now) then
+    freed = freed + value_size(entry)
     redis.call('ZREM', set_key, refs[j])
     if entry then redis.call('HDEL', values_key, refs[j]) end
   elseif not entry_sent(entry) then

@@ -79,3 +79,17 @@ def test_a_new_connection_drops_the_marks_asked_for_the_last() -> None:
     feed.restart()
     writer.asked[0][1]([3, 4])  # landed after the connection went: nothing to do here
     assert outflow.pumps == 0 and feed.queued() == 0
+
+
+def test_a_message_with_an_expiry_is_not_marked_ahead() -> None:
+    """A mark drops the stored deadline: one marked ahead that expired behind the window
+    while the client was away went out on the next connection, never having been sent
+    (MQTT-3.3.2-5). Those with an expiry are marked when they go, as before."""
+    feed, writer, _outflow = _feed(backlog=5, window=2)
+    expiring = StoredMessage("t", b"x", 1, expiry=time.time() + 60)
+    feed._buffer[2].message = expiring  # packet id 3
+    feed.take(2)
+    assert [sent for sent, _ in writer.asked] == [[(4, 4)]]
+    third = feed.take(1)
+    assert [(o.packet_id, o.marked) for o in third] == [(3, False)]  # the outflow marks it
+    assert feed.take(1) == []  # 4's mark ahead has not landed: it waits, in order
