@@ -80,7 +80,8 @@ class BlockingClient:
 class RunningBroker:
     port: int
     pid: int
-    redis_url: str  # the embedded Redis, with the password it asks for
+    data_dir: Path  # broker.log is in it
+    redis_url: str  # the embedded Redis, with the password it asks for ("": none)
 
 
 @contextmanager
@@ -110,11 +111,12 @@ def running_broker(
                 break
             except OSError:
                 time.sleep(0.1)
-        ports = json.loads((tmp / "services" / "ports.json").read_text())
-        password = EmbeddedServices(tmp).redis_password(create=False) or ""
-        yield RunningBroker(
-            port, proc.pid, f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
-        )
+        redis_url = ""
+        if (tmp / "services" / "ports.json").exists():  # persistence on
+            ports = json.loads((tmp / "services" / "ports.json").read_text())
+            password = EmbeddedServices(tmp).redis_password(create=False) or ""
+            redis_url = f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
+        yield RunningBroker(port, proc.pid, tmp, redis_url)
     finally:
         proc.terminate()
         try:
