@@ -31,9 +31,6 @@ import dataclasses
 import os
 import re
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -309,19 +306,15 @@ def _admin_status(port: int, token: str, source: str) -> int:
 
 def admin_guess(seconds: float) -> None:
     """Wrong admin tokens from one address, as fast as four threads send them."""
-    tmp = Path(tempfile.mkdtemp(prefix="devicemq-guess-"))
     token = "the-admin-token-" + os.urandom(8).hex()
-    port, admin_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
-    env.update(
-        DEVICEMQ_PERSISTENCE_ENABLED="false",
-        DEVICEMQ_ADMIN_PORT=str(admin_port),
-        DEVICEMQ_ADMIN_TOKEN=token,
-    )
-    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
-    with (tmp / "broker.log").open("wb") as log:
-        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
-    try:
+    admin_port = free_port()
+    settings = {
+        "DEVICEMQ_PERSISTENCE_ENABLED": "false",
+        "DEVICEMQ_ADMIN_ENABLED": "true",
+        "DEVICEMQ_ADMIN_PORT": str(admin_port),
+        "DEVICEMQ_ADMIN_TOKEN": token,
+    }
+    with running_broker(settings) as broker:
         for _ in range(150):
             try:
                 _admin_status(admin_port, token, "127.0.0.2")
@@ -347,7 +340,7 @@ def admin_guess(seconds: float) -> None:
         for t in threads:
             t.join()
         elapsed = time.monotonic() - t0
-        log_lines = (tmp / "broker.log").read_text().splitlines()
+        log_lines = (broker.data_dir / "broker.log").read_text().splitlines()
         logged = sum("wrong token" in line for line in log_lines)
         compared = counts.get(401, 0)
         print(
@@ -356,9 +349,6 @@ def admin_guess(seconds: float) -> None:
             f"refused unread (429): {counts.get(429, 0)}; log lines: {logged}; "
             f"the right token from another address: {right}"
         )
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> None:
