@@ -78,8 +78,8 @@ from persistence.format import (
     decode_record,
     epoch_key,
     is_queue_record,
-    record_id,
     resets_key,
+    well_formed,
 )
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.queue_store import (
@@ -525,7 +525,7 @@ class PersistenceConsumer:
             by_queue: dict[str, tuple[list[bytes], list[int]]] = {}
             for record in records:
                 value, client_id = record.value, _client_id(record.key)
-                if client_id is None or not _well_formed(value):
+                if client_id is None or not well_formed(value):
                     self.stats.malformed_records += 1
                     log.warning("skipping a malformed record at %s offset %d", tp, record.offset)
                     continue
@@ -1051,16 +1051,6 @@ def _client_id(key: bytes | None) -> str | None:
         return key.decode()
     except UnicodeDecodeError:
         return None
-
-
-def _well_formed(value: bytes | None) -> bool:
-    if value is None:
-        return False
-    try:
-        record_id(value)
-    except (ValueError, IndexError):
-        return False
-    return True
 
 
 def _records_of(batch: ClientBatch, result: SaveResult) -> Callable[[], list[StoredRecord]]:
