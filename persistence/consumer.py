@@ -572,9 +572,9 @@ class PersistenceConsumer:
                 if self._position.get(tp) == offset:  # not sought elsewhere meanwhile
                     self._stored[tp] = offset
         for batch, result in zip(client_batches, results, strict=True):
-            self._account(result)
+            saved = self._account(result)
             self.events.stored(batch, result)
-            if result.saved or result.duplicates:
+            if saved or result.duplicates:
                 # Duplicates too: a save whose reply was lost stored them, unseen.
                 self._on_stored(batch.client_id, _records_of(batch, result))
         for queue_batch, queue_result in zip(queue_batches, queue_results, strict=True):
@@ -1035,13 +1035,15 @@ class PersistenceConsumer:
         assigned = self._consumer.assignment()
         return {tp: offset for tp, offset in offsets.items() if tp in assigned}
 
-    def _account(self, result: SaveResult) -> None:
-        stats = self.stats
-        stats.messages_stored += result.saved
+    def _account(self, result: SaveResult) -> int:
+        """Count what a client batch's save did; answers how many it stored."""
+        stats, saved = self.stats, result.saved
+        stats.messages_stored += saved
         stats.duplicates_skipped += result.duplicates
         stats.messages_trimmed += result.trimmed
         stats.expired_on_arrival += result.expired
         stats.discarded_ended_session += len(result.discarded)
+        return saved
 
 
 def _client_id(key: bytes | None) -> str | None:

@@ -508,6 +508,34 @@ def decode_record(
     sent = bool(flags & FLAG_SENT)
     if flags & FLAG_PUBREL:
         return StoredRecord(packet_id, score, _PUBREL, True, None)
+    if value[0] == VERSION and len(value) >= _HEADER_SIZE:
+        # The current version in one step (every record a consumer's poll hands to a
+        # connected client is decoded here): no properties, no keywords.
+        _, _f, qos, published, expiry, producer, seq, generation, topic_len, props_len = (
+            _HEADER.unpack_from(value)
+        )
+        if not props_len:
+            end = _HEADER_SIZE + topic_len
+            message = StoredMessage(
+                value[_HEADER_SIZE:end].decode(),
+                value[end:],
+                qos,
+                bool(flags & FLAG_RETAIN),
+                None,
+                None,
+                None,
+                None,
+                (),
+                (),
+                published,
+                expiry if flags & FLAG_HAS_EXPIRY else None,
+                producer,
+                seq,
+                generation,
+            )
+            return StoredRecord(
+                packet_id, score, _PUBLISH, sent, message, marked, bool(flags & FLAG_REPLAY)
+            )
     _f, published, expiry, producer, seq, generation, topic_len, props_len, pos = _header(value)
     qos = value[2]
     topic = value[pos : pos + topic_len].decode()

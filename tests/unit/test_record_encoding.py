@@ -56,7 +56,8 @@ def test_a_message_without_properties_encodes_as_through_a_stored_message(
     ids: tuple[int, int, int],
 ) -> None:
     """encode_delivery packs a message without properties from its fields (no
-    StoredMessage): the same bytes, and it decodes to the same message."""
+    StoredMessage): the same bytes, and it decodes (decode_record's short way when
+    there are no properties) to the same message."""
     clock, wall = 100.0, 1_700_000_000.0
     expires_at = None if expires_in is None else clock + expires_in
     delivery = Delivery(
@@ -66,7 +67,22 @@ def test_a_message_without_properties_encodes_as_through_a_stored_message(
     named = {"producer": producer, "seq": seq, "generation": generation}
     value = encode_delivery(delivery, wall, clock, **named)
     assert value == _long_way(delivery, wall, clock, **named)
-    stored = decode_record(1, 1, value).message
+    record = decode_record(9, 11, value, marked=True)
+    assert (record.packet_id, record.score, record.marked, record.sent) == (9, 11, True, False)
+    stored = record.message
+    expiry = None if expires_at is None else wall + (expires_at - clock)
+    assert stored == StoredMessage(
+        topic,
+        payload,
+        qos,
+        retain,
+        subscription_identifiers=sids,
+        publish_time=wall,
+        expiry=expiry,
+        producer=producer,
+        seq=seq,
+        generation=generation,
+    )
     assert stored is not None
     assert (stored.topic, stored.payload, stored.qos, stored.retain) == (
         topic,
