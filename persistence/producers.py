@@ -42,8 +42,8 @@ POLL_BUSY = 0.001  # seconds between two reads of delivery reports while records
 POLL_STUCK = 0.05  # ... up to this while none come back (a frozen Kafka),
 POLL_IDLE = 1.0  # ... and while none are out
 CHECK_TIMEOUT = 1.5  # seconds a readiness check waits for metadata (below the probe's 2 s)
-# Records (key and value) below this may skip aiokafka's size check (Aiokafka.send),
-# and below a quarter of the producer's max_request_size (1 MiB by default).
+# Records up to this size may skip aiokafka's size check (Aiokafka.send): far below
+# any max_request_size (1 MiB by default), it could never refuse them.
 SHORT_WAY_MAX_BYTES = 64 * 1024
 
 
@@ -93,9 +93,6 @@ class Aiokafka:
         known = getattr(self._cluster, "_partitions", None)
         self._accumulator = accumulator if isinstance(known, dict) else None
         self._timeout = producer._request_timeout_ms / 1000
-        # Key and value together below this skip the size check: far below the
-        # producer's max_request_size, which could never refuse them.
-        self._short_way_max = min(SHORT_WAY_MAX_BYTES, producer._max_request_size // 4)
         self._tps: dict[tuple[str, int], TopicPartition] = {}
 
     async def send(
@@ -105,8 +102,8 @@ class Aiokafka:
         batch for it, the batch ``AIOKafkaProducer.send`` would append to, with the
         same per-record future: ``send`` itself first waits for the topic's metadata,
         builds the set of its partitions twice, checks a transaction, serializers and
-        the record's size (aiokafka's send ~4 us a record, this ~2.3 us:
-        ``python -m benchmarks.record_path_bench``). Anything else takes the long way: no
+        the record's size, ~5 us a record in Python (a tenth of the broker's time at
+        the fleet shape, BENCHMARKS.md). Anything else takes the long way: no
         partition given, one the metadata does not list (aiokafka's "Unrecognized
         partition"), a record large enough for the size check to matter, a producer
         with serializers or transactions."""
@@ -114,7 +111,7 @@ class Aiokafka:
         if (
             accumulator is not None
             and partition is not None
-            and len(value) + len(key or b"") < self._short_way_max
+            and len(value) < SHORT_WAY_MAX_BYTES
             and partition in self._cluster._partitions.get(topic, ())
             and self._plain()
         ):
