@@ -23,7 +23,7 @@ import time
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
@@ -42,9 +42,6 @@ POLL_BUSY = 0.001  # seconds between two reads of delivery reports while records
 POLL_STUCK = 0.05  # ... up to this while none come back (a frozen Kafka),
 POLL_IDLE = 1.0  # ... and while none are out
 CHECK_TIMEOUT = 1.5  # seconds a readiness check waits for metadata (below the probe's 2 s)
-# Records up to this size may skip aiokafka's size check (Aiokafka.send): far below
-# any max_request_size (1 MiB by default), it could never refuse them.
-SHORT_WAY_MAX_BYTES = 64 * 1024
 
 
 class Produced(NamedTuple):
@@ -86,54 +83,7 @@ class Aiokafka:
         self.producer = producer
         self.start = producer.start
         self.stop = producer.stop
-        # What the short way of :meth:`send` needs of aiokafka's insides; None (another
-        # aiokafka than the one measured) sends every record the long way.
-        accumulator = getattr(producer, "_message_accumulator", None)
-        self._cluster = producer.client.cluster  # its _partitions: replaced at each update
-        known = getattr(self._cluster, "_partitions", None)
-        self._accumulator = accumulator if isinstance(known, dict) else None
-        self._timeout = producer._request_timeout_ms / 1000
-        self._tps: dict[tuple[str, int], TopicPartition] = {}
-
-    async def send(
-        self, topic: str, value: bytes, key: bytes | None, partition: int | None
-    ) -> asyncio.Future[Any]:
-        """A record for a partition the producer knows goes straight into aiokafka's
-        batch for it, the batch ``AIOKafkaProducer.send`` would append to, with the
-        same per-record future: ``send`` itself first waits for the topic's metadata,
-        builds the set of its partitions twice, checks a transaction, serializers and
-        the record's size, ~5 us a record in Python (a tenth of the broker's time at
-        the fleet shape, BENCHMARKS.md). Anything else takes the long way: no
-        partition given, one the metadata does not list (aiokafka's "Unrecognized
-        partition"), a record large enough for the size check to matter, a producer
-        with serializers or transactions."""
-        accumulator = self._accumulator
-        if (
-            accumulator is not None
-            and partition is not None
-            and len(value) < SHORT_WAY_MAX_BYTES
-            and partition in self._cluster._partitions.get(topic, ())
-            and self._plain()
-        ):
-            tp = self._tps.get((topic, partition))
-            if tp is None:
-                tp = self._tps[(topic, partition)] = TopicPartition(topic, partition)
-            future: asyncio.Future[Any] = await accumulator.add_message(
-                tp, key, value, self._timeout
-            )
-            return future
-        answer: asyncio.Future[Any] = await self.producer.send(
-            topic, value=value, key=key, partition=partition
-        )
-        return answer
-
-    def _plain(self) -> bool:
-        producer = self.producer
-        return (
-            producer._txn_manager is None
-            and producer._key_serializer is None
-            and producer._value_serializer is None
-        )
+        self.send = producer.send  # keyword-compatible
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
         partitions: set[int] | None = self.producer.client.cluster.partitions_for_topic(topic)

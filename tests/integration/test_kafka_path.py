@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import MessageSizeTooLargeError
 
 from broker.message import Delivery, Message
 from broker.outflow import MemoryFeed
@@ -93,53 +92,6 @@ async def test_each_clients_records_keep_submission_order_when_sends_wait(
         values = by_key[session.client_id.encode()]
         payloads = [decode_record(1, 1, v).message.payload for v in values]  # type: ignore[union-attr]
         assert payloads == [f"{session.client_id}:{n}".encode() for n in range(PER_CLIENT)]
-
-
-async def test_a_record_for_a_known_partition_goes_into_the_batch_without_aiokafkas_send(
-    tansu: str,  # noqa: F811
-) -> None:
-    """``Aiokafka.send`` hands a record for a partition the metadata lists straight to
-    the batch aiokafka's ``send`` would append it to (its metadata wait, partition
-    sets and size check cost ~5 us a record): Kafka puts it where asked, in order.
-    The rest keeps aiokafka's ``send`` and its answers: no partition, a partition
-    the metadata does not list ("Unrecognized partition", which the path
-    handles), a record too large for a request."""
-    topic = f"short-{uuid.uuid4().hex[:8]}"
-    assert await ensure_topic(tansu, topic, 3)
-    producer = Aiokafka(AIOKafkaProducer(bootstrap_servers=tansu, acks="all"))
-    await producer.start()
-    long_way: list[int | None] = []
-    aiokafka_send = producer.producer.send
-
-    async def counted(topic: str, **record: object) -> asyncio.Future[object]:
-        long_way.append(record["partition"])  # type: ignore[arg-type]
-        return await aiokafka_send(topic, **record)
-
-    producer.producer.send = counted  # type: ignore[method-assign]
-    try:
-        await producer.refresh(topic)
-        assert producer.partitions_for_topic(topic) == {0, 1, 2}
-        futures = [
-            await producer.send(topic, b"v%d" % n, b"k%d" % (n % 3), n % 3) for n in range(30)
-        ]
-        answers = await asyncio.gather(*futures)
-        assert long_way == []
-        assert [a.partition for a in answers] == [n % 3 for n in range(30)]
-        for partition in range(3):
-            offsets = [a.offset for a in answers if a.partition == partition]
-            assert offsets == list(range(offsets[0], offsets[0] + 10))
-        with pytest.raises(AssertionError, match="Unrecognized partition"):
-            await producer.send(topic, b"v", b"k", 7)
-        unpartitioned = await (await producer.send(topic, b"v-any", b"k-any", None))
-        assert unpartitioned.partition in (0, 1, 2)
-        with pytest.raises(MessageSizeTooLargeError):
-            await producer.send(topic, b"x" * (2 * 1024 * 1024), b"k", 0)
-        assert long_way == [7, None, 0]
-    finally:
-        await producer.stop()
-    by_key = await _read_all(tansu, topic, 31)
-    assert by_key[b"k0"] == [b"v%d" % n for n in range(0, 30, 3)]
-    assert by_key[b"k-any"] == [b"v-any"]
 
 
 async def test_acknowledged_publishes_leave_nothing_for_the_garbage_collector(
