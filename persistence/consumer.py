@@ -78,8 +78,8 @@ from persistence.format import (
     decode_record,
     epoch_key,
     is_queue_record,
-    record_id,
     resets_key,
+    well_formed,
 )
 from persistence.kafka_security import PLAINTEXT, KafkaSecurity
 from persistence.queue_store import (
@@ -542,7 +542,7 @@ class PersistenceConsumer:
             by_queue: dict[str, tuple[list[bytes], list[int]]] = {}
             for record in records:
                 value, client_id = record.value, _client_id(record.key)
-                if client_id is None or not _well_formed(value):
+                if client_id is None or not well_formed(value):
                     self.stats.malformed_records += 1
                     log.warning("skipping a malformed record at %s offset %d", tp, record.offset)
                     continue
@@ -589,9 +589,9 @@ class PersistenceConsumer:
                 if self._position.get(tp) == offset:  # not sought elsewhere meanwhile
                     self._stored[tp] = offset
         for batch, result in zip(client_batches, results, strict=True):
-            self._account(result)
+            saved = self._account(result)
             self.events.stored(batch, result)
-            if result.saved or result.duplicates:
+            if saved or result.duplicates:
                 # Duplicates too: a save whose reply was lost stored them, unseen.
                 self._on_stored(batch.client_id, _records_of(batch, result))
         for queue_batch, queue_result in zip(queue_batches, queue_results, strict=True):
@@ -1055,13 +1055,15 @@ class PersistenceConsumer:
         assigned = self._consumer.assignment()
         return {tp: offset for tp, offset in offsets.items() if tp in assigned}
 
-    def _account(self, result: SaveResult) -> None:
-        stats = self.stats
-        stats.messages_stored += result.saved
+    def _account(self, result: SaveResult) -> int:
+        """Count what a client batch's save did; answers how many it stored."""
+        stats, saved = self.stats, result.saved
+        stats.messages_stored += saved
         stats.duplicates_skipped += result.duplicates
         stats.messages_trimmed += result.trimmed
         stats.expired_on_arrival += result.expired
         stats.discarded_ended_session += len(result.discarded)
+        return saved
 
 
 def _client_id(key: bytes | None) -> str | None:
@@ -1071,16 +1073,6 @@ def _client_id(key: bytes | None) -> str | None:
         return key.decode()
     except UnicodeDecodeError:
         return None
-
-
-def _well_formed(value: bytes | None) -> bool:
-    if value is None:
-        return False
-    try:
-        record_id(value)
-    except (ValueError, IndexError):
-        return False
-    return True
 
 
 def _records_of(batch: ClientBatch, result: SaveResult) -> Callable[[], list[StoredRecord]]:

@@ -341,30 +341,65 @@ def encode_message(
 ) -> bytes:
     """The value of ``m`` (see the module docstring for the layout); ``queue``: for a
     queue store whatever its topic (a group queue's, broker/group_queue.py)."""
-    topic = m.topic.encode()
+    return encode_fields(
+        m.topic,
+        m.payload,
+        m.qos,
+        m.retain,
+        _encode_properties(m),
+        m.publish_time,
+        m.expiry,
+        m.producer,
+        m.seq,
+        m.generation,
+        sent=sent,
+        replay=replay,
+        queue=queue,
+    )
+
+
+def encode_fields(
+    topic_name: str,
+    payload: bytes,
+    qos: int,
+    retain: bool,
+    props: bytes,
+    publish_time: float,
+    expiry: float | None,
+    producer: int,
+    seq: int,
+    generation: int,
+    *,
+    sent: bool = False,
+    replay: bool = False,
+    queue: bool = False,
+) -> bytes:
+    """:func:`encode_message` from its fields, ``props`` encoded already: the Kafka
+    path's encoding of a message without properties builds no :class:`StoredMessage`
+    (persistence/delivery_codec.py)."""
+    topic = topic_name.encode()
     if len(topic) > 0xFFFF:
         raise ValueError("topic is longer than 65535 bytes")
-    props = _encode_properties(m)
-    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
+    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if retain else 0)
     if replay:
         flags |= FLAG_REPLAY
-    if queue or m.topic.startswith(ECQ_PREFIX):
+    if queue or topic_name.startswith(ECQ_PREFIX):
         flags |= FLAG_QUEUE
-    if m.expiry is not None:
+    if expiry is not None:
         flags |= FLAG_HAS_EXPIRY
     header = _HEADER.pack(
         VERSION,
         flags,
-        m.qos,
-        m.publish_time,
-        m.expiry if m.expiry is not None else 0.0,
-        m.producer,
-        m.seq,
-        m.generation,
+        qos,
+        publish_time,
+        expiry if expiry is not None else 0.0,
+        producer,
+        seq,
+        generation,
         len(topic),
         len(props),
     )
-    return b"".join((header, topic, props, m.payload))
+    return b"".join((header, topic, props, payload))
 
 
 _DEADLINE = struct.Struct(">d")
@@ -467,6 +502,17 @@ def _header(value: bytes) -> tuple[int, float, float | None, int, int, int, int,
     )
 
 
+def well_formed(value: bytes | None) -> bool:
+    """``value`` has a header :func:`record_id` reads (version 1 or 2, long enough):
+    the consumer's check of every record, without decoding it."""
+    if not value:
+        return False
+    version = value[0]
+    if version == VERSION:
+        return len(value) >= _HEADER_SIZE
+    return version == 1 and len(value) >= _HEADER_V1.size
+
+
 def record_id(value: bytes) -> RecordId:
     """Expiry, producer, seq and generation of a value, from its header alone."""
     _flags, _pub, expiry, producer, seq, generation, *_ = _header(value)
@@ -507,6 +553,34 @@ def decode_record(
     sent = bool(flags & FLAG_SENT)
     if flags & FLAG_PUBREL:
         return StoredRecord(packet_id, score, _PUBREL, True, None)
+    if value[0] == VERSION and len(value) >= _HEADER_SIZE:
+        # The current version in one step (every record a consumer's poll hands to a
+        # connected client is decoded here): no properties, no keywords.
+        _, _f, qos, published, expiry, producer, seq, generation, topic_len, props_len = (
+            _HEADER.unpack_from(value)
+        )
+        if not props_len:
+            end = _HEADER_SIZE + topic_len
+            message = StoredMessage(
+                value[_HEADER_SIZE:end].decode(),
+                value[end:],
+                qos,
+                bool(flags & FLAG_RETAIN),
+                None,
+                None,
+                None,
+                None,
+                (),
+                (),
+                published,
+                expiry if flags & FLAG_HAS_EXPIRY else None,
+                producer,
+                seq,
+                generation,
+            )
+            return StoredRecord(
+                packet_id, score, _PUBLISH, sent, message, marked, bool(flags & FLAG_REPLAY)
+            )
     _f, published, expiry, producer, seq, generation, topic_len, props_len, pos = _header(value)
     qos = value[2]
     topic = value[pos : pos + topic_len].decode()
