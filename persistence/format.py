@@ -514,7 +514,11 @@ def well_formed(value: bytes | None) -> bool:
 
 
 def record_id(value: bytes) -> RecordId:
-    """Expiry, producer, seq and generation of a value, from its header alone."""
+    """Expiry, producer, seq and generation of a value, from its header alone. A
+    version 3 value is a stored entry, not a record (it names none): refused, as
+    :func:`well_formed` refuses it."""
+    if value[:1] == bytes((STORED_VERSION,)):
+        raise ValueError("a stored entry (version 3) is not a record")
     _flags, _pub, expiry, producer, seq, generation, *_ = _header(value)
     return RecordId(expiry, producer, seq, generation)
 
