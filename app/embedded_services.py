@@ -1042,6 +1042,10 @@ class EmbeddedServices:
                 "--appendfsync", "everysec",
                 "--save", "",
                 "--protected-mode", "yes",
+                # a client's stored messages stay one listpack while each is at most
+                # this long (persistence/format.py, {cid}_values; the default 64
+                # would make a hash table of 64-byte payloads)
+                "--hash-max-ziplist-value", "512",
             ]  # fmt: skip
         if name == "s3":
             inner = self._s3_inner_ports(fresh_inner)

@@ -31,9 +31,6 @@ import dataclasses
 import os
 import re
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -41,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.embedded_services import free_port
+from benchmarks.blocking_mqtt import running_broker
 from broker.codec import PacketDecoder, encode
 from broker.config import MqttSettings, Settings
 from broker.connection import MQTTConnection
@@ -189,33 +187,17 @@ def _connack(port: int, data: bytes, source: str, wait: bool = True) -> int | No
 
 
 def flood(mode: str, seconds: float) -> None:
-    from broker.auth import hash_password, write_password_file
-
-    tmp = Path(tempfile.mkdtemp(prefix="devicemq-flood-"))
-    password_file = tmp / "passwd"
-    users = {"alice": hash_password("alice-pw"), "mallory": hash_password("mallory-pw")}
-    write_password_file(password_file, users)
-    port, metrics_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
-    env.update(
-        DEVICEMQ_PERSISTENCE_ENABLED="false",
-        DEVICEMQ_METRICS_ENABLED="true",
-        DEVICEMQ_METRICS_HOST="127.0.0.1",
-        DEVICEMQ_METRICS_PORT=str(metrics_port),
-        DEVICEMQ_AUTH_PASSWORD_FILE=str(password_file),
-        DEVICEMQ_AUTH_ALLOW_ANONYMOUS="true" if mode == "anonymous" else "false",
-        DEVICEMQ_FLAPPING_ENABLED="true" if mode == "stranger" else "false",
-    )
-    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
-    with (tmp / "broker.log").open("wb") as log:
-        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
-    try:
-        for _ in range(150):
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+    metrics_port = free_port()
+    settings = {
+        "DEVICEMQ_PERSISTENCE_ENABLED": "false",
+        "DEVICEMQ_METRICS_ENABLED": "true",
+        "DEVICEMQ_METRICS_HOST": "127.0.0.1",
+        "DEVICEMQ_METRICS_PORT": str(metrics_port),
+        "DEVICEMQ_AUTH_ALLOW_ANONYMOUS": "true" if mode == "anonymous" else "false",
+        "DEVICEMQ_FLAPPING_ENABLED": "true" if mode == "stranger" else "false",
+    }
+    with running_broker(settings, users=("alice", "mallory")) as broker:
+        port, tmp = broker.port, broker.data_dir
         login = encode(
             Connect("alice-dev", protocol_level=5, username="alice", password=b"alice-pw"), 5
         )
@@ -249,7 +231,7 @@ def flood(mode: str, seconds: float) -> None:
                 sent[0] += 1
 
         threads = [threading.Thread(target=attacker, daemon=True) for _ in range(4)]
-        cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        cpu0, t0 = _cpu_seconds(broker.pid), time.monotonic()
         for t in threads:
             t.start()
         time.sleep(seconds / 2)
@@ -260,7 +242,7 @@ def flood(mode: str, seconds: float) -> None:
         stop.set()
         for t in threads:
             t.join()
-        cpu1, t1 = _cpu_seconds(proc.pid), time.monotonic()
+        cpu1, t1 = _cpu_seconds(broker.pid), time.monotonic()
         time.sleep(1.0)
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as response:
             text = response.read().decode()
@@ -287,9 +269,6 @@ def flood(mode: str, seconds: float) -> None:
             device.close()
             blocks = re.search(r"^devicemq_flapping_blocks_total (\S+)$", text, re.M)
             print(f"  dev-9: {fate}; flapping blocks: {blocks.group(1) if blocks else '?'}")
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def admin_retained(count: int) -> None:
@@ -327,19 +306,15 @@ def _admin_status(port: int, token: str, source: str) -> int:
 
 def admin_guess(seconds: float) -> None:
     """Wrong admin tokens from one address, as fast as four threads send them."""
-    tmp = Path(tempfile.mkdtemp(prefix="devicemq-guess-"))
     token = "the-admin-token-" + os.urandom(8).hex()
-    port, admin_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
-    env.update(
-        DEVICEMQ_PERSISTENCE_ENABLED="false",
-        DEVICEMQ_ADMIN_PORT=str(admin_port),
-        DEVICEMQ_ADMIN_TOKEN=token,
-    )
-    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
-    with (tmp / "broker.log").open("wb") as log:
-        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
-    try:
+    admin_port = free_port()
+    settings = {
+        "DEVICEMQ_PERSISTENCE_ENABLED": "false",
+        "DEVICEMQ_ADMIN_ENABLED": "true",
+        "DEVICEMQ_ADMIN_PORT": str(admin_port),
+        "DEVICEMQ_ADMIN_TOKEN": token,
+    }
+    with running_broker(settings) as broker:
         for _ in range(150):
             try:
                 _admin_status(admin_port, token, "127.0.0.2")
@@ -365,7 +340,7 @@ def admin_guess(seconds: float) -> None:
         for t in threads:
             t.join()
         elapsed = time.monotonic() - t0
-        log_lines = (tmp / "broker.log").read_text().splitlines()
+        log_lines = (broker.data_dir / "broker.log").read_text().splitlines()
         logged = sum("wrong token" in line for line in log_lines)
         compared = counts.get(401, 0)
         print(
@@ -374,9 +349,6 @@ def admin_guess(seconds: float) -> None:
             f"refused unread (429): {counts.get(429, 0)}; log lines: {logged}; "
             f"the right token from another address: {right}"
         )
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> None:

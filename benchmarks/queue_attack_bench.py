@@ -38,24 +38,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
-from app.embedded_services import EmbeddedServices, free_port
-from broker.codec import PacketDecoder, encode
+from app.embedded_services import free_port
+from benchmarks.blocking_mqtt import BlockingClient, running_broker
 from broker.packets import (
-    Connect,
-    Packet,
-    Properties,
     PubAck,
     Publish,
     SubAck,
@@ -64,81 +54,7 @@ from broker.packets import (
 )
 
 KIB = 1024
-
-
-class _Client:
-    """A blocking MQTT 5 client over a socket, devicemq's codec on both sides."""
-
-    def __init__(self, port: int, client_id: str, user: str | None = None, expiry: int = 0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), 30)
-        self.decoder = PacketDecoder(protocol_level=5)
-        self.ready: collections.deque[Packet] = collections.deque()
-        password = f"{user}-pw".encode() if user else None
-        properties = Properties(session_expiry_interval=expiry) if expiry else None
-        connect = Connect(
-            client_id, protocol_level=5, username=user, password=password, properties=properties
-        )
-        self.sock.sendall(encode(connect, 5))
-        connack = self.recv()
-        assert getattr(connack, "reason_code", 1) == 0, connack
-
-    def recv(self) -> Packet:
-        while not self.ready:
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("the broker closed the connection")
-            self.ready.extend(self.decoder.feed(data))
-        return self.ready.popleft()
-
-    def until(self, kind: type) -> Packet:
-        while not isinstance(packet := self.recv(), kind):
-            pass
-        return packet
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@contextmanager
-def _broker(**settings: str) -> Iterator[tuple[int, str]]:
-    """``devicemq run`` with persistence in a temporary data dir: (MQTT port, the
-    embedded Redis's URL, with the password it asks for: DATA/services/redis.password)."""
-    tmp = Path(tempfile.mkdtemp(prefix="devicemq-queue-attack-"))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEMQ_")}
-    env.update(DEVICEMQ_PERSISTENCE_ENABLED="true", DEVICEMQ_ADMIN_ENABLED="false")
-    env.update(settings)
-    from broker.auth import hash_password, write_password_file
-
-    users = ("mallory", "alice")
-    write_password_file(tmp / "passwd", {u: hash_password(f"{u}-pw") for u in users})
-    env["DEVICEMQ_AUTH_PASSWORD_FILE"] = str(tmp / "passwd")
-    argv = [sys.executable, "-m", "app.cli", "run", "--host", "127.0.0.1", "--port", str(port)]
-    with (tmp / "broker.log").open("wb") as log:
-        proc = subprocess.Popen([*argv, "--data-dir", str(tmp)], env=env, stdout=log, stderr=log)
-    try:
-        for _ in range(600):
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        ports = json.loads((tmp / "services" / "ports.json").read_text())
-        password = EmbeddedServices(tmp).redis_password(create=False) or ""
-        yield port, f"redis://:{password}@127.0.0.1:{int(ports['redis'])}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)  # its consumer stores what Kafka still holds first
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-        subprocess.run(
-            [sys.executable, "-m", "app.embedded_services", "stop", "--data-dir", str(tmp)],
-            capture_output=True,
-            check=False,
-        )
-        shutil.rmtree(tmp, ignore_errors=True)
+USERS = ("mallory", "alice")
 
 
 def _used_memory(redis_url: str) -> int:
@@ -163,19 +79,20 @@ def _settled(redis_url: str) -> int:
 
 
 def amplify(groups: int, publishes: int, sessions: int) -> None:
-    with _broker() as (port, redis_url):
+    with running_broker(users=USERS) as broker:
+        port, redis_url = broker.port, broker.redis_url
         before = _settled(redis_url)
         codes: collections.Counter[int] = collections.Counter()
         left = [f"$queue/g{i}/mallory/amp" for i in range(groups)]
         clients = []
         for k in range(sessions):
-            client = _Client(port, f"mallory-amp-{k}", "mallory")
+            client = BlockingClient(port, f"mallory-amp-{k}", "mallory")
             clients.append(client)
             refused = []
             for n, start in enumerate(range(0, len(left), 100)):
                 chunk = left[start : start + 100]
                 subscribe = Subscribe(n + 1, [Subscription(f, 1) for f in chunk])
-                client.sock.sendall(encode(subscribe, 5))
+                client.send(subscribe)
                 suback = client.until(SubAck)
                 assert isinstance(suback, SubAck)
                 codes.update(suback.reason_codes)
@@ -184,7 +101,7 @@ def amplify(groups: int, publishes: int, sessions: int) -> None:
         acks: collections.Counter[int] = collections.Counter()
         for i in range(publishes):
             message = Publish("mallory/amp", b"x" * 64 * KIB, 1, packet_id=1000 + i)
-            clients[0].sock.sendall(encode(message, 5))
+            clients[0].send(message)
             puback = clients[0].until(PubAck)
             assert isinstance(puback, PubAck)
             acks[puback.reason_code] += 1
@@ -202,14 +119,15 @@ def amplify(groups: int, publishes: int, sessions: int) -> None:
 
 
 def ecq_fill(writes: int, size: int) -> None:
-    with _broker() as (port, redis_url):
+    with running_broker(users=USERS) as broker:
+        port, redis_url = broker.port, broker.redis_url
         before = _settled(redis_url)
-        client = _Client(port, "alice-writer", "alice")
+        client = BlockingClient(port, "alice-writer", "alice")
         acks: collections.Counter[int] = collections.Counter()
         started = time.monotonic()
         for i in range(writes):
             message = Publish(f"$ECQ/w/nobody-ever/k{i}", b"v" * size, 1, packet_id=i % 60000 + 1)
-            client.sock.sendall(encode(message, 5))
+            client.send(message)
             puback = client.until(PubAck)
             assert isinstance(puback, PubAck)
             acks[puback.reason_code] += 1
@@ -229,19 +147,20 @@ def owner_fill(sessions: int, publishes: int, budget: int) -> None:
             "DEVICEMQ_AUTH_MAX_BYTES_PER_OWNER": str(budget),
             "DEVICEMQ_AUTH_OWNER_TALLY_INTERVAL": "1",
         }
-    with _broker(**settings) as (port, redis_url):
+    with running_broker(settings, users=USERS) as broker:
+        port, redis_url = broker.port, broker.redis_url
         before = _settled(redis_url)
         for i in range(sessions):
-            member = _Client(port, f"mallory-{i}", "mallory", expiry=3600)
-            member.sock.sendall(encode(Subscribe(1, [Subscription("mallory/#", 1)]), 5))
+            member = BlockingClient(port, f"mallory-{i}", "mallory", expiry=3600)
+            member.send(Subscribe(1, [Subscription("mallory/#", 1)]))
             member.until(SubAck)
             member.close()
-        publisher = _Client(port, "mallory-pub", "mallory")
+        publisher = BlockingClient(port, "mallory-pub", "mallory")
         acks: collections.Counter[int] = collections.Counter()
         started = time.perf_counter()
         for i in range(publishes):
             value = Publish("mallory/f", os.urandom(64 * KIB), 1, packet_id=i % 65535 + 1)
-            publisher.sock.sendall(encode(value, 5))
+            publisher.send(value)
             ack = publisher.until(PubAck)
             assert isinstance(ack, PubAck)
             acks[ack.reason_code] += 1

@@ -6,11 +6,15 @@ Against a running devicemq (``--pid`` names its process for RSS):
    topic and disconnect (idle persistent sessions);
 2. ``--messages`` QoS 1 messages are published, spread over the sessions,
    with ``--backlog`` of them to one session, ``replay-0``;
-3. the broker's RSS is read;
+3. the broker's RSS is read, and with ``--redis-url`` Redis's memory per
+   stored message (``used_memory`` grown since before step 1, divided by
+   ``--messages``: the sessions' own keys are in it);
 4. ``replay-0`` reconnects and the time until it has received (and acked)
    its whole backlog is measured.
 
-Not a test: ``python -m benchmarks.sessions_bench --port 1883 --pid PID``.
+Not a test: ``python -m benchmarks.sessions_bench --port 1883 --pid PID``
+(``devicemq run`` keeps its Redis's port in ``DATA/services/ports.json``, its
+password in ``DATA/services/redis.password``).
 """
 
 from __future__ import annotations
@@ -129,7 +133,18 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+async def used_memory(url: str) -> int:
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(url)
+    try:
+        return int((await client.info("memory"))["used_memory"])
+    finally:
+        await client.aclose()
+
+
 async def main_async(args: argparse.Namespace) -> None:
+    before = await used_memory(args.redis_url) if args.redis_url else 0
     t0 = time.monotonic()
     await make_sessions(args.host, args.port, args.sessions)
     print(f"{args.sessions} idle persistent sessions in {time.monotonic() - t0:.1f} s")
@@ -139,6 +154,9 @@ async def main_async(args: argparse.Namespace) -> None:
     await asyncio.sleep(args.settle)
     if args.pid:
         print(f"broker RSS: {rss_mib(args.pid):.0f} MiB")
+    if args.redis_url:
+        grown = await used_memory(args.redis_url) - before
+        print(f"Redis memory per stored message: {grown / max(1, args.messages):.0f} B")
     elapsed = await replay(args.host, args.port, args.backlog)
     print(f"replay of {args.backlog} stored messages to a reconnecting client: {elapsed:.2f} s")
 
@@ -151,6 +169,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=10_000)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--backlog", type=int, default=10_000)
+    parser.add_argument("--redis-url", default="", help="the broker's Redis, for its memory")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds to let storing finish")
     asyncio.run(main_async(parser.parse_args()))
 

@@ -498,6 +498,14 @@ class Outflow:
 
     # -- internals ------------------------------------------------------------------------
 
+    def window(self) -> int:
+        """How many messages may be in flight to the client at once: our cap, and
+        the client's Receive Maximum (MQTT-3.3.4-9); 0 while it is not connected."""
+        conn = self._session.connection
+        if conn is None:
+            return 0
+        return min(self.max_inflight, conn.client_receive_maximum)
+
     def _room(self, conn: MQTTConnection) -> int:
         if conn.congested or not conn.accepts_publish:
             return 0

@@ -227,6 +227,26 @@ class AppKeys:
     owner: str  # the number of the connection serving the session (_LOAD_LUA): a fence
     names: str  # hash: "partition:offset" -> "producer:seq" of the record a field is for
 
+    def listed(self) -> list[str]:
+        """Every key, in the order above: the load script's KEYS; all but the
+        first are what ending the session deletes."""
+        return [
+            self.generation,
+            self.offsets,
+            self.inflight,
+            self.seen,
+            self.replay,
+            self.tail,
+            self.lost,
+            self.owner,
+            self.names,
+        ]
+
+    def progress(self) -> list[str]:
+        """The progress script's KEYS: every key but ``replay``, which only a
+        rewind writes."""
+        return [key for key in self.listed() if key != self.replay]
+
 
 def app_keys(client_id: str) -> AppKeys:
     """The APPLICATION session's keys, in its client's slot."""
@@ -450,16 +470,7 @@ class ApplicationSessions:
         self._ensured.discard(app_topic(client_id))
         self._topic_clients.pop(app_topic(client_id), None)
         self._remote.discard(client_id)
-        await self.redis.delete(
-            keys.offsets,
-            keys.inflight,
-            keys.seen,
-            keys.replay,
-            keys.tail,
-            keys.lost,
-            keys.owner,
-            keys.names,
-        )
+        await self.redis.delete(*keys.listed()[1:])
         await self.redis.hdel(REGISTRY, client_id)
         self.kinds.discard(client_id)
         log.info("APPLICATION session %s ended: topic %s deleted", client_id, app_topic(client_id))
@@ -1172,17 +1183,7 @@ class ApplicationFeed:
                 args.append(len(asked.names))
                 for name, record in asked.names.items():
                     args += [name, record]
-                app = self._keys
-                keys = [
-                    app.generation,
-                    app.offsets,
-                    app.inflight,
-                    app.seen,
-                    app.tail,
-                    app.lost,
-                    app.owner,
-                    app.names,
-                ]
+                keys = self._keys.progress()
                 while True:
                     try:
                         written = await self._apps.progress_script(keys=keys, args=args)
@@ -1313,19 +1314,7 @@ class ApplicationFeed:
 
     async def _load(self, epoch: int) -> None:
         keys = self._keys
-        got = await self._apps.load_script(
-            keys=[
-                keys.generation,
-                keys.offsets,
-                keys.inflight,
-                keys.seen,
-                keys.replay,
-                keys.tail,
-                keys.lost,
-                keys.owner,
-                keys.names,
-            ]
-        )
+        got = await self._apps.load_script(keys=keys.listed())
         if epoch != self._epoch:
             return  # a later connection loads it again (and owns it then)
         owner, raw_generation, *hashes = got

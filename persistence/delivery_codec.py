@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from broker.message import Delivery, Message
 from broker.packets import Properties
-from persistence.format import StoredMessage, encode_message
+from persistence.format import StoredMessage, encode_fields, encode_message
 
 
 def encode_delivery(
@@ -28,10 +28,26 @@ def encode_delivery(
     """The record value of ``delivery``, named (``producer``, ``seq``), for the session
     of ``generation`` (``queue``: for a queue store)."""
     message = delivery.message
-    properties = message.properties or _NO_PROPERTIES
     expiry = None
     if message.expires_at is not None:
         expiry = wall_now + (message.expires_at - clock_now)
+    properties = message.properties
+    if properties is None and not delivery.subscription_ids:
+        # The common case (every 3.1.1 message): no properties to encode.
+        return encode_fields(
+            message.topic,
+            message.payload,
+            delivery.qos,
+            delivery.retain,
+            b"",
+            wall_now,
+            expiry,
+            producer,
+            seq,
+            generation,
+            queue=queue,
+        )
+    properties = properties or _NO_PROPERTIES
     return encode_message(
         StoredMessage(
             topic=message.topic,

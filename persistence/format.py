@@ -7,7 +7,7 @@ consumer, the delivery events, and the pipeline (pipeline/common.py). Pure
 functions, no I/O.
 
 Message value (the Kafka record value of ``devicemq.device.persisted`` and,
-unchanged, the Redis string of a stored message)
+behind an 8-byte deadline, a stored message's entry in Redis)
 ------------------------------------------------------------------------------
 A fixed header, big-endian (``struct`` format ``>BBBddQQQHI``, 49 bytes), then
 the topic (UTF-8), the properties, the payload::
@@ -38,16 +38,20 @@ the topic (UTF-8), the properties, the payload::
 
 Version 1 (``>BBBddqHI``, 33 bytes: an unused Kafka offset instead of
 producer, seq and generation) is still read: its records have no id and no
-generation. The properties are MQTT 5 property identifiers with fixed-width
+generation. Version 3 (``>BBBddHI``, 25 bytes) is how a client's entry in
+Redis keeps a message (:func:`stored_value`): producer, seq and generation
+name a record only until the save script has stored it (duplicates, ended
+sessions), so the 24 bytes are not kept for each stored message; read back,
+they are 0. The properties are MQTT 5 property identifiers with fixed-width
 values: ``0x01`` u8 payload format; ``0x03`` content type, ``0x08`` response
 topic, ``0x09`` correlation data, each u16 length + bytes; ``0x26`` user
 property, u16 length + key, u16 length + value (repeated, order kept);
 ``0x0B`` subscription identifier, u32 (repeated).
 
-The flags byte is byte 1 so the SENT bit can be set in Redis with ``SETBIT
-key 15 1``. After PUBREC the message is rewritten as the 2-byte value ``02
-03`` (SENT | PUBREL): only the packet id is needed to resend PUBREL, so the
-payload's memory is released.
+The flags byte is byte 1 (the SENT bit is set in Redis by the scripts of
+persistence/lua/). After PUBREC the message is rewritten as the 2-byte value
+``02 03`` (SENT | PUBREL): only the packet id is needed to resend PUBREL, so
+the payload's memory is released.
 
 Redis keys
 ----------
@@ -57,13 +61,22 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_messages``
     sorted set; member = packet id as a decimal string, score = the client's
     counter (``{cid}_last_score``).
-``{cid}_messages_<packetId>``
-    string: the message value above.
-``{cid}_last_packet_id``, ``{cid}_last_score``
-    the last packet id (1..65535) and score handed out; they outlive a
-    session that ends, with its generation tombstone, and the next session
-    counts on from them (a late acknowledgement of the old session then names
-    no message of the new one).
+``{cid}_values``
+    hash; field = packet id, value = the entry: the message's deadline (a
+    big-endian f64, ms since the epoch; 0: none, it lives as long as the
+    session, as a message sent does) then the message value above. Expired
+    entries are dropped as they are met (persistence/lua/lib.lua). One small
+    hash per client stays one listpack (Redis ``hash-max-listpack-entries``
+    and ``-value``; the embedded Redis raises the latter to 512), a few bytes
+    per message beyond its value. Before it (up to a7dfed5) each message was a
+    string ``{cid}_messages_<packetId>`` with its own TTL, and the last packet
+    id had a key ``{cid}_last_packet_id``: a client stored so is moved to the
+    hash when a script first touches it (``upgrade`` in lib.lua).
+``{cid}_last_score``
+    the last score handed out (the last packet id is its
+    :func:`packet_id_of`); it outlives a session that ends, with its
+    generation tombstone, and the next session counts on from it (a late
+    acknowledgement of the old session then names no message of the new one).
 ``{cid}_seen``
     hash, ``<producer>:<partition>`` -> the last ``seq`` stored from that
     producer through that partition (records of one producer reach a
@@ -85,9 +98,11 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_id_owner``, ``{cid}_ecq_owner``
     who holds the client ID (:func:`client_id_owner_key`) and whose its queue is
     (:func:`queue_owner_key`): an owner's name (persistence/owner_store.py).
-``{cid}_bytes``
+``{cid}_values`` field ``b`` (:data:`BYTES_FIELD`)
     the size of the messages stored (values as stored), for the per-client
     byte limit; messages that expire unread still count until the set empties.
+    Before (up to a7dfed5) it was a key of its own, ``{cid}_bytes``
+    (:attr:`ClientKeys.bytes`, still passed to the scripts, which move it).
 
 ``cid`` is the client id itself, except that ``%`` and ``}`` are written
 ``%25`` and ``%7D`` and the empty id is written ``%``: a ``}`` would end the
@@ -154,6 +169,7 @@ __all__ = [
     "decode_event_record",
     "decode_record",
     "encode_message",
+    "entry_live",
     "epoch_key",
     "event_fields",
     "header_fields",
@@ -164,6 +180,7 @@ __all__ = [
     "queue_keys",
     "record_id",
     "resets_key",
+    "stored_value",
 ]
 
 MAX_PACKET_ID = 65_535
@@ -178,6 +195,8 @@ FLAG_REPLAY = 0x20
 
 _HEADER = struct.Struct(">BBBddQQQHI")
 _HEADER_V1 = struct.Struct(">BBBddqHI")
+_HEADER_V3 = struct.Struct(">BBBddHI")
+STORED_VERSION = 3
 _HEADER_SIZE = _HEADER.size
 _PUBREL_VALUE = bytes((VERSION, FLAG_SENT | FLAG_PUBREL))
 
@@ -196,6 +215,7 @@ _ID_U32 = struct.Struct(">BI")
 # The Kafka topics of APPLICATION sessions (persistence/application_feed.py, app_topic)
 APP_TOPIC_PREFIX = "devicemq.app."
 SESSIONS_INDEX = "devicemq:sessions"
+BYTES_FIELD = "b"  # a client's stored bytes: this field of its {cid}_values hash
 PRODUCERS_KEY = "devicemq:producers"
 BLOCKED_KEY = "devicemq:blocked"  # block-list entries: hash of key -> JSON (blocklist_store.py)
 RETAINED_KEY = "devicemq:retained"
@@ -321,35 +341,91 @@ def encode_message(
 ) -> bytes:
     """The value of ``m`` (see the module docstring for the layout); ``queue``: for a
     queue store whatever its topic (a group queue's, broker/group_queue.py)."""
-    topic = m.topic.encode()
+    return encode_fields(
+        m.topic,
+        m.payload,
+        m.qos,
+        m.retain,
+        _encode_properties(m),
+        m.publish_time,
+        m.expiry,
+        m.producer,
+        m.seq,
+        m.generation,
+        sent=sent,
+        replay=replay,
+        queue=queue,
+    )
+
+
+def encode_fields(
+    topic_name: str,
+    payload: bytes,
+    qos: int,
+    retain: bool,
+    props: bytes,
+    publish_time: float,
+    expiry: float | None,
+    producer: int,
+    seq: int,
+    generation: int,
+    *,
+    sent: bool = False,
+    replay: bool = False,
+    queue: bool = False,
+) -> bytes:
+    """:func:`encode_message` from its fields, ``props`` encoded already: the Kafka
+    path's encoding of a message without properties builds no :class:`StoredMessage`
+    (persistence/delivery_codec.py)."""
+    topic = topic_name.encode()
     if len(topic) > 0xFFFF:
         raise ValueError("topic is longer than 65535 bytes")
-    props = _encode_properties(m)
-    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if m.retain else 0)
+    flags = (FLAG_SENT if sent else 0) | (FLAG_RETAIN if retain else 0)
     if replay:
         flags |= FLAG_REPLAY
-    if queue or m.topic.startswith(ECQ_PREFIX):
+    if queue or topic_name.startswith(ECQ_PREFIX):
         flags |= FLAG_QUEUE
-    if m.expiry is not None:
+    if expiry is not None:
         flags |= FLAG_HAS_EXPIRY
     header = _HEADER.pack(
         VERSION,
         flags,
-        m.qos,
-        m.publish_time,
-        m.expiry if m.expiry is not None else 0.0,
-        m.producer,
-        m.seq,
-        m.generation,
+        qos,
+        publish_time,
+        expiry if expiry is not None else 0.0,
+        producer,
+        seq,
+        generation,
         len(topic),
         len(props),
     )
-    return b"".join((header, topic, props, m.payload))
+    return b"".join((header, topic, props, payload))
+
+
+_DEADLINE = struct.Struct(">d")
+
+
+def entry_live(entry: bytes | None, now_ms: float) -> bool:
+    """A ``{cid}_values`` entry (deadline, then the value) still holds a message at
+    ``now_ms`` (ms since the epoch): its deadline is 0 (none) or later."""
+    if not entry or len(entry) < _DEADLINE.size:
+        return False
+    (deadline,) = _DEADLINE.unpack_from(entry)
+    return bool(deadline == 0 or deadline > now_ms)
 
 
 def is_queue_record(value: bytes) -> bool:
     """The value is a message for an exclusive compacted queue (FLAG_QUEUE)."""
-    return len(value) > 1 and value[0] == VERSION and bool(value[1] & FLAG_QUEUE)
+    return len(value) > 1 and value[0] in (VERSION, STORED_VERSION) and bool(value[1] & FLAG_QUEUE)
+
+
+def stored_value(value: bytes) -> bytes:
+    """A version 2 value as a client's ``{cid}_values`` entry keeps it: version 3,
+    without producer, seq and generation (see the module docstring); any other
+    value unchanged."""
+    if len(value) >= _HEADER.size and value[0] == VERSION:
+        return b"".join((b"\x03", value[1:19], value[43:]))
+    return value
 
 
 def pubrel_value() -> bytes:
@@ -403,6 +479,10 @@ def _header(value: bytes) -> tuple[int, float, float | None, int, int, int, int,
     if version == VERSION and len(value) >= _HEADER.size:
         _, flags, _q, published, expiry, producer, seq, gen, tlen, plen = _HEADER.unpack_from(value)
         size = _HEADER.size
+    elif version == STORED_VERSION and len(value) >= _HEADER_V3.size:
+        _, flags, _q, published, expiry, tlen, plen = _HEADER_V3.unpack_from(value)
+        producer = seq = gen = 0
+        size = _HEADER_V3.size
     elif version == 1 and len(value) >= _HEADER_V1.size:
         _, flags, _q, published, expiry, _off, tlen, plen = _HEADER_V1.unpack_from(value)
         producer = seq = gen = 0
@@ -422,8 +502,23 @@ def _header(value: bytes) -> tuple[int, float, float | None, int, int, int, int,
     )
 
 
+def well_formed(value: bytes | None) -> bool:
+    """``value`` has a header :func:`record_id` reads (version 1 or 2, long enough):
+    the consumer's check of every record, without decoding it."""
+    if not value:
+        return False
+    version = value[0]
+    if version == VERSION:
+        return len(value) >= _HEADER_SIZE
+    return version == 1 and len(value) >= _HEADER_V1.size
+
+
 def record_id(value: bytes) -> RecordId:
-    """Expiry, producer, seq and generation of a value, from its header alone."""
+    """Expiry, producer, seq and generation of a value, from its header alone. A
+    version 3 value is a stored entry, not a record (it names none): refused, as
+    :func:`well_formed` refuses it."""
+    if value[:1] == bytes((STORED_VERSION,)):
+        raise ValueError("a stored entry (version 3) is not a record")
     _flags, _pub, expiry, producer, seq, generation, *_ = _header(value)
     return RecordId(expiry, producer, seq, generation)
 
@@ -456,12 +551,40 @@ def decode_record(
     ``marked``: the store holds it marked sent though this value is not
     (see :attr:`StoredRecord.marked`).
     """
-    if len(value) < 2 or value[0] not in (1, VERSION):
+    if len(value) < 2 or value[0] not in (1, VERSION, STORED_VERSION):
         raise ValueError(f"unknown stored message format (packet id {packet_id})")
     flags = value[1]
     sent = bool(flags & FLAG_SENT)
     if flags & FLAG_PUBREL:
         return StoredRecord(packet_id, score, _PUBREL, True, None)
+    if value[0] == VERSION and len(value) >= _HEADER_SIZE:
+        # The current version in one step (every record a consumer's poll hands to a
+        # connected client is decoded here): no properties, no keywords.
+        _, _f, qos, published, expiry, producer, seq, generation, topic_len, props_len = (
+            _HEADER.unpack_from(value)
+        )
+        if not props_len:
+            end = _HEADER_SIZE + topic_len
+            message = StoredMessage(
+                value[_HEADER_SIZE:end].decode(),
+                value[end:],
+                qos,
+                bool(flags & FLAG_RETAIN),
+                None,
+                None,
+                None,
+                None,
+                (),
+                (),
+                published,
+                expiry if flags & FLAG_HAS_EXPIRY else None,
+                producer,
+                seq,
+                generation,
+            )
+            return StoredRecord(
+                packet_id, score, _PUBLISH, sent, message, marked, bool(flags & FLAG_REPLAY)
+            )
     _f, published, expiry, producer, seq, generation, topic_len, props_len, pos = _header(value)
     qos = value[2]
     topic = value[pos : pos + topic_len].decode()
@@ -522,15 +645,23 @@ class SessionState:
     username: str | None = None  # who last connected with it (ACL user rules, %u)
 
     def encode(self) -> bytes:
+        # "q", "o" and "u" are left out when empty: one per durable session, the
+        # bytes count (BENCHMARKS.md, "The fleet's size"); decode reads them absent.
+        doc: dict[str, Any] = {
+            "v": 1,
+            "e": self.expiry_interval,
+            "l": self.last_seen,
+            "p": self.protocol_level,
+        }
+        if self.qos2_received:
+            doc["q"] = list(self.qos2_received)
+        if self.owner is not None:
+            doc["o"] = self.owner
+        if self.username is not None:
+            doc["u"] = self.username
         return orjson.dumps(
             {
-                "v": 1,
-                "e": self.expiry_interval,
-                "l": self.last_seen,
-                "p": self.protocol_level,
-                "q": list(self.qos2_received),
-                "o": self.owner,
-                "u": self.username,
+                **doc,
                 "s": [
                     [
                         f,
@@ -574,7 +705,7 @@ class ClientKeys(NamedTuple):
     """A client's keys, in the order the Lua scripts take them (KEYS[1..7])."""
 
     messages: str
-    last_packet_id: str
+    values: str
     last_score: str
     seen: str
     session: str
@@ -582,6 +713,8 @@ class ClientKeys(NamedTuple):
     bytes: str
 
     def message(self, packet_id: int) -> str:
+        """The string of one message in the layout before the values hash (up to
+        a7dfed5), read once by the upgrade (persistence/lua/lib.lua)."""
         return f"{self.messages}_{packet_id}"
 
 
@@ -663,7 +796,7 @@ def client_keys(client_id: str) -> ClientKeys:
     p = "{" + _tag(client_id) + "}"
     return ClientKeys(
         p + "_messages",
-        p + "_last_packet_id",
+        p + "_values",
         p + "_last_score",
         p + "_seen",
         p + "_session",

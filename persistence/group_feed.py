@@ -21,6 +21,13 @@ member acknowledges first removes the entry; both copies carry DUP.
 A broker that dies gives nothing back: its claims hold only while it renews
 their lease (:class:`GroupQueues`, every third of ``group_queues.lease``, on
 Redis's clock). Once a lease runs out the entries are free again, with DUP.
+
+A give-back may be decided while a claim of the same token is on its way (the
+connection closed meanwhile): the feed cannot list what it has not got yet.
+The claim itself keeps whether an entry may have been seen
+(persistence/lua/group_claim.lua), so a give-back that does not list that
+entry still leaves it with DUP for the next member (tests/model/FINDINGS.md,
+finding 34).
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ class GroupQueues:
         self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
     def new_token(self, member: str) -> str:
+        # Starts with the pid, never with '-' (group_claim.lua marks a claim on an
+        # entry seen before with '-' in front of the token).
         return f"{self.node}:{next(_tokens)}:{member}"
 
     def joined(self, feed: GroupFeed) -> None:

@@ -12,7 +12,7 @@ Bounded in cost: only owners whose stores, each at its own byte limit, could pas
 the budget are read (:func:`broker.budget.could_pass`); the queue counts of the
 owners with sessions are one ZMSCORE per :data:`CHUNK` owners, and the owners
 holding queues only are found by score (ZRANGEBYSCORE); the counters are read
-:data:`CHUNK` at a time, one MGET (on a Redis Cluster, one MGET per slot).
+:data:`CHUNK` at a time, one pipeline (on a Redis Cluster, one per node).
 Nothing of it runs on a message's way. Each replica runs its own tally and
 reaches the same answer.
 """
@@ -26,10 +26,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, cast
 
-from redis.asyncio.cluster import RedisCluster
-
 from broker.budget import Usage, could_pass
-from persistence.format import QUEUE_OWNERS_KEY, client_keys, owner_queues_key, queue_keys
+from persistence.format import (
+    BYTES_FIELD,
+    QUEUE_OWNERS_KEY,
+    client_keys,
+    owner_queues_key,
+    queue_keys,
+)
 from persistence.redis_store import RedisMessageStore
 
 if TYPE_CHECKING:
@@ -161,11 +165,15 @@ class OwnerTally:
         reads = iter(_counters(owners, held, queues))
         redis = self._redis
         while chunk := list(islice(reads, CHUNK)):
-            keys = [key for _, _, key in chunk]
-            if isinstance(redis, RedisCluster):  # one MGET per slot, side by side
-                values = await redis.mget_nonatomic(keys)
-            else:
-                values = await redis.mget(keys)
+            # A session's count is a field of its values hash, a queue's a key of its
+            # own: one pipeline of HGETs and GETs (on a cluster, one per node).
+            pipe = redis.pipeline(transaction=False)
+            for _owner, kind, key in chunk:
+                if kind == 0:
+                    pipe.hget(key, BYTES_FIELD)
+                else:
+                    pipe.get(key)
+            values = await pipe.execute()
             for (owner, kind, _), value in zip(chunk, values, strict=True):
                 if value:
                     sums[owner][kind] += int(value)
@@ -182,11 +190,12 @@ def _counters(
     held: dict[str, tuple[list[str], set[str]]],
     queues: dict[str, set[str]],
 ) -> Iterator[tuple[str, int, str]]:
-    """(owner, 0 session / 1 queue / 2 group, its byte counter's key) of every store."""
+    """(owner, 0 session / 1 queue / 2 group, its byte counter's key) of every store
+    (a session's: the hash whose field :data:`BYTES_FIELD` it is)."""
     for owner in owners:
         sessions, groups = held.get(owner, ([], set()))
         for client_id in sessions:
-            yield owner, 0, client_keys(client_id).bytes
+            yield owner, 0, client_keys(client_id).values
         for queue in queues.get(owner, ()):
             yield owner, 1, queue_keys(queue).bytes
         for group in groups:

@@ -15,7 +15,7 @@ Invariants
 ----------
 * **Packet ids** follow the score: ``packet_id = (score - 1) % 65535 + 1``
   (:func:`~persistence.format.packet_id_of`), so they wrap 65535 -> 1 and
-  are never 0; ``{cid}_last_packet_id`` records the last one. An id is never
+  are never 0; the last one is the last score's. An id is never
   given out while a ref with that id is in ``{cid}_messages``: the save
   script first trims the set below the limit (``limit <= 65535``), so at
   least one id is free, then moves the score on past any score whose id is
@@ -42,21 +42,33 @@ Invariants
   and deletes are fenced the same way: a broker that still holds an old
   session cannot overwrite or delete a newer one.
 * **In flight until acknowledged**: a message marked sent (it may have been
-  seen) is never trimmed and never expires: its string lives as long as the
-  session (no TTL while the client is connected, the session's TTL while it
-  is not), so its packet id stays taken until the client acknowledges it
+  seen) is never trimmed and never expires: its entry in ``{cid}_values``
+  loses its deadline and lives as long as the session (the hash has no TTL
+  while the client is connected, the session's TTL while it is not), so its
+  packet id stays taken until the client acknowledges it
   (MQTT-4.4.0-1: it is re-sent on reconnect whatever its age). Sent messages
   are the oldest refs (delivery goes in score order), at most a window's
   worth.
 * **Limit**: over the per-client limit (default 10000, at most 65535) the
-  oldest refs never sent (lowest scores) and their strings are removed,
+  oldest refs never sent (lowest scores) and their entries are removed,
   reported in :attr:`SaveResult.trimmed_ids`; when every stored message is in
   flight, the new message is not stored (:attr:`SaveResult.unstored`).
 * **Bounded growth**: while the session key has a TTL (client disconnected)
   every key of the client expires with it; with no session key at all the
   keys expire after the longest message TTL (at least ``default_ttl``).
-  Strings never sent have a TTL of their own. Refs whose string expired are
-  dropped by :meth:`RedisMessageStore.load_page`.
+  Entries never sent have a deadline of their own (message expiry, at most
+  ``default_ttl``); an expired entry is dropped with its ref where a script
+  meets it (:meth:`RedisMessageStore.load_page`, marks, trims), and counts
+  toward the limits until then, as an expired ref did before (its size then
+  leaves the byte count); its bytes stay in Redis until then too (a string
+  expired on its own before), within the per-client limits, or until the
+  session's keys expire.
+* **Layout**: a client's messages are one sorted set and one hash
+  (persistence/format.py, ``{cid}_values``): ~140 B of Redis memory per
+  stored 64-byte message where a string per message cost ~240 B
+  (BENCHMARKS.md, "The fleet's size"). Data of the layout before (a string
+  per message) is moved into the hash the first time a script touches the
+  client (persistence/lua/lib.lua, ``upgrade``).
 
 Atomicity comes from each batch being one script: on a crash a batch is
 either stored with its dedup record or not at all.
@@ -93,8 +105,8 @@ from persistence.format import (
     encode_message,
     epoch_key,
     packet_id_of,
-    pubrel_value,
     record_id,
+    stored_value,
 )
 from persistence.redis_packing import packed_by_hiredis
 from persistence.redis_security import Sentinels, redis_client
@@ -132,7 +144,6 @@ CALL_CLIENTS = 256
 _T = TypeVar("_T")
 # per message to the save script: producer, seq, generation, TTL, length
 _SAVE_META = struct.Struct(">ddddd")
-_PUBREL_VALUE = pubrel_value()
 
 # ---------------------------------------------------------------------------
 # Results
@@ -268,21 +279,20 @@ def _script_calls(items: list[_T], first_key: Callable[[_T], str], single: bool)
     return [g[i : i + CALL_CLIENTS] for g in groups for i in range(0, len(g), CALL_CLIENTS)]
 
 
-# A client's part of a mark or ack script call: its messages key, its second key
-# (session or bytes), its (packet id, score) pairs, its client id.
-_ProgressPart = tuple[str, str, Sequence[tuple[int, int]], str]
+# A client's part of a mark or ack script call: its keys (messages first), its
+# (packet id, score) pairs, its client id.
+_ProgressPart = tuple[tuple[str, ...], Sequence[tuple[int, int]], str]
 
 
 def _progress_call(
-    parts: Sequence[tuple[str, str, Sequence[tuple[int, int]]]],
+    parts: Sequence[tuple[tuple[str, ...], Sequence[tuple[int, int]]]],
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of one mark_sent.lua or ack.lua call for many clients: two keys
-    each, and each client's pair count followed by its pairs."""
+    """KEYS and ARGV of one mark_sent.lua or ack.lua call for many clients: their
+    keys (as many each), and each client's pair count followed by its pairs."""
     keys: list[str] = []
     args: list[Any] = [len(parts)]
-    for first, second, pairs in parts:
-        keys.append(first)
-        keys.append(second)
+    for client_keys_, pairs in parts:
+        keys.extend(client_keys_)
         args.append(len(pairs))
         for packet_id, score in pairs:
             args.append(packet_id)
@@ -442,7 +452,8 @@ _SESSION = _load_script("session")
 _END = _load_script("end_session")
 _OPEN = _load_script("open_session")
 _PURGE = _load_script("purge")
-_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _END, _OPEN, _PURGE)
+_PUBREL = _load_script("mark_pubrel")
+_SCRIPTS = (_SAVE, _LOAD_PAGE, _ACK, _MARK_SENT, _SESSION, _END, _OPEN, _PURGE, _PUBREL)
 
 
 class RedisMessageStore:
@@ -823,13 +834,13 @@ class RedisMessageStore:
         pack = _SAVE_META.pack
         for m in batch.messages:
             if isinstance(m, StoredMessage):
-                value = encode_message(m)
+                value = stored_value(encode_message(m))
                 meta += pack(
                     m.producer, m.seq, m.generation, self._ttl_ms(m.expiry, now), len(value)
                 )
             else:
-                value = m
                 rid = record_id(m)
+                value = stored_value(m)
                 ttl = self._ttl_ms(rid.expiry, now)
                 meta += pack(rid.producer, rid.seq, rid.generation, ttl, len(value))
             values.append(value)
@@ -849,7 +860,9 @@ class RedisMessageStore:
             raise ValueError("limit must be at least 1")
         keys = client_keys(client_id)
         reply = await self._eval(
-            _LOAD_PAGE, (keys.messages, keys.last_score), (int(after_score), limit)
+            _LOAD_PAGE,
+            (keys.messages, keys.last_score, keys.values),
+            (int(after_score), limit),
         )
         records = [
             decode_record(int(reply[i]), int(reply[i + 1]), reply[i + 2])
@@ -861,7 +874,7 @@ class RedisMessageStore:
         """An operator empties the backlog: every message never sent is deleted (those
         in flight stay until acknowledged); returns their (packet id, score)."""
         keys = client_keys(client_id)
-        reply = await self._eval(_PURGE, (keys.messages, keys.bytes), ())
+        reply = await self._eval(_PURGE, (keys.messages, keys.values), ())
         return [(int(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
 
     async def backlog_range(
@@ -910,7 +923,7 @@ class RedisMessageStore:
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
         pairs = list(zip(ids, wanted, strict=True))
-        script_keys, args = _progress_call([(keys.messages, keys.bytes, pairs)])
+        script_keys, args = _progress_call([((keys.messages, keys.values), pairs)])
         (removed,) = await self._eval(_ACK, script_keys, args)
         return int(removed)
 
@@ -919,9 +932,8 @@ class RedisMessageStore:
 
         False if the message is no longer stored (acked, trimmed or expired).
         """
-        key = client_keys(client_id).message(packet_id)
-        reply = await self.redis.execute_command("SET", key, _PUBREL_VALUE, "XX", "KEEPTTL")
-        return reply is not None and reply is not False
+        keys = client_keys(client_id)
+        return int(await self._eval(_PUBREL, (keys.messages, keys.values), (packet_id,))) == 1
 
     async def mark_sent(
         self, client_id: str, packet_ids: Iterable[int], scores: Iterable[int] | None = None
@@ -939,7 +951,7 @@ class RedisMessageStore:
         keys = client_keys(client_id)
         wanted = list(scores) if scores is not None else [0] * len(ids)
         pairs = list(zip(ids, wanted, strict=True))
-        script_keys, args = _progress_call([(keys.messages, keys.session, pairs)])
+        script_keys, args = _progress_call([((keys.messages, keys.values), pairs)])
         (reply,) = await self._eval(_MARK_SENT, script_keys, args)
         return [int(i) for i in reply[::2]]
 
@@ -982,31 +994,29 @@ class RedisMessageStore:
         pipe = self.redis.pipeline(transaction=False)
         mark_calls = self._by_slot(
             [
-                (client_keys(cid).messages, client_keys(cid).session, sent, cid)
+                ((client_keys(cid).messages, client_keys(cid).values), sent, cid)
                 for cid, sent in marks.items()
             ]
         )
         for group in mark_calls:
-            keys, args = _progress_call([(m, s, pairs) for m, s, pairs, _cid in group])
+            keys, args = _progress_call([(k, pairs) for k, pairs, _cid in group])
             pipe.execute_command("EVALSHA", _MARK_SENT.sha, len(keys), *keys, *args)
         for client_id, ids in pubrels.items():
-            keys_ = client_keys(client_id)
-            for packet_id in ids:
-                pipe.execute_command(
-                    "SET", keys_.message(packet_id), _PUBREL_VALUE, "XX", "KEEPTTL"
-                )
+            if ids:
+                keys_ = client_keys(client_id)
+                pipe.execute_command("EVALSHA", _PUBREL.sha, 2, keys_.messages, keys_.values, *ids)
         for group in self._by_slot(
             [
-                (client_keys(cid).messages, client_keys(cid).bytes, acked, cid)
+                ((client_keys(cid).messages, client_keys(cid).values), acked, cid)
                 for cid, acked in acks.items()
             ]
         ):
-            keys, args = _progress_call([(m, b, pairs) for m, b, pairs, _cid in group])
+            keys, args = _progress_call([(k, pairs) for k, pairs, _cid in group])
             pipe.execute_command("EVALSHA", _ACK.sha, len(keys), *keys, *args)
         replies = await pipe.execute()
         marked: dict[str, set[tuple[int, int]]] = {}
         for group, reply in zip(mark_calls, replies, strict=False):
-            for (_m, _s, _pairs, client_id), pairs in zip(group, reply, strict=True):
+            for (_k, _pairs, client_id), pairs in zip(group, reply, strict=True):
                 marked[client_id] = {
                     (int(i), int(sc)) for i, sc in zip(pairs[::2], pairs[1::2], strict=True)
                 }
@@ -1014,7 +1024,7 @@ class RedisMessageStore:
 
     def _by_slot(self, calls: list[_ProgressPart]) -> list[list[_ProgressPart]]:
         """Clients' parts of a mark or ack call grouped into calls (:func:`_script_calls`)."""
-        return _script_calls(calls, lambda part: part[0], isinstance(self.redis, Redis))
+        return _script_calls(calls, lambda part: part[0][0], isinstance(self.redis, Redis))
 
     # -- sessions ----------------------------------------------------------
 

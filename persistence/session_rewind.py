@@ -34,6 +34,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from persistence.consumer import stop_consumer
 from persistence.format import (
+    BYTES_FIELD,
     Stage,
     client_keys,
     decode_record,
@@ -153,7 +154,7 @@ async def rewind_session(
         bootstrap, topic, client_id, generation, since, room, security
     )
     if store.max_bytes:  # the byte limit leaves room too: the newest that fit
-        free = store.max_bytes - int(await store.redis.get(keys.bytes) or 0)
+        free = store.max_bytes - int(await store.redis.hget(keys.values, BYTES_FIELD) or 0)
         while values and sum(len(v) for v in values) > free:
             values.pop(0)
     stored = 0

@@ -13,7 +13,7 @@ Each record gets exactly one status, first match wins:
 ``compacted``  a queue entry ($ECQ) replaced by a newer value of its key
                before it was acknowledged: its consumer gets the newer one
 ``pending``    still stored in Redis: the ``{cid}_messages`` sorted set holds
-               its score and its ``{cid}_messages_<id>`` string exists (a
+               its score and its ``{cid}_values`` entry is live (a
                queue entry: ``{cid}_ecq_pending`` holds its sequence number)
 ``discarded``  its session ended (expired or clean start) after it was stored,
                or before it arrived (routed for a session that had ended)
@@ -141,7 +141,7 @@ class AuditResult:
 def stored_refs(endpoints: Endpoints, cids: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
     """(cid, score, packet id, value present) for every ref of every client given, and
     (cid, -seq, 0, True) for every pending entry of the queue it consumes."""
-    from persistence.format import client_keys, queue_keys
+    from persistence.format import client_keys, entry_live, queue_keys
     from persistence.redis_security import blocking_client
 
     client = blocking_client(
@@ -170,10 +170,14 @@ def stored_refs(endpoints: Endpoints, cids: Iterable[Any]) -> Iterator[tuple[Any
                 for member, score in members:
                     pid = int(member)
                     refs.append((cid, int(score), pid))
-                    pipe.exists(keys.message(pid))
+                    pipe.hget(keys.values, pid)
+                    pipe.exists(keys.message(pid))  # the layout before the values hash
             present = pipe.execute() if refs else []
-            for (cid, score, pid), there in zip(refs, present, strict=True):
-                yield cid, score, pid, bool(there)
+            now_ms = time.time() * 1000
+            for (cid, score, pid), entry, old in zip(
+                refs, present[0::2], present[1::2], strict=True
+            ):
+                yield cid, score, pid, entry_live(entry, now_ms) or bool(old)
     finally:
         client.close()
 

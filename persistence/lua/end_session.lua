@@ -1,7 +1,7 @@
 -- devicemq: a session ended (expired, or replaced by a clean start): delete
 -- every key of the client and leave a generation tombstone.
 --
--- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_values   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
 -- KEYS[7] {cid}_bytes
 -- ARGV[1] the generation that ended (0: whatever is stored)
@@ -21,10 +21,9 @@
 local ending = tonumber(ARGV[1])
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
 if ending > 0 and current > ending then return -1 end
-local deleted = delete_messages(KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[4], KEYS[5], KEYS[7])
+local deleted = delete_messages(KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[7])
 local tombstone = math.max(current, ending) + 1
 redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return deleted

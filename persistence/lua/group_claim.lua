@@ -2,7 +2,8 @@
 -- broker/group_queue.py; persistence/group_feed.py).
 --
 -- KEYS[1] _ecq_pending (key -> seq)  KEYS[2] _ecq_values  KEYS[3] _ecq_times
--- KEYS[4] _ecq_claims (key -> claim token; '-': free, but it may have been seen)
+-- KEYS[4] _ecq_claims (key -> claim token; '-': free, but it may have been seen;
+-- '-' then the token: claimed, and it may have been seen before the claim)
 -- KEYS[5] _ecq_tokens (claim token -> lease deadline, ms of the Redis clock)
 -- ARGV[1] lease (ms)  ARGV[2] the member's claim token  ARGV[3] at most this many
 -- ARGV[4] entries published before this time (ms) are past retention: not given
@@ -14,7 +15,11 @@
 -- holds: a claim whose token's lease ran out (its broker died) is free again.
 -- Leases run on Redis's clock (TIME), so replicas' clocks need not agree. An
 -- entry claimed before (given back after a send, or by a lapsed lease) may
--- have been seen: its dup flag is 1. The token's lease starts (again) now.
+-- have been seen: its dup flag is 1, and its claim keeps that ('-' in front of
+-- the token), so a give-back that does not list it (one decided before this
+-- claim landed, tests/model/FINDINGS.md finding 34) still leaves it seen
+-- (group_release.lua). The token's lease starts (again) now. Tokens never start
+-- with '-' (persistence/group_feed.py, GroupQueues.new_token).
 -- Returns flat {key, seq, value, dup, ...}, or {'lapsed'}.
 
 local pending, values, times, claims, tokens = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -45,12 +50,18 @@ while found < n and start < scanned_most do
     local key = refs[i]
     if not declined[key] then
       local claim = redis.call('HGET', claims, key)
-      local held = claim and claim ~= '-' and redis.call('ZSCORE', tokens, claim)
+      local holder = claim
+      if claim and claim:sub(1, 1) == '-' then holder = claim:sub(2) end
+      local held = holder and holder ~= '' and redis.call('ZSCORE', tokens, holder)
       if not held then
         local value = redis.call('HGET', values, key)
         local published = tonumber(redis.call('ZSCORE', times, key) or '0')
         if value and published >= oldest then
-          redis.call('HSET', claims, key, token)
+          if claim then
+            redis.call('HSET', claims, key, '-' .. token)  -- seen before: it stays so
+          else
+            redis.call('HSET', claims, key, token)
+          end
           out[#out + 1] = key
           out[#out + 1] = tonumber(refs[i + 1])
           out[#out + 1] = value

@@ -5,15 +5,19 @@
 -- member left; the token is done with), 0: only the keys that follow
 -- then the keys, each followed by 1 if another member must get it with DUP
 -- (it was sent, or claimed with DUP) else 0. With ARGV[2] = 1, a claim of the
--- token on a key not listed is dropped (no DUP): the member never had it.
+-- token on a key not listed is dropped (no DUP): the member never had it. A
+-- claim of an entry seen before it ('-' then the token, group_claim.lua) goes
+-- back seen whatever the list says: the member's list may have been made before
+-- that claim landed (tests/model/FINDINGS.md, finding 34).
 -- Returns how many claims were given back.
 
 local token, all_of_it = ARGV[1], ARGV[2] == '1'
 local dup = {}
 for i = 3, #ARGV, 2 do dup[ARGV[i]] = ARGV[i + 1] == '1' end
 local given = 0
-local function give(key)
-  if dup[key] then
+local seen_claim = '-' .. token
+local function give(key, claim)
+  if dup[key] or claim == seen_claim then
     redis.call('HSET', KEYS[1], key, '-')
   else
     redis.call('HDEL', KEYS[1], key)
@@ -23,12 +27,14 @@ end
 if all_of_it then
   local claims = redis.call('HGETALL', KEYS[1])
   for i = 1, #claims, 2 do
-    if claims[i + 1] == token then give(claims[i]) end
+    local claim = claims[i + 1]
+    if claim == token or claim == seen_claim then give(claims[i], claim) end
   end
   redis.call('ZREM', KEYS[2], token)
 else
   for key, _ in pairs(dup) do
-    if redis.call('HGET', KEYS[1], key) == token then give(key) end
+    local claim = redis.call('HGET', KEYS[1], key)
+    if claim == token or claim == seen_claim then give(key, claim) end
   end
 end
 return given

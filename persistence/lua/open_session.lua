@@ -1,7 +1,7 @@
 -- devicemq: a client connects to a durable session: resume the stored one, or
 -- start a new one with a new generation.
 --
--- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_values   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
 -- KEYS[7] {cid}_bytes
 -- ARGV[1] 'resume' (clean start 0) or 'new' (clean start 1)
@@ -30,8 +30,8 @@ end
 if ARGV[1] == 'resume' and stored then
   return {string.format('%.0f', current), stored}
 end
-delete_messages(KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[4], KEYS[7])
+delete_messages(KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[4], KEYS[7])
 local generation = math.max(tonumber(ARGV[2]), current + 1)
 local text = string.format('%.0f', generation)
 redis.call('SET', KEYS[6], text)

@@ -4,13 +4,14 @@
 --
 -- For client j (1-based) of c, its keys are KEYS[7(j-1)+1 .. 7(j-1)+7]:
 --   1 {cid}_messages        sorted set: member = packet id, score = per-client counter
---   2 {cid}_last_packet_id  last packet id handed out (1..65535)
+--   2 {cid}_values          hash: packet id -> entry (deadline and value, lib.lua)
 --   3 {cid}_last_score      last score handed out (never goes backwards)
 --   4 {cid}_seen            hash: '<producer>:<partition>' -> last seq stored
 --   5 {cid}_session         session state (only its TTL is read here)
 --   6 {cid}_generation      generation of the client's current session
---   7 {cid}_bytes           size of the values stored
--- Message strings are {cid}_messages .. '_' .. packetId: same hash tag, same slot.
+--   7 {cid}_bytes           (the layout before: the size of the values stored, now
+--                           field 'b' of {cid}_values, lib.lua)
+-- The last packet id handed out is the last score's (no key of its own).
 --
 -- ARGV[1] c, the number of clients   ARGV[2] limit (1..65535)   ARGV[3] default TTL
 -- in ms (how long orphaned keys are kept, see the end of save_client)   ARGV[4] byte
@@ -73,7 +74,10 @@ local max_bytes = tonumber(ARGV[4])
 
 local function save_client(k, partition, n, meta, premark, values)
   local set_key = k[1]
+  local values_key = k[2]
   local value_end = 0
+  upgrade(set_key, values_key)
+  local now = now_ms()
 
   local current_gen = tonumber(redis.call('GET', k[6]) or '0')
   local gen_changed = false
@@ -90,7 +94,7 @@ local function save_client(k, partition, n, meta, premark, values)
   end
   local card = redis.call('ZCARD', set_key)
   local bytes = 0
-  if card > 0 then bytes = tonumber(redis.call('GET', k[7]) or '0') end
+  if card > 0 then bytes = tonumber(redis.call('HGET', values_key, 'b') or '0') end
   local bytes_changed = false
   local check = n >= 65535
   if card > 0 then
@@ -110,14 +114,14 @@ local function save_client(k, partition, n, meta, premark, values)
     while true do
       local ref = redis.call('ZRANGE', set_key, rank, rank)
       if not ref[1] then return nil end
-      local key = set_key .. '_' .. ref[1]
-      if is_sent(key) then
+      local entry = redis.call('HGET', values_key, ref[1])
+      if entry_sent(entry) then
         rank = rank + 1
       else
-        bytes = bytes - redis.call('STRLEN', key)
+        bytes = bytes - value_size(entry)
         bytes_changed = true
         redis.call('ZREM', set_key, ref[1])
-        redis.call('DEL', key)
+        redis.call('HDEL', values_key, ref[1])
         return tonumber(ref[1])
       end
     end
@@ -173,19 +177,12 @@ local function save_client(k, partition, n, meta, premark, values)
           last_id = (score - 1) % 65535 + 1
         until not check or not redis.call('ZSCORE', set_key, last_id)
         local value = values:sub(value_start, value_end)
-        local key = set_key .. '_' .. last_id
         if stored < premark then
           -- Marked sent, as mark_sent.lua marks it: it lives as long as the session.
           value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
-          if session_ttl > 0 then
-            redis.call('SET', key, value, 'PX', session_ttl)
-          elseif session_ttl == -1 then
-            redis.call('SET', key, value)
-          else
-            redis.call('SET', key, value, 'PX', ttl)
-          end
+          redis.call('HSET', values_key, last_id, entry_of(0, value))
         else
-          redis.call('SET', key, value, 'PX', ttl)
+          redis.call('HSET', values_key, last_id, entry_of(now + ttl, value))
         end
         redis.call('ZADD', set_key, score, last_id)
         card = card + 1
@@ -199,11 +196,14 @@ local function save_client(k, partition, n, meta, premark, values)
   end
 
   if stored > 0 then
-    redis.call('SET', k[2], last_id)
     redis.call('SET', k[3], score)
   end
   if bytes_changed then
-    redis.call('SET', k[7], string.format('%.0f', bytes))
+    if bytes > 0 and card > 0 then
+      redis.call('HSET', values_key, 'b', string.format('%.0f', bytes))
+    else
+      redis.call('HDEL', values_key, 'b')
+    end
   end
   local any_seen = false
   for f in pairs(seen_changed) do
@@ -226,7 +226,7 @@ local function save_client(k, partition, n, meta, premark, values)
   -- TTL (client gone, session expiring) they expire with it; with no session
   -- key at all (orphaned data) they last at least as long as the messages just
   -- stored, and at least the default TTL, then vanish.
-  local lifetime_keys = {k[1], k[2], k[3], k[4], k[6], k[7]}
+  local lifetime_keys = {k[1], k[2], k[3], k[4], k[6]}
   if session_ttl > 0 then
     for _, key in ipairs(lifetime_keys) do redis.call('PEXPIRE', key, session_ttl) end
   elseif session_ttl == -2 and (stored > 0 or any_seen or gen_changed or bytes_changed) then

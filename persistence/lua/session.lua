@@ -1,6 +1,6 @@
 -- devicemq: session state and the lifetime of all of a client's keys.
 --
--- KEYS[1] {cid}_messages   KEYS[2] {cid}_last_packet_id   KEYS[3] {cid}_last_score
+-- KEYS[1] {cid}_messages   KEYS[2] {cid}_values   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
 -- KEYS[7] {cid}_bytes
 -- ARGV[1] 'save' or 'expire'   ARGV[2] TTL in ms, 0 = no expiry
@@ -14,10 +14,12 @@
 --         without one they are all made persistent (client connected, or a
 --         session that never expires).
 -- expire: every key above expires in ARGV[2] ms (client disconnected).
--- Message strings keep their own TTL (message expiry, at most the default),
--- except sent ones, which live as long as the session.
+-- Entries never sent keep their own deadline (message expiry, at most the
+-- default); sent ones have none: they live as long as the values hash, i.e.
+-- the session.
 -- Returns 1 if the session key existed before the call, else 0.
 
+upgrade(KEYS[1], KEYS[2])
 local ttl = tonumber(ARGV[2])
 local generation = tonumber(ARGV[4])
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
@@ -41,15 +43,4 @@ local function live_as_the_session(key)
   end
 end
 for k = 1, 7 do live_as_the_session(KEYS[k]) end
--- Sent messages (the oldest refs, up to the first never sent) are in flight:
--- they live as long as the session too (mark_sent.lua).
-local rank = 0
-while true do
-  local ref = redis.call('ZRANGE', KEYS[1], rank, rank)
-  if not ref[1] then break end
-  local key = KEYS[1] .. '_' .. ref[1]
-  if not is_sent(key) then break end
-  live_as_the_session(key)
-  rank = rank + 1
-end
 return existed

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,9 @@ async def test_a_purge_deletes_what_was_never_sent_and_keeps_what_is_in_flight(
 ) -> None:
     await store.save_batch(cid, msgs(0, 5), partition=0)
     await store.mark_sent(cid, [1, 2], [1, 2])  # in flight: their ids are taken
-    await store.redis.delete(client_keys(cid).message(5))  # its TTL ran out
+    values = client_keys(cid).values
+    entry = await store.redis.hget(values, 5)
+    await store.redis.hset(values, 5, struct.pack(">d", 1) + entry[8:])  # its deadline passed
     assert await store.purge(cid) == [(3, 3), (4, 4)]  # not 5: it expired
     assert [(r.packet_id, r.sent) for r in await all_records(store, cid)] == [
         (1, True),

@@ -578,7 +578,7 @@ async def test_redis_wait_saves_again_what_redis_lost_after_acknowledging_it(
             # What a loss of the last writes looks like: the message, its bookkeeping
             # and the saves counter's increments are gone; the session stays.
             keys = client_keys("dev")
-            lost = [keys.messages, keys.last_packet_id, keys.last_score, keys.seen, keys.bytes]
+            lost = [keys.messages, keys.values, keys.last_score, keys.seen]
             lost += [k async for k in primary.scan_iter(match=f"{keys.messages}_*")]
             lost += [k async for k in primary.scan_iter(match="devicemq:wait-fence:*")]
             await primary.delete(*lost)

@@ -162,3 +162,51 @@ async def test_a_lapsed_token_is_not_revived_by_its_next_claim(
     with pytest.raises(LeaseLapsed):
         await q.claim(group, "a", 1, LONG, fresh=False)
     assert len(await q.claim(group, "a2", 1, LONG)) == 1  # a new token goes on
+
+
+async def test_a_give_back_that_runs_after_a_claim_on_its_way_keeps_dup(
+    store: RedisMessageStore, cid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 34 (tests/model/FINDINGS.md, seed 6103): A sent K and left (K free, with
+    DUP). B's connection opened, its feed claimed, and the connection closed before
+    the claim answered: the feed gave back everything of its token, listing nothing
+    (it held nothing yet). Here the claim lands first, then that give-back, then the
+    one of what the late claim brought: the order the model checker saw. The next
+    member must get K with DUP (it got it without)."""
+    q = _queues(store)
+    group = f"$queue/g/{cid}/#"
+    await q.save(_batch(group, [b"k"]))
+    assert _seqs(await q.claim(group, "a", 1, LONG)) == [(1, False)]
+    await q.release(group, "a", {"1": True})  # A sent it and left
+    groups, feed = _member(q, group, "b")
+    Outflow(feed)
+    real_claim, real_release = q.claim, q.release
+    claimed, gave_back = asyncio.Event(), asyncio.Event()
+    order: list[str] = []
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await real_claim(*args, **kwargs)
+        finally:
+            order.append("claim")
+            claimed.set()
+
+    async def release(*args: Any, everything: bool = True, **kwargs: Any) -> Any:
+        if everything:
+            await claimed.wait()  # B's give-back runs after its claim landed
+        else:
+            await gave_back.wait()  # what the late claim brought goes back last
+        try:
+            return await real_release(*args, everything=everything, **kwargs)
+        finally:
+            order.append(f"release everything={everything}")
+            if everything:
+                gave_back.set()
+
+    monkeypatch.setattr(q, "claim", claim)
+    monkeypatch.setattr(q, "release", release)
+    feed.restart()  # B connects: its claim is on its way
+    feed.discard()  # and its connection closes before the answer
+    await groups.close()
+    assert order == ["claim", "release everything=True", "release everything=False"]
+    assert _seqs(await real_claim(group, "c", 10, LONG)) == [(1, True)]

@@ -74,6 +74,36 @@ async def test_dup_survives_a_second_give_back(store: RedisMessageStore, cid: st
     assert _seqs(await q.claim(group, "c", 1, LONG)) == [(1, True)]
 
 
+async def test_dup_survives_a_give_back_decided_before_its_claim_landed(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 34 (tests/model/FINDINGS.md): a member's connection closed while its claim
+    was on its way. The feed gave back everything of that token with nothing marked DUP
+    (it held nothing yet); the claim then landed, taking entries another member had
+    sent, and the give-back ran after it. The next member got them without DUP. A
+    claim keeps "seen before" with it, so a give-back that does not list the key
+    leaves it seen."""
+    q = _queues(store)
+    group = f"$queue/g/{cid}/#"
+    await q.save(_batch(group, [b"1", b"2"]))
+    assert _seqs(await q.claim(group, "a", 1, LONG)) == [(1, False)]
+    await q.release(group, "a", {"1": True})  # a sent 1 and left
+    # b's claim lands (1 with DUP), then b's give-back decided before it ran.
+    assert _seqs(await q.claim(group, "b", 10, LONG)) == [(1, True), (2, False)]
+    assert await q.release(group, "b", {}) == 2
+    assert _seqs(await q.claim(group, "c", 10, LONG)) == [(1, True), (2, False)]
+    # The same with only that key given back (a member that may not take it).
+    await q.release(group, "c", {"1": False}, everything=False)
+    assert _seqs(await q.claim(group, "d", 10, LONG)) == [(1, True)]
+    # A lapsed token's claim is seen as well, and stays so through the next one.
+    await q.save(_batch(group, [b"3"], first_seq=3))
+    assert _seqs(await q.claim(group, "e", 1, 0.2)) == [(3, False)]
+    await asyncio.sleep(0.4)  # e's lease runs out (its broker died after sending 3)
+    assert _seqs(await q.claim(group, "f", 10, LONG)) == [(3, True)]
+    await q.release(group, "f", {})
+    assert _seqs(await q.claim(group, "g", 10, LONG)) == [(3, True)]
+
+
 async def test_a_lapsed_lease_frees_its_claims_and_a_renewal_keeps_them(
     store: RedisMessageStore, cid: str
 ) -> None:

@@ -5,7 +5,9 @@ Kafka path's announcements (a producer saw the reset) are news to it too."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 from persistence.consumer import LogResets
 from persistence.format import resets_key
@@ -155,3 +157,60 @@ async def test_the_epoch_counts_every_announcement_even_two_in_one_write(
     await mine._writer.drain()
     _, epoch = await mine.read()
     assert epoch == 2
+
+
+class _AnswersHeld:
+    """A real Redis client whose first pipeline, once armed, is applied by Redis but
+    answered to its caller only when ``release`` is set: the order a loaded event
+    loop can give (another task's read answered first)."""
+
+    def __init__(self, redis: Any) -> None:
+        self._redis = redis
+        self.armed = False
+        self.applied = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def pipeline(self, transaction: bool = False) -> Any:
+        return _HeldPipeline(self, self._redis.pipeline(transaction=transaction))
+
+
+class _HeldPipeline:
+    def __init__(self, owner: _AnswersHeld, pipe: Any) -> None:
+        self._owner, self._pipe = owner, pipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    async def execute(self) -> Any:
+        owner, held = self._owner, self._owner.armed
+        owner.armed = False
+        answer = await self._pipe.execute()
+        if held:
+            owner.applied.set()
+            await owner.release.wait()
+        return answer
+
+
+async def test_a_look_while_an_own_announcement_is_unanswered_is_no_news(
+    store: RedisMessageStore,
+) -> None:
+    """The consumer that emptied the topic announced it; Redis applied the write,
+    and a look's read was answered before the write's answer came back. That step
+    is this consumer's own: no reason to read the new log a second time (CI saw
+    'was reset: reading it from its start' after a compaction)."""
+    topic = f"resets-{uuid.uuid4().hex}"
+    held = _AnswersHeld(store.redis)
+    mine, other = LogResets(held, topic), LogResets(store.redis, topic)
+    known, _ = await mine.read()
+    held.armed = True
+    mine.announce({0}, reread=True)
+    await asyncio.wait_for(held.applied.wait(), 5)
+    assert (await other.read())[0] == {0: 1}  # applied, not answered yet
+    look = await mine.look()
+    assert look is None or mine.announced_by_others(known, look[0]) == set()
+    held.release.set()
+    await mine._writer.drain()
+    look = await mine.look()
+    assert look is not None
+    assert mine.announced_by_others(known, look[0]) == set()
+    assert other.announced_by_others(known, look[0]) == {0}

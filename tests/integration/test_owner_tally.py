@@ -95,9 +95,9 @@ async def test_the_tally_sums_an_owners_sessions_queues_and_groups(
     owners = RedisOwners(store)
     assert await _claim(owners, f"{cid}-q", eve, None) == Claim(True)
     redis = store.redis
-    await redis.set(client_keys(f"{cid}-e1").bytes, 90)
-    await redis.set(client_keys(f"{cid}-e2").bytes, 80)
-    await redis.set(client_keys(f"{cid}-b1").bytes, 100)
+    await redis.hset(client_keys(f"{cid}-e1").values, "b", 90)
+    await redis.hset(client_keys(f"{cid}-e2").values, "b", 80)
+    await redis.hset(client_keys(f"{cid}-b1").values, "b", 100)
     await redis.set(queue_keys(f"{cid}-q").bytes, 70)
     await redis.set(queue_keys(group).bytes, 20)
     tally = _tally(store, broker)
@@ -108,7 +108,7 @@ async def test_the_tally_sums_an_owners_sessions_queues_and_groups(
     assert (usage.sessions, usage.queues, usage.groups) == (2, 1, 1)
     assert budget.over == {eve} and budget.over_queues == {f"{cid}-q"}
     assert bob not in budget.usage  # could not pass: not read
-    await redis.set(client_keys(f"{cid}-e1").bytes, 0)  # delivered meanwhile
+    await redis.hset(client_keys(f"{cid}-e1").values, "b", 0)  # delivered meanwhile
     await tally.once()
     assert not budget.over and budget.usage[eve].total == 170
     relaxed = _broker(300)  # her 3 stores could hold 300: she is not read
@@ -129,7 +129,7 @@ async def test_a_tally_of_10000_sessions_of_one_owner_is_bounded(
         _session(broker, client_id, owner)
     pipe = store.redis.pipeline(transaction=False)
     for client_id in ids:
-        pipe.set(client_keys(client_id).bytes, 1)
+        pipe.hset(client_keys(client_id).values, "b", 1)
     await pipe.execute()
     tally = _tally(store, broker)
     started = time.perf_counter()

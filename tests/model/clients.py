@@ -389,6 +389,57 @@ class RawClient(Subscriber):
         c.thread.start()
         return True
 
+    def blink(
+        self, address: tuple[str, int], broker: int, expiry: int, timeout: float = 5.0
+    ) -> bool:
+        """Resume the session and leave at once: CONNECT and DISCONNECT in one write, so
+        the broker reads the DISCONNECT right after it resumed the session, before
+        what it started for that connection (a group queue member's claim) has
+        answered (tests/model/FINDINGS.md, finding 34). What the broker sends after
+        the CONNACK is never read (as by a client that died). True once CONNACKed."""
+        self.disconnect(abrupt=False)
+        self.model.connect_sent(self.cid, False, expiry)
+        try:
+            sock = socket.create_connection(address, timeout=timeout)
+        except OSError:
+            self.model.connect_failed(self.cid)
+            return False
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c = _Connection(sock, self.level, 0)
+        props = None
+        if self.level == 5:
+            props = Properties(
+                session_expiry_interval=expiry or None, receive_maximum=self.receive_maximum
+            )
+        connect = Connect(
+            self.cid, protocol_level=self.level, clean_start=False, keep_alive=0, properties=props
+        )
+        try:
+            sock.sendall(encode(connect, self.level) + encode(Disconnect(0), self.level))
+        except OSError:
+            connack = None
+        else:
+            connack = self._recv_sync(c, timeout)
+        if not isinstance(connack, ConnAck) or connack.reason_code != 0:
+            with contextlib.suppress(OSError):
+                sock.close()
+            self.model.connect_failed(self.cid)
+            self.refused += 1
+            return False
+        with self.lock:
+            c.number = self.model.connack(self.cid, connack.session_present)
+            if not connack.session_present:
+                self._new_session()
+            self.conn = c.number
+            self.connected = True
+            self.broker = broker
+            self.resumed_at = time.monotonic()
+            self._c = c
+        with contextlib.suppress(OSError):
+            sock.close()
+        self._closed(c)
+        return True
+
     @staticmethod
     def _recv_sync(c: _Connection, timeout: float) -> Packet | None:
         deadline = time.monotonic() + timeout

@@ -18,9 +18,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS = ("mixed", "faults", "expiry", "clean", "kafka", "wrap", "queues", "failover")
-# The scenarios a seed picks by itself (seed % len): "failover" is asked for by
-# name (--scenario failover), so every seed keeps the scenario it had.
+SCENARIOS = (
+    "mixed",
+    "faults",
+    "expiry",
+    "clean",
+    "kafka",
+    "wrap",
+    "queues",
+    "failover",
+    "handover",
+)
+# The scenarios a seed picks by itself (seed % len): "failover" and "handover" are
+# asked for by name (--scenario failover), so every seed keeps the scenario it had.
 ROTATION = SCENARIOS[:7]
 
 TOPICS = ("m/a", "m/b", "m/c/d", "m/w")
@@ -135,6 +145,11 @@ _BASE = {
     # scenario only. lag_replica cuts the replica off, so a failover loses writes.
     "lag_replica": 0,
     "failover": 0,
+    # A group queue's writes handed from a member that leaves to one that resumes and
+    # leaves in one write, then connects (finding 34): the "handover" scenario only.
+    # Last, with weight 0 elsewhere, so the other scenarios draw what they drew
+    # before for every seed.
+    "group_handover": 0,
 }
 _BIAS: dict[str, dict[str, int]] = {
     "mixed": {},
@@ -163,6 +178,13 @@ _BIAS: dict[str, dict[str, int]] = {
         "group_write": 12,
         "group_join": 4,
         "group_leave": 1,
+    },
+    "handover": {
+        "policy": 8,
+        "group_write": 8,
+        "group_join": 3,
+        "group_leave": 1,
+        "group_handover": 10,
     },
 }
 
@@ -391,6 +413,38 @@ class _Generator:
             count=rnd.choice((1, 2, 5, 10, 20)),
             broker=self._broker(),
         )
+
+    def _group_handover(self) -> list[Op]:
+        """A member leaves holding writes it was sent and did not acknowledge (they go
+        back to the group, may have been seen); another member's persistent session
+        resumes and leaves in one write (``blink``: its connection closes while its
+        claim of those writes is on its way), then connects. Finding 34: the
+        give-back of that connection, decided before the claim landed, took their
+        DUP away."""
+        rnd = self.rnd
+        holder, taker = rnd.sample(self.plan.subscribers, 2)
+        group = f"g{rnd.randrange(2)}"
+        expiry = LONG_EXPIRY if taker.version == 5 else V311_EXPIRY
+        broker = self._broker()
+        return [
+            op("group_join", client=holder.cid, group=group),
+            op("group_join", client=taker.cid, group=group),
+            op("policy", client=holder.cid, policy="hold"),
+            op(
+                "group_write",
+                client=rnd.choice(self.plan.publishers).cid,
+                group=group,
+                qos=1,
+                count=rnd.choice((5, 10, 20)),
+                broker=self._broker(),
+            ),
+            op("settle", client=holder.cid),
+            op("disconnect", client=taker.cid, abrupt=False),
+            op("disconnect", client=holder.cid, abrupt=rnd.random() < 0.5),
+            op("blink", client=taker.cid, expiry=expiry, broker=broker),
+            op("connect", client=taker.cid, clean=False, expiry=expiry, broker=broker),
+            op("policy", client=holder.cid, policy="auto"),
+        ]
 
     def _group_join(self) -> Op:
         return op("group_join", client=self._sub().cid, group=f"g{self.rnd.randrange(2)}")

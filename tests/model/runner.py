@@ -216,6 +216,17 @@ class Runner:
         self.expiry[sub.cid] = expiry
         sub.connect(self.system.address(broker), broker, operation.get("clean"), expiry, OP_TIMEOUT)
 
+    def _op_blink(self, operation: Op) -> None:
+        """CONNECT and DISCONNECT in one write (RawClient.blink); a paho client connects."""
+        sub = self._sub(operation)
+        broker = operation.get("broker", 0) % len(self.system.brokers)
+        expiry = operation.get("expiry", LONG_EXPIRY)
+        self.expiry[sub.cid] = expiry
+        if isinstance(sub, RawClient):
+            sub.blink(self.system.address(broker), broker, expiry, OP_TIMEOUT)
+        else:
+            sub.connect(self.system.address(broker), broker, False, expiry, OP_TIMEOUT)
+
     def _op_disconnect(self, operation: Op) -> None:
         self._sub(operation).disconnect(abrupt=operation.get("abrupt"))
 

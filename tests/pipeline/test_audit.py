@@ -254,14 +254,14 @@ def test_a_message_removed_behind_the_brokers_back_is_lost(
     redis = Redis.from_url(workload.endpoints.redis_url)
     [(member, score)] = redis.zrange(keys.messages, 0, 0, withscores=True)
     pid = int(member)
-    value = redis.get(keys.message(pid))
+    value = redis.hget(keys.values, pid)
     assert redis.zrem(keys.messages, member) == 1
-    assert redis.delete(keys.message(pid)) == 1
+    assert redis.hdel(keys.values, pid) == 1
     try:
         _the_deleted_message_is_lost(spark, workload, tmp_path, pid)
     finally:  # the session's later tests (the stream's too) audit the workload as it was
         redis.zadd(keys.messages, {member: score})
-        redis.set(keys.message(pid), value)
+        redis.hset(keys.values, pid, value)
         redis.close()
 
 

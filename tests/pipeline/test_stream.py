@@ -196,7 +196,7 @@ def test_stream_updates_under_load_and_reports_a_deleted_message_lost(
             [(member, _score)] = redis.zrange(keys.messages, 0, 0, withscores=True)
             pid = int(member)
             assert redis.zrem(keys.messages, member) == 1
-            assert redis.delete(keys.message(pid)) == 1
+            assert redis.hdel(keys.values, pid) == 1
         finally:
             redis.close()
         proceed.release()
