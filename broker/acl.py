@@ -357,6 +357,8 @@ class Authorizer:
         begin with ``$SYS`` the same way (``acl__check_dollar``); spec 4.7.2 leaves
         ``$`` topics to the server.
         """
+        if not self.active:  # no ACL file and no grants (none recorded): $SYS alone is shut
+            return not is_sys_topic(topic)
         return self.may_publish(client_id, username, self.grants.get(client_id), topic)
 
     def may_publish(

@@ -45,11 +45,15 @@ from broker.packets import (
 
 __all__ = [
     "MAX_REMAINING_LENGTH",
+    "PUBACK_BYTE",
+    "PUBREC_BYTE",
     "UNLIMITED",
     "DecodeLimits",
     "PacketDecoder",
     "decode_variable_int",
     "encode",
+    "encode_ack",
+    "encode_publish",
     "encode_remaining_length",
 ]
 
@@ -852,38 +856,72 @@ def _encode_connack(packet: ConnAck, level: int) -> bytes:
 
 
 def _encode_publish(packet: Publish, level: int) -> bytes:
-    """PUBLISH (3.3): the hot path, so it is one join of its parts."""
-    topic = packet.topic.encode()
-    qos = packet.qos
-    packet_id = _U16.pack(packet.packet_id) if qos else b""
-    properties = b""
+    return encode_publish(
+        packet.topic,
+        packet.payload,
+        packet.qos,
+        packet.retain,
+        packet.dup,
+        packet.packet_id,
+        packet.properties,
+        level,
+    )
+
+
+def encode_publish(
+    topic_name: str,
+    payload: bytes,
+    qos: int,
+    retain: bool,
+    dup: bool,
+    packet_id: int | None,
+    properties: Properties | None,
+    level: int,
+) -> bytes:
+    """PUBLISH (3.3), from its fields: the hot path (a delivery makes no
+    :class:`Publish` to encode), so it is one join of its parts."""
+    topic = topic_name.encode()
+    packet_id_bytes = _U16.pack(packet_id) if qos else b""
+    encoded_properties = b""
     if level == 5:
-        properties = b"\x00" if packet.properties is None else _encode_properties(packet.properties)
-    payload = packet.payload
-    length = 2 + len(topic) + len(packet_id) + len(properties) + len(payload)
+        encoded_properties = b"\x00" if properties is None else _encode_properties(properties)
+    length = 2 + len(topic) + len(packet_id_bytes) + len(encoded_properties) + len(payload)
     return b"".join(
         (
-            _SINGLE_BYTES[0x30 | packet.dup << 3 | qos << 1 | packet.retain],
-            encode_remaining_length(length),
+            _SINGLE_BYTES[0x30 | dup << 3 | qos << 1 | retain],
+            _SINGLE_BYTES[length] if length < 0x80 else encode_remaining_length(length),
             _U16.pack(len(topic)),
             topic,
-            packet_id,
-            properties,
+            packet_id_bytes,
+            encoded_properties,
             payload,
         )
     )
 
 
-_ACK_FIRST_BYTES: dict[type, int] = {PubAck: 0x40, PubRec: 0x50, PubRel: 0x62, PubComp: 0x70}
+# The first bytes of PUBACK and PUBREC, for encode_ack.
+PUBACK_BYTE, PUBREC_BYTE = 0x40, 0x50
+_ACK_FIRST_BYTES: dict[type, int] = {
+    PubAck: PUBACK_BYTE,
+    PubRec: PUBREC_BYTE,
+    PubRel: 0x62,
+    PubComp: 0x70,
+}
+
+
+def encode_ack(first: int, packet_id: int, reason_code: int, level: int) -> bytes:
+    """A PUBACK, PUBREC, PUBREL or PUBCOMP without properties (``first``: its first
+    byte), in its shortest form (3.4.2.1): 3.1.1 has no reason code."""
+    if level < 5 or reason_code == 0:
+        return _ACK.pack(first, 2, packet_id)
+    return _ACK_WITH_REASON.pack(first, 3, packet_id, reason_code)
 
 
 def _encode_ack(packet: PubAck | PubRec | PubRel | PubComp, level: int) -> bytes:
     """Shortest form that carries the packet (3.4.2.1): 3.1.1 has no more."""
     first = _ACK_FIRST_BYTES[type(packet)]
-    if level < 5 or (packet.reason_code == 0 and packet.properties is None):
-        return _ACK.pack(first, 2, packet.packet_id)
-    if packet.properties is None:
-        return _ACK_WITH_REASON.pack(first, 3, packet.packet_id, packet.reason_code)
+    if level < 5 or packet.properties is None:
+        return encode_ack(first, packet.packet_id, packet.reason_code, level)
     body = (
         _U16.pack(packet.packet_id)
         + _SINGLE_BYTES[packet.reason_code]

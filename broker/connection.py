@@ -16,7 +16,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from broker.codec import MAX_REMAINING_LENGTH, DecodeLimits, PacketDecoder, encode
+from broker.codec import (
+    MAX_REMAINING_LENGTH,
+    PUBACK_BYTE,
+    PUBREC_BYTE,
+    DecodeLimits,
+    PacketDecoder,
+    encode,
+    encode_ack,
+    encode_publish,
+)
 from broker.connection_state import ConnectionState, PendingAck, WillMessage
 from broker.errors import MQTTError
 from broker.handlers import HANDLERS, HandlerHost
@@ -28,9 +37,6 @@ from broker.packets import (
     Packet,
     Properties,
     ProtocolLevel,
-    PubAck,
-    Publish,
-    PubRec,
     ReasonCode,
 )
 
@@ -113,8 +119,14 @@ class MQTTConnection:
             limits=DecodeLimits(mqtt.max_user_properties, mqtt.max_topic_filters_per_packet),
             pause_after_connect=True,
         )
+        # Both through their setters, which keep ``accepts_publish`` and ``is_v5`` plain
+        # attributes: the per-message path reads them, a property would cost a call.
+        self._state = _AWAITING_CONNECT
+        self.accepts_publish = False
         self.state = _AWAITING_CONNECT
-        self.protocol_level: int = ProtocolLevel.MQTT_3_1_1
+        self._protocol_level: int = ProtocolLevel.MQTT_3_1_1
+        self.is_v5 = False
+        self.protocol_level = ProtocolLevel.MQTT_3_1_1
         self.client_id: str | None = None
         # Who the client is once authenticated (None: anonymous); see broker/auth.py.
         self.username: str | None = None
@@ -145,6 +157,7 @@ class MQTTConnection:
         # Why it ended, for the $SYS presence event (broker/sys_topics.py): the first says.
         self.close_reason = ""
         self.publish_bucket = bucket_or_none(broker.settings.mqtt.max_publish_rate, now)
+        self._stats = broker.stats
         self._out: list[bytes] = []
         # Tracked from the start so Broker.tick() can enforce the connect timeout.
         broker.connections.add(self)
@@ -153,23 +166,33 @@ class MQTTConnection:
         broker.watch_connection(self, now + broker.settings.mqtt.connect_timeout)
 
     @property
-    def is_v5(self) -> bool:
-        return self.protocol_level == _MQTT_5
+    def protocol_level(self) -> int:
+        return self._protocol_level
+
+    @protocol_level.setter
+    def protocol_level(self, level: int) -> None:
+        self._protocol_level = level
+        self.is_v5 = level == _MQTT_5
 
     @property
-    def accepts_publish(self) -> bool:
-        """CONNACK went out and the connection is open: the first packet the server
-        sends is CONNACK (MQTT-3.2.0-1), so nothing is delivered before it, even to
-        a session attached while its CONNACK waits for the store."""
-        return self.state is _CONNECTED
+    def state(self) -> ConnectionState:
+        return self._state
+
+    @state.setter
+    def state(self, state: ConnectionState) -> None:
+        self._state = state
+        # ``accepts_publish``: CONNACK went out and the connection is open. The first
+        # packet the server sends is CONNACK (MQTT-3.2.0-1), so nothing is delivered
+        # before it, even to a session attached while its CONNACK waits for the store.
+        self.accepts_publish = state is _CONNECTED
 
     # -- input ------------------------------------------------------------------------
 
     def receive_data(self, data: bytes) -> None:
-        if self.state is _CLOSED:
+        if self._state is _CLOSED:
             return
         self.last_received = self.broker.clock()
-        self.broker.stats.bytes_received += len(data)
+        self._stats.bytes_received += len(data)
         if self.input_paused or self._stashed:
             self.decoder.buffer(data)  # read before the edge stopped reading: kept
             return
@@ -188,8 +211,9 @@ class MQTTConnection:
             self.protocol_violation(error)
 
     def _process(self, packets: list[Packet]) -> None:
+        handlers = HANDLERS
         for i, packet in enumerate(packets):
-            self._dispatch(packet)
+            handlers[type(packet)](self, packet)  # as _dispatch, one call less per packet
             if self.close_requested or self._holding:
                 return  # the decoder returns nothing after a CONNECT: nothing is lost
             if self.input_paused:
@@ -235,12 +259,12 @@ class MQTTConnection:
     # -- output -----------------------------------------------------------------------
 
     def send(self, packet: Packet) -> None:
-        self._write(encode(packet, self.protocol_level))
+        self._write(encode(packet, self._protocol_level))
 
     def _write(self, data: bytes) -> None:
         out = self._out
         out.append(data)
-        self.broker.stats.bytes_sent += len(data)
+        self._stats.bytes_sent += len(data)
         if len(out) == 1:
             self._on_output(self)
 
@@ -264,7 +288,7 @@ class MQTTConnection:
         goes out with whatever expiry is left, down to 0.
         """
         message = delivery.message
-        stats = self.broker.stats
+        stats = self._stats
         properties = None
         topic = message.topic
         new_alias = None
@@ -291,22 +315,27 @@ class MQTTConnection:
                     topic_alias=alias,
                     subscription_identifiers=delivery.subscription_ids,
                 )
-        elif not resend and message.expired(self.broker.clock()):
+        elif message.expires_at is not None and not resend and message.expired(self.broker.clock()):
             stats.drop("expired")
             return False
-        data = encode(
-            Publish(
-                topic, message.payload, delivery.qos, delivery.retain, dup, packet_id, properties
-            ),
-            self.protocol_level,
+        qos = delivery.qos
+        data = encode_publish(
+            topic,
+            message.payload,
+            qos,
+            delivery.retain,
+            dup,
+            packet_id,
+            properties,
+            self._protocol_level,
         )
         if len(data) > self.client_max_packet_size:
             stats.drop("too_large_for_client")
             return False
         if new_alias is not None:
             self.outgoing_aliases[topic] = new_alias
-        stats.messages_sent[delivery.qos] += 1
-        stats.payload_bytes_sent[delivery.qos] += len(message.payload)
+        stats.messages_sent[qos] += 1
+        stats.payload_bytes_sent[qos] += len(message.payload)
         self._write(data)
         return True
 
@@ -334,7 +363,7 @@ class MQTTConnection:
         pending = self.pending_acks
         while pending and pending[0].done:
             head = pending.popleft()
-            if self.state is not _CONNECTED:
+            if self._state is not _CONNECTED:
                 continue
             if not head.ok:
                 if not self.is_v5:
@@ -343,8 +372,8 @@ class MQTTConnection:
                     return
                 if head.reason < 0x80:  # else the failure's own code (0x97 Quota exceeded)
                     head.reason = ReasonCode.UNSPECIFIED_ERROR
-            ack_type = PubAck if head.qos == 1 else PubRec
-            self.send(ack_type(head.packet_id, head.reason))
+            first = PUBACK_BYTE if head.qos == 1 else PUBREC_BYTE
+            self._write(encode_ack(first, head.packet_id, head.reason, self._protocol_level))
         if self.input_paused and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2:
             self.input_paused = False
             # Not from inside this storage callback: what waited is handled next.

@@ -1056,7 +1056,7 @@ class Broker:
         """
         match = self.subscriptions.match(message.topic)
         by_client: dict[str, Delivery] = {}
-        more_ids: dict[str, list[int]] = {}  # a client's further subscription ids
+        more_ids: dict[str, list[int]] | None = None  # a client's further subscription ids
         origin = message.origin
         message_qos = message.qos
         for entry in match.entries:
@@ -1077,13 +1077,16 @@ class Broker:
             if entry.retain_as_published and message.retain:
                 delivery.retain = True
             if entry.subscription_id:
+                if more_ids is None:
+                    more_ids = {}
                 extra = more_ids.get(client_id)
                 if extra is None:
                     extra = more_ids[client_id] = []
                 extra.append(entry.subscription_id)
-        for client_id, extra in more_ids.items():
-            delivery = by_client[client_id]
-            delivery.subscription_ids = (*delivery.subscription_ids, *extra)
+        if more_ids is not None:
+            for client_id, extra in more_ids.items():
+                delivery = by_client[client_id]
+                delivery.subscription_ids = (*delivery.subscription_ids, *extra)
         sessions = self.sessions
         may_receive: Callable[[str], bool] | None = None
         if self.acl.active:  # a client whose ACL denies reading the topic gets nothing
@@ -1095,9 +1098,11 @@ class Broker:
             def may_receive(client_id: str) -> bool:
                 return can_receive(client_id, topic)
 
-        targets: list[tuple[Session | GroupTarget, Delivery]] = [
-            (sessions[cid], delivery) for cid, delivery in by_client.items()
-        ]
+        # A loop, not a comprehension: no Python frame per PUBLISH on Python 3.11 (for
+        # one target, 3.1k against 4.0k instructions; zip(strict=True) took 7.6k).
+        targets: list[tuple[Session | GroupTarget, Delivery]] = []
+        for cid, delivery in by_client.items():
+            targets.append((sessions[cid], delivery))
         for group in match.groups:
             if group.queue:
                 # A durable group queue keeps it once for the group (broker/group_queue.py),

@@ -86,7 +86,9 @@ class Outgoing:
     ``delivery`` None: only PUBREL is left (a QoS 2 message whose PUBREC the
     feed recorded before). ``sent``: it may have been seen, so a send carries
     DUP. ``marked``: the feed already recorded its mark, it needs no ``mark``
-    before its first send. ``ref`` is the feed's own record of it.
+    before its first send. ``ref`` is the feed's own record of it. ``state``:
+    where its flow is, once the outflow holds it in flight (its own entry in
+    the in-flight table: no second object per message).
     """
 
     packet_id: int
@@ -96,16 +98,12 @@ class Outgoing:
     ref: object | None = None  # (not bare `object`: mypyc looks that name up in the module)
     side: SideFeed | None = None  # from the side feed (its identifier given here)
     replay: bool = False  # seen before this flow (a rewind's copy): DUP on its first send
-
-
-@dataclass(slots=True)
-class OutgoingMessage:
-    item: Outgoing
-    state: OutgoingState
+    state: OutgoingState = _MARKING
 
     @property
-    def packet_id(self) -> int:
-        return self.item.packet_id
+    def item(self) -> Outgoing:
+        """The message of an in-flight entry (the entry is the message itself)."""
+        return self
 
 
 class Feed(Protocol):
@@ -184,11 +182,11 @@ class Outflow:
         self.feed = feed
         self._may_receive = may_receive
         feed.outflow = self
-        self.inflight: dict[int, OutgoingMessage] = {}
+        self.inflight: dict[int, Outgoing] = {}
         self._resend: deque[int] = deque()  # in flight, not yet re-sent on this connection
         # Taken and waiting for their marks, in order: marks of separate batches may
         # land in any order, the wire must not.
-        self._marking: deque[OutgoingMessage] = deque()
+        self._marking: deque[Outgoing] = deque()
         self._may_go: set[int] = set()  # marked, waiting for their turn in _marking
         self._gone: set[int] = set()  # refused by the mark: never to be sent
         self._epoch = 0  # bumped per connection and discard: stale write callbacks are dropped
@@ -252,7 +250,8 @@ class Outflow:
             if item.packet_id in self.inflight:
                 continue  # not while it read: the record is read before anything goes
             item.side = feed
-            self._enter(item.packet_id, OutgoingMessage(item, _AWAIT_PUBACK))
+            item.state = _AWAIT_PUBACK
+            self._enter(item.packet_id, item)
             self._resend.append(item.packet_id)
             taken.append(item)
         self.pump()
@@ -297,10 +296,9 @@ class Outflow:
                 if may_receive is not None and not may_receive(delivery.message.topic):
                     self._session.stats.drop("not_authorized_receive")
                     return
-                item = feed.take_now(delivery)
-                entry = OutgoingMessage(item, _MARKING)
-                self._enter(item.packet_id, entry)
-                self._send(conn, entry)
+                item = feed.take_now(delivery)  # its state: MARKING
+                self._enter(item.packet_id, item)
+                self._send(conn, item)
                 return
         feed.offer(delivery)
         self.pump()
@@ -317,12 +315,10 @@ class Outflow:
             side = {
                 p: e
                 for p, e in self.inflight.items()
-                if e.item.side is not None and e.state is not _MARKING
+                if e.side is not None and e.state is not _MARKING
             }
             never_sent = [
-                e.item
-                for e in self.inflight.values()
-                if e.item.side is not None and e.state is _MARKING
+                e for e in self.inflight.values() if e.side is not None and e.state is _MARKING
             ]
             self.inflight.clear()
             self._marking.clear()
@@ -354,6 +350,16 @@ class Outflow:
         if conn is None:
             return
         resend = self._resend
+        feed = self.feed
+        if (
+            type(feed) is MemoryFeed
+            and not feed.queue
+            and not resend
+            and not self._parked
+            and self.side is None
+            and not self.groups
+        ):
+            return  # nothing waits to go (the common case after an acknowledgement)
         to_mark: list[Outgoing] = []
         while True:
             room = self._room(conn)
@@ -386,7 +392,8 @@ class Outflow:
     def _take(self, room: int) -> list[Outgoing]:
         """The next messages: the session's feed and the side feeds take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
-        if any(f.restoring for f in (side, self.detached_side) if f is not None):
+        detached = self.detached_side
+        if (side is not None and side.restoring) or (detached is not None and detached.restoring):
             return []  # the identifiers it had in flight before a restart come first
         groups = self.groups
         sides: list[SideFeed] = []  # the common case, no queue at all: nothing more built
@@ -445,7 +452,7 @@ class Outflow:
         self._progress()
         entry.state = _RELEASING
         epoch = self._epoch
-        self.feed.release(entry.item, lambda: self._released(packet_id, epoch))
+        self.feed.release(entry, lambda: self._released(packet_id, epoch))
         return True
 
     def completed(self, packet_id: int) -> bool:
@@ -502,13 +509,17 @@ class Outflow:
     def _room(self, conn: MQTTConnection) -> int:
         if conn.congested or not conn.accepts_publish:
             return 0
-        window = min(self.max_inflight, conn.client_receive_maximum)
+        window = self.max_inflight
+        receive_maximum = conn.client_receive_maximum
+        if receive_maximum < window:
+            window = receive_maximum
         return window - (len(self.inflight) - len(self._resend))
 
     def _admit(self, conn: MQTTConnection, item: Outgoing, to_mark: list[Outgoing]) -> None:
         """A message from the feed enters the table: sent now, or after its mark."""
         if item.delivery is None:  # only PUBREL is left (MQTT-4.4.0-1)
-            self._enter(item.packet_id, OutgoingMessage(item, _AWAIT_PUBCOMP))
+            item.state = _AWAIT_PUBCOMP
+            self._enter(item.packet_id, item)
             conn.send(PubRel(item.packet_id))
             return
         may_receive = self._may_receive
@@ -528,12 +539,12 @@ class Outflow:
             else:
                 (item.side or self.feed).undeliverable(item)
             return
-        entry = OutgoingMessage(item, _MARKING)
-        self._enter(item.packet_id, entry)
+        item.state = _MARKING
+        self._enter(item.packet_id, item)
         if (item.sent or item.marked) and not self._marking:
-            self._send(conn, entry)
+            self._send(conn, item)
             return
-        self._marking.append(entry)
+        self._marking.append(item)
         if item.sent or item.marked:
             self._may_go.add(item.packet_id)  # only waits for its turn
         else:
@@ -567,14 +578,13 @@ class Outflow:
             self._send(conn, head)
         self.pump()
 
-    def _send(self, conn: MQTTConnection, entry: OutgoingMessage) -> None:
+    def _send(self, conn: MQTTConnection, item: Outgoing) -> None:
         """A first send on this connection of a message not sent on it before."""
-        item = entry.item
         delivery = item.delivery
         assert delivery is not None
         resend = item.sent
         if conn.send_delivery(delivery, item.packet_id, dup=resend or item.replay, resend=resend):
-            entry.state = _AWAIT_PUBACK if delivery.qos == 1 else _AWAIT_PUBREC
+            item.state = _AWAIT_PUBACK if delivery.qos == 1 else _AWAIT_PUBREC
             item.sent = True
             (item.side or self.feed).sent(item, resend)
             return
@@ -616,11 +626,11 @@ class Outflow:
             return False
         del self.inflight[packet_id]
         self._progress()
-        (entry.item.side or self.feed).finished(entry.item)
+        (entry.side or self.feed).finished(entry)
         self.pump()
         return True
 
-    def _enter(self, packet_id: int, entry: OutgoingMessage) -> None:
+    def _enter(self, packet_id: int, entry: Outgoing) -> None:
         """``entry`` is in flight now. Into an empty window: the in-flight timeout's
         clock starts here, not at the last acknowledgement (a client idle for longer
         than the timeout is not stalled by the next message it is sent)."""
@@ -704,7 +714,7 @@ class MemoryFeed:
         outflow = self.outflow
         assert outflow is not None
         packet_id = self._last_packet_id = outflow.next_packet_id(self._last_packet_id)
-        return Outgoing(packet_id, delivery, marked=True)
+        return Outgoing(packet_id, delivery, False, True)  # marked: memory records nothing
 
     def take(self, n: int) -> list[Outgoing]:
         queue, outflow = self.queue, self.outflow

@@ -451,6 +451,10 @@ class RetainedSender:
             self.resume()
         else:
             self._live.clear()
+            if session.retained_sender is self:
+                # Nothing left to send: the session drops it, so a live delivery does
+                # not ask it (Broker.dispatch, the ack handlers); a SUBSCRIBE makes another.
+                session.retained_sender = None
 
 
 def _no_ack(ok: bool) -> None:

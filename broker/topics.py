@@ -263,14 +263,21 @@ class _Node:
         )
 
 
+# Topics whose match is remembered until the subscriptions change (SubscriptionTree.match);
+# when full, the memory starts over.
+MATCH_CACHE_SIZE = 4096
+
+
 class SubscriptionTree:
     """All subscriptions of the broker, indexed for matching topic names."""
 
-    __slots__ = ("_count", "_root")
+    __slots__ = ("_cache", "_count", "_root")
 
     def __init__(self) -> None:
         self._root = _Node()
         self._count = 0
+        # topic -> its Match, for topics published again: any add or remove empties it
+        self._cache: dict[str, Match] = {}
 
     def __len__(self) -> int:
         """Number of subscriptions; each shared group member counts as one."""
@@ -284,6 +291,7 @@ class SubscriptionTree:
         """
         if not is_valid_topic_filter(entry.topic_filter):
             raise ValueError(f"invalid topic filter {entry.topic_filter!r}")
+        self._cache.clear()
         share_name, filter = parse_shared(entry.topic_filter)
         entry.share_group = share_name
         node = self._root
@@ -307,6 +315,7 @@ class SubscriptionTree:
 
         Levels and groups left empty are pruned, so the tree only holds live filters.
         """
+        self._cache.clear()
         share_name, filter = parse_shared(topic_filter)
         levels = filter.split("/")
         path = [self._root]
@@ -341,7 +350,16 @@ class SubscriptionTree:
         return share_name is not None and node is not None and share_name in node.groups
 
     def match(self, topic: str) -> Match:
-        """Every subscription matching a valid topic name (spec 4.7)."""
+        """Every subscription matching a valid topic name (spec 4.7).
+
+        The same topic matched again, with no subscription added or removed since,
+        gets the same :class:`Match` (no walk of the tree per message): the caller
+        reads it and never changes it.
+        """
+        cache = self._cache
+        cached = cache.get(topic)
+        if cached is not None:
+            return cached
         result = Match([], [])
         levels = topic.split("/")
         if topic.startswith("$"):
@@ -351,6 +369,9 @@ class SubscriptionTree:
                 _collect(node, levels, 1, result)
         else:
             _collect(self._root, levels, 0, result)
+        if len(cache) >= MATCH_CACHE_SIZE:
+            cache.clear()
+        cache[topic] = result
         return result
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from loadtest.ab import brokers
 from loadtest.ab.build import BuildError, Tree, build, cache_root, compiled, working_tree
+from loadtest.ab.current import goals_table, replace_block
 from loadtest.ab.plan import (
     DEFAULT_SCENARIOS,
     SCENARIOS,
@@ -163,6 +164,13 @@ def parser() -> argparse.ArgumentParser:
         "--markdown",
         metavar="FILE",
         help="write the table as Markdown (for BENCHMARKS.md or a commit message)",
+    )
+    g.add_argument(
+        "--current-table",
+        metavar="FILE",
+        help="write the goals' table (loadtest/ab/current.py) between the current-table "
+        "markers of FILE (BENCHMARKS.md); run with --base bfd873c --mosquitto and the "
+        "goals' scenarios",
     )
     g.add_argument("--cache-dir", type=Path, help=f"built revisions (default {cache_root()})")
     g.add_argument(
@@ -389,6 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"loadtest.ab: error: {e}", file=sys.stderr)
         return 2
+    if args.current_table:
+        try:  # before any run: the file must have the table's place
+            replace_block(Path(args.current_table).read_text(), "")
+        except (OSError, ValueError) as e:
+            print(f"loadtest.ab: error: --current-table: {e}", file=sys.stderr)
+            return 2
     sides = ["base", "head"] + (["mosquitto"] if args.mosquitto else [])
     if args.mosquitto and brokers.mosquitto_binary() is None:
         print("loadtest.ab: error: --mosquitto: no mosquitto binary found", file=sys.stderr)
@@ -455,6 +469,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             + "\n"
         )
     busy = [s.other_cores for _, sides_, _ in results for s in sides_.values() if s.other_cores]
+    if args.current_table:
+        command = "python -m loadtest.ab " + " ".join(argv if argv is not None else sys.argv[1:])
+        header = (
+            f"`{command}`: base {labels['base']}, head {labels['head']}, "
+            f"{time.strftime('%Y-%m-%d', time.gmtime())}; {args.rounds} round(s) of "
+            f"{args.duration:g} s, medians; other processes up to "
+            f"{max(busy, default=0.0):.2f} cores busy"
+        )
+        table = goals_table(results, header)
+        path = Path(args.current_table)
+        path.write_text(replace_block(path.read_text(), table))
+        print(f"\n{table}")
     if busy and max(busy) > NOISY_OTHER_CORES:
         print(
             f"\nnote: other processes kept up to {max(busy):.2f} of the machine's cores busy "

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from loadtest.ab.cli import parser, summaries
+from loadtest.ab.current import BEGIN, END, goals_table, replace_block
 from loadtest.ab.plan import (
     APPLICATION_SUBSCRIBERS,
     Sizes,
@@ -316,3 +317,31 @@ def test_the_application_fan_in_is_paired_with_the_fan_in_round_by_round() -> No
     ]
     ratios = paired_ratios(records, "fan-in-application", "fan-in")
     assert ratios == {"head": [pytest.approx(0.9), pytest.approx(0.9)]}
+
+
+def test_the_goals_table_says_each_goal_met_or_not_and_replaces_its_block() -> None:
+    memory = make_scenario("p2p-memory", SIZES, TIMING)
+    persistent = make_scenario("p2p-persistent", SIZES, TIMING)
+    records = [
+        _run("base", 1000.0),
+        _run("head", 1100.0),
+        _run("mosquitto", 1300.0),
+        _run("base", 100.0, scenario="p2p-persistent", p99=200.0),
+        _run("head", 110.0, scenario="p2p-persistent", p99=250.0),
+    ]
+    results = summaries([memory, persistent], ["base", "head", "mosquitto"], records)
+    table = goals_table(results, "`the command`")
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line[:2] == "| "}
+    assert "1.10x | yes" in rows["in memory, p2p: >= 1.0x the base"]
+    assert "0.85x | **no**" in rows["in memory, p2p: >= 0.9x Mosquitto"]
+    assert "1.10x | **no**" in rows["persistent, p2p: >= 1.2x the base"]
+    tail = rows["persistent, p2p: p99 no worse than the base's"]
+    assert "250.0 ms | 200.0 ms | 1.25x | **no**" in tail
+    assert not any(name.startswith("fan-") for name in rows)  # not run: not claimed
+    text = f"# B\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n"
+    written = replace_block(text, table)
+    assert "old table" not in written and table in written
+    assert written.startswith("# B\n\nbefore\n") and written.endswith(f"{END}\nafter\n")
+    assert replace_block(written, table) == written  # regenerated in place
+    with pytest.raises(ValueError):
+        replace_block("# no markers\n", table)

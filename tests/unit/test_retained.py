@@ -253,3 +253,28 @@ def test_a_filter_repeated_in_one_subscribe_is_sent_once() -> None:
     assert packets[0].reason_codes == [0] * 40 + [1]  # type: ignore[attr-defined]
     published = [p for p in packets[1:] if isinstance(p, Publish)]
     assert sorted(p.topic for p in published) == sorted([f"r/{i}" for i in range(10)] + ["r/1"])
+
+
+def test_a_sender_with_nothing_left_is_dropped_and_a_new_subscribe_makes_another() -> None:
+    """Once its retained messages are all sent the session keeps no sender (a live
+    delivery then asks nothing of it); the next SUBSCRIBE gets its own, which a
+    live message supersedes as before."""
+    h, loop = retained_harness(600)
+    sub = h.connected("sub")
+    session = h.broker.sessions["sub"]
+    sub.subscribe("r/7")
+    while loop.run_once():
+        pass
+    assert payloads(sub.read()) == [b"7"]
+    assert session.retained_sender is None
+    h.connected("live").publish("r/7", b"live")  # delivered, no sender asked
+    assert payloads(sub.read()) == [b"live"]
+    sub.subscribe("r/#")
+    assert session.retained_sender is not None
+    h.connected("live2").publish("r/599", b"new")
+    assert payloads(sub.read()) == [b"new"]
+    while loop.run_once():
+        pass
+    rest = payloads(sub.read())
+    assert len(rest) == 599 and b"599" not in rest
+    assert session.retained_sender is None

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.topics import (
+    MATCH_CACHE_SIZE,
     SHARE_PREFIX,
     SharedGroup,
     SubscriptionEntry,
@@ -467,6 +468,25 @@ operations = st.lists(
 )
 
 
+def _matches_like_the_model(
+    tree: SubscriptionTree, model: dict[tuple[str, str], int], topic: str
+) -> None:
+    match = tree.match(topic)
+    found = [(e.client_id, e.topic_filter, e.qos) for e in match.entries]
+    for group in match.groups:
+        assert group.members, "empty groups are pruned"
+        for member in group.members:
+            assert member.share_group == group.name
+            assert member.topic_filter == f"{SHARE_PREFIX}{group.name}/{group.topic_filter}"
+            found.append((member.client_id, member.topic_filter, member.qos))
+    expected = [
+        (client_id, filter, qos)
+        for (client_id, filter), qos in model.items()
+        if topic_matches(filter, topic)
+    ]
+    assert sorted(found) == sorted(expected)
+
+
 @settings(max_examples=400, deadline=None)
 @given(operations, st.lists(topic_names(), min_size=1, max_size=8))
 def test_tree_matches_like_topic_matches(
@@ -487,22 +507,12 @@ def test_tree_matches_like_topic_matches(
             assert tree.remove(client_id, filter) == (key in model)
             model.pop(key, None)
         assert len(tree) == len(model)
+        # Matched after every change: a match remembered before it must not come back.
+        for topic in topics:
+            _matches_like_the_model(tree, model, topic)
 
     for topic in topics:
-        match = tree.match(topic)
-        found = [(e.client_id, e.topic_filter, e.qos) for e in match.entries]
-        for group in match.groups:
-            assert group.members, "empty groups are pruned"
-            for member in group.members:
-                assert member.share_group == group.name
-                assert member.topic_filter == f"{SHARE_PREFIX}{group.name}/{group.topic_filter}"
-                found.append((member.client_id, member.topic_filter, member.qos))
-        expected = [
-            (client_id, filter, qos)
-            for (client_id, filter), qos in model.items()
-            if topic_matches(filter, topic)
-        ]
-        assert sorted(found) == sorted(expected)
+        _matches_like_the_model(tree, model, topic)
 
     for client_id, filter in list(model):
         assert tree.remove(client_id, filter)
@@ -523,3 +533,28 @@ def test_has_group_tells_whether_a_group_queue_or_shared_group_has_members() -> 
     assert tree.has_group("$queue/billing/meter/+/reading")
     tree.remove("w2", "$queue/billing/meter/+/reading")
     assert not tree.has_group("$queue/billing/meter/+/reading")  # the last one left
+
+
+def test_a_remembered_match_gives_way_to_every_change() -> None:
+    """A topic's match is remembered (no walk per message) until a subscription is added,
+    replaced or removed."""
+    tree = SubscriptionTree()
+    tree.add(entry("c1", "a/+", qos=0))
+    first = tree.match("a/b")
+    assert tree.match("a/b") is first  # remembered
+    tree.add(entry("c2", "a/#"))
+    assert matched(tree, "a/b") == [("c1", "a/+"), ("c2", "a/#")]
+    tree.add(entry("c1", "a/+", qos=2))  # replaced: the new entry, not the remembered one
+    assert {e.client_id: e.qos for e in tree.match("a/b").entries} == {"c1": 2, "c2": 0}
+    tree.remove("c2", "a/#")
+    assert matched(tree, "a/b") == [("c1", "a/+")]
+    tree.add(entry("c3", "$share/g/a/b"))
+    assert [g.name for g in tree.match("a/b").groups] == ["g"]
+
+
+def test_the_remembered_matches_are_bounded() -> None:
+    tree = SubscriptionTree()
+    tree.add(entry("c1", "t/#"))
+    for i in range(MATCH_CACHE_SIZE * 2 + 1):
+        assert matched(tree, f"t/{i}") == [("c1", "t/#")]
+        assert len(tree._cache) <= MATCH_CACHE_SIZE
