@@ -1,4 +1,4 @@
-"""The order in which ``pytest -n 2 --dist loadfile`` (.ci/run) hands out test files.
+"""The order in which ``pytest -n 3 --dist loadfile`` (.ci/run) hands out test files.
 
 xdist's own order is by number of tests per file, most first: the files of a few
 slow tests (Spark jobs, model seeds, failovers) came last, and one of them still

@@ -13,9 +13,11 @@ again and stored on the new one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +29,15 @@ from tests.e2e.clients import Raw
 from tests.faults.conftest import HOST, DeviceMQ, RedisProcess
 from tests.faults.sentinel import MASTER_NAME, Found, ReplicaRedis, SentinelProcess, cut_off
 
+Stack = tuple[RedisProcess, ReplicaRedis, SentinelProcess]
 
-@pytest.fixture
-def sentinel_stack(tmp_path: Path):  # type: ignore[no-untyped-def]
-    master = RedisProcess(tmp_path / "master")
+
+@contextlib.contextmanager
+def _running_stack(directory: Path) -> Iterator[Stack]:
+    master = RedisProcess(directory / "master")
     master.start()
-    replica = ReplicaRedis(tmp_path / "replica", master)
-    sentinel = SentinelProcess(tmp_path / "sentinel", master)
+    replica = ReplicaRedis(directory / "replica", master)
+    sentinel = SentinelProcess(directory / "sentinel", master)
     try:
         replica.start()
         sentinel.start()
@@ -42,6 +46,30 @@ def sentinel_stack(tmp_path: Path):  # type: ignore[no-untyped-def]
         sentinel.stop()
         replica.stop()
         master.stop()
+
+
+@pytest.fixture
+def sentinel_stack(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of the test's own: for the tests that kill or freeze one of its parts."""
+    with _running_stack(tmp_path) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def _module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with _running_stack(tmp_path_factory.mktemp("sentinel")) as stack:
+        yield stack
+
+
+@pytest.fixture
+def shared_sentinel_stack(_module_stack: Stack) -> Stack:
+    """The module's stack (~5 s to start, a sync and a Sentinel's first look), for
+    the tests that harm none of its parts; each uses keys, topics and a consumer
+    group of its own. The test fails if a part died or the master changed."""
+    master, replica, sentinel = _module_stack
+    assert master.alive() and replica.alive(), "a part of the module's stack died"
+    assert sentinel.master_port() == master.port, "the module's master is not the master"
+    return _module_stack
 
 
 def _broker(tmp_path: Path, sentinel: SentinelProcess, kafka: str, **more: object) -> DeviceMQ:
@@ -99,9 +127,9 @@ def _receive_all(
 
 
 def test_a_message_goes_through_the_master_the_sentinel_names(
-    tmp_path: Path, sentinel_stack, kafka: tuple[str, int | None]
+    tmp_path: Path, shared_sentinel_stack: Stack, kafka: tuple[str, int | None]
 ) -> None:
-    master, _, sentinel = sentinel_stack
+    master, _, sentinel = shared_sentinel_stack
     broker = _broker(tmp_path, sentinel, kafka[0])
     broker.start()
     try:
@@ -251,7 +279,7 @@ def test_saves_only_the_dead_master_had_are_stored_again_with_redis_wait(
 
 
 def test_the_pipeline_reads_the_stored_messages_from_the_master_the_sentinel_names(
-    tmp_path: Path, sentinel_stack
+    tmp_path: Path, shared_sentinel_stack: Stack
 ) -> None:
     """The audit's Redis reads (pipeline/audit.py ``stored_refs``, run by Spark's
     workers) find the master through the Sentinel too; no Spark needed to drive it."""
@@ -260,7 +288,7 @@ def test_the_pipeline_reads_the_stored_messages_from_the_master_the_sentinel_nam
     from pipeline.audit import stored_refs
     from pipeline.common import Endpoints
 
-    master, _, sentinel = sentinel_stack
+    master, _, sentinel = shared_sentinel_stack
     with redis.Redis(host=HOST, port=master.port) as direct:
         direct.zadd(client_keys("pipe-sub").messages, {"7": 3})
         direct.set(client_keys("pipe-sub").message(7), b"x")
@@ -274,9 +302,9 @@ def test_the_pipeline_reads_the_stored_messages_from_the_master_the_sentinel_nam
 
 
 def test_a_master_name_the_sentinels_do_not_know_is_named_in_one_line_at_start(
-    tmp_path: Path, sentinel_stack, kafka: tuple[str, int | None]
+    tmp_path: Path, shared_sentinel_stack: Stack, kafka: tuple[str, int | None]
 ) -> None:
-    _, _, sentinel = sentinel_stack
+    _, _, sentinel = shared_sentinel_stack
     broker = _broker(tmp_path, sentinel, kafka[0], **{"persistence.redis_sentinel_master": "nope"})
     with pytest.raises(RuntimeError):
         broker.start()
