@@ -11,10 +11,9 @@ module keeps only the paging and the Redis writes, through one
 - a message is marked *sent* in Redis before its first send, so a replay sets
   DUP on every message that may have been seen; a message stored for a client
   that can take it at once is stored marked (:meth:`StoreFeed.room`), saving
-  the separate write; while a backlog waits behind a full window, the next
-  window's worth (of messages without an expiry: MQTT-3.3.2-5) is marked ahead
-  (:meth:`StoreFeed.take`), so that as the client's acknowledgements open the
-  window the next messages go out at once, not one Redis round trip later;
+  the separate write. A message waiting behind a full window is not marked
+  ahead of its send: should the client go, the next connection would send it
+  with DUP though it never went (tests/faults/test_window_backlog_dup.py);
 - PUBACK and PUBCOMP delete it; PUBREC rewrites it as PUBREL, keeping its
   lifetime (a sent message lives as long as the session).
 
@@ -30,8 +29,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import islice
 from typing import TYPE_CHECKING
 
 from broker.outflow import Outflow, Outgoing
@@ -203,7 +200,6 @@ class StoreFeed:
         self._loading = False
         self._missed = False  # something was stored while a page was loading
         self._reserved: dict[int, int] = {}  # packet id -> score, stored marked for us
-        self._ahead: dict[int, int] = {}  # packet id -> score: marked ahead, not landed yet
         self._epoch = 0  # bumped per connection: stale page reads are dropped
         # A new connection's first page is not read yet: the identifiers the client
         # may still hold are unknown (the outflow gives a queue none meanwhile).
@@ -215,14 +211,10 @@ class StoreFeed:
         raise RuntimeError("a durable session receives messages through the store")
 
     def take(self, n: int) -> list[Outgoing]:
-        buffer, ahead = self._buffer, self._ahead
+        buffer = self._buffer
         items: list[Outgoing] = []
         while buffer and len(items) < n:
-            if ahead and buffer[0].packet_id in ahead:
-                break  # its mark was asked ahead: it goes when that lands (_marked_ahead)
             items.append(self._outgoing(buffer.popleft()))
-        if buffer and not ahead:
-            self._mark_ahead()
         if not self._caught_up and not self._loading:
             outflow = self.outflow
             if not buffer or (outflow is not None and len(buffer) <= outflow.window()):
@@ -265,7 +257,6 @@ class StoreFeed:
         self._epoch += 1
         self._buffer.clear()
         self._reserved.clear()
-        self._ahead.clear()
         self._cursor = 0
         self._caught_up = False
         self._missed = False
@@ -276,7 +267,6 @@ class StoreFeed:
         self._epoch += 1
         self._buffer.clear()
         self._reserved.clear()
-        self._ahead.clear()
         if self._on_discard is not None:
             self._on_discard(self)
 
@@ -343,53 +333,6 @@ class StoreFeed:
             ref=record,
             replay=record.replay,
         )
-
-    def _mark_ahead(self) -> None:
-        """The window is full and messages wait: mark the next window's worth sent now
-        (one write), so they go out as soon as acknowledgements make room.
-
-        Marked, a message may have been seen as far as the store knows: should
-        the client go before they are sent, the next connection sends them with
-        DUP and as re-sends (MQTT-4.4.0-1), as it does the messages :meth:`room`
-        has stored marked; at most one window of them. A message with an expiry is
-        not marked ahead: a mark drops its deadline (a re-send goes whatever its
-        age), so one that expired behind the full window while the client was away
-        would go out on the next connection, though its onward delivery never
-        started (MQTT-3.3.2-5); it is marked when it goes, as before.
-        """
-        outflow = self.outflow
-        if outflow is None:
-            return
-        pairs = [
-            (record.packet_id, record.score)
-            for record in islice(self._buffer, outflow.window())
-            if not (record.sent or record.marked or record.stage is Stage.PUBREL)
-            and record.message is not None
-            and record.message.expiry is None  # MQTT-3.3.2-5
-            and self._reserved.get(record.packet_id) != record.score
-        ]
-        if pairs:
-            self._ahead.update(pairs)
-            done = partial(self._marked_ahead, self._epoch, pairs)
-            self._writer.mark_sent(self.client_id, pairs, done)
-
-    def _marked_ahead(self, epoch: int, pairs: list[tuple[int, int]], ids: Collection[int]) -> None:
-        """The marks asked ahead landed: those marked go without a mark of their own;
-        one left out is no longer stored (trimmed, expired) and is never sent."""
-        if epoch != self._epoch:
-            return  # that connection is gone; the next one re-reads the store
-        for packet_id, _score in pairs:
-            self._ahead.pop(packet_id, None)
-        marked = set(ids)
-        gone = {pair for pair in pairs if pair[0] not in marked}
-        asked = dict(pairs)
-        for record in self._buffer:
-            if asked.get(record.packet_id) == record.score and record.packet_id in marked:
-                record.marked = True
-        if gone:
-            self._buffer = deque(r for r in self._buffer if (r.packet_id, r.score) not in gone)
-        if self.outflow is not None:
-            self.outflow.pump()
 
     @staticmethod
     def _record(item: Outgoing) -> StoredRecord:

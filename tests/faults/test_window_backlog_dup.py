@@ -1,7 +1,12 @@
-"""Review of fleet-store's mark-ahead (persistence/store_feed.py, StoreFeed._mark_ahead):
-a message marked sent ahead of the window but never sent, its expiry passed while
-the client was away, must not be delivered on the next connection: the server had
-not started its onward delivery (MQTT-3.3.2-5)."""
+"""A backlog behind a full window, then the client goes (persistence/store_feed.py).
+
+What was sent goes again with DUP under its packet id (MQTT-4.4.0-1); what never
+went goes without DUP, and, expired while the client was away, not at all: the
+server had not started its onward delivery (MQTT-3.3.2-5). The store feed once
+marked the next window sent ahead of its send (to save a Redis round trip per
+window); a client that went then got that window with DUP on its next
+connection, though it never saw it (CI: tests/faults/test_client_vanish.py).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ def _expiring(seconds: int) -> PahoProperties:
     return p
 
 
-def test_a_message_marked_ahead_and_never_sent_still_expires(stack: Stack) -> None:
+def test_a_message_never_sent_behind_the_window_still_expires(stack: Stack) -> None:
     topic = stack.topic("t")
     cid = stack.client("sub")
     sub = RawSubscriber(stack.broker.address, cid, receive_maximum=2)
@@ -35,9 +40,6 @@ def test_a_message_marked_ahead_and_never_sent_still_expires(stack: Stack) -> No
         sub.ack = lambda packet: False  # the window (Receive Maximum 2) stays full
         sub.connect()
         wait_until(lambda: len(sub.snapshot()) >= 2, 10, "the first window")
-        # 1 and 2 go only once their marks landed; marks asked ahead for 3 and 4 were
-        # asked before those (StoreFeed.take, then the outflow's mark), so they
-        # landed in the same progress write or an earlier one.
         first = [parse(r.payload)[1] for r in sub.snapshot()]
         assert first == [1, 2]  # 3 and 4 were never sent
         sub.close()
@@ -58,9 +60,9 @@ def test_a_message_marked_ahead_and_never_sent_still_expires(stack: Stack) -> No
         late.close()
 
 
-def test_messages_marked_ahead_go_on_the_next_connection_with_dup(stack: Stack) -> None:
-    """A disconnect with the next window marked ahead: nothing is lost or skipped,
-    and what may have been seen (marked) goes with DUP, the rest without."""
+def test_only_what_was_sent_goes_again_with_dup(stack: Stack) -> None:
+    """A disconnect with a backlog behind the full window: nothing is lost or
+    skipped; what was sent goes with DUP, what never went without."""
     topic = stack.topic("t")
     cid = stack.client("sub")
     sub = RawSubscriber(stack.broker.address, cid, receive_maximum=2)
@@ -80,8 +82,8 @@ def test_messages_marked_ahead_go_on_the_next_connection_with_dup(stack: Stack) 
         sub.connect()
         wait_until(lambda: len(sub.snapshot()) >= 8, 15, "the backlog")
         again = [(parse(r.payload)[1], r.dup) for r in sub.snapshot()[2:]]
-        # 3 and 4 were marked ahead (may have been seen, as far as the store knows).
-        assert again == [(1, True), (2, True), (3, True), (4, True), (5, False), (6, False)]
+        # 3 and 4 waited behind the window and never went (marked ahead, they had DUP).
+        assert again == [(1, True), (2, True), (3, False), (4, False), (5, False), (6, False)]
     finally:
         sub.close()
         pub.close()
