@@ -424,10 +424,10 @@ class Raw:
     def send_bytes(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def connect(self, client_id: str = "", **kwargs: Any) -> Packet:
-        """Send CONNECT and return the broker's CONNACK."""
+    def connect(self, client_id: str = "", timeout: float = TIMEOUT, **kwargs: Any) -> Packet:
+        """Send CONNECT and return the broker's CONNACK (within ``timeout``)."""
         self.send(Connect(client_id, protocol_level=self.level, **kwargs))
-        return self.recv()
+        return self.recv(timeout)
 
     def recv(self, timeout: float = TIMEOUT) -> Packet:
         """The next packet; AssertionError if none within ``timeout`` or the socket closed."""

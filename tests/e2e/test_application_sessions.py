@@ -89,6 +89,9 @@ def _connect(
     raw = Raw(broker)
     connack = raw.connect(
         client_id,
+        # An APPLICATION session's CONNACK waits for its Kafka topic to be made and its
+        # progress read: seconds on a loaded machine (CI, 3 test processes on 2 cores).
+        timeout=30,
         clean_start=clean,
         properties=Properties(session_expiry_interval=expiry, receive_maximum=receive_maximum),
     )
