@@ -1290,6 +1290,19 @@ def ws_answer(port: int, host: str, origin: str | None) -> bytes:
         return got.split(b"\r\n", 1)[0]
 
 
+def _listening(port: int) -> None:
+    """The broker's factory waits for its MQTT listener; the WebSocket one may bind a
+    moment later (CI: connection refused on a loaded machine)."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.1)
+
+
 def test_a_web_page_cannot_open_the_websocket_listener(
     tmp_path: Path, broker_factory: Factory
 ) -> None:
@@ -1301,6 +1314,7 @@ def test_a_web_page_cannot_open_the_websocket_listener(
     broker_factory(
         {"websocket.enabled": True, "websocket.host": "127.0.0.1", "websocket.port": port}
     )
+    _listening(port)
     here = f"127.0.0.1:{port}"
     forbidden = b"HTTP/1.1 403 Forbidden"
     assert ws_answer(port, here, "https://evil.example") == forbidden
@@ -1324,6 +1338,7 @@ def test_a_web_page_cannot_open_the_websocket_listener(
             "auth.password_file": password_file(tmp_path),
         }
     )
+    _listening(listed)
     public = f"mqtt.example.com:{listed}"
     assert ws_answer(listed, public, f"https://{public}").startswith(b"HTTP/1.1 101 ")
     assert ws_answer(listed, public, "https://dash.example.com").startswith(b"HTTP/1.1 101 ")
