@@ -169,6 +169,13 @@ def parser() -> argparse.ArgumentParser:
         "all of it); its top 10 functions are printed, and written below the goals' table "
         "(loadtest/ab/profile.py)",
     )
+    g.add_argument(
+        "--profile-scenario",
+        action="append",
+        choices=SCENARIOS,
+        metavar="NAME",
+        help="with --profile: profile this scenario only; repeatable (default: every scenario run)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     g.add_argument(
@@ -483,6 +490,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"loadtest.ab: error: {e}", file=sys.stderr)
         return 2
+    if args.profile_scenario and (
+        args.profile is None or not set(args.profile_scenario) <= {s.name for s in scenarios}
+    ):
+        print(
+            "loadtest.ab: error: --profile-scenario: give --profile, and only scenarios "
+            "that run (--scenario)",
+            file=sys.stderr,
+        )
+        return 2
     if args.current_table:
         try:  # before any run: the file must have the table's place
             replace_block(Path(args.current_table).read_text(), "")
@@ -536,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.profile is not None and no_profile is None:
             whole = max(1, int(args.duration))  # py-spy takes whole seconds
             seconds = min(args.profile or whole, whole)
-            for scenario in scenarios:
+            chosen = args.profile_scenario or [s.name for s in scenarios]
+            for scenario in [s for s in scenarios if s.name in chosen]:
                 seed = args.seed + 1000 * args.rounds + scenarios.index(scenario)
                 profiled.append(session.run_profiled(args.rounds, scenario, seed, seconds))
                 session.say(_profile_line(profiled[-1]))

@@ -12,7 +12,7 @@ The broker's process only: with persistence, the embedded Redis and Kafka
 ``raw`` is one line per distinct stack, its frames root first, ``;`` between
 them, and its sample count::
 
-    <module> (app/cli.py:1);main (app/cli.py:120);pump (broker/outflow.py:201) 37
+    <module> (<string>:1);main (app/cli.py:416);Outflow.pump (broker/outflow.py:347) 37
 
 ``--function`` names a frame by its function's first line, so one function is
 one name. :func:`fold` turns that into each function's self samples (it was
@@ -73,7 +73,7 @@ _FRAME = re.compile(r"^(?P<name>.*) \((?P<file>.*):(?P<line>\d+)\)$")
 
 @dataclass(frozen=True)
 class FunctionShare:
-    function: str  # as py-spy names it, its file shortened: "pump (broker/outflow.py:201)"
+    function: str  # as py-spy names it, its file shortened: "Outflow.pump (broker/outflow.py:347)"
     self_samples: int
     inclusive_samples: int
     samples: int  # of the whole profile

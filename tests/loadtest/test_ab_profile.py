@@ -192,6 +192,16 @@ def test_profile_takes_optional_seconds() -> None:
         parser().parse_args([*base, "--profile", "0"])
 
 
+def test_profile_scenario_needs_profile_and_a_scenario_that_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    usage = "--profile-scenario: give --profile, and only scenarios that run (--scenario)"
+    assert main(["--base=HEAD", "--profile-scenario=p2p-memory"]) == 2
+    assert usage in capsys.readouterr().err
+    assert main(["--base=HEAD", "--scenario=fan-out", "--profile", "--profile-scenario=fleet"]) == 2
+    assert usage in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- py-spy for real
 
 
@@ -313,16 +323,20 @@ def test_an_ab_run_whose_py_spy_fails_goes_on_without_a_profile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``$DEVICEMQ_AB_PY_SPY`` names a program that exits 1 at once, as py-spy
-    does when it may not attach: the runs and the table are made all the same."""
+    does when it may not attach: the runs and the table are made all the same.
+    Of two scenarios, ``--profile-scenario`` picks the one profiled."""
     monkeypatch.setenv(BINARY_ENV, "/bin/false")
-    code = main(_ab(tmp_path, "--duration=1", "--profile"))
+    more = ["--duration=1", "--scenario=fan-out", "--fan-out=1x2", "--profile"]
+    code = main(_ab(tmp_path, *more, "--profile-scenario=fan-out"))
     printed = capsys.readouterr().out
     assert code in (0, 3), printed
     document = json.loads((tmp_path / "ab.json").read_text())
-    assert all(r["ok"] for r in document["runs"]) and len(document["runs"]) == 2
-    profiled = document["profile"]["scenarios"]["p2p-memory"]
+    assert all(r["ok"] for r in document["runs"]) and len(document["runs"]) == 4
+    assert list(document["profile"]["scenarios"]) == ["fan-out"]
+    profiled = document["profile"]["scenarios"]["fan-out"]
     assert profiled["problem"] == "py-spy failed (1): no output"
-    assert "**p2p 3 pairs, clean**: no profile: py-spy failed (1): no output" in (
+    assert profiled["run"]["ok"] and profiled["run"]["delivered"] > 0
+    assert "**fan-out 1x2, clean**: no profile: py-spy failed (1): no output" in (
         (tmp_path / "B.md").read_text()
     )
-    assert "p2p 3 pairs, clean: no profile: py-spy failed (1)" in printed
+    assert "fan-out 1x2, clean: no profile: py-spy failed (1)" in printed
