@@ -36,7 +36,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from loadtest.ab import brokers
+from loadtest.ab import brokers, profile
 from loadtest.ab.build import BuildError, Tree, build, cache_root, compiled, working_tree
 from loadtest.ab.current import goals_table, replace_block
 from loadtest.ab.plan import (
@@ -158,6 +158,24 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--inflight", type=_positive, default=10, help="per publisher (10)")
     g.add_argument("--processes", type=_positive, default=1, help="loader processes (1)")
     g.add_argument("--seed", type=int, default=1, help="first seed; one per round and scenario")
+    g.add_argument(
+        "--profile",
+        nargs="?",
+        type=_positive,
+        const=0,
+        metavar="SECONDS",
+        help="after the rounds, one more head run per scenario (not counted) whose broker "
+        f"py-spy samples at {profile.RATE} Hz for SECONDS of the measured window (default: "
+        "all of it); its top 10 functions are printed, and written below the goals' table "
+        "(loadtest/ab/profile.py)",
+    )
+    g.add_argument(
+        "--profile-scenario",
+        action="append",
+        choices=SCENARIOS,
+        metavar="NAME",
+        help="with --profile: profile this scenario only; repeatable (default: every scenario run)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every run and the summary as JSON")
     g.add_argument(
@@ -249,6 +267,35 @@ class _Session:
             print(text, file=sys.stderr, flush=True)
 
     def run(self, round_: int, scenario: Scenario, side: str, seed: int) -> RunRecord:
+        record = self._measure(round_, scenario, side, seed)
+        self.records.append(record)
+        return record
+
+    def run_profiled(
+        self, round_: int, scenario: Scenario, seed: int, seconds: int
+    ) -> profile.ProfileRun:
+        """A run of the head, not counted, whose broker py-spy records for
+        ``seconds`` from the start of the measured window."""
+        binary = profile.py_spy_binary() or "py-spy"  # found before the rounds
+        workdir = Path(tempfile.mkdtemp(prefix="devicemq-ab-profile-", dir=self.workdir))
+        try:
+            recorder = profile.Recorder(binary, workdir / "py-spy.txt", [self.trees["head"].root])
+            record = self._measure(round_, scenario, "head", seed, (recorder, seconds))
+            problem = recorder.problem
+            if recorder.result is None and problem is None:
+                problem = f"the run failed before py-spy finished: {record.error}"
+            return profile.ProfileRun(scenario, record, seconds, recorder.result, problem)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _measure(
+        self,
+        round_: int,
+        scenario: Scenario,
+        side: str,
+        seed: int,
+        recording: tuple[profile.Recorder, int] | None = None,
+    ) -> RunRecord:
         from loadtest.runner import LoadTestError, run_load
 
         workdir = Path(tempfile.mkdtemp(prefix=f"devicemq-ab-{side}-", dir=self.workdir))
@@ -272,19 +319,24 @@ class _Session:
                     # the runner samples its own CPU figures on the same transitions
                     if phase == "measure" and "start" not in window:
                         window["start"] = brokers.cpu_seconds(broker.pid)
+                        if recording is not None:
+                            recording[0].start(broker.pid, recording[1])
                     elif phase == "drain" and "end" not in window:
                         window["end"] = brokers.cpu_seconds(broker.pid)
 
                 result = run_load(config, label=side, progress=self.show, on_progress=sample)
                 cores = cores_between(window.get("start"), window.get("end"))
                 record = record_from_result(round_, scenario.name, side, result, cores)
+                if recording is not None:  # before the broker stops
+                    recording[0].finish()
             finally:
+                if recording is not None:
+                    recording[0].stop()
                 broker.stop()
         except (brokers.BrokerError, LoadTestError, OSError) as e:
             record.error = f"{type(e).__name__}: {e}"
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        self.records.append(record)
         return record
 
 
@@ -294,8 +346,12 @@ def _ms(value: float | None) -> str:
 
 def _progress_line(done: int, total: int, record: RunRecord) -> str:
     head = f"[{done}/{total}] round {record.round + 1} {record.scenario} {record.side}: "
+    return head + _run_text(record)
+
+
+def _run_text(record: RunRecord) -> str:
     if record.error and not record.delivered:
-        return head + f"FAILED: {record.error.splitlines()[0]}"
+        return f"FAILED: {record.error.splitlines()[0]}"
     cores = record.server_cores
     text = (
         f"{record.delivered:,.0f} msg/s, p50 {_ms(record.p50_ms)} ms, p99 {_ms(record.p99_ms)} ms, "
@@ -303,7 +359,14 @@ def _progress_line(done: int, total: int, record: RunRecord) -> str:
     text += "server cores unknown" if cores is None else f"server {cores:.2f} cores"
     if record.error:
         text += f"; FAILED: {record.error}"
-    return head + text
+    return text
+
+
+def _profile_line(run: profile.ProfileRun) -> str:
+    head = f"[profile] {run.scenario.name} head (not counted): {_run_text(run.record)}; "
+    if run.profile is None:
+        return head + f"no profile: {run.problem}"
+    return head + f"py-spy {run.profile.samples:,} samples"
 
 
 def summaries(
@@ -366,6 +429,36 @@ def _document(
     }
 
 
+def _profile_document(runs: Sequence[profile.ProfileRun], problem: str | None) -> dict[str, Any]:
+    """--json's account of --profile: each scenario's run and top functions."""
+
+    def shares(functions: Sequence[profile.FunctionShare]) -> list[dict[str, Any]]:
+        return [
+            {
+                "function": f.function,
+                "self": round(f.self_share, 4),
+                "inclusive": round(f.inclusive_share, 4),
+            }
+            for f in functions
+        ]
+
+    return {
+        "problem": problem,
+        "rate_hz": profile.RATE,
+        "scenarios": {
+            run.scenario.name: {
+                "run": run.record.as_dict(),
+                "seconds": run.seconds,
+                "problem": run.problem,
+                "samples": run.profile.samples if run.profile else 0,
+                "top_self": shares(run.profile.top_self()) if run.profile else [],
+                "top_inclusive": shares(run.profile.top_inclusive()) if run.profile else [],
+            }
+            for run in runs
+        },
+    }
+
+
 # scenario -> the one it is measured against, round by round, on the same side
 PAIRED = {"fan-in-application": "fan-in"}
 
@@ -396,6 +489,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             scenario.config.resolved()  # checks the options
     except ValueError as e:
         print(f"loadtest.ab: error: {e}", file=sys.stderr)
+        return 2
+    if args.profile_scenario and (
+        args.profile is None or not set(args.profile_scenario) <= {s.name for s in scenarios}
+    ):
+        print(
+            "loadtest.ab: error: --profile-scenario: give --profile, and only scenarios "
+            "that run (--scenario)",
+            file=sys.stderr,
+        )
         return 2
     if args.current_table:
         try:  # before any run: the file must have the table's place
@@ -436,12 +538,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         session.say(f"{name}: {tree.label}, {how} ({tree.root})")
     session.say(f"builds ready in {spent:.1f} s")
     order = schedule(args.rounds, scenarios, sides)
+    # --profile: a reason there will be none, known before any run
+    no_profile = None if args.profile is None else profile.system_attach_problem()
+    if no_profile:
+        session.say(f"profile: none: {no_profile}")
+    profiled: list[profile.ProfileRun] = []
     interrupted = False
     try:
         for i, (round_, scenario, side) in enumerate(order, 1):
             seed = args.seed + 1000 * round_ + scenarios.index(scenario)
             record = session.run(round_, scenario, side, seed)
             session.say(_progress_line(i, len(order), record))
+        if args.profile is not None and no_profile is None:
+            whole = max(1, int(args.duration))  # py-spy takes whole seconds
+            seconds = min(args.profile or whole, whole)
+            chosen = args.profile_scenario or [s.name for s in scenarios]
+            for scenario in [s for s in scenarios if s.name in chosen]:
+                seed = args.seed + 1000 * args.rounds + scenarios.index(scenario)
+                profiled.append(session.run_profiled(args.rounds, scenario, seed, seconds))
+                session.say(_profile_line(profiled[-1]))
     except KeyboardInterrupt:  # the runs done so far are still worth a table
         interrupted = True
         print(f"interrupted after {len(session.records)} of {len(order)} runs", file=sys.stderr)
@@ -460,6 +575,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     paired = _paired_lines(scenarios, session.records)
     if paired:
         print("\n" + "\n".join(paired))
+    profiles = ""
+    if no_profile:
+        profiles = f"Profile of the head broker: none: {no_profile}.\n"
+        print(f"\nprofile: none: {no_profile}")
+    elif profiled:
+        binary = profile.py_spy_binary()
+        version = profile.py_spy_version(binary) if binary else ""
+        profiles = profile.format_runs(profiled, version, markdown=True)
+        print("\n" + profile.format_runs(profiled, version), end="")
     if args.markdown:
         command = "python -m loadtest.ab " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.markdown).write_text(
@@ -477,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.duration:g} s, medians; other processes up to "
             f"{max(busy, default=0.0):.2f} cores busy"
         )
-        table = goals_table(results, header)
+        table = goals_table(results, header) + (f"\n{profiles}" if profiles else "")
         path = Path(args.current_table)
         path.write_text(replace_block(path.read_text(), table))
         print(f"\n{table}")
@@ -490,8 +614,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures = [r for r in session.records if not r.ok]
     for record in failures:
         print(f"failed: round {record.round + 1} {record.scenario} {record.side}: {record.error}")
+    for run in profiled:  # not counted, but a message lost is lost
+        if not run.record.ok:
+            failures.append(run.record)
+            print(f"failed: the profiled run of {run.scenario.name}: {run.record.error}")
     if args.json:
         document = _document(args, trees, built, order, session.records, results)
+        if args.profile is not None:
+            document["profile"] = _profile_document(profiled, no_profile)
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     if interrupted:
         return 130

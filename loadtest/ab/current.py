@@ -1,11 +1,14 @@
 """The "current numbers" goals table of BENCHMARKS.md, from one ``loadtest.ab`` run.
 
 ``python -m loadtest.ab --base bfd873c --mosquitto --scenario p2p-memory
---scenario p2p-persistent --scenario fan-in --scenario fan-out --current-table
+--scenario p2p-persistent --scenario fan-in --scenario fan-out --profile
+--profile-scenario p2p-memory --profile-scenario p2p-persistent --current-table
 BENCHMARKS.md`` runs the scenarios of issue 41's goals and writes their table
 between the markers :data:`BEGIN` and :data:`END` of that file (it must hold
-them: the table has one place). A goal whose scenario did not run, or whose
-reference side (the base, Mosquitto) did not, is left out of the table.
+them: the table has one place), with ``--profile`` the head broker's top
+functions below it (loadtest/ab/profile.py). A goal whose scenario did not
+run, or whose reference side (the base, Mosquitto) did not, is left out of
+the table.
 """
 
 from __future__ import annotations
