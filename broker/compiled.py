@@ -81,5 +81,5 @@ def describe() -> str:
     """One line for the log: how many of the hot modules run compiled."""
     count = len(compiled())
     if count == 0:
-        return "pure Python (no hot module compiled with mypyc)"
+        return "pure Python: no hot module compiled with mypyc"
     return f"compiled with mypyc: {count} of {len(MODULES)} hot modules"

@@ -28,7 +28,7 @@ def test_the_line_names_the_count_or_pure_python() -> None:
     if count:
         assert line == f"compiled with mypyc: {count} of {len(MODULES)} hot modules"
     else:
-        assert line == "pure Python (no hot module compiled with mypyc)"
+        assert line == "pure Python: no hot module compiled with mypyc"
 
 
 def test_module_names() -> None:
