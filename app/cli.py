@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from broker import __version__
+from broker.compiled import describe as describe_compiled
 from broker.config import ConfigError, Settings, load_settings
 from edge.logging_setup import setup_logging
 
@@ -113,7 +114,12 @@ def _settings_from_args(args: argparse.Namespace) -> Settings:
 def _run(args: argparse.Namespace) -> int:
     settings = _settings_from_args(args)
     setup_logging(settings.log.level, settings.log.format)
-    log.info("devicemq %s, config: %s", __version__, _config_path(args) or "built-in defaults")
+    log.info(
+        "devicemq %s (%s), config: %s",
+        __version__,
+        describe_compiled(),
+        _config_path(args) or "built-in defaults",
+    )
     log.debug("settings: %r", settings)
     try:
         # Imported here: --help, --version and config errors stay fast and
@@ -400,7 +406,9 @@ COMMANDS: dict[str, Command] = {
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="devicemq, an MQTT 3.1.1 and 5.0 broker")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"{PROG} {__version__} ({describe_compiled()})"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help)

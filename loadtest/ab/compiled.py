@@ -1,29 +1,26 @@
 """devicemq's hot modules compiled with mypyc, in a copy of a tree; the pure Python stays.
 
-    python -m loadtest.ab.compiled [--out DIR] [ROOT]   # ROOT (default: this tree) -> DIR
+    python -m loadtest.ab.compiled [--out DIR] [--wheel] [ROOT]   # ROOT (default: this tree) -> DIR
 
 copies ROOT's tracked files as they are on disk (uncommitted changes included)
-into DIR (default ``<ROOT>/build/mypyc``, ignored by git) and compiles
-:data:`MODULES` there with mypyc (it ships with mypy, a test dependency) and
-the C compiler. The copy then imports the compiled modules first (each
-``.so`` sits beside its ``.py``): run it with ``PYTHONPATH=DIR``. The tree
-itself is never touched, so it always runs as pure Python: no ``.so`` beside
-the sources can go stale and hide an edit. ``.ci/run`` runs the unit tests of
-the compiled modules in such a copy when a compiler is present;
-``python -m loadtest.ab --head-compiled`` / ``--base-compiled`` measure it.
+into DIR (default ``<ROOT>/build/mypyc``, ignored by git) and compiles there
+the hot modules, :data:`MODULES` (the list, and what is left out and why, is
+broker/compiled.py's), with the C compiler. The copy then imports the compiled
+modules first (each ``.so`` sits beside its ``.py``): run it with
+``PYTHONPATH=DIR``. The tree itself is never touched, so it always runs as pure
+Python: no ``.so`` beside the sources can go stale and hide an edit.
 
-Why these modules: they are the in-memory p2p path of a profile (codec and
-packets, the connection, the core's publish handling, routing, the outflow,
-the ACL and limits) and the persistent path's store (the Redis store, its
-record formats, the store feed). Left out, with what stops them:
+Two ways to compile:
 
-- ``edge/server.py``: typeshed says ``Server.sockets`` is a tuple, uvloop
-  returns a list; compiled code checks the declared type and raises;
-- ``persistence/kafka_path.py``, ``persistence/consumer.py``: each subclasses
-  an untyped aiokafka class, and the compiled subclass crashes the interpreter
-  (a segmentation fault at the first use, mypy 2.4.1);
-- ``broker/session.py``: ``broker/cluster.py``'s ``RemoteSession`` subclasses
-  ``Session``, and a compiled class cannot be subclassed by Python code.
+- by default ``python -m mypyc MODULES`` in the copy, with this interpreter's
+  mypy (a test dependency): what ``python -m loadtest.ab --head-compiled`` /
+  ``--base-compiled`` use, also for an older revision without setup.py;
+- ``--wheel``: the wheel an install builds (``pip wheel``, setup.py, with
+  ``DEVICEMQ_COMPILE=1`` so it compiles or fails), from an interpreter with
+  nothing installed (a bare venv in ``DIR/build``), as a fresh ``pip install .``
+  builds it; its extension modules are unpacked into the copy. ``.ci/run``
+  runs the unit tests on these: the compiled modules CI tests are the ones an
+  install gets.
 
 Compiled code checks declared types at run time (``x: Session`` assigned
 ``None`` raises ``TypeError``) and its classes take no new attributes, no
@@ -39,28 +36,23 @@ import subprocess
 import sys
 import sysconfig
 import time
+import zipfile
 from collections.abc import Sequence
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-__all__ = ["MODULES", "CompileError", "compile_tree", "copy_tree", "missing", "not_compiled"]
+from broker.compiled import MODULES
 
-MODULES = (
-    "broker/acl.py",
-    "broker/codec.py",
-    "broker/connection.py",
-    "broker/core.py",
-    "broker/handlers/acks.py",
-    "broker/handlers/publish.py",
-    "broker/limits.py",
-    "broker/message.py",
-    "broker/outflow.py",
-    "broker/packets.py",
-    "broker/topics.py",
-    "persistence/delivery_codec.py",
-    "persistence/format.py",
-    "persistence/redis_store.py",
-    "persistence/store_feed.py",
-)
+__all__ = [
+    "MODULES",
+    "CompileError",
+    "compile_tree",
+    "copy_tree",
+    "missing",
+    "not_compiled",
+    "wheel_tree",
+]
+
 # A module whose file shows whether the compiled build is what gets imported.
 PROBE = "broker.core"
 TIMEOUT = 1800.0  # a loaded 2-core machine took 9 minutes
@@ -128,6 +120,66 @@ def compile_tree(tree: Path, python: str = sys.executable) -> float:
     return time.monotonic() - started
 
 
+def wheel_tree(tree: Path, python: str = sys.executable) -> float:
+    """Builds ``tree``'s wheel as an install does (``pip wheel``, compiled or
+    failed), unpacks its extension modules into ``tree`` (a copy) and checks
+    that ``tree`` then imports every one of :data:`MODULES` compiled; the
+    seconds it took."""
+    why = missing(python)
+    if why is not None:
+        raise CompileError(f"cannot compile: {why}")
+    started = time.monotonic()
+    bare, dist = tree / "build" / "wheel-python", tree / "build" / "wheel"
+    for folder in (bare, dist):
+        shutil.rmtree(folder, ignore_errors=True)
+    # An interpreter with nothing installed: the build must find all it needs
+    # in build-system.requires, as in a fresh venv (mypy reads the types of the
+    # libraries from the interpreter's own site-packages too).
+    made = subprocess.run(
+        [python, "-m", "venv", "--without-pip", str(bare)],
+        capture_output=True,
+        check=False,
+        timeout=300,
+    )
+    if made.returncode != 0:
+        raise CompileError(f"python -m venv {bare}: {made.stderr.decode(errors='replace')}")
+    log = tree / "mypyc-build.log"
+    pip = [python, "-m", "pip", "--python", str(bare / "bin" / "python")]
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [*pip, "wheel", "-v", "--no-deps", "--wheel-dir", str(dist), str(tree)],
+            cwd=tree,
+            env={**os.environ, "DEVICEMQ_COMPILE": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=False,
+            timeout=TIMEOUT,
+        )
+    wheels = sorted(dist.glob("devicemq-*.whl"))
+    if done.returncode != 0 or len(wheels) != 1:
+        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+        raise CompileError("pip wheel failed:\n" + "\n".join(tail))
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        for name in wheel.namelist():
+            if name.endswith(tuple(EXTENSION_SUFFIXES)):
+                wheel.extract(name, tree)
+    why = not_compiled(tree, python)
+    if why is not None:
+        raise CompileError(why)
+    counted = subprocess.run(
+        [python, "-c", "from broker.compiled import describe; print(describe())"],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    said = counted.stdout.decode().strip()
+    if f"{len(MODULES)} of {len(MODULES)}" not in said:
+        raise CompileError(f"{wheels[0].name}: {said or counted.stderr.decode(errors='replace')}")
+    return time.monotonic() - started
+
+
 def not_compiled(tree: Path, python: str = sys.executable) -> str | None:
     """Why ``python`` with ``PYTHONPATH=tree`` does not import the compiled
     :data:`PROBE` of ``tree``, or None."""
@@ -159,6 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("root", nargs="?", type=Path, default=here, help="the tree (default: this)")
     p.add_argument("--out", type=Path, help="the copy (default ROOT/build/mypyc)")
+    p.add_argument(
+        "--wheel",
+        action="store_true",
+        help="compile as an install does: pip wheel (setup.py) from a bare venv, unpacked",
+    )
     args = p.parse_args(argv)
     root = args.root.resolve()
     out = (args.out or root / "build" / "mypyc").resolve()
@@ -167,11 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         copy_tree(root, out)
-        seconds = compile_tree(out)
+        seconds = wheel_tree(out) if args.wheel else compile_tree(out)
     except (CompileError, OSError, subprocess.TimeoutExpired) as e:
         print(f"loadtest.ab.compiled: error: {e}", file=sys.stderr)
         return 1
-    print(f"compiled {len(MODULES)} modules in {seconds:.0f} s: PYTHONPATH={out}")
+    how = " (the wheel of an install)" if args.wheel else ""
+    print(f"compiled {len(MODULES)} modules{how} in {seconds:.0f} s: PYTHONPATH={out}")
     return 0
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from app import cli
 from broker import __version__
+from broker.compiled import describe
 from broker.config import Settings
 from edge.logging_setup import setup_logging
 
@@ -64,13 +65,13 @@ def run_module(*args: str) -> subprocess.CompletedProcess[str]:
 def test_version_as_module() -> None:
     result = run_module("--version")
     assert result.returncode == 0
-    assert result.stdout.strip() == f"devicemq {__version__}"
+    assert result.stdout.strip() == f"devicemq {__version__} ({describe()})"
     assert result.stderr == ""
 
 
 def test_version_via_main(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"devicemq {__version__}"
+    assert capsys.readouterr().out.strip() == f"devicemq {__version__} ({describe()})"
 
 
 def test_help_lists_run(capsys: pytest.CaptureFixture[str]) -> None:
