@@ -95,6 +95,13 @@ class MQTTProtocol(asyncio.Protocol):
         if conn is not None:
             conn.connection_lost()
             self.server.forget(conn)
+        # The connection holds this protocol (its input-flow callback) and the
+        # transport holds it too: let go of both, so that a closed connection is
+        # freed at once, not left to the cyclic collector, whose full collections
+        # walk every client's objects (a fleet reconnecting: BENCHMARKS.md, "The
+        # fleet's churn and the collector").
+        self.conn = None
+        self.transport = None
 
     def _input_flow(self, go_on: bool) -> None:
         """The connection owes too many acknowledgements (False), or no longer (True)."""
