@@ -25,6 +25,22 @@ def _expiring(seconds: int) -> PahoProperties:
     return p
 
 
+def _away_after_one_window_of_six(sub: RawSubscriber, pub: Publisher, topic: str) -> None:
+    """Six messages stored for the subscriber while it is away; back, it takes the
+    first window (Receive Maximum 2) without acknowledging it and goes: 1 and 2
+    were sent, 3 to 6 never went."""
+    sub.connect(subscribe=[(topic, 1)])
+    sub.close()
+    pub.publish(6)
+    pub.stop()
+    assert pub.acked == set(range(1, 7))
+    sub.ack = lambda packet: False  # the window stays full
+    sub.connect()
+    wait_until(lambda: len(sub.snapshot()) >= 2, 10, "the first window")
+    assert [parse(r.payload)[1] for r in sub.snapshot()] == [1, 2]  # 3 and 4 never went
+    sub.close()
+
+
 def test_a_message_never_sent_behind_the_window_still_expires(stack: Stack) -> None:
     topic = stack.topic("t")
     cid = stack.client("sub")
@@ -32,17 +48,7 @@ def test_a_message_never_sent_behind_the_window_still_expires(stack: Stack) -> N
     pub = Publisher(stack.broker.address, stack.client("pub"), topic, properties=_expiring(2))
     late = Publisher(stack.broker.address, stack.client("late"), topic)
     try:
-        sub.connect(subscribe=[(topic, 1)])
-        sub.close()
-        pub.publish(6)
-        pub.stop()
-        assert pub.acked == set(range(1, 7))
-        sub.ack = lambda packet: False  # the window (Receive Maximum 2) stays full
-        sub.connect()
-        wait_until(lambda: len(sub.snapshot()) >= 2, 10, "the first window")
-        first = [parse(r.payload)[1] for r in sub.snapshot()]
-        assert first == [1, 2]  # 3 and 4 were never sent
-        sub.close()
+        _away_after_one_window_of_six(sub, pub, topic)
         time.sleep(2.5)  # every message's expiry passes while the client is away
         sub.ack = lambda packet: True
         sub.connect()
@@ -68,16 +74,7 @@ def test_only_what_was_sent_goes_again_with_dup(stack: Stack) -> None:
     sub = RawSubscriber(stack.broker.address, cid, receive_maximum=2)
     pub = Publisher(stack.broker.address, stack.client("pub"), topic)
     try:
-        sub.connect(subscribe=[(topic, 1)])
-        sub.close()
-        pub.publish(6)
-        pub.stop()
-        assert pub.acked == set(range(1, 7))
-        sub.ack = lambda packet: False
-        sub.connect()
-        wait_until(lambda: len(sub.snapshot()) >= 2, 10, "the first window")
-        assert [parse(r.payload)[1] for r in sub.snapshot()] == [1, 2]
-        sub.close()
+        _away_after_one_window_of_six(sub, pub, topic)
         sub.ack = lambda packet: True
         sub.connect()
         wait_until(lambda: len(sub.snapshot()) >= 8, 15, "the backlog")

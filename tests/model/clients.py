@@ -342,32 +342,73 @@ class RawClient(Subscriber):
         clean = clean_start if self.level == 5 else (clean_start or expiry == 0)
         if self.level != 5 and clean:
             expiry = 0  # 3.1.1 clean session: it ends with the connection
+        opened = self._open(address, clean, expiry, timeout)
+        if opened is None:
+            return False
+        c, connect = opened
+        connack = self._recv_sync(c, timeout) if c.send(connect) else None
+        if not self._connacked(c, connack, broker):
+            return False
+        c.sock.settimeout(0.2)
+        c.thread = threading.Thread(target=self._read, args=(c,), name=f"raw-{self.cid}")
+        c.thread.daemon = True
+        c.thread.start()
+        return True
+
+    def blink(
+        self, address: tuple[str, int], broker: int, expiry: int, timeout: float = 5.0
+    ) -> bool:
+        """Resume the session and leave at once: CONNECT and DISCONNECT in one write, so
+        the broker reads the DISCONNECT right after it resumed the session, before
+        what it started for that connection (a group queue member's claim) has
+        answered (tests/model/FINDINGS.md, finding 34). What the broker sends after
+        the CONNACK is never read (as by a client that died). True once CONNACKed."""
+        self.disconnect(abrupt=False)
+        opened = self._open(address, False, expiry, timeout)
+        if opened is None:
+            return False
+        c, connect = opened
+        try:
+            c.sock.sendall(encode(connect, self.level) + encode(Disconnect(0), self.level))
+        except OSError:
+            connack = None
+        else:
+            connack = self._recv_sync(c, timeout)
+        if not self._connacked(c, connack, broker):
+            return False
+        with contextlib.suppress(OSError):
+            c.sock.close()
+        self._closed(c)
+        return True
+
+    def _open(
+        self, address: tuple[str, int], clean: bool, expiry: int, timeout: float
+    ) -> tuple[_Connection, Connect] | None:
+        """Tell the model a CONNECT is on its way and open the socket: the connection
+        and the CONNECT to send on it, or None (the model told it failed)."""
         self.model.connect_sent(self.cid, clean, expiry)
         try:
             sock = socket.create_connection(address, timeout=timeout)
         except OSError:
             self.model.connect_failed(self.cid)
-            return False
+            return None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = _Connection(sock, self.level, 0)
         props = None
         if self.level == 5:
             props = Properties(
                 session_expiry_interval=expiry or None, receive_maximum=self.receive_maximum
             )
-        ok = c.send(
-            Connect(
-                self.cid,
-                protocol_level=self.level,
-                clean_start=clean,
-                keep_alive=0,
-                properties=props,
-            )
+        connect = Connect(
+            self.cid, protocol_level=self.level, clean_start=clean, keep_alive=0, properties=props
         )
-        connack = self._recv_sync(c, timeout) if ok else None
+        return _Connection(sock, self.level, 0), connect
+
+    def _connacked(self, c: _Connection, connack: Packet | None, broker: int) -> bool:
+        """Take a successful CONNACK as this client's connection (True); anything
+        else closes the socket and tells the model the CONNECT failed."""
         if not isinstance(connack, ConnAck) or connack.reason_code != 0:
             with contextlib.suppress(OSError):
-                sock.close()
+                c.sock.close()
             self.model.connect_failed(self.cid)
             self.refused += 1
             return False
@@ -383,61 +424,6 @@ class RawClient(Subscriber):
             self.broker = broker
             self.resumed_at = time.monotonic()
             self._c = c
-        sock.settimeout(0.2)
-        c.thread = threading.Thread(target=self._read, args=(c,), name=f"raw-{self.cid}")
-        c.thread.daemon = True
-        c.thread.start()
-        return True
-
-    def blink(
-        self, address: tuple[str, int], broker: int, expiry: int, timeout: float = 5.0
-    ) -> bool:
-        """Resume the session and leave at once: CONNECT and DISCONNECT in one write, so
-        the broker reads the DISCONNECT right after it resumed the session, before
-        what it started for that connection (a group queue member's claim) has
-        answered (tests/model/FINDINGS.md, finding 34). What the broker sends after
-        the CONNACK is never read (as by a client that died). True once CONNACKed."""
-        self.disconnect(abrupt=False)
-        self.model.connect_sent(self.cid, False, expiry)
-        try:
-            sock = socket.create_connection(address, timeout=timeout)
-        except OSError:
-            self.model.connect_failed(self.cid)
-            return False
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = _Connection(sock, self.level, 0)
-        props = None
-        if self.level == 5:
-            props = Properties(
-                session_expiry_interval=expiry or None, receive_maximum=self.receive_maximum
-            )
-        connect = Connect(
-            self.cid, protocol_level=self.level, clean_start=False, keep_alive=0, properties=props
-        )
-        try:
-            sock.sendall(encode(connect, self.level) + encode(Disconnect(0), self.level))
-        except OSError:
-            connack = None
-        else:
-            connack = self._recv_sync(c, timeout)
-        if not isinstance(connack, ConnAck) or connack.reason_code != 0:
-            with contextlib.suppress(OSError):
-                sock.close()
-            self.model.connect_failed(self.cid)
-            self.refused += 1
-            return False
-        with self.lock:
-            c.number = self.model.connack(self.cid, connack.session_present)
-            if not connack.session_present:
-                self._new_session()
-            self.conn = c.number
-            self.connected = True
-            self.broker = broker
-            self.resumed_at = time.monotonic()
-            self._c = c
-        with contextlib.suppress(OSError):
-            sock.close()
-        self._closed(c)
         return True
 
     @staticmethod
