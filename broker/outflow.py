@@ -430,8 +430,9 @@ class Outflow:
         if side is not None or groups:
             sides = [side, *groups.values()] if side is not None else list(groups.values())
         if sides and getattr(self.feed, "replaying", False):
-            # A resumed durable session: until its record's first page is read, an
-            # identifier given here could be one the client still holds (QoS 2).
+            # A resumed durable session: until its record's first page (an APPLICATION
+            # session's progress) is read, an identifier given here could be one the
+            # client still holds (QoS 2).
             sides = []
         if sides and self._side_turn:
             self._side_turn = False
@@ -462,8 +463,14 @@ class Outflow:
             items = side.take(n)
             if items:
                 self._next_side = index + 1
+                # Ids the session's own feed may still hold for the client beyond what is in
+                # flight here (an APPLICATION session's progress read back; finding 36).
+                held = getattr(self.feed, "held_ids", None)
                 for item in items:
-                    self._side_last = item.packet_id = self.next_packet_id(self._side_last)
+                    packet_id = self.next_packet_id(self._side_last)
+                    while held and packet_id in held:
+                        packet_id = self.next_packet_id(packet_id)
+                    self._side_last = item.packet_id = packet_id
                     item.side = side
                 return items
         return []

@@ -12,11 +12,17 @@ of the old one would have acknowledged a message the client never processed.
 The rule is one now: the member's session keeps the write as it leaves, and a
 restarted broker sends it again under its packet id, with DUP, before it gives
 any identifier; the id is free once the client acknowledges it.
+
+And the other way round (finding 36): an APPLICATION session's own messages the
+client holds from an earlier connection take their ids back only once read from
+Kafka; a group write given meanwhile must not take one of those ids.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 
 import pytest
@@ -27,6 +33,7 @@ from persistence.format import queue_keys
 from tests.e2e.clients import Raw
 from tests.faults.checker import wait_until
 from tests.faults.conftest import Stack
+from tests.kafka_fixtures import freeze
 
 EXPIRY = Properties(session_expiry_interval=600)
 BEFORE = 2  # group writes the member takes and acknowledges first: the next id is not 1
@@ -126,4 +133,62 @@ def test_a_given_back_group_writes_id_is_not_reused_after_a_restart(
         member.send(PubAck(packet.packet_id))
     assert resent, "the group write held under its packet id never came again"
     assert sorted(direct) == [b"direct:%d" % i for i in range(DIRECT)]
+    member.close()
+
+
+def test_a_group_write_takes_no_id_an_application_sessions_own_message_holds(
+    stack_factory: callable,  # type: ignore[valid-type]
+) -> None:
+    """Finding 36: an APPLICATION session resumes holding its own messages unacknowledged
+    (ids 1-3); its progress (which ids) is read back from Redis at once, its messages
+    from Kafka later (here: Kafka frozen). Group writes waiting in Redis meanwhile must
+    take other ids: the client still holds 1-3 (MQTT-2.2.1-3)."""
+    stack: Stack = stack_factory(
+        {"group_queues.lease": 2.0, "application.client_ids": '[".*-member$"]'}
+    )
+    assert stack.tansu_pid is not None
+    group_topic, direct_topic = stack.topic("g"), stack.topic("d")
+    group = f"$queue/g/{group_topic}"
+    member_id = stack.client("member")
+
+    member = _connect(stack, member_id, group, direct_topic)
+    own = [b"own:%d" % i for i in range(3)]
+    _publish(stack, direct_topic, own)
+    held: dict[int, bytes] = {}
+    while len(held) < len(own):
+        packet = member.recv()
+        assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+        held[packet.packet_id] = packet.payload  # never acknowledged
+    member.close()
+
+    writes = [b"write:%d" % i for i in range(3)]
+    _publish(stack, group_topic, writes)
+    pending = queue_keys(group).pending
+    with redis.Redis.from_url(stack.redis.url) as client:
+        wait_until(lambda: client.zcard(pending) == len(writes), 10, "the group's writes stored")
+
+    freeze(stack.tansu_pid)  # the session's own messages cannot be read back meanwhile
+    try:
+        member = _connect(stack, member_id)
+        got: dict[bytes, int] = {}
+        while len(got) < len(writes):
+            packet = member.recv(timeout=15)
+            assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+            assert packet.payload in writes, packet  # Kafka is frozen: only the group's
+            assert packet.packet_id not in held, (
+                f"packet id {packet.packet_id}, held for {held[packet.packet_id]!r}, was "
+                f"given to {packet.payload!r}"
+            )
+            got[packet.payload] = packet.packet_id
+            member.send(PubAck(packet.packet_id))
+    finally:
+        os.kill(stack.tansu_pid, signal.SIGCONT)
+    again: dict[int, bytes] = {}
+    while len(again) < len(own):
+        packet = member.recv(timeout=20)
+        assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+        assert packet.payload in own and packet.dup, packet  # sent before: DUP
+        again[packet.packet_id] = packet.payload
+        member.send(PubAck(packet.packet_id))
+    assert again == held  # under the ids the client held them (MQTT-4.4.0-1)
     member.close()
