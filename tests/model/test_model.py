@@ -47,8 +47,8 @@ APPLICATION = [
     # tests/faults/test_group_write_ids_restart.py is the deterministic test)
     (9806, 1, 80, "handover"),
     # s1 (APPLICATION) resumed holding sixteen QoS 2 messages of its own; group writes
-    # took their packet ids before its progress was read back (finding 36; failed 3 runs
-    # of 3 on 198bd04)
+    # took their packet ids before its progress was read back (finding 36; failed 2 runs
+    # of 2 on 198bd04 and 2 of 2 with finding 35's fix alone)
     (9809, 1, 80, "handover"),
 ]
 CHEAP = ("mixed", "faults", "expiry", "clean", "kafka", "queues")  # "wrap" floods ~65k
