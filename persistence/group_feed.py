@@ -185,11 +185,13 @@ class GroupQueues:
         for attempt in range(KEEP_ATTEMPTS):
             try:
                 await self.store.keep_group_writes(member, generation, held)
+                self.retry.succeeded()
                 return
             except Exception as error:  # Redis away: again (until a restart, memory holds them)
                 log.warning("keeping the group writes in flight to %s failed: %s", member, error)
                 if attempt + 1 < KEEP_ATTEMPTS:
                     await self.retry.wait()
+        self.retry.gave_up()  # this process still sends them again; a restart would not
 
     async def _forget_kept(self, member: str, packet_id: int, packed: bytes) -> None:
         try:
