@@ -638,6 +638,14 @@ class Broker:
             feed.consuming = False
             outflow.attach_side(feed)
 
+    def restore_group_writes(self, session: Session) -> None:
+        """A resumed persistent session's first connection in this process (after a
+        restart, or taken over from another replica): the group writes it left with
+        in flight are read back (this process knows nothing of them) and sent again
+        under their packet ids, before any other identifier is given."""
+        if not session.outflow.resumed_here:
+            self.persistent_path.restore_group_writes(session)
+
     def restore_session(
         self,
         client_id: str,

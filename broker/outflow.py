@@ -36,7 +36,12 @@ turns with the others. A member that leaves gives back to its group what it
 had not acknowledged, for another member to get (MQTT 5 section 4.8.2 allows
 it as soon as the connection is lost); its resumed session still re-sends
 them under their identifiers, as every message in flight, so an identifier
-the client holds is never given to another message.
+the client holds is never given to another message. A persistent session
+keeps them as it leaves (the group feed's ``keep``, with the session in
+Redis), so that holds across a restart of the broker too: the first
+connection of the session in a process reads them back before any
+identifier is given (:meth:`Outflow.restore_side`, ``restoring_groups``;
+tests/model/FINDINGS.md, finding 35).
 """
 
 from __future__ import annotations
@@ -200,6 +205,10 @@ class Outflow:
         self._parked: deque[Outgoing] = deque()
         self.groups: dict[str, SideFeed] = {}  # group queues the client is a member of
         self._next_side = 0  # which side feed goes first next time (they take turns)
+        # Reading back the group writes the session left with before this process (a
+        # restart): no identifier is given meanwhile, nor is anything claimed.
+        self.restoring_groups = False
+        self.resumed_here = False  # a connection of the session was attached in this process
 
     def attach_group(self, topic_filter: str, feed: SideFeed) -> None:
         """The client joined the group queue of ``topic_filter``: deliver from it too."""
@@ -224,7 +233,23 @@ class Outflow:
 
     def left(self) -> None:
         """The connection closed: every group queue gets back what it had given this
-        client and it had not acknowledged (another member may take it now)."""
+        client and it had not acknowledged (another member may take it now). What was
+        sent stays in flight here, for the resumed session to send again under the
+        same identifiers (MQTT-4.4.0-1); a persistent session keeps it with the
+        session too, so a restart of the broker neither forgets it nor gives its
+        identifier to another message (MQTT-2.2.1-3)."""
+        held = [
+            entry
+            for entry in self.inflight.values()
+            if entry.side is not None
+            and entry.side.decline is not None
+            and entry.state is not _MARKING
+        ]
+        if held:
+            # Kept first: the give-backs below wait for it (persistence/group_feed.py).
+            keep = getattr(held[0].side, "keep", None)  # every group feed keeps them alike
+            if keep is not None:
+                keep(held)
         for feed in self.groups.values():
             feed.discard()
 
@@ -306,6 +331,7 @@ class Outflow:
     def resume(self) -> None:
         """A connection was attached: re-send what is unacknowledged (MQTT-4.4.0-1)."""
         self._epoch += 1
+        self.resumed_here = True
         self._progress()
         if self.feed.durable:
             # The record is the truth (another replica may have served the client
@@ -393,15 +419,20 @@ class Outflow:
         """The next messages: the session's feed and the side feeds take turns."""
         side, parked, inflight = self.side, self._parked, self.inflight
         detached = self.detached_side
-        if (side is not None and side.restoring) or (detached is not None and detached.restoring):
+        if (
+            self.restoring_groups
+            or (side is not None and side.restoring)
+            or (detached is not None and detached.restoring)
+        ):
             return []  # the identifiers it had in flight before a restart come first
         groups = self.groups
         sides: list[SideFeed] = []  # the common case, no queue at all: nothing more built
         if side is not None or groups:
             sides = [side, *groups.values()] if side is not None else list(groups.values())
         if sides and getattr(self.feed, "replaying", False):
-            # A resumed durable session: until its record's first page is read, an
-            # identifier given here could be one the client still holds (QoS 2).
+            # A resumed durable session: until its record's first page (an APPLICATION
+            # session's progress) is read, an identifier given here could be one the
+            # client still holds (QoS 2).
             sides = []
         if sides and self._side_turn:
             self._side_turn = False
@@ -432,8 +463,14 @@ class Outflow:
             items = side.take(n)
             if items:
                 self._next_side = index + 1
+                # Ids the session's own feed may still hold for the client beyond what is in
+                # flight here (an APPLICATION session's progress read back; finding 36).
+                held = getattr(self.feed, "held_ids", None)
                 for item in items:
-                    self._side_last = item.packet_id = self.next_packet_id(self._side_last)
+                    packet_id = self.next_packet_id(self._side_last)
+                    while held and packet_id in held:
+                        packet_id = self.next_packet_id(packet_id)
+                    self._side_last = item.packet_id = packet_id
                     item.side = side
                 return items
         return []

@@ -139,6 +139,11 @@ class PersistentPath(Protocol):
         """``session``'s share of the group queue ``topic_filter`` names (a side feed
         of its outflow); None: no group queues here."""
 
+    def restore_group_writes(self, session: Session) -> None:
+        """The first connection of a persistent session in this process: the group
+        writes it left with in flight before (a restart, another replica) go back in
+        flight under their packet ids before any other identifier is given."""
+
 
 def _ignore(ok: bool) -> None:
     """Nothing waits on this completion."""
@@ -195,3 +200,6 @@ class InMemoryPersistentPath:
 
     def group_feed(self, session: Session, topic_filter: str) -> SideFeed | None:
         return None
+
+    def restore_group_writes(self, session: Session) -> None:
+        pass

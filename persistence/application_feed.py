@@ -979,6 +979,10 @@ class ApplicationFeed:
         # stale, its progress is not recorded (its offset names a record of the new one)
         self._logs: dict[int, int] = {}
         self._reserved: set[int] = set()  # their ids: not given to new messages
+        # From a connection's start until its progress is read back: the ids the client
+        # may hold are not known yet, so the outflow gives none to side messages
+        # (tests/model/FINDINGS.md, finding 36).
+        self.replaying = False
         self._last_id = 0
         self._generation: bytes | None = None
         # Its number as the session's owner ({cid}_app_owner), taken at each load: a
@@ -1055,7 +1059,15 @@ class ApplicationFeed:
 
     def restart(self) -> None:
         self._stop()
+        self.replaying = True
         self._reader = asyncio.get_running_loop().create_task(self._read(self._epoch))
+
+    @property
+    def held_ids(self) -> set[int]:
+        """Packet ids the client may hold for this session's messages that are not in
+        flight here yet (read back with the progress, or lost with a log): the outflow
+        gives none of them to a side message (MQTT-2.2.1-3; finding 36)."""
+        return self._reserved
 
     async def pause(self) -> None:
         """Stop reading and wait until every progress write landed (a rewind, a reset);
@@ -1238,6 +1250,7 @@ class ApplicationFeed:
         self._known.clear()
         self._names.clear()
         self._reserved.clear()
+        self.replaying = False
         self._room.set()
 
     def _connected(self, epoch: int) -> bool:
@@ -1262,8 +1275,10 @@ class ApplicationFeed:
             if self._loading == epoch:
                 self._loading = None
                 self._schedule()
-        if self._buffer and self._connected(epoch) and self.outflow is not None:
-            self.outflow.pump()  # the lost ids' PUBRELs
+            if epoch == self._epoch:
+                self.replaying = False
+        if self._connected(epoch) and self.outflow is not None:
+            self.outflow.pump()  # the lost ids' PUBRELs; side messages waited for the load
         while self._connected(epoch):
             consumer = self._apps.consumer()
             self._watch(consumer)

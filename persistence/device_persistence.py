@@ -23,6 +23,7 @@ from aiokafka.errors import KafkaError
 from broker.config import ConfigError, Settings
 from broker.ecq import QueueAddressee, consumer_filter
 from broker.group_queue import GroupTarget
+from broker.outflow import Outgoing
 from persistence import kafka_security
 from persistence.application_feed import ApplicationFeed, ApplicationSessions
 from persistence.coalescing import Retry
@@ -435,7 +436,55 @@ class DevicePersistence:
             clock=self._clock,
             events=self.events,
             subscription_ids=subscription_ids,
+            # A persistent session keeps its group writes in flight as it leaves.
+            generation=session.generation if session.durable else None,
         )
+
+    def restore_group_writes(self, session: Session) -> None:
+        if self.groups is None or not session.durable:
+            return
+        session.outflow.restoring_groups = True  # no identifier is given meanwhile
+        self._spawn(self._restore_group_writes(session))
+
+    async def _restore_group_writes(self, session: Session) -> None:
+        groups, outflow, member = self.groups, session.outflow, session.client_id
+        assert groups is not None
+        try:
+            while True:
+                try:
+                    held = await groups.store.group_writes(member, session.generation)
+                    break
+                except Exception as error:  # Redis away: nothing goes out meanwhile
+                    log.warning("reading the group writes held by %s failed: %s", member, error)
+                    await groups.retry.wait()
+        finally:
+            outflow.restoring_groups = False
+        feeds: dict[str, GroupFeed] = {}
+        items: dict[str, list[Outgoing]] = {}
+        records: dict[int, bytes] = {}
+        for packet_id, (store_id, entry, packed) in sorted(held.items(), key=lambda h: h[1][1].seq):
+            feed = feeds.get(store_id)
+            if feed is None:
+                # Its feed as a member, or (it left the group since) one that only
+                # completes these: whoever acknowledges first removes the entry.
+                joined = outflow.groups.get(store_id)
+                feed = (
+                    joined if isinstance(joined, GroupFeed) else self.group_feed(session, store_id)
+                )
+                assert feed is not None
+                feeds[store_id] = feed
+            item = Outgoing(packet_id, feed.delivery_of(entry), sent=True, marked=True, ref=entry)
+            items.setdefault(store_id, []).append(item)
+            records[packet_id] = packed
+        for store_id, restored in items.items():
+            for item in outflow.restore_side(feeds[store_id], restored):
+                groups.kept_again(member, {item.packet_id: records[item.packet_id]})
+        if held:
+            log.info("%s: %d group write(s) held before back in flight", member, len(held))
+        for group in list(outflow.groups.values()):
+            if isinstance(group, GroupFeed):
+                group.poke()  # claims waited for these
+        outflow.pump()
 
     def rewind_queue(self, client_id: str, from_seq: int) -> None:
         if self.queues is not None:
@@ -497,6 +546,8 @@ class DevicePersistence:
         self.sessions.end(session.client_id, session.generation, on_ended)
         if self.apps is not None:
             self.apps.ended(session.client_id, session.generation)  # its topic goes
+        if self.groups is not None and session.durable:
+            self.groups.session_ended(session.client_id, session.generation)
         if self.queues is not None and session.durable:
             task = asyncio.get_running_loop().create_task(
                 self._forget_inflight(session.client_id, session.generation)

@@ -763,6 +763,12 @@ def queue_keys(client_id: str) -> QueueKeys:
     )
 
 
+def group_writes_key(client_id: str) -> str:
+    """The group writes a member left with in flight (packet id -> group store, entry),
+    in its client's slot (persistence/group_feed.py, :class:`GroupWrites`)."""
+    return "{" + _tag(client_id) + "}_ecq_group_writes"
+
+
 def client_id_owner_key(client_id: str) -> str:
     """Who holds the client ID (``auth.client_id_owner: first``), in its client's slot:
     the owner's name, expiring ``auth.client_id_release_after`` after its last use."""

@@ -22,6 +22,18 @@ A broker that dies gives nothing back: its claims hold only while it renews
 their lease (:class:`GroupQueues`, every third of ``group_queues.lease``, on
 Redis's clock). Once a lease runs out the entries are free again, with DUP.
 
+What a persistent session's member leaves with in flight (sent, not
+acknowledged) is kept with the session as it leaves (``{cid}_ecq_group_writes``:
+packet id -> group store and entry, fenced by the session's generation;
+:meth:`GroupFeed.keep`), and forgotten once acknowledged. The first connection
+of the session in a process (after a restart, or on another replica) reads it
+back before any packet identifier is given and sends those writes again under
+their identifiers with DUP, as a process that lived on does
+(persistence/device_persistence.py ``restore_group_writes``): the rule is one,
+an identifier the client may hold is never given to another message
+(MQTT-2.2.1-3, MQTT-4.4.0-1; tests/model/FINDINGS.md, finding 35). What is kept
+is bounded by the window: only what is in flight.
+
 A give-back may be decided while a claim of the same token is on its way (the
 connection closed meanwhile): the feed cannot list what it has not got yet.
 The claim itself keeps whether an entry may have been seen
@@ -39,6 +51,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Coroutine
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from broker.message import Delivery
@@ -46,7 +59,7 @@ from broker.outflow import Outgoing
 from persistence.coalescing import CoalescingWriter, Retry
 from persistence.events import NO_EVENTS, EventSink
 from persistence.queue_feed import AckBatch, entry_delivery, merge_acks
-from persistence.queue_store import LeaseLapsed, QueueEntry, QueueStore
+from persistence.queue_store import LeaseLapsed, QueueEntry, QueueStore, group_write_packed
 
 if TYPE_CHECKING:
     from broker.outflow import Outflow
@@ -56,6 +69,7 @@ log = logging.getLogger("devicemq.persistence")
 
 _tokens = itertools.count(1)
 MAX_DECLINED = 1000  # keys one member remembers it may not take
+KEEP_ATTEMPTS = 20  # tries to keep a leaving member's group writes in flight with its session
 
 
 _Acks = AckBatch[tuple[str, int]]  # key, seq
@@ -84,6 +98,12 @@ class GroupQueues:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        # Group writes members left with in flight, as kept in Redis: client id ->
+        # packet id -> the record (forgotten there once acknowledged).
+        self.kept: dict[str, dict[int, bytes]] = {}
+        # Their writes on the way: a give-back of the member's waits for it, so no other
+        # member gets a write before the session keeps it (a kill right after).
+        self._keeping: dict[str, asyncio.Task[None]] = {}
         self.expired = 0  # stores deleted after group_queues.unused_expiry without members
         self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
@@ -108,12 +128,85 @@ class GroupQueues:
         self._writer.add(_Acks({store_id: [(key, seq)]}))
 
     def release(
-        self, store_id: str, token: str, dup: dict[str, bool], everything: bool = True
+        self,
+        store_id: str,
+        token: str,
+        dup: dict[str, bool],
+        everything: bool = True,
+        member: str = "",
     ) -> None:
         """Give the claims of ``token`` back (all, or those on ``dup``'s keys; True: the
         next member gets it with DUP), then have every member claim again (best
         effort: claims not given back are free once their lease runs out)."""
-        self.spawn(self._release(store_id, token, dup, everything))
+        self.spawn(self._release(store_id, token, dup, everything, member))
+
+    def keep(self, member: str, generation: int, held: list[tuple[int, str, QueueEntry]]) -> None:
+        """``member``'s session (of ``generation``) left with these group writes in
+        flight (packet id, group store, entry): kept with it, tried until it lands."""
+        kept = self.kept.setdefault(member, {})
+        for packet_id, store_id, entry in held:
+            kept[packet_id] = group_write_packed(store_id, entry)
+        task = asyncio.get_running_loop().create_task(self._keep(member, generation, held))
+        self._tasks.add(task)
+        self._keeping[member] = task
+        task.add_done_callback(partial(self._kept, member))
+
+    def _kept(self, member: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._keeping.get(member) is task:
+            del self._keeping[member]
+
+    def kept_again(self, member: str, records: dict[int, bytes]) -> None:
+        """Records read back (a restart): forgotten in Redis once done with."""
+        if records:
+            self.kept.setdefault(member, {}).update(records)
+
+    def done_with(self, member: str, packet_id: int) -> None:
+        """A group write kept under ``packet_id`` is done with (acknowledged, or dropped
+        from flight): its record goes, unless the id was kept again for another."""
+        kept = self.kept.get(member)
+        if kept is None:
+            return
+        packed = kept.pop(packet_id, None)
+        if not kept:
+            del self.kept[member]
+        if packed is not None:
+            self.spawn(self._forget_kept(member, packet_id, packed))
+
+    def session_ended(self, member: str, generation: int) -> None:
+        """Its session ended: what it kept goes (a later session drops an older
+        generation's record too, by its generation)."""
+        self.kept.pop(member, None)
+        self.spawn(self._end_kept(member, generation))
+
+    async def _keep(
+        self, member: str, generation: int, held: list[tuple[int, str, QueueEntry]]
+    ) -> None:
+        for attempt in range(KEEP_ATTEMPTS):
+            try:
+                await self.store.keep_group_writes(member, generation, held)
+                self.retry.succeeded()
+                return
+            except Exception as error:  # Redis away: again (until a restart, memory holds them)
+                log.warning("keeping the group writes in flight to %s failed: %s", member, error)
+                if attempt + 1 < KEEP_ATTEMPTS:
+                    await self.retry.wait()
+        self.retry.gave_up()  # this process still sends them again; a restart would not
+
+    async def _forget_kept(self, member: str, packet_id: int, packed: bytes) -> None:
+        try:
+            await self.store.forget_group_writes(member, [(packet_id, packed)])
+        except Exception as error:  # left: at worst sent again with DUP after a restart
+            log.info("forgetting a group write kept for %s failed: %s", member, error)
+
+    async def _end_kept(self, member: str, generation: int) -> None:
+        keeping = self._keeping.get(member)
+        if keeping is not None:
+            await asyncio.wait({keeping})  # (its last connection's, as the session ended)
+        try:
+            await self.store.end_group_writes(member, generation)
+        except Exception as error:  # the next session drops it by its generation
+            log.info("forgetting the group writes kept for %s failed: %s", member, error)
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` in the background, referenced until done (awaited at close)."""
@@ -169,8 +262,11 @@ class GroupQueues:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _release(
-        self, store_id: str, token: str, dup: dict[str, bool], everything: bool
+        self, store_id: str, token: str, dup: dict[str, bool], everything: bool, member: str
     ) -> None:
+        keeping = self._keeping.get(member)
+        if keeping is not None:
+            await asyncio.wait({keeping})  # the member's session keeps them first
         try:
             await self.flush()  # acknowledged ones first: they must not come back
             await self.store.release(store_id, token, dup, everything=everything)
@@ -227,9 +323,13 @@ class GroupFeed:
         wall_clock: Callable[[], float] = time.time,
         events: EventSink = NO_EVENTS,
         subscription_ids: Callable[[], tuple[int, ...]] = tuple,
+        generation: int | None = None,
     ) -> None:
+        """``generation``: a persistent session's, whose group writes in flight are kept
+        with it as it leaves (None: a session that ends with its connection)."""
         self.store_id = store_id
         self.member = member
+        self.generation = generation
         self.outflow: Outflow | None = None
         self.token = ""  # "" while not a live member (no connection)
         self._groups = groups
@@ -276,7 +376,10 @@ class GroupFeed:
 
     def finished(self, item: Outgoing) -> None:
         entry = self._forget(item)
-        self._groups.ack(self.store_id, entry.key, entry.seq)
+        groups = self._groups
+        if groups.kept:
+            groups.done_with(self.member, item.packet_id)
+        groups.ack(self.store_id, entry.key, entry.seq)
         self._events.queue(self.store_id, "acked", entry.seq, entry.key)
         self._stats.queue_acked += 1
 
@@ -284,6 +387,8 @@ class GroupFeed:
         """Expired before its first send: for every member (the outflow asks
         :meth:`decline` for the other reasons)."""
         entry = self._forget(item)
+        if self._groups.kept:
+            self._groups.done_with(self.member, item.packet_id)
         self._groups.ack(self.store_id, entry.key, entry.seq)
         self._events.queue(self.store_id, "discarded", entry.seq, entry.key)
 
@@ -299,6 +404,8 @@ class GroupFeed:
         entry = self._entry(item)
         dup = item.sent or entry.key in self._dup
         self._forget(item)
+        if item.sent and self._groups.kept:
+            self._groups.done_with(self.member, item.packet_id)  # out of flight: its id is free
         self._declined[entry.key] = None
         if len(self._declined) >= MAX_DECLINED and not self._declined_full:
             # Claiming more would only hand back what it declined before: it takes
@@ -342,6 +449,19 @@ class GroupFeed:
     def queued(self) -> int:
         return len(self._buffer)
 
+    def keep(self, items: list[Outgoing]) -> None:
+        """The member left with ``items`` (group writes of any of its groups) in flight:
+        a persistent session keeps them, to send them again under their packet ids
+        after a restart of the broker as well (MQTT-4.4.0-1)."""
+        if self.generation is None:
+            return
+        held = [(item.packet_id, self._store_of(item), self._entry(item)) for item in items]
+        self._groups.keep(self.member, self.generation, held)
+
+    def delivery_of(self, entry: QueueEntry) -> Delivery:
+        """``entry`` as it goes to this member."""
+        return self._delivery(entry)
+
     # -- told by GroupQueues ---------------------------------------------------------------
 
     def poke(self) -> None:
@@ -381,7 +501,7 @@ class GroupFeed:
         self._loading = False
         dup = self._held_dup()
         self._sent, self._dup, self._out = set(), set(), {}
-        self._groups.release(self.store_id, token, dup)
+        self._groups.release(self.store_id, token, dup, member=self.member)
 
     def _in_flight_keys(self) -> list[str]:
         """Keys the outflow holds in flight from this feed (re-sent after a reconnect):
@@ -400,9 +520,11 @@ class GroupFeed:
         Redis script each (the buffer holds the rest, given back if the member leaves)."""
         if not self._more or self._declined_full:
             return
+        outflow = self.outflow
+        if outflow is not None and outflow.restoring_groups:
+            return  # what it held before a restart first (it pokes every group after)
         self._loading = True
         self._more = False
-        outflow = self.outflow
         batch = max(n, outflow.max_inflight if outflow is not None else 1)
         self._groups.spawn(self._claim_now(self._epoch, self.token, batch))
 
@@ -472,6 +594,12 @@ class GroupFeed:
 
     def _delivery(self, entry: QueueEntry) -> Delivery:
         return entry_delivery(entry, self._wall_clock(), self._clock(), self._subscription_ids())
+
+    @staticmethod
+    def _store_of(item: Outgoing) -> str:
+        side = item.side
+        assert isinstance(side, GroupFeed)
+        return side.store_id
 
     @staticmethod
     def _entry(item: Outgoing) -> QueueEntry:

@@ -23,7 +23,7 @@ from typing import NamedTuple, cast
 
 from broker.ecq import key_of
 from broker.group_queue import is_group_store
-from persistence.format import header_fields, queue_keys, record_id
+from persistence.format import group_writes_key, header_fields, queue_keys, record_id
 from persistence.redis_store import RedisMessageStore, is_lost, lua_script
 
 _SAVE = lua_script("queue_save")
@@ -40,6 +40,7 @@ _RELEASE = lua_script("group_release")
 _RENEW = lua_script("group_renew")
 _PURGE = lua_script("queue_purge")
 _ENTRY = struct.Struct(">QI")  # an in-flight record: seq, key length; then key, value
+_STORE_NAME = struct.Struct(">H")  # a group write's record: its store's name length, name
 
 DUPLICATE = -1  # QueueSaveResult.seqs: a record stored before
 REFUSED = -2  # QueueSaveResult.seqs: not stored, at the byte limit or max_queues
@@ -340,10 +341,50 @@ class QueueStore:
         for field_name, packed in raw.items():
             if field_name == b"gen":
                 continue
-            seq, size = _ENTRY.unpack_from(packed)
-            start = _ENTRY.size
-            entry_key = packed[start : start + size].decode()
-            out[int(field_name)] = QueueEntry(entry_key, seq, packed[start + size :])
+            out[int(field_name)] = _unpacked(packed)
+        return out
+
+    async def keep_group_writes(
+        self, client_id: str, generation: int, held: Iterable[tuple[int, str, QueueEntry]]
+    ) -> None:
+        """(packet id, group store, entry): group writes the session of ``generation``
+        left with in flight, kept under their packet ids (tests/model/FINDINGS.md,
+        finding 35). An ended session's record goes first; a late write of an older
+        generation changes nothing (the script is the $ECQ record's)."""
+        args: list[int | bytes] = [generation]
+        for packet_id, store_id, entry in held:
+            args += [packet_id, group_write_packed(store_id, entry)]
+        await self._store.run_script(_INFLIGHT, (group_writes_key(client_id),), args)
+
+    async def forget_group_writes(self, client_id: str, done: Iterable[tuple[int, bytes]]) -> None:
+        """(packet id, the record kept for it): acknowledged, or otherwise done with;
+        a packet id kept again since for another write is left alone."""
+        args: list[int | bytes] = []
+        for packet_id, packed in done:
+            args += [packet_id, packed]
+        if args:
+            await self._store.run_script(_UNRECORD, (group_writes_key(client_id),), args)
+
+    async def end_group_writes(self, client_id: str, ended_generation: int) -> None:
+        """The session of ``ended_generation`` ended: its group writes' record goes."""
+        await self._store.run_script(_FORGET, (group_writes_key(client_id),), [ended_generation])
+
+    async def group_writes(
+        self, client_id: str, generation: int
+    ) -> dict[int, tuple[str, QueueEntry, bytes]]:
+        """The group writes the session of ``generation`` was left holding: packet id ->
+        (group store, entry, the record as kept); an ended session's record is deleted."""
+        key = group_writes_key(client_id)
+        raw = cast(dict[bytes, bytes], await self._store.redis.hgetall(key))
+        if raw.get(b"gen") != str(generation).encode():
+            if raw:
+                await self._store.redis.delete(key)
+            return {}
+        out: dict[int, tuple[str, QueueEntry, bytes]] = {}
+        for field_name, packed in raw.items():
+            if field_name != b"gen":
+                store_id, entry = _group_write(packed)
+                out[int(field_name)] = (store_id, entry, packed)
         return out
 
     async def rewind(self, client_id: str, from_seq: int) -> int:
@@ -482,6 +523,24 @@ class QueueStore:
 def _packed(entry: QueueEntry) -> bytes:
     key = entry.key.encode()
     return _ENTRY.pack(entry.seq, len(key)) + key + entry.value
+
+
+def _unpacked(packed: bytes) -> QueueEntry:
+    seq, size = _ENTRY.unpack_from(packed)
+    start = _ENTRY.size
+    return QueueEntry(packed[start : start + size].decode(), seq, packed[start + size :])
+
+
+def group_write_packed(store_id: str, entry: QueueEntry) -> bytes:
+    """A group write's record: the group store's name, then the entry as $ECQ's."""
+    name = store_id.encode()
+    return _STORE_NAME.pack(len(name)) + name + _packed(entry)
+
+
+def _group_write(packed: bytes) -> tuple[str, QueueEntry]:
+    (size,) = _STORE_NAME.unpack_from(packed)
+    start = _STORE_NAME.size
+    return packed[start : start + size].decode(), _unpacked(packed[start + size :])
 
 
 def _text(value: bytes | str) -> str:

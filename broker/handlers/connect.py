@@ -76,6 +76,7 @@ class ConnectHost(Protocol):
     def consume_queue(self, session: Session) -> bool: ...
     def join_group(self, session: Session, topic_filter: str) -> None: ...
     def restore_queue_inflight(self, session: Session) -> None: ...
+    def restore_group_writes(self, session: Session) -> None: ...
 
 
 # 3.1.1 has six return codes; 5.0 reasons without an equivalent close the socket.
@@ -352,6 +353,10 @@ def _opened(
         "persistent" if session.outlives_connection else "clean",
         ", resumed" if present else "",
     )
+    if present and session.durable:
+        # Group writes it may still hold from before this process: back in flight under
+        # their packet ids before any identifier is given (finding 35).
+        broker.restore_group_writes(session)
     session.outflow.resume()
     if consumer_filter(client_id) in session.subscriptions:
         _resume_queue(conn, session)  # a resumed session consuming its queue

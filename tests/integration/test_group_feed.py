@@ -30,6 +30,7 @@ class Outflow:
 
     max_inflight = 10
     connection = object()
+    restoring_groups = False  # not reading back group writes held before a restart
 
     def __init__(self, feed: GroupFeed, decline_all: bool = False) -> None:
         self.feed = feed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from persistence.format import StoredMessage, encode_message, queue_keys
+from persistence.format import StoredMessage, encode_message, group_writes_key, queue_keys
 from persistence.queue_store import QueueBatch, QueueStore
 from persistence.redis_store import RedisMessageStore
 
@@ -151,3 +151,34 @@ async def test_trimmed_entries_leave_no_claims(store: RedisMessageStore, cid: st
     assert [r.seq for r in saved.removed] == [1, 2]  # the oldest leave first
     claims = await store.redis.hkeys(queue_keys(group).claims)
     assert sorted(k.decode() if isinstance(k, bytes) else k for k in claims) == ["3"]
+
+
+async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 35: what a persistent member left with in flight, packet id -> (group
+    store, entry), read back by that session only; forgotten once done with."""
+    q = _queues(store)
+    g1, g2 = f"$queue/a/{cid}/#", f"$queue/b/{cid}/#"
+    await q.save(_batch(g1, [b"1", b"2"]))
+    await q.save(_batch(g2, [b"3"]))
+    (e1, _), (e2, _) = await q.claim(g1, "t1", 2, LONG)
+    ((e3, _),) = await q.claim(g2, "t2", 1, LONG)
+    await q.keep_group_writes(cid, 7, [(4, g1, e1), (5, g1, e2), (9, g2, e3)])
+    kept = await q.group_writes(cid, 7)
+    assert {pid: (s, e) for pid, (s, e, _) in kept.items()} == {
+        4: (g1, e1),
+        5: (g1, e2),
+        9: (g2, e3),
+    }
+    await q.forget_group_writes(cid, [(5, kept[5][2]), (9, kept[4][2])])  # 9: not its record
+    assert sorted(await q.group_writes(cid, 7)) == [4, 9]
+    await q.keep_group_writes(cid, 6, [(1, g1, e1)])  # a late write of an ended session
+    assert sorted(await q.group_writes(cid, 7)) == [4, 9]
+    await q.end_group_writes(cid, 6)  # an older session's end leaves this one's
+    assert sorted(await q.group_writes(cid, 7)) == [4, 9]
+    assert await q.group_writes(cid, 8) == {}  # a later session: the old record goes
+    assert await store.redis.exists(group_writes_key(cid)) == 0
+    await q.keep_group_writes(cid, 8, [(2, g2, e3)])
+    await q.end_group_writes(cid, 8)
+    assert await q.group_writes(cid, 8) == {}

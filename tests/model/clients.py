@@ -158,6 +158,9 @@ class Subscriber:
                 self.model.queues.received(self.cid, conn, topic, payload, dup)
                 if pid is None:
                     return
+                self.model.held_reused(
+                    self.cid, conn, pid, payload, held.payload if held is not None else None
+                )
                 held = self.held[pid] = Held(payload, qos, conn, None, queued=True)
                 self._apply_policy(pid, held, conn)
                 return
@@ -165,6 +168,9 @@ class Subscriber:
                 self.model.groups.received(self.cid, conn, topic, payload, dup)
                 if pid is None:
                     return
+                self.model.held_reused(
+                    self.cid, conn, pid, payload, held.payload if held is not None else None
+                )
                 held = self.held[pid] = Held(payload, qos, conn, None)
                 self._apply_policy(pid, held, conn)
                 return

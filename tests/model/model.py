@@ -729,15 +729,7 @@ class Model:
             if msg is None:
                 self.violate("unexpected", f"{cid} received unknown payload {payload!r}")
                 return None
-            if held is not None and held != payload and self._held_went_with_topic(state, held):
-                self.log(f"{cid}: id {packet_id} held for a message of a lost topic, given again")
-            elif held is not None and held != payload:
-                self.violate(
-                    "id-reuse",
-                    f"{cid} (connection {conn}) got packet id {packet_id} for {msg.name()} "
-                    f"while {held.decode(errors='replace')} still held that id unacknowledged",
-                    dedupe=f"id-reuse:{cid}:{conn}",
-                )
+            self._check_held(state, conn, packet_id, msg.name(), payload, held)
             if inc is None:
                 return None
             route = self.route_of(cid, sub_ids)
@@ -771,6 +763,40 @@ class Model:
                         f"connection {conn})",
                     )
             return copy
+
+    def held_reused(
+        self, cid: str, conn: int, packet_id: int, payload: bytes, held: bytes | None
+    ) -> None:
+        """A group write or a queue entry reached ``cid`` under ``packet_id`` while the
+        client held ``held`` under it (``id-reuse``, as for any PUBLISH; finding 36:
+        the client's bookkeeping replaced the old one without a word)."""
+        with self.lock:
+            msg = self.msgs.get(payload)
+            name = msg.name() if msg is not None else repr(payload)
+            self._check_held(self.clients[cid], conn, packet_id, name, payload, held)
+
+    def _check_held(
+        self,
+        state: ClientState,
+        conn: int,
+        packet_id: int | None,
+        name: str,
+        payload: bytes,
+        held: bytes | None,
+    ) -> None:
+        """``id-reuse``: the client held ``held`` under the id a new PUBLISH came with."""
+        if held is None or held == payload:
+            return
+        cid = state.cid
+        if self._held_went_with_topic(state, held):
+            self.log(f"{cid}: id {packet_id} held for a message of a lost topic, given again")
+            return
+        self.violate(
+            "id-reuse",
+            f"{cid} (connection {conn}) got packet id {packet_id} for {name} "
+            f"while {held.decode(errors='replace')} still held that id unacknowledged",
+            dedupe=f"id-reuse:{cid}:{conn}",
+        )
 
     def _held_went_with_topic(self, state: ClientState, held: bytes) -> bool:
         """Was the message the client holds under an id one of an APPLICATION session's

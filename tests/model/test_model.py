@@ -41,6 +41,15 @@ APPLICATION = [
     # s0 committed at 5, Kafka restarted empty, s0 came back (its topic made again) and
     # a QoS 2 message took offset 0 of the new log: skipped as committed (finding 31)
     (301, 1, 40, "mixed"),
+    # s0 (APPLICATION) held a group write unacknowledged as its connection closed; it
+    # went back to the group, the broker was killed, and the resumed session gave its
+    # packet id to a new message (finding 35; fails about 5 runs in 6 on 198bd04, so
+    # tests/faults/test_group_write_ids_restart.py is the deterministic test)
+    (9806, 1, 80, "handover"),
+    # s1 (APPLICATION) resumed holding sixteen QoS 2 messages of its own; group writes
+    # took their packet ids before its progress was read back (finding 36; failed 2 runs
+    # of 2 on 198bd04 and 2 of 2 with finding 35's fix alone)
+    (9809, 1, 80, "handover"),
 ]
 CHEAP = ("mixed", "faults", "expiry", "clean", "kafka", "queues")  # "wrap" floods ~65k
 

@@ -7,6 +7,7 @@ here pins one rule with the smallest history that exercises it.
 
 from __future__ import annotations
 
+from tests.model.clients import Subscriber
 from tests.model.model import Config, Model
 
 
@@ -337,3 +338,46 @@ def test_a_group_write_its_publisher_sent_twice_may_arrive_twice_without_dup() -
 
 def test_a_group_write_sent_once_and_delivered_twice_without_dup_is_a_violation() -> None:
     assert _group_write_twice(ambiguous=False) == ["group-dup"]
+
+
+class _Receiver(Subscriber):
+    """The clients' receiving bookkeeping with every acknowledgement taken as sent."""
+
+    def _send_ack(self, pid: int, kind: str) -> bool:
+        return True
+
+
+def _group_write_under_a_held_id(same_payload: bool) -> list[str]:
+    """s1 holds its own QoS 2 message under id 36 (PUBREC'd, not completed); then a
+    group write comes under 36 (or the held message again). The violations reported."""
+    clock = Clock()
+    model = Model(Config(limit=100, max_inflight=16, default_ttl=None, cluster=False), clock)
+    model.add_client("p1", 5, paho=False)
+    s1 = _Receiver(model, "s1", 5, scheduler=None)  # type: ignore[arg-type]
+    s1.set_policy("hold_comp")
+    model.connect_sent("s1", clean_start=False, expiry=600)
+    s1.conn = model.connack("s1", session_present=False)
+    s1.connected = True
+    model.suback(model.subscribe_sent("s1", [("m/a", 2, 1)]), [2])
+    model.groups.joining("s1", "g0")
+    model.groups.joined("s1", "g0")
+    clock.tick()
+    own = model.publish_sent("p1", 1, 1, b"r:p1:1", "m/a", 2, None, 0)
+    write = model.publish_sent("p1", 2, 1, b"r:p1:2", "gq/g0/w", 1, None, 0)
+    for msg in (own, write):
+        model.publish_answered(msg, ok=True)
+    clock.tick()
+    s1._on_publish(s1.conn, 36, b"r:p1:1", 2, False, (1,), None, "m/a")
+    clock.tick()
+    if same_payload:
+        s1._on_publish(s1.conn, 36, b"r:p1:1", 2, True, (1,), None, "m/a")
+    else:
+        s1._on_publish(s1.conn, 36, b"r:p1:2", 1, False, (), None, "gq/g0/w")
+    return [v.kind for v in model.violations]
+
+
+def test_a_group_write_under_an_id_the_client_holds_for_another_message_is_id_reuse() -> None:
+    """Finding 36: the client's bookkeeping used to replace the held message quietly
+    (seed 9809 showed it later, as a QoS 2 message delivered twice)."""
+    assert _group_write_under_a_held_id(same_payload=False) == ["id-reuse"]
+    assert _group_write_under_a_held_id(same_payload=True) == []

@@ -282,3 +282,70 @@ def test_a_queue_entry_whose_record_landed_as_its_connection_closed_is_forgotten
     assert side.forgotten == []
     h.connected("sub", session_expiry_interval=3600, clean_start=False)
     assert side.forgotten == ids  # dropped unsent: its record must go
+
+
+class KeepingGroupFeed(GroupFeed):
+    """A group feed of a persistent member: it may decline (a group's), and keeps what
+    its member leaves with in flight (persistence/group_feed.py ``keep``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self.kept: list[tuple[int, bytes]] = []
+
+    def decline(self, item: Outgoing) -> None:  # type: ignore[override]
+        raise AssertionError("nothing is declined here")
+
+    def keep(self, items: list[Outgoing]) -> None:
+        assert all(item.delivery is not None for item in items)
+        self.kept = sorted((item.packet_id, item.delivery.message.payload) for item in items)  # type: ignore[union-attr]
+        self.log.append("keep")
+
+    def discard(self) -> None:
+        self.log.append("discard")
+        super().discard()
+
+
+def test_a_member_that_leaves_keeps_what_it_was_sent_before_giving_it_back() -> None:
+    """Finding 35: what was sent and not acknowledged is kept with the session (a
+    restart reads it back) before the group gets it back, and only that."""
+    h, _feed, sub, _pub = _setup(max_inflight=2)
+    outflow = h.broker.sessions["sub"].outflow
+    log: list[str] = []
+    g1, g2 = KeepingGroupFeed(log), KeepingGroupFeed(log)
+    outflow.attach_group("$queue/a/t", g1)
+    outflow.attach_group("$queue/b/t", g2)
+    g1.add(b"a0")
+    g2.add(b"b0")
+    g1.queue.extend([_sided(b"a1"), _sided(b"a2")])
+    sent = {p.payload: p.packet_id for p in publishes(sub.read())}
+    assert set(sent) == {b"a0", b"b0"}
+    sub.send(PubAck(sent[b"b0"] or 0))  # acknowledged: not held any more
+    sent.update((p.payload, p.packet_id) for p in publishes(sub.read()))
+    assert b"a1" in sent and b"a2" not in sent  # a2: behind the full window, never sent
+    sub.conn.connection_lost()
+    assert log == ["keep", "discard", "discard"]  # kept first, then given back
+    assert g1.kept == [(sent[b"a0"], b"a0"), (sent[b"a1"], b"a1")]
+
+
+def test_nothing_takes_an_identifier_until_the_group_writes_held_before_are_read() -> None:
+    """A restarted broker reads back the group writes a member left with before it
+    gives any identifier: a stored message with the same id waits for it."""
+    h, feed, sub, pub = _setup()
+    outflow = h.broker.sessions["sub"].outflow
+    outflow.restoring_groups = True
+    group = KeepingGroupFeed([])
+    outflow.attach_group("$queue/g/t", group)
+    group.queue.append(_sided(b"new"))
+    pub.publish_acked("t", b"stored", qos=1)  # stored with id 1
+    outflow.pump()
+    assert feed.marks == [] and sub.read() == []
+    outflow.restoring_groups = False
+    held = _sided(b"held")
+    held.packet_id, held.sent = 1, True
+    assert outflow.restore_side(group, [held]) == [held]
+    (again, *_rest) = publishes(sub.read())
+    assert (again.packet_id, again.payload, again.dup) == (1, b"held", True)
+    assert all(p.packet_id != 1 for p in _rest)
+    sub.send(PubAck(1))
+    assert group.finished_ids == [1]
