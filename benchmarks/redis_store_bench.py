@@ -12,7 +12,12 @@ ports, stops them by PID at the end, and prints msg/s for:
   round trip per poll (the persistence consumer's path), and the time Redis
   itself spent per client batch (its script call, from INFO commandstats);
 * ``per-message``: one awaited script call per message, for comparison;
-* ``replay``: ``load_page`` pages of 1000 over one client's 10k messages.
+* ``replay``: ``load_page`` pages of 1000 over one client's 10k messages;
+* ``fleet``: the fleet shape's store work (issue 39): one message for each of
+  100 clients per save call (of 2,000 connected clients, stored marked sent as
+  the consumer stores what goes out at once), then their acknowledgements in one
+  progress write; Redis's CPU per message and the commands its scripts ran per
+  message (a call from Lua costs about what the command's own work does).
 
 Every run uses fresh client ids, so nothing is skipped as a duplicate.
 
@@ -30,8 +35,11 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
-from persistence.format import StoredMessage
+from redis.asyncio.cluster import RedisCluster as RedisClusterClient
+
+from persistence.format import StoredMessage, client_keys
 from persistence.redis_store import ClientBatch, RedisMessageStore
 from tests.integration.redis_servers import RedisCluster3, RedisServer
 
@@ -96,6 +104,66 @@ async def bench_replay(store: RedisMessageStore, count: int = 10_000) -> float:
     return count / (time.perf_counter() - t0)
 
 
+async def _redis_totals(store: RedisMessageStore) -> tuple[float, int]:
+    """Redis's CPU seconds so far and the commands run since the statistics were
+    reset, scripts' own calls included (summed over a cluster's nodes)."""
+    every: dict[str, Any] = {}
+    if isinstance(store.redis, RedisClusterClient):
+        every["target_nodes"] = RedisClusterClient.ALL_NODES
+    cpu = await store.redis.info("cpu", **every)
+    stats = await store.redis.info("commandstats", **every)
+    nodes_cpu = [cpu] if "used_cpu_user" in cpu else list(cpu.values())
+    nodes_stats = [stats] if any(k.startswith("cmdstat_") for k in stats) else list(stats.values())
+    seconds = sum(float(n["used_cpu_user"]) + float(n["used_cpu_sys"]) for n in nodes_cpu)
+    calls = sum(
+        int(v["calls"])
+        for n in nodes_stats
+        for k, v in n.items()
+        if k.startswith("cmdstat_") and k not in ("cmdstat_evalsha", "cmdstat_info")
+    )
+    return seconds, calls
+
+
+async def bench_fleet(
+    store: RedisMessageStore, clients: int = 2000, per_call: int = 100, rounds: int = 300
+) -> tuple[float, float]:
+    """Redis CPU us per message and commands per message, saving one message per
+    client and acknowledging it (module docstring, ``fleet``)."""
+    run = uuid.uuid4().hex[:6]
+    ids = [f"fleet-{run}-{c}" for c in range(clients)]
+    for cid in ids:  # connected sessions: a session key without a TTL
+        await store.redis.set(client_keys(cid).session, b"s")
+    seq = 0
+
+    async def one_round(r: int) -> None:
+        nonlocal seq
+        first = r * per_call % clients
+        batches = []
+        for j in range(per_call):
+            seq += 1
+            m = StoredMessage("devices/x", b"x" * 62, 1, producer=1, seq=seq)
+            batches.append(ClientBatch(ids[(first + j) % clients], [m], 0, premark=1))
+        results = await store.save_many(batches)
+        acks = {
+            b.client_id: [(a.packet_id, a.score) for a in result.assigned if a is not None]
+            for b, result in zip(batches, results, strict=True)
+        }
+        await store.write_progress({}, {}, acks)
+
+    for r in range(20):  # warm-up: every client has stored and acknowledged once
+        await one_round(r)
+    if isinstance(store.redis, RedisClusterClient):
+        await store.redis.config_resetstat(target_nodes=RedisClusterClient.ALL_NODES)
+    else:
+        await store.redis.config_resetstat()
+    cpu0, _ = await _redis_totals(store)
+    for r in range(rounds):
+        await one_round(r)
+    cpu1, calls = await _redis_totals(store)
+    count = rounds * per_call
+    return 1e6 * (cpu1 - cpu0) / count, calls / count
+
+
 async def _script_us(store: RedisMessageStore) -> float:
     """Redis's own time per script call since its statistics were reset (INFO
     commandstats; on a cluster, averaged over the primaries)."""
@@ -122,6 +190,7 @@ async def run(url: str, cluster: bool, args: argparse.Namespace) -> dict[str, fl
             "per-message": await bench_per_message(store, args.single_count),
             "replay": await bench_replay(store),
         }
+        out["fleet_us"], out["fleet_calls"] = await bench_fleet(store)
     finally:
         await store.aclose()
     return out
@@ -164,7 +233,9 @@ def main() -> None:
             f"{name:8s} save_many {result['save_many']:>9,.0f} msg/s "
             f"(Redis {result['redis_us_per_save']:,.0f} us per client batch)   "
             f"per-message {result['per-message']:>8,.0f} msg/s   "
-            f"replay {result['replay']:>9,.0f} msg/s"
+            f"replay {result['replay']:>9,.0f} msg/s\n"
+            f"{name:8s} fleet: Redis CPU {result['fleet_us']:.1f} us per message (save + ack), "
+            f"{result['fleet_calls']:.1f} commands per message"
         )
 
 

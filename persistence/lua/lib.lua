@@ -55,10 +55,12 @@ end
 -- its strings move into the hash, each unsent one with its remaining TTL as
 -- its deadline, a sent one without (it lived as long as the session); a ref
 -- whose string is gone had expired and goes. Every script on a client's
--- messages calls this first, so both layouts are read, and the old one only
--- once.
+-- messages calls this first (the save script only when the set has refs), so
+-- both layouts are read, and the old one only once. True when it moved any.
 local function upgrade(set_key, values_key)
-  if redis.call('EXISTS', values_key) == 1 or redis.call('EXISTS', set_key) == 0 then return end
+  if redis.call('EXISTS', values_key) == 1 or redis.call('EXISTS', set_key) == 0 then
+    return false
+  end
   local refs = redis.call('ZRANGE', set_key, 0, -1)
   local now = now_ms()
   local old = {}
@@ -90,6 +92,7 @@ local function upgrade(set_key, values_key)
     if pttl > 0 then redis.call('PEXPIRE', values_key, pttl) end
   end
   redis.call('DEL', prefix .. '_last_packet_id', prefix .. '_bytes')
+  return true
 end
 
 -- The size of the values stored (for the byte limit) is field 'b' of the values
@@ -97,8 +100,12 @@ end
 -- Take ``freed`` bytes off it; an empty set, or a count gone to 0 or below, is 0.
 local function release_bytes(values_key, set_key, freed)
   if freed > 0 then
+    if redis.call('ZCARD', set_key) == 0 then
+      redis.call('HDEL', values_key, 'b')  -- the last message went (the common case)
+      return
+    end
     local left = tonumber(redis.call('HGET', values_key, 'b') or '0') - freed
-    if left <= 0 or redis.call('ZCARD', set_key) == 0 then
+    if left <= 0 then
       redis.call('HDEL', values_key, 'b')
     else
       redis.call('HSET', values_key, 'b', string.format('%.0f', left))
