@@ -146,7 +146,8 @@ class GroupQueues:
         kept = self.kept.setdefault(member, {})
         for packet_id, store_id, entry in held:
             kept[packet_id] = group_write_packed(store_id, entry)
-        task = asyncio.get_running_loop().create_task(self._keep(member, generation, held))
+        earlier = self._keeping.get(member)  # one still trying: it lands first
+        task = asyncio.get_running_loop().create_task(self._keep(member, generation, held, earlier))
         self._tasks.add(task)
         self._keeping[member] = task
         task.add_done_callback(partial(self._kept, member))
@@ -180,8 +181,15 @@ class GroupQueues:
         self.spawn(self._end_kept(member, generation))
 
     async def _keep(
-        self, member: str, generation: int, held: list[tuple[int, str, QueueEntry]]
+        self,
+        member: str,
+        generation: int,
+        held: list[tuple[int, str, QueueEntry]],
+        earlier: asyncio.Task[None] | None = None,
     ) -> None:
+        if earlier is not None:
+            # In order: waiting for the member's keep then means waiting for all of them.
+            await asyncio.wait({earlier})
         for attempt in range(KEEP_ATTEMPTS):
             try:
                 await self.store.keep_group_writes(member, generation, held)
@@ -194,10 +202,22 @@ class GroupQueues:
         self.retry.gave_up()  # this process still sends them again; a restart would not
 
     async def _forget_kept(self, member: str, packet_id: int, packed: bytes) -> None:
-        try:
-            await self.store.forget_group_writes(member, [(packet_id, packed)])
-        except Exception as error:  # left: at worst sent again with DUP after a restart
-            log.info("forgetting a group write kept for %s failed: %s", member, error)
+        # After the keep: a record landing later (Redis was away as the member left)
+        # would outlive the acknowledgement, and a restarted broker would send the
+        # write again under an id the client may hold for another message by then.
+        keeping = self._keeping.get(member)
+        if keeping is not None:
+            await asyncio.wait({keeping})
+        for attempt in range(KEEP_ATTEMPTS):
+            try:
+                await self.store.forget_group_writes(member, [(packet_id, packed)])
+                self.retry.succeeded()
+                return
+            except Exception as error:  # Redis away: again, as the keep was
+                log.info("forgetting a group write kept for %s failed: %s", member, error)
+                if attempt + 1 < KEEP_ATTEMPTS:
+                    await self.retry.wait()
+        self.retry.gave_up()  # left: sent again with DUP by a restarted broker
 
     async def _end_kept(self, member: str, generation: int) -> None:
         keeping = self._keeping.get(member)
