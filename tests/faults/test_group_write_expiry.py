@@ -1,5 +1,6 @@
 """The record of a member's group writes in flight (``{cid}_ecq_group_writes``;
-tests/model/FINDINGS.md, finding 35) goes with its session, also when the
+tests/model/FINDINGS.md, finding 35), and of the entries of its own queue
+($ECQ) in flight (``{cid}_ecq_inflight``), goes with its session, also when the
 session expired while no broker held it: a restarted broker ends such sessions
 as it restores the others (persistence/session_store.py), and nothing else ever
 reads that record again (a later session of the client ID starts clean). Left
@@ -11,10 +12,11 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import redis
 
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
-from persistence.format import SESSIONS_INDEX, client_keys, group_writes_key
+from persistence.format import SESSIONS_INDEX, client_keys, group_writes_key, queue_keys
 from tests.e2e.clients import Raw
 from tests.faults.checker import wait_until
 from tests.faults.conftest import Stack
@@ -22,13 +24,20 @@ from tests.faults.conftest import Stack
 EXPIRY = 2  # s: the member's session expires while the broker is down
 
 
-def test_a_members_kept_group_writes_go_when_its_session_expires_while_no_broker_holds_it(
+@pytest.mark.parametrize("queue", ["group", "ecq"])
+def test_what_a_session_held_from_queues_goes_when_it_expires_while_no_broker_holds_it(
     stack_factory: callable,  # type: ignore[valid-type]
+    queue: str,
 ) -> None:
     stack: Stack = stack_factory({"group_queues.lease": 2.0})
-    group_topic = stack.topic("g")
-    group = f"$queue/g/{group_topic}"
     member_id = stack.client("member")
+    if queue == "group":
+        topic = stack.topic("g")
+        group = f"$queue/g/{topic}"
+        kept = group_writes_key(member_id)
+    else:
+        topic, group = f"$ECQ/w/{member_id}/k", f"$ECQ/{member_id}/#"
+        kept = queue_keys(member_id).inflight
 
     member = Raw(stack.broker)
     connack = member.connect(
@@ -39,14 +48,13 @@ def test_a_members_kept_group_writes_go_when_its_session_expires_while_no_broker
     assert isinstance(member.recv(), SubAck)
     with Raw(stack.broker) as producer:
         producer.connect(stack.client("producer"))
-        producer.send(Publish(group_topic, b"write", 1, packet_id=1))
+        producer.send(Publish(topic, b"write", 1, packet_id=1))
         assert isinstance(producer.recv(), PubAck)
     write = member.recv(timeout=10)
     assert isinstance(write, Publish) and write.payload == b"write", write
     member.close()  # abruptly, the write held: kept with the session
 
     with redis.Redis.from_url(stack.redis.url) as client:
-        kept = group_writes_key(member_id)
         wait_until(lambda: client.hexists(kept, str(write.packet_id)), 10, "the group write kept")
         # Its expiry counts from the disconnect, saved before the broker goes.
         wait_until(
