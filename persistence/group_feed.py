@@ -103,7 +103,7 @@ class GroupQueues:
         self.kept: dict[str, dict[int, bytes]] = {}
         # Their writes on the way: a give-back of the member's waits for it, so no other
         # member gets a write before the session keeps it (a kill right after).
-        self._keeping: dict[str, asyncio.Task[None]] = {}
+        self._keeping: dict[str, set[asyncio.Task[None]]] = {}
         self.expired = 0  # stores deleted after group_queues.unused_expiry without members
         self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
@@ -146,16 +146,18 @@ class GroupQueues:
         kept = self.kept.setdefault(member, {})
         for packet_id, store_id, entry in held:
             kept[packet_id] = group_write_packed(store_id, entry)
-        earlier = self._keeping.get(member)  # one still trying: it lands first
-        task = asyncio.get_running_loop().create_task(self._keep(member, generation, held, earlier))
+        task = asyncio.get_running_loop().create_task(self._keep(member, generation, held))
         self._tasks.add(task)
-        self._keeping[member] = task
+        self._keeping.setdefault(member, set()).add(task)
         task.add_done_callback(partial(self._kept, member))
 
     def _kept(self, member: str, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if self._keeping.get(member) is task:
-            del self._keeping[member]
+        keeping = self._keeping.get(member)
+        if keeping is not None:
+            keeping.discard(task)
+            if not keeping:
+                del self._keeping[member]
 
     def kept_again(self, member: str, records: dict[int, bytes]) -> None:
         """Records read back (a restart): forgotten in Redis once done with."""
@@ -185,11 +187,7 @@ class GroupQueues:
         member: str,
         generation: int,
         held: list[tuple[int, str, QueueEntry]],
-        earlier: asyncio.Task[None] | None = None,
     ) -> None:
-        if earlier is not None:
-            # In order: waiting for the member's keep then means waiting for all of them.
-            await asyncio.wait({earlier})
         for attempt in range(KEEP_ATTEMPTS):
             try:
                 await self.store.keep_group_writes(member, generation, held)
@@ -206,8 +204,8 @@ class GroupQueues:
         # would outlive the acknowledgement, and a restarted broker would send the
         # write again under an id the client may hold for another message by then.
         keeping = self._keeping.get(member)
-        if keeping is not None:
-            await asyncio.wait({keeping})
+        if keeping:
+            await asyncio.wait(set(keeping))
         for attempt in range(KEEP_ATTEMPTS):
             try:
                 await self.store.forget_group_writes(member, [(packet_id, packed)])
@@ -221,8 +219,8 @@ class GroupQueues:
 
     async def _end_kept(self, member: str, generation: int) -> None:
         keeping = self._keeping.get(member)
-        if keeping is not None:
-            await asyncio.wait({keeping})  # (its last connection's, as the session ended)
+        if keeping:
+            await asyncio.wait(set(keeping))  # (its last connection's, as the session ended)
         try:
             await self.store.end_group_writes(member, generation)
         except Exception as error:  # the next session drops it by its generation
@@ -285,8 +283,8 @@ class GroupQueues:
         self, store_id: str, token: str, dup: dict[str, bool], everything: bool, member: str
     ) -> None:
         keeping = self._keeping.get(member)
-        if keeping is not None:
-            await asyncio.wait({keeping})  # the member's session keeps them first
+        if keeping:
+            await asyncio.wait(set(keeping))  # the member's session keeps them first
         try:
             await self.flush()  # acknowledged ones first: they must not come back
             await self.store.release(store_id, token, dup, everything=everything)
