@@ -382,7 +382,9 @@ class QueueStore:
         raw = cast(dict[bytes, bytes], await self._store.redis.hgetall(key))
         if raw.get(b"gen") != str(generation).encode():
             if raw:
-                await self._store.redis.delete(key)
+                # An ended session's goes; a later session's stays (a stale copy of
+                # this one resumed here must not delete what the later one kept).
+                await self._store.run_script(_FORGET, (key,), [generation - 1])
             return {}
         out: dict[int, tuple[str, QueueEntry, bytes]] = {}
         for field_name, packed in raw.items():

@@ -177,6 +177,8 @@ async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
     await q.end_group_writes(cid, 6)  # an older session's end leaves this one's
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
+    assert await q.group_writes(cid, 6) == {}  # an older session's copy: nothing for it ...
+    assert sorted(await q.group_writes(cid, 7)) == [4, 9]  # ... and the record stays
     assert await q.group_writes(cid, 8) == {}  # a later session: the old record goes
     assert await store.redis.exists(group_writes_key(cid)) == 0
     await q.keep_group_writes(cid, 8, [(2, g2, e3)])
