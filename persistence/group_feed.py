@@ -103,7 +103,7 @@ class GroupQueues:
         self.kept: dict[str, dict[int, bytes]] = {}
         # Their writes on the way: a give-back of the member's waits for it, so no other
         # member gets a write before the session keeps it (a kill right after).
-        self._keeping: dict[str, asyncio.Task[None]] = {}
+        self._keeping: dict[str, set[asyncio.Task[None]]] = {}
         self.expired = 0  # stores deleted after group_queues.unused_expiry without members
         self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
@@ -148,13 +148,16 @@ class GroupQueues:
             kept[packet_id] = group_write_packed(store_id, entry)
         task = asyncio.get_running_loop().create_task(self._keep(member, generation, held))
         self._tasks.add(task)
-        self._keeping[member] = task
+        self._keeping.setdefault(member, set()).add(task)
         task.add_done_callback(partial(self._kept, member))
 
     def _kept(self, member: str, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if self._keeping.get(member) is task:
-            del self._keeping[member]
+        keeping = self._keeping.get(member)
+        if keeping is not None:
+            keeping.discard(task)
+            if not keeping:
+                del self._keeping[member]
 
     def kept_again(self, member: str, records: dict[int, bytes]) -> None:
         """Records read back (a restart): forgotten in Redis once done with."""
@@ -180,7 +183,10 @@ class GroupQueues:
         self.spawn(self._end_kept(member, generation))
 
     async def _keep(
-        self, member: str, generation: int, held: list[tuple[int, str, QueueEntry]]
+        self,
+        member: str,
+        generation: int,
+        held: list[tuple[int, str, QueueEntry]],
     ) -> None:
         for attempt in range(KEEP_ATTEMPTS):
             try:
@@ -194,15 +200,27 @@ class GroupQueues:
         self.retry.gave_up()  # this process still sends them again; a restart would not
 
     async def _forget_kept(self, member: str, packet_id: int, packed: bytes) -> None:
-        try:
-            await self.store.forget_group_writes(member, [(packet_id, packed)])
-        except Exception as error:  # left: at worst sent again with DUP after a restart
-            log.info("forgetting a group write kept for %s failed: %s", member, error)
+        # After the keep: a record landing later (Redis was away as the member left)
+        # would outlive the acknowledgement, and a restarted broker would send the
+        # write again under an id the client may hold for another message by then.
+        keeping = self._keeping.get(member)
+        if keeping:
+            await asyncio.wait(set(keeping))
+        for attempt in range(KEEP_ATTEMPTS):
+            try:
+                await self.store.forget_group_writes(member, [(packet_id, packed)])
+                self.retry.succeeded()
+                return
+            except Exception as error:  # Redis away: again, as the keep was
+                log.info("forgetting a group write kept for %s failed: %s", member, error)
+                if attempt + 1 < KEEP_ATTEMPTS:
+                    await self.retry.wait()
+        self.retry.gave_up()  # left: sent again with DUP by a restarted broker
 
     async def _end_kept(self, member: str, generation: int) -> None:
         keeping = self._keeping.get(member)
-        if keeping is not None:
-            await asyncio.wait({keeping})  # (its last connection's, as the session ended)
+        if keeping:
+            await asyncio.wait(set(keeping))  # (its last connection's, as the session ended)
         try:
             await self.store.end_group_writes(member, generation)
         except Exception as error:  # the next session drops it by its generation
@@ -265,8 +283,8 @@ class GroupQueues:
         self, store_id: str, token: str, dup: dict[str, bool], everything: bool, member: str
     ) -> None:
         keeping = self._keeping.get(member)
-        if keeping is not None:
-            await asyncio.wait({keeping})  # the member's session keeps them first
+        if keeping:
+            await asyncio.wait(set(keeping))  # the member's session keeps them first
         try:
             await self.flush()  # acknowledged ones first: they must not come back
             await self.store.release(store_id, token, dup, everything=everything)

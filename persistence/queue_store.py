@@ -15,6 +15,7 @@ acknowledgement removes an entry only if no newer value replaced it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,8 +24,11 @@ from typing import NamedTuple, cast
 
 from broker.ecq import key_of
 from broker.group_queue import is_group_store
+from broker.outflow import MAX_PACKET_ID
 from persistence.format import group_writes_key, header_fields, queue_keys, record_id
 from persistence.redis_store import RedisMessageStore, is_lost, lua_script
+
+log = logging.getLogger("devicemq.persistence")
 
 _SAVE = lua_script("queue_save")
 _LOAD = lua_script("queue_load")
@@ -378,13 +382,25 @@ class QueueStore:
         raw = cast(dict[bytes, bytes], await self._store.redis.hgetall(key))
         if raw.get(b"gen") != str(generation).encode():
             if raw:
-                await self._store.redis.delete(key)
+                # An ended session's goes; a later session's stays (a stale copy of
+                # this one resumed here must not delete what the later one kept).
+                await self._store.run_script(_FORGET, (key,), [generation - 1])
             return {}
         out: dict[int, tuple[str, QueueEntry, bytes]] = {}
         for field_name, packed in raw.items():
-            if field_name != b"gen":
+            if field_name == b"gen":
+                continue
+            try:
+                packet_id = int(field_name)
                 store_id, entry = _group_write(packed)
-                out[int(field_name)] = (store_id, entry, packed)
+            except (ValueError, struct.error) as error:
+                # Not one this version wrote: said once, and the rest is read all the
+                # same (raised, the caller would read it again forever, and the
+                # session's outflow would give nothing meanwhile).
+                log.error("a group write kept for %s cannot be read: %s", client_id, error)
+                continue
+            if 0 < packet_id <= MAX_PACKET_ID:
+                out[packet_id] = (store_id, entry, packed)
         return out
 
     async def rewind(self, client_id: str, from_seq: int) -> int:

@@ -104,7 +104,9 @@ from persistence.format import (
     decode_record,
     encode_message,
     epoch_key,
+    group_writes_key,
     packet_id_of,
+    queue_keys,
     record_id,
     stored_value,
 )
@@ -1110,7 +1112,13 @@ class RedisMessageStore:
         records still in Kafka for it are dropped. Returns the messages deleted,
         or None if a newer session holds the client (nothing was deleted)."""
         args = (generation, self._default_ttl_ms)
-        deleted = int(await self._eval(_END, client_keys(client_id), args))
+        # And what it had in flight from queues (tests/model/FINDINGS.md, finding 35).
+        keys = (
+            *client_keys(client_id),
+            queue_keys(client_id).inflight,
+            group_writes_key(client_id),
+        )
+        deleted = int(await self._eval(_END, keys, args))
         return None if deleted < 0 else deleted
 
     async def delete_session(self, client_id: str) -> int:

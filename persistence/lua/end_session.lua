@@ -4,6 +4,9 @@
 -- KEYS[1] {cid}_messages   KEYS[2] {cid}_values   KEYS[3] {cid}_last_score
 -- KEYS[4] {cid}_seen   KEYS[5] {cid}_session   KEYS[6] {cid}_generation
 -- KEYS[7] {cid}_bytes
+-- KEYS[8] {cid}_ecq_inflight   KEYS[9] {cid}_ecq_group_writes: what the session
+-- had in flight from its queue and from group queues (also when it expired while
+-- no broker held it: a restarted broker ends it here, and nothing else would)
 -- ARGV[1] the generation that ended (0: whatever is stored)
 -- ARGV[2] ms to keep the tombstone
 --
@@ -22,7 +25,7 @@ local ending = tonumber(ARGV[1])
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
 if ending > 0 and current > ending then return -1 end
 local deleted = delete_messages(KEYS[1], KEYS[2])
-redis.call('DEL', KEYS[4], KEYS[5], KEYS[7])
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[7], KEYS[8], KEYS[9])
 local tombstone = math.max(current, ending) + 1
 redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])

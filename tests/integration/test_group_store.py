@@ -177,8 +177,31 @@ async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
     await q.end_group_writes(cid, 6)  # an older session's end leaves this one's
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
+    assert await q.group_writes(cid, 6) == {}  # an older session's copy: nothing for it ...
+    assert sorted(await q.group_writes(cid, 7)) == [4, 9]  # ... and the record stays
     assert await q.group_writes(cid, 8) == {}  # a later session: the old record goes
     assert await store.redis.exists(group_writes_key(cid)) == 0
     await q.keep_group_writes(cid, 8, [(2, g2, e3)])
     await q.end_group_writes(cid, 8)
     assert await q.group_writes(cid, 8) == {}
+
+
+async def test_a_group_write_record_it_cannot_read_is_passed_over(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """A field this version did not write (another version's packing, a damaged
+    value, a packet id out of range) is left out, and the rest is read: raised,
+    the session's first connection would read it again forever, its outflow
+    giving nothing meanwhile (persistence/device_persistence.py
+    ``_restore_group_writes``)."""
+    q = _queues(store)
+    g1 = f"$queue/a/{cid}/#"
+    await q.save(_batch(g1, [b"1"]))
+    ((e1, _),) = await q.claim(g1, "t1", 1, LONG)
+    await q.keep_group_writes(cid, 7, [(4, g1, e1)])
+    key = group_writes_key(cid)
+    await store.redis.hset(key, "5", b"\x00")  # too short for its own header
+    await store.redis.hset(key, "x", b"")  # not a packet id
+    await store.redis.hset(key, "70000", (await store.redis.hget(key, "4")) or b"")
+    kept = await q.group_writes(cid, 7)
+    assert {pid: (s, e) for pid, (s, e, _) in kept.items()} == {4: (g1, e1)}
