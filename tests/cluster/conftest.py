@@ -37,6 +37,22 @@ class Cluster:
     def name(self, suffix: str) -> str:
         return f"cluster-{self.tag}-{suffix}"
 
+    def balanced_owners(self, timeout: float = 60) -> dict[int, int]:
+        """Kafka partition -> the replica consuming it (0: a, 1: b), once both consume
+        some (the cluster started with ``metrics=True``)."""
+        from loadtest.replicas import partition_owners
+
+        ports = [int(str(broker.settings["metrics.port"])) for broker in (self.a, self.b)]
+        owners: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            owners.update(partition_owners(HOST, ports)[0])
+            if set(owners) == {0, 1, 2, 3} and set(owners.values()) == {0, 1}:
+                return owners
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s: partitions {owners}")
+            time.sleep(0.02)
+
 
 @contextlib.contextmanager
 def running_cluster(

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.replicas import partition_of, partition_owners
+from loadtest.replicas import partition_of
 from tests.cluster.conftest import running_cluster
 from tests.cluster.test_replicas import Client, publish, wait_until
-from tests.faults.conftest import HOST
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,14 +24,7 @@ def test_a_clean_consumer_on_the_replica_not_storing_its_queue_gets_every_write(
     tmp_path: Path,
 ) -> None:
     with running_cluster(tmp_path, metrics=True) as cluster:
-        ports = [int(str(b.settings["metrics.port"])) for b in (cluster.a, cluster.b)]
-        owners: dict[int, int] = {}
-
-        def balanced() -> bool:
-            owners.update(partition_owners(HOST, ports)[0])
-            return set(owners) == {0, 1, 2, 3} and set(owners.values()) == {0, 1}
-
-        wait_until(balanced, 60, "both replicas consuming partitions")
+        owners = cluster.balanced_owners()
         # A queue whose partition b stores, consumed on a with a clean session.
         queue = next(
             cid

@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
-from loadtest.replicas import partition_of, partition_owners
+from loadtest.replicas import partition_of
 from tests.cluster.conftest import running_cluster
-from tests.cluster.test_replicas import wait_until
 from tests.e2e.clients import Raw
-from tests.faults.conftest import HOST
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,14 +45,7 @@ def test_members_on_both_replicas_share_the_group_and_a_killed_ones_entries_move
     tmp_path: Path,
 ) -> None:
     with running_cluster(tmp_path, {"group_queues.lease": LEASE}, metrics=True) as cluster:
-        ports = [int(str(b.settings["metrics.port"])) for b in (cluster.a, cluster.b)]
-        owners: dict[int, int] = {}
-
-        def balanced() -> bool:
-            owners.update(partition_owners(HOST, ports)[0])
-            return set(owners) == {0, 1, 2, 3} and set(owners.values()) == {0, 1}
-
-        wait_until(balanced, 60, "both replicas consuming partitions")
+        owners = cluster.balanced_owners()
         topic = cluster.name("t")
         # A group whose store b keeps; its first member is on a: a hears of every
         # entry only through b's notice.

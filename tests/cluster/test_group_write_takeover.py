@@ -23,11 +23,9 @@ from pathlib import Path
 import pytest
 
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
-from loadtest.replicas import partition_of, partition_owners
+from loadtest.replicas import partition_of
 from tests.cluster.conftest import running_cluster
-from tests.cluster.test_replicas import wait_until
 from tests.e2e.clients import Raw
-from tests.faults.conftest import HOST
 from tests.kafka_fixtures import freeze
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,14 +49,7 @@ def test_a_group_writes_id_is_not_reused_after_a_takeover_by_another_replica(
     tmp_path: Path,
 ) -> None:
     with running_cluster(tmp_path, {"group_queues.lease": 30.0}, metrics=True) as cluster:
-        ports = [int(str(broker.settings["metrics.port"])) for broker in (cluster.a, cluster.b)]
-        owners: dict[int, int] = {}
-
-        def balanced() -> bool:
-            owners.update(partition_owners(HOST, ports)[0])
-            return set(owners) == {0, 1, 2, 3} and set(owners.values()) == {0, 1}
-
-        wait_until(balanced, 60, "both replicas consuming partitions")
+        owners = cluster.balanced_owners()
         # Everything stored by b, which is never frozen: the group's entries and the
         # member's own messages (keyed by its client id).
         topic = cluster.name("t")

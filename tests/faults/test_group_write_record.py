@@ -79,6 +79,14 @@ class _Setup:
         self.redis.stop()
 
 
+async def _assert_forgotten(setup: _Setup) -> None:
+    held = await setup.left_behind()
+    assert held == {}, (
+        f"the acknowledged write is still kept under packet id {sorted(held)}: a "
+        "restarted broker would send it again under that id"
+    )
+
+
 async def test_a_group_write_kept_late_is_still_forgotten_once_acknowledged(
     tmp_path: Path,
 ) -> None:
@@ -96,11 +104,7 @@ async def test_a_group_write_kept_late_is_still_forgotten_once_acknowledged(
         # Either it was tried (and failed: Redis is away) or it waits for the keep.
         await _until(lambda: forget.done() or setup.groups.retry.retries >= 3)
         setup.redis.start()
-        held = await setup.left_behind()
-        assert held == {}, (
-            f"the acknowledged write is still kept under packet id {sorted(held)}: a "
-            "restarted broker would send it again under that id"
-        )
+        await _assert_forgotten(setup)
     finally:
         await setup.close()
 
@@ -121,10 +125,6 @@ async def test_a_forget_that_fails_is_tried_again(
         setup.done_with()
         await _until(lambda: "forgetting a group write kept" in caplog.text)
         setup.redis.start()
-        held = await setup.left_behind()
-        assert held == {}, (
-            f"the acknowledged write is still kept under packet id {sorted(held)}: a "
-            "restarted broker would send it again under that id"
-        )
+        await _assert_forgotten(setup)
     finally:
         await setup.close()
