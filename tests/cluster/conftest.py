@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from app.embedded_services import find_tansu
+from broker.packets import PubAck, Publish
 from tests.conftest import free_port
+from tests.e2e.clients import Raw
 from tests.faults.conftest import HOST, START_TIMEOUT, DeviceMQ, RedisProcess
 from tests.integration.redis_servers import RedisCluster3
 from tests.kafka_fixtures import bootstrap_of, start_tansu, stop_tansu
@@ -52,6 +54,30 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout} s: partitions {owners}")
             time.sleep(0.02)
+
+
+def publish_acked(producer: Raw, topic: str, payload: bytes, packet_id: int) -> None:
+    """One QoS 1 PUBLISH, its PUBACK taken and checked."""
+    producer.send(Publish(topic, payload, 1, packet_id=packet_id))
+    ack = producer.recv()
+    assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
+
+
+def probe_until_routed(producer: Raw, member: Raw, topic: str, timeout: float = 30) -> int:
+    """Publish probes to ``topic`` on the producer's replica until ``member`` (on the
+    other replica) gets one, which it acknowledges: that replica routes to the group
+    now (the member's subscription reached it). Answers the last packet id used."""
+    n = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        n += 1
+        publish_acked(producer, topic, b"probe", n)
+        packet = member.recv_or_none(0.5)
+        if isinstance(packet, Publish):
+            assert packet.packet_id is not None
+            member.send(PubAck(packet.packet_id))
+            return n
+        assert time.monotonic() < deadline, "b never routed to the group"
 
 
 @contextlib.contextmanager

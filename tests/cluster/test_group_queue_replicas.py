@@ -10,14 +10,13 @@ other replica gets what was in flight, with DUP.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
 from loadtest.replicas import partition_of
-from tests.cluster.conftest import running_cluster
+from tests.cluster.conftest import probe_until_routed, publish_acked, running_cluster
 from tests.e2e.clients import Raw
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,12 +32,6 @@ def _member(broker: object, client_id: str, topic_filter: str) -> Raw:
     raw.send(Subscribe(1, [Subscription(topic_filter, 1)]))
     assert isinstance(raw.recv(), SubAck)
     return raw
-
-
-def _publish(producer: Raw, topic: str, payload: bytes, packet_id: int) -> None:
-    producer.send(Publish(topic, payload, 1, packet_id=packet_id))
-    ack = producer.recv()
-    assert isinstance(ack, PubAck) and ack.reason_code == 0
 
 
 def test_members_on_both_replicas_share_the_group_and_a_killed_ones_entries_move(
@@ -57,23 +50,13 @@ def test_members_on_both_replicas_share_the_group_and_a_killed_ones_entries_move
         x = _member(cluster.a, cluster.name("x"), group)
         producer = Raw(cluster.b)
         producer.connect(cluster.name("producer"))
-        n = 0
-        deadline = time.monotonic() + 30
-        while True:  # until b routes to the group (a's subscription reached it)
-            n += 1
-            _publish(producer, topic, b"probe", n)
-            packet = x.recv_or_none(0.5)
-            if isinstance(packet, Publish):
-                assert packet.packet_id is not None
-                x.send(PubAck(packet.packet_id))
-                break
-            assert time.monotonic() < deadline, "b never routed to the group"
+        probe_until_routed(producer, x, topic)  # a's subscription reached b
         while (packet := x.recv_or_none(0.5)) is not None:  # probes still coming
             if isinstance(packet, Publish) and packet.packet_id is not None:
                 x.send(PubAck(packet.packet_id))
 
         for i in range(3):
-            _publish(producer, topic, b"m%d" % i, 100 + i)
+            publish_acked(producer, topic, b"m%d" % i, 100 + i)
         held = [x.recv() for _ in range(3)]  # in flight to x, on a, not acknowledged
         assert sorted(p.payload for p in held if isinstance(p, Publish)) == [b"m0", b"m1", b"m2"]
 
@@ -88,7 +71,7 @@ def test_members_on_both_replicas_share_the_group_and_a_killed_ones_entries_move
             y.send(PubAck(packet.packet_id))
         assert sorted(p.payload for p in got) == [b"m0", b"m1", b"m2"]
         assert all(p.dup for p in got)
-        _publish(producer, topic, b"after", 200)
+        publish_acked(producer, topic, b"after", 200)
         after = y.recv()
         assert isinstance(after, Publish) and after.payload == b"after" and not after.dup
         for raw in (x, y, producer):

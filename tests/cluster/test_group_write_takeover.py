@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
 from loadtest.replicas import partition_of
-from tests.cluster.conftest import running_cluster
+from tests.cluster.conftest import probe_until_routed, publish_acked, running_cluster
 from tests.e2e.clients import Raw
 from tests.kafka_fixtures import freeze
 
@@ -32,12 +31,6 @@ pytestmark = pytest.mark.timeout(180)
 
 EXPIRY = Properties(session_expiry_interval=600)
 BEFORE = 2  # group writes taken and acknowledged first: the held one's id is not 1
-
-
-def _publish(producer: Raw, topic: str, payload: bytes, packet_id: int) -> None:
-    producer.send(Publish(topic, payload, 1, packet_id=packet_id))
-    ack = producer.recv()
-    assert isinstance(ack, PubAck) and ack.reason_code == 0, ack
 
 
 @pytest.mark.xfail(
@@ -73,28 +66,18 @@ def test_a_group_writes_id_is_not_reused_after_a_takeover_by_another_replica(
 
         producer = Raw(cluster.b)
         producer.connect(cluster.name("producer"))
-        n = 0
-        deadline = time.monotonic() + 30
-        while True:  # until b routes to the group (a's subscription reached it)
-            n += 1
-            _publish(producer, topic, b"probe", n)
-            packet = member.recv_or_none(0.5)
-            if isinstance(packet, Publish):
-                assert packet.packet_id is not None
-                member.send(PubAck(packet.packet_id))
-                break
-            assert time.monotonic() < deadline, "b never routed to the group"
+        n = probe_until_routed(producer, member, topic)  # a's subscription reached b
         while (packet := member.recv_or_none(0.5)) is not None:  # probes still coming
             assert isinstance(packet, Publish) and packet.packet_id is not None
             member.send(PubAck(packet.packet_id))
         for i in range(BEFORE):
             n += 1
-            _publish(producer, topic, b"before:%d" % i, n)
+            publish_acked(producer, topic, b"before:%d" % i, n)
             taken = member.recv(timeout=10)
             assert isinstance(taken, Publish) and taken.packet_id is not None, taken
             member.send(PubAck(taken.packet_id))
         n += 1
-        _publish(producer, topic, b"write", n)
+        publish_acked(producer, topic, b"write", n)
         write = member.recv(timeout=10)
         assert isinstance(write, Publish) and write.payload == b"write", write
         held = write.packet_id
@@ -112,7 +95,7 @@ def test_a_group_writes_id_is_not_reused_after_a_takeover_by_another_replica(
             count = held + 1
             for i in range(count):
                 n += 1
-                _publish(producer, direct_topic, b"direct:%d" % i, n)
+                publish_acked(producer, direct_topic, b"direct:%d" % i, n)
             direct: list[bytes] = []
             resent = False
             while len(direct) < count:
