@@ -132,6 +132,7 @@ def _client(
     ``connect`` (:func:`connect_options`); ``max_connections``: a pool that waits
     for a free connection past it instead of failing."""
     options: dict[str, Any] = {"decode_responses": False, **connect, **extra}
+    options.update(_no_maintenance_notifications())
     if found_by is None:
         if max_connections is None:
             return Redis.from_url(url, **options)
@@ -153,6 +154,21 @@ def _client(
             **options,
         ),
     )
+
+
+def _no_maintenance_notifications() -> dict[str, Any]:
+    """redis-py's maintenance notifications off (Redis Enterprise's, RESP3 only).
+
+    While they are "auto" (their default), redis-py's pool hands out a connection
+    the server has closed without replacing it (its check is skipped), so
+    after a Redis restart every pooled connection failed its next command: the
+    background writes retried, /ready flapped (tests/faults/test_redis_restart.py).
+    """
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # an older redis-py: no notifications, the check is made
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
 
 def _of_master(url: str, options: dict[str, Any], found_by: Sentinels) -> dict[str, Any]:
