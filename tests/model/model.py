@@ -14,6 +14,9 @@ begins a new one), subscriptions, messages and every receipt, and checks:
     while it was pending, at least ``limit - max_inflight`` messages that are
     not certainly older were pending for that session too); its session
     ended. A shared subscription's copy is owed to one member of the group.
+    With replicas only, after a Kafka restart that left Tansu listing the topic
+    at fewer partitions than ``persistence.partitions``: its records lie past
+    them (a known limit, tests/model/FINDINGS.md findings 28 and 38).
 ``order``
     per publisher, first receipts (per session, non-shared subscriptions) of
     acknowledged messages come in publish order.
@@ -89,6 +92,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka.partitioner import murmur2
+
 from tests.model.groups import GroupModel
 from tests.model.queues import QueueModel
 
@@ -142,6 +147,13 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.kind}] {self.text}"
+
+
+def kafka_partition(client_id: str, partitions: int) -> int:
+    """The partition of a record keyed ``client_id`` in a topic of ``partitions``
+    (aiokafka's default partitioner, which persistence/kafka_path.py uses)."""
+    hashed: int = murmur2(client_id.encode())
+    return (hashed & 0x7FFFFFFF) % partitions
 
 
 @dataclass(eq=False)
@@ -329,6 +341,9 @@ class Model:
         # The embedded Kafka wrote over offsets it had handed out (AlreadyExists in its
         # log) after a restart: docs/guarantees.md "What is guaranteed" (set by the runner).
         self.kafka_reused_offsets = False
+        # Replicas only: (partitions Tansu lists the topic with, persistence.partitions)
+        # when they differ after a Kafka restart (set by the runner): finding 28.
+        self.kafka_topic_size: tuple[int, int] | None = None
         self._redis_pause_start: float | None = None
         self.stats = Stats()
         self._dup_margin = DUP_MARGIN[config.cluster]
@@ -969,7 +984,28 @@ class Model:
             return "kafka reused offsets"
         if any(i.application for i in ob.incs) and self.kafka_lost_since(msg.acked_at or now):
             return "application topic lost"
+        if self._in_a_partition_kafka_no_longer_lists(ob, now):
+            return "kafka topic at another size (replicas)"
         return None
+
+    def _in_a_partition_kafka_no_longer_lists(self, ob: Ob, now: float) -> bool:
+        """Replicas on a Kafka that forgets topics (Tansu, memory storage) keep
+        sending to the partitions they knew, which a topic made again at Tansu's
+        size no longer has, and no consumer reads: a known limit
+        (docs/guarantees.md, tests/model/FINDINGS.md findings 28 and 38). Excused
+        only for a message acknowledged after a Kafka restart whose every possible
+        record (keyed by the member's client id, persistence/kafka_path.py) lies in
+        such a partition."""
+        size = self.kafka_topic_size
+        if size is None or not self.config.cluster:
+            return False
+        listed, configured = size
+        if not any(
+            kind == "restart_kafka" and at <= (ob.msg.acked_at or now)
+            for at, kind in self.fault_log
+        ):
+            return False
+        return all(kafka_partition(inc.cid, configured) >= listed for inc in ob.incs)
 
     def kafka_lost_since(self, at: float) -> bool:
         """Did Kafka restart empty (Tansu, memory storage) at or after ``at``? An

@@ -587,6 +587,7 @@ class Runner:
             time.sleep(0.2)
         time.sleep(0.3)  # late repeats still get checked
         self.model.kafka_reused_offsets = self.system.tansu.reused_offsets()
+        self.model.kafka_topic_size = self._kafka_topic_size()
         self.model.check_losses(start)
         queues.check()
         groups.check()
@@ -611,6 +612,25 @@ class Runner:
             return True
         with self.model.lock:
             return bool(self.model._trim_excused(obs))
+
+    def _kafka_topic_size(self) -> tuple[int, int] | None:
+        """(listed, configured) while Tansu lists the topic with fewer partitions than
+        the replicas were set to use, after a Kafka restart: what the model excuses
+        as finding 28 (Model._in_a_partition_kafka_no_longer_lists)."""
+        known = self.model.kafka_topic_size
+        if self.plan.replicas < 2 or not any(
+            kind == "restart_kafka" for _, kind in self.model.fault_log
+        ):
+            return known
+        configured = int(str(self.plan.settings.get("persistence.partitions", 12)))
+        try:
+            listed = self.system.listed_partitions()
+        except Exception as error:  # Kafka paused or away: what was seen last holds
+            self.result.notes.append(f"asking kafka for the topic's size failed: {error!r}")
+            return known
+        if listed is not None and listed < configured:
+            return listed, configured
+        return None
 
     def _pubrels_missing(self, start: float, strict: bool) -> bool:
         """QoS 2 ids held from before the drain's reconnect and not released again."""
