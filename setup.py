@@ -11,6 +11,11 @@ compiled with mypyc (``MODULES`` in broker/compiled.py) to a wheel when it can.
 - ``1``: compile, or fail the build (CI and the Dockerfile: a build that
   should be compiled and is not is noticed).
 
+``DEVICEMQ_COMPILE_OPT_LEVEL`` (``0`` to ``3``, default ``3``): the C compiler's
+optimisation of the compiled modules. The same code either way; CI builds at
+``0``, which compiles in a fraction of the time, to test what compiling does to
+the code, not how fast it runs (the benchmarks build at ``3``).
+
 An editable install (``pip install -e .``) never compiles: a ``.so`` beside
 its ``.py`` would hide every later edit of the source. Only the commands that
 build a wheel or an install compile (mypyc type-checks the tree first, which
@@ -32,6 +37,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 VARIABLE = "DEVICEMQ_COMPILE"
+OPT_VARIABLE = "DEVICEMQ_COMPILE_OPT_LEVEL"
 COMPILING_COMMANDS = {"bdist_wheel", "build", "build_ext", "install", "bdist"}
 EDITABLE_COMMANDS = {"editable_wheel", "develop"}
 # Where mypyc writes its C (git ignores build/); build/mypyc is loadtest.ab.compiled's.
@@ -52,6 +58,13 @@ def hot_modules() -> list[str]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return list(module.MODULES)
+
+
+def opt_level() -> str:
+    value = os.environ.get(OPT_VARIABLE, "3").strip() or "3"
+    if value not in {"0", "1", "2", "3"}:
+        raise SystemExit(f"{OPT_VARIABLE}={value!r}: use 0, 1, 2 or 3 (the default)")
+    return value
 
 
 def mode() -> str:
@@ -101,9 +114,10 @@ def ext_modules() -> list[Any]:
     from mypyc.build import mypycify
 
     modules = hot_modules()
-    say(f"compiling {len(modules)} hot modules with mypyc (a minute or more)")
+    level = opt_level()
+    say(f"compiling {len(modules)} hot modules with mypyc at -O{level} (a minute or more)")
     try:
-        return list(mypycify(modules, target_dir=C_DIR, group_name=GROUP))
+        return list(mypycify(modules, target_dir=C_DIR, group_name=GROUP, opt_level=level))
     except (SystemExit, Exception) as e:
         if wanted == "1":
             raise

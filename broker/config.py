@@ -74,6 +74,7 @@ OTHER_ENV = {
     "DEVICEMQ_PASSWORD": "docker-compose.yml: that user's password",
     "DEVICEMQ_SHUFFLE_PARTITIONS": "the pipeline's Spark shuffle partitions (pipeline/common.py)",
     "DEVICEMQ_COMPILE": "build time: compile the hot modules with mypyc or not (setup.py)",
+    "DEVICEMQ_COMPILE_OPT_LEVEL": "build time: the C optimisation of that compile (setup.py)",
 }
 # The test suite's and CI's own variables (tests/, .ci/run).
 OTHER_ENV_PREFIXES = ("DEVICEMQ_TEST_", "DEVICEMQ_CI_", "DEVICEMQ_FUZZ_")

@@ -127,6 +127,21 @@ def test_a_value_it_does_not_know_stops_the_build(
     assert "DEVICEMQ_COMPILE='yes': use auto, 0 (pure Python) or 1" in built.stdout + built.stderr
 
 
+def test_an_optimisation_level_it_does_not_know_stops_the_build(
+    setuptools_path: Path, source: Path, tmp_path: Path
+) -> None:
+    built = _pip_wheel(
+        setuptools_path,
+        source,
+        tmp_path / "out",
+        DEVICEMQ_COMPILE="1",
+        DEVICEMQ_COMPILE_OPT_LEVEL="fast",
+    )
+    assert built.returncode != 0
+    assert "DEVICEMQ_COMPILE_OPT_LEVEL='fast': use 0, 1, 2 or 3" in built.stdout + built.stderr
+    assert not list((tmp_path / "out").glob("*.whl"))
+
+
 def test_an_editable_install_never_compiles(
     setuptools_path: Path, source: Path, tmp_path: Path
 ) -> None:
