@@ -32,6 +32,9 @@ sending node, ``c`` the client id, ``e`` subscription entries as
   re-reads the whole list from Redis now and then, pub/sub being at most once);
 - ``kick``: an operator disconnects ``c`` (``x``: and ends its session) on the
   replica ``t`` holding it.
+- ``kept``: ``n`` was holding ``c``'s durable session when the ``conn`` of time
+  ``t`` took it over, and the group writes it had in flight are kept in Redis:
+  the new owner reads them back now (:meth:`ClusterState.await_kept`).
 
 Every message a replica publishes on ``subscriptions``, ``stored`` and
 ``retained`` carries ``b``, a token of the sending process, and ``q``, its
@@ -84,6 +87,7 @@ if TYPE_CHECKING:
     from broker.acl import Authorizer
     from broker.config import Settings
     from broker.connection_state import WillMessage
+    from broker.persistent_path import PersistentPath
     from broker.topics import SubscriptionTree
 
 log = logging.getLogger("devicemq.cluster")
@@ -95,6 +99,7 @@ DELIVER = "deliver:"  # + node id
 SNAPSHOT_CHUNK = 500  # sessions per ``snaps`` message
 RESYNC_WINDOW = 2.0  # seconds the snapshots of a re-sync have to confirm remote records
 TICK_INTERVAL = 0.5  # seconds between a replica's ``tick`` (its last sequence number)
+KEPT_REMEMBERED = 60.0  # seconds a ``kept`` notice no one waited for yet is remembered
 
 Forward = Callable[[str, str, Delivery], None]
 
@@ -112,6 +117,8 @@ class ClusterHost(Protocol):
     def stats(self) -> BrokerStats: ...
     @property
     def acl(self) -> Authorizer: ...
+    @property
+    def persistent_path(self) -> PersistentPath: ...
     def add_block(self, entry: BlockEntry, *, share: bool = True) -> int: ...
     def remove_block(self, key: str, *, share: bool = True) -> BlockEntry | None: ...
     def kick(self, client_id: str, *, end_session: bool = False) -> bool: ...
@@ -200,6 +207,10 @@ class ClusterState:
         self._stored: set[str] = set()
         self._deliveries: dict[str, list[tuple[str, Delivery]]] = {}
         self._handing: dict[Session, dict[str, Any]] = {}  # taken over by another node
+        # (client id, the new connection's ``t``) -> what waits for the old replica's
+        # ``kept`` (:meth:`await_kept`); and ``kept`` notices heard before a wait began.
+        self._kept_waiting: dict[tuple[str, Any], Callable[[], None]] = {}
+        self._kept_early: dict[tuple[str, Any], float] = {}
         self.forwarded = 0
         self.received = 0
         self._retained: list[str] = []
@@ -300,7 +311,46 @@ class ClusterState:
             if delay <= 0 or change["k"]:  # resumed elsewhere: a delayed will is cancelled
                 broker.publish_will(will)
         self._install(change)
+        if session.durable:
+            # The new owner reads back the group writes this one keeps as the
+            # connection leaves (Outflow.left): told once they are in Redis.
+            client_id, since = session.client_id, change.get("t")
+            self.broker.persistent_path.after_keeps(
+                client_id, lambda: self._send(op="kept", c=client_id, t=since)
+            )
         return True
+
+    def await_kept(
+        self, client_id: str, since: object, then: Callable[[], None]
+    ) -> Callable[[], None]:
+        """``then()`` once the replica that held ``client_id``'s connection says the
+        group writes it left with are kept: its answer to the ``conn`` of the
+        connection opened here at ``since`` (tests/model/FINDINGS.md, finding 37).
+        Answers a call that forgets the wait (given up: pub/sub is at most once, and
+        that replica may be dead)."""
+        key = (client_id, since)
+        if self._kept_early.pop(key, None) is not None:
+            then()
+            return _nothing
+        self._kept_waiting[key] = then
+        return lambda: self._forget_kept_wait(key, then)
+
+    def _forget_kept_wait(self, key: tuple[str, Any], then: Callable[[], None]) -> None:
+        if self._kept_waiting.get(key) is then:
+            del self._kept_waiting[key]
+
+    def _kept(self, change: dict[str, Any]) -> None:
+        key = (change["c"], change.get("t"))
+        then = self._kept_waiting.pop(key, None)
+        if then is not None:
+            then()
+            return
+        # Before the wait began, or another replica's business: remembered a while.
+        now = time.monotonic()
+        early = self._kept_early
+        early[key] = now
+        for old in [k for k, at in early.items() if now - at > KEPT_REMEMBERED]:
+            del early[old]
 
     def blocked(self, entry: BlockEntry) -> None:
         self._send(op="block", v=entry.to_json())
@@ -506,6 +556,8 @@ class ClusterState:
                 self.broker.add_block(entry, share=False)
         elif op == "unblock":
             self.broker.remove_block(change["k"], share=False)
+        elif op == "kept":
+            self._kept(change)
         elif op == "kick":
             local = self.broker.sessions.get(change["c"])
             if change["t"] == self.node_id and not isinstance(local, RemoteSession):

@@ -228,6 +228,8 @@ class Broker:
         # Client ids whose durable session the persistent path is opening: the
         # CONNECTs that came meanwhile, to open once it is done.
         self._opening: dict[str, list[Callable[[], None]]] = {}
+        # Client ids being opened here while another replica holds their connection.
+        self._taken_from: dict[str, str] = {}
         self._opening_since: dict[str, float] = {}  # when each began (a slow one is logged)
         self.owner_policy = owner_policy(settings)
         # Who holds each client ID (auth.client_id_owner) and $ECQ queue: shared by the
@@ -416,6 +418,10 @@ class Broker:
             then(None, False, "not_owner")
             return
         remote = self.cluster.to_reopen(client_id, clean_start) if self.cluster else None
+        if isinstance(remote, RemoteSession) and remote.online and remote.durable:
+            self._taken_from[client_id] = remote.node  # restore_group_writes waits for it
+        else:
+            self._taken_from.pop(client_id, None)
         existing = self.sessions.get(client_id) if remote is None else None
         if existing is not None and existing.connection is not None:
             from broker.packets import ReasonCode
@@ -643,8 +649,9 @@ class Broker:
         restart, or taken over from another replica): the group writes it left with
         in flight are read back (this process knows nothing of them) and sent again
         under their packet ids, before any other identifier is given."""
+        taken_from = self._taken_from.pop(session.client_id, None)
         if not session.outflow.resumed_here:
-            self.persistent_path.restore_group_writes(session)
+            self.persistent_path.restore_group_writes(session, taken_from)
 
     def restore_session(
         self,

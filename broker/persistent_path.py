@@ -139,10 +139,16 @@ class PersistentPath(Protocol):
         """``session``'s share of the group queue ``topic_filter`` names (a side feed
         of its outflow); None: no group queues here."""
 
-    def restore_group_writes(self, session: Session) -> None:
+    def restore_group_writes(self, session: Session, taken_from: str | None = None) -> None:
         """The first connection of a persistent session in this process: the group
         writes it left with in flight before (a restart, another replica) go back in
-        flight under their packet ids before any other identifier is given."""
+        flight under their packet ids before any other identifier is given.
+        ``taken_from``: the replica whose connection this one took over; what it
+        keeps as that connection leaves is waited for (``ClusterState.await_kept``)."""
+
+    def after_keeps(self, client_id: str, then: Callable[[], None]) -> None:
+        """``then()`` once the group writes ``client_id``'s session left with here (a
+        takeover by another replica) are kept with it; at once when there are none."""
 
 
 def _ignore(ok: bool) -> None:
@@ -201,5 +207,8 @@ class InMemoryPersistentPath:
     def group_feed(self, session: Session, topic_filter: str) -> SideFeed | None:
         return None
 
-    def restore_group_writes(self, session: Session) -> None:
+    def restore_group_writes(self, session: Session, taken_from: str | None = None) -> None:
         pass
+
+    def after_keeps(self, client_id: str, then: Callable[[], None]) -> None:
+        then()

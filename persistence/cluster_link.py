@@ -4,7 +4,7 @@ of :class:`broker.cluster.ClusterState`.
 Channels, all under ``cluster.channel_prefix``:
 
 - ``<prefix>:subscriptions``: control messages (connect/takeover, subscribe,
-  unsubscribe, offline, end, sync), orjson, broadcast to every replica;
+  unsubscribe, offline, end, sync, kept), orjson, broadcast to every replica;
 - ``<prefix>:stored``: client ids whose messages a replica just stored in
   Redis for a client connected elsewhere: its replica re-reads the store;
 - ``<prefix>:deliver:<node>``: deliveries forwarded to clients connected on

@@ -73,9 +73,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devicemq.persistence")
 
+
+def _nothing() -> None:
+    """No wait to forget."""
+
+
 FULL_LOOK = 1.0  # seconds a look at whether an $ECQ queue is full holds
 FULL_VIEW_MOST = 10_000  # queues whose look at being full is remembered
 DRAIN_TIMEOUT = 30.0  # seconds the consumer gets to store what was acknowledged
+# Seconds a session taken over from another replica waits for it to say it kept the
+# group writes it had in flight (ClusterState.await_kept), before reading anyway.
+KEPT_WAIT = 5.0
 
 
 class PersistenceUnavailable(Exception):
@@ -440,16 +448,55 @@ class DevicePersistence:
             generation=session.generation if session.durable else None,
         )
 
-    def restore_group_writes(self, session: Session) -> None:
+    def restore_group_writes(self, session: Session, taken_from: str | None = None) -> None:
         if self.groups is None or not session.durable:
             return
         session.outflow.restoring_groups = True  # no identifier is given meanwhile
-        self._spawn(self._restore_group_writes(session))
+        kept: asyncio.Event | None = None
+        forget: Callable[[], None] = _nothing
+        cluster = self.feeds.elsewhere
+        if taken_from is not None and cluster is not None:
+            # Asked now, before anything can answer: the notice may come at once.
+            kept = asyncio.Event()
+            forget = cluster.await_kept(session.client_id, session.connected_at, kept.set)
+        self._spawn(self._restore_group_writes(session, taken_from, kept, forget))
 
-    async def _restore_group_writes(self, session: Session) -> None:
+    def after_keeps(self, client_id: str, then: Callable[[], None]) -> None:
+        if self.groups is None:
+            then()
+            return
+        self._spawn(self._after_keeps(self.groups, client_id, then))
+
+    async def _after_keeps(
+        self, groups: GroupQueues, client_id: str, then: Callable[[], None]
+    ) -> None:
+        await groups.keeps_landed(client_id)
+        then()
+
+    async def _restore_group_writes(
+        self,
+        session: Session,
+        taken_from: str | None,
+        kept: asyncio.Event | None,
+        forget: Callable[[], None],
+    ) -> None:
         groups, outflow, member = self.groups, session.outflow, session.client_id
         assert groups is not None
         try:
+            if kept is not None:
+                # The replica whose connection this took over keeps what it had in
+                # flight as that connection leaves: read before it lands, an id the
+                # client holds would be given again (finding 37).
+                try:
+                    await asyncio.wait_for(kept.wait(), KEPT_WAIT)
+                except TimeoutError:
+                    log.warning(
+                        "replica %s did not say within %g s that it kept the group writes "
+                        "in flight to %s: reading what Redis holds",
+                        taken_from, KEPT_WAIT, member,
+                    )  # fmt: skip
+                finally:
+                    forget()
             while True:
                 try:
                     held = await groups.store.group_writes(member, session.generation)

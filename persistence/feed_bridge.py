@@ -39,6 +39,9 @@ class Elsewhere(Protocol):
     broker's cluster state (broker/cluster.py), when it has one."""
 
     def stored_elsewhere(self, client_id: str, queue: bool = False) -> None: ...
+    def await_kept(
+        self, client_id: str, since: object, then: Callable[[], None]
+    ) -> Callable[[], None]: ...
 
 
 class FeedBridge:

@@ -159,6 +159,12 @@ class GroupQueues:
             if not keeping:
                 del self._keeping[member]
 
+    async def keeps_landed(self, member: str) -> None:
+        """Every keep of ``member``'s group writes begun so far has landed (or given up)."""
+        keeping = self._keeping.get(member)
+        if keeping:
+            await asyncio.wait(set(keeping))
+
     def kept_again(self, member: str, records: dict[int, bytes]) -> None:
         """Records read back (a restart): forgotten in Redis once done with."""
         if records:

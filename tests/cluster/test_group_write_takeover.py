@@ -6,11 +6,13 @@ connection to "another replica" gets the write again under its packet id.
 
 ``a`` keeps the write with the session only as its connection closes
 (``Outflow.left``), that is once it hears of the takeover over pub/sub, while
-``b`` reads the kept writes back right after its CONNACK: whichever comes
-first decides. Here ``a`` is frozen (SIGSTOP) across the takeover, so ``b``
-reads first, deterministically: ``b`` knows nothing of the write and gives
-its packet id to another message while the client may hold it (MQTT-2.2.1-3),
-and ``a``'s record, landing later, is stale.
+``b`` reads the kept writes back right after its CONNACK. Read first, ``b``
+knew nothing of the write and gave its packet id to another message while
+the client may hold it (MQTT-2.2.1-3), and ``a``'s record landed later,
+stale (finding 37). Now ``b`` waits for ``a`` to say its keep landed
+(``ClusterState.await_kept``). Here ``a`` is frozen (SIGSTOP) across the
+takeover, so without that wait ``b`` reads first, deterministically; ``a``
+is let go once ``b`` has shown it waits (nothing comes for a second).
 """
 
 from __future__ import annotations
@@ -33,11 +35,6 @@ EXPIRY = Properties(session_expiry_interval=600)
 BEFORE = 2  # group writes taken and acknowledged first: the held one's id is not 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review35: a takeover across replicas reads the kept group writes before "
-    "the old replica keeps them (docs/queues.md promises the re-send)",
-)
 def test_a_group_writes_id_is_not_reused_after_a_takeover_by_another_replica(
     tmp_path: Path,
 ) -> None:
@@ -96,24 +93,26 @@ def test_a_group_writes_id_is_not_reused_after_a_takeover_by_another_replica(
             for i in range(count):
                 n += 1
                 publish_acked(producer, direct_topic, b"direct:%d" % i, n)
-            direct: list[bytes] = []
-            resent = False
-            while len(direct) < count:
-                packet = again.recv(timeout=15)
-                assert isinstance(packet, Publish) and packet.packet_id is not None, packet
-                if not resent:
-                    # The client holds `held` unacknowledged: nothing else may come
-                    # under it (MQTT-2.2.1-3); the write itself comes again under it.
-                    assert packet.packet_id != held or packet.payload == b"write", (
-                        f"packet id {held}, held unacknowledged for the group write, was "
-                        f"given to {packet.payload!r} by the replica that took over"
-                    )
-                if packet.payload == b"write":
-                    assert packet.packet_id == held and packet.dup, packet
-                    resent = True
-                else:
-                    direct.append(packet.payload)
-                again.send(PubAck(packet.packet_id))
-            assert resent, "the group write held under its packet id never came again"
+            # b waits for a to say it kept the write (finding 37): nothing comes yet.
+            assert again.recv_or_none(1.0) is None
         finally:
             os.kill(cluster.a.proc.pid, signal.SIGCONT)
+        direct: list[bytes] = []
+        resent = False
+        while len(direct) < count:
+            packet = again.recv(timeout=15)
+            assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+            if not resent:
+                # The client holds `held` unacknowledged: nothing else may come
+                # under it (MQTT-2.2.1-3); the write itself comes again under it.
+                assert packet.packet_id != held or packet.payload == b"write", (
+                    f"packet id {held}, held unacknowledged for the group write, was "
+                    f"given to {packet.payload!r} by the replica that took over"
+                )
+            if packet.payload == b"write":
+                assert packet.packet_id == held and packet.dup, packet
+                resent = True
+            else:
+                direct.append(packet.payload)
+            again.send(PubAck(packet.packet_id))
+        assert resent, "the group write held under its packet id never came again"
