@@ -17,7 +17,8 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 - ``conn``: ``c`` connected on ``n`` (``d`` durable, ``k`` clean start, ``s``
   its subscriptions, ``g`` its session generation, ``o`` its owner, ``ap``
   an APPLICATION session (docs/application-sessions.md); ``a``,
-  ``p``, ``t`` its address, protocol level and connect time, for operators): whoever
+  ``p``, ``t`` its address, protocol level and connect time, for operators, ``t``
+  also naming the connection in ``kept``): whoever
   holds a connection for ``c`` disconnects it with 0x8E and everyone records
   ``c`` as remote on ``n``;
 - ``sub`` / ``unsub``: one subscription added / removed by ``c``'s owner
@@ -33,8 +34,8 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 - ``kick``: an operator disconnects ``c`` (``x``: and ends its session) on the
   replica ``t`` holding it.
 - ``kept``: ``n`` was holding ``c``'s durable session when the ``conn`` of time
-  ``t`` took it over, and the group writes it had in flight are kept in Redis:
-  the new owner reads them back now (:meth:`ClusterState.await_kept`).
+  ``t`` from replica ``to`` took it over, and the group writes it had in flight
+  are kept in Redis: ``to`` reads them back now (:meth:`ClusterState.await_kept`).
 
 Every message a replica publishes on ``subscriptions``, ``stored`` and
 ``retained`` carries ``b``, a token of the sending process, and ``q``, its
@@ -102,6 +103,18 @@ TICK_INTERVAL = 0.5  # seconds between a replica's ``tick`` (its last sequence n
 KEPT_REMEMBERED = 60.0  # seconds a ``kept`` notice no one waited for yet is remembered
 
 Forward = Callable[[str, str, Delivery], None]
+
+
+class _KeptWait:
+    """A wait for a ``kept`` notice from ``node`` (:meth:`ClusterState.await_kept`), and
+    the notices of this replica's own that must follow it."""
+
+    __slots__ = ("followers", "node", "then")
+
+    def __init__(self, node: str, then: Callable[[], None]) -> None:
+        self.node = node
+        self.then = then
+        self.followers: list[Callable[[], None]] = []
 
 
 class ClusterHost(Protocol):
@@ -209,7 +222,7 @@ class ClusterState:
         self._handing: dict[Session, dict[str, Any]] = {}  # taken over by another node
         # (client id, the new connection's ``t``) -> what waits for the old replica's
         # ``kept`` (:meth:`await_kept`); and ``kept`` notices heard before a wait began.
-        self._kept_waiting: dict[tuple[str, Any], Callable[[], None]] = {}
+        self._kept_waiting: dict[tuple[str, Any], _KeptWait] = {}
         self._kept_early: dict[tuple[str, Any], float] = {}
         self.forwarded = 0
         self.received = 0
@@ -312,45 +325,71 @@ class ClusterState:
                 broker.publish_will(will)
         self._install(change)
         if session.durable:
-            # The new owner reads back the group writes this one keeps as the
-            # connection leaves (Outflow.left): told once they are in Redis.
-            client_id, since = session.client_id, change.get("t")
-            self.broker.persistent_path.after_keeps(
-                client_id, lambda: self._send(op="kept", c=client_id, t=since)
-            )
+            self._announce_kept(session, change)
         return True
 
+    def _announce_kept(self, session: Session, change: dict[str, Any]) -> None:
+        """The ``conn`` of ``change`` took over ``session``, durable, from here: its new
+        owner reads back the group writes this replica keeps as the connection leaves
+        (Outflow.left), told with ``kept`` once they are in Redis. A session still
+        waiting for its own previous owner's notice passes this one on only after
+        it (what that owner keeps is the new owner's to read too)."""
+        client_id, since, to = session.client_id, change.get("t"), change["n"]
+
+        def announce() -> None:
+            self.broker.persistent_path.after_keeps(
+                client_id, lambda: self._send(op="kept", c=client_id, t=since, to=to)
+            )
+
+        waiting = self._kept_waiting.get((client_id, session.connected_at))
+        if waiting is None:
+            announce()
+        else:
+            waiting.followers.append(announce)
+
     def await_kept(
-        self, client_id: str, since: object, then: Callable[[], None]
+        self, client_id: str, since: object, node: str, then: Callable[[], None]
     ) -> Callable[[], None]:
-        """``then()`` once the replica that held ``client_id``'s connection says the
-        group writes it left with are kept: its answer to the ``conn`` of the
+        """``then()`` once replica ``node``, which held ``client_id``'s connection, says
+        the group writes it left with are kept: its answer to the ``conn`` of the
         connection opened here at ``since`` (tests/model/FINDINGS.md, finding 37).
         Answers a call that forgets the wait (given up: pub/sub is at most once, and
-        that replica may be dead)."""
+        that replica may be dead); :meth:`node_gone` ends the waits on ``node``."""
         key = (client_id, since)
         if self._kept_early.pop(key, None) is not None:
             then()
             return _nothing
-        self._kept_waiting[key] = then
-        return lambda: self._forget_kept_wait(key, then)
+        wait = _KeptWait(node, then)
+        self._kept_waiting[key] = wait
+        return lambda: self._end_kept_wait(key, wait)
 
-    def _forget_kept_wait(self, key: tuple[str, Any], then: Callable[[], None]) -> None:
-        if self._kept_waiting.get(key) is then:
-            del self._kept_waiting[key]
+    def _end_kept_wait(self, key: tuple[str, Any], wait: _KeptWait) -> None:
+        """The wait is over: heard, given up, or its replica gone."""
+        if self._kept_waiting.get(key) is not wait:
+            return
+        del self._kept_waiting[key]
+        wait.then()
+        for follower in wait.followers:
+            follower()
 
     def _kept(self, change: dict[str, Any]) -> None:
+        if change.get("to", self.node_id) != self.node_id:
+            return  # another replica's takeover
         key = (change["c"], change.get("t"))
-        then = self._kept_waiting.pop(key, None)
-        if then is not None:
-            then()
+        wait = self._kept_waiting.get(key)
+        if wait is not None:
+            self._end_kept_wait(key, wait)
             return
-        # Before the wait began, or another replica's business: remembered a while.
+        # Before the wait began: remembered a while (oldest first, dropped first).
         now = time.monotonic()
         early = self._kept_early
+        early.pop(key, None)
         early[key] = now
-        for old in [k for k, at in early.items() if now - at > KEPT_REMEMBERED]:
-            del early[old]
+        while early:
+            oldest, at = next(iter(early.items()))
+            if now - at <= KEPT_REMEMBERED:
+                break
+            del early[oldest]
 
     def blocked(self, entry: BlockEntry) -> None:
         self._send(op="block", v=entry.to_json())
@@ -395,6 +434,9 @@ class ClusterState:
         for record in list(self.broker.sessions.values()):
             if isinstance(record, RemoteSession) and record.node == node:
                 self._lost(record)
+        for key, wait in list(self._kept_waiting.items()):
+            if wait.node == node:
+                self._end_kept_wait(key, wait)  # it will not answer
 
     def remote_nodes(self) -> set[str]:
         """The replicas this one holds live records of (their heartbeats are checked)."""
@@ -617,9 +659,14 @@ class ClusterState:
                 conn.disconnect(ReasonCode.SESSION_TAKEN_OVER)  # -> broker.detach -> handed_over
                 if self._handing.pop(session, None) is None:
                     return  # handed_over() installed the remote record
-            elif session.pending_will is not None and change["k"]:
-                will, session.pending_will = session.pending_will, None
-                broker.publish_will(will)  # ended by the clean start elsewhere
+            else:
+                if session.pending_will is not None and change["k"]:
+                    will, session.pending_will = session.pending_will, None
+                    broker.publish_will(will)  # ended by the clean start elsewhere
+                if session.durable:
+                    # Its connection broke here before the takeover was heard: what it
+                    # kept as it left is the new owner's to read, once it landed.
+                    self._announce_kept(session, change)
         self._install(change)
 
     def _snapshot(self, change: dict[str, Any]) -> None:

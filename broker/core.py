@@ -418,8 +418,16 @@ class Broker:
             then(None, False, "not_owner")
             return
         remote = self.cluster.to_reopen(client_id, clean_start) if self.cluster else None
-        if isinstance(remote, RemoteSession) and remote.online and remote.durable:
-            self._taken_from[client_id] = remote.node  # restore_group_writes waits for it
+        if (
+            isinstance(remote, RemoteSession)
+            and remote.online
+            and remote.durable
+            and not clean_start
+            and any(is_group_filter(f) for f in remote.subscriptions)
+        ):
+            # A group member connected there: what that replica keeps of its group
+            # writes as the connection leaves is waited for (restore_group_writes).
+            self._taken_from[client_id] = remote.node
         else:
             self._taken_from.pop(client_id, None)
         existing = self.sessions.get(client_id) if remote is None else None

@@ -198,6 +198,7 @@ class DevicePersistence:
         # (whether a group queue still has members).
         self._stats: BrokerStats | None = None
         self._subscriptions: SubscriptionTree | None = None
+        self._sessions: dict[str, Session] = {}  # the broker's, once attached
         self.redis_url = ""  # where the store is (the cluster link's pub/sub uses it)
         self.redis_connect: dict[str, Any] = {}  # and how (persistence/redis_security.py)
         self.redis_sentinels: Sentinels | None = None  # who names the master, if any
@@ -458,8 +459,22 @@ class DevicePersistence:
         if taken_from is not None and cluster is not None:
             # Asked now, before anything can answer: the notice may come at once.
             kept = asyncio.Event()
-            forget = cluster.await_kept(session.client_id, session.connected_at, kept.set)
+            forget = cluster.await_kept(
+                session.client_id, session.connected_at, taken_from, kept.set
+            )
         self._spawn(self._restore_group_writes(session, taken_from, kept, forget))
+
+    async def _kept_by(self, node: str, kept: asyncio.Event, member: str) -> None:
+        """Until ``node`` says it kept ``member``'s group writes, ``KEPT_WAIT`` at most
+        (or until it is known gone: ClusterState.node_gone ends the wait)."""
+        try:
+            await asyncio.wait_for(kept.wait(), KEPT_WAIT)
+        except TimeoutError:
+            log.warning(
+                "replica %s did not say within %g s that it kept the group writes in "
+                "flight to %s: reading what Redis holds",
+                node, KEPT_WAIT, member,
+            )  # fmt: skip
 
     def after_keeps(self, client_id: str, then: Callable[[], None]) -> None:
         if self.groups is None:
@@ -483,20 +498,19 @@ class DevicePersistence:
         groups, outflow, member = self.groups, session.outflow, session.client_id
         assert groups is not None
         try:
-            if kept is not None:
+            if kept is not None and taken_from is not None:
                 # The replica whose connection this took over keeps what it had in
                 # flight as that connection leaves: read before it lands, an id the
                 # client holds would be given again (finding 37).
                 try:
-                    await asyncio.wait_for(kept.wait(), KEPT_WAIT)
-                except TimeoutError:
-                    log.warning(
-                        "replica %s did not say within %g s that it kept the group writes "
-                        "in flight to %s: reading what Redis holds",
-                        taken_from, KEPT_WAIT, member,
-                    )  # fmt: skip
+                    await self._kept_by(taken_from, kept, member)
                 finally:
                     forget()
+            # What this process itself keeps of an earlier connection of the session
+            # (taken over from here and back) lands first too.
+            await groups.keeps_landed(member)
+            if self._sessions.get(member) is not session:
+                return  # ended, or taken over again meanwhile: not this session's to restore
             while True:
                 try:
                     held = await groups.store.group_writes(member, session.generation)
@@ -641,6 +655,7 @@ class DevicePersistence:
         restored sessions are connected to other replicas)."""
         self._stats = broker.stats
         self._subscriptions = broker.subscriptions
+        self._sessions = broker.sessions
         self.feeds.attach(broker.cluster)
         if self._probe is not None:
             # Learn now whether this Kafka forgets topics (the path's vouching,

@@ -40,7 +40,7 @@ class Elsewhere(Protocol):
 
     def stored_elsewhere(self, client_id: str, queue: bool = False) -> None: ...
     def await_kept(
-        self, client_id: str, since: object, then: Callable[[], None]
+        self, client_id: str, since: object, node: str, then: Callable[[], None]
     ) -> Callable[[], None]: ...
 
 

@@ -83,17 +83,19 @@ def test_a_group_writes_id_is_not_reused_after_a_takeover_by_another_replica(
         assert cluster.a.proc is not None
         freeze(cluster.a.proc)  # a hears of the takeover only after b answered
         try:
-            again = Raw(cluster.b)
-            connack = again.connect(member_id, clean_start=False, properties=EXPIRY)
-            assert isinstance(connack, ConnAck) and connack.reason_code == 0, connack
-            assert connack.session_present
             # Enough of the member's own messages to take every id up to the held one's
-            # (b's first identifiers are the lowest; the probes made it vary).
+            # (b's first identifiers are the lowest; the probes made it vary), stored
+            # before the takeover: they are there to go at once.
             count = held + 1
             for i in range(count):
                 n += 1
                 publish_acked(producer, direct_topic, b"direct:%d" % i, n)
-            # b waits for a to say it kept the write (finding 37): nothing comes yet.
+            again = Raw(cluster.b)
+            connack = again.connect(member_id, clean_start=False, properties=EXPIRY)
+            assert isinstance(connack, ConnAck) and connack.reason_code == 0, connack
+            assert connack.session_present
+            # b waits for a to say it kept the write (finding 37): nothing comes yet
+            # (for KEPT_WAIT, 5 s, at most; a's heartbeat, frozen, lasts 5 s too).
             assert again.recv_or_none(1.0) is None
         finally:
             os.kill(cluster.a.proc.pid, signal.SIGCONT)

@@ -200,29 +200,3 @@ def test_every_replica_learns_that_a_session_is_an_application_one() -> None:
             heard_snaps.state.receive(channel, payload)
     assert heard_snaps.broker.sessions["app"].application
     assert not heard_snaps.broker.sessions["dev"].application
-
-
-def test_a_kept_notice_ends_the_wait_for_that_connection_only() -> None:
-    """Finding 37: the replica that took a connection over waits for the old one's
-    ``kept``, matched by client id and the new connection's time; one heard before
-    the wait began counts, a forgotten wait is never called."""
-    a, b = Node("a"), Node("b")
-    heard: list[str] = []
-    b.state.await_kept("c", 1.5, lambda: heard.append("first"))
-    a.state._send(op="kept", c="c", t=2.5)  # another connection's answer
-    pump(a, b)
-    assert heard == []
-    a.state._send(op="kept", c="c", t=1.5)
-    pump(a, b)
-    assert heard == ["first"]
-
-    a.state._send(op="kept", c="d", t=3.0)  # before anyone waits for it
-    pump(a, b)
-    b.state.await_kept("d", 3.0, lambda: heard.append("early"))
-    assert heard == ["first", "early"]
-
-    forget = b.state.await_kept("e", 4.0, lambda: heard.append("forgotten"))
-    forget()
-    a.state._send(op="kept", c="e", t=4.0)
-    pump(a, b)
-    assert heard == ["first", "early"]
