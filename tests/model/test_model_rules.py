@@ -176,19 +176,7 @@ def test_kafka_reusing_offsets_excuses_only_what_was_acknowledged_after_its_rest
     """docs/guarantees.md: the embedded Kafka, restarted, can write over offsets it acknowledged.
     Only messages acknowledged after a Kafka restart are excused, and only when
     Tansu's log shows it happened."""
-    clock = Clock()
-    model = Model(Config(limit=100, max_inflight=4, default_ttl=None, cluster=False), clock)
-    model.add_client("s1", 5, paho=False)
-    model.add_client("p1", 5, paho=False)
-    model.connect_sent("s1", clean_start=False, expiry=600)
-    model.connack("s1", session_present=False)
-    model.suback(model.subscribe_sent("s1", [("m/#", 1, None)]), [1])
-    clock.tick()
-    _one_owed(model, clock, b"r:p1:1")
-    clock.tick()
-    model.fault("restart_kafka")
-    clock.tick()
-    _one_owed(model, clock, b"r:p1:2")
+    model, clock = _owed_across_a_kafka_restart(cluster=False, subscribers=("s1",))
     model.kafka_reused_offsets = True
     lost = _lost_names(model, clock)
     assert model.stats.excused == {"kafka reused offsets": 1}
@@ -383,13 +371,15 @@ def test_a_group_write_under_an_id_the_client_holds_for_another_message_is_id_re
     assert _group_write_under_a_held_id(same_payload=True) == []
 
 
-def _owed_to_both_across_a_kafka_restart(cluster: bool) -> tuple[Model, Clock]:
-    """s1 (partition 9 of 12) and s6 (partition 0) subscribed; r:p1:1 acknowledged
-    before a Kafka restart, r:p1:2 after it; none received."""
+def _owed_across_a_kafka_restart(
+    cluster: bool, subscribers: tuple[str, ...] = ("s1", "s6")
+) -> tuple[Model, Clock]:
+    """``subscribers`` on ``m/#`` (s1 in partition 9 of 12, s6 in 0); r:p1:1
+    acknowledged before a Kafka restart, r:p1:2 after it; none received."""
     clock = Clock()
     model = Model(Config(limit=100, max_inflight=4, default_ttl=None, cluster=cluster), clock)
     model.add_client("p1", 5, paho=False)
-    for cid in ("s1", "s6"):
+    for cid in subscribers:
         model.add_client(cid, 5, paho=False)
         model.connect_sent(cid, clean_start=False, expiry=600)
         model.connack(cid, session_present=False)
@@ -407,7 +397,7 @@ def test_a_topic_at_another_size_excuses_only_partitions_it_lost_on_replicas() -
     """Finding 28 (38): replicas on a Tansu that forgot the topic and made it again at
     4 partitions. Only what was acknowledged after the restart, to a session whose
     records lie past partition 3, is excused; s6's partition 0 is still read."""
-    model, clock = _owed_to_both_across_a_kafka_restart(cluster=True)
+    model, clock = _owed_across_a_kafka_restart(cluster=True)
     model.kafka_topic_size = (4, 12)
     lost = {(ob.msg.name(), ob.incs[0].cid) for ob in model.check_losses(clock.now + 30)}
     assert model.stats.excused == {"kafka topic at another size (replicas)": 1}
@@ -416,7 +406,7 @@ def test_a_topic_at_another_size_excuses_only_partitions_it_lost_on_replicas() -
 
 def test_a_single_broker_is_never_excused_for_a_topic_at_another_size() -> None:
     """A single broker makes its topic again at its size (finding 26): nothing excused."""
-    model, clock = _owed_to_both_across_a_kafka_restart(cluster=False)
+    model, clock = _owed_across_a_kafka_restart(cluster=False)
     model.kafka_topic_size = (4, 12)
     lost = {(ob.msg.name(), ob.incs[0].cid) for ob in model.check_losses(clock.now + 30)}
     assert model.stats.excused == {}
