@@ -274,6 +274,9 @@ class _Generator:
         self.plan = plan
         self.weights = {**_BASE, **_BIAS[plan.scenario]}
         self.short_expiry = plan.scenario == "expiry"
+        # Its own stream: drawing from it leaves every seed's other operations as
+        # they were (pinned seeds reproduce what they found).
+        self.freeze_rnd = random.Random(f"freeze-{plan.seed}")
 
     def generate(self, n_ops: int) -> list[Op]:
         rnd = self.rnd
@@ -320,13 +323,18 @@ class _Generator:
         expiry = LONG_EXPIRY if initial and spec.version == 5 else self._expiry_for(spec)
         if initial and spec.version == 4:
             expiry = V311_EXPIRY
-        return op(
-            "connect",
-            client=spec.cid,
-            clean=self.rnd.random() < clean_p,
-            expiry=expiry,
-            broker=self._broker(),
-        )
+        args: dict[str, Any] = {
+            "client": spec.cid,
+            "clean": self.rnd.random() < clean_p,
+            "expiry": expiry,
+            "broker": self._broker(),
+        }
+        if not initial and self.plan.replicas > 1 and self.freeze_rnd.random() < 0.3:
+            # Back through another replica before the old one hears the connection
+            # end (frozen across it): a takeover that reads what the old one keeps
+            # (tests/model/FINDINGS.md, finding 37).
+            args["freeze_old"] = True
+        return op("connect", **args)
 
     def _disconnect(self) -> Op:
         return op("disconnect", client=self._sub().cid, abrupt=self.rnd.random() < 0.6)

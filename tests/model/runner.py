@@ -38,6 +38,7 @@ OP_TIMEOUT = 5.0  # s a CONNACK / SUBACK / publish answer is waited for
 DRAIN_TIMEOUT = 25.0  # s the drain waits for owed messages
 QUIESCE_TIMEOUT = 20.0  # s to wait for zero consumer lag before a Kafka restart
 PUBREL_BOUND = 10.0  # s after a resume within which a held QoS 2 id gets its PUBREL
+FREEZE_AFTER_TAKEOVER = 0.5  # s the old replica stays frozen after the new one CONNACKed
 
 
 @dataclass
@@ -214,7 +215,20 @@ class Runner:
         broker = operation.get("broker", 0) % len(self.system.brokers)
         expiry = operation.get("expiry", LONG_EXPIRY)
         self.expiry[sub.cid] = expiry
-        sub.connect(self.system.address(broker), broker, operation.get("clean"), expiry, OP_TIMEOUT)
+        old = sub.broker if sub.connected else None
+        if not operation.get("freeze_old") or old is None or old == broker:
+            sub.connect(
+                self.system.address(broker), broker, operation.get("clean"), expiry, OP_TIMEOUT
+            )
+            return
+        # The old replica hears the connection end (and the takeover) only once the new
+        # one has answered the CONNECT: a client back through another replica before
+        # the old one noticed (finding 37).
+        with self.system.frozen_broker(old):
+            sub.connect(
+                self.system.address(broker), broker, operation.get("clean"), expiry, OP_TIMEOUT
+            )
+            time.sleep(FREEZE_AFTER_TAKEOVER)
 
     def _op_blink(self, operation: Op) -> None:
         """CONNECT and DISCONNECT in one write (RawClient.blink); a paho client connects."""

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -311,6 +311,17 @@ class System:
         """Kill Tansu and start an empty one on the same port."""
         self.tansu.kill()
         self.tansu.start()
+
+    @contextlib.contextmanager
+    def frozen_broker(self, i: int) -> Iterator[None]:
+        """Broker ``i`` stopped (SIGSTOP) for the block, let go after it."""
+        proc = self.brokers[i].proc
+        frozen = _signal(proc, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            if frozen:
+                _signal(proc, signal.SIGCONT)
 
     def restart_kafka_frozen(self) -> None:
         """Restart Kafka and name the topic while every broker is stopped (SIGSTOP):
