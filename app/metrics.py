@@ -45,6 +45,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError as RedisResponseError
 
 from app.http import ConnectionGate
+from app.loop_watch import GENERATIONS, LoopWatch
 from broker import __version__
 from broker.budget import BYTES_LIMIT, GROUP, QUEUE, QUEUES_LIMIT, SESSION
 from broker.cluster import RemoteSession
@@ -238,7 +239,8 @@ def _histogram(
 class BrokerCollector(Collector):
     """Every ``devicemq_*`` series, read from the broker's own counters at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop_watch: LoopWatch | None = None) -> None:
+        self.loop_watch = loop_watch
         self.broker: Broker | None = None
         self.persistence: DevicePersistence | None = None
         self.retries: list[Retry] = []
@@ -270,6 +272,8 @@ class BrokerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._info()
+        if self.loop_watch is not None:
+            yield from self._loop(self.loop_watch)
         if self.broker is not None:
             yield from self._broker(self.broker)
         if self.persistence is not None:
@@ -286,6 +290,21 @@ class BrokerCollector(Collector):
             "serving", "1 once the MQTT listener serves, 0 while starting", self.broker is not None
         )
         yield from self._readiness()
+
+    def _loop(self, watch: LoopWatch) -> Iterator[Metric]:
+        yield _histogram(
+            "event_loop_lag_seconds",
+            f"How late a timer asked every {watch.interval:g} s fired: the wait every "
+            "client's next step had (app/loop_watch.py)",
+            [((), watch.lag)],
+        )
+        yield _histogram(
+            "gc_pause_seconds",
+            "Collections of Python's cyclic garbage collector, by generation, by how "
+            "long each stopped the event loop",
+            [((str(generation),), watch.gc_pauses[generation]) for generation in GENERATIONS],
+            labels=["generation"],
+        )
 
     def _readiness(self) -> Iterator[Metric]:
         """/ready as series: 1/0, and why not as a label (every cause has a series)."""
@@ -870,7 +889,8 @@ class MetricsServer:
     def __init__(self, settings: MetricsSettings) -> None:
         self.settings = settings
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = BrokerCollector()
+        self.loop_watch = LoopWatch()
+        self.collector = BrokerCollector(self.loop_watch)
         self.registry.register(self.collector)
         ProcessCollector(namespace=PREFIX, registry=self.registry)
         self.stopping = False
@@ -894,6 +914,7 @@ class MetricsServer:
             raise MetricsUnavailable(
                 f"cannot serve metrics on {host}:{port}: {e.strerror or e}"
             ) from e
+        self.loop_watch.start()
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     def attach(
@@ -907,6 +928,7 @@ class MetricsServer:
 
     async def stop(self) -> None:
         self.stopping = True
+        await self.loop_watch.stop()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
