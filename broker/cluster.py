@@ -39,7 +39,10 @@ sending node, ``c`` the client id, ``e`` subscription entries as
 
 Every message a replica publishes on ``subscriptions``, ``stored`` and
 ``retained`` carries ``b``, a token of the sending process, and ``q``, its
-sequence number in that process (``tick`` repeats the last one). Pub/sub
+sequence number in that process (``tick`` repeats the last one), and ``kv``:
+1, this replica answers a takeover with ``kept``. A replica of a version
+before ``kept`` sends no ``kv``: a takeover from it waits for nothing, as
+before (:meth:`ClusterState.sends_kept`). Pub/sub
 is at most once: a receiver that sees a sequence number skip (or a ``tick``
 ahead of what it heard) missed something, and catches up as after a lost
 connection (:meth:`ClusterState.resync`, and every connected persistent
@@ -214,6 +217,7 @@ class ClusterState:
         self.boot = secrets.token_hex(8)  # this process, to tell a restarted replica's numbers
         self._seq = 0  # the last sequence number sent
         self._heard: dict[str, tuple[str, int]] = {}  # node -> (its boot token, last number)
+        self._sends_kept: set[str] = set()  # nodes whose last message carried ``kv``
         self.last_heard: dict[str, float] = {}  # node -> when it last spoke (epoch seconds)
         self.gaps = 0
         self._control: list[dict[str, Any]] = []
@@ -437,6 +441,7 @@ class ClusterState:
         for key, wait in list(self._kept_waiting.items()):
             if wait.node == node:
                 self._end_kept_wait(key, wait)  # it will not answer
+        self._sends_kept.discard(node)
 
     def remote_nodes(self) -> set[str]:
         """The replicas this one holds live records of (their heartbeats are checked)."""
@@ -518,13 +523,20 @@ class ClusterState:
         """The periodic ``tick``: the last sequence number, so a lost last message
         is noticed without waiting for the next one."""
         return SUBSCRIPTIONS, orjson.dumps(
-            {"op": "tick", "n": self.node_id, "b": self.boot, "q": self._seq}
+            {"op": "tick", "n": self.node_id, "b": self.boot, "q": self._seq, "kv": 1}
         )
 
     def _numbered(self, change: dict[str, Any]) -> bytes:
         self._seq += 1
         change["n"], change["b"], change["q"] = self.node_id, self.boot, self._seq
+        change["kv"] = 1
         return orjson.dumps(change)
+
+    def sends_kept(self, node: str) -> bool:
+        """``node`` answers a takeover with ``kept`` (its last message said so): a
+        replica of an older version never does, and waiting for it would hold every
+        group member taken over from it for ``KEPT_WAIT`` during a rolling upgrade."""
+        return node in self._sends_kept
 
     def _in_sequence(self, change: dict[str, Any]) -> bool:
         """Track the sender's sequence numbers; False: already heard (a re-send).
@@ -563,6 +575,10 @@ class ClusterState:
         change = orjson.loads(payload)
         if change.get("n") not in (None, self.node_id):
             self.last_heard[change["n"]] = time.time()  # ticks too: at least every tick
+            if change.get("kv"):
+                self._sends_kept.add(change["n"])
+            else:  # an older version, or one that restarted as one
+                self._sends_kept.discard(change["n"])
         if change.get("n") == self.node_id or not self._in_sequence(change):
             return []
         if channel == STORED:

@@ -424,9 +424,12 @@ class Broker:
             and remote.durable
             and not clean_start
             and any(is_group_filter(f) for f in remote.subscriptions)
+            and self.cluster is not None
+            and self.cluster.sends_kept(remote.node)
         ):
             # A group member connected there: what that replica keeps of its group
             # writes as the connection leaves is waited for (restore_group_writes).
+            # Not from a replica of a version before ``kept``: it would never say.
             self._taken_from[client_id] = remote.node
         else:
             self._taken_from.pop(client_id, None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import orjson
+
 from broker.config import ClusterSettings, Settings
 from broker.connection import ConnectionState, MQTTConnection
 from broker.core import Broker
@@ -161,3 +163,35 @@ def test_a_replica_gone_ends_the_waits_on_it() -> None:
     b.connect("c")
     b.state.node_gone("a")
     assert b.path.ended == ["c@200.0"]
+
+
+def pump_as_older_version(source: Node, *targets: Node) -> None:
+    """What ``source`` sends, as a replica of a version before ``kept`` sends it."""
+    control, _ = source.state.data_to_send()
+    for channel, payload in control:
+        change = orjson.loads(payload)
+        change.pop("kv", None)
+        for target in targets:
+            target.state.receive(channel, orjson.dumps(change))
+
+
+def test_a_takeover_from_a_replica_of_an_older_version_does_not_wait() -> None:
+    """A rolling upgrade: the old replica never sends ``kept``, so waiting for it
+    would hold every group member taken over from it for KEPT_WAIT seconds."""
+    a, b = Node("a", 100.0), Node("b", 200.0)
+    a.connect("c")
+    pump_as_older_version(a, b)
+    b.connect("c")
+    assert b.path.waited == []
+
+
+def test_a_replica_restarted_as_an_older_version_is_waited_for_no_more() -> None:
+    a, b = Node("a", 100.0), Node("b", 200.0)
+    a.connect("c")
+    pump(a, b)
+    assert b.state.sends_kept("a")
+    # a restarts as the older version: its next words carry no ``kv``
+    b.state.receive("subscriptions", orjson.dumps({"op": "tick", "n": "a", "b": "x", "q": 1}))
+    assert not b.state.sends_kept("a")
+    b.connect("c")
+    assert b.path.waited == []
