@@ -102,6 +102,9 @@ RETAINED = "retained"  # topics whose retained message changed (persistence/reta
 DELIVER = "deliver:"  # + node id
 SNAPSHOT_CHUNK = 500  # sessions per ``snaps`` message
 RESYNC_WINDOW = 2.0  # seconds the snapshots of a re-sync have to confirm remote records
+# A replica heard within this many seconds is waited for by a re-sync (ticks come every
+# TICK_INTERVAL; the liveness key of a replica gone lasts 5 s).
+ANSWER_FROM = 5.0
 TICK_INTERVAL = 0.5  # seconds between a replica's ``tick`` (its last sequence number)
 KEPT_REMEMBERED = 60.0  # seconds a ``kept`` notice no one waited for yet is remembered
 
@@ -218,6 +221,11 @@ class ClusterState:
         self._seq = 0  # the last sequence number sent
         self._heard: dict[str, tuple[str, int]] = {}  # node -> (its boot token, last number)
         self._sends_kept: set[str] = set()  # nodes whose last message carried ``kv``
+        # False while this replica may not know every subscription the others hold
+        # (its link dropped, or it missed messages): QoS 1/2 publishes wait (hold).
+        self.current = True
+        self._behind_waiting: list[Callable[[], None]] = []  # resumed once current
+        self._answers_due: set[str] = set()  # replicas whose re-sync answer is awaited
         self.last_heard: dict[str, float] = {}  # node -> when it last spoke (epoch seconds)
         self.gaps = 0
         self._control: list[dict[str, Any]] = []
@@ -442,6 +450,7 @@ class ClusterState:
             if wait.node == node:
                 self._end_kept_wait(key, wait)  # it will not answer
         self._sends_kept.discard(node)
+        self._answered(node)  # nor answer a re-sync
 
     def remote_nodes(self) -> set[str]:
         """The replicas this one holds live records of (their heartbeats are checked)."""
@@ -485,15 +494,51 @@ class ClusterState:
     def resync(self) -> None:
         """Control messages may have been missed (the pub/sub connection dropped): ask
         for snapshots again; :meth:`resync_done` (``RESYNC_WINDOW`` later) forgets the
-        live remote records that no snapshot or message confirmed."""
+        live remote records that no snapshot or message confirmed. Until every replica
+        heard from lately has answered (or that window ends), this one is not
+        :attr:`current`."""
         self._unconfirmed = {
             s.client_id
             for s in self.broker.sessions.values()
             if isinstance(s, RemoteSession) and s.online
         }
+        now = time.time()
+        self._answers_due = {n for n, t in self.last_heard.items() if now - t < ANSWER_FROM}
+        self.current = not self._answers_due
         self.request_sync()
+        if self.current:
+            self._caught_up()
+
+    def link_lost(self) -> None:
+        """The pub/sub link dropped: what the others say meanwhile is lost, so a new
+        subscription of theirs may be unknown here until the re-sync
+        (tests/model/FINDINGS.md, finding 39). QoS 1/2 publishes wait (:meth:`hold`);
+        the edge bounds the wait (:meth:`stop_holding`)."""
+        self.current = False
+
+    def hold(self, resume: Callable[[], None]) -> None:
+        """Call ``resume`` once this replica is :attr:`current` again."""
+        self._behind_waiting.append(resume)
+
+    def stop_holding(self) -> None:
+        """Route with what is known: the link stayed down, or the answers did not come."""
+        self._caught_up()
+
+    def _answered(self, node: str) -> None:
+        if node in self._answers_due:
+            self._answers_due.discard(node)
+            if not self._answers_due:
+                self._caught_up()
+
+    def _caught_up(self) -> None:
+        self.current = True
+        self._answers_due = set()
+        waiting, self._behind_waiting = self._behind_waiting, []
+        for resume in waiting:
+            resume()
 
     def resync_done(self) -> None:
+        self._caught_up()  # at the latest: a replica that did not answer is not waited for
         unconfirmed, self._unconfirmed = self._unconfirmed, None
         for cid in unconfirmed or ():
             record = self.broker.sessions.get(cid)
@@ -649,6 +694,8 @@ class ClusterState:
                         "ap": application,
                     }
                 )
+            if change.get("e"):
+                self._answered(change["n"])
         return []
 
     def delivered(self, client_id: str, delivery: Delivery) -> None:
@@ -748,8 +795,13 @@ class ClusterState:
             for s in self.broker.sessions.values()
             if not isinstance(s, RemoteSession) and s.connection is not None
         ]
-        for start in range(0, len(live), SNAPSHOT_CHUNK):
-            self._send(op="snaps", l=live[start : start + SNAPSHOT_CHUNK])
+        # The last chunk says it is the last (``e``), an empty answer too: the asker
+        # routes again by every subscription once each replica's answer is in.
+        chunks = [live[i : i + SNAPSHOT_CHUNK] for i in range(0, len(live), SNAPSHOT_CHUNK)]
+        chunks = chunks or [[]]
+        for chunk in chunks[:-1]:
+            self._send(op="snaps", l=chunk)
+        self._send(op="snaps", l=chunks[-1], e=1)
 
     def _owned_by(self, change: dict[str, Any]) -> RemoteSession | None:
         record = self.broker.sessions.get(change["c"])

@@ -42,6 +42,7 @@ from broker.packets import (
 
 if TYPE_CHECKING:
     from broker.acl import Grant
+    from broker.cluster import ClusterState
     from broker.config import Settings
     from broker.session import Session
     from broker.stats import BrokerStats
@@ -110,6 +111,7 @@ class MQTTConnection:
         self._on_input_flow = on_input_flow
         self.input_paused = False  # too many acknowledgements owed: not reading
         self._stashed: deque[Packet] = deque()  # decoded while paused, to handle on resume
+        self._cluster_held = False  # a PUBLISH waits for the cluster (wait_for_cluster)
         mqtt = broker.settings.mqtt
         # Until its CONNECT is accepted a client is nobody: its packets may be
         # only mqtt.max_connect_packet_size long, and nothing after the CONNECT
@@ -235,6 +237,30 @@ class MQTTConnection:
             self.protocol_violation(error)
         if not self.input_paused and self._on_input_flow is not None:
             self._on_input_flow(True)
+
+    def wait_for_cluster(self, packet: Packet, cluster: ClusterState) -> None:
+        """``packet``, a QoS 1/2 PUBLISH, waits with everything after it until this
+        replica knows every subscription again (``ClusterState.current``,
+        tests/model/FINDINGS.md, finding 39): routed now, it could miss one another
+        replica acknowledged meanwhile, and its PUBACK would promise what is lost."""
+        self._stashed.appendleft(packet)
+        if not self.input_paused:
+            self.input_paused = True
+            if self._on_input_flow is not None:
+                self._on_input_flow(False)
+        if not self._cluster_held:
+            self._cluster_held = True
+            cluster.hold(self._cluster_current)
+
+    def _cluster_current(self) -> None:
+        self._cluster_held = False
+        if self.is_v5 or len(self.pending_acks) <= self.broker.settings.mqtt.receive_maximum // 2:
+            self.input_paused = False  # else ack_ready resumes, once enough acks went out
+            call_soon = self.broker.call_soon
+            if call_soon is None:
+                self._input_resumed()
+            else:
+                call_soon(self._input_resumed)
 
     def hold_input(self) -> None:
         """CONNECT is being authenticated: keep what follows until :meth:`release_input`."""
@@ -374,7 +400,11 @@ class MQTTConnection:
                     head.reason = ReasonCode.UNSPECIFIED_ERROR
             first = PUBACK_BYTE if head.qos == 1 else PUBREC_BYTE
             self._write(encode_ack(first, head.packet_id, head.reason, self._protocol_level))
-        if self.input_paused and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2:
+        if (
+            self.input_paused
+            and not self._cluster_held
+            and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2
+        ):
             self.input_paused = False
             # Not from inside this storage callback: what waited is handled next.
             call_soon = self.broker.call_soon

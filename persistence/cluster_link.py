@@ -96,6 +96,9 @@ def _newest(queued: Queued, n: int) -> Queued:
 
 
 HEARTBEAT_INTERVAL = 1.0
+# Seconds QoS 1/2 publishes wait while the pub/sub link is down (tests/model/FINDINGS.md,
+# finding 39): a Redis restart takes well under it, and the publishers' deadline is longer.
+HOLD_LIMIT = 2.0
 HEARTBEAT_TTL = 5  # seconds without a refresh before a replica counts as dead
 
 
@@ -143,6 +146,7 @@ class ClusterLink:
         assert broker.cluster is not None, "the broker builds its ClusterState (cluster.enabled)"
         self.state: ClusterState = broker.cluster
         self._resync_timer: asyncio.TimerHandle | None = None
+        self._hold_limit: asyncio.TimerHandle | None = None  # see _link_lost
         self._ticker: asyncio.Task[None] | None = None
         # A seam for tests: a notice for which this returns True is not published
         # (as if pub/sub lost it); None in production.
@@ -198,6 +202,9 @@ class ClusterLink:
         self.state.disconnect_edge()
         if self._resync_timer is not None:
             self._resync_timer.cancel()
+        if self._hold_limit is not None:
+            self._hold_limit.cancel()
+        self.state.stop_holding()  # nothing waits for a link that is gone
         for task in (self._reader, self._heartbeat, self._ticker):
             if task is not None:
                 task.cancel()
@@ -217,6 +224,9 @@ class ClusterLink:
         again (records nobody confirms within ``RESYNC_WINDOW`` are dropped), re-read
         the retained messages, and make every connected persistent session's store
         feed re-read the store (a lost ``stored`` notice)."""
+        if self._hold_limit is not None:
+            self._hold_limit.cancel()  # the re-sync's own window bounds the wait now
+            self._hold_limit = None
         self.state.resync()
         if self._retained is not None:
             self._retained.resync()
@@ -226,6 +236,19 @@ class ClusterLink:
         self._resync_timer = loop.call_later(RESYNC_WINDOW, self.state.resync_done)
         feeds = self._persistence.feeds
         feeds.reread(feeds.connected())
+
+    def _link_lost(self) -> None:
+        """Publishes wait for the re-sync (``ClusterState.link_lost``), at most
+        :data:`HOLD_LIMIT` while the link stays down: then they are routed with what
+        this replica knows, as a replica alone would."""
+        self.state.link_lost()
+        if self._hold_limit is None:
+            loop = asyncio.get_running_loop()
+            self._hold_limit = loop.call_later(HOLD_LIMIT, self._stop_holding)
+
+    def _stop_holding(self) -> None:
+        self._hold_limit = None
+        self.state.stop_holding()
 
     # -- out ---------------------------------------------------------------------------
 
@@ -292,6 +315,7 @@ class ClusterLink:
                 raise
             except Exception as error:
                 log.warning("cluster: reading pub/sub failed: %s", error)
+                self._link_lost()
                 await self.read_retry.wait()
                 continue
             self.read_retry.succeeded()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from broker.acl import Authorizer
     from broker.budget import OwnerBudget
+    from broker.cluster import ClusterState
     from broker.config import Settings
     from broker.connection import MQTTConnection
     from broker.group_queue import GroupTarget
@@ -50,6 +51,8 @@ class PublishHost(Protocol):
 
     @property
     def settings(self) -> Settings: ...
+    @property
+    def cluster(self) -> ClusterState | None: ...
     @property
     def clock(self) -> Callable[[], float]: ...
     @property
@@ -84,9 +87,16 @@ class PublishHost(Protocol):
 
 
 def handle_publish(conn: MQTTConnection, packet: Publish) -> None:
+    broker: PublishHost = conn.broker
+    if packet.qos:
+        cluster = broker.cluster
+        if cluster is not None and not cluster.current:
+            # This replica may not know a subscription another one acknowledged: the
+            # PUBLISH waits, with what follows it, until it does (finding 39).
+            conn.wait_for_cluster(packet, cluster)
+            return
     session = conn.session
     assert session is not None
-    broker: PublishHost = conn.broker
     mqtt = broker.settings.mqtt
     qos = packet.qos
     broker.stats.messages_received[qos] += 1
