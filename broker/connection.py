@@ -254,6 +254,8 @@ class MQTTConnection:
 
     def _cluster_current(self) -> None:
         self._cluster_held = False
+        # What waited was heard: the keep-alive counts from now (it was not read).
+        self.last_received = self.broker.clock()
         if self.is_v5 or len(self.pending_acks) <= self.broker.settings.mqtt.receive_maximum // 2:
             self.input_paused = False  # else ack_ready resumes, once enough acks went out
             call_soon = self.broker.call_soon
@@ -463,7 +465,7 @@ class MQTTConnection:
                 return None
             return deadline
         when = now + IDLE_RECHECK
-        if self.keep_alive:
+        if self.keep_alive and not self._cluster_held:  # held: not read, not silent
             deadline = self.last_received + 1.5 * self.keep_alive
             if now > deadline:
                 log.info("client %s keep-alive timeout", self.client_id)

@@ -147,6 +147,7 @@ class ClusterLink:
         self.state: ClusterState = broker.cluster
         self._resync_timer: asyncio.TimerHandle | None = None
         self._hold_limit: asyncio.TimerHandle | None = None  # see _link_lost
+        self._link_down = False  # since a read failed, until the link is back
         self._ticker: asyncio.Task[None] | None = None
         # A seam for tests: a notice for which this returns True is not published
         # (as if pub/sub lost it); None in production.
@@ -227,6 +228,7 @@ class ClusterLink:
         if self._hold_limit is not None:
             self._hold_limit.cancel()  # the re-sync's own window bounds the wait now
             self._hold_limit = None
+        self._link_down = False
         self.state.resync()
         if self._retained is not None:
             self._retained.resync()
@@ -240,11 +242,14 @@ class ClusterLink:
     def _link_lost(self) -> None:
         """Publishes wait for the re-sync (``ClusterState.link_lost``), at most
         :data:`HOLD_LIMIT` while the link stays down: then they are routed with what
-        this replica knows, as a replica alone would."""
+        this replica knows, as a replica alone would. Once per outage: the reads
+        retried while Redis stays away do not hold again."""
+        if self._link_down:
+            return
+        self._link_down = True
         self.state.link_lost()
-        if self._hold_limit is None:
-            loop = asyncio.get_running_loop()
-            self._hold_limit = loop.call_later(HOLD_LIMIT, self._stop_holding)
+        loop = asyncio.get_running_loop()
+        self._hold_limit = loop.call_later(HOLD_LIMIT, self._stop_holding)
 
     def _stop_holding(self) -> None:
         self._hold_limit = None

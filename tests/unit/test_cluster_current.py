@@ -7,9 +7,14 @@ so what the publisher's replica routes to it shows as a delivery forwarded to it
 
 from __future__ import annotations
 
-from broker.connection import MQTTConnection
+from redis.asyncio import Redis
+
+from broker.config import ClusterSettings, Settings
+from broker.connection import ConnectionState, MQTTConnection
+from broker.core import Broker
 from broker.handlers.publish import handle_publish
 from broker.packets import Publish
+from persistence.cluster_link import ClusterLink
 from tests.unit.test_cluster_state import Node, pump
 
 
@@ -89,3 +94,29 @@ def test_an_answer_without_its_end_is_waited_for_until_the_window_ends() -> None
     assert not b.state.current
     b.state.resync_done()
     assert b.state.current
+
+
+def test_the_keep_alive_waits_with_the_input() -> None:
+    """Its input is not read while it waits: the client is not silent, and the
+    keep-alive counts again from when what waited was handled."""
+    _, b = _behind()
+    publisher = b.broker.sessions["p"].connection
+    assert publisher is not None
+    publisher.keep_alive = 1
+    _send(publisher, Publish("m/a", b"x", qos=1, packet_id=1))
+    assert publisher.check_timeouts(100.0) is not None
+    assert publisher.state is ConnectionState.CONNECTED
+
+
+async def test_a_link_that_stays_down_holds_once() -> None:
+    """After HOLD_LIMIT the link's retried reads do not hold the publishes again
+    until it is back (persistence/cluster_link.py)."""
+    broker = Broker(Settings(cluster=ClusterSettings(enabled=True, node_id="n")))
+    assert broker.cluster is not None
+    link = ClusterLink(Redis.from_url("redis://127.0.0.1:1"), "p", broker, None)  # type: ignore[arg-type]
+    link._link_lost()
+    assert not broker.cluster.current
+    link._stop_holding()  # HOLD_LIMIT passed, Redis still away
+    assert broker.cluster.current
+    link._link_lost()  # the next read failed too
+    assert broker.cluster.current and link._hold_limit is None
