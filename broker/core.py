@@ -61,6 +61,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("devicemq.broker")
 
 SLOW_CONNACK = 1.0  # seconds: a CONNACK that waited this long for the store is logged
+# seconds: how often a detached session's passed deadline is looked at again while a
+# CONNECT of its client is still being decided (Broker.connect_began)
+DECIDING_RECHECK = 0.25
 PRUNE_INTERVAL = 10.0  # seconds between two sweeps of ended block-list entries
 
 
@@ -231,6 +234,10 @@ class Broker:
         # Client ids being opened here while another replica holds their connection.
         self._taken_from: dict[str, str] = {}
         self._opening_since: dict[str, float] = {}  # when each began (a slow one is logged)
+        # CONNECTs accepted and not yet answered, by client id (connect_began): while
+        # one waits (its client ID's claim, its session read from the store), the
+        # client's detached session neither expires nor sends its will.
+        self._deciding: dict[str, set[MQTTConnection]] = {}
         self.owner_policy = owner_policy(settings)
         # Who holds each client ID (auth.client_id_owner) and $ECQ queue: shared by the
         # replicas through Redis (persistence/owner_store.py), else here.
@@ -703,6 +710,8 @@ class Broker:
         """The connection ended: start the will delay and the session expiry."""
         self.connections.discard(conn)
         _unwatch(conn)
+        if self._deciding and conn.client_id is not None:
+            self.connect_settled(conn, conn.client_id)  # closed before its CONNACK
         session = conn.session
         will = conn.will
         conn.will = None
@@ -983,6 +992,23 @@ class Broker:
             records, on_accepted, on_settled, best_effort=best_effort
         )
 
+    def connect_began(self, conn: MQTTConnection, client_id: str) -> None:
+        """``conn``'s CONNECT names ``client_id`` and is accepted so far: until it is
+        answered (:meth:`connect_settled`) or its socket closes, a detached session of
+        ``client_id`` whose expiry or will delay passes waits for it. The client came
+        back before the deadline: the session is resumed, not ended in the store
+        while the CONNECT reads it from there (finding 40), and its will is not sent
+        (MQTT-3.1.3-9). The connect timeout bounds the wait."""
+        self._deciding.setdefault(client_id, set()).add(conn)
+
+    def connect_settled(self, conn: MQTTConnection, client_id: str) -> None:
+        """``conn``'s CONNECT of ``client_id`` is answered, or its socket closed."""
+        deciding = self._deciding.get(client_id)
+        if deciding is not None:
+            deciding.discard(conn)
+            if not deciding:
+                del self._deciding[client_id]
+
     def _begin_opening(self, client_id: str) -> None:
         """CONNECTs of ``client_id`` wait until :meth:`_end_opening`."""
         self._opening.setdefault(client_id, [])
@@ -1036,6 +1062,11 @@ class Broker:
                 continue  # watched again since, back, or ended
             session = popped
             session.watched_at, session.due_entry = None, None
+            if session.client_id in self._deciding:
+                # A CONNECT of its client, made before this deadline, is still being
+                # decided: the deadline waits for it (connect_began).
+                self._watch_session_at(session, now + DECIDING_RECHECK)
+                continue
             if session.will_at is not None and now >= session.will_at:
                 will, session.pending_will, session.will_at = session.pending_will, None, None
                 if will is not None:
@@ -1062,7 +1093,9 @@ class Broker:
         if not deadlines:
             _unwatch(session)
             return
-        when = min(deadlines)
+        self._watch_session_at(session, min(deadlines))
+
+    def _watch_session_at(self, session: Session, when: float) -> None:
         if when == session.watched_at:
             return  # its entry is queued already
         _unwatch(session)

@@ -64,6 +64,8 @@ class ConnectHost(Protocol):
         self, conn: MQTTConnection, client_id: str, then: Callable[[str], None]
     ) -> None: ...
     def claim_queue(self, conn: MQTTConnection, then: Callable[[str], None]) -> None: ...
+    def connect_began(self, conn: MQTTConnection, client_id: str) -> None: ...
+    def connect_settled(self, conn: MQTTConnection, client_id: str) -> None: ...
     def watch_connection(self, conn: MQTTConnection, when: float) -> None: ...
     def open_session(
         self,
@@ -257,6 +259,7 @@ def _accept(conn: MQTTConnection, packet: Connect) -> None:
             return
         broker.open_session(conn, client_id, packet.clean_start, expiry, opened)
 
+    broker.connect_began(conn, client_id)
     if assigned is not None:  # random: nobody else's, and not worth a claim
         claimed("")
     else:  # auth.client_id_owner first: the ID must be this owner's, or free
@@ -275,6 +278,8 @@ def _opened(
     server_keep_alive: int | None,
 ) -> None:
     """The session is open (or its store could not be reached): answer CONNACK."""
+    assert conn.client_id is not None
+    conn.broker.connect_settled(conn, conn.client_id)
     if conn.state is not ConnectionState.AWAITING_CONNECT:
         return  # the socket closed while the session was opened
     if session is None:

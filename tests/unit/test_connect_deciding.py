@@ -1,0 +1,260 @@
+"""A detached session's deadlines wait for a CONNECT of its client that is still being
+decided (broker/core.py, ``Broker.connect_began``; tests/model/FINDINGS.md, finding 40).
+
+The client came back before its session's expiry (or its will delay) passed, but its
+CONNECT waited: for the persistent path to read the session back (a replica reopens a
+detached copy from the store), for the session save of an earlier CONNECT, or for
+its client ID's claim. The deadline fired meanwhile: the session was ended in the
+store while the CONNECT resumed it, so another replica (or this one after a restart)
+found no session. Here the store and the claims are held by hand, as a paused Redis
+holds them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from broker.config import ClusterSettings, Settings
+from broker.ownership import ClaimDone, MemoryOwners
+from broker.packets import ConnAck, Connect, Properties, ReasonCode, Will
+from broker.persistent_path import (
+    DoneCallback,
+    InMemoryPersistentPath,
+    OpenedCallback,
+    OpenedSession,
+    OpenRequest,
+)
+from broker.session import Session
+from tests.unit.core_harness import V5, Client, Harness, payloads
+from tests.unit.test_ownership import PASSWORD, harness
+
+
+class HeldStore(InMemoryPersistentPath):
+    """Sessions kept by client id; opens and saves can be held back."""
+
+    def __init__(self) -> None:
+        self.stored: set[str] = set()
+        self.hold_opens = False
+        self.hold_saves = False
+        self.held: list[Callable[[], None]] = []
+
+    def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
+        def answer() -> None:
+            resumed = client_id in self.stored and not request.clean_start
+            done(OpenedSession(1, resumed, [], (), request.owner))
+
+        if self.hold_opens:
+            self.held.append(answer)
+        else:
+            answer()
+
+    def save_session(self, session: Session, on_saved: DoneCallback = lambda ok: None) -> None:
+        def saved() -> None:
+            self.stored.add(session.client_id)
+            on_saved(True)
+
+        if self.hold_saves:
+            self.held.append(saved)
+        else:
+            saved()
+
+    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+        self.stored.discard(session.client_id)
+        if on_ended is not None:
+            on_ended(True)
+
+    def release(self) -> None:
+        self.hold_opens = self.hold_saves = False
+        held, self.held = self.held, []
+        for then in held:
+            then()
+
+
+def _connect(client: Client, client_id: str, expiry: int, **connect: object) -> None:
+    client.send(
+        Connect(
+            client_id,
+            protocol_level=V5,
+            clean_start=False,
+            keep_alive=0,
+            properties=Properties(session_expiry_interval=expiry),
+            **connect,  # type: ignore[arg-type]
+        )
+    )
+
+
+def _connack(client: Client) -> ConnAck:
+    packets = client.read()
+    assert packets and isinstance(packets[0], ConnAck), packets
+    return packets[0]
+
+
+def test_a_replica_reopening_a_detached_copy_from_the_store_does_not_let_it_expire() -> None:
+    """Finding 40 (seed 11403): the replica reopened the client's detached copy from
+    the store (the copy may be stale); the copy's expiry fired while the store was
+    paused and ended the session there; the client got session present 1 here, and
+    the other replica, reading the store, found none."""
+    store = HeldStore()
+    settings = Settings(cluster=ClusterSettings(enabled=True, node_id="b"))
+    h = Harness(settings, persistent_path=store)
+    first = h.client(peer="dev")
+    _connect(first, "dev", expiry=2)
+    assert _connack(first).reason_code == 0
+    first.conn.connection_lost()  # detached: expires in 2 s
+    store.hold_opens = store.hold_saves = True  # Redis paused
+    again = h.client(peer="dev")
+    _connect(again, "dev", expiry=3)
+    again.expect_nothing()  # reading the session back from the store
+    h.advance(2.5)  # past the detached copy's expiry
+    assert store.stored == {"dev"}  # not ended in the store
+    store.release()
+    connack = _connack(again)
+    assert connack.reason_code == 0 and connack.session_present
+    assert store.stored == {"dev"}
+    assert h.broker.sessions["dev"].connection is again.conn
+    h.advance(10)  # nothing left to fire
+    assert h.broker.sessions["dev"].connection is again.conn and store.stored == {"dev"}
+
+
+def test_a_connect_queued_behind_the_previous_connections_save_keeps_the_session() -> None:
+    """CONNECTs of one client id are opened one at a time: the second waited behind
+    the first's session save while the first's client left and its expiry passed."""
+    store = HeldStore()
+    h = Harness(persistent_path=store)
+    first = h.client(peer="dev")
+    _connect(first, "dev", expiry=2)
+    assert _connack(first).reason_code == 0
+    first.conn.connection_lost()
+    store.hold_saves = True
+    second = h.client(peer="dev")
+    _connect(second, "dev", expiry=2)  # its save waits
+    second.conn.connection_lost()  # and it leaves: detached, expires in 2 s
+    third = h.client(peer="dev")
+    _connect(third, "dev", expiry=60)  # queued behind the second's save
+    third.expect_nothing()
+    h.advance(3)
+    assert "dev" in h.broker.sessions and store.stored == {"dev"}
+    store.release()
+    connack = _connack(third)
+    assert connack.reason_code == 0 and connack.session_present
+    h.advance(10)
+    assert h.broker.sessions["dev"].connection is third.conn and store.stored == {"dev"}
+
+
+class HeldClaims(MemoryOwners):
+    """Claims answered when released, as a paused Redis answers them."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__(clock)
+        self.hold = False
+        self.held: list[Callable[[], None]] = []
+
+    def claim(
+        self,
+        kind: str,
+        name: str,
+        owner: str | None,
+        ttl: float,
+        done: ClaimDone,
+        most: int | None = None,
+    ) -> None:
+        def answer() -> None:
+            super(HeldClaims, self).claim(kind, name, owner, ttl, done, most)
+
+        if self.hold:
+            self.held.append(answer)
+        else:
+            answer()
+
+    def release(self) -> None:
+        self.hold = False
+        held, self.held = self.held, []
+        for answer in held:
+            answer()
+
+
+def _will_delayed(seconds: int) -> Will:
+    return Will("wills/dev", b"gone", properties=Properties(will_delay_interval=seconds))
+
+
+def test_a_connect_waiting_for_its_client_ids_claim_keeps_the_session_and_the_will(
+    tmp_path: Path,
+) -> None:
+    """auth.client_id_owner first: the claim is asked of Redis before the session is
+    opened. The client is back before its will delay and its expiry passed: neither
+    fires while the claim waits (MQTT-3.1.3-9: no will)."""
+    h = harness(tmp_path, client_id_owner="first")
+    claims = HeldClaims(h.clock)
+    h.broker.owners = claims
+    watcher = h.connected("watcher")
+    watcher.subscribe("wills/#")
+    first = h.client(peer="dev")
+    _connect(first, "dev", 2, username="alice", password=PASSWORD, will=_will_delayed(1))
+    assert _connack(first).reason_code == 0
+    first.conn.connection_lost()  # the will in 1 s, the end in 2 s
+    claims.hold = True
+    again = h.client(peer="dev")
+    _connect(again, "dev", 60, username="alice", password=PASSWORD)
+    h.advance(3)
+    assert watcher.read() == []
+    assert "dev" in h.broker.sessions
+    claims.release()
+    connack = _connack(again)
+    assert connack.reason_code == 0 and connack.session_present
+    h.advance(10)
+    assert watcher.read() == []
+
+
+def test_the_deadlines_apply_once_the_waiting_connect_is_refused_or_gone(
+    tmp_path: Path,
+) -> None:
+    """The wait lasts as long as the CONNECT is decided, no longer: a CONNECT refused
+    (the ID is another owner's) or whose socket closes leaves the session to its
+    deadlines, which fire at the next look."""
+    h = harness(tmp_path, client_id_owner="first")
+    claims = HeldClaims(h.clock)
+    h.broker.owners = claims
+    watcher = h.connected("watcher")
+    watcher.subscribe("wills/#")
+    device = h.client(peer="dev")
+    _connect(device, "dev", 2, username="alice", password=PASSWORD, will=_will_delayed(1))
+    assert _connack(device).reason_code == 0
+    device.conn.connection_lost()
+    claims.hold = True
+    stranger = h.client(peer="bob")
+    _connect(stranger, "dev", 60, username="bob", password=PASSWORD)
+    gone = h.client(peer="dev")
+    _connect(gone, "dev", 60, username="alice", password=PASSWORD)
+    h.advance(3)
+    assert watcher.read() == [] and "dev" in h.broker.sessions
+    gone.conn.connection_lost()  # this one will never be answered
+    h.advance(0.1)
+    assert watcher.read() == [] and "dev" in h.broker.sessions  # bob's is still decided
+    claims.release()
+    assert _connack(stranger).reason_code == ReasonCode.NOT_AUTHORIZED
+    h.advance(0.5)
+    assert payloads(watcher.read()) == [b"gone"]
+    assert "dev" not in h.broker.sessions
+    assert not h.broker._deciding  # nothing kept for the CONNECTs that ended
+
+
+def test_a_connect_that_times_out_while_decided_is_forgotten() -> None:
+    """The connect timeout bounds the wait: the connection closes, and the detached
+    session's deadline applies."""
+    store = HeldStore()
+    settings = Settings(cluster=ClusterSettings(enabled=True, node_id="b"))
+    h = Harness(settings, persistent_path=store)
+    first = h.client(peer="dev")
+    _connect(first, "dev", expiry=2)
+    assert _connack(first).reason_code == 0
+    first.conn.connection_lost()
+    store.hold_opens = True
+    again = h.client(peer="dev")
+    _connect(again, "dev", expiry=3)
+    timeout = settings.mqtt.connect_timeout
+    h.advance(timeout + 1)
+    assert again.closed
+    h.advance(1)
+    assert "dev" not in h.broker.sessions and store.stored == set()
+    store.release()  # the open answers late: nobody waits for it
+    assert "dev" not in h.broker.sessions or h.broker.sessions["dev"].connection is None
