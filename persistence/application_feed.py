@@ -989,6 +989,10 @@ class ApplicationFeed:
         # progress write with an older one is refused (another connection took over).
         self.owner = 0
         self._loading: int | None = None  # the epoch whose load is under way: no writes
+        # The load script calls sent and not answered: each may make this feed the owner
+        # anew (INCR), even one whose reader was stopped meanwhile, so nothing is written
+        # until they are answered (_owner_taken).
+        self._loads: set[asyncio.Future[Any]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
         self._asked = _Progress()
@@ -1073,6 +1077,8 @@ class ApplicationFeed:
         """Stop reading and wait until every progress write landed (a rewind, a reset);
         what is asked from then on is not written (the progress is being replaced)."""
         self._stop()
+        while self._loads:  # a load the stop cut short: its owner number first
+            await asyncio.wait(set(self._loads))
         await self._written.wait()
         self._frozen = True
 
@@ -1166,6 +1172,7 @@ class ApplicationFeed:
             and self._generation is not None
             and not self._frozen
             and self._loading is None
+            and not self._loads
         ):
             self._written.clear()
             self._writer = asyncio.get_running_loop().create_task(self._write())
@@ -1174,7 +1181,7 @@ class ApplicationFeed:
         """One write at a time; what is asked meanwhile goes into the next."""
         wait = RETRY_FIRST
         try:
-            while self._asked:
+            while self._asked and not self._loads:
                 asked, self._asked = self._asked, _Progress()
                 args: list[Any] = [self._generation, self.owner, len(asked.offsets)]
                 for partition, offset in asked.offsets.items():
@@ -1329,13 +1336,15 @@ class ApplicationFeed:
 
     async def _load(self, epoch: int) -> None:
         keys = self._keys
-        got = await self._apps.load_script(keys=keys.listed())
+        call = asyncio.ensure_future(self._apps.load_script(keys=keys.listed()))
+        self._loads.add(call)
+        call.add_done_callback(self._owner_taken)
+        got = await asyncio.shield(call)  # a stop meanwhile: the answer still counts
         if epoch != self._epoch:
             return  # a later connection loads it again (and owns it then)
-        owner, raw_generation, *hashes = got
+        _owner, raw_generation, *hashes = got
         offsets, inflight, seen, replay, tail, lost, names = (_pairs(flat) for flat in hashes)
         generation = raw_generation or None
-        self.owner = int(owner)
         self._tail = {int(p): name.decode() for p, name in tail.items()}
         self._replay = {int(p): int(o) for p, o in replay.items()}
         self._seen = {}
@@ -1379,6 +1388,17 @@ class ApplicationFeed:
             # client holding no QoS 2 flow of the id answers PUBCOMP), before it goes again.
             self._reserved.add(raw_id)
             self._buffer.append(Outgoing(raw_id, None, sent=True, marked=True, ref=_LostId(raw_id)))
+
+    def _owner_taken(self, call: asyncio.Future[Any]) -> None:
+        """A load script call answered. Its INCR made this feed the session's owner
+        (unless a newer connection's came after): the number is this feed's even when
+        its reader was stopped before the answer, a restart cutting the load short. Kept
+        from the stopped load, it was the stale owner that refused this connection's
+        next write, and its client got 0x8E from its own reconnect."""
+        self._loads.discard(call)
+        if not call.cancelled() and call.exception() is None:
+            self.owner = max(self.owner, int(call.result()[0]))
+        self._schedule()
 
     def _watch(self, consumer: AIOKafkaConsumer) -> None:
         """A closed connection of the reader (a Kafka restart closes it) makes it check
