@@ -504,9 +504,9 @@ class ClusterState:
         }
         now = time.time()
         self._answers_due = {n for n, t in self.last_heard.items() if now - t < ANSWER_FROM}
-        self.current = not self._answers_due
+        self.current = False
         self.request_sync()
-        if self.current:
+        if not self._answers_due:  # nobody heard lately: nobody to wait for
             self._caught_up()
 
     def link_lost(self) -> None:

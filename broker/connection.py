@@ -257,12 +257,17 @@ class MQTTConnection:
         # What waited was heard: the keep-alive counts from now (it was not read).
         self.last_received = self.broker.clock()
         if self.is_v5 or len(self.pending_acks) <= self.broker.settings.mqtt.receive_maximum // 2:
-            self.input_paused = False  # else ack_ready resumes, once enough acks went out
-            call_soon = self.broker.call_soon
-            if call_soon is None:
-                self._input_resumed()
-            else:
-                call_soon(self._input_resumed)
+            self._resume_input()  # else ack_ready resumes, once enough acks went out
+
+    def _resume_input(self) -> None:
+        """Read on: what waited is handled next, not from inside the callback that
+        decided it (a storage answer, the cluster being current)."""
+        self.input_paused = False
+        call_soon = self.broker.call_soon
+        if call_soon is None:
+            self._input_resumed()
+        else:
+            call_soon(self._input_resumed)
 
     def hold_input(self) -> None:
         """CONNECT is being authenticated: keep what follows until :meth:`release_input`."""
@@ -407,13 +412,7 @@ class MQTTConnection:
             and not self._cluster_held
             and len(pending) <= self.broker.settings.mqtt.receive_maximum // 2
         ):
-            self.input_paused = False
-            # Not from inside this storage callback: what waited is handled next.
-            call_soon = self.broker.call_soon
-            if call_soon is None:
-                self._input_resumed()
-            else:
-                call_soon(self._input_resumed)
+            self._resume_input()
 
     def incoming_in_flight(self) -> int:
         """QoS > 0 publishes from this client not yet fully acknowledged (Receive Maximum)."""
