@@ -94,6 +94,7 @@ REGISTRY = "devicemq:app:sessions"  # hash: client id -> generation of its APPLI
 SAFE_LENGTH = 180  # characters of the client ID kept in a topic name (Kafka allows 249)
 DEADLINE_TICK = 0.5  # seconds between two looks at the producing deadlines
 READ_WAIT_MS = 200  # a reader's longest wait for records (then it looks at its connection)
+LOAD_LIMIT = 10.0  # seconds a load script call may go unanswered before it is given up
 RETRY_FIRST, RETRY_MOST = 0.5, 2.0  # seconds between tries of a write or a read that failed
 DONE = "-"  # an inflight field whose flow completed (its id went to a later message)
 
@@ -989,9 +990,10 @@ class ApplicationFeed:
         # progress write with an older one is refused (another connection took over).
         self.owner = 0
         self._loading: int | None = None  # the epoch whose load is under way: no writes
-        # The load script calls sent and not answered: each may make this feed the owner
-        # anew (INCR), even one whose reader was stopped meanwhile, so nothing is written
-        # until they are answered (_owner_taken).
+        # The load script calls sent and not answered (at most LOAD_LIMIT each): each
+        # may make this feed the owner anew (INCR), even one whose reader was stopped
+        # meanwhile, so nothing is written and no other load is sent until they are
+        # answered (_load_answered).
         self._loads: set[asyncio.Future[Any]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._room = asyncio.Event()
@@ -1077,8 +1079,7 @@ class ApplicationFeed:
         """Stop reading and wait until every progress write landed (a rewind, a reset);
         what is asked from then on is not written (the progress is being replaced)."""
         self._stop()
-        while self._loads:  # a load the stop cut short: its owner number first
-            await asyncio.wait(set(self._loads))
+        await self._loads_answered()  # a load the stop cut short: its owner number first
         await self._written.wait()
         self._frozen = True
 
@@ -1335,16 +1336,21 @@ class ApplicationFeed:
                     await consumer.stop()
 
     async def _load(self, epoch: int) -> None:
-        keys = self._keys
-        call = asyncio.ensure_future(self._apps.load_script(keys=keys.listed()))
+        await self._loads_answered()  # one at a time: a cut one's INCR lands before this one's
+        call = asyncio.ensure_future(self._apps.load_script(keys=self._keys.listed()))
         self._loads.add(call)
-        call.add_done_callback(self._owner_taken)
-        got = await asyncio.shield(call)  # a stop meanwhile: the answer still counts
+        limit = asyncio.get_running_loop().call_later(LOAD_LIMIT, call.cancel)
+        call.add_done_callback(partial(self._load_answered, limit))
+        await asyncio.wait({call})  # not cancelled with this reader: the answer counts
+        if call.cancelled():
+            raise TimeoutError(f"no answer in {LOAD_LIMIT} s")
+        got = call.result()
         if epoch != self._epoch:
             return  # a later connection loads it again (and owns it then)
-        _owner, raw_generation, *hashes = got
+        owner, raw_generation, *hashes = got
         offsets, inflight, seen, replay, tail, lost, names = (_pairs(flat) for flat in hashes)
         generation = raw_generation or None
+        self.owner = int(owner)
         self._tail = {int(p): name.decode() for p, name in tail.items()}
         self._replay = {int(p): int(o) for p, o in replay.items()}
         self._seen = {}
@@ -1389,15 +1395,22 @@ class ApplicationFeed:
             self._reserved.add(raw_id)
             self._buffer.append(Outgoing(raw_id, None, sent=True, marked=True, ref=_LostId(raw_id)))
 
-    def _owner_taken(self, call: asyncio.Future[Any]) -> None:
-        """A load script call answered. Its INCR made this feed the session's owner
-        (unless a newer connection's came after): the number is this feed's even when
-        its reader was stopped before the answer, a restart cutting the load short. Kept
-        from the stopped load, it was the stale owner that refused this connection's
-        next write, and its client got 0x8E from its own reconnect."""
+    async def _loads_answered(self) -> None:
+        while self._loads:
+            await asyncio.wait(set(self._loads))
+
+    def _load_answered(self, limit: asyncio.TimerHandle, call: asyncio.Future[Any]) -> None:
+        """A load script call answered (or was given up). Its INCR made this feed the
+        session's owner, unless a newer connection's came after, even when the reader
+        that sent it was stopped first (tests/model/FINDINGS.md, finding 41). With no
+        reader to load again (a pause for a reset or a rewind, the client gone) its
+        number is the feed's from now on: kept from before, it refused the feed's own
+        next write, and the feed disconnected its client 0x8E. A reader that follows
+        takes the number of its own load."""
+        limit.cancel()
         self._loads.discard(call)
-        if not call.cancelled() and call.exception() is None:
-            self.owner = max(self.owner, int(call.result()[0]))
+        if self._reader is None and not call.cancelled() and call.exception() is None:
+            self.owner = int(call.result()[0])
         self._schedule()
 
     def _watch(self, consumer: AIOKafkaConsumer) -> None:

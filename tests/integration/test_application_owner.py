@@ -78,18 +78,52 @@ async def test_a_load_cut_short_by_a_restart_still_makes_the_feed_the_owner(
         await wait_for(lambda: feed.owner == 1, 5, "the first load")
         os.kill(server.process.pid, signal.SIGSTOP)
         feed.restart()  # its load script is sent; Redis does not answer
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: bool(feed._loads), 5, "the load sent")
+        await asyncio.sleep(0.05)  # on its connection's socket (either way the INCR runs)
         landed: list[bool] = []
         feed._asked.set("0:0", DONE)  # progress asked meanwhile (an acknowledgement)
         feed._asked.callbacks.append(lambda: landed.append(True))
         feed.restart()  # the reader in its load is stopped; a new one starts
-        await asyncio.sleep(0.1)
         os.kill(server.process.pid, signal.SIGCONT)
         await wait_for(lambda: bool(landed or outflow.connection.reasons), 5, "the write")
         assert outflow.connection.reasons == []  # on the code before: [0x8E]
         assert landed == [True] and apps.fenced == 0
         await wait_for_value(redis, keys.owner, b"3")  # the cut load's INCR, then the new one
         await wait_for(lambda: feed.owner == 3, 5, "the feed owning the session")
+    finally:
+        feed.discard()
+        await redis.aclose()
+
+
+async def test_a_reset_after_a_load_cut_short_is_not_refused(server: RedisServer) -> None:
+    """The same cut load, then no new reader: the log went back, so the feed pauses and
+    resets the progress with its owner number. The cut load's INCR ran: the reset must
+    carry that number, or it is refused and the feed disconnects its own client."""
+    redis = aioredis.Redis.from_url(server.url)
+    apps = ApplicationSessions(
+        ApplicationSettings(client_ids=("^app-",)), redis, None, "127.0.0.1:1"
+    )
+    client_id = "app-2"
+    keys = app_keys(client_id)
+    await redis.set(keys.generation, b"1")
+    feed = ApplicationFeed(client_id, apps)
+    outflow = Outflow()
+    feed.outflow = outflow  # type: ignore[assignment]
+    try:
+        feed.restart()
+        await wait_for(lambda: feed.owner == 1, 5, "the first load")
+        os.kill(server.process.pid, signal.SIGSTOP)
+        feed.restart()
+        await wait_for(lambda: bool(feed._loads), 5, "the load sent")
+        await asyncio.sleep(0.05)
+        apps.log_went_back(feed, 0)  # pauses the feed (its reader stops), then resets
+        await asyncio.sleep(0.05)
+        os.kill(server.process.pid, signal.SIGCONT)
+        reread_or_refused = lambda: feed._reader is not None or bool(outflow.connection.reasons)  # noqa: E731
+        await wait_for(reread_or_refused, 5, "the reset's outcome")
+        assert outflow.connection.reasons == []  # on the code before: [0x8E]
+        assert apps.fenced == 0 and apps.log_resets == 1
+        await wait_for(lambda: feed.owner == 3, 5, "the reread's load")
     finally:
         feed.discard()
         await redis.aclose()
