@@ -234,10 +234,11 @@ class Broker:
         # Client ids being opened here while another replica holds their connection.
         self._taken_from: dict[str, str] = {}
         self._opening_since: dict[str, float] = {}  # when each began (a slow one is logged)
-        # CONNECTs accepted and not yet answered, by client id (connect_began): while
-        # one waits (its client ID's claim, its session read from the store), the
-        # client's detached session neither expires nor sends its will.
-        self._deciding: dict[str, set[MQTTConnection]] = {}
+        # CONNECTs accepted and not yet answered, by client id, with when each began
+        # (connect_began): while one waits (its client ID's claim, its session read
+        # from the store), the client's detached session neither expires nor sends
+        # its will, if that CONNECT began first and may resume it.
+        self._deciding: dict[str, dict[MQTTConnection, float]] = {}
         self.owner_policy = owner_policy(settings)
         # Who holds each client ID (auth.client_id_owner) and $ECQ queue: shared by the
         # replicas through Redis (persistence/owner_store.py), else here.
@@ -995,19 +996,40 @@ class Broker:
     def connect_began(self, conn: MQTTConnection, client_id: str) -> None:
         """``conn``'s CONNECT names ``client_id`` and is accepted so far: until it is
         answered (:meth:`connect_settled`) or its socket closes, a detached session of
-        ``client_id`` whose expiry or will delay passes waits for it. The client came
-        back before the deadline: the session is resumed, not ended in the store
-        while the CONNECT reads it from there (finding 40), and its will is not sent
-        (MQTT-3.1.3-9). The connect timeout bounds the wait."""
-        self._deciding.setdefault(client_id, set()).add(conn)
+        ``client_id`` whose expiry or will delay passes after it began waits for it,
+        if it may resume the session (:meth:`_may_resume`: a stranger's CONNECT holds
+        nothing back). The client came back before the deadline: the session is
+        resumed, not ended in the store while the CONNECT reads it from there
+        (finding 40), and its will is not sent (MQTT-3.1.3-9). The connect timeout
+        bounds the wait."""
+        self._deciding.setdefault(client_id, {})[conn] = self.clock()
 
     def connect_settled(self, conn: MQTTConnection, client_id: str) -> None:
         """``conn``'s CONNECT of ``client_id`` is answered, or its socket closed."""
         deciding = self._deciding.get(client_id)
         if deciding is not None:
-            deciding.discard(conn)
+            deciding.pop(conn, None)
             if not deciding:
                 del self._deciding[client_id]
+
+    def _resuming(self, session: Session, deadline: float) -> bool:
+        """Is a CONNECT that began by ``deadline`` and may resume ``session`` still
+        being decided?"""
+        deciding = self._deciding.get(session.client_id)
+        return deciding is not None and any(
+            began <= deadline and self._may_resume(session, conn)
+            for conn, began in deciding.items()
+        )
+
+    def _may_resume(self, session: Session, conn: MQTTConnection) -> bool:
+        """Could ``conn``'s CONNECT resume ``session``: its owner's (auth.session_owner),
+        and under auth.client_id_owner first the same identity as the client ID's
+        last holder? A stranger's CONNECT is refused, so it waits for nothing."""
+        if not self._may_own(session.owner, self.owner_of(conn)):
+            return False
+        return self.client_id_policy != "first" or (
+            _identity_of_session(session) == self.identity_of(conn)
+        )
 
     def _begin_opening(self, client_id: str) -> None:
         """CONNECTs of ``client_id`` wait until :meth:`_end_opening`."""
@@ -1062,7 +1084,9 @@ class Broker:
                 continue  # watched again since, back, or ended
             session = popped
             session.watched_at, session.due_entry = None, None
-            if session.client_id in self._deciding:
+            if session.client_id in self._deciding and self._resuming(
+                session, min(t for t in (session.will_at, session.expires_at) if t is not None)
+            ):
                 # A CONNECT of its client, made before this deadline, is still being
                 # decided: the deadline waits for it (connect_began).
                 self._watch_session_at(session, now + DECIDING_RECHECK)

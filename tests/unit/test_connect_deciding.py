@@ -205,12 +205,10 @@ def test_a_connect_waiting_for_its_client_ids_claim_keeps_the_session_and_the_wi
     assert watcher.read() == []
 
 
-def test_the_deadlines_apply_once_the_waiting_connect_is_refused_or_gone(
-    tmp_path: Path,
-) -> None:
-    """The wait lasts as long as the CONNECT is decided, no longer: a CONNECT refused
-    (the ID is another owner's) or whose socket closes leaves the session to its
-    deadlines, which fire at the next look."""
+def test_the_deadlines_apply_once_the_clients_waiting_connect_is_gone(tmp_path: Path) -> None:
+    """The wait lasts as long as the client's CONNECT is decided, no longer: once its
+    socket closes the deadlines fire at the next look, and a stranger's CONNECT
+    (another user naming the client ID, to be refused) holds nothing back."""
     h = harness(tmp_path, client_id_owner="first")
     claims = HeldClaims(h.clock)
     h.broker.owners = claims
@@ -227,15 +225,61 @@ def test_the_deadlines_apply_once_the_waiting_connect_is_refused_or_gone(
     _connect(gone, "dev", 60, username="alice", password=PASSWORD)
     h.advance(3)
     assert watcher.read() == [] and "dev" in h.broker.sessions
-    gone.conn.connection_lost()  # this one will never be answered
-    h.advance(0.1)
-    assert watcher.read() == [] and "dev" in h.broker.sessions  # bob's is still decided
-    claims.release()
-    assert _connack(stranger).reason_code == ReasonCode.NOT_AUTHORIZED
+    gone.conn.connection_lost()  # never answered; bob's CONNECT still waits
     h.advance(0.5)
     assert payloads(watcher.read()) == [b"gone"]
     assert "dev" not in h.broker.sessions
+    claims.release()
+    assert _connack(stranger).reason_code == ReasonCode.NOT_AUTHORIZED
     assert not h.broker._deciding  # nothing kept for the CONNECTs that ended
+
+
+def test_a_strangers_connect_alone_holds_back_no_deadline(tmp_path: Path) -> None:
+    """Without the check, any user naming the client ID (or a stream of them) kept
+    another user's session from expiring and its will from being sent."""
+    h = harness(tmp_path, client_id_owner="first")
+    claims = HeldClaims(h.clock)
+    h.broker.owners = claims
+    watcher = h.connected("watcher")
+    watcher.subscribe("wills/#")
+    device = h.client(peer="dev")
+    _connect(device, "dev", 2, username="alice", password=PASSWORD, will=_will_delayed(1))
+    assert _connack(device).reason_code == 0
+    device.conn.connection_lost()
+    claims.hold = True
+    for _ in range(3):
+        _connect(h.client(peer="bob"), "dev", 60, username="bob", password=PASSWORD)
+    h.advance(1.5)
+    assert payloads(watcher.read()) == [b"gone"]
+    h.advance(1)
+    assert "dev" not in h.broker.sessions
+
+
+def test_a_connect_that_began_after_the_deadline_holds_it_back_no_longer(
+    tmp_path: Path,
+) -> None:
+    """MQTT-3.1.3-9 cancels the will of a client back before its delay passed: one
+    back after it (its CONNECT begun once the delay had passed, before the tick looked)
+    gets its will sent; the session, not yet expired, is still resumed."""
+    h = harness(tmp_path, client_id_owner="first")
+    claims = HeldClaims(h.clock)
+    h.broker.owners = claims
+    watcher = h.connected("watcher")
+    watcher.subscribe("wills/#")
+    device = h.client(peer="dev")
+    _connect(device, "dev", 10, username="alice", password=PASSWORD, will=_will_delayed(1))
+    assert _connack(device).reason_code == 0
+    device.conn.connection_lost()
+    h.advance(0.9)
+    h.clock.now += 0.3  # the delay passed; the tick has not looked yet
+    claims.hold = True
+    late = h.client(peer="dev")
+    _connect(late, "dev", 60, username="alice", password=PASSWORD)
+    h.advance(0.1)
+    assert payloads(watcher.read()) == [b"gone"]
+    claims.release()
+    connack = _connack(late)
+    assert connack.reason_code == 0 and connack.session_present
 
 
 def test_a_connect_that_times_out_while_decided_is_forgotten() -> None:
