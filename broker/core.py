@@ -538,6 +538,7 @@ class Broker:
                 self.cluster.claim(client_id)
             session = self._new_session(client_id, expiry_interval, durable=True)
             session.generation = opened.generation
+            session.opens = opened.opens
             if opened.resumed:
                 for entry in opened.subscriptions:
                     self.subscriptions.add(entry)
@@ -916,14 +917,18 @@ class Broker:
         self._detached.discard(session)
         _unwatch(session)
 
-    def end_session(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+    def end_session(
+        self, session: Session, on_ended: DoneCallback | None = None, expired: bool = False
+    ) -> None:
         """Discard a session; a will still waiting for its delay is sent now.
-        ``on_ended(ok)``: a durable session's end was written (or could not be)."""
+        ``on_ended(ok)``: a durable session's end was written (or could not be).
+        ``expired``: the store keeps it if a client resumed it since (on another
+        replica: ``Session.opens``)."""
         if self.cluster is not None:
             self.cluster.ended(session)
         self.forget_session(session)
         if session.durable:
-            self.persistent_path.session_ended(session, on_ended)
+            self.persistent_path.session_ended(session, on_ended, expired)
         elif on_ended is not None:
             on_ended(True)
         self.acl.forget(session.client_id)
@@ -1097,7 +1102,7 @@ class Broker:
                     self.publish_will(will)
             if session.expires_at is not None and now >= session.expires_at:
                 log.info("session %s expired", session.client_id)
-                self.end_session(session)
+                self.end_session(session, expired=True)
             elif session in self._detached:
                 self._watch_session(session)
 

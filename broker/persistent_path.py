@@ -71,6 +71,7 @@ class OpenedSession:
     qos2_received: tuple[int, ...]
     owner: str | None
     refused: bool = False
+    opens: int = 0  # a resumed session's resumes so far, this one included
 
 
 OpenedCallback = Callable[[OpenedSession | None], None]
@@ -107,10 +108,13 @@ class PersistentPath(Protocol):
     def save_session(self, session: Session, on_saved: DoneCallback) -> None:
         """Record the session's state (subscriptions, expiry, connected or not)."""
 
-    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+    def session_ended(
+        self, session: Session, on_ended: DoneCallback | None = None, expired: bool = False
+    ) -> None:
         """The session expired or was discarded by clean start: drop what is kept,
         then ``on_ended(ok)`` (False: the store could not be reached; what is
-        kept may come back after a restart)."""
+        kept may come back after a restart). ``expired``: kept if a client resumed
+        it since ``session.opens`` (from another replica, finding 40)."""
 
     def enqueue(
         self,
@@ -180,7 +184,9 @@ class InMemoryPersistentPath:
     def save_session(self, session: Session, on_saved: DoneCallback = _ignore) -> None:
         on_saved(True)
 
-    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+    def session_ended(
+        self, session: Session, on_ended: DoneCallback | None = None, expired: bool = False
+    ) -> None:
         if on_ended is not None:
             on_ended(True)
 

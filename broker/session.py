@@ -58,6 +58,9 @@ class Session:
         # Tells this durable session from earlier and later ones of the same client id
         # (the persistent path assigns it; 0: none). Its records carry it.
         self.generation = 0
+        # Its resumes from the store so far (the persistent path's count): an end by its
+        # expiry is refused if a client resumed it since, elsewhere (finding 40).
+        self.opens = 0
         # Who the session belongs to (auth.session_owner), None: not bound.
         self.owner: str | None = None
         # Who last connected with it: the ACL's user rules and %u apply to it.

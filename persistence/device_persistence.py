@@ -602,9 +602,12 @@ class DevicePersistence:
         )
         self.sessions.save(session, on_saved)
 
-    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+    def session_ended(
+        self, session: Session, on_ended: DoneCallback | None = None, expired: bool = False
+    ) -> None:
         self.events.session(session.client_id, end_kind(session, self._clock()))
-        self.sessions.end(session.client_id, session.generation, on_ended)
+        opens = session.opens if expired else None
+        self.sessions.end(session.client_id, session.generation, on_ended, opens)
         if self.apps is not None:
             self.apps.ended(session.client_id, session.generation)  # its topic goes
         if self.groups is not None and session.durable:

@@ -643,6 +643,8 @@ class SessionState:
     generation: int = 0
     owner: str | None = None
     username: str | None = None  # who last connected with it (ACL user rules, %u)
+    # its resumes so far ({cid}_opens): not in the encoded state either, nor compared
+    opens: int = field(default=0, compare=False)
 
     def encode(self) -> bytes:
         # "q", "o" and "u" are left out when empty: one per durable session, the
@@ -809,6 +811,12 @@ def client_keys(client_id: str) -> ClientKeys:
         p + "_generation",
         p + "_bytes",
     )
+
+
+def opens_key(client_id: str) -> str:
+    """How many times the client's stored session was resumed (open_session.lua), in
+    its slot: an end for expiry that saw another count is refused (end_session.lua)."""
+    return "{" + _tag(client_id) + "}_opens"
 
 
 def partition_of(client_id: str, partitions: int) -> int:

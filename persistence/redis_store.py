@@ -105,6 +105,7 @@ from persistence.format import (
     encode_message,
     epoch_key,
     group_writes_key,
+    opens_key,
     packet_id_of,
     queue_keys,
     record_id,
@@ -409,7 +410,9 @@ class PersistedMessageStore(Protocol):
 
     async def load_sessions(self, client_ids: Sequence[str]) -> list[SessionState | None]: ...
 
-    async def end_session(self, client_id: str, generation: int = 0) -> int | None: ...
+    async def end_session(
+        self, client_id: str, generation: int = 0, opens: int | None = None
+    ) -> int | None: ...
 
     async def expire_session(self, client_id: str, seconds: int, generation: int = 0) -> bool: ...
 
@@ -419,11 +422,14 @@ class PersistedMessageStore(Protocol):
 # ---------------------------------------------------------------------------
 
 
-def _session_state(data: bytes | None, generation: bytes | None) -> SessionState | None:
+def _session_state(
+    data: bytes | None, generation: bytes | None, opens: bytes | None = None
+) -> SessionState | None:
     if data is None:
         return None
     state = SessionState.decode(data)
     state.generation = int(generation or 0)
+    state.opens = int(opens or 0)
     return state
 
 
@@ -1049,21 +1055,23 @@ class RedisMessageStore:
         ``enforce_owner``, a stored session bound to another owner than
         ``state.owner`` raises :class:`SessionOwned` and changes nothing.
         """
-        keys = client_keys(client_id)
+        keys = (*client_keys(client_id), opens_key(client_id))
         args = (
             "resume" if resume else "new",
             generation,
             state.encode(),
             state.owner or "",
             "1" if enforce_owner else "0",
+            self._default_ttl_ms,
         )
         reply = await self._eval(_OPEN, keys, args)
         if reply[0] == b"refused":
             raise SessionOwned(client_id)
-        gen, stored = reply
+        gen, stored = reply[0], reply[1]
         if stored:
             found = SessionState.decode(stored)
             found.generation = int(gen)
+            found.opens = int(reply[2])
             return found
         state.generation = int(gen)
         return None
@@ -1091,9 +1099,9 @@ class RedisMessageStore:
         pipe = self.redis.pipeline(transaction=False)
         for client_id in client_ids:
             keys = client_keys(client_id)
-            pipe.execute_command("MGET", keys.session, keys.generation)
+            pipe.execute_command("MGET", keys.session, keys.generation, opens_key(client_id))
         replies = await pipe.execute()
-        return [_session_state(data, gen) for data, gen in replies]
+        return [_session_state(data, gen, opens) for data, gen, opens in replies]
 
     async def expire_session(self, client_id: str, seconds: int, generation: int = 0) -> bool:
         """Disconnected: every key of the client expires in ``seconds``
@@ -1106,17 +1114,23 @@ class RedisMessageStore:
         reply = await self._eval(_SESSION, client_keys(client_id), args)
         return int(reply) == 1
 
-    async def end_session(self, client_id: str, generation: int = 0) -> int | None:
+    async def end_session(
+        self, client_id: str, generation: int = 0, opens: int | None = None
+    ) -> int | None:
         """The session of ``generation`` ended (0: whichever is stored): delete every
         key of the client, leave a generation tombstone for ``default_ttl`` so
-        records still in Kafka for it are dropped. Returns the messages deleted,
-        or None if a newer session holds the client (nothing was deleted)."""
-        args = (generation, self._default_ttl_ms)
+        records still in Kafka for it are dropped. ``opens``: an end by expiry, of a
+        session this broker saw resumed that many times; a client that resumed it
+        since (on another replica) keeps it. Returns the messages deleted, or None
+        if a newer session holds the client or it was resumed since (nothing was
+        deleted)."""
+        args = (generation, self._default_ttl_ms, "" if opens is None else opens)
         # And what it had in flight from queues (tests/model/FINDINGS.md, finding 35).
         keys = (
             *client_keys(client_id),
             queue_keys(client_id).inflight,
             group_writes_key(client_id),
+            opens_key(client_id),
         )
         deleted = int(await self._eval(_END, keys, args))
         return None if deleted < 0 else deleted

@@ -61,6 +61,7 @@ class _Save:
 class _End:
     generation: int
     done: Done | None = None
+    opens: int | None = None  # an end by expiry: the resumes it saw (end_session)
 
 
 @dataclass(slots=True)
@@ -119,8 +120,16 @@ class SessionStateStore:
             return
         self._enqueue(session.client_id, _Save(state, deadline, ttl, [on_saved]))
 
-    def end(self, client_id: str, generation: int, on_ended: Done | None = None) -> None:
-        self._enqueue(client_id, _End(generation, on_ended))
+    def end(
+        self,
+        client_id: str,
+        generation: int,
+        on_ended: Done | None = None,
+        opens: int | None = None,
+    ) -> None:
+        """End the session of ``generation``; ``opens``: it expired, and is kept if a
+        client resumed it since this broker's count (RedisMessageStore.end_session)."""
+        self._enqueue(client_id, _End(generation, on_ended, opens))
 
     async def flush(self) -> None:
         while self._drains:
@@ -183,6 +192,7 @@ class SessionStateStore:
         )
         restored_session.incoming_qos2 = dict.fromkeys(state.qos2_received, True)
         restored_session.generation = state.generation
+        restored_session.opens = state.opens
         broker.bind_owner(restored_session, state.owner)
         restored_session.username = state.username
         broker.acl.client_connected(client_id, state.username)
@@ -212,7 +222,9 @@ class SessionStateStore:
                         for done in op.callbacks:
                             done(ok)
                     else:
-                        ok = await self._retrying(partial(self._end, client_id, op.generation))
+                        ok = await self._retrying(
+                            partial(self._end, client_id, op.generation, op.opens)
+                        )
                         if op.done is not None:
                             op.done(ok)
                 except Exception:  # a callback's bug must not stop the queue
@@ -267,6 +279,7 @@ class SessionStateStore:
             _entries(client_id, found),
             found.qos2_received,
             found.owner,
+            opens=found.opens,
         )  # the username is the one connecting now
 
     async def _save(self, client_id: str, op: _Save) -> bool:
@@ -291,8 +304,8 @@ class SessionStateStore:
     async def _index(self, client_id: str, deadline: float) -> None:
         await self._store.index_session(client_id, deadline)
 
-    async def _end(self, client_id: str, generation: int) -> None:
-        if await self._store.end_session(client_id, generation) is not None:
+    async def _end(self, client_id: str, generation: int, opens: int | None = None) -> None:
+        if await self._store.end_session(client_id, generation, opens) is not None:
             await self._store.unindex_session(client_id)
 
 

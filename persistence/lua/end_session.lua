@@ -7,8 +7,13 @@
 -- KEYS[8] {cid}_ecq_inflight   KEYS[9] {cid}_ecq_group_writes: what the session
 -- had in flight from its queue and from group queues (also when it expired while
 -- no broker held it: a restarted broker ends it here, and nothing else would)
+-- KEYS[10] {cid}_opens
 -- ARGV[1] the generation that ended (0: whatever is stored)
 -- ARGV[2] ms to keep the tombstone
+-- ARGV[3] for an end by expiry: the resumes the ending broker saw ('' for any
+-- other end). A client that resumed the session elsewhere meanwhile (another
+-- replica read it while this one's expiry ran: finding 40) counted one more:
+-- nothing is deleted and -2 is returned.
 --
 -- Fenced: if a newer generation was opened meanwhile (elsewhere), nothing is
 -- deleted and -1 is returned. Otherwise the generation key becomes one higher
@@ -24,8 +29,12 @@
 local ending = tonumber(ARGV[1])
 local current = tonumber(redis.call('GET', KEYS[6]) or '0')
 if ending > 0 and current > ending then return -1 end
+if ARGV[3] ~= '' then
+  local opens = redis.call('GET', KEYS[10])
+  if opens and opens ~= ARGV[3] then return -2 end
+end
 local deleted = delete_messages(KEYS[1], KEYS[2])
-redis.call('DEL', KEYS[4], KEYS[5], KEYS[7], KEYS[8], KEYS[9])
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[7], KEYS[8], KEYS[9], KEYS[10])
 local tombstone = math.max(current, ending) + 1
 redis.call('SET', KEYS[6], string.format('%.0f', tombstone), 'PX', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])

@@ -534,6 +534,35 @@ async def test_session_save_load_delete(store: RedisMessageStore, cid: str) -> N
     assert await store.pending_count(cid) == 0
 
 
+async def test_an_end_by_expiry_keeps_a_session_resumed_since(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 40 across replicas: replica a holds the client's detached session and
+    its expiry runs while the client resumes on replica b (b reads the session from
+    Redis). a's end, counted from an earlier resume, must not delete what b resumed;
+    an end by expiry that saw the latest resume, or any other end, still does."""
+    state = SessionState(expiry_interval=2, last_seen=time.time())
+    assert await store.open_session(cid, resume=True, generation=1000, state=state) is None
+    await store.save_batch(cid, msgs(0, 3, generation=1000), partition=0)
+    on_a = await store.open_session(cid, resume=True, generation=1, state=SessionState(2, 0))
+    assert on_a is not None and on_a.opens == 1
+    on_b = await store.open_session(cid, resume=True, generation=1, state=SessionState(3, 0))
+    assert on_b is not None and on_b.opens == 2
+    assert await store.end_session(cid, 1000, opens=on_a.opens) is None  # refused
+    assert await store.pending_count(cid) == 3
+    (loaded,) = await store.load_sessions([cid])
+    assert loaded is not None and loaded.opens == 2  # what a restarted broker restores
+    assert await store.end_session(cid, 1000, opens=on_b.opens) == 3  # b's own expiry
+    assert await store.load_session(cid) is None
+    # a new session counts from nothing; an unfenced end (a clean start) always ends
+    fresh = SessionState(expiry_interval=60, last_seen=time.time())
+    assert await store.open_session(cid, resume=True, generation=9, state=fresh) is None
+    again = await store.open_session(cid, resume=True, generation=9, state=SessionState(60, 0))
+    assert again is not None and again.opens == 1
+    assert await store.end_session(cid, fresh.generation) == 0
+    assert await store.load_session(cid) is None
+
+
 async def test_late_progress_of_an_ended_session_takes_nothing_of_the_next(
     store: RedisMessageStore, cid: str
 ) -> None:

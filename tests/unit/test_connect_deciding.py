@@ -37,11 +37,14 @@ class HeldStore(InMemoryPersistentPath):
         self.hold_opens = False
         self.hold_saves = False
         self.held: list[Callable[[], None]] = []
+        self.ends: list[tuple[str, bool, int]] = []  # (client id, by expiry, its opens)
+        self.opens = 0  # resumes counted, as open_session.lua counts them
 
     def open(self, client_id: str, request: OpenRequest, done: OpenedCallback) -> None:
         def answer() -> None:
             resumed = client_id in self.stored and not request.clean_start
-            done(OpenedSession(1, resumed, [], (), request.owner))
+            self.opens = self.opens + 1 if resumed else 0
+            done(OpenedSession(1, resumed, [], (), request.owner, opens=self.opens))
 
         if self.hold_opens:
             self.held.append(answer)
@@ -58,7 +61,10 @@ class HeldStore(InMemoryPersistentPath):
         else:
             saved()
 
-    def session_ended(self, session: Session, on_ended: DoneCallback | None = None) -> None:
+    def session_ended(
+        self, session: Session, on_ended: DoneCallback | None = None, expired: bool = False
+    ) -> None:
+        self.ends.append((session.client_id, expired, session.opens))
         self.stored.discard(session.client_id)
         if on_ended is not None:
             on_ended(True)
@@ -302,3 +308,30 @@ def test_a_connect_that_times_out_while_decided_is_forgotten() -> None:
     assert "dev" not in h.broker.sessions and store.stored == set()
     store.release()  # the open answers late: nobody waits for it
     assert "dev" not in h.broker.sessions or h.broker.sessions["dev"].connection is None
+
+
+def test_an_end_by_expiry_carries_the_resumes_it_saw_and_a_clean_start_none() -> None:
+    """The store refuses an end by expiry counted from an older resume than its own
+    (RedisMessageStore.end_session; another replica resumed the session meanwhile):
+    the tick's end says it is one, with the count this replica saw; a clean start's end
+    is not fenced."""
+    store = HeldStore()
+    settings = Settings(cluster=ClusterSettings(enabled=True, node_id="b"))
+    h = Harness(settings, persistent_path=store)
+    first = h.client(peer="dev")
+    _connect(first, "dev", expiry=60)
+    assert _connack(first).reason_code == 0
+    first.conn.connection_lost()
+    again = h.client(peer="dev")
+    _connect(again, "dev", expiry=2)  # reopened from the store: its first resume
+    assert _connack(again).session_present
+    again.conn.connection_lost()
+    h.advance(3)
+    assert store.ends == [("dev", True, 1)]
+    clean = h.client(peer="dev")
+    _connect(clean, "dev", expiry=60)
+    assert _connack(clean).reason_code == 0
+    fresh = h.client(peer="dev")
+    fresh.send(Connect("dev", protocol_level=V5, clean_start=True, keep_alive=0))
+    assert _connack(fresh).reason_code == 0
+    assert store.ends[1:] == [("dev", False, 0)]
