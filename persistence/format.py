@@ -86,6 +86,10 @@ Cluster slot and one script may touch them all (:func:`client_keys`):
 ``{cid}_generation``
     the generation of the client's current session; after the session ends,
     a tombstone one higher, kept for the default message TTL.
+``{cid}_opens``
+    how many times the stored session was resumed (:func:`opens_key`), kept
+    for the default message TTL: an end by expiry that saw another count is
+    refused (end_session.lua).
 ``{cid}_ecq_pending``, ``_log``, ``_values``, ``_times``, ``_seq``, ``_seen``, ``_acked``
     the exclusive compacted queue ``{cid}`` consumes (:func:`queue_keys`,
     persistence/queue_store.py): key -> seq not yet acknowledged, key -> seq
