@@ -15,14 +15,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
 
 from broker.config import ApplicationSettings
 from broker.packets import ReasonCode
-from persistence.application_feed import DONE, ApplicationFeed, ApplicationSessions, app_keys
+from persistence.application_feed import (
+    DONE,
+    AppKeys,
+    ApplicationFeed,
+    ApplicationSessions,
+    app_keys,
+)
 from tests.integration.redis_servers import RedisServer
 
 
@@ -59,18 +66,27 @@ def server() -> Iterator[RedisServer]:
         server.stop()
 
 
-async def test_a_load_cut_short_by_a_restart_still_makes_the_feed_the_owner(
-    server: RedisServer,
-) -> None:
+@dataclass
+class CutLoad:
+    redis: aioredis.Redis
+    apps: ApplicationSessions
+    feed: ApplicationFeed
+    outflow: Outflow
+    keys: AppKeys
+
+
+@pytest.fixture
+async def cut_load(server: RedisServer) -> AsyncIterator[CutLoad]:
+    """A connected client's feed, loaded once (owner 1); then Redis is stopped and the
+    feed restarts: its new load script is sent and not answered."""
     redis = aioredis.Redis.from_url(server.url)
     # No Kafka: the reader's consumer fails and retries; the owner is Redis's alone.
     apps = ApplicationSessions(
         ApplicationSettings(client_ids=("^app-",)), redis, None, "127.0.0.1:1"
     )
-    client_id = "app-1"
-    keys = app_keys(client_id)
+    keys = app_keys("app-1")
     await redis.set(keys.generation, b"1")
-    feed = ApplicationFeed(client_id, apps)
+    feed = ApplicationFeed("app-1", apps)
     outflow = Outflow()
     feed.outflow = outflow  # type: ignore[assignment]
     try:
@@ -80,53 +96,45 @@ async def test_a_load_cut_short_by_a_restart_still_makes_the_feed_the_owner(
         feed.restart()  # its load script is sent; Redis does not answer
         await wait_for(lambda: bool(feed._loads), 5, "the load sent")
         await asyncio.sleep(0.05)  # on its connection's socket (either way the INCR runs)
-        landed: list[bool] = []
-        feed._asked.set("0:0", DONE)  # progress asked meanwhile (an acknowledgement)
-        feed._asked.callbacks.append(lambda: landed.append(True))
-        feed.restart()  # the reader in its load is stopped; a new one starts
-        os.kill(server.process.pid, signal.SIGCONT)
-        await wait_for(lambda: bool(landed or outflow.connection.reasons), 5, "the write")
-        assert outflow.connection.reasons == []  # on the code before: [0x8E]
-        assert landed == [True] and apps.fenced == 0
-        await wait_for_value(redis, keys.owner, b"3")  # the cut load's INCR, then the new one
-        await wait_for(lambda: feed.owner == 3, 5, "the feed owning the session")
+        yield CutLoad(redis, apps, feed, outflow, keys)
     finally:
+        os.kill(server.process.pid, signal.SIGCONT)
         feed.discard()
         await redis.aclose()
 
 
-async def test_a_reset_after_a_load_cut_short_is_not_refused(server: RedisServer) -> None:
+async def test_a_load_cut_short_by_a_restart_still_makes_the_feed_the_owner(
+    server: RedisServer, cut_load: CutLoad
+) -> None:
+    feed, outflow = cut_load.feed, cut_load.outflow
+    landed: list[bool] = []
+    feed._asked.set("0:0", DONE)  # progress asked meanwhile (an acknowledgement)
+    feed._asked.callbacks.append(lambda: landed.append(True))
+    feed.restart()  # the reader in its load is stopped; a new one starts
+    os.kill(server.process.pid, signal.SIGCONT)
+    await wait_for(lambda: bool(landed or outflow.connection.reasons), 5, "the write")
+    assert outflow.connection.reasons == []  # on the code before: [0x8E]
+    assert landed == [True] and cut_load.apps.fenced == 0
+    # the cut load's INCR, then the new one
+    await wait_for_value(cut_load.redis, cut_load.keys.owner, b"3")
+    await wait_for(lambda: feed.owner == 3, 5, "the feed owning the session")
+
+
+async def test_a_reset_after_a_load_cut_short_is_not_refused(
+    server: RedisServer, cut_load: CutLoad
+) -> None:
     """The same cut load, then no new reader: the log went back, so the feed pauses and
     resets the progress with its owner number. The cut load's INCR ran: the reset must
     carry that number, or it is refused and the feed disconnects its own client."""
-    redis = aioredis.Redis.from_url(server.url)
-    apps = ApplicationSessions(
-        ApplicationSettings(client_ids=("^app-",)), redis, None, "127.0.0.1:1"
-    )
-    client_id = "app-2"
-    keys = app_keys(client_id)
-    await redis.set(keys.generation, b"1")
-    feed = ApplicationFeed(client_id, apps)
-    outflow = Outflow()
-    feed.outflow = outflow  # type: ignore[assignment]
-    try:
-        feed.restart()
-        await wait_for(lambda: feed.owner == 1, 5, "the first load")
-        os.kill(server.process.pid, signal.SIGSTOP)
-        feed.restart()
-        await wait_for(lambda: bool(feed._loads), 5, "the load sent")
-        await asyncio.sleep(0.05)
-        apps.log_went_back(feed, 0)  # pauses the feed (its reader stops), then resets
-        await asyncio.sleep(0.05)
-        os.kill(server.process.pid, signal.SIGCONT)
-        reread_or_refused = lambda: feed._reader is not None or bool(outflow.connection.reasons)  # noqa: E731
-        await wait_for(reread_or_refused, 5, "the reset's outcome")
-        assert outflow.connection.reasons == []  # on the code before: [0x8E]
-        assert apps.fenced == 0 and apps.log_resets == 1
-        await wait_for(lambda: feed.owner == 3, 5, "the reread's load")
-    finally:
-        feed.discard()
-        await redis.aclose()
+    feed, outflow, apps = cut_load.feed, cut_load.outflow, cut_load.apps
+    apps.log_went_back(feed, 0)  # pauses the feed (its reader stops), then resets
+    await asyncio.sleep(0.05)
+    os.kill(server.process.pid, signal.SIGCONT)
+    reread_or_refused = lambda: feed._reader is not None or bool(outflow.connection.reasons)  # noqa: E731
+    await wait_for(reread_or_refused, 5, "the reset's outcome")
+    assert outflow.connection.reasons == []  # on the code before: [0x8E]
+    assert apps.fenced == 0 and apps.log_resets == 1
+    await wait_for(lambda: feed.owner == 3, 5, "the reread's load")
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

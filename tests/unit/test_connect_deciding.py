@@ -183,21 +183,28 @@ def _will_delayed(seconds: int) -> Will:
     return Will("wills/dev", b"gone", properties=Properties(will_delay_interval=seconds))
 
 
+def _device_gone(tmp_path: Path, expiry: int) -> tuple[Harness, HeldClaims, Client]:
+    """alice's device "dev" connected with a will delayed 1 s and left; claims held
+    by hand (auth.client_id_owner first); a watcher of the wills."""
+    h = harness(tmp_path, client_id_owner="first")
+    claims = HeldClaims(h.clock)
+    h.broker.owners = claims
+    watcher = h.connected("watcher")
+    watcher.subscribe("wills/#")
+    device = h.client(peer="dev")
+    _connect(device, "dev", expiry, username="alice", password=PASSWORD, will=_will_delayed(1))
+    assert _connack(device).reason_code == 0
+    device.conn.connection_lost()
+    return h, claims, watcher
+
+
 def test_a_connect_waiting_for_its_client_ids_claim_keeps_the_session_and_the_will(
     tmp_path: Path,
 ) -> None:
     """auth.client_id_owner first: the claim is asked of Redis before the session is
     opened. The client is back before its will delay and its expiry passed: neither
     fires while the claim waits (MQTT-3.1.3-9: no will)."""
-    h = harness(tmp_path, client_id_owner="first")
-    claims = HeldClaims(h.clock)
-    h.broker.owners = claims
-    watcher = h.connected("watcher")
-    watcher.subscribe("wills/#")
-    first = h.client(peer="dev")
-    _connect(first, "dev", 2, username="alice", password=PASSWORD, will=_will_delayed(1))
-    assert _connack(first).reason_code == 0
-    first.conn.connection_lost()  # the will in 1 s, the end in 2 s
+    h, claims, watcher = _device_gone(tmp_path, expiry=2)  # the will in 1 s, the end in 2 s
     claims.hold = True
     again = h.client(peer="dev")
     _connect(again, "dev", 60, username="alice", password=PASSWORD)
@@ -215,15 +222,7 @@ def test_the_deadlines_apply_once_the_clients_waiting_connect_is_gone(tmp_path: 
     """The wait lasts as long as the client's CONNECT is decided, no longer: once its
     socket closes the deadlines fire at the next look, and a stranger's CONNECT
     (another user naming the client ID, to be refused) holds nothing back."""
-    h = harness(tmp_path, client_id_owner="first")
-    claims = HeldClaims(h.clock)
-    h.broker.owners = claims
-    watcher = h.connected("watcher")
-    watcher.subscribe("wills/#")
-    device = h.client(peer="dev")
-    _connect(device, "dev", 2, username="alice", password=PASSWORD, will=_will_delayed(1))
-    assert _connack(device).reason_code == 0
-    device.conn.connection_lost()
+    h, claims, watcher = _device_gone(tmp_path, expiry=2)
     claims.hold = True
     stranger = h.client(peer="bob")
     _connect(stranger, "dev", 60, username="bob", password=PASSWORD)
@@ -243,15 +242,7 @@ def test_the_deadlines_apply_once_the_clients_waiting_connect_is_gone(tmp_path: 
 def test_a_strangers_connect_alone_holds_back_no_deadline(tmp_path: Path) -> None:
     """Without the check, any user naming the client ID (or a stream of them) kept
     another user's session from expiring and its will from being sent."""
-    h = harness(tmp_path, client_id_owner="first")
-    claims = HeldClaims(h.clock)
-    h.broker.owners = claims
-    watcher = h.connected("watcher")
-    watcher.subscribe("wills/#")
-    device = h.client(peer="dev")
-    _connect(device, "dev", 2, username="alice", password=PASSWORD, will=_will_delayed(1))
-    assert _connack(device).reason_code == 0
-    device.conn.connection_lost()
+    h, claims, watcher = _device_gone(tmp_path, expiry=2)
     claims.hold = True
     for _ in range(3):
         _connect(h.client(peer="bob"), "dev", 60, username="bob", password=PASSWORD)
@@ -267,15 +258,7 @@ def test_a_connect_that_began_after_the_deadline_holds_it_back_no_longer(
     """MQTT-3.1.3-9 cancels the will of a client back before its delay passed: one
     back after it (its CONNECT begun once the delay had passed, before the tick looked)
     gets its will sent; the session, not yet expired, is still resumed."""
-    h = harness(tmp_path, client_id_owner="first")
-    claims = HeldClaims(h.clock)
-    h.broker.owners = claims
-    watcher = h.connected("watcher")
-    watcher.subscribe("wills/#")
-    device = h.client(peer="dev")
-    _connect(device, "dev", 10, username="alice", password=PASSWORD, will=_will_delayed(1))
-    assert _connack(device).reason_code == 0
-    device.conn.connection_lost()
+    h, claims, watcher = _device_gone(tmp_path, expiry=10)
     h.advance(0.9)
     h.clock.now += 0.3  # the delay passed; the tick has not looked yet
     claims.hold = True
