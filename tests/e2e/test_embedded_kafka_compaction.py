@@ -87,7 +87,14 @@ def test_the_topic_is_emptied_and_nothing_acknowledged_is_lost(broker_factory, c
             30,
             "the embedded kafka topic was never emptied",
         )
-    assert broker.log().count("embedded kafka topic emptied") >= 2
+    # A second emptying is due (750 records, at most 250 of them before the first),
+    # but when the compactor looks is its own (once a second): waited for, not assumed
+    # done by the time the last round is read (CI failed on the assumption once).
+    _wait_for(
+        lambda: broker.log().count("embedded kafka topic emptied") >= 2,
+        30,
+        "the embedded kafka topic was emptied only once",
+    )
     assert _kafka_records(broker) < len(sent) - THRESHOLD, "the embedded kafka only grows"
     sub.assert_no_message()
     # The consumer that emptied the topic reads the new log from its start at once;
