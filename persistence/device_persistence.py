@@ -605,19 +605,34 @@ class DevicePersistence:
     def session_ended(
         self, session: Session, on_ended: DoneCallback | None = None, expired: bool = False
     ) -> None:
-        self.events.session(session.client_id, end_kind(session, self._clock()))
-        opens = session.opens if expired else None
-        self.sessions.end(session.client_id, session.generation, on_ended, opens)
-        if self.apps is not None:
-            self.apps.ended(session.client_id, session.generation)  # its topic goes
-        if self.groups is not None and session.durable:
-            self.groups.session_ended(session.client_id, session.generation)
-        if self.queues is not None and session.durable:
-            task = asyncio.get_running_loop().create_task(
-                self._forget_inflight(session.client_id, session.generation)
-            )
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        client_id, generation, kind = (
+            session.client_id,
+            session.generation,
+            end_kind(session, self._clock()),
+        )
+        durable = session.durable
+
+        def gone() -> None:
+            self.events.session(client_id, kind)
+            if self.apps is not None:
+                self.apps.ended(client_id, generation)  # its topic goes
+            if self.groups is not None and durable:
+                self.groups.session_ended(client_id, generation)
+            if self.queues is not None and durable:
+                task = asyncio.get_running_loop().create_task(
+                    self._forget_inflight(client_id, generation)
+                )
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        if expired:
+            # What goes with the session goes once the store ended it: a client that
+            # resumed it on another replica meanwhile keeps it (finding 40), and its
+            # APPLICATION topic, group records and queue entries with it.
+            self.sessions.end(client_id, generation, on_ended, session.opens, gone)
+        else:
+            self.sessions.end(client_id, generation, on_ended)
+            gone()
 
     async def _forget_inflight(self, client_id: str, generation: int) -> None:
         """Its queue entries in flight are no session's any more (a later session of

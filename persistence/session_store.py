@@ -62,6 +62,7 @@ class _End:
     generation: int
     done: Done | None = None
     opens: int | None = None  # an end by expiry: the resumes it saw (end_session)
+    gone: Callable[[], None] | None = None  # once the store ended it (not refused)
 
 
 @dataclass(slots=True)
@@ -126,10 +127,12 @@ class SessionStateStore:
         generation: int,
         on_ended: Done | None = None,
         opens: int | None = None,
+        gone: Callable[[], None] | None = None,
     ) -> None:
         """End the session of ``generation``; ``opens``: it expired, and is kept if a
-        client resumed it since this broker's count (RedisMessageStore.end_session)."""
-        self._enqueue(client_id, _End(generation, on_ended, opens))
+        client resumed it since this broker's count (RedisMessageStore.end_session).
+        ``gone`` is called once the store ended it, not if it kept it."""
+        self._enqueue(client_id, _End(generation, on_ended, opens, gone))
 
     async def flush(self) -> None:
         while self._drains:
@@ -222,11 +225,14 @@ class SessionStateStore:
                         for done in op.callbacks:
                             done(ok)
                     else:
+                        ended: list[bool] = []
                         ok = await self._retrying(
-                            partial(self._end, client_id, op.generation, op.opens)
+                            partial(self._end, client_id, op.generation, op.opens, ended)
                         )
                         if op.done is not None:
                             op.done(ok)
+                        if ended and op.gone is not None:
+                            op.gone()
                 except Exception:  # a callback's bug must not stop the queue
                     log.exception("session operation for %s failed", client_id)
                 took = time.monotonic() - started
@@ -304,8 +310,18 @@ class SessionStateStore:
     async def _index(self, client_id: str, deadline: float) -> None:
         await self._store.index_session(client_id, deadline)
 
-    async def _end(self, client_id: str, generation: int, opens: int | None = None) -> None:
+    async def _end(
+        self,
+        client_id: str,
+        generation: int,
+        opens: int | None = None,
+        ended: list[bool] | None = None,
+    ) -> None:
+        """End it in the store; ``ended`` gets True if it did (neither a newer session
+        nor a resume since ``opens`` kept it)."""
         if await self._store.end_session(client_id, generation, opens) is not None:
+            if ended is not None:
+                ended.append(True)
             await self._store.unindex_session(client_id)
 
 

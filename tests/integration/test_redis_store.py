@@ -34,6 +34,7 @@ from persistence.redis_store import (
     LostWrites,
     RedisMessageStore,
 )
+from persistence.session_store import SessionStateStore
 from tests.kafka_fixtures import freeze
 
 
@@ -560,6 +561,32 @@ async def test_an_end_by_expiry_keeps_a_session_resumed_since(
     again = await store.open_session(cid, resume=True, generation=9, state=SessionState(60, 0))
     assert again is not None and again.opens == 1
     assert await store.end_session(cid, fresh.generation) == 0
+    assert await store.load_session(cid) is None
+
+
+async def test_what_goes_with_a_session_ended_by_expiry_waits_for_the_store(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """The session store's end (persistence/session_store.py) calls ``gone`` (the
+    APPLICATION topic, group records and queue entries that go with the session,
+    persistence/device_persistence.py) only once Redis ended the session: not when
+    a client resumed it on another replica since, or an APPLICATION session resumed
+    there would lose its topic."""
+    sessions = SessionStateStore(store)
+    state = SessionState(expiry_interval=2, last_seen=time.time())
+    assert await store.open_session(cid, resume=True, generation=1000, state=state) is None
+    seen = await store.open_session(cid, resume=True, generation=1, state=SessionState(2, 0))
+    assert seen is not None
+    assert await store.open_session(cid, resume=True, generation=1, state=SessionState(2, 0))
+    gone: list[str] = []
+    done: list[bool] = []
+    sessions.end(cid, 1000, done.append, seen.opens, lambda: gone.append("stale"))
+    await sessions.settled(cid)
+    assert done == [True] and gone == []  # reached, and kept
+    assert await store.load_session(cid) is not None
+    sessions.end(cid, 1000, done.append, seen.opens + 1, lambda: gone.append("current"))
+    await sessions.settled(cid)
+    assert done == [True, True] and gone == ["current"]
     assert await store.load_session(cid) is None
 
 
