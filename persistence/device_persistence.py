@@ -889,6 +889,13 @@ async def open_persistence(
             f"cannot use redis at {_without_password(redis_url)}: {explain(error, connect)}"
         ) from error
     try:
+        await store.check_version()
+    except ValueError as error:
+        await store.aclose()
+        raise ConfigError(
+            f"{_without_password(redis_url)}: {error}", name="persistence.redis_url"
+        ) from None
+    try:
         await store.check_wait()
     except ValueError as error:
         await store.aclose()

@@ -433,6 +433,25 @@ def _session_state(
     return state
 
 
+# The scripts use ZMSCORE (ack.lua, mark_sent.lua) and ZRANGE ... BYSCORE
+# (load_page.lua), both new in Redis 6.2.
+MIN_REDIS_VERSION = (6, 2)
+
+
+def too_old_redis(info: Mapping[str, Any]) -> str | None:
+    """The version of a Redis (or of any node of a cluster: ``info`` per node) older
+    than :data:`MIN_REDIS_VERSION`, or None."""
+    found = (
+        [info] if "redis_version" in info else [v for v in info.values() if isinstance(v, Mapping)]
+    )
+    for node in found:
+        version = str(node.get("redis_version", "0"))
+        numbers = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+        if numbers < MIN_REDIS_VERSION:
+            return version
+    return None
+
+
 class _Script(NamedTuple):
     name: str
     text: bytes
@@ -822,6 +841,17 @@ class RedisMessageStore:
         if not ok:
             self.wait_failures += 1
         return ok
+
+    async def check_version(self) -> None:
+        """A clear error at start on a Redis older than the scripts need
+        (:data:`MIN_REDIS_VERSION`), rather than a script failing mid-replay."""
+        info = await self.redis.info("server")
+        old = too_old_redis(info)
+        if old is not None:
+            raise ValueError(
+                f"Redis {'.'.join(map(str, MIN_REDIS_VERSION))} or newer is needed "
+                f"(ZMSCORE, ZRANGE BYSCORE); this one is {old}"
+            )
 
     async def check_wait(self) -> None:
         """A clear error at start if persistence.redis_wait cannot work on this Redis."""

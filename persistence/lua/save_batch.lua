@@ -114,9 +114,22 @@ local function save_client(k, partition, n, meta, premark, values)
   local max_ttl = 0
   local session_ttl = redis.call('PTTL', k[5])
 
+  -- The newest entry stored is written with the byte count at the end, in one
+  -- HSET (a fleet's client stores one message per call): written before anything
+  -- reads the hash.
+  local held_id = nil
+  local held_entry = nil
+  local function write_held()
+    if held_id then
+      redis.call('HSET', values_key, held_id, held_entry)
+      held_id = nil
+    end
+  end
+
   -- Refs below this rank are sent: the trim skips them.
   local rank = 0
   local function trim_oldest_unsent()
+    write_held()
     while true do
       local ref = redis.call('ZRANGE', set_key, rank, rank)
       if not ref[1] then return nil end
@@ -183,12 +196,14 @@ local function save_client(k, partition, n, meta, premark, values)
           last_id = (score - 1) % 65535 + 1
         until not check or not redis.call('ZSCORE', set_key, last_id)
         local value = values:sub(value_start, value_end)
+        write_held()
+        held_id = last_id
         if stored < premark then
           -- Marked sent, as mark_sent.lua marks it: it lives as long as the session.
           value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
-          redis.call('HSET', values_key, last_id, entry_of(0, value))
+          held_entry = entry_of(0, value)
         else
-          redis.call('HSET', values_key, last_id, entry_of(now + ttl, value))
+          held_entry = entry_of(now + ttl, value)
         end
         redis.call('ZADD', set_key, score, last_id)
         card = card + 1
@@ -204,12 +219,16 @@ local function save_client(k, partition, n, meta, premark, values)
   if stored > 0 then
     redis.call('SET', k[3], score)
   end
-  if bytes_changed then
-    if bytes > 0 and card > 0 then
-      redis.call('HSET', values_key, 'b', string.format('%.0f', bytes))
+  if bytes_changed and bytes > 0 and card > 0 then
+    if held_id then
+      redis.call('HSET', values_key, held_id, held_entry, 'b', string.format('%.0f', bytes))
+      held_id = nil
     else
-      redis.call('HDEL', values_key, 'b')
+      redis.call('HSET', values_key, 'b', string.format('%.0f', bytes))
     end
+  else
+    write_held()
+    if bytes_changed then redis.call('HDEL', values_key, 'b') end
   end
   local any_seen = false
   local seen_added = false

@@ -33,6 +33,7 @@ from persistence.redis_store import (
     ClientBatch,
     LostWrites,
     RedisMessageStore,
+    too_old_redis,
 )
 from persistence.session_store import SessionStateStore
 from tests.kafka_fixtures import freeze
@@ -320,6 +321,58 @@ async def test_mark_sent_sets_dup_and_creates_nothing(store: RedisMessageStore, 
     await cmd(store, "HDEL", client_keys(cid).values, 2)  # expired, or trimmed
     assert await store.mark_sent(cid, [2]) == []
     assert await store.pending_count(cid) == 2
+
+
+async def test_the_redis_is_new_enough_for_the_scripts(store: RedisMessageStore) -> None:
+    """The scripts need Redis 6.2 (ZMSCORE, ZRANGE BYSCORE): a Redis (every node of
+    a cluster) is asked at start; an older one is named in a clear error."""
+    await store.check_version()  # the redis-server of this machine, single and cluster
+    assert too_old_redis({"redis_version": "7.0.15"}) is None
+    assert too_old_redis({"redis_version": "6.0.16"}) == "6.0.16"
+    nodes = {
+        "127.0.0.1:7000": {"redis_version": "7.2.4"},
+        "127.0.0.1:7001": {"redis_version": "6.0.9"},
+    }
+    assert too_old_redis(nodes) == "6.0.9"
+
+
+async def counted_bytes_hold(store: RedisMessageStore, cid: str) -> bool:
+    """Field 'b' of the values hash is the size of the values the hash holds."""
+    fields = await cmd(store, "HGETALL", client_keys(cid).values)
+    held = sum(len(v) - 8 for k, v in fields.items() if k != b"b")
+    return int(fields.get(b"b", 0)) == held
+
+
+async def test_marks_and_acks_of_many_ids_in_one_call_keep_each_ids_rules(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """mark_sent.lua and ack.lua take the ids of a call a chunk at a time (a few
+    variadic commands per 500 ids, not a few per id: BENCHMARKS.md, "The fleet,
+    tenth round"). Each id still gets the rules it had one at a time: an expired
+    entry goes (once, its bytes once), an id now another message's is left alone,
+    an id given twice is marked twice and removed once, the byte count holds."""
+    keys = client_keys(cid)
+    await store.save_batch(cid, msgs(0, 1200, payload=b"p" * 40), partition=0, limit=2000)
+    for expired in (7, 600):  # deadline passed (1 ms after the epoch), never sent
+        entry = await cmd(store, "HGET", keys.values, expired)
+        await cmd(store, "HSET", keys.values, expired, struct.pack(">d", 1) + entry[8:])
+    ids = [9, 7, *range(1, 1201)]  # 9 and 7 twice in the first chunk
+    scores = [5000 if i == 12 else i for i in ids]  # id 12 read with another score
+    marked = await store.mark_sent(cid, ids, scores)
+    assert marked == [i for i in ids if i not in (7, 600, 12)]
+    assert await store.pending_count(cid) == 1198  # the two expired went
+    assert await counted_bytes_hold(store, cid)
+    records = {r.packet_id: r for r in await all_records(store, cid)}
+    assert not records[12].sent and records[13].sent
+    # Acks: id 12 with a stale score is left alone, id 9 twice is removed once.
+    acked = [9] + [i for i in range(1, 1101) if i not in (7, 600)]
+    acked_scores = [5000 if i == 12 else i for i in acked]
+    assert await store.ack_many(cid, acked, acked_scores) == 1097
+    assert sorted(r.packet_id for r in await all_records(store, cid)) == [12, *range(1101, 1201)]
+    assert await counted_bytes_hold(store, cid)
+    # The last refs acknowledged: nothing of the client's messages is left.
+    assert await store.ack_many(cid, [12, *range(1101, 1201)]) == 101
+    assert await cmd(store, "EXISTS", keys.messages, keys.values) == 0
 
 
 async def test_trim_never_removes_a_sent_message(store: RedisMessageStore, cid: str) -> None:
