@@ -17,7 +17,11 @@ ports, stops them by PID at the end, and prints msg/s for:
   100 clients per save call (of 2,000 connected clients, stored marked sent as
   the consumer stores what goes out at once), then their acknowledgements in one
   progress write; Redis's CPU per message and the commands its scripts ran per
-  message (a call from Lua costs about what the command's own work does).
+  message (a call from Lua costs about what the command's own work does);
+* ``replay progress``: a reconnecting client's 10,000 stored messages, read in
+  pages of 500, each page's marks then acknowledgements written in calls of
+  ``--progress-batch`` ids (40: what a real replay's progress writes carry);
+  Redis's CPU per message and the commands its scripts ran per message.
 
 Every run uses fresh client ids, so nothing is skipped as a duplicate.
 
@@ -164,6 +168,34 @@ async def bench_fleet(
     return 1e6 * (cpu1 - cpu0) / count, calls / count
 
 
+async def bench_replay_progress(
+    store: RedisMessageStore, per_call: int, count: int = 10_000
+) -> tuple[float, float]:
+    """Redis CPU us per message and commands per message of a replay's marks and
+    acknowledgements (module docstring, ``replay progress``)."""
+    cid = f"bench-progress-{uuid.uuid4().hex[:6]}"
+    await store.redis.set(client_keys(cid).session, b"s")
+    for first in range(0, count, 1000):
+        await store.save_batch(cid, _messages(first, 1000), partition=0)
+    if isinstance(store.redis, RedisClusterClient):
+        await store.redis.config_resetstat(target_nodes=RedisClusterClient.ALL_NODES)
+    else:
+        await store.redis.config_resetstat()
+    cpu0, _ = await _redis_totals(store)
+    after = 0
+    while records := (await store.load_page(cid, after, 500)).records:
+        pairs = [(r.packet_id, r.score) for r in records]
+        for at in range(0, len(pairs), per_call):
+            chunk = pairs[at : at + per_call]
+            marked = await store.write_progress({cid: chunk}, {}, {})
+            assert len(marked[cid]) == len(chunk)
+            await store.write_progress({}, {}, {cid: chunk})
+        after = records[-1].score
+    cpu1, calls = await _redis_totals(store)
+    assert await store.pending_count(cid) == 0
+    return 1e6 * (cpu1 - cpu0) / count, calls / count
+
+
 async def _script_us(store: RedisMessageStore) -> float:
     """Redis's own time per script call since its statistics were reset (INFO
     commandstats; on a cluster, averaged over the primaries)."""
@@ -191,6 +223,9 @@ async def run(url: str, cluster: bool, args: argparse.Namespace) -> dict[str, fl
             "replay": await bench_replay(store),
         }
         out["fleet_us"], out["fleet_calls"] = await bench_fleet(store)
+        out["progress_us"], out["progress_calls"] = await bench_replay_progress(
+            store, args.progress_batch
+        )
     finally:
         await store.aclose()
     return out
@@ -215,6 +250,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--batches", type=int, default=20, help="batches per client")
     parser.add_argument("--single-count", type=int, default=10_000)
+    parser.add_argument(
+        "--progress-batch", type=int, default=40, help="ids per mark / ack call of the replay"
+    )
     args = parser.parse_args()
     print(
         f"{args.clients} clients x {args.batches} batches of {args.batch} "
@@ -235,7 +273,10 @@ def main() -> None:
             f"per-message {result['per-message']:>8,.0f} msg/s   "
             f"replay {result['replay']:>9,.0f} msg/s\n"
             f"{name:8s} fleet: Redis CPU {result['fleet_us']:.1f} us per message (save + ack), "
-            f"{result['fleet_calls']:.1f} commands per message"
+            f"{result['fleet_calls']:.1f} commands per message\n"
+            f"{name:8s} replay progress ({args.progress_batch} ids per call): Redis CPU "
+            f"{result['progress_us']:.1f} us per message (marks + acks), "
+            f"{result['progress_calls']:.1f} commands per message"
         )
 
 
