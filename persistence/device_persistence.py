@@ -888,20 +888,17 @@ async def open_persistence(
         raise PersistenceUnavailable(
             f"cannot use redis at {_without_password(redis_url)}: {explain(error, connect)}"
         ) from error
-    try:
-        await store.check_version()
-    except ValueError as error:
-        await store.aclose()
-        raise ConfigError(
-            f"{_without_password(redis_url)}: {error}", name="persistence.redis_url"
-        ) from None
-    try:
-        await store.check_wait()
-    except ValueError as error:
-        await store.aclose()
-        raise ConfigError(
-            f"redis_wait: {config.redis_wait} {error}", name="persistence.redis_wait"
-        ) from None
+    # What this Redis must do, each told as its setting's one-line error.
+    checks = (
+        (store.check_version, "persistence.redis_url", f"{_without_password(redis_url)}:"),
+        (store.check_wait, "persistence.redis_wait", f"redis_wait: {config.redis_wait}"),
+    )
+    for check, setting, told in checks:
+        try:
+            await check()
+        except ValueError as error:
+            await store.aclose()
+            raise ConfigError(f"{told} {error}", name=setting) from None
     producer = make_producer(
         bootstrap,
         config.kafka_request_timeout_ms,
