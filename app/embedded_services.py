@@ -251,7 +251,12 @@ def redis_server_version(binary: str | Path) -> tuple[int, int, int] | None:
     """``redis-server --version`` as (major, minor, patch); None when it cannot tell."""
     try:
         out = subprocess.run(
-            [str(binary), "--version"], capture_output=True, text=True, timeout=10, check=False
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=5,
+            check=False,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -1022,7 +1027,8 @@ class EmbeddedServices:
             raise ServiceError(
                 f"the data in {self.redis_dir} was written by Redis 7 or newer, which "
                 f"{binary} (Redis {'.'.join(map(str, version))}) cannot read: put a "
-                "Redis 7+ on PATH (or move that directory away to start empty)"
+                "native Redis 7+ redis-server on PATH (a #! wrapper is not taken while "
+                "a native one is found), or move that directory away to start empty"
             )
 
     def _write_s3_config(self) -> None:

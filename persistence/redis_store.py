@@ -77,6 +77,7 @@ either stored with its dedup record or not at all.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import secrets
 import struct
@@ -113,6 +114,8 @@ from persistence.format import (
 )
 from persistence.redis_packing import packed_by_hiredis
 from persistence.redis_security import Sentinels, redis_client
+
+log = logging.getLogger("devicemq.persistence")
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -844,14 +847,25 @@ class RedisMessageStore:
 
     async def check_version(self) -> None:
         """A clear error at start on a Redis older than the scripts need
-        (:data:`MIN_REDIS_VERSION`), rather than a script failing mid-replay."""
-        info = await self.redis.info("server")
+        (:data:`MIN_REDIS_VERSION`), rather than a script failing mid-replay. A
+        Redis user not allowed ``INFO`` is not asked (a warning says so)."""
+        try:
+            info = await self.redis_info("server")
+        except ResponseError as error:  # NoPermissionError: an ACL without INFO
+            log.warning("Redis's version not checked (INFO refused: %s)", error)
+            return
         old = too_old_redis(info)
         if old is not None:
             raise ValueError(
                 f"Redis {'.'.join(map(str, MIN_REDIS_VERSION))} or newer is needed "
                 f"(ZMSCORE, ZRANGE BYSCORE); this one is {old}"
             )
+
+    async def redis_info(self, section: str) -> dict[str, Any]:
+        """INFO ``section``; on a cluster, of every node (node name -> its INFO)."""
+        if isinstance(self.redis, RedisCluster):
+            return await self.redis.info(section, target_nodes=RedisCluster.ALL_NODES)
+        return await self.redis.info(section)
 
     async def check_wait(self) -> None:
         """A clear error at start if persistence.redis_wait cannot work on this Redis."""

@@ -75,6 +75,18 @@ local max_bytes = tonumber(ARGV[4])
 -- Redis's clock once per call: every client of a call stores at the same moment.
 local now = now_ms()
 
+-- The newest entry a client's save stored: written with the byte count at the end,
+-- in one HSET (a fleet's client stores one message per call), and before anything
+-- reads the hash; should the client's save fail after storing it, it is written
+-- then (what a failed save wrote stays, whole).
+local held = {id = nil, entry = nil}
+local function write_entry_held(values_key)
+  if held.id then
+    redis.call('HSET', values_key, held.id, held.entry)
+    held.id = nil
+  end
+end
+
 -- A fleet's client has nothing stored most of the time (each message acknowledged
 -- before the next): the calls below are the fewest that case needs (a call from
 -- Lua costs about what the command's own work does, BENCHMARKS.md).
@@ -114,17 +126,8 @@ local function save_client(k, partition, n, meta, premark, values)
   local max_ttl = 0
   local session_ttl = redis.call('PTTL', k[5])
 
-  -- The newest entry stored is written with the byte count at the end, in one
-  -- HSET (a fleet's client stores one message per call): written before anything
-  -- reads the hash.
-  local held_id = nil
-  local held_entry = nil
-  local function write_held()
-    if held_id then
-      redis.call('HSET', values_key, held_id, held_entry)
-      held_id = nil
-    end
-  end
+  held.id = nil
+  local function write_held() write_entry_held(values_key) end
 
   -- Refs below this rank are sent: the trim skips them.
   local rank = 0
@@ -197,13 +200,13 @@ local function save_client(k, partition, n, meta, premark, values)
         until not check or not redis.call('ZSCORE', set_key, last_id)
         local value = values:sub(value_start, value_end)
         write_held()
-        held_id = last_id
+        held.id = last_id
         if stored < premark then
           -- Marked sent, as mark_sent.lua marks it: it lives as long as the session.
           value = value:sub(1, 1) .. string.char(bit.bor(value:byte(2), 1)) .. value:sub(3)
-          held_entry = entry_of(0, value)
+          held.entry = entry_of(0, value)
         else
-          held_entry = entry_of(now + ttl, value)
+          held.entry = entry_of(now + ttl, value)
         end
         redis.call('ZADD', set_key, score, last_id)
         card = card + 1
@@ -220,9 +223,9 @@ local function save_client(k, partition, n, meta, premark, values)
     redis.call('SET', k[3], score)
   end
   if bytes_changed and bytes > 0 and card > 0 then
-    if held_id then
-      redis.call('HSET', values_key, held_id, held_entry, 'b', string.format('%.0f', bytes))
-      held_id = nil
+    if held.id then
+      redis.call('HSET', values_key, held.id, held.entry, 'b', string.format('%.0f', bytes))
+      held.id = nil
     else
       redis.call('HSET', values_key, 'b', string.format('%.0f', bytes))
     end
@@ -278,6 +281,7 @@ for j = 1, c do
   if ok then
     replies[j] = reply
   else
+    pcall(write_entry_held, k[2])
     -- redis.call raises a table {err = ...} in Redis 7, a string before
     replies[j] = {'error', type(reply) == 'table' and tostring(reply.err) or tostring(reply)}
   end

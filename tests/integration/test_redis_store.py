@@ -13,7 +13,9 @@ import uuid
 from typing import Any
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from persistence.format import (
     SessionState,
@@ -36,6 +38,7 @@ from persistence.redis_store import (
     too_old_redis,
 )
 from persistence.session_store import SessionStateStore
+from tests.integration.redis_servers import RedisServer
 from tests.kafka_fixtures import freeze
 
 
@@ -326,14 +329,51 @@ async def test_mark_sent_sets_dup_and_creates_nothing(store: RedisMessageStore, 
 async def test_the_redis_is_new_enough_for_the_scripts(store: RedisMessageStore) -> None:
     """The scripts need Redis 6.2 (ZMSCORE, ZRANGE BYSCORE): a Redis (every node of
     a cluster) is asked at start; an older one is named in a clear error."""
-    await store.check_version()  # the redis-server of this machine, single and cluster
+    await store.check_version()  # this machine's Redis 7, the bundled 6.2, a cluster
+    info = await store.redis_info("server")
+    nodes = [info] if "redis_version" in info else list(info.values())
+    assert len(nodes) == (3 if isinstance(store.redis, RedisCluster) else 1)  # every node
     assert too_old_redis({"redis_version": "7.0.15"}) is None
     assert too_old_redis({"redis_version": "6.0.16"}) == "6.0.16"
-    nodes = {
+    by_node = {
         "127.0.0.1:7000": {"redis_version": "7.2.4"},
         "127.0.0.1:7001": {"redis_version": "6.0.9"},
     }
-    assert too_old_redis(nodes) == "6.0.9"
+    assert too_old_redis(by_node) == "6.0.9"
+
+
+async def test_a_redis_user_without_info_is_not_asked_its_version(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL user may be refused INFO (it is in @dangerous): the version is then not
+    checked, a warning says so, and the broker starts as before (the review)."""
+    name = f"noinfo-{uuid.uuid4().hex[:8]}"
+    admin = RedisMessageStore.from_url(redis_server.url)
+    await cmd(admin, "ACL", "SETUSER", name, "on", ">secret", "~*", "+@all", "-info")
+    user = RedisMessageStore.from_url(redis_server.url.replace("://", f"://{name}:secret@", 1))
+    try:
+        with caplog.at_level("WARNING", logger="devicemq.persistence"):
+            await user.check_version()
+        assert "version not checked" in caplog.text
+    finally:
+        await cmd(admin, "ACL", "DELUSER", name)
+        await user.aclose()
+        await admin.aclose()
+
+
+async def test_a_save_that_fails_part_way_keeps_what_it_stored_whole(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """save_batch.lua writes a client's newest entry at the end of its save (with the
+    byte count, in one HSET); should the save fail after storing it (here the second
+    message's duplicate check meets a key of the wrong type), the entry is written
+    then: no ref without its message (the review of the tenth fleet round)."""
+    keys = client_keys(cid)
+    await cmd(store, "SET", keys.seen, "not-a-hash")
+    with pytest.raises(ResponseError):
+        await store.save_batch(cid, [msg(0, producer=0), msg(1, producer=7)], partition=0)
+    records = await all_records(store, cid)
+    assert [(r.packet_id, r.message) for r in records] == [(1, kept(msg(0, producer=0))[0])]
 
 
 async def counted_bytes_hold(store: RedisMessageStore, cid: str) -> bool:
@@ -984,7 +1024,6 @@ async def test_a_new_master_without_the_scripts_still_shows_the_loss(
 async def _script_calls(store: RedisMessageStore) -> int:
     """EVALSHA calls Redis has run so far (every primary's, on a cluster)."""
     from redis.asyncio import Redis
-    from redis.asyncio.cluster import RedisCluster
 
     if isinstance(store.redis, Redis):
         stats = [await store.redis.info("commandstats")]
@@ -1024,8 +1063,6 @@ async def test_one_clients_failure_in_a_shared_save_call_fails_it_alone(
     """Saved together, clients still fail apart: a client whose keys Redis refuses
     (here its seen hash is a string: WRONGTYPE) gets its error, the others are stored,
     and the retry of the whole poll stores nothing twice."""
-    from redis.exceptions import ResponseError
-
     from persistence.redis_store import BatchSaveError
 
     a, b, c = f"{cid}-a", f"{cid}-b", f"{cid}-c"
