@@ -739,7 +739,9 @@ class Broker:
                 session.pending_will = will
                 session.will_at = now + delay
         if session.expiry_interval == 0:
-            self.end_session(session)
+            # Its expiry (0) ends it, as the tick's would: fenced like it, so a resume
+            # on another replica that answered first keeps the session (finding 42).
+            self.end_session(session, expired=True)
             return
         self._start_expiry(session, now)
         if session.durable:
@@ -922,7 +924,8 @@ class Broker:
     ) -> None:
         """Discard a session; a will still waiting for its delay is sent now.
         ``on_ended(ok)``: a durable session's end was written (or could not be).
-        ``expired``: the store keeps it if a client resumed it since (on another
+        ``expired``: ended by its expiry (the tick's deadline, or 0 at its
+        disconnect); the store keeps it if a client resumed it since (on another
         replica: ``Session.opens``)."""
         if self.cluster is not None:
             self.cluster.ended(session)

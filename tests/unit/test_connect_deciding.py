@@ -318,3 +318,24 @@ def test_an_end_by_expiry_carries_the_resumes_it_saw_and_a_clean_start_none() ->
     fresh.send(Connect("dev", protocol_level=V5, clean_start=True, keep_alive=0))
     assert _connack(fresh).reason_code == 0
     assert store.ends[1:] == [("dev", False, 0)]
+
+
+def test_a_session_resumed_with_expiry_0_ends_at_its_disconnect_fenced_by_its_count() -> None:
+    """Finding 42: a durable session resumed on replica b with expiry 0 ends when that
+    connection closes; the client had already resumed it on replica a, which answered
+    session present first, and b's end then deleted it from Redis: the next resume
+    said present 0 within the session's expiry. The end by an expiry of 0 is now one
+    by expiry, with the count of resumes b saw: the store refuses it when a resume
+    came since (RedisMessageStore.end_session), as the tick's end."""
+    store = HeldStore()
+    settings = Settings(cluster=ClusterSettings(enabled=True, node_id="b"))
+    h = Harness(settings, persistent_path=store)
+    first = h.client(peer="dev")
+    _connect(first, "dev", expiry=60)
+    assert _connack(first).reason_code == 0
+    first.conn.connection_lost()
+    again = h.client(peer="dev")
+    _connect(again, "dev", expiry=0)
+    assert _connack(again).session_present
+    again.conn.connection_lost()  # the client moved on to replica a
+    assert store.ends == [("dev", True, 1)]
