@@ -293,11 +293,9 @@ def test_a_connect_that_times_out_while_decided_is_forgotten() -> None:
     assert "dev" not in h.broker.sessions or h.broker.sessions["dev"].connection is None
 
 
-def test_an_end_by_expiry_carries_the_resumes_it_saw_and_a_clean_start_none() -> None:
-    """The store refuses an end by expiry counted from an older resume than its own
-    (RedisMessageStore.end_session; another replica resumed the session meanwhile):
-    the tick's end says it is one, with the count this replica saw; a clean start's end
-    is not fenced."""
+def _resumed_then_left(expiry: int) -> tuple[HeldStore, Harness]:
+    """Replica b: "dev" made durable, left, resumed from the store with ``expiry``
+    (its first resume), and left again."""
     store = HeldStore()
     settings = Settings(cluster=ClusterSettings(enabled=True, node_id="b"))
     h = Harness(settings, persistent_path=store)
@@ -306,9 +304,18 @@ def test_an_end_by_expiry_carries_the_resumes_it_saw_and_a_clean_start_none() ->
     assert _connack(first).reason_code == 0
     first.conn.connection_lost()
     again = h.client(peer="dev")
-    _connect(again, "dev", expiry=2)  # reopened from the store: its first resume
+    _connect(again, "dev", expiry=expiry)
     assert _connack(again).session_present
     again.conn.connection_lost()
+    return store, h
+
+
+def test_an_end_by_expiry_carries_the_resumes_it_saw_and_a_clean_start_none() -> None:
+    """The store refuses an end by expiry counted from an older resume than its own
+    (RedisMessageStore.end_session; another replica resumed the session meanwhile):
+    the tick's end says it is one, with the count this replica saw; a clean start's end
+    is not fenced."""
+    store, h = _resumed_then_left(expiry=2)  # reopened from the store: its first resume
     h.advance(3)
     assert store.ends == [("dev", True, 1)]
     clean = h.client(peer="dev")
@@ -327,15 +334,5 @@ def test_a_session_resumed_with_expiry_0_ends_at_its_disconnect_fenced_by_its_co
     said present 0 within the session's expiry. The end by an expiry of 0 is now one
     by expiry, with the count of resumes b saw: the store refuses it when a resume
     came since (RedisMessageStore.end_session), as the tick's end."""
-    store = HeldStore()
-    settings = Settings(cluster=ClusterSettings(enabled=True, node_id="b"))
-    h = Harness(settings, persistent_path=store)
-    first = h.client(peer="dev")
-    _connect(first, "dev", expiry=60)
-    assert _connack(first).reason_code == 0
-    first.conn.connection_lost()
-    again = h.client(peer="dev")
-    _connect(again, "dev", expiry=0)
-    assert _connack(again).session_present
-    again.conn.connection_lost()  # the client moved on to replica a
+    store, _ = _resumed_then_left(expiry=0)  # the client moved on to replica a
     assert store.ends == [("dev", True, 1)]
