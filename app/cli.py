@@ -153,13 +153,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _embedded_services(settings: Settings) -> tuple[str, str]:
     """Start (or reuse) the embedded Redis and Kafka of ``data_dir``: their addresses."""
-    from pathlib import Path
+    from app.serve import embedded_services
 
-    from app.embedded_services import EmbeddedServices
-
-    running = EmbeddedServices(
-        Path(settings.data_dir), kafka_storage=settings.persistence.embedded_kafka_storage
-    ).ensure_running()
+    running = embedded_services(settings).ensure_running()
     return running.redis_url, running.kafka_bootstrap
 
 

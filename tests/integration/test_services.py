@@ -674,6 +674,33 @@ def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound() -> None:
     assert paired not in chosen and paired + 10_000 not in chosen
 
 
+def test_the_services_keep_off_the_ports_the_broker_binds_after_them(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker binds its listeners once its services answer, so its own ports look
+    free while they start: CI saw Tansu take the broker's MQTT port ("cannot listen
+    on 127.0.0.1:23712"). Neither a recorded port nor a new one is one of them."""
+    from app import embedded_services
+    from app.embedded_services import free_port
+
+    mqtt, admin, other = free_port(), free_port(), free_port()
+    embedded_services._HANDED_OUT.remove(mqtt)  # as if chosen by another process
+    embedded_services._HANDED_OUT.remove(other)
+    picks = iter([mqtt, other])
+    monkeypatch.setattr(embedded_services.random, "randrange", lambda *_: next(picks))
+    assert free_port(avoid={mqtt}) == other  # the random choice skips it
+    monkeypatch.undo()
+
+    services_dir = data_dir / "services"
+    services_dir.mkdir(parents=True)
+    (services_dir / "ports.json").write_text(json.dumps({"redis": admin, "kafka": mqtt}))
+    endpoints = EmbeddedServices(data_dir, avoid={mqtt, admin}).ensure_running()
+    ports = {_redis_port(endpoints.redis_url), int(endpoints.kafka_bootstrap.rsplit(":")[1])}
+    assert not ports & {mqtt, admin}  # recorded there, started elsewhere
+    recorded = json.loads((services_dir / "ports.json").read_text())
+    assert {recorded["redis"], recorded["kafka"]} == ports
+
+
 def test_xdist_workers_hand_out_ports_of_their_own_shares(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under pytest-xdist every worker (and the brokers it starts, by its environment)
     chooses ports: _HANDED_OUT guards one process only, so each chooses among its
