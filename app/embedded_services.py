@@ -118,6 +118,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -381,12 +382,57 @@ def _in_share(port: int, share: tuple[int, int] | None) -> bool:
     return (port % _SHARE_PERIOD) * count // _SHARE_PERIOD == index
 
 
+# Ports handed out lately by any process of this user on this machine: a test
+# and the brokers it starts choose ports each in a process of its own, and one
+# may take a port another chose but has not bound yet. A file under the
+# temporary directory lists them ("port until" lines, read and written under a
+# lock); a port in it is skipped until its time is up, bound by then or not wanted.
+_LATELY_HOLD = 120.0  # seconds
+
+
+def _lately_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"devicemq-ports-{os.getuid()}"
+
+
+@contextlib.contextmanager
+def _lately_handed_out() -> Iterator[dict[int, float]]:
+    """The ports processes of this user handed out lately, port -> until (time.time()),
+    held under the file's lock: ports added are written back. A file that cannot be
+    used (not ours, a link, unreadable) is left alone: this process's own
+    _HANDED_OUT still guards it."""
+    try:
+        fd = os.open(_lately_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield {}
+        return
+    with os.fdopen(fd, "r+", encoding="ascii", errors="replace") as f:
+        if os.fstat(fd).st_uid != os.getuid():
+            yield {}
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        now = time.time()
+        lines = f.read(1 << 20).splitlines()
+        lately: dict[int, float] = {}
+        for line in lines:
+            port, _, until = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if float(until) > now:
+                    lately[int(port)] = float(until)
+        read = dict(lately)
+        yield lately
+        if lately != read or len(read) != len(lines):  # added to, or some timed out
+            f.seek(0)
+            f.truncate()
+            f.write("".join(f"{port} {until:.1f}\n" for port, until in lately.items()))
+
+
 def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int] = ()) -> int:
     """A TCP port free on every interface right now, below the kernel's ephemeral range,
-    and not handed out lately by this process (``also_free_at``: port + that free too)
-    nor in ``avoid`` (ports another listener is about to bind: a broker's own, which
-    look free until it binds them after its services start); under pytest-xdist, one
-    of this worker's share (_port_share).
+    and not handed out lately by any process of this user (_lately_handed_out) nor
+    in ``avoid`` (ports another listener is about to bind: a broker's own, which
+    look free until it binds them after its services start); ``also_free_at``:
+    port + that free too; under pytest-xdist, one of this worker's share
+    (_port_share).
 
     A port the kernel picks (bind to port 0) comes from the ephemeral range,
     where every outgoing connection of the machine takes its local port too:
@@ -400,27 +446,36 @@ def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int]
     # least one _SHARE_PERIOD so that every worker has ports in it.
     bottom = max(1024, low - _SHARE_PERIOD - max(also_free_at, 2_000))
     top = max(bottom + _SHARE_PERIOD, low - also_free_at)
-    for _ in range(400):
-        port = random.randrange(bottom, top)
-        while not _in_share(port, share):
+    with _lately_handed_out() as lately:
+
+        def unwanted(port: int) -> bool:
+            return port in _HANDED_OUT or port in avoid or port in lately
+
+        def hand_out(*ports: int) -> None:
+            until = time.time() + _LATELY_HOLD
+            for port in ports:
+                _HANDED_OUT.append(port)
+                lately[port] = until
+
+        for _ in range(400):
             port = random.randrange(bottom, top)
-        if port in _HANDED_OUT or port in avoid:
-            continue
-        if also_free_at and (port + also_free_at in _HANDED_OUT or port + also_free_at in avoid):
-            continue
-        if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
-            _HANDED_OUT.append(port)
-            if also_free_at:
-                _HANDED_OUT.append(port + also_free_at)
-            return port
-    if also_free_at:
-        raise ServiceError("no free port found")
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            chosen: int = s.getsockname()[1]
-        if chosen not in avoid:
-            return chosen
+            while not _in_share(port, share):
+                port = random.randrange(bottom, top)
+            if unwanted(port) or (also_free_at and unwanted(port + also_free_at)):
+                continue
+            if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
+                hand_out(port, *([port + also_free_at] if also_free_at else []))
+                return port
+        if also_free_at:
+            raise ServiceError("no free port found")
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                chosen: int = s.getsockname()[1]
+            if not unwanted(chosen):
+                break
+        hand_out(chosen)
+        return chosen
 
 
 def _said_address_in_use(log_path: Path, since: int) -> bool:

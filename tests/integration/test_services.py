@@ -662,6 +662,16 @@ async def test_tansu_fixture_topics_keys_acks_all_and_group_commits(
     assert sum(c or 0 for c in committed) == 120
 
 
+@pytest.fixture
+def own_lately_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of ports handed out lately of the test's own: a test that hands out
+    thousands would leave the other processes of the run few to choose from."""
+    from app import embedded_services
+
+    monkeypatch.setattr(embedded_services, "_lately_path", lambda: tmp_path / "ports")
+
+
+@pytest.mark.usefixtures("own_lately_file")
 def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound() -> None:
     """A broker's MQTT and admin ports are chosen one after the other and bound
     later: the second choice must not be the first (CI saw "address already in
@@ -674,8 +684,15 @@ def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound() -> None:
     assert paired not in chosen and paired + 10_000 not in chosen
 
 
+def _picks(monkeypatch: pytest.MonkeyPatch, *ports: int) -> None:
+    """free_port's random choices, in this order."""
+
+    picks = iter(ports)
+    monkeypatch.setattr("app.embedded_services.random.randrange", lambda *_: next(picks))
+
+
 def test_the_services_keep_off_the_ports_the_broker_binds_after_them(
-    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The broker binds its listeners once its services answer, so its own ports look
     free while they start: CI saw Tansu take the broker's MQTT port ("cannot listen
@@ -684,10 +701,11 @@ def test_the_services_keep_off_the_ports_the_broker_binds_after_them(
     from app.embedded_services import free_port
 
     mqtt, admin, other = free_port(), free_port(), free_port()
-    embedded_services._HANDED_OUT.remove(mqtt)  # as if chosen by another process
+    # As if another process had chosen them: not in this one's lists.
+    monkeypatch.setattr(embedded_services, "_lately_path", lambda: tmp_path / "ports")
+    embedded_services._HANDED_OUT.remove(mqtt)
     embedded_services._HANDED_OUT.remove(other)
-    picks = iter([mqtt, other])
-    monkeypatch.setattr(embedded_services.random, "randrange", lambda *_: next(picks))
+    _picks(monkeypatch, mqtt, other)
     assert free_port(avoid={mqtt}) == other  # the random choice skips it
     monkeypatch.undo()
 
@@ -701,6 +719,45 @@ def test_the_services_keep_off_the_ports_the_broker_binds_after_them(
     assert {recorded["redis"], recorded["kafka"]} == ports
 
 
+def test_a_port_another_process_handed_out_is_not_handed_out_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test chooses a broker's ports and the broker its services' ports, each in a
+    process of its own: a port one chose and has not bound yet is skipped by the
+    others (the user's file of ports handed out lately), until its time is up."""
+    from app import embedded_services
+    from app.embedded_services import free_port
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    code = "from app.embedded_services import free_port; print(free_port())"
+    other = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    theirs = int(other.stdout)
+    mine = free_port()
+    monkeypatch.setattr("app.embedded_services.tempfile.gettempdir", lambda: str(tmp_path))
+    _picks(monkeypatch, theirs, mine)
+    embedded_services._HANDED_OUT.remove(mine)
+    assert free_port() == mine  # theirs skipped
+    lately = (tmp_path / f"devicemq-ports-{os.getuid()}").read_text().split()
+    assert str(theirs) in lately[0::2] and str(mine) in lately[0::2]
+
+    # Once its time is up a port may be handed out again.
+    monkeypatch.setattr(embedded_services, "_LATELY_HOLD", 0.0)
+    (tmp_path / f"devicemq-ports-{os.getuid()}").write_text(f"{theirs} 1.0\n")
+    _picks(monkeypatch, theirs)
+    assert free_port() == theirs
+    # A file of another user's, or a link, is not used.
+    path = tmp_path / f"devicemq-ports-{os.getuid()}"
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere")
+    _picks(monkeypatch, mine)
+    embedded_services._HANDED_OUT.remove(mine)
+    assert free_port() == mine
+    assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.usefixtures("own_lately_file")
 def test_xdist_workers_hand_out_ports_of_their_own_shares(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under pytest-xdist every worker (and the brokers it starts, by its environment)
     chooses ports: _HANDED_OUT guards one process only, so each chooses among its
