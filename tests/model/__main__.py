@@ -24,6 +24,10 @@ from tests.model.ops import SCENARIOS, make_plan
 from tests.model.runner import Result, run_plan, shrink
 
 
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.model", description=__doc__)
     parser.add_argument("--minutes", type=float, default=60.0, help="time to run seeds for")
@@ -53,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ignore = frozenset(k for k in args.ignore.split(",") if k)
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 <pid>: where every thread is
+    # kill <pid>: as Ctrl-C, the run in progress stops its brokers, Redis and Kafka (its
+    # teardown, by PID) before the checker exits; the default would leave them running.
+    signal.signal(signal.SIGTERM, _exit_on_term)
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="devicemq-model-"))
     root.mkdir(parents=True, exist_ok=True)
