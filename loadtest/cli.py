@@ -202,7 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PID",
-        help="also count this process (and children) as broker CPU",
+        help="also count this process (and children) as server CPU",
     )
     g.add_argument("--quiet", action="store_true", help="no progress line")
 

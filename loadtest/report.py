@@ -389,8 +389,8 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any, int]]:
         ("lost", check["lost"], 0),
         ("duplicates (DUP=1)", f"{check['duplicates']} ({check['duplicates_dup_flag']})", 0),
         ("out of order", check["out_of_order"], 0),
-        ("broker CPU cores", cpu["broker_cores"], 2),
-        ("in + out msg/s per broker core", cpu.get("messages_per_broker_core"), 0),
+        ("server CPU cores", cpu["broker_cores"], 2),
+        ("in + out msg/s per server core", cpu.get("messages_per_broker_core"), 0),
         ("load generator CPU cores", cpu["client_cores"], 2),
         ("machine busy cores", cpu["machine_busy_cores"], 2),
         ("  of which other processes", cpu["other_cores"], 2),
@@ -484,7 +484,7 @@ def format_report(results: list[dict[str, Any]]) -> str:
         parts = cpu.get("broker_cores_by_process")
         if parts:
             lines.append(
-                f"broker CPU {r['label']} by process (cores): "
+                f"server CPU {r['label']} by process (cores): "
                 + ", ".join(f"{name} {cores:.2f}" for name, cores in parts.items())
             )
         if cpu["client_capacity_per_core"]:

@@ -503,7 +503,7 @@ def format_storm(r: dict[str, Any]) -> str:
                 f"{name} {cores:.2f}" for name, cores in s["broker_cores_by_process"].items()
             )
             lines.append(
-                f"broker CPU during the storm: {s['broker_cores']:.2f} cores"
+                f"server CPU during the storm: {s['broker_cores']:.2f} cores"
                 + (f" ({parts})" if parts else "")
             )
     verdict = "OK" if check["ok"] and s["within_goal"] else "FAILED"

@@ -130,7 +130,7 @@ def test_fleet_preset_sends_the_tbmq_shape_and_reports_it(
     # the broker's CPU by process: itself, its embedded Redis and Kafka (Tansu)
     by_process = result["cpu"]["broker_cores_by_process"]
     assert {"broker", "redis-server"} <= set(by_process) and len(by_process) >= 3
-    assert "broker CPU 127.0.0.1" in report and "redis-server" in report
+    assert "server CPU 127.0.0.1" in report and "redis-server" in report
     assert "8 clients connected in" in report
 
 
