@@ -115,12 +115,13 @@ import re
 import secrets
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,6 +136,7 @@ __all__ = [
     "find_tansu",
     "format_status",
     "free_port",
+    "hand_out",
     "kafka_ready",
     "main",
     "redis_ready",
@@ -390,40 +392,106 @@ def _in_share(port: int, share: tuple[int, int] | None) -> bool:
 _LATELY_HOLD = 120.0  # seconds
 
 
-def _lately_path() -> Path:
-    return Path(tempfile.gettempdir()) / f"devicemq-ports-{os.getuid()}"
+def _lately_path() -> Path | None:
+    """None when the temporary directory is the working one (no writable /tmp): no
+    stray file there."""
+    directory = tempfile.gettempdir()
+    if os.path.realpath(directory) == os.path.realpath(os.getcwd()):
+        return None
+    return Path(directory) / f"devicemq-ports-{os.getuid()}"
+
+
+_LATELY_LOCK_WAIT = 2.0  # seconds another process may hold the file's lock
+
+
+def _open_lately() -> tuple[Any, dict[int, float], bool] | None:
+    """The file of ports handed out lately, locked, with what it lists (port -> until)
+    and whether it holds lines to drop or times to bring down; None when it cannot
+    be used: not a plain file of this user's with one link, locked too long by
+    another process (one stopped), or any error of the file system. Never raises."""
+    path = _lately_path()
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    f = os.fdopen(fd, "r+", encoding="ascii", errors="replace")
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            f.close()
+            return None
+        deadline = time.monotonic() + _LATELY_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    f.close()
+                    return None
+                time.sleep(0.01)
+        now = time.time()
+        latest = now + _LATELY_HOLD  # a time beyond it (a clock set back) counts as it
+        lines = f.read(1 << 20).splitlines()
+        lately: dict[int, float] = {}
+        stale = False  # lines to drop (timed out, unreadable) or times to bring down
+        for line in lines:
+            port, _, until = line.partition(" ")
+            try:
+                when = float(until)
+                if when > now:
+                    lately[int(port)] = min(when, latest)
+                    stale = stale or when > latest
+                    continue
+            except ValueError:
+                pass
+            stale = True
+        return f, lately, stale
+    except (OSError, ValueError):
+        f.close()
+        return None
 
 
 @contextlib.contextmanager
 def _lately_handed_out() -> Iterator[dict[int, float]]:
     """The ports processes of this user handed out lately, port -> until (time.time()),
     held under the file's lock: ports added are written back. A file that cannot be
-    used (not ours, a link, unreadable) is left alone: this process's own
-    _HANDED_OUT still guards it."""
-    try:
-        fd = os.open(_lately_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError:
+    used is left alone (_open_lately): this process's own _HANDED_OUT still guards
+    its choices."""
+    opened = _open_lately()
+    if opened is None:
         yield {}
         return
-    with os.fdopen(fd, "r+", encoding="ascii", errors="replace") as f:
-        if os.fstat(fd).st_uid != os.getuid():
-            yield {}
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        now = time.time()
-        lines = f.read(1 << 20).splitlines()
-        lately: dict[int, float] = {}
-        for line in lines:
-            port, _, until = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                if float(until) > now:
-                    lately[int(port)] = float(until)
+    f, lately, stale = opened
+    try:
         read = dict(lately)
         yield lately
-        if lately != read or len(read) != len(lines):  # added to, or some timed out
-            f.seek(0)
-            f.truncate()
-            f.write("".join(f"{port} {until:.1f}\n" for port, until in lately.items()))
+        if stale or lately != read:
+            with contextlib.suppress(OSError):  # a full disk: the file is only a hint
+                f.seek(0)
+                f.truncate()
+                f.write("".join(f"{port} {until:.1f}\n" for port, until in lately.items()))
+                f.flush()
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()
+
+
+def hand_out(ports: Iterable[int]) -> None:
+    """Count ``ports`` as handed out (free_port skips them for a while, in every process
+    of this user): ports chosen by other means, e.g. recorded ones about to be bound
+    again, or the ones after a free port that a caller takes as well."""
+    with _lately_handed_out() as lately:
+        _note_handed_out(lately, ports)
+
+
+def _note_handed_out(lately: dict[int, float], ports: Iterable[int]) -> None:
+    until = time.time() + _LATELY_HOLD
+    for port in ports:
+        _HANDED_OUT.append(port)
+        lately[port] = until
 
 
 def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int] = ()) -> int:
@@ -451,12 +519,6 @@ def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int]
         def unwanted(port: int) -> bool:
             return port in _HANDED_OUT or port in avoid or port in lately
 
-        def hand_out(*ports: int) -> None:
-            until = time.time() + _LATELY_HOLD
-            for port in ports:
-                _HANDED_OUT.append(port)
-                lately[port] = until
-
         for _ in range(400):
             port = random.randrange(bottom, top)
             while not _in_share(port, share):
@@ -464,7 +526,7 @@ def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int]
             if unwanted(port) or (also_free_at and unwanted(port + also_free_at)):
                 continue
             if _bindable(port) and (not also_free_at or _bindable(port + also_free_at)):
-                hand_out(port, *([port + also_free_at] if also_free_at else []))
+                _note_handed_out(lately, [port, *([port + also_free_at] if also_free_at else [])])
                 return port
         if also_free_at:
             raise ServiceError("no free port found")
@@ -473,9 +535,9 @@ def free_port(host: str = HOST, *, also_free_at: int = 0, avoid: Collection[int]
                 s.bind((host, 0))
                 chosen: int = s.getsockname()[1]
             if not unwanted(chosen):
-                break
-        hand_out(chosen)
-        return chosen
+                _note_handed_out(lately, [chosen])
+                return chosen
+        raise ServiceError("no free port found")
 
 
 def _said_address_in_use(log_path: Path, since: int) -> bool:
@@ -1123,6 +1185,8 @@ class EmbeddedServices:
             port = None if fresh else _int_or_none(ports.get(key))
             if port is None or port in self.avoid or not _port_frees_up(port, 0.0):
                 port = free_port(avoid=self.avoid)
+            else:
+                hand_out([port])  # to be bound again: no other process's choice meanwhile
             chosen[key] = port
         if any(ports.get(k) != v for k, v in chosen.items()):
             ports.update(chosen)
@@ -1213,6 +1277,7 @@ class EmbeddedServices:
             if recorded is not None and recorded not in self.avoid and _port_frees_up(recorded)
             else []
         )
+        hand_out(ports)  # a recorded one, to be bound again: no other process's choice
         while len(ports) < 3:
             ports.append(free_port(avoid=self.avoid))
         failure = ""

@@ -387,11 +387,15 @@ def embedded_services(settings: Settings) -> EmbeddedServices:
 
 def own_ports(settings: Settings) -> frozenset[int]:
     """The ports the broker binds once its services answer: its MQTT listeners, the
-    metrics server and the admin listener, as far as enabled."""
+    metrics servers (worker i of ``--workers N`` on ``metrics.port + i``,
+    app/workers.py) and the admin listener, as far as enabled."""
+    from app.workers import worker_count
+
     listeners = (settings.listener, settings.tls, settings.websocket, settings.websocket_tls)
     ports = {listener.port for listener in listeners if listener.enabled}
     if settings.metrics.enabled:
-        ports.add(settings.metrics.port)
+        first = settings.metrics.port
+        ports.update(range(first, first + worker_count(settings)))
     if settings.admin.enabled:
         ports.add(settings.admin.port)
     return frozenset(ports)

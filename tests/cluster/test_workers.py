@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from app.embedded_services import hand_out
 from tests.cluster.test_replicas import Client, every_persistent_subscriber_gets_all
 from tests.conftest import admin_env, free_port
 from tests.faults.checker import Publisher
@@ -91,6 +92,7 @@ def _free_ports(count: int) -> int:
                     s.bind(("127.0.0.1", first + i))
             except OSError:
                 continue
+        hand_out(range(first + 1, first + count))  # no other process's choice meanwhile
         return first
     raise AssertionError("no consecutive free ports")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -696,27 +697,37 @@ def test_the_services_keep_off_the_ports_the_broker_binds_after_them(
 ) -> None:
     """The broker binds its listeners once its services answer, so its own ports look
     free while they start: CI saw Tansu take the broker's MQTT port ("cannot listen
-    on 127.0.0.1:23712"). Neither a recorded port nor a new one is one of them."""
+    on 127.0.0.1:23712"). Neither a recorded port nor a new one is one of them; a
+    recorded one bound again is counted as handed out, for the other processes."""
     from app import embedded_services
     from app.embedded_services import free_port
 
-    mqtt, admin, other = free_port(), free_port(), free_port()
+    mqtt, admin, other, kafka = free_port(), free_port(), free_port(), free_port()
+    lately = tmp_path / "ports"
+    monkeypatch.setattr(embedded_services, "_lately_path", lambda: lately)
     # As if another process had chosen them: not in this one's lists.
-    monkeypatch.setattr(embedded_services, "_lately_path", lambda: tmp_path / "ports")
     embedded_services._HANDED_OUT.remove(mqtt)
     embedded_services._HANDED_OUT.remove(other)
-    _picks(monkeypatch, mqtt, other)
-    assert free_port(avoid={mqtt}) == other  # the random choice skips it
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        _picks(patched, mqtt, other)
+        assert free_port(avoid={mqtt}) == other  # the random choice skips it
 
     services_dir = data_dir / "services"
     services_dir.mkdir(parents=True)
-    (services_dir / "ports.json").write_text(json.dumps({"redis": admin, "kafka": mqtt}))
+    (services_dir / "ports.json").write_text(json.dumps({"redis": admin, "kafka": kafka}))
+    lately.write_text("")
     endpoints = EmbeddedServices(data_dir, avoid={mqtt, admin}).ensure_running()
-    ports = {_redis_port(endpoints.redis_url), int(endpoints.kafka_bootstrap.rsplit(":")[1])}
-    assert not ports & {mqtt, admin}  # recorded there, started elsewhere
+    redis_port = _redis_port(endpoints.redis_url)
+    assert redis_port not in {mqtt, admin}  # recorded on admin, started elsewhere
+    assert endpoints.kafka_bootstrap.endswith(f":{kafka}")  # recorded and free: kept
     recorded = json.loads((services_dir / "ports.json").read_text())
-    assert {recorded["redis"], recorded["kafka"]} == ports
+    assert {recorded["redis"], recorded["kafka"]} == {redis_port, kafka}
+    assert {redis_port, kafka} <= set(_lately_ports(lately))
+
+
+def _lately_ports(path: Path) -> dict[int, float]:
+    """The file of ports handed out lately: port -> until."""
+    return {int(p): float(u) for p, u in (line.split() for line in path.read_text().splitlines())}
 
 
 def test_a_port_another_process_handed_out_is_not_handed_out_again(
@@ -735,26 +746,80 @@ def test_a_port_another_process_handed_out_is_not_handed_out_again(
     )
     theirs = int(other.stdout)
     mine = free_port()
+    while mine == theirs:
+        mine = free_port()
+    path = tmp_path / f"devicemq-ports-{os.getuid()}"
     monkeypatch.setattr("app.embedded_services.tempfile.gettempdir", lambda: str(tmp_path))
     _picks(monkeypatch, theirs, mine)
     embedded_services._HANDED_OUT.remove(mine)
     assert free_port() == mine  # theirs skipped
-    lately = (tmp_path / f"devicemq-ports-{os.getuid()}").read_text().split()
-    assert str(theirs) in lately[0::2] and str(mine) in lately[0::2]
+    assert {theirs, mine} <= set(_lately_ports(path))
 
     # Once its time is up a port may be handed out again.
-    monkeypatch.setattr(embedded_services, "_LATELY_HOLD", 0.0)
-    (tmp_path / f"devicemq-ports-{os.getuid()}").write_text(f"{theirs} 1.0\n")
+    path.write_text(f"{theirs} 1.0\n")
     _picks(monkeypatch, theirs)
     assert free_port() == theirs
-    # A file of another user's, or a link, is not used.
+
+
+def test_a_file_of_ports_that_cannot_be_used_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is a hint: a link, a file locked too long by another process (one
+    stopped under a debugger), a time far ahead or a full disk never stop a broker
+    from choosing its services' ports, and a link's target is never written."""
+    from app import embedded_services
+    from app.embedded_services import free_port
+
     path = tmp_path / f"devicemq-ports-{os.getuid()}"
+    monkeypatch.setattr("app.embedded_services.tempfile.gettempdir", lambda: str(tmp_path))
+    target = tmp_path / "target"
+    target.write_text("kept\n")
+
+    def chosen() -> int:
+        port = free_port()
+        embedded_services._HANDED_OUT.remove(port)
+        return port
+
+    path.symlink_to(target)  # a symbolic link
+    chosen()
     path.unlink()
-    path.symlink_to(tmp_path / "elsewhere")
-    _picks(monkeypatch, mine)
-    embedded_services._HANDED_OUT.remove(mine)
-    assert free_port() == mine
-    assert not (tmp_path / "elsewhere").exists()
+    os.link(target, path)  # a hard link
+    chosen()
+    assert target.read_text() == "kept\n"
+    path.unlink()
+
+    # Locked by another process for longer than the wait: not waited for further.
+    monkeypatch.setattr(embedded_services, "_LATELY_LOCK_WAIT", 0.05)
+    path.write_text("")
+    with path.open("r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        chosen()
+    assert path.read_text() == ""
+
+    # A time far ahead (a clock set back) counts as the longest hold, and is written so.
+    port = chosen()
+    path.write_text(f"{port} 1e12\n")
+    embedded_services.hand_out([])
+    assert _lately_ports(path)[port] <= time.time() + embedded_services._LATELY_HOLD + 1
+
+    # A write the file system refuses (a full disk; here a file size limit): the
+    # port is still chosen.
+    path.write_text("".join(f"{p} 1e12\n" for p in range(1, 200)))
+    code = textwrap.dedent(
+        """
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+        from app.embedded_services import free_port
+        print(free_port())
+        """
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 0
 
 
 @pytest.mark.usefixtures("own_lately_file")

@@ -29,3 +29,11 @@ def test_own_ports_are_the_enabled_listeners_metrics_and_admin() -> None:
         websocket_tls=replace(base.websocket_tls, enabled=False),
     )
     assert own_ports(none_but_tls) == {8883}
+
+
+def test_own_ports_hold_every_workers_metrics_port() -> None:
+    """``--workers N``: worker i serves metrics on ``metrics.port + i`` (app/workers.py),
+    bound after the supervisor started the services."""
+    base = Settings()
+    workers = replace(base, workers="3", metrics=replace(base.metrics, enabled=True, port=9883))
+    assert own_ports(workers) == {1883, 9883, 9884, 9885, 18083}
