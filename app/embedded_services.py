@@ -883,6 +883,20 @@ class EmbeddedServices:
 
     # ---- public API
 
+    def _check_off_avoided(self, name: ServiceName, record: dict[str, Any]) -> None:
+        """A running service of ours on one of the broker's own ports (the broker's
+        configuration changed since it started): not stopped here, since a Tansu
+        on memory storage would lose its log; the operator is told what to do."""
+        port = _int_or_none(record.get("port"))
+        if port is not None and port in self.avoid:
+            raise ServiceError(
+                f"the embedded {_LABELS[name]} of {self.data_dir} runs on port {port}, "
+                "which this broker is configured to listen on (listener, tls, websocket, "
+                "websocket_tls, metrics or admin .port): choose another port, or stop it "
+                f"with `devicemq services stop --data-dir {self.data_dir}` once what it "
+                "holds is stored"
+            )
+
     def ensure_running(self) -> ServiceEndpoints:
         """Reuse the recorded services if they are alive and answer, else start them.
 
@@ -901,6 +915,7 @@ class EmbeddedServices:
             for name in self._names():
                 record = services.get(name)
                 if isinstance(record, dict) and self._reusable(name, record):
+                    self._check_off_avoided(name, record)
                     if name != "kafka" or self._kafka_fits(record, services.get("s3")):
                         reused[name] = True
                         continue

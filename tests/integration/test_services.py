@@ -725,6 +725,20 @@ def test_the_services_keep_off_the_ports_the_broker_binds_after_them(
     assert {redis_port, kafka} <= set(_lately_ports(lately))
 
 
+def test_a_running_service_on_one_of_the_brokers_ports_is_named_not_stopped(
+    services: EmbeddedServices, data_dir: Path
+) -> None:
+    """The broker's configuration moved onto the port a running service of its data
+    dir holds: the start fails with a line saying which and what to do; the service
+    (a Tansu on memory storage holds acknowledged records) keeps running."""
+    first = services.ensure_running()
+    kafka = int(first.kafka_bootstrap.rsplit(":")[1])
+    with pytest.raises(ServiceError, match=f"Kafka \\(Tansu\\) .* port {kafka}.* services stop"):
+        EmbeddedServices(data_dir, avoid={kafka}).ensure_running()
+    again = services.ensure_running()
+    assert again.kafka_reused and again.kafka_bootstrap == first.kafka_bootstrap
+
+
 def _lately_ports(path: Path) -> dict[int, float]:
     """The file of ports handed out lately: port -> until."""
     return {int(p): float(u) for p, u in (line.split() for line in path.read_text().splitlines())}
