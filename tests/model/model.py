@@ -724,12 +724,15 @@ class Model:
         sub_ids: tuple[int, ...],
         held: bytes | None,
         qos2_held: bool,
+        held_lost_with_broker: bool = False,
     ) -> Copy | None:
         """A PUBLISH reached client ``cid`` on connection ``conn``.
 
         ``held``: the payload the client still holds under this packet id
         (received, not yet PUBACKed / PUBCOMPed), if any; ``qos2_held``: held as
-        QoS 2 (so this one is not a new delivery, method B).
+        QoS 2 (so this one is not a new delivery, method B);
+        ``held_lost_with_broker``: ``held`` is a group write whose broker was
+        killed while it was in flight (:meth:`_check_held`).
         """
         with self.lock:
             now = self.clock()
@@ -744,7 +747,9 @@ class Model:
             if msg is None:
                 self.violate("unexpected", f"{cid} received unknown payload {payload!r}")
                 return None
-            self._check_held(state, conn, packet_id, msg.name(), payload, held)
+            self._check_held(
+                state, conn, packet_id, msg.name(), payload, held, held_lost_with_broker
+            )
             if inc is None:
                 return None
             route = self.route_of(cid, sub_ids)
@@ -780,7 +785,13 @@ class Model:
             return copy
 
     def held_reused(
-        self, cid: str, conn: int, packet_id: int, payload: bytes, held: bytes | None
+        self,
+        cid: str,
+        conn: int,
+        packet_id: int,
+        payload: bytes,
+        held: bytes | None,
+        held_lost_with_broker: bool = False,
     ) -> None:
         """A group write or a queue entry reached ``cid`` under ``packet_id`` while the
         client held ``held`` under it (``id-reuse``, as for any PUBLISH; finding 36:
@@ -788,7 +799,8 @@ class Model:
         with self.lock:
             msg = self.msgs.get(payload)
             name = msg.name() if msg is not None else repr(payload)
-            self._check_held(self.clients[cid], conn, packet_id, name, payload, held)
+            state = self.clients[cid]
+            self._check_held(state, conn, packet_id, name, payload, held, held_lost_with_broker)
 
     def _check_held(
         self,
@@ -798,13 +810,27 @@ class Model:
         name: str,
         payload: bytes,
         held: bytes | None,
+        held_lost_with_broker: bool = False,
     ) -> None:
-        """``id-reuse``: the client held ``held`` under the id a new PUBLISH came with."""
+        """``id-reuse``: the client held ``held`` under the id a new PUBLISH came with.
+
+        Excused, and counted apart: ``held`` a group write in flight on a connection
+        whose broker was killed (``held_lost_with_broker``). A group's writes are kept
+        with the member's session only as its connection closes, so what a killed
+        broker had in flight keeps no id (docs/queues.md, "A broker that dies";
+        tests/model/FINDINGS.md, finding 43); members get QoS 1, which a receiver
+        keeps no state for.
+        """
         if held is None or held == payload:
             return
         cid = state.cid
         if self._held_went_with_topic(state, held):
             self.log(f"{cid}: id {packet_id} held for a message of a lost topic, given again")
+            return
+        if held_lost_with_broker:
+            why = "group write ids of a killed broker"
+            self.stats.excused[why] = self.stats.excused.get(why, 0) + 1
+            self.log(f"{cid}: id {packet_id} held for a killed broker's group write, given again")
             return
         self.violate(
             "id-reuse",

@@ -371,6 +371,52 @@ def test_a_group_write_under_an_id_the_client_holds_for_another_message_is_id_re
     assert _group_write_under_a_held_id(same_payload=True) == []
 
 
+def _id_of_a_group_write_given_again(killed: bool) -> Model:
+    """s1, a member of g0 holding (policy hold) the group write r:p1:1 under id 3 on
+    its connection; that connection ends, by a broker kill or not; on the next one
+    the write r:p1:2 comes under id 3."""
+    clock = Clock()
+    model = Model(Config(limit=100, max_inflight=16, default_ttl=None, cluster=True), clock)
+    model.add_client("p1", 5, paho=False)
+    s1 = _Receiver(model, "s1", 5, scheduler=None)  # type: ignore[arg-type]
+    s1.set_policy("hold")
+    model.connect_sent("s1", clean_start=False, expiry=600)
+    s1.conn = model.connack("s1", session_present=False)
+    s1.connected = True
+    model.groups.joining("s1", "g0")
+    model.groups.joined("s1", "g0")
+    clock.tick()
+    for seq in (1, 2):
+        msg = model.publish_sent("p1", seq, 1, f"r:p1:{seq}".encode(), "gq/g0/w", 1, None, 0)
+        model.publish_answered(msg, ok=True)
+    clock.tick()
+    s1._on_publish(s1.conn, 3, b"r:p1:1", 1, False, (), None, "gq/g0/w")
+    if killed:
+        s1.broker_killed()
+        model.fault("kill_broker")
+    s1.connected = False
+    clock.tick()
+    model.connect_sent("s1", clean_start=False, expiry=600)
+    s1.conn = model.connack("s1", session_present=True)
+    s1.connected = True
+    clock.tick()
+    s1._on_publish(s1.conn, 3, b"r:p1:2", 1, False, (), None, "gq/g0/w")
+    return model
+
+
+def test_a_killed_brokers_group_write_id_given_again_is_excused_and_counted() -> None:
+    """Finding 43: a group's writes are kept with a member's session only as its
+    connection closes, so a broker killed with writes in flight leaves their ids free
+    (docs/queues.md, "A broker that dies"): excused and counted apart; without the
+    kill the same history is id-reuse, as before."""
+    killed = _id_of_a_group_write_given_again(killed=True)
+    assert [v.kind for v in killed.violations] == []
+    assert killed.stats.excused == {"group write ids of a killed broker": 1}
+    closed = _id_of_a_group_write_given_again(killed=False)
+    assert [v.kind for v in closed.violations] == ["id-reuse"]
+    assert closed.stats.excused == {}
+
+
 def _owed_across_a_kafka_restart(
     cluster: bool, subscribers: tuple[str, ...] = ("s1", "s6")
 ) -> tuple[Model, Clock]:
