@@ -167,8 +167,10 @@ class Subscriber:
     ) -> None:
         with self.lock:
             held = self.held.get(pid) if pid is not None else None
-            if topic.startswith("$ECQ/"):
-                self.model.queues.received(self.cid, conn, topic, payload, dup)
+            queued = topic.startswith("$ECQ/")
+            if queued or group_of(topic) is not None:
+                side = self.model.queues if queued else self.model.groups
+                side.received(self.cid, conn, topic, payload, dup)
                 if pid is None:
                     return
                 self.model.held_reused(
@@ -179,22 +181,9 @@ class Subscriber:
                     held.payload if held is not None else None,
                     self._lost_with_broker(held),
                 )
-                held = self.held[pid] = Held(payload, qos, conn, None, queued=True)
-                self._apply_policy(pid, held, conn)
-                return
-            if group_of(topic) is not None:
-                self.model.groups.received(self.cid, conn, topic, payload, dup)
-                if pid is None:
-                    return
-                self.model.held_reused(
-                    self.cid,
-                    conn,
-                    pid,
-                    payload,
-                    held.payload if held is not None else None,
-                    self._lost_with_broker(held),
+                held = self.held[pid] = Held(
+                    payload, qos, conn, None, queued=queued, group=not queued
                 )
-                held = self.held[pid] = Held(payload, qos, conn, None, group=True)
                 self._apply_policy(pid, held, conn)
                 return
             copy = self.model.received(

@@ -335,21 +335,31 @@ class _Receiver(Subscriber):
         return True
 
 
-def _group_write_under_a_held_id(same_payload: bool) -> list[str]:
-    """s1 holds its own QoS 2 message under id 36 (PUBREC'd, not completed); then a
-    group write comes under 36 (or the held message again). The violations reported."""
+def _member_of_g0(
+    policy: str, cluster: bool, own: str | None = None
+) -> tuple[Model, Clock, _Receiver]:
+    """p1, and s1 connected (a durable session), subscribed to ``own`` at QoS 2 (if
+    given) and a member of group g0, acknowledging by ``policy``."""
     clock = Clock()
-    model = Model(Config(limit=100, max_inflight=16, default_ttl=None, cluster=False), clock)
+    model = Model(Config(limit=100, max_inflight=16, default_ttl=None, cluster=cluster), clock)
     model.add_client("p1", 5, paho=False)
     s1 = _Receiver(model, "s1", 5, scheduler=None)  # type: ignore[arg-type]
-    s1.set_policy("hold_comp")
+    s1.set_policy(policy)
     model.connect_sent("s1", clean_start=False, expiry=600)
     s1.conn = model.connack("s1", session_present=False)
     s1.connected = True
-    model.suback(model.subscribe_sent("s1", [("m/a", 2, 1)]), [2])
+    if own is not None:
+        model.suback(model.subscribe_sent("s1", [(own, 2, 1)]), [2])
     model.groups.joining("s1", "g0")
     model.groups.joined("s1", "g0")
     clock.tick()
+    return model, clock, s1
+
+
+def _group_write_under_a_held_id(same_payload: bool) -> list[str]:
+    """s1 holds its own QoS 2 message under id 36 (PUBREC'd, not completed); then a
+    group write comes under 36 (or the held message again). The violations reported."""
+    model, clock, s1 = _member_of_g0("hold_comp", cluster=False, own="m/a")
     own = model.publish_sent("p1", 1, 1, b"r:p1:1", "m/a", 2, None, 0)
     write = model.publish_sent("p1", 2, 1, b"r:p1:2", "gq/g0/w", 1, None, 0)
     for msg in (own, write):
@@ -375,17 +385,7 @@ def _id_of_a_group_write_given_again(killed: bool) -> Model:
     """s1, a member of g0 holding (policy hold) the group write r:p1:1 under id 3 on
     its connection; that connection ends, by a broker kill or not; on the next one
     the write r:p1:2 comes under id 3."""
-    clock = Clock()
-    model = Model(Config(limit=100, max_inflight=16, default_ttl=None, cluster=True), clock)
-    model.add_client("p1", 5, paho=False)
-    s1 = _Receiver(model, "s1", 5, scheduler=None)  # type: ignore[arg-type]
-    s1.set_policy("hold")
-    model.connect_sent("s1", clean_start=False, expiry=600)
-    s1.conn = model.connack("s1", session_present=False)
-    s1.connected = True
-    model.groups.joining("s1", "g0")
-    model.groups.joined("s1", "g0")
-    clock.tick()
+    model, clock, s1 = _member_of_g0("hold", cluster=True)
     for seq in (1, 2):
         msg = model.publish_sent("p1", seq, 1, f"r:p1:{seq}".encode(), "gq/g0/w", 1, None, 0)
         model.publish_answered(msg, ok=True)
