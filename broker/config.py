@@ -580,8 +580,11 @@ class PersistenceSettings:
         "(confluent-kafka over librdkafka, C); the consumer is aiokafka's either way",
         choices=("aiokafka", "confluent"),
     )
+    # 5, as Kafka's own producer since 4.0: at 4,000 devices a message a second each,
+    # 14% more messages per server core than 1 (Tansu's CPU a quarter lower) for
+    # about 3 ms more PUBACK (BENCHMARKS.md, "The fleet, eleventh round").
     producer_linger_ms: int = setting(
-        1, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
+        5, "Milliseconds the Kafka producer waits to fill a batch", ge=0, le=1_000
     )
     embedded_kafka_compact_after: int = setting(
         100_000,
