@@ -14,17 +14,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _running_in(root: Path) -> list[int]:
-    """PIDs of live processes whose command line names a path under ``root``."""
+    """PIDs of live processes whose command line names a path under ``root``, or that
+    run in a directory under it (Redis sets its process title to its address)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            cwd = os.readlink(entry / "cwd")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if str(root).encode() in cmdline and state != "Z":
+        inside = str(root).encode() in cmdline or cwd.startswith(str(root))
+        if inside and state != "Z":
             found.append(int(entry.name))
     return found
 
