@@ -173,8 +173,10 @@ class DeviceMQ:
             log.close()
         try:
             _wait_tcp(self.port, self.alive, START_TIMEOUT, "devicemq")
-        except BaseException:
+        except BaseException as error:
             self.stop()
+            if not isinstance(error, Exception):
+                raise  # a SystemExit (the model checker killed) or Ctrl-C stays itself
             raise RuntimeError(f"devicemq did not start:\n{self.log()[-4000:]}") from None
 
     def alive(self) -> bool:
