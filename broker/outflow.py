@@ -578,11 +578,14 @@ class Outflow:
             return
         item.state = _MARKING
         self._enter(item.packet_id, item)
-        if (item.sent or item.marked) and not self._marking:
+        # A side feed's record is per packet identifier: one it had sent before (DUP)
+        # needs a mark under the identifier given now all the same.
+        ready = item.marked or (item.sent and side is None)
+        if ready and not self._marking:
             self._send(conn, item)
             return
         self._marking.append(item)
-        if item.sent or item.marked:
+        if ready:
             self._may_go.add(item.packet_id)  # only waits for its turn
         else:
             to_mark.append(item)

@@ -770,8 +770,9 @@ def queue_keys(client_id: str) -> QueueKeys:
 
 
 def group_writes_key(client_id: str) -> str:
-    """The group writes a member left with in flight (packet id -> group store, entry),
-    in its client's slot (persistence/group_feed.py, :class:`GroupWrites`)."""
+    """The group writes a persistent member has in flight (packet id -> group store,
+    entry), recorded before each is sent, in its client's slot
+    (persistence/group_feed.py, :class:`GroupQueues`)."""
     return "{" + _tag(client_id) + "}_ecq_group_writes"
 
 

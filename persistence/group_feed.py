@@ -22,10 +22,14 @@ A broker that dies gives nothing back: its claims hold only while it renews
 their lease (:class:`GroupQueues`, every third of ``group_queues.lease``, on
 Redis's clock). Once a lease runs out the entries are free again, with DUP.
 
-What a persistent session's member leaves with in flight (sent, not
-acknowledged) is kept with the session as it leaves (``{cid}_ecq_group_writes``:
-packet id -> group store and entry, fenced by the session's generation;
-:meth:`GroupFeed.keep`), and forgotten once acknowledged. The first connection
+What a persistent session's member has in flight is recorded with the session
+before each write is sent (``{cid}_ecq_group_writes``: packet id -> group store
+and entry, fenced by the session's generation; :meth:`GroupFeed.mark`), kept
+again as it leaves (:meth:`GroupFeed.keep`), and forgotten once acknowledged: a
+broker killed with writes in flight closes no connection, and its successor
+finds them all the same (tests/model/FINDINGS.md, finding 43). The records and
+forgets of one member go through one journal, one write at a time, in the
+order asked (:meth:`GroupQueues.record`). The first connection
 of the session in a process (after a restart, or on another replica) reads it
 back before any packet identifier is given and sends those writes again under
 their identifiers with DUP, as a process that lived on does
@@ -51,7 +55,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Coroutine
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from broker.message import Delivery
@@ -73,6 +76,28 @@ KEEP_ATTEMPTS = 20  # tries to keep a leaving member's group writes in flight wi
 
 
 _Acks = AckBatch[tuple[str, int]]  # key, seq
+
+
+class _Journal:
+    """A member's records and forgets of group writes to write in one call, in the
+    order asked, and who waits for it."""
+
+    __slots__ = ("generation", "landed", "ops", "then", "writing")
+
+    def __init__(self, generation: int, landed: asyncio.Future[None]) -> None:
+        self.generation = generation  # of the records in it (0: forgets only)
+        self.ops: list[bytes | int] = []  # b"+" or b"-", packet id, the record
+        self.then: list[Callable[[], None]] = []
+        self.landed = landed
+        self.writing = False
+
+    def record(self, records: list[tuple[int, bytes]]) -> None:
+        ops = self.ops
+        for packet_id, packed in records:
+            ops += (b"+", packet_id, packed)
+
+    def forget(self, packet_id: int, packed: bytes) -> None:
+        self.ops += (b"-", packet_id, packed)
 
 
 class GroupQueues:
@@ -98,12 +123,14 @@ class GroupQueues:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
-        # Group writes members left with in flight, as kept in Redis: client id ->
+        # Group writes of persistent members in flight, as kept in Redis: client id ->
         # packet id -> the record (forgotten there once acknowledged).
         self.kept: dict[str, dict[int, bytes]] = {}
-        # Their writes on the way: a give-back of the member's waits for it, so no other
-        # member gets a write before the session keeps it (a kill right after).
-        self._keeping: dict[str, set[asyncio.Task[None]]] = {}
+        # Their records and forgets on the way, per member, in the order asked: one
+        # write at a time, what is asked meanwhile in the next (a give-back of the
+        # member's waits for them, so no other member gets a write before the
+        # session keeps it: a kill right after).
+        self._journals: dict[str, deque[_Journal]] = {}
         self.expired = 0  # stores deleted after group_queues.unused_expiry without members
         self.events: EventSink = NO_EVENTS  # told of what an expiry removed
 
@@ -143,44 +170,117 @@ class GroupQueues:
     def keep(self, member: str, generation: int, held: list[tuple[int, str, QueueEntry]]) -> None:
         """``member``'s session (of ``generation``) left with these group writes in
         flight (packet id, group store, entry): kept with it, tried until it lands."""
-        kept = self.kept.setdefault(member, {})
-        for packet_id, store_id, entry in held:
-            kept[packet_id] = group_write_packed(store_id, entry)
-        task = asyncio.get_running_loop().create_task(self._keep(member, generation, held))
-        self._tasks.add(task)
-        self._keeping.setdefault(member, set()).add(task)
-        task.add_done_callback(partial(self._kept, member))
+        self._journal(member, generation).record(self._kept_now(member, held))
 
-    def _kept(self, member: str, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        keeping = self._keeping.get(member)
-        if keeping is not None:
-            keeping.discard(task)
-            if not keeping:
-                del self._keeping[member]
+    def record(
+        self,
+        member: str,
+        generation: int,
+        held: list[tuple[int, str, QueueEntry]],
+        then: Callable[[], None],
+    ) -> None:
+        """Keep these group writes with ``member``'s session before they are sent
+        (:meth:`GroupFeed.mark`), then ``then()``: once landed, or once the tries
+        are given up (they go out unrecorded then, as before finding 43's fix)."""
+        journal = self._journal(member, generation)
+        journal.record(self._kept_now(member, held))
+        journal.then.append(then)
+
+    def _kept_now(
+        self, member: str, held: list[tuple[int, str, QueueEntry]]
+    ) -> list[tuple[int, bytes]]:
+        kept = self.kept.setdefault(member, {})
+        records = []
+        for packet_id, store_id, entry in held:
+            packed = kept[packet_id] = group_write_packed(store_id, entry)
+            records.append((packet_id, packed))
+        return records
+
+    def _journal(self, member: str, generation: int = 0) -> _Journal:
+        """The member's journal that what is asked now joins: the last one not yet
+        being written, unless it is another generation's (a session that ended and
+        began again); ``generation`` 0: only forgets, which join any."""
+        journals = self._journals.get(member)
+        if journals is None:
+            journals = self._journals[member] = deque()
+            self.spawn(self._write_journals(member, journals))
+        last = journals[-1] if journals else None
+        if (
+            last is None
+            or last.writing
+            or (generation and last.generation and last.generation != generation)
+        ):
+            last = _Journal(generation, asyncio.get_running_loop().create_future())
+            journals.append(last)
+        elif generation:
+            last.generation = generation
+        return last
+
+    async def _write_journals(self, member: str, journals: deque[_Journal]) -> None:
+        """Write the member's journals one at a time, in order: an identifier's
+        records and forgets land as they were asked (persistence/lua/group_writes.lua)."""
+        try:
+            while journals:
+                journal = journals[0]
+                journal.writing = True
+                for attempt in range(KEEP_ATTEMPTS):
+                    try:
+                        await self.store.write_group_writes(member, journal.generation, journal.ops)
+                        self.retry.succeeded()
+                        break
+                    except Exception as error:  # Redis away: again
+                        log.warning(
+                            "writing the record of the group writes in flight to %s failed: %s",
+                            member,
+                            error,
+                        )
+                        if attempt + 1 < KEEP_ATTEMPTS:
+                            await self.retry.wait()
+                else:
+                    # Memory still holds them: this process sends them again; a
+                    # restart would not, and a forget left out brings one back with DUP.
+                    self.retry.gave_up()
+                journals.popleft()
+                journal.landed.set_result(None)
+                for then in journal.then:
+                    try:
+                        then()
+                    except Exception:
+                        log.exception("after recording the group writes of %s", member)
+        finally:
+            if self._journals.get(member) is journals:
+                del self._journals[member]
 
     async def keeps_landed(self, member: str) -> None:
-        """Every keep of ``member``'s group writes begun so far has landed (or given up)."""
-        keeping = self._keeping.get(member)
-        if keeping:
-            await asyncio.wait(set(keeping))
+        """Every record and forget of ``member``'s group writes asked so far has landed
+        (or been given up)."""
+        journals = self._journals.get(member)
+        if journals:
+            await asyncio.shield(journals[-1].landed)
 
     def kept_again(self, member: str, records: dict[int, bytes]) -> None:
         """Records read back (a restart): forgotten in Redis once done with."""
         if records:
             self.kept.setdefault(member, {}).update(records)
 
-    def done_with(self, member: str, packet_id: int) -> None:
+    def done_with(self, member: str, packet_id: int, packed: bytes | None = None) -> None:
         """A group write kept under ``packet_id`` is done with (acknowledged, or dropped
-        from flight): its record goes, unless the id was kept again for another."""
+        from flight): its record goes, unless the id was kept again for another.
+        ``packed``: the record of the write meant (None: the one kept now). After any
+        record asked before it: a record landing later would outlive the
+        acknowledgement, and a restarted broker would send the write again under an
+        id the client may hold for another message by then."""
         kept = self.kept.get(member)
-        if kept is None:
+        now = kept.get(packet_id) if kept is not None else None
+        if packed is None:
+            packed = now
+        if packed is None:
             return
-        packed = kept.pop(packet_id, None)
-        if not kept:
-            del self.kept[member]
-        if packed is not None:
-            self.spawn(self._forget_kept(member, packet_id, packed))
+        if kept is not None and now == packed:
+            del kept[packet_id]
+            if not kept:
+                del self.kept[member]
+        self._journal(member).forget(packet_id, packed)
 
     def session_ended(self, member: str, generation: int) -> None:
         """Its session ended: what it kept goes (a later session drops an older
@@ -188,45 +288,8 @@ class GroupQueues:
         self.kept.pop(member, None)
         self.spawn(self._end_kept(member, generation))
 
-    async def _keep(
-        self,
-        member: str,
-        generation: int,
-        held: list[tuple[int, str, QueueEntry]],
-    ) -> None:
-        for attempt in range(KEEP_ATTEMPTS):
-            try:
-                await self.store.keep_group_writes(member, generation, held)
-                self.retry.succeeded()
-                return
-            except Exception as error:  # Redis away: again (until a restart, memory holds them)
-                log.warning("keeping the group writes in flight to %s failed: %s", member, error)
-                if attempt + 1 < KEEP_ATTEMPTS:
-                    await self.retry.wait()
-        self.retry.gave_up()  # this process still sends them again; a restart would not
-
-    async def _forget_kept(self, member: str, packet_id: int, packed: bytes) -> None:
-        # After the keep: a record landing later (Redis was away as the member left)
-        # would outlive the acknowledgement, and a restarted broker would send the
-        # write again under an id the client may hold for another message by then.
-        keeping = self._keeping.get(member)
-        if keeping:
-            await asyncio.wait(set(keeping))
-        for attempt in range(KEEP_ATTEMPTS):
-            try:
-                await self.store.forget_group_writes(member, [(packet_id, packed)])
-                self.retry.succeeded()
-                return
-            except Exception as error:  # Redis away: again, as the keep was
-                log.info("forgetting a group write kept for %s failed: %s", member, error)
-                if attempt + 1 < KEEP_ATTEMPTS:
-                    await self.retry.wait()
-        self.retry.gave_up()  # left: sent again with DUP by a restarted broker
-
     async def _end_kept(self, member: str, generation: int) -> None:
-        keeping = self._keeping.get(member)
-        if keeping:
-            await asyncio.wait(set(keeping))  # (its last connection's, as the session ended)
+        await self.keeps_landed(member)  # (its last connection's, as the session ended)
         try:
             await self.store.end_group_writes(member, generation)
         except Exception as error:  # the next session drops it by its generation
@@ -288,9 +351,7 @@ class GroupQueues:
     async def _release(
         self, store_id: str, token: str, dup: dict[str, bool], everything: bool, member: str
     ) -> None:
-        keeping = self._keeping.get(member)
-        if keeping:
-            await asyncio.wait(set(keeping))  # the member's session keeps them first
+        await self.keeps_landed(member)  # the member's session keeps them first
         try:
             await self.flush()  # acknowledged ones first: they must not come back
             await self.store.release(store_id, token, dup, everything=everything)
@@ -387,13 +448,47 @@ class GroupFeed:
         while self._buffer and len(items) < n:
             entry, dup = self._buffer.popleft()
             self._out[entry.key] = entry.seq
-            items.append(Outgoing(0, self._delivery(entry), sent=dup, marked=True, ref=entry))
+            # A persistent session's group writes go out once recorded (mark).
+            items.append(
+                Outgoing(
+                    0, self._delivery(entry), sent=dup, marked=self.generation is None, ref=entry
+                )
+            )
         if len(items) < n and not self._loading:
             self._claim(n - len(items))
         return items
 
     def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
-        done([item.packet_id for item in items])  # the claim is the record
+        """Record them with the session under their packet ids before they go out (a
+        persistent session's), so that a broker killed with them in flight leaves
+        them to its successor under those ids (finding 43). The claim is the group's
+        record; this one is the member's."""
+        ids = [item.packet_id for item in items]
+        if self.generation is None:
+            done(ids)
+            return
+        held = [(item.packet_id, self.store_id, self._entry(item)) for item in items]
+
+        def landed() -> None:
+            # One whose connection ended meanwhile never went out (the outflow takes
+            # it again under another id): its record must not bring it back later.
+            outflow = self.outflow
+            inflight = outflow.inflight if outflow is not None else {}
+            for item in items:
+                if (now := inflight.get(item.packet_id)) is None or now.item is not item:
+                    self.never_sent(item)
+            done(ids)
+
+        self._groups.record(self.member, self.generation, held, landed)
+
+    def never_sent(self, item: Outgoing) -> None:
+        """Taken and never sent (its connection ended while it waited for its record):
+        the record, if it landed, goes."""
+        if self.generation is not None:
+            entry = self._entry(item)
+            self._groups.done_with(
+                self.member, item.packet_id, group_write_packed(self.store_id, entry)
+            )
 
     def release(self, item: Outgoing, done: Callable[[], None]) -> None:
         done()  # QoS 1 only
@@ -401,7 +496,7 @@ class GroupFeed:
     def finished(self, item: Outgoing) -> None:
         entry = self._forget(item)
         groups = self._groups
-        if groups.kept:
+        if self.generation is not None:  # its record goes (mark): the one under its id
             groups.done_with(self.member, item.packet_id)
         groups.ack(self.store_id, entry.key, entry.seq)
         self._events.queue(self.store_id, "acked", entry.seq, entry.key)
@@ -411,7 +506,7 @@ class GroupFeed:
         """Expired before its first send: for every member (the outflow asks
         :meth:`decline` for the other reasons)."""
         entry = self._forget(item)
-        if self._groups.kept:
+        if self.generation is not None:
             self._groups.done_with(self.member, item.packet_id)
         self._groups.ack(self.store_id, entry.key, entry.seq)
         self._events.queue(self.store_id, "discarded", entry.seq, entry.key)
@@ -428,8 +523,11 @@ class GroupFeed:
         entry = self._entry(item)
         dup = item.sent or entry.key in self._dup
         self._forget(item)
-        if item.sent and self._groups.kept:
-            self._groups.done_with(self.member, item.packet_id)  # out of flight: its id is free
+        if self.generation is not None:
+            # Out of flight, perhaps recorded before its send failed: its id is free.
+            self._groups.done_with(
+                self.member, item.packet_id, group_write_packed(self.store_id, entry)
+            )
         self._declined[entry.key] = None
         if len(self._declined) >= MAX_DECLINED and not self._declined_full:
             # Claiming more would only hand back what it declined before: it takes

@@ -36,6 +36,7 @@ _ACK = lua_script("queue_ack")
 _REWIND = lua_script("queue_rewind")
 _INFO = lua_script("queue_info")
 _INFLIGHT = lua_script("queue_inflight")
+_GROUP_WRITES = lua_script("group_writes")
 _UNRECORD = lua_script("queue_unrecord")
 _FORGET = lua_script("queue_forget")
 _CLAIM = lua_script("group_claim")
@@ -348,26 +349,17 @@ class QueueStore:
             out[int(field_name)] = _unpacked(packed)
         return out
 
-    async def keep_group_writes(
-        self, client_id: str, generation: int, held: Iterable[tuple[int, str, QueueEntry]]
+    async def write_group_writes(
+        self, client_id: str, generation: int, ops: Sequence[bytes | int]
     ) -> None:
-        """(packet id, group store, entry): group writes the session of ``generation``
-        left with in flight, kept under their packet ids (tests/model/FINDINGS.md,
-        finding 35). An ended session's record goes first; a late write of an older
-        generation changes nothing (the script is the $ECQ record's)."""
-        args: list[int | bytes] = [generation]
-        for packet_id, store_id, entry in held:
-            args += [packet_id, group_write_packed(store_id, entry)]
-        await self._store.run_script(_INFLIGHT, (group_writes_key(client_id),), args)
-
-    async def forget_group_writes(self, client_id: str, done: Iterable[tuple[int, bytes]]) -> None:
-        """(packet id, the record kept for it): acknowledged, or otherwise done with;
-        a packet id kept again since for another write is left alone."""
-        args: list[int | bytes] = []
-        for packet_id, packed in done:
-            args += [packet_id, packed]
-        if args:
-            await self._store.run_script(_UNRECORD, (group_writes_key(client_id),), args)
+        """Records and forgets of a member's group writes in flight, in order: triples
+        of ``b"+"`` (record) or ``b"-"`` (forget), packet id, the record
+        (:func:`group_write_packed`); ``generation``: the session's, for the records
+        (persistence/lua/group_writes.lua; tests/model/FINDINGS.md, findings 35 and 43)."""
+        if ops:
+            await self._store.run_script(
+                _GROUP_WRITES, (group_writes_key(client_id),), [generation, *ops]
+            )
 
     async def end_group_writes(self, client_id: str, ended_generation: int) -> None:
         """The session of ``ended_generation`` ended: its group writes' record goes."""

@@ -13,6 +13,10 @@ The rule is one now: the member's session keeps the write as it leaves, and a
 restarted broker sends it again under its packet id, with DUP, before it gives
 any identifier; the id is free once the client acknowledges it.
 
+A broker killed with the write in flight closes no connection, so nothing is
+kept as the member leaves (finding 43): the write is recorded with the session
+before it is sent, and the restarted broker finds it there all the same.
+
 And the other way round (finding 36): an APPLICATION session's own messages the
 client holds from an earlier connection take their ids back only once read from
 Kafka; a group write given meanwhile must not take one of those ids.
@@ -29,7 +33,7 @@ import pytest
 import redis
 
 from broker.packets import ConnAck, Properties, PubAck, Publish, SubAck, Subscribe, Subscription
-from persistence.format import queue_keys
+from persistence.format import group_writes_key, queue_keys
 from tests.e2e.clients import Raw
 from tests.faults.checker import wait_until
 from tests.faults.conftest import Stack
@@ -57,6 +61,12 @@ def _connect(stack: Stack, client_id: str, *filters: str) -> Raw:
         raw.close()
         time.sleep(0.1)
     raise AssertionError(f"{client_id} could not connect")
+
+
+def _recorded(client: redis.Redis, member_id: str) -> set[int]:
+    """The packet ids of the member's group writes recorded with its session."""
+    fields = client.hkeys(group_writes_key(member_id))
+    return {int(field) for field in fields if field != b"gen"}
 
 
 def _publish(stack: Stack, topic: str, payloads: list[bytes]) -> None:
@@ -133,6 +143,73 @@ def test_a_given_back_group_writes_id_is_not_reused_after_a_restart(
         member.send(PubAck(packet.packet_id))
     assert resent, "the group write held under its packet id never came again"
     assert sorted(direct) == [b"direct:%d" % i for i in range(DIRECT)]
+    member.close()
+
+
+def test_a_group_write_in_flight_when_its_broker_is_killed_keeps_its_id(
+    stack_factory: callable,  # type: ignore[valid-type]
+) -> None:
+    """Finding 43: the broker dies with the member connected and a group write
+    unacknowledged. The claim holds for a lease longer than the test, so the write
+    can only come back through the member's session: under its packet id, with
+    DUP, and no other message may take that id first (MQTT-2.2.1-3, MQTT-4.4.0-1)."""
+    stack: Stack = stack_factory({"group_queues.lease": 120.0})
+    group_topic, direct_topic = stack.topic("g"), stack.topic("d")
+    group = f"$queue/g/{group_topic}"
+    member_id = stack.client("member")
+
+    member = _connect(stack, member_id, group, direct_topic)
+    _publish(stack, group_topic, [b"before:%d" % i for i in range(BEFORE)] + [b"write"])
+    for _ in range(BEFORE):
+        taken = member.recv()
+        assert isinstance(taken, Publish) and taken.packet_id is not None, taken
+        member.send(PubAck(taken.packet_id))
+    write = member.recv()
+    assert isinstance(write, Publish) and write.payload == b"write" and not write.dup, write
+    held = write.packet_id
+    assert held is not None and held > 1  # held: never acknowledged
+    with redis.Redis.from_url(stack.redis.url) as client:
+        recorded = _recorded(client, member_id)
+        # Recorded before it went out: the member's connection is still open.
+        assert held in recorded, f"no record of packet id {held}: {recorded}"
+        # The acknowledged ones' records gone (else they come again, with DUP, as an
+        # acknowledgement the kill cut short would): the test's state, not a race.
+        wait_until(
+            lambda: _recorded(client, member_id) == {held},
+            10,
+            "the acknowledged writes' records to go",
+        )
+
+    stack.broker.kill()  # the member's connection is not closed by the broker: it dies
+    member.close()
+    stack.broker.start()
+    member = _connect(stack, member_id)  # resumes its session
+    _publish(stack, direct_topic, [b"direct:%d" % i for i in range(DIRECT)])
+
+    direct: list[bytes] = []
+    resent = False
+    while len(direct) < DIRECT or not resent:
+        packet = member.recv(timeout=15)
+        assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+        if not resent:
+            assert packet.packet_id != held or packet.payload == b"write", (
+                f"packet id {held}, held unacknowledged for the group write, was given to "
+                f"{packet.payload!r}"
+            )
+        if packet.payload == b"write":
+            assert packet.packet_id == held and packet.dup, packet
+            resent = True
+        else:
+            direct.append(packet.payload)
+        member.send(PubAck(packet.packet_id))
+    assert sorted(direct) == [b"direct:%d" % i for i in range(DIRECT)]
+    # Acknowledged: its record goes.
+    with redis.Redis.from_url(stack.redis.url) as client:
+        wait_until(
+            lambda: held not in _recorded(client, member_id),
+            10,
+            "the acknowledged write's record to go",
+        )
     member.close()
 
 

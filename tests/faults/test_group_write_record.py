@@ -61,12 +61,9 @@ class _Setup:
         ((entry, _),) = await self.queues.claim(self.group, "t1", 1, LONG)
         return entry
 
-    def done_with(self) -> asyncio.Task[None]:
+    def done_with(self) -> None:
         """The client acknowledged the write (GroupFeed.finished): its record goes."""
-        before = set(self.groups._tasks)
         self.groups.done_with(MEMBER, PACKET_ID)
-        (forget,) = set(self.groups._tasks) - before
-        return forget
 
     async def left_behind(self) -> dict[int, object]:
         """Every write on its way landed (Redis is up): what is still kept."""
@@ -100,9 +97,8 @@ async def test_a_group_write_kept_late_is_still_forgotten_once_acknowledged(
         setup.redis.stop()
         setup.groups.keep(MEMBER, GENERATION, [(PACKET_ID, setup.group, entry)])
         await _until(lambda: setup.groups.retry.retries >= 1)
-        forget = setup.done_with()
-        # Either it was tried (and failed: Redis is away) or it waits for the keep.
-        await _until(lambda: forget.done() or setup.groups.retry.retries >= 3)
+        setup.done_with()  # asked while the keep waits to be tried again
+        await _until(lambda: setup.groups.retry.retries >= 3)
         setup.redis.start()
         await _assert_forgotten(setup)
     finally:
@@ -119,11 +115,11 @@ async def test_a_forget_that_fails_is_tried_again(
     try:
         entry = await setup.claimed()
         setup.groups.keep(MEMBER, GENERATION, [(PACKET_ID, setup.group, entry)])
-        await _until(lambda: not setup.groups._keeping)
+        await asyncio.wait_for(setup.groups.keeps_landed(MEMBER), 20)
         assert sorted(await setup.queues.group_writes(MEMBER, GENERATION)) == [PACKET_ID]
         setup.redis.stop()
         setup.done_with()
-        await _until(lambda: "forgetting a group write kept" in caplog.text)
+        await _until(lambda: "writing the record of the group writes" in caplog.text)
         setup.redis.start()
         await _assert_forgotten(setup)
     finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from persistence.format import StoredMessage, encode_message, group_writes_key, queue_keys
-from persistence.queue_store import QueueBatch, QueueStore
+from persistence.queue_store import QueueBatch, QueueEntry, QueueStore, group_write_packed
 from persistence.redis_store import RedisMessageStore
 
 NOW = 1_800_000_000.0
@@ -153,6 +153,33 @@ async def test_trimmed_entries_leave_no_claims(store: RedisMessageStore, cid: st
     assert sorted(k.decode() if isinstance(k, bytes) else k for k in claims) == ["3"]
 
 
+def _records(held: list[tuple[int, str, QueueEntry]]) -> list[bytes | int]:
+    ops: list[bytes | int] = []
+    for packet_id, store_id, entry in held:
+        ops += [b"+", packet_id, group_write_packed(store_id, entry)]
+    return ops
+
+
+async def test_records_and_forgets_of_a_packet_id_apply_in_the_order_asked(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 43: a member's records and forgets go in one call per round. A write
+    taken, never sent, and taken again under the same id: record, forget, record
+    leaves the last record; an id given to another write after an acknowledgement:
+    forget, record leaves the new one."""
+    q = _queues(store)
+    g1 = f"$queue/a/{cid}/#"
+    await q.save(_batch(g1, [b"1", b"2"]))
+    (e1, _), (e2, _) = await q.claim(g1, "t1", 2, LONG)
+    p1, p2 = group_write_packed(g1, e1), group_write_packed(g1, e2)
+    await q.write_group_writes(cid, 7, [b"+", 3, p1, b"-", 3, p1, b"+", 3, p1])
+    assert {pid: e for pid, (_, e, _) in (await q.group_writes(cid, 7)).items()} == {3: e1}
+    await q.write_group_writes(cid, 7, [b"-", 3, p1, b"+", 3, p2, b"-", 3, p1])
+    assert {pid: e for pid, (_, e, _) in (await q.group_writes(cid, 7)).items()} == {3: e2}
+    await q.write_group_writes(cid, 0, [b"-", 3, p2])  # forgets alone: no generation
+    assert await q.group_writes(cid, 7) == {}
+
+
 async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
     store: RedisMessageStore, cid: str
 ) -> None:
@@ -164,16 +191,16 @@ async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
     await q.save(_batch(g2, [b"3"]))
     (e1, _), (e2, _) = await q.claim(g1, "t1", 2, LONG)
     ((e3, _),) = await q.claim(g2, "t2", 1, LONG)
-    await q.keep_group_writes(cid, 7, [(4, g1, e1), (5, g1, e2), (9, g2, e3)])
+    await q.write_group_writes(cid, 7, _records([(4, g1, e1), (5, g1, e2), (9, g2, e3)]))
     kept = await q.group_writes(cid, 7)
     assert {pid: (s, e) for pid, (s, e, _) in kept.items()} == {
         4: (g1, e1),
         5: (g1, e2),
         9: (g2, e3),
     }
-    await q.forget_group_writes(cid, [(5, kept[5][2]), (9, kept[4][2])])  # 9: not its record
+    await q.write_group_writes(cid, 0, [b"-", 5, kept[5][2], b"-", 9, kept[4][2]])  # 9: not its
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
-    await q.keep_group_writes(cid, 6, [(1, g1, e1)])  # a late write of an ended session
+    await q.write_group_writes(cid, 6, _records([(1, g1, e1)]))  # a late write of an ended session
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
     await q.end_group_writes(cid, 6)  # an older session's end leaves this one's
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
@@ -181,7 +208,7 @@ async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]  # ... and the record stays
     assert await q.group_writes(cid, 8) == {}  # a later session: the old record goes
     assert await store.redis.exists(group_writes_key(cid)) == 0
-    await q.keep_group_writes(cid, 8, [(2, g2, e3)])
+    await q.write_group_writes(cid, 8, _records([(2, g2, e3)]))
     await q.end_group_writes(cid, 8)
     assert await q.group_writes(cid, 8) == {}
 
@@ -198,7 +225,7 @@ async def test_a_group_write_record_it_cannot_read_is_passed_over(
     g1 = f"$queue/a/{cid}/#"
     await q.save(_batch(g1, [b"1"]))
     ((e1, _),) = await q.claim(g1, "t1", 1, LONG)
-    await q.keep_group_writes(cid, 7, [(4, g1, e1)])
+    await q.write_group_writes(cid, 7, _records([(4, g1, e1)]))
     key = group_writes_key(cid)
     await store.redis.hset(key, "5", b"\x00")  # too short for its own header
     await store.redis.hset(key, "x", b"")  # not a packet id
