@@ -109,7 +109,6 @@ class Held:
     acked_conn: int = 0  # connection the PUBREC went out on
     expiry: float | None = None  # absolute, from the Message Expiry Interval received
     queued: bool = False  # an entry of the client's $ECQ queue (tests/model/queues.py)
-    group: bool = False  # a group queue's write (tests/model/groups.py)
 
 
 class Subscriber:
@@ -127,7 +126,6 @@ class Subscriber:
         self.held: dict[int, Held] = {}
         self.conn = 0  # current connection number (0: none yet)
         self.connected = False
-        self.killed_conns: set[int] = set()  # connections a broker kill (SIGKILL) ended
         self.broker = 0
         self.resumed_at = 0.0  # CONNACK time of the current connection
         model.add_client(cid, version, self.paho)
@@ -142,17 +140,6 @@ class Subscriber:
     def _new_session(self) -> None:
         with self.lock:
             self.held.clear()
-
-    def broker_killed(self) -> None:
-        """The broker of the current connection is about to be killed (SIGKILL)."""
-        with self.lock:
-            if self.connected:
-                self.killed_conns.add(self.conn)
-
-    def _lost_with_broker(self, held: Held | None) -> bool:
-        """Is ``held`` a group write received on a connection a broker kill ended? Such
-        a broker gives its id back to nobody: docs/queues.md, "A broker that dies"."""
-        return held is not None and held.group and held.conn in self.killed_conns
 
     def _on_publish(
         self,
@@ -179,11 +166,8 @@ class Subscriber:
                     pid,
                     payload,
                     held.payload if held is not None else None,
-                    self._lost_with_broker(held),
                 )
-                held = self.held[pid] = Held(
-                    payload, qos, conn, None, queued=queued, group=not queued
-                )
+                held = self.held[pid] = Held(payload, qos, conn, None, queued=queued)
                 self._apply_policy(pid, held, conn)
                 return
             copy = self.model.received(
@@ -196,7 +180,6 @@ class Subscriber:
                 sub_ids,
                 held.payload if held is not None else None,
                 held is not None and held.qos == 2 and held.payload == payload,
-                self._lost_with_broker(held),
             )
             if qos == 0 or pid is None:
                 return

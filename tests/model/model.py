@@ -724,15 +724,12 @@ class Model:
         sub_ids: tuple[int, ...],
         held: bytes | None,
         qos2_held: bool,
-        held_lost_with_broker: bool = False,
     ) -> Copy | None:
         """A PUBLISH reached client ``cid`` on connection ``conn``.
 
         ``held``: the payload the client still holds under this packet id
         (received, not yet PUBACKed / PUBCOMPed), if any; ``qos2_held``: held as
-        QoS 2 (so this one is not a new delivery, method B);
-        ``held_lost_with_broker``: ``held`` is a group write whose broker was
-        killed while it was in flight (:meth:`_check_held`).
+        QoS 2 (so this one is not a new delivery, method B).
         """
         with self.lock:
             now = self.clock()
@@ -747,9 +744,7 @@ class Model:
             if msg is None:
                 self.violate("unexpected", f"{cid} received unknown payload {payload!r}")
                 return None
-            self._check_held(
-                state, conn, packet_id, msg.name(), payload, held, held_lost_with_broker
-            )
+            self._check_held(state, conn, packet_id, msg.name(), payload, held)
             if inc is None:
                 return None
             route = self.route_of(cid, sub_ids)
@@ -791,7 +786,6 @@ class Model:
         packet_id: int,
         payload: bytes,
         held: bytes | None,
-        held_lost_with_broker: bool = False,
     ) -> None:
         """A group write or a queue entry reached ``cid`` under ``packet_id`` while the
         client held ``held`` under it (``id-reuse``, as for any PUBLISH; finding 36:
@@ -800,7 +794,7 @@ class Model:
             msg = self.msgs.get(payload)
             name = msg.name() if msg is not None else repr(payload)
             state = self.clients[cid]
-            self._check_held(state, conn, packet_id, name, payload, held, held_lost_with_broker)
+            self._check_held(state, conn, packet_id, name, payload, held)
 
     def _check_held(
         self,
@@ -810,27 +804,15 @@ class Model:
         name: str,
         payload: bytes,
         held: bytes | None,
-        held_lost_with_broker: bool = False,
     ) -> None:
-        """``id-reuse``: the client held ``held`` under the id a new PUBLISH came with.
-
-        Excused, and counted apart: ``held`` a group write in flight on a connection
-        whose broker was killed (``held_lost_with_broker``). A group's writes are kept
-        with the member's session only as its connection closes, so what a killed
-        broker had in flight keeps no id (docs/queues.md, "A broker that dies";
-        tests/model/FINDINGS.md, finding 43); members get QoS 1, which a receiver
-        keeps no state for.
-        """
+        """``id-reuse``: the client held ``held`` under the id a new PUBLISH came with,
+        whatever ended the connection it got ``held`` on: a broker killed with a group
+        write in flight leaves it recorded with the member's session (finding 43)."""
         if held is None or held == payload:
             return
         cid = state.cid
         if self._held_went_with_topic(state, held):
             self.log(f"{cid}: id {packet_id} held for a message of a lost topic, given again")
-            return
-        if held_lost_with_broker:
-            why = "group write ids of a killed broker"
-            self.stats.excused[why] = self.stats.excused.get(why, 0) + 1
-            self.log(f"{cid}: id {packet_id} held for a killed broker's group write, given again")
             return
         self.violate(
             "id-reuse",

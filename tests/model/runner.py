@@ -447,9 +447,6 @@ class Runner:
     def _op_kill_broker(self, operation: Op) -> None:
         self._resume_all()
         i = operation.get("broker") % len(self.system.brokers)
-        for sub in self.subs.values():
-            if sub.broker == i:
-                sub.broker_killed()
         self.system.kill_broker(i)
         self._fault("kill_broker")
         if operation.get("failover") and len(self.system.brokers) > 1:
