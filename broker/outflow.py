@@ -237,14 +237,20 @@ class Outflow:
         sent stays in flight here, for the resumed session to send again under the
         same identifiers (MQTT-4.4.0-1); a persistent session keeps it with the
         session too, so a restart of the broker neither forgets it nor gives its
-        identifier to another message (MQTT-2.2.1-3)."""
-        held = [
-            entry
-            for entry in self.inflight.values()
-            if entry.side is not None
-            and entry.side.decline is not None
-            and entry.state is not _MARKING
-        ]
+        identifier to another message (MQTT-2.2.1-3). One still waiting for its
+        record never went out: its record is forgotten now, before anybody waits for
+        the member's records (a takeover reads them once this replica has said so)."""
+        held: list[Outgoing] = []
+        for entry in self.inflight.values():
+            side = entry.side
+            if side is None or side.decline is None:
+                continue  # not a group queue's
+            if entry.state is not _MARKING:
+                held.append(entry)
+                continue
+            never_sent = getattr(side, "never_sent", None)
+            if never_sent is not None:
+                never_sent(entry)
         if held:
             # Kept first: the give-backs below wait for it (persistence/group_feed.py).
             keep = getattr(held[0].side, "keep", None)  # every group feed keeps them alike

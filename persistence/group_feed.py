@@ -55,6 +55,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Coroutine
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from broker.message import Delivery
@@ -84,8 +85,8 @@ class _Journal:
 
     __slots__ = ("generation", "landed", "ops", "then", "writing")
 
-    def __init__(self, generation: int, landed: asyncio.Future[None]) -> None:
-        self.generation = generation  # of the records in it (0: forgets only)
+    def __init__(self, generation: int | None, landed: asyncio.Future[None]) -> None:
+        self.generation = generation  # of the records in it (None: forgets only)
         self.ops: list[bytes | int] = []  # b"+" or b"-", packet id, the record
         self.then: list[Callable[[], None]] = []
         self.landed = landed
@@ -196,10 +197,10 @@ class GroupQueues:
             records.append((packet_id, packed))
         return records
 
-    def _journal(self, member: str, generation: int = 0) -> _Journal:
+    def _journal(self, member: str, generation: int | None = None) -> _Journal:
         """The member's journal that what is asked now joins: the last one not yet
         being written, unless it is another generation's (a session that ended and
-        began again); ``generation`` 0: only forgets, which join any."""
+        began again); ``generation`` None: only forgets, which join any."""
         journals = self._journals.get(member)
         if journals is None:
             journals = self._journals[member] = deque()
@@ -208,11 +209,15 @@ class GroupQueues:
         if (
             last is None
             or last.writing
-            or (generation and last.generation and last.generation != generation)
+            or (
+                generation is not None
+                and last.generation is not None
+                and last.generation != generation
+            )
         ):
             last = _Journal(generation, asyncio.get_running_loop().create_future())
             journals.append(last)
-        elif generation:
+        elif generation is not None:
             last.generation = generation
         return last
 
@@ -468,22 +473,15 @@ class GroupFeed:
             done(ids)
             return
         held = [(item.packet_id, self.store_id, self._entry(item)) for item in items]
-
-        def landed() -> None:
-            # One whose connection ended meanwhile never went out (the outflow takes
-            # it again under another id): its record must not bring it back later.
-            outflow = self.outflow
-            inflight = outflow.inflight if outflow is not None else {}
-            for item in items:
-                if (now := inflight.get(item.packet_id)) is None or now.item is not item:
-                    self.never_sent(item)
-            done(ids)
-
-        self._groups.record(self.member, self.generation, held, landed)
+        # One whose connection ends before this lands is forgotten as it ends
+        # (Outflow.left, :meth:`never_sent`), not here: a forget asked after the
+        # member's records were waited for could remove the record another
+        # replica has restored since.
+        self._groups.record(self.member, self.generation, held, partial(done, ids))
 
     def never_sent(self, item: Outgoing) -> None:
         """Taken and never sent (its connection ended while it waited for its record):
-        the record, if it landed, goes."""
+        the record goes, after the record itself if that is still on its way."""
         if self.generation is not None:
             entry = self._entry(item)
             self._groups.done_with(

@@ -350,15 +350,17 @@ class QueueStore:
         return out
 
     async def write_group_writes(
-        self, client_id: str, generation: int, ops: Sequence[bytes | int]
+        self, client_id: str, generation: int | None, ops: Sequence[bytes | int]
     ) -> None:
         """Records and forgets of a member's group writes in flight, in order: triples
         of ``b"+"`` (record) or ``b"-"`` (forget), packet id, the record
         (:func:`group_write_packed`); ``generation``: the session's, for the records
-        (persistence/lua/group_writes.lua; tests/model/FINDINGS.md, findings 35 and 43)."""
+        (None: forgets only; persistence/lua/group_writes.lua; tests/model/FINDINGS.md,
+        findings 35 and 43)."""
         if ops:
+            mark: bytes | int = b"-" if generation is None else generation
             await self._store.run_script(
-                _GROUP_WRITES, (group_writes_key(client_id),), [generation, *ops]
+                _GROUP_WRITES, (group_writes_key(client_id),), [mark, *ops]
             )
 
     async def end_group_writes(self, client_id: str, ended_generation: int) -> None:

@@ -6,14 +6,14 @@
 -- meanwhile (MQTT-2.2.1-3).
 --
 -- KEYS[1] {cid}_ecq_group_writes
--- ARGV[1] the session's generation (0: no record in this call); then triples, applied
+-- ARGV[1] the session's generation ('-': no record in this call); then triples, applied
 -- in the order given: '+' (record) or '-' (forget), the packet id, the record.
 -- Records of a generation older than the hash's change nothing (a late write of an
 -- ended session); a newer generation drops the older one's first. A forget removes
 -- the packet id only while it still holds that record (one recorded again since,
 -- for another write, is left alone). Returns how many were forgotten.
 
-local records = ARGV[1] ~= '0'
+local records = ARGV[1] ~= '-'
 if records then
   local gen = redis.call('HGET', KEYS[1], 'gen')
   if gen and tonumber(gen) > tonumber(ARGV[1]) then

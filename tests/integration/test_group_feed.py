@@ -211,3 +211,55 @@ async def test_a_give_back_that_runs_after_a_claim_on_its_way_keeps_dup(
     await groups.close()
     assert order == ["claim", "release everything=True", "release everything=False"]
     assert _seqs(await real_claim(group, "c", 10, LONG)) == [(1, True)]
+
+
+async def test_a_write_whose_connection_ended_before_its_record_landed_is_forgotten_in_order(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Finding 43: a persistent member's write waits for its record (slow here); its
+    connection ends meanwhile (Outflow.left calls ``never_sent``: tests/unit/
+    test_outflow_side.py), and the forget's first try fails. The record lands
+    first, then the forget, and waiting for the member's records covers both: a
+    record another replica writes for the id once told so stays."""
+    q = _queues(store)
+    group = f"$queue/g/{cid}/#"
+    member = f"m-{cid}"
+    generation = 1_700_000_000_000_000
+    await q.save(_batch(group, [b"k"]))
+    calls = 0
+    write = q.write_group_writes
+
+    async def slow_then_failing(client_id: str, gen: int | None, ops: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.2)  # the record is on its way as the connection ends
+        elif calls == 2:
+            raise ConnectionError("the forget's first try fails")
+        await write(client_id, gen, ops)
+
+    q.write_group_writes = slow_then_failing  # type: ignore[method-assign]
+    groups = GroupQueues(q, LONG)
+    groups.retry = group_feed.Retry("test", first=0.05)
+    feed = GroupFeed(group, member, groups, BrokerStats(), clock=lambda: 0.0, generation=generation)
+    outflow = Outflow(feed)
+    feed.restart()
+    assert await _until(lambda: feed.queued() == 1)
+    (item,) = feed.take(1)
+    assert not item.marked  # a persistent member's write goes out once recorded
+    item.packet_id, item.side = 1, feed
+    outflow.inflight[1] = item
+    marked: list[Any] = []
+    feed.mark([item], marked.append)
+    await asyncio.sleep(0.05)  # the record's write has begun
+    del outflow.inflight[1]
+    feed.never_sent(item)  # the connection ended (Outflow.left)
+    await asyncio.wait_for(groups.keeps_landed(member), 10)  # then "kept" to the other
+    assert marked == [[1]]  # the record landed first, then the forget
+    assert await q.group_writes(member, generation) == {}
+    # The other replica gets the write (given back) and records it under id 1 for its
+    # connection: the same record, byte for byte, as the one forgotten.
+    again = group_feed.group_write_packed(group, item.ref)
+    await write(member, generation, [b"+", 1, again])
+    await asyncio.wait_for(groups.close(), 10)
+    assert sorted(await q.group_writes(member, generation)) == [1]

@@ -176,7 +176,7 @@ async def test_records_and_forgets_of_a_packet_id_apply_in_the_order_asked(
     assert {pid: e for pid, (_, e, _) in (await q.group_writes(cid, 7)).items()} == {3: e1}
     await q.write_group_writes(cid, 7, [b"-", 3, p1, b"+", 3, p2, b"-", 3, p1])
     assert {pid: e for pid, (_, e, _) in (await q.group_writes(cid, 7)).items()} == {3: e2}
-    await q.write_group_writes(cid, 0, [b"-", 3, p2])  # forgets alone: no generation
+    await q.write_group_writes(cid, None, [b"-", 3, p2])  # forgets alone: no generation
     assert await q.group_writes(cid, 7) == {}
 
 
@@ -198,7 +198,7 @@ async def test_a_members_group_writes_are_kept_with_its_session_by_generation(
         5: (g1, e2),
         9: (g2, e3),
     }
-    await q.write_group_writes(cid, 0, [b"-", 5, kept[5][2], b"-", 9, kept[4][2]])  # 9: not its
+    await q.write_group_writes(cid, None, [b"-", 5, kept[5][2], b"-", 9, kept[4][2]])  # 9: not its
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]
     await q.write_group_writes(cid, 6, _records([(1, g1, e1)]))  # a late write of an ended session
     assert sorted(await q.group_writes(cid, 7)) == [4, 9]

@@ -349,3 +349,69 @@ def test_nothing_takes_an_identifier_until_the_group_writes_held_before_are_read
     assert all(p.packet_id != 1 for p in _rest)
     sub.send(PubAck(1))
     assert group.finished_ids == [1]
+
+
+class RecordingGroupFeed(KeepingGroupFeed):
+    """A persistent member's group feed whose records (marks) land when the test says
+    (persistence/group_feed.py ``mark``, ``never_sent``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(log)
+        self.pending_marks: list[tuple[list[int], Callable[[Collection[int]], None]]] = []
+        self.forgotten: list[int] = []
+
+    def mark(self, items: list[Outgoing], done: Callable[[Collection[int]], None]) -> None:
+        self.pending_marks.append(([item.packet_id for item in items], done))
+
+    def never_sent(self, item: Outgoing) -> None:
+        self.forgotten.append(item.packet_id)
+        self.log.append("forget")
+
+
+def _unrecorded(payload: bytes, dup: bool = False) -> Outgoing:
+    """A persistent member's group write: it goes out once recorded under its id."""
+    return Outgoing(0, Delivery(Message("t", payload, 1, False), 1, False), sent=dup)
+
+
+def test_a_group_write_got_with_dup_is_recorded_under_its_new_id_before_it_goes() -> None:
+    """Finding 43: a side feed's record is per packet identifier, so a write sent
+    before (given back, DUP) needs one under the identifier given now; it used to
+    go out at once, unrecorded."""
+    h, _feed, sub, _pub = _setup()
+    outflow = h.broker.sessions["sub"].outflow
+    group = RecordingGroupFeed([])
+    outflow.attach_group("$queue/g/t", group)
+    group.queue.append(_unrecorded(b"seen", dup=True))
+    outflow.pump()
+    assert sub.read() == []  # waits for its record
+    ((ids, done),) = group.pending_marks
+    done(ids)
+    (message,) = publishes(sub.read())
+    assert (message.payload, message.packet_id, message.dup) == (b"seen", ids[0], True)
+
+
+def test_a_group_write_waiting_for_its_record_is_forgotten_as_its_connection_closes() -> None:
+    """Found by review of finding 43's fix: a write still waiting for its record
+    when the connection closes never went out. Its record is forgotten as the
+    connection closes, before the member's records are waited for (a takeover
+    reads them once this replica says it kept them), not once the record lands:
+    a forget that late could remove the record another replica wrote since."""
+    h, _feed, sub, _pub = _setup(max_inflight=2)
+    outflow = h.broker.sessions["sub"].outflow
+    log: list[str] = []
+    group = RecordingGroupFeed(log)
+    outflow.attach_group("$queue/g/t", group)
+    group.queue.append(_unrecorded(b"sent"))
+    outflow.pump()
+    ((sent_ids, sent_done),) = group.pending_marks
+    sent_done(sent_ids)
+    assert payloads(sub.read()) == [b"sent"]
+    group.queue.append(_unrecorded(b"waiting"))
+    outflow.pump()
+    (_, (waiting_ids, waiting_done)) = group.pending_marks
+    sub.conn.connection_lost()
+    assert group.forgotten == waiting_ids  # at once, before the keep and the give-back
+    assert log == ["forget", "keep", "discard"]
+    assert group.kept == [(sent_ids[0], b"sent")]  # only what went out is kept
+    waiting_done(waiting_ids)  # the record lands late: nothing more is asked
+    assert group.forgotten == waiting_ids
