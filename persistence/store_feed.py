@@ -201,8 +201,9 @@ class StoreFeed:
         self._missed = False  # something was stored while a page was loading
         self._reserved: dict[int, int] = {}  # packet id -> score, stored marked for us
         self._epoch = 0  # bumped per connection: stale page reads are dropped
-        # A new connection's first page is not read yet: the identifiers the client
-        # may still hold are unknown (the outflow gives a queue none meanwhile).
+        # A new connection's pages have not shown yet where what was sent before ends:
+        # the identifiers the client may still hold are unknown (the outflow gives a
+        # queue or a group none meanwhile).
         self.replaying = False
 
     # -- Feed ----------------------------------------------------------------------------
@@ -362,8 +363,14 @@ class StoreFeed:
             if outflow is not None:
                 outflow.pump()
             return
-        self.replaying = False
         records = page.records
+        if self.replaying and (
+            len(records) < self._page_size
+            or any(not record.sent and record.stage is not _PUBREL for record in records)
+        ):
+            # Past what the client may hold from before (sent, in score order): an id
+            # the outflow gives a side message now is none of those (finding 44).
+            self.replaying = False
         self._stats.replay_pages.observe(len(records))
         inflight = outflow.inflight if outflow is not None else {}
         for record in records:
