@@ -18,7 +18,7 @@ import time
 from broker.stats import BrokerStats
 from persistence.format import Stage, StoredMessage, StoredRecord
 from persistence.redis_store import Page
-from persistence.store_feed import StoreFeed
+from persistence.store_feed import StoreFeed, StoreWriter
 
 
 def _record(packet_id: int, sent: bool, stage: Stage = Stage.PUBLISH) -> StoredRecord:
@@ -37,44 +37,18 @@ class Store:
         return Page(page, self.records[-1].score if self.records else 0)
 
 
-class Writer:
-    class _Retry:
-        def succeeded(self) -> None:
-            pass
-
-    replay_retry = _Retry()
-
-    async def flush(self) -> None:
-        pass
-
-
-class Outflow:
-    inflight: dict[int, object] = {}
-    connection = object()
-
-    def window(self) -> int:
-        return 8
-
-    def pump(self) -> None:
-        pass
-
-
 async def _replaying_after_each_page(records: list[StoredRecord], page_size: int) -> list[bool]:
-    feed = StoreFeed(
-        "c",
-        Store(records),
-        Writer(),
-        page_size,
-        BrokerStats(),
-        time.monotonic,  # type: ignore[arg-type]
-    )
-    feed.outflow = Outflow()  # type: ignore[assignment]
+    """``replaying`` after each page is read. Real classes around the feed, no fakes of
+    them: the compiled StoreFeed checks its arguments' types (broker/compiled.py)."""
+    store = Store(records)
+    feed = StoreFeed("c", store, StoreWriter(store), page_size, BrokerStats(), time.monotonic)
     feed.restart()
     seen = []
     for _ in range(len(records) // page_size + 1):
-        await feed._load_page(feed._epoch)
+        feed.take(100)  # hands over the page read before; the buffer empty: reads the next
+        while feed._loading:
+            await asyncio.sleep(0)
         seen.append(feed.replaying)
-        feed.take(100)
     return seen
 
 
