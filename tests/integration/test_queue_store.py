@@ -88,6 +88,25 @@ async def test_an_acknowledgement_of_a_replaced_value_leaves_the_newer_one(
     assert (await q.info(cid)).acked_seq == 2
 
 
+async def test_a_late_acknowledgement_leaves_the_record_another_entry_has_under_its_id(
+    store: RedisMessageStore, cid: str
+) -> None:
+    """Found by review: an acknowledgement that waited for Redis (a session that
+    has ended since) must not remove the record a later session wrote under the same
+    packet id for another entry; a restarted broker would not send that one again
+    under its id."""
+    q = queues(store)
+    await q.save(batch(cid, [("a", b"1"), ("b", b"2")]))
+    entries, _ = await q.load(cid, 0, 100)
+    b_entry = next(e for e in entries if e.key == "b")
+    await q.record_inflight(cid, 2, [(5, b_entry)])  # the later session's, under id 5
+    await q.ack(cid, [("a", 1, 5)])  # the earlier session's "a", once under id 5
+    inflight = queue_keys(cid).inflight
+    assert sorted(await store.redis.hkeys(inflight)) == [b"5", b"gen"]
+    await q.ack(cid, [("b", 2, 5)])
+    assert await store.redis.hkeys(inflight) == [b"gen"]
+
+
 async def test_retention_and_the_key_limit_take_the_oldest(
     store: RedisMessageStore, cid: str
 ) -> None:
